@@ -1,0 +1,49 @@
+//! Limits and timings of the engine. Every limit is checked before any state changes.
+
+/// Size limits on what a client may store or send. Defaults match PyTorch's libuv
+/// TCPStore server so that anything torch accepts, rallypoint accepts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Longest key, in bytes.
+    pub max_key_len: usize,
+    /// Longest value, in bytes (also each all-gather/broadcast payload).
+    pub max_value_len: usize,
+    /// Most keys in one check/wait/multi-get/multi-set.
+    pub max_keys_per_op: usize,
+    /// Longest job, barrier, role or host name, and abort reason, in bytes.
+    pub max_name_len: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_key_len: 8192,
+            max_value_len: 8 << 20,
+            max_keys_per_op: 131_072,
+            max_name_len: 1024,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    pub limits: Limits,
+    /// A rank whose sessions send nothing (requests or heartbeats) for this long is lost.
+    /// Clients heartbeat at a third of it. 0 disables lease expiry.
+    pub lease_ms: u64,
+    /// A job with no session for this long is forgotten (keys, barriers, ranks).
+    pub job_idle_ttl_ms: u64,
+    /// Failed generations remembered per collective, so that late arrivals get the same error.
+    pub failed_generations_kept: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            limits: Limits::default(),
+            lease_ms: 15_000,
+            job_idle_ttl_ms: 3_600_000,
+            failed_generations_kept: 64,
+        }
+    }
+}

@@ -1,0 +1,20 @@
+//! The sans-I/O heart of rallypoint: a deterministic state machine holding every
+//! job's key-value store, barriers, collectives and rank liveness.
+//!
+//! Inputs are sessions opening ([`Engine::open`]), their requests
+//! ([`Engine::handle`]), sessions closing ([`Engine::close`]) and clock ticks
+//! ([`Engine::tick`]); outputs are replies addressed to sessions
+//! ([`Engine::drain_outgoing`]). No sockets, threads or clocks live here: the
+//! caller passes the time in, so every behaviour is reproducible in a test.
+
+mod config;
+mod engine;
+mod error;
+mod identity;
+mod request;
+
+pub use config::{Config, Limits};
+pub use engine::Engine;
+pub use error::{AbortInfo, CallShape, CollectiveKind, LossReason, OpError, OpRef, RankInfo, RankState};
+pub use identity::{Identity, SessionId};
+pub use request::{Members, Millis, Outgoing, Reply, Request, Response, Welcome};

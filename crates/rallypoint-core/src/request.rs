@@ -1,0 +1,135 @@
+//! Requests a session sends, and the replies it gets.
+
+use std::fmt;
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::error::OpError;
+use crate::identity::SessionId;
+
+/// Milliseconds on the caller's monotonic clock. The engine never reads a clock.
+pub type Millis = u64;
+
+/// Which ranks take part in a barrier or collective.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum Members {
+    /// Every rank `0..world_size`.
+    World,
+    /// An explicit set of ranks (order and duplicates do not matter).
+    Ranks(Vec<u32>),
+    /// Every rank whose identity names this role.
+    Role(String),
+}
+
+impl fmt::Display for Members {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Members::World => write!(f, "all ranks"),
+            Members::Ranks(ranks) => {
+                write!(f, "ranks [")?;
+                for (i, r) in ranks.iter().enumerate() {
+                    if i > 0 {
+                        write!(f, ",")?;
+                    }
+                    write!(f, "{r}")?;
+                }
+                write!(f, "]")
+            }
+            Members::Role(role) => write!(f, "role '{role}'"),
+        }
+    }
+}
+
+/// One request of a session. `timeout_ms: None` waits without limit.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Request {
+    Set { key: Bytes, value: Bytes },
+    /// Blocks until the key exists.
+    Get { key: Bytes, timeout_ms: Option<u64> },
+    /// Adds to a decimal integer value (missing counts as 0); replies with the new value.
+    Add { key: Bytes, delta: i64 },
+    /// TCPStore semantics; see `Store::compare_set`.
+    CompareSet { key: Bytes, expected: Bytes, desired: Bytes },
+    Append { key: Bytes, value: Bytes },
+    Delete { key: Bytes },
+    Check { keys: Vec<Bytes> },
+    /// Blocks until every key exists.
+    Wait { keys: Vec<Bytes>, timeout_ms: Option<u64> },
+    /// Blocks until every key exists, then replies with their values in order.
+    MultiGet { keys: Vec<Bytes>, timeout_ms: Option<u64> },
+    MultiSet { entries: Vec<(Bytes, Bytes)> },
+    NumKeys,
+    ListKeys { prefix: Bytes },
+    Barrier { name: String, members: Members, timeout_ms: Option<u64> },
+    AllGather { name: String, members: Members, value: Bytes, timeout_ms: Option<u64> },
+    /// `value` is required from the root and ignored from the others.
+    Broadcast { name: String, members: Members, root: u32, value: Option<Bytes>, timeout_ms: Option<u64> },
+    /// Fails every pending and later operation of the job with `reason`.
+    Abort { reason: String },
+    /// Keeps the session's rank alive (any request does).
+    Heartbeat,
+    /// The session is about to close cleanly: its rank has left, not died.
+    Leave,
+}
+
+impl Request {
+    /// Short name for logs and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Request::Set { .. } => "set",
+            Request::Get { .. } => "get",
+            Request::Add { .. } => "add",
+            Request::CompareSet { .. } => "compare_set",
+            Request::Append { .. } => "append",
+            Request::Delete { .. } => "delete",
+            Request::Check { .. } => "check",
+            Request::Wait { .. } => "wait",
+            Request::MultiGet { .. } => "multi_get",
+            Request::MultiSet { .. } => "multi_set",
+            Request::NumKeys => "num_keys",
+            Request::ListKeys { .. } => "list_keys",
+            Request::Barrier { .. } => "barrier",
+            Request::AllGather { .. } => "all_gather",
+            Request::Broadcast { .. } => "broadcast",
+            Request::Abort { .. } => "abort",
+            Request::Heartbeat => "heartbeat",
+            Request::Leave => "leave",
+        }
+    }
+}
+
+/// A successful reply.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Response {
+    /// set, multi_set, append, wait, barrier, abort, heartbeat, leave.
+    Done,
+    /// get, compare_set, broadcast.
+    Value(Bytes),
+    /// add, num_keys.
+    Int(i64),
+    /// delete (whether the key existed), check (whether all keys exist).
+    Bool(bool),
+    /// multi_get (in request order), list_keys (sorted).
+    Values(Vec<Bytes>),
+    /// all_gather: every member's value in rank order, shared by all recipients.
+    Gathered(Arc<[Bytes]>),
+}
+
+pub type Reply = Result<Response, OpError>;
+
+/// A reply the engine has produced for a session's request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outgoing {
+    pub session: SessionId,
+    pub request_id: u64,
+    pub reply: Reply,
+}
+
+/// What a session learns when the engine accepts its identity.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Welcome {
+    pub session: SessionId,
+    /// Lease in milliseconds (0 = no lease); clients heartbeat at a third of it.
+    pub lease_ms: u64,
+}
