@@ -196,7 +196,7 @@ pub enum OpError {
     Overflow { key: Bytes, current: i64, delta: i64 },
 
     /// A key, value, name or list is longer than the server allows.
-    #[error("{what} is {len} long; the limit is {limit}")]
+    #[error("{what} of {len} exceeds the limit of {limit}")]
     TooLarge { what: String, len: u64, limit: u64 },
 
     /// Any other invalid argument, with what was wrong.

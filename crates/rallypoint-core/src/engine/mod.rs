@@ -1,15 +1,60 @@
-//! The engine: owns all jobs and routes inputs to them.
+//! The engine: owns every job and routes sessions' requests, disconnects and clock
+//! ticks to them.
 
-use crate::{Config, Identity, Millis, OpError, Outgoing, Request, SessionId, Welcome};
+mod collective;
+mod job;
+mod members;
+mod ranks;
+mod store;
+mod timers;
+mod validate;
 
+use std::collections::HashMap;
+
+use crate::{
+    AbortInfo, CollectiveKind, Config, Identity, Members, Millis, OpError, Outgoing, Reply, Request, Response,
+    SessionId, Welcome,
+};
+
+use collective::{Call, Ctx};
+use job::{send_key_replies, Job};
+use store::WaitKind;
+use timers::{Timer, Timers};
+
+/// Jobs are numbered so that timers never point at a newer job of the same name.
+pub(crate) type JobId = u64;
+
+#[derive(Debug)]
+struct Session {
+    job: JobId,
+    identity: Identity,
+    /// Said `Leave`: its close is clean, not a loss.
+    leaving: bool,
+}
+
+/// The coordination state machine. See the crate documentation.
+#[derive(Debug)]
 pub struct Engine {
     config: Config,
+    jobs: HashMap<JobId, Job>,
+    job_ids: HashMap<String, JobId>,
+    next_job: JobId,
+    sessions: HashMap<SessionId, Session>,
+    timers: Timers,
     outgoing: Vec<Outgoing>,
 }
 
 impl Engine {
     pub fn new(config: Config) -> Self {
-        Engine { config, outgoing: Vec::new() }
+        Engine {
+            config,
+            jobs: HashMap::new(),
+            job_ids: HashMap::new(),
+            next_job: 1,
+            sessions: HashMap::new(),
+            timers: Timers::default(),
+            outgoing: Vec::new(),
+        }
     }
 
     pub fn config(&self) -> &Config {
@@ -17,39 +62,245 @@ impl Engine {
     }
 
     /// Admits a session with its identity. An invalid identity (rank ≥ world size,
-    /// world size 0, names too long) is refused and leaves no trace.
+    /// world size 0, names too long) is refused and leaves no trace. Reusing the id of
+    /// an open session is refused too.
     pub fn open(&mut self, session: SessionId, identity: Identity, now: Millis) -> Result<Welcome, OpError> {
-        let _ = (session, identity, now);
-        todo!()
+        validate::identity(&identity, &self.config.limits)?;
+        if self.sessions.contains_key(&session) {
+            return Err(OpError::Invalid(format!("{session} is already open")));
+        }
+        let job_id = match self.job_ids.get(&identity.job) {
+            Some(id) => *id,
+            None => {
+                let id = self.next_job;
+                self.next_job += 1;
+                self.job_ids.insert(identity.job.clone(), id);
+                self.jobs.insert(id, Job::new(id, identity.job.clone(), self.config.failed_generations_kept, now));
+                id
+            }
+        };
+        let lease_ms = self.config.lease_ms;
+        if let Some(job) = self.jobs.get_mut(&job_id) {
+            job.sessions += 1;
+            if let Some(rank) = identity.rank {
+                let mut ctx = Ctx { job: job_id, now, out: &mut self.outgoing, timers: &mut self.timers };
+                let change = job.ranks.connect(rank, &identity.host, identity.pid, identity.role.as_deref(), now, lease_ms);
+                job.apply(rank, change, &mut ctx);
+                job.collectives.rank_connected(&job.ranks, &mut ctx);
+            }
+        }
+        self.sessions.insert(session, Session { job: job_id, identity, leaving: false });
+        Ok(Welcome { session, lease_ms })
     }
 
     /// Feeds one request. Its reply (now or later) appears in [`Engine::drain_outgoing`]
     /// tagged with `request_id`. Requests of unknown sessions are ignored.
     pub fn handle(&mut self, session: SessionId, request_id: u64, request: Request, now: Millis) {
-        let _ = (session, request_id, request, now);
-        todo!()
+        let Some(sess) = self.sessions.get_mut(&session) else { return };
+        let Some(job) = self.jobs.get_mut(&sess.job) else { return };
+        let mut ctx = Ctx { job: job.id, now, out: &mut self.outgoing, timers: &mut self.timers };
+        if let Some(rank) = sess.identity.rank {
+            let change = job.ranks.touch(rank, now, self.config.lease_ms);
+            job.apply(rank, change, &mut ctx);
+        }
+        let reply = |ctx: &mut Ctx<'_>, reply: Reply| ctx.out.push(Outgoing { session, request_id, reply });
+
+        match request {
+            Request::Heartbeat => return reply(&mut ctx, Ok(Response::Done)),
+            Request::Leave => {
+                sess.leaving = true;
+                return reply(&mut ctx, Ok(Response::Done));
+            }
+            _ => {}
+        }
+        if let Some(error) = job.abort_error() {
+            return reply(&mut ctx, Err(error));
+        }
+        if let Err(error) = validate::request(&request, &self.config.limits) {
+            return reply(&mut ctx, Err(error));
+        }
+
+        let mut woken = Vec::new();
+        let id = (session, request_id);
+        let result: Option<Reply> = match request {
+            Request::Heartbeat | Request::Leave => None,
+            Request::Set { key, value } => {
+                job.store.set(key, value, &mut woken);
+                Some(Ok(Response::Done))
+            }
+            Request::Append { key, value } => {
+                job.store.append(key, &value, &mut woken);
+                Some(Ok(Response::Done))
+            }
+            Request::Add { key, delta } => Some(job.store.add(key, delta, &mut woken).map(Response::Int)),
+            Request::CompareSet { key, expected, desired } => {
+                Some(Ok(Response::Value(job.store.compare_set(key, expected, desired, &mut woken))))
+            }
+            Request::Delete { key } => Some(Ok(Response::Bool(job.store.delete(&key)))),
+            Request::Check { keys } => Some(Ok(Response::Bool(keys.iter().all(|k| job.store.contains(k))))),
+            Request::MultiSet { entries } => {
+                for (key, value) in entries {
+                    job.store.set(key, value, &mut woken);
+                }
+                Some(Ok(Response::Done))
+            }
+            Request::NumKeys => Some(Ok(Response::Int(i64::try_from(job.store.len()).unwrap_or(i64::MAX)))),
+            Request::ListKeys { prefix } => Some(Ok(Response::Values(job.store.list(&prefix)))),
+            Request::Get { key, timeout_ms } => {
+                key_wait(job, &mut ctx, id, WaitKind::Get, vec![key], timeout_ms)
+            }
+            Request::Wait { keys, timeout_ms } => key_wait(job, &mut ctx, id, WaitKind::Wait, keys, timeout_ms),
+            Request::MultiGet { keys, timeout_ms } => {
+                key_wait(job, &mut ctx, id, WaitKind::MultiGet, keys, timeout_ms)
+            }
+            Request::Barrier { name, members, timeout_ms } => {
+                let call = collective_call(&sess.identity, id, &job.ranks, CollectiveKind::Barrier, &name, members, None, bytes::Bytes::new(), timeout_ms);
+                call.map(|call| job.collectives.arrive(CollectiveKind::Barrier, &name, call, &job.ranks, &mut ctx))
+                    .err()
+                    .map(Err)
+            }
+            Request::AllGather { name, members, value, timeout_ms } => {
+                let call = collective_call(&sess.identity, id, &job.ranks, CollectiveKind::AllGather, &name, members, None, value, timeout_ms);
+                call.map(|call| job.collectives.arrive(CollectiveKind::AllGather, &name, call, &job.ranks, &mut ctx))
+                    .err()
+                    .map(Err)
+            }
+            Request::Broadcast { name, members, root, value, timeout_ms } => {
+                let is_root = sess.identity.rank == Some(root);
+                match (is_root, value) {
+                    (true, None) => Some(Err(OpError::Invalid(format!("broadcast '{name}': the root (rank {root}) must provide a value")))),
+                    (_, value) => {
+                        let value = if is_root { value.unwrap_or_default() } else { bytes::Bytes::new() };
+                        let call = collective_call(&sess.identity, id, &job.ranks, CollectiveKind::Broadcast, &name, members, Some(root), value, timeout_ms);
+                        call.map(|call| job.collectives.arrive(CollectiveKind::Broadcast, &name, call, &job.ranks, &mut ctx))
+                            .err()
+                            .map(Err)
+                    }
+                }
+            }
+            Request::Abort { reason } => {
+                let by = AbortInfo {
+                    by_rank: sess.identity.rank,
+                    host: sess.identity.host.clone(),
+                    pid: sess.identity.pid,
+                    reason,
+                };
+                job.abort(by, &mut ctx);
+                Some(Ok(Response::Done))
+            }
+        };
+        send_key_replies(woken, ctx.out);
+        if let Some(result) = result {
+            reply(&mut ctx, result);
+        }
     }
 
     /// The session's connection is gone. Without a preceding `Leave` request and if
     /// it was its rank's last session, the rank is lost.
     pub fn close(&mut self, session: SessionId, now: Millis) {
-        let _ = (session, now);
-        todo!()
+        let Some(sess) = self.sessions.remove(&session) else { return };
+        let Some(job) = self.jobs.get_mut(&sess.job) else { return };
+        job.store.drop_session(session);
+        job.sessions = job.sessions.saturating_sub(1);
+        let mut ctx = Ctx { job: job.id, now, out: &mut self.outgoing, timers: &mut self.timers };
+        if let Some(rank) = sess.identity.rank {
+            let change = job.ranks.disconnect(rank, sess.leaving, now);
+            job.apply(rank, change, &mut ctx);
+        }
+        if job.sessions == 0 && self.config.job_idle_ttl_ms > 0 {
+            job.idle_since = now;
+            self.timers.schedule(now.saturating_add(self.config.job_idle_ttl_ms), Timer::JobIdle { job: job.id });
+        }
+        // Replies for the closed session have nowhere to go.
+        self.outgoing.retain(|o| o.session != session);
     }
 
     /// Advances time: fires timeouts and lease expiries due at or before `now`.
     pub fn tick(&mut self, now: Millis) {
-        let _ = now;
-        todo!()
+        while let Some((at, timer)) = self.timers.pop_due(now) {
+            self.fire(at, timer, now);
+        }
     }
 
-    /// Earliest time at which `tick` has something to do.
+    /// Earliest time at which `tick` may have something to do.
     pub fn next_deadline(&self) -> Option<Millis> {
-        todo!()
+        self.timers.next_deadline()
     }
 
     /// Replies produced so far, in the order they were produced.
     pub fn drain_outgoing(&mut self) -> std::vec::Drain<'_, Outgoing> {
         self.outgoing.drain(..)
     }
+
+    fn fire(&mut self, at: Millis, timer: Timer, now: Millis) {
+        let job_id = match &timer {
+            Timer::KeyWait { job, .. } | Timer::Collective { job, .. } | Timer::Lease { job, .. } | Timer::JobIdle { job } => *job,
+        };
+        let Some(job) = self.jobs.get_mut(&job_id) else { return };
+        let mut ctx = Ctx { job: job_id, now, out: &mut self.outgoing, timers: &mut self.timers };
+        match timer {
+            Timer::KeyWait { session, request_id, .. } => {
+                if let Some(reply) = job.store.expire((session, request_id), now) {
+                    ctx.out.push(Outgoing { session, request_id, reply });
+                }
+            }
+            Timer::Collective { kind, name, generation, .. } => {
+                job.collectives.deadline(kind, &name, generation, at, &job.ranks, &mut ctx);
+            }
+            Timer::Lease { rank, .. } => {
+                let change = job.ranks.lease_check(rank, now, self.config.lease_ms);
+                job.apply(rank, change, &mut ctx);
+            }
+            Timer::JobIdle { .. } => {
+                let expires = job.idle_since.saturating_add(self.config.job_idle_ttl_ms);
+                if job.sessions == 0 && expires <= now {
+                    let name = job.name.clone();
+                    self.jobs.remove(&job_id);
+                    self.job_ids.remove(&name);
+                }
+            }
+        }
+    }
+}
+
+/// Answers a get/wait/multi-get now, or blocks it with a deadline.
+fn key_wait(
+    job: &mut Job,
+    ctx: &mut Ctx<'_>,
+    id: (SessionId, u64),
+    kind: WaitKind,
+    keys: Vec<bytes::Bytes>,
+    timeout_ms: Option<u64>,
+) -> Option<Reply> {
+    match job.store.wait_or_reply(id, kind, keys, ctx.now) {
+        Err(error) => Some(Err(error)),
+        Ok(Some(reply)) => Some(reply),
+        Ok(None) => {
+            if let Some(timeout) = timeout_ms {
+                let timer = Timer::KeyWait { job: job.id, session: id.0, request_id: id.1 };
+                ctx.timers.schedule(ctx.now.saturating_add(timeout), timer);
+            }
+            None
+        }
+    }
+}
+
+/// Checks that the caller may take part as it asks, and normalises its member set.
+#[allow(clippy::too_many_arguments)]
+fn collective_call(
+    identity: &Identity,
+    (session, request_id): (SessionId, u64),
+    ranks: &ranks::Ranks,
+    kind: CollectiveKind,
+    name: &str,
+    members: Members,
+    root: Option<u32>,
+    value: bytes::Bytes,
+    timeout_ms: Option<u64>,
+) -> Result<Call, OpError> {
+    let (Some(rank), Some(world_size)) = (identity.rank, identity.world_size) else {
+        return Err(OpError::NoRank { op: format!("{kind} '{name}'") });
+    };
+    let members = validate::members(kind, name, rank, world_size, &identity.role, members, root, ranks)?;
+    Ok(Call { session, request_id, rank, world_size, members, value, root, timeout_ms })
 }

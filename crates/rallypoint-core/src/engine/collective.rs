@@ -1,0 +1,293 @@
+//! Reusable named barriers, all-gathers and broadcasts of one job.
+//!
+//! Generations are counted per rank: a rank's k-th call of a name joins generation k,
+//! whichever session or process it comes from. The first arrival fixes the
+//! generation's member set; a caller that disagrees fails the generation for all.
+//! A generation that failed is remembered, so a late arrival gets the same error.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use bytes::Bytes;
+
+use crate::{CallShape, CollectiveKind, Members, Millis, OpError, OpRef, Outgoing, Response, SessionId};
+
+use super::members::{Arrivals, MemberSet};
+use super::ranks::Ranks;
+use super::timers::{Timer, Timers};
+use super::JobId;
+
+/// One validated call of a collective.
+#[derive(Debug)]
+pub(crate) struct Call {
+    pub session: SessionId,
+    pub request_id: u64,
+    pub rank: u32,
+    pub world_size: u32,
+    /// Normalised: a rank list is sorted and distinct.
+    pub members: Members,
+    /// Barrier: empty; all-gather: the rank's bytes; broadcast: the root's bytes.
+    pub value: Bytes,
+    pub root: Option<u32>,
+    pub timeout_ms: Option<u64>,
+}
+
+/// Where replies and deadlines of this step go.
+pub(crate) struct Ctx<'a> {
+    pub job: JobId,
+    pub now: Millis,
+    pub out: &'a mut Vec<Outgoing>,
+    pub timers: &'a mut Timers,
+}
+
+impl Ctx<'_> {
+    fn reply(&mut self, (session, request_id): (SessionId, u64), reply: Result<Response, OpError>) {
+        self.out.push(Outgoing { session, request_id, reply });
+    }
+}
+
+#[derive(Debug)]
+struct Generation {
+    shape: CallShape,
+    members: MemberSet,
+    arrivals: Arrivals,
+    /// Sessions waiting for the release, with their request ids.
+    waiters: Vec<(SessionId, u64)>,
+    started: Millis,
+    deadline: Option<Millis>,
+    /// Broadcast only: the root's value has been handed out.
+    released: bool,
+}
+
+#[derive(Debug, Default)]
+struct Collective {
+    calls: HashMap<u32, u64>,
+    pending: BTreeMap<u64, Generation>,
+    failed: BTreeMap<u64, OpError>,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Collectives {
+    by_name: HashMap<(CollectiveKind, String), Collective>,
+    failed_kept: usize,
+}
+
+impl Collectives {
+    pub fn new(failed_kept: usize) -> Self {
+        Collectives { by_name: HashMap::new(), failed_kept: failed_kept.max(1) }
+    }
+
+    pub fn arrive(&mut self, kind: CollectiveKind, name: &str, call: Call, ranks: &Ranks, ctx: &mut Ctx<'_>) {
+        let failed_kept = self.failed_kept;
+        let coll = self.by_name.entry((kind, name.to_owned())).or_default();
+        let counter = coll.calls.entry(call.rank).or_insert(0);
+        *counter += 1;
+        let op = OpRef { kind, name: name.to_owned(), generation: *counter };
+        let caller = (call.session, call.request_id);
+
+        if let Some(error) = coll.failed.get(&op.generation) {
+            ctx.reply(caller, Err(error.clone()));
+            return;
+        }
+        let shape = CallShape {
+            rank: call.rank,
+            members: call.members.clone(),
+            world_size: call.world_size,
+            root: call.root,
+        };
+        let generation = match coll.pending.get_mut(&op.generation) {
+            Some(generation) => {
+                if !same_call(&generation.shape, &shape) {
+                    let error = OpError::Mismatch { op: op.clone(), mine: shape, theirs: generation.shape.clone() };
+                    ctx.reply(caller, Err(error.clone()));
+                    coll.fail(op.generation, error, failed_kept, ctx);
+                    return;
+                }
+                generation
+            }
+            None => {
+                let mut members = member_set(&call.members, call.world_size);
+                members.resolve(ranks);
+                // A member already lost dooms the generation before anyone waits.
+                let needed = |r: u32| match call.root {
+                    Some(root) => r == root,
+                    None => members.contains(r, ranks),
+                };
+                if let Some(dead) = ranks.lost().find(|&r| needed(r)) {
+                    let error = OpError::PeerLost { op: op.clone(), peer: ranks.info(dead, ctx.now) };
+                    ctx.reply(caller, Err(error.clone()));
+                    coll.remember_failure(op.generation, error, failed_kept);
+                    return;
+                }
+                let arrivals = Arrivals::for_members(&members);
+                coll.pending.entry(op.generation).or_insert(Generation {
+                    shape,
+                    members,
+                    arrivals,
+                    waiters: Vec::new(),
+                    started: ctx.now,
+                    deadline: None,
+                    released: false,
+                })
+            }
+        };
+
+        generation.arrivals.insert(call.rank, call.value);
+        if kind == CollectiveKind::Broadcast {
+            if generation.released {
+                let value = generation.arrivals.get(generation.shape.root.unwrap_or(0)).cloned().unwrap_or_default();
+                ctx.reply(caller, Ok(Response::Value(value)));
+            } else {
+                generation.waiters.push(caller);
+            }
+        } else {
+            generation.waiters.push(caller);
+        }
+        if let Some(timeout) = call.timeout_ms {
+            let deadline = ctx.now.saturating_add(timeout);
+            if generation.deadline.is_none_or(|d| deadline < d) {
+                generation.deadline = Some(deadline);
+                ctx.timers.schedule(
+                    deadline,
+                    Timer::Collective { job: ctx.job, kind, name: op.name.clone(), generation: op.generation },
+                );
+            }
+        }
+        coll.progress(kind, op.generation, ctx);
+    }
+
+    /// A rank of the job connected: role member sets waiting on it may now be known.
+    pub fn rank_connected(&mut self, ranks: &Ranks, ctx: &mut Ctx<'_>) {
+        for ((kind, _), coll) in self.by_name.iter_mut() {
+            let unresolved: Vec<u64> = coll
+                .pending
+                .iter_mut()
+                .filter(|(_, g)| g.members.count().is_none())
+                .filter_map(|(gen, g)| g.members.resolve(ranks).then_some(*gen))
+                .collect();
+            for generation in unresolved {
+                coll.progress(*kind, generation, ctx);
+            }
+        }
+    }
+
+    /// `rank` was lost: fail every pending generation that still needs it.
+    pub fn rank_lost(&mut self, rank: u32, ranks: &Ranks, ctx: &mut Ctx<'_>) {
+        let failed_kept = self.failed_kept;
+        for ((kind, name), coll) in self.by_name.iter_mut() {
+            let doomed: Vec<u64> = coll
+                .pending
+                .iter()
+                .filter(|(_, g)| match (*kind, g.shape.root) {
+                    (CollectiveKind::Broadcast, Some(root)) => root == rank && !g.released,
+                    _ => g.members.contains(rank, ranks),
+                })
+                .map(|(gen, _)| *gen)
+                .collect();
+            for generation in doomed {
+                let op = OpRef { kind: *kind, name: name.clone(), generation };
+                let error = OpError::PeerLost { op, peer: ranks.info(rank, ctx.now) };
+                coll.fail(generation, error, failed_kept, ctx);
+            }
+        }
+    }
+
+    /// A collective's deadline fired: if that generation still waits, fail it for every
+    /// waiter, naming each missing member.
+    pub fn deadline(&mut self, kind: CollectiveKind, name: &str, generation: u64, at: Millis, ranks: &Ranks, ctx: &mut Ctx<'_>) {
+        let failed_kept = self.failed_kept;
+        let Some(coll) = self.by_name.get_mut(&(kind, name.to_owned())) else { return };
+        let Some(g) = coll.pending.get(&generation) else { return };
+        if g.deadline != Some(at) || g.released {
+            return;
+        }
+        let missing: Vec<u32> = match (kind, g.shape.root) {
+            (CollectiveKind::Broadcast, Some(root)) => vec![root],
+            _ => g.members.missing(&g.arrivals, ranks),
+        };
+        let members = g.members.count().unwrap_or(g.shape.world_size as usize);
+        let error = OpError::CollectiveTimeout {
+            op: OpRef { kind, name: name.to_owned(), generation },
+            waited_ms: ctx.now.saturating_sub(g.started),
+            members: u32::try_from(members).unwrap_or(u32::MAX),
+            missing: missing.into_iter().map(|r| ranks.info(r, ctx.now)).collect(),
+        };
+        coll.fail(generation, error, failed_kept, ctx);
+    }
+
+    /// The job was aborted: fail everything pending.
+    pub fn fail_all(&mut self, error: &OpError, ctx: &mut Ctx<'_>) {
+        for coll in self.by_name.values_mut() {
+            for (_, g) in std::mem::take(&mut coll.pending) {
+                for waiter in g.waiters {
+                    ctx.reply(waiter, Err(error.clone()));
+                }
+            }
+        }
+    }
+}
+
+impl Collective {
+    /// Releases the generation if everyone it waits for is there.
+    fn progress(&mut self, kind: CollectiveKind, generation: u64, ctx: &mut Ctx<'_>) {
+        let Some(g) = self.pending.get_mut(&generation) else { return };
+        let complete = g.members.count() == Some(g.arrivals.count());
+        match kind {
+            CollectiveKind::Broadcast => {
+                let root = g.shape.root.unwrap_or(0);
+                if let (false, Some(value)) = (g.released, g.arrivals.get(root)) {
+                    let value = value.clone();
+                    for waiter in g.waiters.drain(..) {
+                        ctx.reply(waiter, Ok(Response::Value(value.clone())));
+                    }
+                    g.released = true;
+                }
+            }
+            CollectiveKind::Barrier if complete => {
+                for waiter in g.waiters.drain(..) {
+                    ctx.reply(waiter, Ok(Response::Done));
+                }
+            }
+            CollectiveKind::AllGather if complete => {
+                let values: Arc<[Bytes]> =
+                    g.members.in_order().map(|r| g.arrivals.get(r).cloned().unwrap_or_default()).collect();
+                for waiter in g.waiters.drain(..) {
+                    ctx.reply(waiter, Ok(Response::Gathered(values.clone())));
+                }
+            }
+            _ => {}
+        }
+        if complete {
+            self.pending.remove(&generation);
+        }
+    }
+
+    fn fail(&mut self, generation: u64, error: OpError, failed_kept: usize, ctx: &mut Ctx<'_>) {
+        if let Some(g) = self.pending.remove(&generation) {
+            for waiter in g.waiters {
+                ctx.reply(waiter, Err(error.clone()));
+            }
+        }
+        self.remember_failure(generation, error, failed_kept);
+    }
+
+    fn remember_failure(&mut self, generation: u64, error: OpError, failed_kept: usize) {
+        self.failed.insert(generation, error);
+        while self.failed.len() > failed_kept {
+            self.failed.pop_first();
+        }
+    }
+}
+
+fn member_set(members: &Members, world_size: u32) -> MemberSet {
+    match members {
+        Members::World => MemberSet::World(world_size),
+        Members::Ranks(list) => MemberSet::Listed(list.clone()),
+        Members::Role(name) => MemberSet::Role { name: name.clone(), world_size, resolved: None },
+    }
+}
+
+/// Two calls belong to the same generation only if they agree on everything but the caller.
+fn same_call(a: &CallShape, b: &CallShape) -> bool {
+    a.members == b.members && a.world_size == b.world_size && a.root == b.root
+}

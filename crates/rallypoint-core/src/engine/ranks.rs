@@ -1,0 +1,151 @@
+//! Liveness of a job's ranks: who connected, from where, when last heard from,
+//! and whether it left cleanly or was lost.
+
+use std::collections::{BTreeSet, HashMap};
+
+use crate::{LossReason, Millis, RankInfo, RankState};
+
+#[derive(Debug)]
+struct Entry {
+    host: String,
+    pid: u32,
+    role: Option<String>,
+    /// Open sessions carrying this rank.
+    sessions: u32,
+    state: RankState,
+    last_seen: Millis,
+    /// Whether a lease timer is pending for this rank.
+    lease_armed: bool,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Ranks {
+    entries: HashMap<u32, Entry>,
+    /// Ranks currently lost, so that a new generation checks only these.
+    lost: BTreeSet<u32>,
+}
+
+/// What the caller must do after a liveness change.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Change {
+    None,
+    /// The rank just became lost: fail everything that needs it.
+    Lost,
+    /// The rank needs a lease timer at this time.
+    ArmLease(Millis),
+}
+
+impl Ranks {
+    /// A session of `rank` opened.
+    pub fn connect(&mut self, rank: u32, host: &str, pid: u32, role: Option<&str>, now: Millis, lease_ms: u64) -> Change {
+        let entry = self.entries.entry(rank).or_insert_with(|| Entry {
+            host: String::new(),
+            pid: 0,
+            role: None,
+            sessions: 0,
+            state: RankState::Connected,
+            last_seen: now,
+            lease_armed: false,
+        });
+        entry.host.clear();
+        entry.host.push_str(host);
+        entry.pid = pid;
+        entry.role = role.map(str::to_owned);
+        entry.sessions += 1;
+        entry.state = RankState::Connected;
+        entry.last_seen = now;
+        self.lost.remove(&rank);
+        Self::arm(entry, now, lease_ms)
+    }
+
+    /// Any request from a session of `rank`: it is alive (again, if its lease had expired).
+    pub fn touch(&mut self, rank: u32, now: Millis, lease_ms: u64) -> Change {
+        let Some(entry) = self.entries.get_mut(&rank) else { return Change::None };
+        entry.last_seen = now;
+        if matches!(entry.state, RankState::Lost(LossReason::LeaseExpired { .. })) {
+            entry.state = RankState::Connected;
+            self.lost.remove(&rank);
+        }
+        Self::arm(entry, now, lease_ms)
+    }
+
+    /// A session of `rank` closed; `clean` if it said Leave first.
+    pub fn disconnect(&mut self, rank: u32, clean: bool, now: Millis) -> Change {
+        let Some(entry) = self.entries.get_mut(&rank) else { return Change::None };
+        entry.sessions = entry.sessions.saturating_sub(1);
+        if entry.sessions > 0 {
+            return Change::None;
+        }
+        entry.last_seen = now;
+        match entry.state {
+            // Already lost by lease: keep the first reason, fail nothing twice.
+            RankState::Lost(_) => Change::None,
+            _ if clean => {
+                entry.state = RankState::Left;
+                Change::None
+            }
+            _ => {
+                entry.state = RankState::Lost(LossReason::Disconnected);
+                self.lost.insert(rank);
+                Change::Lost
+            }
+        }
+    }
+
+    /// The lease timer of `rank` fired at `now`.
+    pub fn lease_check(&mut self, rank: u32, now: Millis, lease_ms: u64) -> Change {
+        let Some(entry) = self.entries.get_mut(&rank) else { return Change::None };
+        entry.lease_armed = false;
+        if entry.state != RankState::Connected || entry.sessions == 0 || lease_ms == 0 {
+            return Change::None;
+        }
+        let expires = entry.last_seen.saturating_add(lease_ms);
+        if expires > now {
+            entry.lease_armed = true;
+            return Change::ArmLease(expires);
+        }
+        entry.state = RankState::Lost(LossReason::LeaseExpired { lease_ms });
+        self.lost.insert(rank);
+        Change::Lost
+    }
+
+    fn arm(entry: &mut Entry, now: Millis, lease_ms: u64) -> Change {
+        if lease_ms == 0 || entry.lease_armed {
+            return Change::None;
+        }
+        entry.lease_armed = true;
+        Change::ArmLease(now.saturating_add(lease_ms))
+    }
+
+    pub fn lost(&self) -> impl Iterator<Item = u32> + '_ {
+        self.lost.iter().copied()
+    }
+
+    pub fn role(&self, rank: u32) -> Option<&str> {
+        self.entries.get(&rank).and_then(|e| e.role.as_deref())
+    }
+
+    pub fn has_connected(&self, rank: u32) -> bool {
+        self.entries.contains_key(&rank)
+    }
+
+    /// Everything known about `rank`, for an error message.
+    pub fn info(&self, rank: u32, now: Millis) -> RankInfo {
+        match self.entries.get(&rank) {
+            None => RankInfo {
+                rank,
+                host: None,
+                pid: None,
+                state: RankState::NeverConnected,
+                last_seen_ms_ago: None,
+            },
+            Some(e) => RankInfo {
+                rank,
+                host: Some(e.host.clone()),
+                pid: Some(e.pid),
+                state: e.state,
+                last_seen_ms_ago: Some(now.saturating_sub(e.last_seen)),
+            },
+        }
+    }
+}

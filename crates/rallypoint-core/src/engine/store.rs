@@ -1,0 +1,261 @@
+//! A job's key-value data and the requests blocked until keys exist.
+//! Semantics follow PyTorch's TCPStore wherever the operation exists there.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+
+use bytes::{Bytes, BytesMut};
+
+use crate::{Millis, OpError, Reply, Response, SessionId};
+
+/// What a blocked request returns once its keys exist.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WaitKind {
+    Wait,
+    Get,
+    MultiGet,
+}
+
+/// A request blocked on keys, identified by its session and request id.
+#[derive(Debug)]
+struct KeyWait {
+    kind: WaitKind,
+    keys: Vec<Bytes>,
+    /// Distinct keys still absent when last counted; a re-check runs when it reaches 0.
+    missing: usize,
+    started: Millis,
+}
+
+pub(crate) type WaitId = (SessionId, u64);
+
+#[derive(Debug, Default)]
+pub(crate) struct Store {
+    data: HashMap<Bytes, Bytes>,
+    waiters_by_key: HashMap<Bytes, Vec<WaitId>>,
+    /// Ordered so that one session's waits are a contiguous range.
+    waits: BTreeMap<WaitId, KeyWait>,
+}
+
+impl Store {
+    pub fn contains(&self, key: &[u8]) -> bool {
+        self.data.contains_key(key)
+    }
+
+    pub fn len(&self) -> usize {
+        self.data.len()
+    }
+
+    /// Stores `value` and returns the waits it completed.
+    pub fn set(&mut self, key: Bytes, value: Bytes, done: &mut Vec<(WaitId, Reply)>) {
+        self.data.insert(key.clone(), value);
+        self.wake(&key, done);
+    }
+
+    pub fn append(&mut self, key: Bytes, value: &[u8], done: &mut Vec<(WaitId, Reply)>) {
+        match self.data.get_mut(&key) {
+            Some(old) => {
+                let mut joined = BytesMut::with_capacity(old.len() + value.len());
+                joined.extend_from_slice(old);
+                joined.extend_from_slice(value);
+                *old = joined.freeze();
+            }
+            None => {
+                self.data.insert(key.clone(), Bytes::copy_from_slice(value));
+            }
+        }
+        self.wake(&key, done);
+    }
+
+    /// Adds `delta` to the decimal integer at `key` (absent counts as 0), like TCPStore.
+    pub fn add(&mut self, key: Bytes, delta: i64, done: &mut Vec<(WaitId, Reply)>) -> Result<i64, OpError> {
+        let current = match self.data.get(&key) {
+            None => 0,
+            Some(value) => parse_stoll(value).ok_or_else(|| OpError::NotANumber {
+                key: key.clone(),
+                value: value.clone(),
+            })?,
+        };
+        let new = current
+            .checked_add(delta)
+            .ok_or_else(|| OpError::Overflow { key: key.clone(), current, delta })?;
+        self.set(key, Bytes::from(new.to_string()), done);
+        Ok(new)
+    }
+
+    /// TCPStore's compare_set: swap when the current value equals `expected`; a missing key
+    /// counts as matching an empty `expected`. Returns the value now stored, except that for
+    /// a missing key and a non-empty `expected` it returns `expected` and stores nothing
+    /// (torch does the same, and clients depend on it).
+    pub fn compare_set(
+        &mut self,
+        key: Bytes,
+        expected: Bytes,
+        desired: Bytes,
+        done: &mut Vec<(WaitId, Reply)>,
+    ) -> Bytes {
+        match self.data.get(&key) {
+            Some(current) if *current == expected => {
+                self.set(key, desired.clone(), done);
+                desired
+            }
+            Some(current) => current.clone(),
+            None if expected.is_empty() => {
+                self.set(key, desired.clone(), done);
+                desired
+            }
+            None => expected,
+        }
+    }
+
+    pub fn delete(&mut self, key: &[u8]) -> bool {
+        self.data.remove(key).is_some()
+    }
+
+    pub fn list(&self, prefix: &[u8]) -> Vec<Bytes> {
+        let mut keys: Vec<Bytes> = self.data.keys().filter(|k| k.starts_with(prefix)).cloned().collect();
+        keys.sort();
+        keys
+    }
+
+    /// Answers at once if every key exists; otherwise blocks the request and returns None.
+    pub fn wait_or_reply(
+        &mut self,
+        id: WaitId,
+        kind: WaitKind,
+        keys: Vec<Bytes>,
+        now: Millis,
+    ) -> Result<Option<Reply>, OpError> {
+        if self.waits.contains_key(&id) {
+            return Err(OpError::Invalid(format!("request id {} is already waiting on this session", id.1)));
+        }
+        let absent = self.absent(&keys);
+        if absent.is_empty() {
+            return Ok(Some(Ok(self.answer(kind, &keys))));
+        }
+        self.register(id, &absent);
+        self.waits.insert(id, KeyWait { kind, keys, missing: absent.len(), started: now });
+        Ok(None)
+    }
+
+    /// The wait's deadline passed: fail it naming the keys still absent.
+    pub fn expire(&mut self, id: WaitId, now: Millis) -> Option<Reply> {
+        let wait = self.remove_wait(id)?;
+        let missing = self.absent(&wait.keys);
+        Some(Err(OpError::KeyTimeout { waited_ms: now.saturating_sub(wait.started), missing }))
+    }
+
+    /// Drops every wait of `session` (it closed), without replying.
+    pub fn drop_session(&mut self, session: SessionId) {
+        let ids: Vec<WaitId> = self.waits.range((session, 0)..=(session, u64::MAX)).map(|(id, _)| *id).collect();
+        for id in ids {
+            self.remove_wait(id);
+        }
+    }
+
+    /// Fails every wait with `error` (the job was aborted).
+    pub fn fail_all(&mut self, error: &OpError, done: &mut Vec<(WaitId, Reply)>) {
+        self.waiters_by_key.clear();
+        for (id, _) in std::mem::take(&mut self.waits) {
+            done.push((id, Err(error.clone())));
+        }
+    }
+
+    fn absent(&self, keys: &[Bytes]) -> Vec<Bytes> {
+        let mut seen = HashSet::new();
+        keys.iter().filter(|k| !self.data.contains_key(*k) && seen.insert(*k)).cloned().collect()
+    }
+
+    fn register(&mut self, id: WaitId, absent: &[Bytes]) {
+        for key in absent {
+            self.waiters_by_key.entry(key.clone()).or_default().push(id);
+        }
+    }
+
+    fn remove_wait(&mut self, id: WaitId) -> Option<KeyWait> {
+        let wait = self.waits.remove(&id)?;
+        for key in &wait.keys {
+            if let Some(ids) = self.waiters_by_key.get_mut(key) {
+                ids.retain(|w| *w != id);
+                if ids.is_empty() {
+                    self.waiters_by_key.remove(key);
+                }
+            }
+        }
+        Some(wait)
+    }
+
+    fn answer(&self, kind: WaitKind, keys: &[Bytes]) -> Response {
+        let value = |k: &Bytes| self.data.get(k).cloned().unwrap_or_default();
+        match kind {
+            WaitKind::Wait => Response::Done,
+            WaitKind::Get => Response::Value(keys.first().map(value).unwrap_or_default()),
+            WaitKind::MultiGet => Response::Values(keys.iter().map(value).collect()),
+        }
+    }
+
+    /// `key` now exists: count it off every wait on it and answer those with nothing left.
+    fn wake(&mut self, key: &Bytes, done: &mut Vec<(WaitId, Reply)>) {
+        let Some(ids) = self.waiters_by_key.remove(key) else { return };
+        for id in ids {
+            let Some(wait) = self.waits.get_mut(&id) else { continue };
+            wait.missing = wait.missing.saturating_sub(1);
+            if wait.missing > 0 {
+                continue;
+            }
+            // A key counted earlier may have been deleted since: count again before answering.
+            let keys = std::mem::take(&mut wait.keys);
+            let absent = self.absent(&keys);
+            if absent.is_empty() {
+                if let Some(wait) = self.waits.remove(&id) {
+                    done.push((id, Ok(self.answer(wait.kind, &keys))));
+                }
+            } else {
+                self.register(id, &absent);
+                if let Some(wait) = self.waits.get_mut(&id) {
+                    wait.missing = absent.len();
+                    wait.keys = keys;
+                }
+            }
+        }
+    }
+}
+
+/// Parses like C++ `std::stoll` as TCPStore does: optional leading whitespace and sign,
+/// then digits, ignoring anything after them ("12abc" is 12). None when there are no
+/// digits or the number does not fit in an i64.
+fn parse_stoll(value: &[u8]) -> Option<i64> {
+    let text = value.trim_ascii_start();
+    let (negative, rest) = match text.first() {
+        Some(b'-') => (true, &text[1..]),
+        Some(b'+') => (false, &text[1..]),
+        _ => (false, text),
+    };
+    let digits = rest.iter().take_while(|b| b.is_ascii_digit()).count();
+    if digits == 0 {
+        return None;
+    }
+    let mut n: i64 = 0;
+    for &d in &rest[..digits] {
+        let d = i64::from(d - b'0');
+        n = n.checked_mul(10)?;
+        n = if negative { n.checked_sub(d)? } else { n.checked_add(d)? };
+    }
+    Some(n)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_stoll;
+
+    #[test]
+    fn stoll_semantics() {
+        assert_eq!(parse_stoll(b"12abc"), Some(12));
+        assert_eq!(parse_stoll(b"  -7"), Some(-7));
+        assert_eq!(parse_stoll(b"+3"), Some(3));
+        assert_eq!(parse_stoll(b""), None);
+        assert_eq!(parse_stoll(b"abc"), None);
+        assert_eq!(parse_stoll(b"-"), None);
+        assert_eq!(parse_stoll(b"9223372036854775807"), Some(i64::MAX));
+        assert_eq!(parse_stoll(b"-9223372036854775808"), Some(i64::MIN));
+        assert_eq!(parse_stoll(b"9223372036854775808"), None);
+    }
+}
