@@ -177,7 +177,7 @@ pub enum OpError {
 
     /// Two ranks called the same generation of a collective differently.
     #[error("{op} mismatch: {theirs}, but {mine}")]
-    Mismatch { op: OpRef, mine: CallShape, theirs: CallShape },
+    Mismatch { op: OpRef, mine: Box<CallShape>, theirs: Box<CallShape> },
 
     /// The caller is not among the members it named, or a member is outside the world.
     #[error("{kind} '{name}': {reason}")]
@@ -265,5 +265,14 @@ impl fmt::Display for Show<'_> {
             write!(f, "… ({} bytes)", self.0.len())?;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// Errors travel in every `Result` of the engine and the clients: keep them small.
+    #[test]
+    fn op_error_stays_small() {
+        assert!(std::mem::size_of::<super::OpError>() <= 128, "{}", std::mem::size_of::<super::OpError>());
     }
 }

@@ -98,7 +98,7 @@ impl Collectives {
         let generation = match coll.pending.get_mut(&op.generation) {
             Some(generation) => {
                 if !same_call(&generation.shape, &shape) {
-                    let error = OpError::Mismatch { op: op.clone(), mine: shape, theirs: generation.shape.clone() };
+                    let error = OpError::Mismatch { op: op.clone(), mine: Box::new(shape), theirs: Box::new(generation.shape.clone()) };
                     ctx.reply(caller, Err(error.clone()));
                     coll.fail(op.generation, error, failed_kept, ctx);
                     return;

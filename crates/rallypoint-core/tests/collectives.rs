@@ -1,0 +1,227 @@
+//! Barriers, all-gather and broadcast: reuse by per-rank generation, member sets,
+//! mismatches, timeouts that name the missing, and abort.
+
+mod common;
+
+use bytes::Bytes;
+use common::{b, barrier, barrier_of, err, ok, Harness};
+use rallypoint_core::{CollectiveKind, Identity, Members, OpError, RankState, Request, Response};
+
+#[test]
+fn barrier_releases_exactly_when_the_last_member_arrives_and_is_reusable() {
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..4).map(|r| h.rank("j", r, 4)).collect();
+    for round in 0..3 {
+        let mut ids = Vec::new();
+        for (r, &sess) in s.iter().enumerate() {
+            ids.push(h.send(sess, barrier("step", None)));
+            let all_in = r == 3;
+            for (&sess, &id) in s.iter().zip(&ids) {
+                assert_eq!(h.pending(sess, id), !all_in, "round {round} after rank {r}");
+            }
+        }
+        for (&sess, &id) in s.iter().zip(&ids) {
+            assert_eq!(ok(h.take(sess, id)), Response::Done);
+        }
+    }
+}
+
+#[test]
+fn generations_are_counted_per_rank_across_sessions() {
+    // A shell loop: each call of rank 0 is a new session that leaves afterwards.
+    let mut h = Harness::new();
+    let r1 = h.rank("j", 1, 2);
+    let first = h.send(r1, barrier("step", None));
+    let second = h.send(r1, barrier("step", None));
+    for gen in 0..2 {
+        let r0 = h.rank("j", 0, 2);
+        let id = h.send(r0, barrier("step", None));
+        assert_eq!(ok(h.take(r0, id)), Response::Done, "generation {gen}");
+        h.leave(r0);
+    }
+    assert_eq!(ok(h.take(r1, first)), Response::Done);
+    assert_eq!(ok(h.take(r1, second)), Response::Done);
+}
+
+#[test]
+fn subgroup_barrier_waits_only_for_its_members() {
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..6).map(|r| h.rank("j", r, 6)).collect();
+    let members = Members::Ranks(vec![5, 0, 2, 2]);
+    let a = h.send(s[0], barrier_of("sub", members.clone(), None));
+    let c = h.send(s[2], barrier_of("sub", members.clone(), None));
+    assert!(h.pending(s[0], a));
+    let d = h.send(s[5], barrier_of("sub", Members::Ranks(vec![0, 2, 5]), None));
+    for (sess, id) in [(s[0], a), (s[2], c), (s[5], d)] {
+        assert_eq!(ok(h.take(sess, id)), Response::Done);
+    }
+    // A non-member calling is told so, and it does not count as an arrival.
+    let e = h.call(s[1], barrier_of("sub", members, None)).unwrap_err();
+    assert!(matches!(&e, OpError::BadMembers { reason, .. } if reason.contains("rank 1") && reason.contains("[0,2,5]")), "{e}");
+}
+
+#[test]
+fn role_barrier_resolves_once_every_rank_is_known() {
+    let mut h = Harness::new();
+    let w0 = h.role_rank("j", 0, 4, "workers");
+    let w2 = h.role_rank("j", 2, 4, "workers");
+    let a = h.send(w0, barrier_of("r", Members::Role("workers".into()), None));
+    let c = h.send(w2, barrier_of("r", Members::Role("workers".into()), None));
+    // Ranks 1 and 3 never connected: their roles are unknown, so the barrier waits.
+    assert!(h.pending(w0, a));
+    let s1 = h.role_rank("j", 1, 4, "servers");
+    assert!(h.pending(w0, a));
+    let _s3 = h.role_rank("j", 3, 4, "servers");
+    assert_eq!(ok(h.take(w0, a)), Response::Done);
+    assert_eq!(ok(h.take(w2, c)), Response::Done);
+    let e = h.call(s1, barrier_of("r", Members::Role("workers".into()), None)).unwrap_err();
+    assert!(e.to_string().contains("role 'servers'"), "{e}");
+}
+
+#[test]
+fn mismatched_members_or_world_size_fail_everyone_naming_both_calls() {
+    let mut h = Harness::new();
+    let s0 = h.rank("j", 0, 4);
+    let s1 = h.rank("j", 1, 4);
+    let a = h.send(s0, barrier("x", None));
+    let e = h.call(s1, barrier_of("x", Members::Ranks(vec![0, 1]), None)).unwrap_err();
+    let OpError::Mismatch { op, mine, theirs } = &e else { panic!("{e:?}") };
+    assert_eq!((op.generation, mine.rank, theirs.rank), (1, 1, 0));
+    assert_eq!(theirs.members, Members::World);
+    assert_eq!(err(h.take(s0, a)), e);
+    let text = e.to_string();
+    assert!(text.contains("rank 0 called it with all ranks") && text.contains("rank 1 called it with ranks [0,1]"), "{text}");
+
+    // Different world sizes in one generation.
+    let t0 = h.rank("k", 0, 4);
+    let t1 = h.rank("k", 1, 3);
+    let a = h.send(t0, barrier("x", None));
+    let e = h.call(t1, barrier("x", None)).unwrap_err();
+    assert!(e.to_string().contains("world size 3") && e.to_string().contains("world size 4"), "{e}");
+    assert_eq!(err(h.take(t0, a)), e);
+    // A late arrival to the failed generation gets the same error.
+    let t2 = h.rank("k", 2, 4);
+    assert_eq!(h.call(t2, barrier("x", None)).unwrap_err(), e);
+}
+
+#[test]
+fn timeout_tells_every_waiter_each_missing_rank_and_its_state() {
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..3).map(|r| h.rank("j", r, 5)).collect();
+    // Rank 3 connects then leaves cleanly; rank 4 never connects; rank 2 is connected but late.
+    let s3 = h.rank("j", 3, 5);
+    h.advance(200);
+    h.leave(s3);
+    let a = h.send(s[0], barrier("sync", Some(2_000)));
+    h.advance(500);
+    let c = h.send(s[1], barrier("sync", Some(10_000)));
+    h.advance(1_499);
+    assert!(h.pending(s[0], a) && h.pending(s[1], c));
+    h.advance(1);
+    let e = err(h.take(s[0], a));
+    assert_eq!(err(h.take(s[1], c)), e, "every waiter gets the same error");
+    let OpError::CollectiveTimeout { op, waited_ms, members, missing } = &e else { panic!("{e:?}") };
+    assert_eq!((op.kind, op.name.as_str(), op.generation), (CollectiveKind::Barrier, "sync", 1));
+    assert_eq!((*waited_ms, *members), (2_000, 5));
+    let states: Vec<_> = missing.iter().map(|m| (m.rank, m.state)).collect();
+    assert_eq!(states, vec![(2, RankState::Connected), (3, RankState::Left), (4, RankState::NeverConnected)]);
+    assert_eq!(missing[0].host.as_deref(), Some("node2"));
+    assert_eq!(missing[0].pid, Some(1002));
+    assert_eq!(missing[1].last_seen_ms_ago, Some(2_000));
+    let text = e.to_string();
+    for needle in ["3 of 5 ranks missing", "rank 2 (host node2, pid 1002, connected but not arrived", "rank 3 (host node3, pid 1003, left cleanly, last seen 2.0 s ago)", "rank 4 (never connected)"] {
+        assert!(text.contains(needle), "{needle:?} not in {text}");
+    }
+    // The latecomer learns the generation failed; the next generation works.
+    assert_eq!(h.call(s[2], barrier("sync", None)).unwrap_err(), e);
+}
+
+#[test]
+fn all_gather_returns_values_in_rank_order_and_is_reusable() {
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..3).map(|r| h.rank("j", r, 3)).collect();
+    for round in 0..2 {
+        let ids: Vec<_> = [2usize, 0, 1]
+            .iter()
+            .map(|&r| {
+                let value = Bytes::from(format!("r{r}g{round}"));
+                (r, h.send(s[r], Request::AllGather { name: "g".into(), members: Members::World, value, timeout_ms: None }))
+            })
+            .collect();
+        let expected: Vec<Bytes> = (0..3).map(|r| Bytes::from(format!("r{r}g{round}"))).collect();
+        for (r, id) in ids {
+            match ok(h.take(s[r], id)) {
+                Response::Gathered(values) => assert_eq!(&values[..], &expected[..]),
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+}
+
+#[test]
+fn broadcast_hands_out_the_roots_value_without_waiting_for_everyone() {
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..3).map(|r| h.rank("j", r, 3)).collect();
+    let bc = |value: Option<Bytes>| Request::Broadcast { name: "cfg".into(), members: Members::World, root: 1, value, timeout_ms: Some(1_000) };
+    let a = h.send(s[0], bc(None));
+    assert!(h.pending(s[0], a));
+    let root = h.send(s[1], bc(Some(b("lr=0.1"))));
+    assert_eq!(ok(h.take(s[0], a)), Response::Value(b("lr=0.1")));
+    assert_eq!(ok(h.take(s[1], root)), Response::Value(b("lr=0.1")));
+    let late = h.send(s[2], bc(Some(b("ignored"))));
+    assert_eq!(ok(h.take(s[2], late)), Response::Value(b("lr=0.1")));
+    // The root must give a value.
+    let e = h.call(s[1], bc(None)).unwrap_err();
+    assert!(e.to_string().contains("root (rank 1) must provide a value"), "{e}");
+}
+
+#[test]
+fn broadcast_timeout_names_only_the_root() {
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..3).map(|r| h.rank("j", r, 3)).collect();
+    let a = h.send(s[0], Request::Broadcast { name: "b".into(), members: Members::World, root: 2, value: None, timeout_ms: Some(100) });
+    h.advance(100);
+    let OpError::CollectiveTimeout { missing, .. } = err(h.take(s[0], a)) else { panic!() };
+    assert_eq!(missing.iter().map(|m| m.rank).collect::<Vec<_>>(), vec![2]);
+}
+
+#[test]
+fn abort_fails_pending_and_later_operations_naming_who_aborted() {
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..3).map(|r| h.rank("j", r, 3)).collect();
+    let other_job = h.rank("other", 0, 2);
+    let a = h.send(s[0], barrier("x", None));
+    let g = h.send(s[1], Request::Get { key: b("k"), timeout_ms: None });
+    let ob = h.send(other_job, barrier("x", None));
+    assert_eq!(h.call(s[2], Request::Abort { reason: "loss is NaN".into() }), Ok(Response::Done));
+    let e = err(h.take(s[0], a));
+    let OpError::Aborted { job, by } = &e else { panic!("{e:?}") };
+    assert_eq!((job.as_str(), by.by_rank, by.reason.as_str()), ("j", Some(2), "loss is NaN"));
+    assert_eq!(e.to_string(), "job 'j' was aborted by rank 2 (host node2, pid 1002): loss is NaN");
+    assert_eq!(err(h.take(s[1], g)), e);
+    assert_eq!(h.call(s[0], Request::Set { key: b("k"), value: b("v") }).unwrap_err(), e);
+    // Another job is untouched.
+    assert!(h.pending(other_job, ob));
+}
+
+#[test]
+fn bad_identities_are_refused() {
+    let mut h = Harness::new();
+    let cases = [
+        (Identity::ranked("j", 4, 4), "rank 4 is out of range for world size 4"),
+        (Identity::ranked("j", 0, 0), "world size 0"),
+        (Identity { world_size: None, ..Identity::ranked("j", 1, 2) }, "without a world size"),
+        (Identity::anonymous(""), "job name is empty"),
+    ];
+    for (i, (identity, needle)) in cases.into_iter().enumerate() {
+        let e = h.engine.open(rallypoint_core::SessionId(100 + i as u64), identity, 0).unwrap_err();
+        assert!(e.to_string().contains(needle), "{e}");
+    }
+}
+
+#[test]
+fn collectives_need_a_rank() {
+    let mut h = Harness::new();
+    let s = h.open(Identity::anonymous("j"));
+    assert!(matches!(h.call(s, barrier("x", None)), Err(OpError::NoRank { .. })));
+}

@@ -1,0 +1,119 @@
+//! Lost ranks fail everything that needs them, at once, on every peer; clean
+//! leaves do not; lease expiry catches silent peers; reconnects revive.
+
+mod common;
+
+use common::{barrier, barrier_of, err, ok, Harness};
+use rallypoint_core::{Config, LossReason, Members, OpError, RankState, Request, Response};
+
+#[test]
+fn a_killed_rank_fails_pending_barriers_on_every_peer_naming_it() {
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..4).map(|r| h.rank("j", r, 4)).collect();
+    let ids: Vec<_> = (0..3).map(|r| h.send(s[r], barrier("step", Some(60_000)))).collect();
+    h.advance(300);
+    h.kill(s[3]);
+    for r in 0..3 {
+        let e = err(h.take(s[r], ids[r]));
+        let OpError::PeerLost { op, peer } = &e else { panic!("{e:?}") };
+        assert_eq!((op.name.as_str(), peer.rank, peer.host.as_deref(), peer.pid), ("step", 3, Some("node3"), Some(1003)));
+        assert_eq!(peer.state, RankState::Lost(LossReason::Disconnected));
+        assert!(e.to_string().contains("rank 3 (host node3, pid 1003, lost: connection dropped"), "{e}");
+    }
+}
+
+#[test]
+fn later_calls_needing_a_lost_rank_fail_at_once_until_it_reconnects() {
+    let mut h = Harness::new();
+    let s0 = h.rank("j", 0, 2);
+    let s1 = h.rank("j", 1, 2);
+    h.kill(s1);
+    let e = h.call(s0, barrier("x", None)).unwrap_err();
+    assert!(matches!(&e, OpError::PeerLost { peer, .. } if peer.rank == 1));
+    // A subgroup that does not include rank 1 is unaffected.
+    assert_eq!(h.call(s0, barrier_of("solo", Members::Ranks(vec![0]), None)), Ok(Response::Done));
+    // Rank 1 comes back: the next generation works.
+    let s1 = h.rank("j", 1, 2);
+    let a = h.send(s0, barrier("x", None));
+    // Rank 1's first call is generation 1, which failed: it learns that, then joins generation 2.
+    assert_eq!(h.call(s1, barrier("x", None)).unwrap_err(), e);
+    assert_eq!(h.call(s1, barrier("x", None)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s0, a)), Response::Done);
+}
+
+#[test]
+fn a_clean_leave_is_not_a_loss() {
+    let mut h = Harness::new();
+    let s0 = h.rank("j", 0, 2);
+    let s1 = h.rank("j", 1, 2);
+    let a = h.send(s0, barrier("x", Some(5_000)));
+    h.leave(s1);
+    assert!(h.pending(s0, a), "a barrier keeps waiting for a rank that left");
+    let s1 = h.rank("j", 1, 2);
+    assert_eq!(h.call(s1, barrier("x", None)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s0, a)), Response::Done);
+}
+
+#[test]
+fn a_rank_with_another_open_session_is_not_lost() {
+    let mut h = Harness::new();
+    let s0 = h.rank("j", 0, 2);
+    let s1a = h.rank("j", 1, 2);
+    let s1b = h.rank("j", 1, 2);
+    let a = h.send(s0, barrier("x", None));
+    h.kill(s1a);
+    assert!(h.pending(s0, a));
+    assert_eq!(h.call(s1b, barrier("x", None)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s0, a)), Response::Done);
+}
+
+#[test]
+fn a_silent_rank_is_lost_when_its_lease_expires_and_revives_when_heard() {
+    let mut h = Harness::with_config(Config { lease_ms: 1_000, ..Config::default() });
+    let s0 = h.rank("j", 0, 2);
+    let s1 = h.rank("j", 1, 2);
+    let a = h.send(s0, barrier("x", None));
+    for _ in 0..5 {
+        h.advance(400);
+        h.call(s0, Request::Heartbeat).unwrap();
+    }
+    let e = err(h.take(s0, a));
+    let OpError::PeerLost { peer, .. } = &e else { panic!("{e:?}") };
+    assert_eq!(peer.rank, 1);
+    assert_eq!(peer.state, RankState::Lost(LossReason::LeaseExpired { lease_ms: 1_000 }));
+    assert!(e.to_string().contains("no heartbeat for 1.0 s"), "{e}");
+    // It speaks again: alive; rank 0 was never lost because it kept heartbeating.
+    h.call(s1, Request::Heartbeat).unwrap();
+    let a = h.send(s0, barrier("x", None));
+    assert_eq!(h.call(s1, barrier("x", None)).unwrap_err(), e, "rank 1's generation 1 had failed");
+    assert_eq!(h.call(s1, barrier("x", None)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s0, a)), Response::Done);
+}
+
+#[test]
+fn a_lost_rank_fails_all_gather_but_broadcast_only_when_it_is_the_root() {
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..3).map(|r| h.rank("j", r, 3)).collect();
+    let bc = h.send(s[0], Request::Broadcast { name: "b".into(), members: Members::World, root: 1, value: None, timeout_ms: None });
+    let ag = h.send(s[0], Request::AllGather { name: "g".into(), members: Members::World, value: "x".into(), timeout_ms: None });
+    h.kill(s[2]);
+    assert!(h.pending(s[0], bc), "rank 2 is not the broadcast's root");
+    assert!(matches!(err(h.take(s[0], ag)), OpError::PeerLost { peer, .. } if peer.rank == 2));
+    h.kill(s[1]);
+    assert!(matches!(err(h.take(s[0], bc)), OpError::PeerLost { peer, .. } if peer.rank == 1));
+}
+
+#[test]
+fn idle_jobs_are_forgotten_after_their_ttl() {
+    let mut h = Harness::with_config(Config { job_idle_ttl_ms: 1_000, ..Config::default() });
+    let s = h.rank("j", 0, 1);
+    h.call(s, Request::Set { key: "k".into(), value: "v".into() }).unwrap();
+    h.leave(s);
+    h.advance(999);
+    let s = h.rank("j", 0, 1);
+    assert_eq!(h.call(s, Request::NumKeys), Ok(Response::Int(1)), "still there within the ttl");
+    h.leave(s);
+    h.advance(1_000);
+    let s = h.rank("j", 0, 1);
+    assert_eq!(h.call(s, Request::NumKeys), Ok(Response::Int(0)));
+}
