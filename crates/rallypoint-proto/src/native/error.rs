@@ -1,0 +1,43 @@
+//! Errors of the native codec.
+
+use bytes::Bytes;
+
+/// What was wrong with bytes received from a peer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtoError {
+    /// The connection does not start with [`super::MAGIC`]. `got` holds the
+    /// (up to four) bytes that differ from it or precede the difference.
+    #[error("not a rallypoint native client: expected magic \"RLLY\", got \"{}\"", got.escape_ascii())]
+    BadMagic { got: Bytes },
+
+    /// A length prefix above the receiver's limit: the peer is broken or hostile,
+    /// and nothing after it can be trusted.
+    #[error("frame of {len} bytes exceeds the limit of {max} bytes")]
+    FrameTooLarge { len: usize, max: usize },
+
+    /// A client frame arrived whole but its contents do not decode. The frame was
+    /// consumed; `id` is the request id if it could be read.
+    #[error("malformed request{}: {message}", id_suffix(*id))]
+    BadRequest { id: Option<u64>, message: String },
+
+    /// A server frame arrived whole but its contents do not decode. The frame was
+    /// consumed; `id` is the request id of the reply if it could be read.
+    #[error("malformed server frame{}: {message}", id_suffix(*id))]
+    BadReply { id: Option<u64>, message: String },
+}
+
+impl ProtoError {
+    /// True if the byte stream is out of sync or untrustworthy and the connection
+    /// must be closed; false if only one whole frame was bad and was skipped.
+    pub fn is_fatal(&self) -> bool {
+        match self {
+            ProtoError::BadMagic { .. } | ProtoError::FrameTooLarge { .. } => true,
+            ProtoError::BadRequest { .. } | ProtoError::BadReply { .. } => false,
+        }
+    }
+}
+
+fn id_suffix(id: Option<u64>) -> String {
+    id.map(|id| format!(" (request id {id})"))
+        .unwrap_or_default()
+}

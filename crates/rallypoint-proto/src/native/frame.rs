@@ -1,0 +1,286 @@
+//! Length-prefixed framing and the frame kinds of both directions
+//! (docs/PROTOCOL.md, "Framing" and "Frames").
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
+use rallypoint_core::{Identity, Limits, OpError, Reply, Request, Response, SessionId, Welcome};
+
+use super::error::ProtoError;
+use super::identity::{decode_identity, encode_identity};
+use super::op_error::{decode_op_error, encode_op_error};
+use super::reply::{decode_reply_body, encode_reply_body};
+use super::request::{decode_request, encode_request};
+use super::wire::{DecodeError, DecodeResult, Reader};
+
+/// Longest body any frame may have. The length prefix is a u32 and its largest
+/// value, `u32::MAX`, is reserved: encoders saturate to it when a body does not
+/// fit, so such a frame is always rejected rather than misread.
+pub const MAX_FRAME_LEN: usize = u32::MAX as usize - 1;
+
+/// Bytes of the length prefix in front of every frame body.
+const LEN_PREFIX: usize = 4;
+
+/// First byte of every frame body. Values are part of the protocol: never renumber.
+mod kind {
+    pub const HELLO: u8 = 0x01;
+    pub const REQUEST: u8 = 0x02;
+    pub const WELCOME: u8 = 0x81;
+    pub const REFUSED: u8 = 0x82;
+    pub const REPLY: u8 = 0x83;
+}
+
+/// A frame a client sends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ClientFrame {
+    /// First frame after the preamble: who the client is.
+    Hello(Identity),
+    /// An operation; its reply carries the same `id`.
+    Request { id: u64, request: Request },
+}
+
+/// A frame a server sends.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ServerFrame {
+    /// The Hello was accepted.
+    Welcome(Welcome),
+    /// The Hello was refused; the server closes the connection after this frame.
+    Refused(OpError),
+    /// The outcome of the request with this `id`.
+    Reply { id: u64, reply: Reply },
+}
+
+/// How long a frame a decoder accepts before declaring the stream broken.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FrameLimits {
+    /// Longest accepted body (the value of the length prefix), capped at [`MAX_FRAME_LEN`].
+    pub max_frame_len: usize,
+}
+
+impl FrameLimits {
+    /// The floor of [`FrameLimits::from_limits`], and the default.
+    pub const DEFAULT_MAX_FRAME_LEN: usize = 64 << 20;
+
+    /// Room for the largest single-value request the engine accepts: compare_set
+    /// carries a key and two values; 1 MiB covers names, member lists and headers.
+    /// Never below 64 MiB, so that batches of ordinary keys fit. Key and value
+    /// limits are the engine's to enforce (with a typed `TooLarge`), not the codec's.
+    pub fn from_limits(limits: &Limits) -> Self {
+        let largest = limits
+            .max_value_len
+            .saturating_mul(2)
+            .saturating_add(limits.max_key_len)
+            .saturating_add(1 << 20);
+        FrameLimits {
+            max_frame_len: largest.clamp(Self::DEFAULT_MAX_FRAME_LEN, MAX_FRAME_LEN),
+        }
+    }
+
+    /// Accepts every frame the format can express; for a client reading replies
+    /// from a trusted server (an all-gather reply grows with the world size).
+    pub fn unbounded() -> Self {
+        FrameLimits {
+            max_frame_len: MAX_FRAME_LEN,
+        }
+    }
+}
+
+impl Default for FrameLimits {
+    fn default() -> Self {
+        FrameLimits {
+            max_frame_len: Self::DEFAULT_MAX_FRAME_LEN,
+        }
+    }
+}
+
+/// Appends one whole frame (length prefix and body) to `dst`.
+pub fn encode_client_frame(frame: &ClientFrame, dst: &mut BytesMut) {
+    write_frame(dst, |dst| match frame {
+        ClientFrame::Hello(identity) => {
+            dst.put_u8(kind::HELLO);
+            encode_identity(identity, dst);
+        }
+        ClientFrame::Request { id, request } => {
+            dst.put_u8(kind::REQUEST);
+            dst.put_u64_le(*id);
+            encode_request(request, dst);
+        }
+    });
+}
+
+/// Appends one whole frame (length prefix and body) to `dst`.
+pub fn encode_server_frame(frame: &ServerFrame, dst: &mut BytesMut) {
+    match frame {
+        ServerFrame::Welcome(welcome) => {
+            write_frame(dst, |dst| {
+                dst.put_u8(kind::WELCOME);
+                dst.put_u64_le(welcome.session.0);
+                dst.put_u64_le(welcome.lease_ms);
+            });
+        }
+        ServerFrame::Refused(error) => {
+            write_frame(dst, |dst| {
+                dst.put_u8(kind::REFUSED);
+                encode_op_error(error, dst);
+            });
+        }
+        ServerFrame::Reply { id, reply } => encode_reply(*id, reply, dst),
+    }
+}
+
+/// Encodes `ServerFrame::Reply { id, reply }` without owning the reply.
+///
+/// A response too long to frame (an all-gather of many large values) is replaced
+/// by `OpError::TooLarge`, so the caller still gets a typed answer.
+pub fn encode_reply(id: u64, reply: &Reply, dst: &mut BytesMut) {
+    // Checked before encoding so that nothing that large is ever copied. Only
+    // value-carrying responses need it: their size is world size × value size,
+    // which no single engine limit bounds; errors stay within the engine's limits.
+    let payload_len = match reply {
+        Ok(Response::Value(value)) => blob_len(value),
+        Ok(Response::Values(values)) => list_len(values),
+        Ok(Response::Gathered(values)) => list_len(values),
+        _ => 0,
+    };
+    let body_len = payload_len.saturating_add(REPLY_HEADER_LEN);
+    let too_large;
+    let reply = if body_len > MAX_FRAME_LEN {
+        too_large = Err(OpError::TooLarge {
+            what: "reply".to_owned(),
+            len: body_len as u64,
+            limit: MAX_FRAME_LEN as u64,
+        });
+        &too_large
+    } else {
+        reply
+    };
+    write_frame(dst, |dst| put_reply(dst, id, reply));
+}
+
+/// Frame kind, request id and reply tag.
+const REPLY_HEADER_LEN: usize = 1 + 8 + 1;
+
+fn blob_len(blob: &[u8]) -> usize {
+    blob.len().saturating_add(4)
+}
+
+fn list_len(blobs: &[Bytes]) -> usize {
+    blobs
+        .iter()
+        .fold(4, |total: usize, blob| total.saturating_add(blob_len(blob)))
+}
+
+fn put_reply(dst: &mut BytesMut, id: u64, reply: &Reply) {
+    dst.put_u8(kind::REPLY);
+    dst.put_u64_le(id);
+    encode_reply_body(reply, dst);
+}
+
+/// Writes a length prefix and the body `body` produces.
+fn write_frame(dst: &mut BytesMut, body: impl FnOnce(&mut BytesMut)) {
+    let start = dst.len();
+    dst.put_u32_le(0);
+    body(dst);
+    let len = dst.len() - start - LEN_PREFIX;
+    let prefix = u32::try_from(len).unwrap_or(u32::MAX).to_le_bytes();
+    dst[start..start + LEN_PREFIX].copy_from_slice(&prefix);
+}
+
+/// Decodes the next client frame from `src`.
+///
+/// `Ok(None)`: `src` does not hold a whole frame yet; read more and call again.
+/// A non-fatal error consumed its frame, so decoding can continue after it.
+pub fn decode_client_frame(
+    src: &mut BytesMut,
+    limits: &FrameLimits,
+) -> Result<Option<ClientFrame>, ProtoError> {
+    let Some(body) = take_frame(src, limits)? else {
+        return Ok(None);
+    };
+    let mut r = Reader::new(body);
+    let mut id = None;
+    client_body(&mut r, &mut id)
+        .map(Some)
+        .map_err(|DecodeError(message)| ProtoError::BadRequest { id, message })
+}
+
+/// Decodes the next server frame from `src`; same contract as [`decode_client_frame`].
+pub fn decode_server_frame(
+    src: &mut BytesMut,
+    limits: &FrameLimits,
+) -> Result<Option<ServerFrame>, ProtoError> {
+    let Some(body) = take_frame(src, limits)? else {
+        return Ok(None);
+    };
+    let mut r = Reader::new(body);
+    let mut id = None;
+    server_body(&mut r, &mut id)
+        .map(Some)
+        .map_err(|DecodeError(message)| ProtoError::BadReply { id, message })
+}
+
+/// Splits one whole frame body off `src`, or returns `Ok(None)` if it has not all arrived.
+fn take_frame(src: &mut BytesMut, limits: &FrameLimits) -> Result<Option<Bytes>, ProtoError> {
+    let mut peek: &[u8] = src;
+    if peek.len() < LEN_PREFIX {
+        return Ok(None);
+    }
+    let len = peek.get_u32_le() as usize;
+    let max = limits.max_frame_len.min(MAX_FRAME_LEN);
+    if len > max {
+        return Err(ProtoError::FrameTooLarge { len, max });
+    }
+    // No reserve() for the announced length: a peer that sends only a large
+    // prefix must not make us allocate it. The read loop grows `src` as bytes arrive.
+    if peek.len() < len {
+        return Ok(None);
+    }
+    src.advance(LEN_PREFIX);
+    Ok(Some(src.split_to(len).freeze()))
+}
+
+/// `id` is set as soon as a request id has been read, for the error of a later field.
+fn client_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ClientFrame> {
+    let frame = match r.u8("frame kind")? {
+        kind::HELLO => ClientFrame::Hello(decode_identity(r)?),
+        kind::REQUEST => {
+            let request_id = r.u64("request id")?;
+            *id = Some(request_id);
+            ClientFrame::Request {
+                id: request_id,
+                request: decode_request(r)?,
+            }
+        }
+        other => return Err(DecodeError::unknown("client frame kind", other)),
+    };
+    r.finish(match &frame {
+        ClientFrame::Hello(_) => "hello",
+        ClientFrame::Request { request, .. } => request.name(),
+    })?;
+    Ok(frame)
+}
+
+fn server_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ServerFrame> {
+    let (frame, what) = match r.u8("frame kind")? {
+        kind::WELCOME => {
+            let welcome = Welcome {
+                session: SessionId(r.u64("session")?),
+                lease_ms: r.u64("lease_ms")?,
+            };
+            (ServerFrame::Welcome(welcome), "welcome")
+        }
+        kind::REFUSED => (ServerFrame::Refused(decode_op_error(r)?), "refused"),
+        kind::REPLY => {
+            let request_id = r.u64("request id")?;
+            *id = Some(request_id);
+            (
+                ServerFrame::Reply {
+                    id: request_id,
+                    reply: decode_reply_body(r)?,
+                },
+                "reply",
+            )
+        }
+        other => return Err(DecodeError::unknown("server frame kind", other)),
+    };
+    r.finish(what)?;
+    Ok(frame)
+}

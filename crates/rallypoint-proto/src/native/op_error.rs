@@ -1,0 +1,269 @@
+//! Encoding of every [`OpError`] with all its fields, so that a client rebuilds
+//! exactly the typed error the engine produced (docs/PROTOCOL.md, "Errors").
+
+use bytes::{BufMut, BytesMut};
+use rallypoint_core::{
+    AbortInfo, CallShape, CollectiveKind, LossReason, OpError, OpRef, RankInfo, RankState,
+};
+
+use super::request::{blobs, decode_members, encode_members, put_blobs};
+use super::wire::{DecodeError, DecodeResult, Reader, WireWrite};
+
+/// Set in every error tag: a reply tag with this bit is an error, otherwise a response.
+pub(crate) const ERROR_TAG_BIT: u8 = 0x80;
+
+/// One tag per [`OpError`] variant. Values are part of the protocol: never renumber.
+mod tag {
+    pub const COLLECTIVE_TIMEOUT: u8 = 0x81;
+    pub const KEY_TIMEOUT: u8 = 0x82;
+    pub const PEER_LOST: u8 = 0x83;
+    pub const ABORTED: u8 = 0x84;
+    pub const MISMATCH: u8 = 0x85;
+    pub const BAD_MEMBERS: u8 = 0x86;
+    pub const NO_RANK: u8 = 0x87;
+    pub const NOT_A_NUMBER: u8 = 0x88;
+    pub const OVERFLOW: u8 = 0x89;
+    pub const TOO_LARGE: u8 = 0x8a;
+    pub const INVALID: u8 = 0x8b;
+    pub const CLOSED: u8 = 0x8c;
+}
+
+/// Fewest bytes of one encoded [`RankInfo`]: rank + three absent options + state tag.
+const MIN_RANK_INFO_LEN: usize = 4 + 1 + 1 + 1 + 1;
+
+pub(crate) fn encode_op_error(error: &OpError, dst: &mut BytesMut) {
+    match error {
+        OpError::CollectiveTimeout {
+            op,
+            waited_ms,
+            members,
+            missing,
+        } => {
+            dst.put_u8(tag::COLLECTIVE_TIMEOUT);
+            encode_op_ref(op, dst);
+            dst.put_u64_le(*waited_ms);
+            dst.put_u32_le(*members);
+            dst.put_list(missing, |dst, info| encode_rank_info(info, dst));
+        }
+        OpError::KeyTimeout { waited_ms, missing } => {
+            dst.put_u8(tag::KEY_TIMEOUT);
+            dst.put_u64_le(*waited_ms);
+            put_blobs(dst, missing);
+        }
+        OpError::PeerLost { op, peer } => {
+            dst.put_u8(tag::PEER_LOST);
+            encode_op_ref(op, dst);
+            encode_rank_info(peer, dst);
+        }
+        OpError::Aborted { job, by } => {
+            dst.put_u8(tag::ABORTED);
+            dst.put_str(job);
+            encode_abort_info(by, dst);
+        }
+        OpError::Mismatch { op, mine, theirs } => {
+            dst.put_u8(tag::MISMATCH);
+            encode_op_ref(op, dst);
+            encode_call_shape(mine, dst);
+            encode_call_shape(theirs, dst);
+        }
+        OpError::BadMembers { kind, name, reason } => {
+            dst.put_u8(tag::BAD_MEMBERS);
+            dst.put_u8(collective_kind_tag(*kind));
+            dst.put_str(name);
+            dst.put_str(reason);
+        }
+        OpError::NoRank { op } => {
+            dst.put_u8(tag::NO_RANK);
+            dst.put_str(op);
+        }
+        OpError::NotANumber { key, value } => {
+            dst.put_u8(tag::NOT_A_NUMBER);
+            dst.put_blob(key);
+            dst.put_blob(value);
+        }
+        OpError::Overflow {
+            key,
+            current,
+            delta,
+        } => {
+            dst.put_u8(tag::OVERFLOW);
+            dst.put_blob(key);
+            dst.put_i64_le(*current);
+            dst.put_i64_le(*delta);
+        }
+        OpError::TooLarge { what, len, limit } => {
+            dst.put_u8(tag::TOO_LARGE);
+            dst.put_str(what);
+            dst.put_u64_le(*len);
+            dst.put_u64_le(*limit);
+        }
+        OpError::Invalid(message) => {
+            dst.put_u8(tag::INVALID);
+            dst.put_str(message);
+        }
+        OpError::Closed(message) => {
+            dst.put_u8(tag::CLOSED);
+            dst.put_str(message);
+        }
+    }
+}
+
+pub(crate) fn decode_op_error(r: &mut Reader) -> DecodeResult<OpError> {
+    let tag = r.u8("error tag")?;
+    decode_op_error_fields(tag, r)
+}
+
+/// The fields of the error whose tag was already read.
+pub(crate) fn decode_op_error_fields(tag: u8, r: &mut Reader) -> DecodeResult<OpError> {
+    Ok(match tag {
+        tag::COLLECTIVE_TIMEOUT => OpError::CollectiveTimeout {
+            op: decode_op_ref(r)?,
+            waited_ms: r.u64("waited_ms")?,
+            members: r.u32("members")?,
+            missing: r.list("missing", MIN_RANK_INFO_LEN, decode_rank_info)?,
+        },
+        tag::KEY_TIMEOUT => OpError::KeyTimeout {
+            waited_ms: r.u64("waited_ms")?,
+            missing: blobs(r, "missing")?,
+        },
+        tag::PEER_LOST => OpError::PeerLost {
+            op: decode_op_ref(r)?,
+            peer: decode_rank_info(r)?,
+        },
+        tag::ABORTED => OpError::Aborted {
+            job: r.string("job")?,
+            by: decode_abort_info(r)?,
+        },
+        tag::MISMATCH => OpError::Mismatch {
+            op: decode_op_ref(r)?,
+            mine: Box::new(decode_call_shape(r)?),
+            theirs: Box::new(decode_call_shape(r)?),
+        },
+        tag::BAD_MEMBERS => OpError::BadMembers {
+            kind: decode_collective_kind(r)?,
+            name: r.string("name")?,
+            reason: r.string("reason")?,
+        },
+        tag::NO_RANK => OpError::NoRank {
+            op: r.string("op")?,
+        },
+        tag::NOT_A_NUMBER => OpError::NotANumber {
+            key: r.bytes("key")?,
+            value: r.bytes("value")?,
+        },
+        tag::OVERFLOW => OpError::Overflow {
+            key: r.bytes("key")?,
+            current: r.i64("current")?,
+            delta: r.i64("delta")?,
+        },
+        tag::TOO_LARGE => OpError::TooLarge {
+            what: r.string("what")?,
+            len: r.u64("len")?,
+            limit: r.u64("limit")?,
+        },
+        tag::INVALID => OpError::Invalid(r.string("message")?),
+        tag::CLOSED => OpError::Closed(r.string("message")?),
+        other => return Err(DecodeError::unknown("error tag", other)),
+    })
+}
+
+fn collective_kind_tag(kind: CollectiveKind) -> u8 {
+    match kind {
+        CollectiveKind::Barrier => 0,
+        CollectiveKind::AllGather => 1,
+        CollectiveKind::Broadcast => 2,
+    }
+}
+
+fn decode_collective_kind(r: &mut Reader) -> DecodeResult<CollectiveKind> {
+    Ok(match r.u8("collective kind")? {
+        0 => CollectiveKind::Barrier,
+        1 => CollectiveKind::AllGather,
+        2 => CollectiveKind::Broadcast,
+        other => return Err(DecodeError::unknown("collective kind", other)),
+    })
+}
+
+fn encode_op_ref(op: &OpRef, dst: &mut BytesMut) {
+    dst.put_u8(collective_kind_tag(op.kind));
+    dst.put_str(&op.name);
+    dst.put_u64_le(op.generation);
+}
+
+fn decode_op_ref(r: &mut Reader) -> DecodeResult<OpRef> {
+    Ok(OpRef {
+        kind: decode_collective_kind(r)?,
+        name: r.string("op.name")?,
+        generation: r.u64("op.generation")?,
+    })
+}
+
+fn encode_rank_info(info: &RankInfo, dst: &mut BytesMut) {
+    dst.put_u32_le(info.rank);
+    dst.put_option(info.host.as_deref(), BytesMut::put_str);
+    dst.put_option(info.pid, BytesMut::put_u32_le);
+    match info.state {
+        RankState::NeverConnected => dst.put_u8(0),
+        RankState::Connected => dst.put_u8(1),
+        RankState::Left => dst.put_u8(2),
+        RankState::Lost(LossReason::Disconnected) => dst.put_u8(3),
+        RankState::Lost(LossReason::LeaseExpired { lease_ms }) => {
+            dst.put_u8(4);
+            dst.put_u64_le(lease_ms);
+        }
+    }
+    dst.put_option(info.last_seen_ms_ago, BytesMut::put_u64_le);
+}
+
+fn decode_rank_info(r: &mut Reader) -> DecodeResult<RankInfo> {
+    Ok(RankInfo {
+        rank: r.u32("rank_info.rank")?,
+        host: r.option("rank_info.host", |r| r.string("rank_info.host"))?,
+        pid: r.option("rank_info.pid", |r| r.u32("rank_info.pid"))?,
+        state: match r.u8("rank_info.state")? {
+            0 => RankState::NeverConnected,
+            1 => RankState::Connected,
+            2 => RankState::Left,
+            3 => RankState::Lost(LossReason::Disconnected),
+            4 => RankState::Lost(LossReason::LeaseExpired {
+                lease_ms: r.u64("rank_info.lease_ms")?,
+            }),
+            other => return Err(DecodeError::unknown("rank state", other)),
+        },
+        last_seen_ms_ago: r.option("rank_info.last_seen_ms_ago", |r| {
+            r.u64("rank_info.last_seen_ms_ago")
+        })?,
+    })
+}
+
+fn encode_call_shape(shape: &CallShape, dst: &mut BytesMut) {
+    dst.put_u32_le(shape.rank);
+    encode_members(&shape.members, dst);
+    dst.put_u32_le(shape.world_size);
+    dst.put_option(shape.root, BytesMut::put_u32_le);
+}
+
+fn decode_call_shape(r: &mut Reader) -> DecodeResult<CallShape> {
+    Ok(CallShape {
+        rank: r.u32("call.rank")?,
+        members: decode_members(r)?,
+        world_size: r.u32("call.world_size")?,
+        root: r.option("call.root", |r| r.u32("call.root"))?,
+    })
+}
+
+fn encode_abort_info(by: &AbortInfo, dst: &mut BytesMut) {
+    dst.put_option(by.by_rank, BytesMut::put_u32_le);
+    dst.put_str(&by.host);
+    dst.put_u32_le(by.pid);
+    dst.put_str(&by.reason);
+}
+
+fn decode_abort_info(r: &mut Reader) -> DecodeResult<AbortInfo> {
+    Ok(AbortInfo {
+        by_rank: r.option("by.rank", |r| r.u32("by.rank"))?,
+        host: r.string("by.host")?,
+        pid: r.u32("by.pid")?,
+        reason: r.string("by.reason")?,
+    })
+}

@@ -1,0 +1,258 @@
+//! Request opcodes and field layouts (docs/PROTOCOL.md, "Requests").
+
+use bytes::{BufMut, Bytes, BytesMut};
+use rallypoint_core::{Members, Request};
+
+use super::wire::{DecodeError, DecodeResult, Reader, WireWrite};
+
+/// One opcode per [`Request`] variant. Values are part of the protocol: never renumber.
+mod op {
+    pub const SET: u8 = 0x01;
+    pub const GET: u8 = 0x02;
+    pub const ADD: u8 = 0x03;
+    pub const COMPARE_SET: u8 = 0x04;
+    pub const APPEND: u8 = 0x05;
+    pub const DELETE: u8 = 0x06;
+    pub const CHECK: u8 = 0x07;
+    pub const WAIT: u8 = 0x08;
+    pub const MULTI_GET: u8 = 0x09;
+    pub const MULTI_SET: u8 = 0x0a;
+    pub const NUM_KEYS: u8 = 0x0b;
+    pub const LIST_KEYS: u8 = 0x0c;
+    pub const BARRIER: u8 = 0x0d;
+    pub const ALL_GATHER: u8 = 0x0e;
+    pub const BROADCAST: u8 = 0x0f;
+    pub const ABORT: u8 = 0x10;
+    pub const HEARTBEAT: u8 = 0x11;
+    pub const LEAVE: u8 = 0x12;
+}
+
+mod members {
+    pub const WORLD: u8 = 0;
+    pub const RANKS: u8 = 1;
+    pub const ROLE: u8 = 2;
+}
+
+/// Fewest bytes a byte string takes on the wire (its u32 length).
+pub(crate) const MIN_BLOB_LEN: usize = 4;
+
+pub(crate) fn encode_request(request: &Request, dst: &mut BytesMut) {
+    match request {
+        Request::Set { key, value } => {
+            dst.put_u8(op::SET);
+            dst.put_blob(key);
+            dst.put_blob(value);
+        }
+        Request::Get { key, timeout_ms } => {
+            dst.put_u8(op::GET);
+            dst.put_blob(key);
+            put_timeout(dst, *timeout_ms);
+        }
+        Request::Add { key, delta } => {
+            dst.put_u8(op::ADD);
+            dst.put_blob(key);
+            dst.put_i64_le(*delta);
+        }
+        Request::CompareSet {
+            key,
+            expected,
+            desired,
+        } => {
+            dst.put_u8(op::COMPARE_SET);
+            dst.put_blob(key);
+            dst.put_blob(expected);
+            dst.put_blob(desired);
+        }
+        Request::Append { key, value } => {
+            dst.put_u8(op::APPEND);
+            dst.put_blob(key);
+            dst.put_blob(value);
+        }
+        Request::Delete { key } => {
+            dst.put_u8(op::DELETE);
+            dst.put_blob(key);
+        }
+        Request::Check { keys } => {
+            dst.put_u8(op::CHECK);
+            put_blobs(dst, keys);
+        }
+        Request::Wait { keys, timeout_ms } => {
+            dst.put_u8(op::WAIT);
+            put_blobs(dst, keys);
+            put_timeout(dst, *timeout_ms);
+        }
+        Request::MultiGet { keys, timeout_ms } => {
+            dst.put_u8(op::MULTI_GET);
+            put_blobs(dst, keys);
+            put_timeout(dst, *timeout_ms);
+        }
+        Request::MultiSet { entries } => {
+            dst.put_u8(op::MULTI_SET);
+            dst.put_list(entries, |dst, (key, value)| {
+                dst.put_blob(key);
+                dst.put_blob(value);
+            });
+        }
+        Request::NumKeys => dst.put_u8(op::NUM_KEYS),
+        Request::ListKeys { prefix } => {
+            dst.put_u8(op::LIST_KEYS);
+            dst.put_blob(prefix);
+        }
+        Request::Barrier {
+            name,
+            members,
+            timeout_ms,
+        } => {
+            dst.put_u8(op::BARRIER);
+            dst.put_str(name);
+            encode_members(members, dst);
+            put_timeout(dst, *timeout_ms);
+        }
+        Request::AllGather {
+            name,
+            members,
+            value,
+            timeout_ms,
+        } => {
+            dst.put_u8(op::ALL_GATHER);
+            dst.put_str(name);
+            encode_members(members, dst);
+            dst.put_blob(value);
+            put_timeout(dst, *timeout_ms);
+        }
+        Request::Broadcast {
+            name,
+            members,
+            root,
+            value,
+            timeout_ms,
+        } => {
+            dst.put_u8(op::BROADCAST);
+            dst.put_str(name);
+            encode_members(members, dst);
+            dst.put_u32_le(*root);
+            dst.put_option(value.as_deref(), BytesMut::put_blob);
+            put_timeout(dst, *timeout_ms);
+        }
+        Request::Abort { reason } => {
+            dst.put_u8(op::ABORT);
+            dst.put_str(reason);
+        }
+        Request::Heartbeat => dst.put_u8(op::HEARTBEAT),
+        Request::Leave => dst.put_u8(op::LEAVE),
+    }
+}
+
+pub(crate) fn decode_request(r: &mut Reader) -> DecodeResult<Request> {
+    // Struct literal fields are evaluated in source order, which is wire order.
+    Ok(match r.u8("opcode")? {
+        op::SET => Request::Set {
+            key: r.bytes("key")?,
+            value: r.bytes("value")?,
+        },
+        op::GET => Request::Get {
+            key: r.bytes("key")?,
+            timeout_ms: timeout(r)?,
+        },
+        op::ADD => Request::Add {
+            key: r.bytes("key")?,
+            delta: r.i64("delta")?,
+        },
+        op::COMPARE_SET => Request::CompareSet {
+            key: r.bytes("key")?,
+            expected: r.bytes("expected")?,
+            desired: r.bytes("desired")?,
+        },
+        op::APPEND => Request::Append {
+            key: r.bytes("key")?,
+            value: r.bytes("value")?,
+        },
+        op::DELETE => Request::Delete {
+            key: r.bytes("key")?,
+        },
+        op::CHECK => Request::Check {
+            keys: blobs(r, "keys")?,
+        },
+        op::WAIT => Request::Wait {
+            keys: blobs(r, "keys")?,
+            timeout_ms: timeout(r)?,
+        },
+        op::MULTI_GET => Request::MultiGet {
+            keys: blobs(r, "keys")?,
+            timeout_ms: timeout(r)?,
+        },
+        op::MULTI_SET => Request::MultiSet {
+            entries: r.list("entries", 2 * MIN_BLOB_LEN, |r| {
+                Ok((r.bytes("key")?, r.bytes("value")?))
+            })?,
+        },
+        op::NUM_KEYS => Request::NumKeys,
+        op::LIST_KEYS => Request::ListKeys {
+            prefix: r.bytes("prefix")?,
+        },
+        op::BARRIER => Request::Barrier {
+            name: r.string("name")?,
+            members: decode_members(r)?,
+            timeout_ms: timeout(r)?,
+        },
+        op::ALL_GATHER => Request::AllGather {
+            name: r.string("name")?,
+            members: decode_members(r)?,
+            value: r.bytes("value")?,
+            timeout_ms: timeout(r)?,
+        },
+        op::BROADCAST => Request::Broadcast {
+            name: r.string("name")?,
+            members: decode_members(r)?,
+            root: r.u32("root")?,
+            value: r.option("value", |r| r.bytes("value"))?,
+            timeout_ms: timeout(r)?,
+        },
+        op::ABORT => Request::Abort {
+            reason: r.string("reason")?,
+        },
+        op::HEARTBEAT => Request::Heartbeat,
+        op::LEAVE => Request::Leave,
+        other => return Err(DecodeError::unknown("request opcode", other)),
+    })
+}
+
+pub(crate) fn encode_members(members: &Members, dst: &mut BytesMut) {
+    match members {
+        Members::World => dst.put_u8(members::WORLD),
+        Members::Ranks(ranks) => {
+            dst.put_u8(members::RANKS);
+            dst.put_list(ranks, |dst, rank| dst.put_u32_le(*rank));
+        }
+        Members::Role(role) => {
+            dst.put_u8(members::ROLE);
+            dst.put_str(role);
+        }
+    }
+}
+
+pub(crate) fn decode_members(r: &mut Reader) -> DecodeResult<Members> {
+    Ok(match r.u8("members")? {
+        members::WORLD => Members::World,
+        members::RANKS => Members::Ranks(r.list("members.ranks", 4, |r| r.u32("members.ranks"))?),
+        members::ROLE => Members::Role(r.string("members.role")?),
+        other => return Err(DecodeError::unknown("members tag", other)),
+    })
+}
+
+pub(crate) fn put_blobs(dst: &mut BytesMut, items: &[Bytes]) {
+    dst.put_list(items, |dst, item| dst.put_blob(item));
+}
+
+pub(crate) fn blobs(r: &mut Reader, field: &str) -> DecodeResult<Vec<Bytes>> {
+    r.list(field, MIN_BLOB_LEN, |r| r.bytes(field))
+}
+
+/// Timeouts are optional u64 milliseconds: flag byte 0 = wait without limit.
+fn put_timeout(dst: &mut BytesMut, timeout_ms: Option<u64>) {
+    dst.put_option(timeout_ms, BytesMut::put_u64_le);
+}
+
+fn timeout(r: &mut Reader) -> DecodeResult<Option<u64>> {
+    r.option("timeout_ms", |r| r.u64("timeout_ms"))
+}

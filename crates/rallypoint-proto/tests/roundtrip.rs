@@ -1,0 +1,90 @@
+//! Every frame, request, response and error decodes to exactly what was encoded.
+
+mod common;
+
+use bytes::BytesMut;
+use common::{client_frame, op_error, request, response, samples, server_frame};
+use proptest::prelude::*;
+use rallypoint_core::{OpError, Request, Response};
+use rallypoint_proto::native::{
+    decode_client_frame, decode_server_frame, encode_client_frame, encode_reply,
+    encode_server_frame, ClientFrame, FrameLimits, ServerFrame,
+};
+
+fn client_round_trip(frame: &ClientFrame) -> ClientFrame {
+    let mut buf = BytesMut::new();
+    encode_client_frame(frame, &mut buf);
+    let decoded = decode_client_frame(&mut buf, &FrameLimits::default())
+        .unwrap()
+        .unwrap();
+    assert!(buf.is_empty(), "frame not fully consumed");
+    decoded
+}
+
+fn server_round_trip(frame: &ServerFrame) -> ServerFrame {
+    let mut buf = BytesMut::new();
+    encode_server_frame(frame, &mut buf);
+    let decoded = decode_server_frame(&mut buf, &FrameLimits::default())
+        .unwrap()
+        .unwrap();
+    assert!(buf.is_empty(), "frame not fully consumed");
+    decoded
+}
+
+#[test]
+fn every_request_variant_round_trips() {
+    let all: Vec<Request> = samples(request(), 18);
+    for (id, request) in all.into_iter().enumerate() {
+        let frame = ClientFrame::Request {
+            id: id as u64,
+            request,
+        };
+        assert_eq!(client_round_trip(&frame), frame);
+    }
+}
+
+#[test]
+fn every_response_and_error_variant_round_trips() {
+    let responses: Vec<Response> = samples(response(), 6);
+    let errors: Vec<OpError> = samples(op_error(), 12);
+    let replies = responses
+        .into_iter()
+        .map(Ok)
+        .chain(errors.iter().cloned().map(Err));
+    for (id, reply) in replies.enumerate() {
+        let frame = ServerFrame::Reply {
+            id: id as u64,
+            reply,
+        };
+        assert_eq!(server_round_trip(&frame), frame);
+    }
+    for error in errors {
+        let frame = ServerFrame::Refused(error);
+        assert_eq!(server_round_trip(&frame), frame);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(1024))]
+
+    #[test]
+    fn client_frames_round_trip(frame in client_frame()) {
+        prop_assert_eq!(client_round_trip(&frame), frame);
+    }
+
+    #[test]
+    fn server_frames_round_trip(frame in server_frame()) {
+        prop_assert_eq!(server_round_trip(&frame), frame);
+    }
+
+    #[test]
+    fn encode_reply_matches_server_frame(id in any::<u64>(), response in response(), error in op_error()) {
+        for reply in [Ok(response), Err(error)] {
+            let mut direct = BytesMut::new();
+            encode_reply(id, &reply, &mut direct);
+            let mut framed = BytesMut::new();
+            encode_server_frame(&ServerFrame::Reply { id, reply }, &mut framed);
+            prop_assert_eq!(direct, framed);
+        }
+    }
+}
