@@ -12,6 +12,8 @@ pub struct Limits {
     pub max_keys_per_op: usize,
     /// Longest job, barrier, role or host name, and abort reason, in bytes.
     pub max_name_len: usize,
+    /// Largest sum of one all-gather generation's values: the reply every member gets.
+    pub max_gather_bytes: usize,
 }
 
 impl Default for Limits {
@@ -21,6 +23,7 @@ impl Default for Limits {
             max_value_len: 8 << 20,
             max_keys_per_op: 131_072,
             max_name_len: 1024,
+            max_gather_bytes: 1 << 30,
         }
     }
 }

@@ -5,7 +5,7 @@ mod common;
 
 use bytes::Bytes;
 use common::{b, barrier, barrier_of, err, ok, Harness};
-use rallypoint_core::{CollectiveKind, Identity, Members, OpError, RankState, Request, Response};
+use rallypoint_core::{CollectiveKind, Config, Identity, Limits, Members, OpError, RankState, Request, Response};
 
 #[test]
 fn barrier_releases_exactly_when_the_last_member_arrives_and_is_reusable() {
@@ -224,4 +224,17 @@ fn collectives_need_a_rank() {
     let mut h = Harness::new();
     let s = h.open(Identity::anonymous("j"));
     assert!(matches!(h.call(s, barrier("x", None)), Err(OpError::NoRank { .. })));
+}
+
+#[test]
+fn an_all_gather_too_large_to_reply_fails_for_every_member() {
+    let limits = Limits { max_gather_bytes: 10, ..Limits::default() };
+    let mut h = Harness::with_config(Config { limits, ..Config::default() });
+    let s: Vec<_> = (0..3).map(|r| h.rank("j", r, 3)).collect();
+    let gather = |v: &str| Request::AllGather { name: "g".into(), members: Members::World, value: b(v), timeout_ms: None };
+    let a = h.send(s[0], gather("12345"));
+    let e = h.call(s[1], gather("123456")).unwrap_err();
+    assert!(matches!(&e, OpError::TooLarge { len: 11, limit: 10, .. }), "{e:?}");
+    assert_eq!(err(h.take(s[0], a)), e);
+    assert_eq!(h.call(s[2], gather("1")).unwrap_err(), e, "the late member learns the generation failed");
 }

@@ -57,6 +57,8 @@ struct Generation {
     deadline: Option<Millis>,
     /// Broadcast only: the root's value has been handed out.
     released: bool,
+    /// Sum of the values gathered so far.
+    bytes: usize,
 }
 
 #[derive(Debug, Default)]
@@ -70,11 +72,12 @@ struct Collective {
 pub(crate) struct Collectives {
     by_name: HashMap<(CollectiveKind, String), Collective>,
     failed_kept: usize,
+    max_gather_bytes: usize,
 }
 
 impl Collectives {
-    pub fn new(failed_kept: usize) -> Self {
-        Collectives { by_name: HashMap::new(), failed_kept: failed_kept.max(1) }
+    pub fn new(failed_kept: usize, max_gather_bytes: usize) -> Self {
+        Collectives { by_name: HashMap::new(), failed_kept: failed_kept.max(1), max_gather_bytes }
     }
 
     pub fn arrive(&mut self, kind: CollectiveKind, name: &str, call: Call, ranks: &Ranks, ctx: &mut Ctx<'_>) {
@@ -128,10 +131,22 @@ impl Collectives {
                     started: ctx.now,
                     deadline: None,
                     released: false,
+                    bytes: 0,
                 })
             }
         };
 
+        generation.bytes = generation.bytes.saturating_add(call.value.len());
+        if generation.bytes > self.max_gather_bytes {
+            let error = OpError::TooLarge {
+                what: format!("{op}: the gathered values' total size"),
+                len: generation.bytes as u64,
+                limit: self.max_gather_bytes as u64,
+            };
+            ctx.reply(caller, Err(error.clone()));
+            coll.fail(op.generation, error, failed_kept, ctx);
+            return;
+        }
         generation.arrivals.insert(call.rank, call.value);
         if kind == CollectiveKind::Broadcast {
             if generation.released {

@@ -1,6 +1,6 @@
 //! One job: its keys, its collectives, its ranks, and whether it was aborted.
 
-use crate::{AbortInfo, Millis, OpError, Outgoing};
+use crate::{AbortInfo, Config, Millis, OpError, Outgoing};
 
 use super::collective::{Collectives, Ctx};
 use super::ranks::{Change, Ranks};
@@ -23,13 +23,13 @@ pub(crate) struct Job {
 }
 
 impl Job {
-    pub fn new(id: JobId, name: String, failed_kept: usize, now: Millis) -> Self {
+    pub fn new(id: JobId, name: String, config: &Config, now: Millis) -> Self {
         Job {
             id,
             name,
             store: Store::default(),
             ranks: Ranks::default(),
-            collectives: Collectives::new(failed_kept),
+            collectives: Collectives::new(config.failed_generations_kept, config.limits.max_gather_bytes),
             aborted: None,
             sessions: 0,
             idle_since: now,

@@ -75,7 +75,7 @@ impl Engine {
                 let id = self.next_job;
                 self.next_job += 1;
                 self.job_ids.insert(identity.job.clone(), id);
-                self.jobs.insert(id, Job::new(id, identity.job.clone(), self.config.failed_generations_kept, now));
+                self.jobs.insert(id, Job::new(id, identity.job.clone(), &self.config, now));
                 id
             }
         };
