@@ -1,0 +1,88 @@
+//! The environment of each worker: torchrun's variables, so torch and tools that
+//! read them work unchanged, plus rallypoint's own.
+
+use std::ffi::OsString;
+use std::net::SocketAddr;
+
+/// Where one worker sits in the job.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Placement {
+    pub rank: u32,
+    pub local_rank: u32,
+    pub world_size: u32,
+    pub local_world_size: u32,
+    pub node_rank: u32,
+    pub nnodes: u32,
+}
+
+/// What every worker of one attempt shares.
+#[derive(Debug, Clone)]
+pub struct JobEnv {
+    pub coordinator: SocketAddr,
+    /// The user's job name (TORCHELASTIC_RUN_ID).
+    pub run_id: String,
+    /// The coordinator job of this attempt (RALLYPOINT_JOB): new at each restart, so no
+    /// key or barrier generation of a failed attempt leaks into the next.
+    pub attempt_job: String,
+    pub restart_count: u32,
+    pub max_restarts: u32,
+}
+
+pub fn worker_env(job: &JobEnv, p: &Placement, inherited_omp: bool) -> Vec<(&'static str, OsString)> {
+    let s = |v: &dyn ToString| OsString::from(v.to_string());
+    let mut env = vec![
+        ("RANK", s(&p.rank)),
+        ("LOCAL_RANK", s(&p.local_rank)),
+        ("WORLD_SIZE", s(&p.world_size)),
+        ("LOCAL_WORLD_SIZE", s(&p.local_world_size)),
+        ("GROUP_RANK", s(&p.node_rank)),
+        ("GROUP_WORLD_SIZE", s(&p.nnodes)),
+        ("ROLE_RANK", s(&p.rank)),
+        ("ROLE_NAME", s(&"default")),
+        ("ROLE_WORLD_SIZE", s(&p.world_size)),
+        ("MASTER_ADDR", s(&job.coordinator.ip())),
+        ("MASTER_PORT", s(&job.coordinator.port())),
+        ("TORCHELASTIC_RUN_ID", s(&job.run_id)),
+        ("TORCHELASTIC_RESTART_COUNT", s(&job.restart_count)),
+        ("TORCHELASTIC_MAX_RESTARTS", s(&job.max_restarts)),
+        ("TORCHELASTIC_USE_AGENT_STORE", s(&"True")),
+        ("RALLYPOINT_ADDR", s(&job.coordinator)),
+        ("RALLYPOINT_JOB", s(&job.attempt_job)),
+    ];
+    // As torchrun does: many workers each spawning a thread per core oversubscribe the node.
+    if !inherited_omp && p.local_world_size > 1 {
+        env.push(("OMP_NUM_THREADS", s(&1)));
+    }
+    env
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn torchrun_compatible_variables() {
+        let job = JobEnv {
+            coordinator: "127.0.0.1:29500".parse().expect("literal address"),
+            run_id: "train".into(),
+            attempt_job: "train.restart1".into(),
+            restart_count: 1,
+            max_restarts: 3,
+        };
+        let p = Placement { rank: 5, local_rank: 1, world_size: 8, local_world_size: 4, node_rank: 1, nnodes: 2 };
+        let env: std::collections::HashMap<_, _> = worker_env(&job, &p, false).into_iter().collect();
+        let get = |k: &str| env.get(k).and_then(|v| v.to_str()).unwrap_or("<unset>");
+        assert_eq!(get("RANK"), "5");
+        assert_eq!(get("LOCAL_RANK"), "1");
+        assert_eq!(get("GROUP_RANK"), "1");
+        assert_eq!(get("MASTER_ADDR"), "127.0.0.1");
+        assert_eq!(get("MASTER_PORT"), "29500");
+        assert_eq!(get("RALLYPOINT_ADDR"), "127.0.0.1:29500");
+        assert_eq!(get("RALLYPOINT_JOB"), "train.restart1");
+        assert_eq!(get("TORCHELASTIC_RUN_ID"), "train");
+        assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), "True");
+        assert_eq!(get("OMP_NUM_THREADS"), "1");
+        let env = worker_env(&job, &p, true);
+        assert!(env.iter().all(|(k, _)| *k != "OMP_NUM_THREADS"), "a user's OMP_NUM_THREADS is kept");
+    }
+}

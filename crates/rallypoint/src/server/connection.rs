@@ -1,0 +1,292 @@
+//! One client connection: protocol preamble, hello, then requests in and replies
+//! out. One task per connection; while idle it holds no read or write buffer.
+
+use std::collections::VecDeque;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use rallypoint_core::{Identity, OpError, SessionId};
+use rallypoint_proto::native::{
+    decode_client_frame, decode_preamble, encode_reply, encode_server_frame, ClientFrame, FrameLimits, ProtoError,
+    ServerFrame, VERSION,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+use tracing::{debug, warn};
+
+use super::shared::{Outbox, Shared};
+
+/// Most bytes taken from the socket per read; larger frames grow the buffer as they arrive.
+const READ_CHUNK: usize = 4096;
+/// A write buffer larger than this is freed after use rather than kept for the next batch.
+const KEEP_WRITE_CAPACITY: usize = 4096;
+/// Stop gathering replies into one write past this size and send what we have.
+const MAX_WRITE_BATCH: usize = 1 << 20;
+/// A peer that connects but does not finish the preamble and hello in this time is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Serves one accepted connection until it closes; never fails the server.
+pub(crate) async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, limits: FrameLimits) {
+    let mut conn = Connection { stream, peer, limits, rbuf: BytesMut::new(), wbuf: BytesMut::new() };
+    let identity = match tokio::time::timeout(HANDSHAKE_TIMEOUT, conn.handshake()).await {
+        Ok(Ok(Some(identity))) => identity,
+        Ok(Ok(None)) => return,
+        Ok(Err(error)) => {
+            debug!(%peer, %error, "connection failed during the handshake");
+            return;
+        }
+        Err(_) => {
+            warn!(%peer, "no hello within {HANDSHAKE_TIMEOUT:?}; closing the connection");
+            return;
+        }
+    };
+
+    let outbox = Arc::new(Outbox::default());
+    let welcome = match shared.open(identity.clone(), Arc::clone(&outbox)) {
+        Ok(welcome) => welcome,
+        Err(error) => {
+            warn!(%peer, job = %identity.job, rank = ?identity.rank, %error, "refused a client");
+            conn.refuse(error).await;
+            return;
+        }
+    };
+    let session = welcome.session;
+    let _guard = SessionGuard { shared: &shared, session };
+    debug!(%peer, %session, job = %identity.job, rank = ?identity.rank, host = %identity.host, pid = identity.pid, "session opened");
+    // The engine keeps the identity; this task need not hold a copy while it serves.
+    drop(identity);
+    encode_server_frame(&ServerFrame::Welcome(welcome), &mut conn.wbuf);
+
+    match conn.run(session, &shared, &outbox).await {
+        Ok(()) => debug!(%peer, %session, "session closed by the peer"),
+        Err(End::Io(error)) => debug!(%peer, %session, %error, "session connection failed"),
+        Err(End::Malformed(error)) => warn!(%peer, %session, %error, "malformed input; closing the connection"),
+        Err(End::SecondHello) => warn!(%peer, %session, "a second hello on an open session; closing the connection"),
+    }
+}
+
+/// Why a session's connection ended (other than the peer closing it).
+enum End {
+    Io(io::Error),
+    Malformed(ProtoError),
+    SecondHello,
+}
+
+impl From<io::Error> for End {
+    fn from(error: io::Error) -> Self {
+        End::Io(error)
+    }
+}
+
+/// Tells the engine when the session ends, however the connection task ends
+/// (error, peer close, server shutdown cancelling the task).
+struct SessionGuard<'a> {
+    shared: &'a Shared,
+    session: SessionId,
+}
+
+impl Drop for SessionGuard<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            // The engine may be what panicked; calling it again would abort the process.
+            self.shared.forget(self.session);
+        } else {
+            self.shared.close(self.session);
+        }
+    }
+}
+
+struct Connection {
+    stream: TcpStream,
+    peer: SocketAddr,
+    limits: FrameLimits,
+    rbuf: BytesMut,
+    wbuf: BytesMut,
+}
+
+impl Connection {
+    /// Reads the preamble and the hello. `Ok(None)`: the peer is not (or no longer)
+    /// a native client we can serve; already logged, and the connection is done.
+    async fn handshake(&mut self) -> io::Result<Option<Identity>> {
+        let peer = self.peer;
+        // The first byte tells the protocol apart: 'R' starts the native magic,
+        // 0x00 is the first byte of every PyTorch TCPStore connection.
+        loop {
+            match self.rbuf.first() {
+                None => {}
+                Some(b'R') => match decode_preamble(&mut self.rbuf) {
+                    Ok(None) => {}
+                    Ok(Some(VERSION)) => break,
+                    Ok(Some(version)) => {
+                        warn!(%peer, version, "client speaks an unsupported protocol version; closing");
+                        let message = format!("protocol version {version} is not supported; this coordinator speaks {VERSION}");
+                        self.refuse(OpError::Invalid(message)).await;
+                        return Ok(None);
+                    }
+                    Err(error) => {
+                        warn!(%peer, %error, "bad preamble; closing");
+                        return Ok(None);
+                    }
+                },
+                Some(0x00) => {
+                    warn!(%peer, "a PyTorch TCPStore client connected; the TCPStore protocol is not supported yet; closing");
+                    return Ok(None);
+                }
+                Some(&byte) => {
+                    warn!(%peer, first_byte = byte, "unknown protocol (not a rallypoint client); closing");
+                    return Ok(None);
+                }
+            }
+            if !self.read_more().await? {
+                debug!(%peer, "closed before the preamble");
+                return Ok(None);
+            }
+        }
+        loop {
+            match decode_client_frame(&mut self.rbuf, &self.limits) {
+                Ok(Some(ClientFrame::Hello(identity))) => return Ok(Some(identity)),
+                Ok(Some(ClientFrame::Request { id, request })) => {
+                    warn!(%peer, id, request = request.name(), "request before hello; closing");
+                    self.refuse(OpError::Invalid("the first frame must be a hello".to_owned())).await;
+                    return Ok(None);
+                }
+                Ok(None) => {
+                    if !self.read_more().await? {
+                        debug!(%peer, "closed before the hello");
+                        return Ok(None);
+                    }
+                }
+                Err(error) => {
+                    warn!(%peer, %error, "bad hello; closing");
+                    if !error.is_fatal() {
+                        self.refuse(OpError::Invalid(error.to_string())).await;
+                    }
+                    return Ok(None);
+                }
+            }
+        }
+    }
+
+    /// Sends `Refused` and closes; errors are moot since we close either way.
+    async fn refuse(&mut self, error: OpError) {
+        self.wbuf.clear();
+        encode_server_frame(&ServerFrame::Refused(error), &mut self.wbuf);
+        if self.stream.write_all(&self.wbuf).await.is_ok() {
+            let _ = self.stream.shutdown().await;
+        }
+    }
+
+    /// Reads once into the read buffer; false at end of stream.
+    async fn read_more(&mut self) -> io::Result<bool> {
+        self.rbuf.reserve(READ_CHUNK);
+        Ok(self.stream.read_buf(&mut self.rbuf).await? != 0)
+    }
+
+    /// Serves the open session until the peer closes (`Ok`) or something fails.
+    async fn run(&mut self, session: SessionId, shared: &Shared, outbox: &Outbox) -> Result<(), End> {
+        // The hello may have arrived together with the first requests.
+        let mut broken = self.process(session, shared).err();
+        loop {
+            // Replies to the requests before a broken frame still go out, so the peer
+            // learns all it can before the connection closes.
+            self.flush(outbox).await?;
+            if let Some(end) = broken.take() {
+                return Err(end);
+            }
+            // Idle connections keep no read buffer; bytes of a partial frame stay.
+            if self.rbuf.is_empty() {
+                self.rbuf = BytesMut::new();
+            }
+            tokio::select! {
+                // Replies first: they free waiting peers, and reading more only adds work.
+                biased;
+                () = outbox.ready.notified() => {}
+                ready = self.stream.readable() => {
+                    ready?;
+                    match self.try_read() {
+                        Ok(0) => {
+                            if !self.rbuf.is_empty() {
+                                debug!(peer = %self.peer, %session, buffered = self.rbuf.len(), "closed in the middle of a frame");
+                            }
+                            return Ok(());
+                        }
+                        Ok(_) => broken = self.process(session, shared).err(),
+                        Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(error) => return Err(error.into()),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reads what the socket has (up to [`READ_CHUNK`]) without blocking.
+    ///
+    /// Reads land on the stack first and are appended to the read buffer, so a
+    /// buffer starting empty is allocated at exactly the size received. Decoded
+    /// keys and values share that allocation (the codec does not copy them), and
+    /// the store keeps them: a small `set` must not pin a whole read chunk.
+    /// The rest of a frame already started is read straight into the buffer, which
+    /// grows geometrically so that a large value takes few reads.
+    fn try_read(&mut self) -> io::Result<usize> {
+        if !self.rbuf.is_empty() {
+            self.rbuf.reserve(READ_CHUNK.max(self.rbuf.len()));
+            return self.stream.try_read_buf(&mut self.rbuf);
+        }
+        let mut chunk = [0u8; READ_CHUNK];
+        let n = self.stream.try_read(&mut chunk)?;
+        self.rbuf.extend_from_slice(&chunk[..n]);
+        Ok(n)
+    }
+
+    /// Decodes every whole frame buffered and feeds the requests to the engine under
+    /// one lock. Bad requests get an `Invalid` reply; a broken stream ends the session
+    /// (after the requests before it are handled).
+    fn process(&mut self, session: SessionId, shared: &Shared) -> Result<(), End> {
+        let mut requests = Vec::new();
+        let mut result = Ok(());
+        loop {
+            match decode_client_frame(&mut self.rbuf, &self.limits) {
+                Ok(None) => break,
+                Ok(Some(ClientFrame::Request { id, request })) => requests.push((id, request)),
+                Ok(Some(ClientFrame::Hello(_))) => {
+                    result = Err(End::SecondHello);
+                    break;
+                }
+                Err(error) if error.is_fatal() => {
+                    result = Err(End::Malformed(error));
+                    break;
+                }
+                Err(error) => {
+                    warn!(peer = %self.peer, %session, %error, "bad request");
+                    if let ProtoError::BadRequest { id: Some(id), message } = error {
+                        encode_reply(id, &Err(OpError::Invalid(message)), &mut self.wbuf);
+                    }
+                }
+            }
+        }
+        if !requests.is_empty() {
+            shared.handle(session, requests.into_iter());
+        }
+        result
+    }
+
+    /// Writes every reply ready for this session, batched into as few writes as possible.
+    async fn flush(&mut self, outbox: &Outbox) -> io::Result<()> {
+        let mut replies: VecDeque<_> = outbox.take();
+        while !replies.is_empty() || !self.wbuf.is_empty() {
+            while self.wbuf.len() < MAX_WRITE_BATCH {
+                let Some((id, reply)) = replies.pop_front() else { break };
+                encode_reply(id, &reply, &mut self.wbuf);
+            }
+            self.stream.write_all(&self.wbuf).await?;
+            self.wbuf.clear();
+        }
+        if self.wbuf.capacity() > KEEP_WRITE_CAPACITY {
+            self.wbuf = BytesMut::new();
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,186 @@
+//! The coordinator server: a TCP listener in front of the engine.
+//!
+//! The [`rallypoint_core::Engine`] holds all coordination state and does no I/O;
+//! this module only moves bytes. Each connection is one task that decodes
+//! requests, feeds them to the engine under a lock and writes the replies the
+//! engine addresses to it; a ticker task advances the engine's clock.
+
+mod connection;
+mod shared;
+mod ticker;
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rallypoint_core::Config;
+use rallypoint_proto::native::FrameLimits;
+use tokio::net::{TcpListener, TcpSocket};
+use tokio::sync::{oneshot, watch};
+use tokio::task::{JoinHandle, JoinSet};
+use tracing::{debug, error, info, warn};
+
+use shared::Shared;
+
+pub use crate::fdlimit::raise_fd_limit;
+
+/// Pending connections the kernel may queue: large jobs connect all at once.
+const LISTEN_BACKLOG: u32 = 4096;
+/// Pause after an accept failure caused by exhausted resources (file descriptors,
+/// memory), so that the loop does not spin while they are short.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Address to listen on, bound exactly as given.
+    pub listen: SocketAddr,
+    pub engine: Config,
+}
+
+/// A bound, not yet running coordinator.
+pub struct Server {
+    listener: TcpListener,
+    local_addr: SocketAddr,
+    shared: Arc<Shared>,
+    limits: FrameLimits,
+}
+
+impl Server {
+    /// Raises the open-file limit, then binds exactly `config.listen`.
+    pub async fn bind(config: ServerConfig) -> io::Result<Server> {
+        let fd_limit = raise_fd_limit();
+        let listener = listen(config.listen)
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot listen on {}: {e}", config.listen)))?;
+        let local_addr = listener.local_addr()?;
+        info!(%local_addr, fd_limit, lease_ms = config.engine.lease_ms, "rallypoint coordinator listening");
+        let limits = FrameLimits::from_limits(&config.engine.limits);
+        Ok(Server { listener, local_addr, shared: Arc::new(Shared::new(config.engine)), limits })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Serves until `shutdown` completes, then stops accepting, closes every
+    /// connection (their ranks count as lost, not left) and returns.
+    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> io::Result<()> {
+        let Server { listener, local_addr, shared, limits } = self;
+        // Dropping `stop` tells the ticker and every connection task to finish.
+        let (stop, stopped) = watch::channel(());
+        let spawn_ticker = || tokio::spawn(ticker::run(Arc::clone(&shared), stopped.clone()));
+        let mut ticker = spawn_ticker();
+        let mut connections = JoinSet::new();
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => break,
+                accepted = listener.accept() => match accepted {
+                    Ok((stream, peer)) => {
+                        if let Err(error) = stream.set_nodelay(true) {
+                            debug!(%peer, %error, "cannot set TCP_NODELAY");
+                        }
+                        let shared = Arc::clone(&shared);
+                        let mut stopped = stopped.clone();
+                        connections.spawn(async move {
+                            tokio::select! {
+                                () = connection::serve(stream, peer, shared, limits) => {}
+                                _ = stopped.changed() => {}
+                            }
+                        });
+                    }
+                    Err(error) => accept_failed(error).await,
+                },
+                Some(ended) = connections.join_next() => {
+                    if let Err(error) = ended {
+                        if error.is_panic() {
+                            error!(%error, "a connection task panicked");
+                        }
+                    }
+                }
+                ended = &mut ticker => {
+                    // Without the ticker no timeout would ever fire: restart it.
+                    error!(error = ?ended.err(), "the ticker stopped unexpectedly; restarting it");
+                    ticker = spawn_ticker();
+                }
+            }
+        }
+        info!(%local_addr, connections = connections.len(), "rallypoint coordinator shutting down");
+        drop(listener);
+        drop(stop);
+        while connections.join_next().await.is_some() {}
+        if let Err(error) = ticker.await {
+            error!(%error, "the ticker failed");
+        }
+        info!(%local_addr, "rallypoint coordinator stopped");
+        Ok(())
+    }
+
+    /// Runs the server on the current tokio runtime (call it from within one, as for
+    /// `tokio::spawn`). Dropping the handle shuts the server down.
+    #[must_use = "dropping the handle shuts the server down"]
+    pub fn spawn(self) -> ServerHandle {
+        let local_addr = self.local_addr;
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(self.run_until(async move {
+            // Completes when the handle sends or is dropped.
+            let _ = stopped.await;
+        }));
+        ServerHandle { local_addr, stop, task }
+    }
+}
+
+/// A server running in the background (see [`Server::spawn`]).
+pub struct ServerHandle {
+    local_addr: SocketAddr,
+    /// Never sent: dropping it is the shutdown signal.
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<io::Result<()>>,
+}
+
+impl ServerHandle {
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Stops accepting, closes every connection and waits until the server is done.
+    pub async fn shutdown(self) {
+        let ServerHandle { stop, task, .. } = self;
+        drop(stop);
+        match task.await {
+            Ok(Ok(())) => {}
+            Ok(Err(error)) => error!(%error, "the server failed"),
+            Err(error) => error!(%error, "the server task failed"),
+        }
+    }
+}
+
+fn listen(addr: SocketAddr) -> io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+    // Lets a restarted coordinator bind its port while old connections linger in TIME_WAIT.
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
+}
+
+/// Keeps the accept loop alive through every accept error: one bad connection or a
+/// temporary shortage must not take the coordinator of a whole job down.
+async fn accept_failed(error: io::Error) {
+    let exhausted = matches!(
+        error.raw_os_error(),
+        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+    );
+    if exhausted {
+        error!(%error, "cannot accept a connection (out of file descriptors or memory); retrying shortly");
+        tokio::time::sleep(ACCEPT_BACKOFF).await;
+    } else if matches!(
+        error.kind(),
+        io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset | io::ErrorKind::Interrupted
+    ) {
+        debug!(%error, "a connection failed before it was accepted");
+    } else {
+        warn!(%error, "accept failed");
+        tokio::time::sleep(ACCEPT_BACKOFF).await;
+    }
+}

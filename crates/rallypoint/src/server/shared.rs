@@ -1,0 +1,153 @@
+//! The state every connection task and the ticker share: the engine, where each
+//! session's replies go, and the server's clock.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use rallypoint_core::{Config, Engine, Identity, Millis, OpError, Reply, Request, SessionId, Welcome};
+use tokio::sync::Notify;
+
+pub(crate) struct Shared {
+    state: Mutex<State>,
+    /// Time zero of the engine's clock.
+    start: Instant,
+    next_session: AtomicU64,
+    /// When the ticker plans to wake next (engine ms; `u64::MAX` = no deadline).
+    /// Written only under the state lock.
+    ticker_plan: AtomicU64,
+    /// Wakes the ticker when a deadline earlier than its plan appears.
+    ticker_wake: Notify,
+}
+
+struct State {
+    engine: Engine,
+    outboxes: HashMap<SessionId, Arc<Outbox>>,
+}
+
+/// Replies waiting to be written to one connection. The connection task swaps the
+/// queue out and encodes outside of any lock, so a large reply (an all-gather to
+/// many ranks) never holds up the engine.
+#[derive(Default)]
+pub(crate) struct Outbox {
+    queue: Mutex<VecDeque<(u64, Reply)>>,
+    pub(crate) ready: Notify,
+}
+
+impl Outbox {
+    fn push(&self, request_id: u64, reply: Reply) {
+        lock(&self.queue).push_back((request_id, reply));
+        self.ready.notify_one();
+    }
+
+    /// Takes every queued reply, leaving the queue without an allocation.
+    pub(crate) fn take(&self) -> VecDeque<(u64, Reply)> {
+        std::mem::take(&mut *lock(&self.queue))
+    }
+}
+
+/// Locks, carrying on past a poisoned lock: a panic in one connection task must not
+/// take every other job on this coordinator down with it.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| {
+        tracing::error!("a task panicked while holding the coordinator state; carrying on");
+        mutex.clear_poison();
+        poisoned.into_inner()
+    })
+}
+
+impl Shared {
+    pub(crate) fn new(config: Config) -> Self {
+        Shared {
+            state: Mutex::new(State { engine: Engine::new(config), outboxes: HashMap::new() }),
+            start: Instant::now(),
+            next_session: AtomicU64::new(1),
+            ticker_plan: AtomicU64::new(u64::MAX),
+            ticker_wake: Notify::new(),
+        }
+    }
+
+    /// Read only while holding the state lock, so that the engine never sees time go back.
+    fn now(&self) -> Millis {
+        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    pub(crate) fn start(&self) -> Instant {
+        self.start
+    }
+
+    /// Admits a session; on success its replies go to `outbox` until [`Shared::close`].
+    pub(crate) fn open(&self, identity: Identity, outbox: Arc<Outbox>) -> Result<Welcome, OpError> {
+        let session = SessionId(self.next_session.fetch_add(1, Ordering::Relaxed));
+        let mut state = lock(&self.state);
+        let now = self.now();
+        let welcome = state.engine.open(session, identity, now)?;
+        state.outboxes.insert(session, outbox);
+        self.after_input(&mut state);
+        Ok(welcome)
+    }
+
+    /// Feeds a batch of requests of one session under a single lock.
+    pub(crate) fn handle(&self, session: SessionId, requests: impl Iterator<Item = (u64, Request)>) {
+        let mut state = lock(&self.state);
+        let now = self.now();
+        for (id, request) in requests {
+            state.engine.handle(session, id, request, now);
+        }
+        self.after_input(&mut state);
+    }
+
+    /// The session's connection is gone; the engine decides whether that is a
+    /// clean leave or a loss.
+    pub(crate) fn close(&self, session: SessionId) {
+        let mut state = lock(&self.state);
+        let now = self.now();
+        state.outboxes.remove(&session);
+        state.engine.close(session, now);
+        self.after_input(&mut state);
+    }
+
+    /// Forgets the session's outbox without telling the engine: used when the engine
+    /// itself panicked, so calling it again could only panic again.
+    pub(crate) fn forget(&self, session: SessionId) {
+        lock(&self.state).outboxes.remove(&session);
+    }
+
+    /// Fires what is due and returns the next deadline (engine ms).
+    pub(crate) fn tick(&self) -> Option<Millis> {
+        let mut state = lock(&self.state);
+        let now = self.now();
+        state.engine.tick(now);
+        dispatch(&mut state);
+        let next = state.engine.next_deadline();
+        self.ticker_plan.store(next.unwrap_or(u64::MAX), Ordering::Relaxed);
+        next
+    }
+
+    pub(crate) async fn ticker_woken(&self) {
+        self.ticker_wake.notified().await;
+    }
+
+    /// Routes the engine's replies and wakes the ticker if the engine now has a
+    /// deadline earlier than the one the ticker sleeps towards.
+    fn after_input(&self, state: &mut State) {
+        dispatch(state);
+        if let Some(next) = state.engine.next_deadline() {
+            if next < self.ticker_plan.load(Ordering::Relaxed) {
+                self.ticker_plan.store(next, Ordering::Relaxed);
+                self.ticker_wake.notify_one();
+            }
+        }
+    }
+}
+
+fn dispatch(state: &mut State) {
+    let State { engine, outboxes } = state;
+    for out in engine.drain_outgoing() {
+        // A reply for a session that closed meanwhile has nowhere to go.
+        if let Some(outbox) = outboxes.get(&out.session) {
+            outbox.push(out.request_id, out.reply);
+        }
+    }
+}

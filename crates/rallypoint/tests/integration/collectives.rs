@@ -1,0 +1,206 @@
+use std::time::{Duration, Instant};
+
+use rallypoint::{Error, LossReason, Members, OpError, RankInfo, RankState};
+use rallypoint_core::CollectiveKind;
+
+use crate::common::{bounded, connect, rank, start_confirmed, start_server, start_server_with};
+
+/// A rank whose process dies (connection dropped without leaving) fails every other
+/// waiter at once, naming the rank, its host and pid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dropped_client_fails_every_waiter_with_peer_lost() {
+    let server = start_server().await;
+    let mut clients = Vec::new();
+    for r in 0..4 {
+        clients.push(connect(&server, rank("lost", r, 4)).await);
+    }
+    let victim = clients.pop().expect("rank 3");
+
+    let mut waiters = Vec::new();
+    for client in &clients {
+        let c = client.clone();
+        let op = async move { c.barrier("sync", Members::World, Some(Duration::from_secs(50))).await };
+        waiters.push(start_confirmed(client, op).await);
+    }
+    // Every waiter is now inside the barrier. Kill rank 3.
+    let killed = Instant::now();
+    drop(victim);
+
+    for (r, waiter) in waiters.into_iter().enumerate() {
+        let result = bounded("waiter", waiter).await.expect("waiter task");
+        match result {
+            Err(Error::Op(OpError::PeerLost { op, peer })) => {
+                assert_eq!((op.kind, op.name.as_str(), op.generation), (CollectiveKind::Barrier, "sync", 1));
+                assert_eq!(peer.rank, 3);
+                assert_eq!(peer.host.as_deref(), Some("host-3"));
+                assert_eq!(peer.pid, Some(1003));
+                assert_eq!(peer.state, RankState::Lost(LossReason::Disconnected));
+            }
+            other => panic!("rank {r}: expected PeerLost, got {other:?}"),
+        }
+    }
+    // "At once": far below the 50 s barrier timeout.
+    assert!(killed.elapsed() < Duration::from_secs(5), "took {:?}", killed.elapsed());
+    server.shutdown().await;
+}
+
+/// On timeout every waiter gets the same error listing exactly the missing ranks
+/// and where each stands: connected but absent, left cleanly, never connected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn barrier_timeout_lists_exactly_the_missing_ranks() {
+    let server = start_server().await;
+    let r0 = connect(&server, rank("late", 0, 5)).await;
+    let r1 = connect(&server, rank("late", 1, 5)).await;
+    let _r2 = connect(&server, rank("late", 2, 5)).await;
+    let r3 = connect(&server, rank("late", 3, 5)).await;
+    bounded("close", r3.close()).await.expect("rank 3 leaves cleanly");
+    // Rank 4 never connects.
+
+    let timeout = Some(Duration::from_millis(800));
+    let started = Instant::now();
+    let (a, b) = bounded("barrier", async {
+        tokio::join!(r0.barrier("epoch", Members::World, timeout), r1.barrier("epoch", Members::World, timeout))
+    })
+    .await;
+    assert!(started.elapsed() >= Duration::from_millis(800));
+
+    for (r, result) in [(0, a), (1, b)] {
+        let Err(Error::Op(OpError::CollectiveTimeout { op, waited_ms, members, missing })) = result else {
+            panic!("rank {r}: expected CollectiveTimeout, got {result:?}");
+        };
+        assert_eq!((op.kind, op.name.as_str(), op.generation), (CollectiveKind::Barrier, "epoch", 1));
+        assert_eq!(members, 5);
+        assert!(waited_ms >= 800, "waited {waited_ms} ms");
+        let states: Vec<(u32, RankState)> = missing.iter().map(|m: &RankInfo| (m.rank, m.state)).collect();
+        assert_eq!(
+            states,
+            vec![(2, RankState::Connected), (3, RankState::Left), (4, RankState::NeverConnected)],
+            "rank {r}"
+        );
+        assert_eq!(missing[0].host.as_deref(), Some("host-2"));
+        assert_eq!(missing[0].pid, Some(1002));
+        assert_eq!(missing[1].host.as_deref(), Some("host-3"));
+        assert_eq!(missing[2].host, None);
+    }
+    server.shutdown().await;
+}
+
+/// Two jobs using the same barrier and key names see nothing of each other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_with_the_same_names_do_not_interfere() {
+    let server = start_server().await;
+    let a0 = connect(&server, rank("job-a", 0, 2)).await;
+    let a1 = connect(&server, rank("job-a", 1, 2)).await;
+    let b0 = connect(&server, rank("job-b", 0, 2)).await;
+
+    // Job b's rank 0 waits first; job a's two ranks must not complete it.
+    let b = b0.clone();
+    let b_wait = start_confirmed(&b0, async move {
+        b.barrier("sync", Members::World, Some(Duration::from_millis(1500))).await
+    })
+    .await;
+    bounded("job a barrier", async {
+        let (x, y) = tokio::join!(
+            a0.barrier("sync", Members::World, Some(Duration::from_secs(20))),
+            a1.barrier("sync", Members::World, Some(Duration::from_secs(20)))
+        );
+        x.expect("a0 barrier");
+        y.expect("a1 barrier");
+    })
+    .await;
+    match bounded("job b barrier", b_wait).await.expect("task") {
+        Err(Error::Op(OpError::CollectiveTimeout { missing, members: 2, .. })) => {
+            let missing: Vec<_> = missing.iter().map(|m| (m.rank, m.state)).collect();
+            assert_eq!(missing, vec![(1, RankState::NeverConnected)]);
+        }
+        other => panic!("job b: expected a timeout missing only its rank 1, got {other:?}"),
+    }
+
+    // Same key, separate stores.
+    a0.set("k", "A").await.expect("set a");
+    b0.set("k", "B").await.expect("set b");
+    assert_eq!(a1.get("k", None).await.expect("get a"), "A");
+    assert_eq!(b0.get("k", None).await.expect("get b"), "B");
+    assert_eq!(a0.add("n", 5).await.expect("add a"), 5);
+    assert_eq!(b0.add("n", 1).await.expect("add b"), 1);
+    assert_eq!(a0.num_keys().await.expect("num a"), 2);
+    assert_eq!(b0.num_keys().await.expect("num b"), 2);
+    server.shutdown().await;
+}
+
+/// Heartbeats keep idle ranks alive past several leases.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heartbeats_keep_idle_ranks_alive() {
+    let config = rallypoint::Config { lease_ms: 300, ..rallypoint::Config::default() };
+    let server = start_server_with(config).await;
+    let r0 = connect(&server, rank("idle", 0, 2)).await;
+    let r1 = connect(&server, rank("idle", 1, 2)).await;
+    // Time passing is the point of this test: four leases without a user call.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    bounded("barrier after idling", async {
+        let (a, b) = tokio::join!(
+            r0.barrier("b", Members::World, Some(Duration::from_secs(10))),
+            r1.barrier("b", Members::World, Some(Duration::from_secs(10)))
+        );
+        a.expect("rank 0");
+        b.expect("rank 1");
+    })
+    .await;
+    server.shutdown().await;
+}
+
+/// All-gather and broadcast carry payloads to every member.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_gather_and_broadcast() {
+    let server = start_server().await;
+    let mut clients = Vec::new();
+    for r in 0..3 {
+        clients.push(connect(&server, rank("coll", r, 3)).await);
+    }
+    let t = Some(Duration::from_secs(20));
+    let gathered = bounded("all_gather", async {
+        let (a, b, c) = tokio::join!(
+            clients[0].all_gather("g", Members::World, "zero", t),
+            clients[1].all_gather("g", Members::World, "one", t),
+            clients[2].all_gather("g", Members::World, "two", t)
+        );
+        [a.expect("0"), b.expect("1"), c.expect("2")]
+    })
+    .await;
+    for values in gathered {
+        let values: Vec<&[u8]> = values.iter().map(|v| v.as_ref()).collect();
+        assert_eq!(values, [&b"zero"[..], b"one", b"two"]);
+    }
+    let got = bounded("broadcast", async {
+        let (a, b, c) = tokio::join!(
+            clients[0].broadcast("bc", Members::World, 1, None, t),
+            clients[1].broadcast("bc", Members::World, 1, Some(b"from one"), t),
+            clients[2].broadcast("bc", Members::World, 1, None, t)
+        );
+        [a.expect("0"), b.expect("1"), c.expect("2")]
+    })
+    .await;
+    assert!(got.iter().all(|v| v == "from one"), "{got:?}");
+    server.shutdown().await;
+}
+
+/// An abort fails a waiting peer with the aborting rank and reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn abort_reaches_waiting_peers() {
+    let server = start_server().await;
+    let r0 = connect(&server, rank("abort", 0, 2)).await;
+    let r1 = connect(&server, rank("abort", 1, 2)).await;
+    let c = r0.clone();
+    let waiter =
+        start_confirmed(&r0, async move { c.barrier("never", Members::World, Some(Duration::from_secs(50))).await })
+            .await;
+    bounded("abort", r1.abort("out of memory")).await.expect("abort");
+    match bounded("waiter", waiter).await.expect("task") {
+        Err(Error::Op(OpError::Aborted { job, by })) => {
+            assert_eq!(job, "abort");
+            assert_eq!((by.by_rank, by.host.as_str(), by.pid, by.reason.as_str()), (Some(1), "host-1", 1001, "out of memory"));
+        }
+        other => panic!("expected Aborted, got {other:?}"),
+    }
+    server.shutdown().await;
+}

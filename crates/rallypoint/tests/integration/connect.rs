@@ -1,0 +1,103 @@
+use std::io;
+use std::time::{Duration, Instant};
+
+use rallypoint::server::{Server, ServerConfig};
+use rallypoint::{Client, Config, ConnectOptions, Error, Identity, OpError};
+use tokio::net::TcpListener;
+
+use crate::common::{bounded, init_tracing, rank, start_server};
+
+/// A free loopback port (bound and released).
+async fn free_port() -> std::net::SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    listener.local_addr().expect("addr")
+}
+
+/// A worker that starts before its coordinator keeps retrying and gets in once the
+/// coordinator listens: first a listener that hangs up on it (twice), then nothing
+/// listening at all, then the real coordinator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_retries_until_the_coordinator_listens() {
+    init_tracing();
+    let impostor = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = impostor.local_addr().expect("addr");
+    let options = ConnectOptions { addr: addr.to_string(), identity: rank("early", 0, 1), timeout: Duration::from_secs(30) };
+    let connecting = tokio::spawn(Client::connect_with(options));
+
+    for attempt in 0..2 {
+        let (stream, _) = bounded("a connect attempt", impostor.accept()).await.expect("accept");
+        drop(stream);
+        assert!(!connecting.is_finished(), "gave up after attempt {attempt}");
+    }
+    drop(impostor);
+
+    let config = ServerConfig { listen: addr, engine: Config::default() };
+    let server = Server::bind(config).await.expect("bind the real coordinator").spawn();
+    let client = bounded("connect", connecting).await.expect("task").expect("connected after retrying");
+    client.set("k", "v").await.expect("set");
+    assert_eq!(client.get("k", None).await.expect("get"), "v");
+    client.close().await.expect("close");
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_gives_up_after_its_timeout_naming_the_address() {
+    let addr = free_port().await;
+    let options = ConnectOptions { addr: addr.to_string(), identity: Identity::anonymous("j"), timeout: Duration::from_millis(300) };
+    let started = Instant::now();
+    match bounded("connect", Client::connect_with(options)).await {
+        Err(Error::Connect { addr: named, waited, source }) => {
+            assert_eq!(named, addr.to_string());
+            assert!(waited >= Duration::from_millis(300), "waited {waited:?}");
+            assert_eq!(source.kind(), io::ErrorKind::ConnectionRefused);
+        }
+        other => panic!("expected Connect, got {:?}", other.map(|c| c.identity().clone())),
+    }
+    assert!(started.elapsed() < Duration::from_secs(3));
+}
+
+/// A refusal is the coordinator's answer: returned at once, not retried.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_identity_is_not_retried() {
+    let server = start_server().await;
+    let bad = Identity { rank: Some(5), ..rank("j", 0, 2) };
+    let options = ConnectOptions { addr: server.local_addr().to_string(), identity: bad, timeout: Duration::from_secs(30) };
+    let started = Instant::now();
+    match bounded("connect", Client::connect_with(options)).await {
+        Err(Error::Op(OpError::Invalid(message))) => assert!(message.contains("rank 5"), "{message}"),
+        other => panic!("expected a refusal, got {:?}", other.map(|c| c.identity().clone())),
+    }
+    assert!(started.elapsed() < Duration::from_secs(5));
+    server.shutdown().await;
+}
+
+/// A coordinator that accepts but never answers: the client's own safety timer
+/// (operation timeout + 5 s) ends the call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_coordinator_hits_the_client_safety_timeout() {
+    use bytes::BytesMut;
+    use rallypoint_core::{SessionId, Welcome};
+    use rallypoint_proto::native::{encode_server_frame, ServerFrame};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let mute = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = mute.local_addr().expect("addr");
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = mute.accept().await.expect("accept");
+        let mut welcome = BytesMut::new();
+        encode_server_frame(&ServerFrame::Welcome(Welcome { session: SessionId(1), lease_ms: 0 }), &mut welcome);
+        stream.write_all(&welcome).await.expect("welcome");
+        // Read and ignore everything.
+        let mut sink = [0u8; 1024];
+        while stream.read(&mut sink).await.map(|n| n > 0).unwrap_or(false) {}
+    });
+    let client = bounded("connect", Client::connect(&addr.to_string(), Identity::anonymous("j"))).await.expect("connect");
+    let started = Instant::now();
+    match bounded("get", client.get("k", Some(Duration::from_millis(200)))).await {
+        Err(Error::Timeout(after)) => assert_eq!(after, Duration::from_millis(5200)),
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    assert!(started.elapsed() >= Duration::from_millis(5200));
+    drop(client);
+    bounded("mute server", server).await.expect("mute server task");
+}

@@ -1,0 +1,120 @@
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use rallypoint::{Error, Identity, OpError};
+use tokio::task::JoinSet;
+
+use crate::common::{bounded, connect, start_confirmed, start_server};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn key_value_operations_end_to_end() {
+    let server = start_server().await;
+    let c = connect(&server, Identity::anonymous("kv")).await;
+    bounded("kv ops", async {
+        c.set("a", "1").await.expect("set");
+        assert_eq!(c.get("a", None).await.expect("get"), "1");
+        assert_eq!(c.add("a", 41).await.expect("add"), 42);
+        assert_eq!(c.add("counter", -3).await.expect("add to missing"), -3);
+        match c.set("text", "abc").await.and(c.add("text", 1).await) {
+            Err(Error::Op(OpError::NotANumber { key, value })) => assert_eq!((key, value), ("text".into(), "abc".into())),
+            other => panic!("expected NotANumber, got {other:?}"),
+        }
+
+        // compare_set: TCPStore semantics.
+        assert_eq!(c.compare_set("cas", "", "first").await.expect("cas create"), "first");
+        assert_eq!(c.compare_set("cas", "wrong", "second").await.expect("cas mismatch"), "first");
+        assert_eq!(c.compare_set("cas", "first", "second").await.expect("cas match"), "second");
+        assert_eq!(c.compare_set("absent", "x", "y").await.expect("cas absent"), "x");
+
+        c.append("log", "a").await.expect("append");
+        c.append("log", "b").await.expect("append");
+        assert_eq!(c.get("log", None).await.expect("get log"), "ab");
+
+        assert!(c.check(&["a", "log"]).await.expect("check"));
+        assert!(!c.check(&["a", "nope"]).await.expect("check missing"));
+        assert!(c.delete("log").await.expect("delete"));
+        assert!(!c.delete("log").await.expect("delete again"));
+
+        c.multi_set(&[("m1", "x"), ("m2", "y")]).await.expect("multi_set");
+        let values = c.multi_get(&["m2", "m1"], None).await.expect("multi_get");
+        assert_eq!(values, vec![Bytes::from("y"), Bytes::from("x")]);
+        c.wait(&["m1", "m2"], Some(Duration::from_secs(1))).await.expect("wait on present keys");
+
+        let keys = c.list_keys("m").await.expect("list_keys");
+        assert_eq!(keys, vec![Bytes::from("m1"), Bytes::from("m2")]);
+        // a, counter, text, cas, m1, m2
+        assert_eq!(c.num_keys().await.expect("num_keys"), 6);
+    })
+    .await;
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn get_timeout_names_the_missing_key() {
+    let server = start_server().await;
+    let c = connect(&server, Identity::anonymous("kv")).await;
+    let started = Instant::now();
+    match bounded("get", c.get("nope", Some(Duration::from_millis(300)))).await {
+        Err(Error::Op(OpError::KeyTimeout { missing, waited_ms })) => {
+            assert_eq!(missing, vec![Bytes::from("nope")]);
+            assert!(waited_ms >= 300);
+        }
+        other => panic!("expected KeyTimeout, got {other:?}"),
+    }
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    match bounded("wait", c.wait(&["here", "gone"], Some(Duration::from_millis(100)))).await {
+        Err(Error::Op(OpError::KeyTimeout { missing, .. })) => assert_eq!(missing, vec![Bytes::from("here"), Bytes::from("gone")]),
+        other => panic!("expected KeyTimeout, got {other:?}"),
+    }
+    server.shutdown().await;
+}
+
+/// Many blocking gets pipelined on one connection are all answered by another
+/// client's sets, each with its own value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_waits_on_one_connection() {
+    let server = start_server().await;
+    let waiter = connect(&server, Identity::anonymous("pipe")).await;
+    let setter = connect(&server, Identity::anonymous("pipe")).await;
+    let mut gets = JoinSet::new();
+    for i in 0..200 {
+        let c = waiter.clone();
+        gets.spawn(async move { (i, c.get(format!("key-{i}"), Some(Duration::from_secs(30))).await) });
+    }
+    // The last get on the connection is confirmed received before keys are set;
+    // gets spawned earlier may still be in flight, which is fine: set-then-get works too.
+    let c = waiter.clone();
+    let last = start_confirmed(&waiter, async move { c.get("key-last", Some(Duration::from_secs(30))).await }).await;
+    for i in 0..200 {
+        setter.set(format!("key-{i}"), format!("value-{i}")).await.expect("set");
+    }
+    setter.set("key-last", "last").await.expect("set last");
+    bounded("gets", async {
+        while let Some(joined) = gets.join_next().await {
+            let (i, got) = joined.expect("task");
+            assert_eq!(got.expect("get"), format!("value-{i}"));
+        }
+        assert_eq!(last.await.expect("task").expect("last get"), "last");
+    })
+    .await;
+    server.shutdown().await;
+}
+
+/// A shut-down coordinator fails waiting calls with `Disconnected` naming its address.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_shutdown_fails_waiting_calls() {
+    let server = start_server().await;
+    let addr = server.local_addr().to_string();
+    let c = connect(&server, Identity::anonymous("gone")).await;
+    let c2 = c.clone();
+    let waiting = start_confirmed(&c, async move { c2.get("never", Some(Duration::from_secs(50))).await }).await;
+    server.shutdown().await;
+    match bounded("waiting get", waiting).await.expect("task") {
+        Err(Error::Disconnected(message)) => assert!(message.contains(&addr), "{message}"),
+        other => panic!("expected Disconnected, got {other:?}"),
+    }
+    match bounded("later call", c.set("k", "v")).await {
+        Err(Error::Disconnected(message)) => assert!(message.contains(&addr), "{message}"),
+        other => panic!("expected Disconnected, got {other:?}"),
+    }
+}

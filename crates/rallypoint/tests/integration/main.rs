@@ -1,0 +1,13 @@
+//! End-to-end tests over real loopback sockets: a coordinator, async and blocking
+//! clients, and raw connections sending what a broken or hostile peer would.
+//! Every test is bounded in time.
+
+mod common;
+
+mod blocking;
+mod collectives;
+mod connect;
+mod kv;
+mod malformed;
+mod memory;
+mod scale;

@@ -1,0 +1,170 @@
+//! Raw connections sending what broken or hostile peers send. Each must cost only
+//! its own connection; the coordinator and its other clients carry on.
+
+use bytes::{BufMut, BytesMut};
+use rallypoint::server::ServerHandle;
+use rallypoint::{Error, Identity, Members, OpError};
+use rallypoint_core::{LossReason, RankState, Request, Response};
+use rallypoint_proto::native::{
+    decode_server_frame, encode_client_frame, encode_preamble, ClientFrame, FrameLimits, ServerFrame,
+};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::common::{bounded, connect, rank, start_confirmed, start_server, start_server_with};
+
+async fn raw(server: &ServerHandle) -> TcpStream {
+    TcpStream::connect(server.local_addr()).await.expect("raw connect")
+}
+
+/// Writes `bytes`, ignoring errors: the server may close before it read them all.
+async fn send(stream: &mut TcpStream, bytes: &[u8]) {
+    let _ = stream.write_all(bytes).await;
+}
+
+/// Reads until the server closes the connection; returns what it sent first.
+async fn expect_closed(stream: &mut TcpStream, what: &str) -> BytesMut {
+    let mut got = BytesMut::new();
+    bounded(what, async {
+        loop {
+            got.reserve(4096);
+            match stream.read_buf(&mut got).await {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    got
+}
+
+fn hello(identity: Identity) -> BytesMut {
+    let mut out = BytesMut::new();
+    encode_preamble(&mut out);
+    encode_client_frame(&ClientFrame::Hello(identity), &mut out);
+    out
+}
+
+async fn read_frame(stream: &mut TcpStream, buf: &mut BytesMut) -> ServerFrame {
+    bounded("a server frame", async {
+        loop {
+            if let Some(frame) = decode_server_frame(buf, &FrameLimits::unbounded()).expect("well-formed server frame") {
+                return frame;
+            }
+            buf.reserve(4096);
+            let n = stream.read_buf(buf).await.expect("read");
+            assert!(n > 0, "the server closed the connection");
+        }
+    })
+    .await
+}
+
+/// A request frame with an opcode no version of the protocol uses.
+fn bad_opcode_frame(id: u64) -> BytesMut {
+    let mut out = BytesMut::new();
+    out.put_u32_le(1 + 8 + 1);
+    out.put_u8(0x02); // request frame
+    out.put_u64_le(id);
+    out.put_u8(0xee); // unknown opcode
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_input_costs_only_its_own_connection() {
+    let server = start_server().await;
+    let good = connect(&server, Identity::anonymous("m")).await;
+    good.set("x", "1").await.expect("set before");
+
+    // Not a rallypoint client at all.
+    let mut s = raw(&server).await;
+    send(&mut s, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    assert!(expect_closed(&mut s, "http garbage").await.is_empty());
+
+    // A PyTorch TCPStore client (first byte 0x00): not supported yet, closed.
+    let mut s = raw(&server).await;
+    send(&mut s, &[0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00]).await;
+    assert!(expect_closed(&mut s, "tcpstore").await.is_empty());
+
+    // Right first byte, wrong magic.
+    let mut s = raw(&server).await;
+    send(&mut s, b"RXYZ\x01\x00").await;
+    assert!(expect_closed(&mut s, "bad magic").await.is_empty());
+
+    // A request before the hello: refused, then closed.
+    let mut s = raw(&server).await;
+    let mut out = BytesMut::new();
+    encode_preamble(&mut out);
+    encode_client_frame(&ClientFrame::Request { id: 1, request: Request::NumKeys }, &mut out);
+    send(&mut s, &out).await;
+    let mut got = expect_closed(&mut s, "request before hello").await;
+    match decode_server_frame(&mut got, &FrameLimits::unbounded()) {
+        Ok(Some(ServerFrame::Refused(OpError::Invalid(_)))) => {}
+        other => panic!("expected Refused(Invalid), got {other:?}"),
+    }
+
+    // A length prefix far beyond the limit after a good hello: fatal, closed.
+    let mut s = raw(&server).await;
+    let mut out = hello(Identity::anonymous("m"));
+    out.put_u32_le(0xffff_fff0);
+    out.put_slice(b"never mind");
+    send(&mut s, &out).await;
+    let mut got = expect_closed(&mut s, "oversized frame").await;
+    assert!(matches!(decode_server_frame(&mut got, &FrameLimits::unbounded()), Ok(Some(ServerFrame::Welcome(_)))));
+    assert!(got.is_empty(), "nothing but the welcome");
+
+    // A well-framed request with an unknown opcode: answered with Invalid, and the
+    // connection stays usable.
+    let mut s = raw(&server).await;
+    let mut out = hello(Identity::anonymous("m"));
+    out.extend_from_slice(&bad_opcode_frame(7));
+    send(&mut s, &out).await;
+    let mut buf = BytesMut::new();
+    assert!(matches!(read_frame(&mut s, &mut buf).await, ServerFrame::Welcome(_)));
+    match read_frame(&mut s, &mut buf).await {
+        ServerFrame::Reply { id: 7, reply: Err(OpError::Invalid(message)) } => {
+            assert!(message.contains("0xee"), "{message}");
+        }
+        other => panic!("expected Invalid for request 7, got {other:?}"),
+    }
+    // A well-framed body of garbage (no request id to answer) is skipped too.
+    let mut out = BytesMut::new();
+    out.put_slice(&[0x05, 0, 0, 0, 0xff, 0xfe, 0xfd, 0xfc, 0xfb]);
+    encode_client_frame(&ClientFrame::Request { id: 8, request: Request::NumKeys }, &mut out);
+    send(&mut s, &out).await;
+    match read_frame(&mut s, &mut buf).await {
+        ServerFrame::Reply { id: 8, reply: Ok(Response::Int(1)) } => {}
+        other => panic!("expected 1 key for request 8, got {other:?}"),
+    }
+
+    // Everyone else is unaffected.
+    assert_eq!(bounded("get after", good.get("x", None)).await.expect("get after"), "1");
+    let fresh = connect(&server, Identity::anonymous("m")).await;
+    assert_eq!(bounded("fresh get", fresh.get("x", None)).await.expect("fresh get"), "1");
+    server.shutdown().await;
+}
+
+/// A rank whose connection stays open but says nothing (no heartbeats: a hung
+/// process) is lost when its lease expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_rank_is_lost_when_its_lease_expires() {
+    let config = rallypoint::Config { lease_ms: 300, ..rallypoint::Config::default() };
+    let server = start_server_with(config).await;
+    let r0 = connect(&server, rank("hung", 0, 2)).await;
+    let mut silent = raw(&server).await;
+    send(&mut silent, &hello(rank("hung", 1, 2))).await;
+    let mut buf = BytesMut::new();
+    assert!(matches!(read_frame(&mut silent, &mut buf).await, ServerFrame::Welcome(w) if w.lease_ms == 300));
+
+    let c = r0.clone();
+    let waiter =
+        start_confirmed(&r0, async move { c.barrier("b", Members::World, Some(Duration::from_secs(50))).await }).await;
+    match bounded("waiter", waiter).await.expect("task") {
+        Err(Error::Op(OpError::PeerLost { peer, .. })) => {
+            assert_eq!(peer.rank, 1);
+            assert_eq!(peer.state, RankState::Lost(LossReason::LeaseExpired { lease_ms: 300 }));
+        }
+        other => panic!("expected PeerLost by lease expiry, got {other:?}"),
+    }
+    server.shutdown().await;
+}
