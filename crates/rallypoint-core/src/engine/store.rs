@@ -46,7 +46,8 @@ impl Store {
 
     /// Stores `value` and returns the waits it completed.
     pub fn set(&mut self, key: Bytes, value: Bytes, done: &mut Vec<(WaitId, Reply)>) {
-        self.data.insert(key.clone(), value);
+        let key = own(key);
+        self.data.insert(key.clone(), own(value));
         self.wake(&key, done);
     }
 
@@ -59,7 +60,7 @@ impl Store {
                 *old = joined.freeze();
             }
             None => {
-                self.data.insert(key.clone(), Bytes::copy_from_slice(value));
+                self.data.insert(own(key.clone()), Bytes::copy_from_slice(value));
             }
         }
         self.wake(&key, done);
@@ -216,6 +217,17 @@ impl Store {
                 }
             }
         }
+    }
+}
+
+/// Small keys and values decoded without copying are views into a connection's read
+/// buffer; kept as they are, each would pin that whole buffer for as long as it is stored.
+fn own(bytes: Bytes) -> Bytes {
+    const COPY_BELOW: usize = 4096;
+    if bytes.len() < COPY_BELOW {
+        Bytes::copy_from_slice(&bytes)
+    } else {
+        bytes
     }
 }
 
