@@ -93,6 +93,8 @@ pub struct RankOutcome {
     pub exit: Exit,
     /// The launcher signalled it while tearing the job down.
     pub signalled_by_launcher: Option<i32>,
+    /// It ended after the job's first failure (by itself, or signalled).
+    pub after_failure: bool,
 }
 
 /// The text printed to stderr when a job fails.
@@ -134,8 +136,8 @@ pub fn summary(job: &str, restart: u32, max_restarts: u32, first: &Failure, loca
                 (Some(sig), Exit::Signal(got)) if sig == got => {
                     format!("killed by the launcher ({}) after {cause}", signal_name(sig))
                 }
-                (Some(_), exit) => format!("{exit} after {cause}"),
-                (None, exit) => format!("{exit}"),
+                (_, exit) if o.after_failure => format!("{exit} after {cause}"),
+                (_, exit) => format!("{exit}"),
             };
             let _ = writeln!(s, "  rank {}: {line}", o.rank);
         }
@@ -181,9 +183,10 @@ mod tests {
             at_unix_ms: 0,
         };
         let local = vec![
-            RankOutcome { rank: 0, exit: Exit::Signal(libc::SIGTERM), signalled_by_launcher: Some(libc::SIGTERM) },
-            RankOutcome { rank: 1, exit: Exit::Code(3), signalled_by_launcher: None },
-            RankOutcome { rank: 2, exit: Exit::Code(1), signalled_by_launcher: Some(libc::SIGTERM) },
+            RankOutcome { rank: 0, exit: Exit::Signal(libc::SIGTERM), signalled_by_launcher: Some(libc::SIGTERM), after_failure: true },
+            RankOutcome { rank: 1, exit: Exit::Code(3), signalled_by_launcher: None, after_failure: false },
+            RankOutcome { rank: 2, exit: Exit::Code(5), signalled_by_launcher: None, after_failure: true },
+            RankOutcome { rank: 3, exit: Exit::Code(0), signalled_by_launcher: None, after_failure: false },
         ];
         let text = summary("train", 0, 0, &first, &local);
         let lines: Vec<&str> = text.lines().collect();
@@ -191,7 +194,8 @@ mod tests {
         assert!(lines[2].contains("rank 1 (local rank 1, node 0, host gpu7, pid 4242) exited with code 3 at 1970-01-01T00:00:00.000Z"));
         assert!(text.contains("    | ValueError: bad batch"));
         assert!(text.contains("  rank 0: killed by the launcher (SIGTERM) after rank 1 failed"));
-        assert!(text.contains("  rank 2: exited with code 1 after rank 1 failed"));
+        assert!(text.contains("  rank 2: exited with code 5 after rank 1 failed"));
+        assert!(text.contains("  rank 3: exited with code 0"));
         assert!(!text.contains("  rank 1:"));
         assert_eq!(first.exit_code(), 3);
         assert_eq!(Exit::Signal(9).shell_code(), 137);

@@ -9,6 +9,11 @@ use tokio::time::Instant;
 
 use crate::{Client, ConnectOptions, Identity};
 
+/// Between aborting the job on the coordinator and signalling the workers: long enough
+/// for a worker blocked in a barrier to receive the reason and report it itself, short
+/// enough not to matter to a person waiting.
+const NOTICE: Duration = Duration::from_millis(250);
+
 use super::agents::{Agents, Remote, Report};
 use super::env::{worker_env, JobEnv, Placement};
 use super::outcome::{summary, Failure, FailureKind, RankOutcome};
@@ -78,7 +83,12 @@ impl Attempt<'_> {
                     // Could not even start: a failure like any other (exit 127, as a shell
                     // reports a missing command), with the reason as its stderr; start no more.
                     let failure = self.worker_failure(local_rank, 0, super::Exit::Code(127), vec![e.to_string()]);
-                    state.outcomes.push(RankOutcome { rank: placement.rank, exit: super::Exit::Code(127), signalled_by_launcher: None });
+                    state.outcomes.push(RankOutcome {
+                        rank: placement.rank,
+                        exit: super::Exit::Code(127),
+                        signalled_by_launcher: None,
+                        after_failure: false,
+                    });
                     self.fail(&mut state, failure, &running);
                     break;
                 }
@@ -108,7 +118,7 @@ impl Attempt<'_> {
                     published_success = true;
                 }
             }
-            let grace_over = state.kill_at.map(tokio::time::sleep_until);
+            let next_step = state.term_at.or(state.kill_at).map(tokio::time::sleep_until);
             tokio::select! {
                 Some(exited) = exits.recv() => {
                     let Some(r) = running.get_mut(exited.local_rank as usize).and_then(Option::take) else { continue };
@@ -116,6 +126,7 @@ impl Attempt<'_> {
                         rank: self.base_rank + exited.local_rank,
                         exit: exited.exit,
                         signalled_by_launcher: state.signal_sent,
+                        after_failure: state.first.is_some(),
                     });
                     if !exited.exit.success() && state.first.is_none() {
                         let failure = self.worker_failure(r.local_rank, r.pid, exited.exit, exited.stderr_tail);
@@ -134,18 +145,25 @@ impl Attempt<'_> {
                 Some(sig) = signals.recv() => {
                     if state.first.is_none() {
                         let failure = Failure::now(FailureKind::Interrupted { signal: sig }, self.agents.node, self.host);
-                        state.forward = sig;
                         self.fail(&mut state, failure, &running);
+                        // The user asked: pass their signal on at once, no notice period.
+                        state.term_at = None;
+                        self.signal_all(&mut state, &running, sig);
                     } else {
                         // A second signal while tearing down: no more grace.
+                        state.term_at = None;
                         state.kill_at = Some(Instant::now());
                     }
                 }
-                _ = async { if let Some(t) = grace_over { t.await } else { std::future::pending().await } } => {
-                    for r in running.iter().flatten() {
-                        worker::signal_group(r.pid, libc::SIGKILL);
+                _ = async { if let Some(t) = next_step { t.await } else { std::future::pending().await } } => {
+                    if state.term_at.take().is_some() {
+                        self.signal_all(&mut state, &running, libc::SIGTERM);
+                    } else {
+                        for r in running.iter().flatten() {
+                            worker::signal_group(r.pid, libc::SIGKILL);
+                        }
+                        state.kill_at = None;
                     }
-                    state.kill_at = None;
                 }
             }
         }
@@ -171,8 +189,9 @@ impl Attempt<'_> {
         )
     }
 
-    /// The first failure: tell the other nodes, abort the job on the coordinator so
-    /// peers blocked in barriers fail at once with the reason, and signal every worker.
+    /// The first failure: tell the other nodes, and abort the job on the coordinator so
+    /// peers blocked in barriers fail at once with the reason; after a short notice,
+    /// SIGTERM whoever is still running.
     fn fail(&self, state: &mut State, failure: Failure, running: &[Option<Running>]) {
         let nnodes = self.agents.nnodes;
         let seen_here = failure.node == self.agents.node;
@@ -180,13 +199,19 @@ impl Attempt<'_> {
             self.agents.publish(self.attempt, &Report::Failed(failure.clone()));
         }
         abort_job(self.job, self.host, format!("launcher: {}", failure.headline()));
-        let sig = if state.forward != 0 { state.forward } else { libc::SIGTERM };
+        state.first = Some(failure);
+        if running.iter().any(Option::is_some) {
+            state.term_at = Some(Instant::now() + NOTICE.min(self.options.grace));
+        }
+    }
+
+    /// Sends `sig` to every running worker's group; SIGKILL follows after the grace period.
+    fn signal_all(&self, state: &mut State, running: &[Option<Running>], sig: i32) {
         for r in running.iter().flatten() {
             worker::signal_group(r.pid, sig);
         }
         state.signal_sent = Some(sig);
         state.kill_at = Some(Instant::now() + self.options.grace);
-        state.first = Some(failure);
     }
 }
 
@@ -196,8 +221,8 @@ struct State {
     outcomes: Vec<RankOutcome>,
     /// The signal sent to the workers at teardown.
     signal_sent: Option<i32>,
-    /// A signal the launcher received, forwarded instead of SIGTERM.
-    forward: i32,
+    /// When the workers still alive get SIGTERM (the end of the notice period).
+    term_at: Option<Instant>,
     /// When the workers still alive get SIGKILL.
     kill_at: Option<Instant>,
 }
