@@ -1,1 +1,88 @@
-fn main() {}
+//! `rallypoint`: run a coordinator, call it from shell scripts, benchmark it, see a demo.
+
+mod bench;
+mod demo;
+mod exit;
+mod launch;
+mod parse;
+mod serve;
+mod verbs;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+use tracing_subscriber::EnvFilter;
+
+#[derive(Parser, Debug)]
+#[command(
+    name = "rallypoint",
+    version,
+    about = "Coordination for distributed jobs: barriers, collectives, a key-value store, and \
+             dead or missing ranks named at once",
+    after_help = exit::HELP
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the coordinator.
+    Serve(serve::ServeArgs),
+    /// Run a job: host the coordinator, spawn the workers, take the job down when one fails.
+    Launch(launch::LaunchArgs),
+    #[command(flatten)]
+    Verb(verbs::Verb),
+    /// Measure barrier and key-value latency.
+    #[command(subcommand)]
+    Bench(bench::BenchCommand),
+    /// Start a coordinator and a few worker processes, and show what they do.
+    Demo(demo::DemoArgs),
+    /// One worker process of `rallypoint demo`.
+    #[command(hide = true)]
+    DemoWorker(demo::WorkerArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // The coordinator reports what it does; a verb in a shell script stays quiet
+    // unless something is wrong. RUST_LOG overrides both.
+    let default_level = match cli.command {
+        Command::Serve(_) => "info",
+        _ => "warn",
+    };
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
+    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+
+    match run(cli.command) {
+        Ok(0) => ExitCode::SUCCESS,
+        // The launcher exits with its first failed worker's code (128 + signal for a signal).
+        Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Err(err) => {
+            eprintln!("rallypoint: {}", exit::render(&err));
+            ExitCode::from(exit::code_of(&err) as u8)
+        }
+    }
+}
+
+fn run(command: Command) -> anyhow::Result<i32> {
+    // A verb does one request: a single-threaded runtime starts fastest. The server,
+    // benchmarks and demo do many things at once.
+    let runtime = match command {
+        Command::Verb(_) | Command::DemoWorker(_) => tokio::runtime::Builder::new_current_thread(),
+        _ => tokio::runtime::Builder::new_multi_thread(),
+    }
+    .enable_all()
+    .build()?;
+    runtime.block_on(async move {
+        match command {
+            Command::Serve(args) => serve::run(args).await.map(|()| 0),
+            Command::Launch(args) => launch::run(args).await,
+            Command::Verb(verb) => verbs::run(verb).await.map(|()| 0),
+            Command::Bench(bench) => bench::run(bench).await.map(|()| 0),
+            Command::Demo(args) => demo::run(args).await.map(|()| 0),
+            Command::DemoWorker(args) => demo::worker(args).await.map(|()| 0),
+        }
+    })
+}

@@ -1,0 +1,110 @@
+//! Exit codes of the `rallypoint` command, and which error gets which.
+
+use std::fmt;
+
+use rallypoint::{Error, OpError};
+
+/// Shown at the end of `rallypoint --help`; the README has the same table.
+pub const HELP: &str = "\
+Exit codes:
+  0  ok
+  1  other error
+  2  usage error (bad flag or environment variable, rank outside the world, ...)
+  3  timeout (the error names the missing ranks or keys)
+  4  peer lost (a rank the operation needs died; the error names it)
+  5  aborted (someone called abort; the error says who and why)
+  6  mismatch / bad members (ranks called the same barrier differently,
+     or the caller is not among the members it named)
+  7  cannot connect to the coordinator, or lost the connection to it
+
+Errors go to stderr, starting with 'rallypoint: '.";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    Other = 1,
+    Usage = 2,
+    Timeout = 3,
+    PeerLost = 4,
+    Aborted = 5,
+    Mismatch = 6,
+    Connect = 7,
+}
+
+/// A bad argument that clap cannot see alone (a rank outside the world size
+/// that came from the environment, a broadcast root without a value).
+#[derive(Debug)]
+pub struct UsageError(pub String);
+
+impl fmt::Display for UsageError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for UsageError {}
+
+/// Returns `Err(UsageError)` with a formatted message.
+macro_rules! usage {
+    ($($arg:tt)*) => {
+        return Err($crate::exit::UsageError(format!($($arg)*)).into())
+    };
+}
+pub(crate) use usage;
+
+/// The exit code for an error: the first cause in its chain that has a meaning wins.
+pub fn code_of(err: &anyhow::Error) -> Exit {
+    for cause in err.chain() {
+        if cause.is::<UsageError>() {
+            return Exit::Usage;
+        }
+        if let Some(e) = cause.downcast_ref::<Error>() {
+            return of_client_error(e);
+        }
+        if let Some(e) = cause.downcast_ref::<OpError>() {
+            return of_op_error(e);
+        }
+    }
+    Exit::Other
+}
+
+fn of_client_error(err: &Error) -> Exit {
+    match err {
+        Error::Op(op) => of_op_error(op),
+        Error::Connect { .. } | Error::Disconnected(_) => Exit::Connect,
+        Error::Timeout(_) => Exit::Timeout,
+        Error::Config(_) => Exit::Usage,
+        Error::Protocol(_) => Exit::Other,
+    }
+}
+
+fn of_op_error(err: &OpError) -> Exit {
+    match err {
+        OpError::CollectiveTimeout { .. } | OpError::KeyTimeout { .. } => Exit::Timeout,
+        OpError::PeerLost { .. } => Exit::PeerLost,
+        OpError::Aborted { .. } => Exit::Aborted,
+        OpError::Mismatch { .. } | OpError::BadMembers { .. } => Exit::Mismatch,
+        // The caller named no rank, or sent something the server refuses: both are
+        // mistakes in how the command was called.
+        OpError::NoRank { .. } | OpError::TooLarge { .. } | OpError::Invalid(_) => Exit::Usage,
+        // The server is shutting down or closed this session.
+        OpError::Closed(_) => Exit::Connect,
+        OpError::NotANumber { .. } | OpError::Overflow { .. } => Exit::Other,
+    }
+}
+
+/// The error and its causes on one line, skipping a cause whose text the line
+/// already holds (a wrapper that shows its source's message would repeat it).
+pub fn render(err: &anyhow::Error) -> String {
+    let mut line = String::new();
+    for cause in err.chain() {
+        let text = cause.to_string();
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    line
+}

@@ -1,0 +1,81 @@
+//! `rallypoint launch`: run a job's workers with an embedded coordinator.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Args;
+use rallypoint::launch::{launch, LaunchError, LaunchOptions};
+
+use crate::exit::UsageError;
+
+#[derive(Args, Debug)]
+#[command(after_help = "\
+Each worker gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+GROUP_WORLD_SIZE, ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), plus RALLYPOINT_ADDR and
+RALLYPOINT_JOB, so `rallypoint barrier ...` and Client::from_env() work inside it.
+When a worker fails, every worker on every node gets SIGTERM (SIGKILL after --grace), a summary
+names the first failure on stderr, and the launcher exits with that worker's exit code
+(128 + signal for a signal).")]
+pub struct LaunchArgs {
+    /// Workers to start on this node.
+    #[arg(long, default_value_t = 1)]
+    nproc_per_node: u32,
+    /// Nodes in the job, each running one launcher.
+    #[arg(long, default_value_t = 1)]
+    nnodes: u32,
+    /// This node's index, 0..nnodes; node 0 hosts the coordinator.
+    #[arg(long, default_value_t = 0)]
+    node_rank: u32,
+    /// Coordinator address HOST:PORT (node 0 binds exactly it). Default on one node: a free
+    /// port on 127.0.0.1.
+    #[arg(long)]
+    master: Option<String>,
+    /// Job name (TORCHELASTIC_RUN_ID); every node of a job must use the same.
+    #[arg(long, default_value = "default")]
+    job: String,
+    /// Seconds between SIGTERM and SIGKILL when the job is taken down.
+    #[arg(long, default_value_t = 5.0)]
+    grace: f64,
+    /// Write each rank's stdout and stderr to DIR/attempt<K>/rank<R>.{stdout,stderr}; the
+    /// console then shows only the launcher's own messages, unless --tee.
+    #[arg(long)]
+    log_dir: Option<PathBuf>,
+    /// With --log-dir: also show the workers' output on the console.
+    #[arg(long)]
+    tee: bool,
+    /// Restart the whole job (all nodes) up to this many times after a failure.
+    #[arg(long, default_value_t = 0)]
+    max_restarts: u32,
+    /// Seconds to wait for the coordinator and for every node to join.
+    #[arg(long, default_value_t = 300.0)]
+    join_timeout: f64,
+    /// The worker command and its arguments.
+    #[arg(last = true, required = true, value_name = "CMD")]
+    command: Vec<OsString>,
+}
+
+pub async fn run(args: LaunchArgs) -> anyhow::Result<i32> {
+    let seconds = |name: &str, v: f64| {
+        Duration::try_from_secs_f64(v).map_err(|_| UsageError(format!("--{name} {v} is not a number of seconds")))
+    };
+    let options = LaunchOptions {
+        nproc_per_node: args.nproc_per_node,
+        nnodes: args.nnodes,
+        node_rank: args.node_rank,
+        master: args.master,
+        job: args.job,
+        grace: seconds("grace", args.grace)?,
+        log_dir: args.log_dir,
+        tee: args.tee,
+        max_restarts: args.max_restarts,
+        join_timeout: seconds("join-timeout", args.join_timeout)?,
+        command: args.command,
+    };
+    match launch(options).await {
+        Ok(code) => Ok(code),
+        Err(LaunchError::Usage(message)) => Err(UsageError(message).into()),
+        Err(LaunchError::Coordinator(e)) => Err(e.into()),
+        Err(e) => Err(e.into()),
+    }
+}

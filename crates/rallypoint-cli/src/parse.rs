@@ -1,0 +1,73 @@
+//! Parsers for flag values that clap has no ready parser for. Their errors become
+//! clap usage errors (exit code 2) that quote the bad value.
+
+/// Seconds as a non-negative finite number ("30", "0.5").
+pub fn secs(text: &str) -> Result<f64, String> {
+    let secs: f64 = text.trim().parse().map_err(|_| format!("'{text}' is not a number of seconds"))?;
+    if !secs.is_finite() || secs < 0.0 {
+        return Err(format!("'{text}' is not a duration: seconds must be 0 or more"));
+    }
+    Ok(secs)
+}
+
+/// Most ranks a rank list may expand to (a typo like "0-4000000000" must not
+/// allocate gigabytes).
+const MAX_RANKS: u64 = 1 << 20;
+
+/// Ranks named on the command line (a newtype: clap would take `Vec<u32>` as a
+/// flag given many times).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankList(pub Vec<u32>);
+
+/// A rank list: comma-separated ranks and inclusive ranges, e.g. "0,2,5" or "0-3,8".
+pub fn ranks(text: &str) -> Result<RankList, String> {
+    let mut ranks = Vec::new();
+    for part in text.split(',') {
+        let part = part.trim();
+        if part.is_empty() {
+            return Err(format!("empty entry in rank list '{text}'"));
+        }
+        match part.split_once('-') {
+            Some((first, last)) => {
+                let (first, last) = (rank(first, text)?, rank(last, text)?);
+                if first > last {
+                    return Err(format!("range '{part}' in rank list '{text}' runs backwards"));
+                }
+                if ranks.len() as u64 + u64::from(last - first) >= MAX_RANKS {
+                    return Err(format!("rank list '{text}' has more than {MAX_RANKS} ranks"));
+                }
+                ranks.extend(first..=last);
+            }
+            None => ranks.push(rank(part, text)?),
+        }
+    }
+    Ok(RankList(ranks))
+}
+
+fn rank(text: &str, list: &str) -> Result<u32, String> {
+    text.trim().parse().map_err(|_| format!("'{text}' in rank list '{list}' is not a rank (a number from 0)"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rank_lists() {
+        assert_eq!(ranks("0,2,5").unwrap().0, vec![0, 2, 5]);
+        assert_eq!(ranks("0-3, 8").unwrap().0, vec![0, 1, 2, 3, 8]);
+        assert!(ranks("0,x").unwrap_err().contains("'x'"));
+        assert!(ranks("1,,2").unwrap_err().contains("empty"));
+        assert!(ranks("-1").is_err());
+        assert!(ranks("5-2").unwrap_err().contains("backwards"));
+        assert!(ranks("0-4000000000").unwrap_err().contains("more than"));
+    }
+
+    #[test]
+    fn seconds() {
+        assert_eq!(secs("0.5").unwrap(), 0.5);
+        assert!(secs("-1").unwrap_err().contains("'-1'"));
+        assert!(secs("inf").is_err());
+        assert!(secs("soon").unwrap_err().contains("'soon'"));
+    }
+}

@@ -1,0 +1,77 @@
+//! `rallypoint serve`: the coordinator, until SIGINT or SIGTERM.
+
+use std::io::Write;
+use std::net::SocketAddr;
+
+use anyhow::Context;
+use clap::Args;
+use rallypoint::server::{Server, ServerConfig};
+use rallypoint::Config;
+use tokio::signal::unix::{signal, SignalKind};
+use tracing::info;
+
+use crate::parse;
+
+#[derive(Args, Debug)]
+pub struct ServeArgs {
+    /// Address to listen on, exactly as given (port 0 picks a free port)
+    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:29500")]
+    listen: SocketAddr,
+    /// Seconds without any message (request or heartbeat) after which a rank is
+    /// lost; 0 turns leases off [default: 15]
+    #[arg(long, value_name = "SECS", value_parser = parse::secs)]
+    lease: Option<f64>,
+    /// Longest key, in bytes [default: 8192]
+    #[arg(long, value_name = "BYTES")]
+    max_key_len: Option<usize>,
+    /// Longest value, in bytes (also each all-gather/broadcast payload) [default: 8388608]
+    #[arg(long, value_name = "BYTES")]
+    max_value_len: Option<usize>,
+    /// Most keys in one check/wait/multi-get/multi-set [default: 131072]
+    #[arg(long, value_name = "N")]
+    max_keys_per_op: Option<usize>,
+    /// Largest sum of one all-gather's values (the reply every member gets), in bytes
+    /// [default: 1073741824]
+    #[arg(long, value_name = "BYTES")]
+    max_gather_bytes: Option<usize>,
+    /// Print the bound address as the first line on stdout (for scripts using port 0)
+    #[arg(long)]
+    print_addr: bool,
+}
+
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let mut engine = Config::default();
+    if let Some(lease) = args.lease {
+        engine.lease_ms = (lease * 1000.0).round() as u64;
+    }
+    if let Some(len) = args.max_key_len {
+        engine.limits.max_key_len = len;
+    }
+    if let Some(len) = args.max_value_len {
+        engine.limits.max_value_len = len;
+    }
+    if let Some(n) = args.max_keys_per_op {
+        engine.limits.max_keys_per_op = n;
+    }
+    if let Some(n) = args.max_gather_bytes {
+        engine.limits.max_gather_bytes = n;
+    }
+    // Installed before the address is announced: whoever reads it may signal at once.
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    // Binding raises the open-file limit and logs the bound address.
+    let server = Server::bind(ServerConfig { listen: args.listen, engine }).await?;
+    if args.print_addr {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{}", server.local_addr()).and_then(|()| out.flush()).context("writing the address to stdout")?;
+    }
+    server
+        .run_until(async move {
+            tokio::select! {
+                _ = interrupt.recv() => info!("SIGINT: shutting down"),
+                _ = terminate.recv() => info!("SIGTERM: shutting down"),
+            }
+        })
+        .await?;
+    Ok(())
+}

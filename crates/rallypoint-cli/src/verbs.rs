@@ -1,0 +1,286 @@
+//! One-shot verbs for shell scripts: each connects, does one operation, leaves
+//! cleanly, and prints its result on stdout.
+
+use std::io::Write;
+
+use anyhow::Context;
+use clap::{Args, Subcommand};
+use rallypoint::env::{Overrides, Settings};
+use rallypoint::{Client, ConnectOptions, Error, Members};
+
+use crate::exit::usage;
+use crate::parse;
+
+#[derive(Subcommand, Debug)]
+pub enum Verb {
+    /// Wait until every member has reached barrier NAME (prints nothing).
+    ///
+    /// Calling the same NAME again is the next generation of that barrier, counted
+    /// per rank by the coordinator, so `for step in ...; do rallypoint barrier step; done`
+    /// works across separate processes.
+    Barrier {
+        name: String,
+        #[command(flatten)]
+        members: MembersArgs,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Contribute VALUE; print every member's value, one line per rank, in rank order.
+    AllGather {
+        #[arg(allow_negative_numbers = true)]
+        value: String,
+        /// Name of the collective (its generations are counted like a barrier's)
+        #[arg(long, default_value = "all-gather")]
+        name: String,
+        #[command(flatten)]
+        members: MembersArgs,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Print the root's VALUE on every member (VALUE is required on the root only).
+    Broadcast {
+        #[arg(allow_negative_numbers = true)]
+        value: Option<String>,
+        /// Rank whose value everyone gets
+        #[arg(long, value_name = "R", allow_negative_numbers = true)]
+        root: u32,
+        /// Name of the collective (its generations are counted like a barrier's)
+        #[arg(long, default_value = "broadcast")]
+        name: String,
+        #[command(flatten)]
+        members: MembersArgs,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Store VALUE under KEY.
+    Set {
+        key: String,
+        #[arg(allow_negative_numbers = true)]
+        value: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Print the value of KEY, waiting until it exists (or --timeout; exit code 3).
+    Get {
+        key: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Add N to the integer at KEY (missing counts as 0); print the new value.
+    Add {
+        key: String,
+        #[arg(allow_negative_numbers = true)]
+        n: i64,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Wait until every KEY exists (prints nothing).
+    Wait {
+        #[arg(required = true)]
+        keys: Vec<String>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Delete KEY; print `true` if it existed, `false` if not (exit code 0 either way).
+    Delete {
+        key: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Print `true` if every KEY exists now, `false` if not (exit code 0 either way).
+    Check {
+        #[arg(required = true)]
+        keys: Vec<String>,
+        #[command(flatten)]
+        conn: Conn,
+    },
+    /// Abort the job: its waiting and later operations fail (exit code 5).
+    ///
+    /// Every pending and later barrier, collective and wait of the job fails with
+    /// REASON, naming who aborted.
+    Abort {
+        reason: String,
+        #[command(flatten)]
+        conn: Conn,
+    },
+}
+
+/// Where the coordinator is and who this process is. Each flag falls back to the
+/// environment exactly as the library's `Client::from_env` does.
+#[derive(Args, Debug)]
+#[command(next_help_heading = "Connection")]
+pub struct Conn {
+    /// Coordinator address [default: $RALLYPOINT_ADDR, else $MASTER_ADDR:$MASTER_PORT]
+    #[arg(long, value_name = "HOST:PORT")]
+    addr: Option<String>,
+    /// Job name; jobs on one coordinator are independent [default: $RALLYPOINT_JOB,
+    /// else $TORCHELASTIC_RUN_ID, else "default"]
+    #[arg(long, value_name = "NAME")]
+    job: Option<String>,
+    /// This process's rank [default: $RANK]
+    #[arg(long, value_name = "N", allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i64).range(0..=i64::from(u32::MAX)))]
+    rank: Option<i64>,
+    /// Number of ranks [default: $WORLD_SIZE]
+    #[arg(long, value_name = "N", allow_negative_numbers = true,
+          value_parser = clap::value_parser!(i64).range(1..=i64::from(u32::MAX)))]
+    world_size: Option<i64>,
+    /// Seconds to keep trying to connect, and to wait for the operation
+    /// [default: $RALLYPOINT_TIMEOUT, else 300]
+    #[arg(long, value_name = "SECS", allow_negative_numbers = true, value_parser = parse::secs)]
+    timeout: Option<f64>,
+}
+
+/// Which ranks take part in a barrier or collective.
+#[derive(Args, Debug)]
+#[command(next_help_heading = "Members")]
+pub struct MembersArgs {
+    /// Only these ranks take part, e.g. 0,2,5 or 0-3 [default: all ranks]
+    #[arg(long, value_name = "LIST", value_parser = parse::ranks, conflicts_with = "role")]
+    ranks: Option<parse::RankList>,
+    /// Only the ranks of this role take part; this process joins as that role
+    #[arg(long, value_name = "NAME")]
+    role: Option<String>,
+}
+
+pub async fn run(verb: Verb) -> anyhow::Result<()> {
+    match verb {
+        Verb::Barrier { name, members, conn } => {
+            let (client, members) = collective(&conn, &members, "barrier").await?;
+            let result = client.barrier(&name, members, None).await;
+            finish(client, result).await?;
+        }
+        Verb::AllGather { value, name, members, conn } => {
+            let (client, members) = collective(&conn, &members, "all-gather").await?;
+            let result = client.all_gather(&name, members, value, None).await;
+            let values = finish(client, result).await?;
+            let mut out = std::io::stdout().lock();
+            for value in values.iter() {
+                out.write_all(value)?;
+                out.write_all(b"\n")?;
+            }
+            out.flush()?;
+        }
+        Verb::Broadcast { value, root, name, members, conn } => {
+            let settings = conn.settings(members.role.as_deref())?;
+            let (rank, world_size) = rank_and_world(&settings, "broadcast")?;
+            if root >= world_size {
+                usage!("--root {root} is outside the world of {world_size} ranks");
+            }
+            if rank == root && value.is_none() {
+                usage!("broadcast: this process is the root (rank {root}), so it must give the VALUE");
+            }
+            let members = members.members(world_size)?;
+            let client = connect(&settings).await?;
+            let result = client.broadcast(&name, members, root, value.as_deref().map(str::as_bytes), None).await;
+            print_line(&finish(client, result).await?)?;
+        }
+        Verb::Set { key, value, conn } => {
+            let client = connect(&conn.settings(None)?).await?;
+            let result = client.set(key, value).await;
+            finish(client, result).await?;
+        }
+        Verb::Get { key, conn } => {
+            let client = connect(&conn.settings(None)?).await?;
+            let result = client.get(key, None).await;
+            print_line(&finish(client, result).await?)?;
+        }
+        Verb::Add { key, n, conn } => {
+            let client = connect(&conn.settings(None)?).await?;
+            let result = client.add(key, n).await;
+            print_line(finish(client, result).await?.to_string().as_bytes())?;
+        }
+        Verb::Wait { keys, conn } => {
+            let client = connect(&conn.settings(None)?).await?;
+            let result = client.wait(&keys, None).await;
+            finish(client, result).await?;
+        }
+        Verb::Delete { key, conn } => {
+            let client = connect(&conn.settings(None)?).await?;
+            let result = client.delete(key).await;
+            print_line(finish(client, result).await?.to_string().as_bytes())?;
+        }
+        Verb::Check { keys, conn } => {
+            let client = connect(&conn.settings(None)?).await?;
+            let result = client.check(&keys).await;
+            print_line(finish(client, result).await?.to_string().as_bytes())?;
+        }
+        Verb::Abort { reason, conn } => {
+            let client = connect(&conn.settings(None)?).await?;
+            let result = client.abort(&reason).await;
+            finish(client, result).await?;
+        }
+    }
+    Ok(())
+}
+
+impl Conn {
+    /// Flags over environment, resolved by the library so both agree.
+    fn settings(&self, role: Option<&str>) -> anyhow::Result<Settings> {
+        // Also checks that the rank is below the world size, wherever each came from.
+        Ok(Settings::resolve(Overrides {
+            addr: self.addr.clone(),
+            job: self.job.clone(),
+            rank: self.rank,
+            world_size: self.world_size,
+            role: role.map(str::to_owned),
+            timeout_secs: self.timeout,
+        })?)
+    }
+}
+
+impl MembersArgs {
+    fn members(&self, world_size: u32) -> anyhow::Result<Members> {
+        if let Some(parse::RankList(ranks)) = &self.ranks {
+            if let Some(bad) = ranks.iter().find(|&&r| r >= world_size) {
+                usage!("--ranks: rank {bad} is outside the world of {world_size} ranks");
+            }
+            return Ok(Members::Ranks(ranks.clone()));
+        }
+        Ok(match &self.role {
+            Some(role) => Members::Role(role.clone()),
+            None => Members::World,
+        })
+    }
+}
+
+fn rank_and_world(settings: &Settings, what: &str) -> anyhow::Result<(u32, u32)> {
+    match (settings.rank, settings.world_size) {
+        (Some(rank), Some(world_size)) => Ok((rank, world_size)),
+        (None, _) => usage!("{what} needs this process's rank: pass --rank N or set RANK"),
+        (_, None) => usage!("{what} needs the world size: pass --world-size N or set WORLD_SIZE"),
+    }
+}
+
+/// Resolves settings and members of a barrier or collective, then connects.
+async fn collective(conn: &Conn, members: &MembersArgs, what: &str) -> anyhow::Result<(Client, Members)> {
+    let settings = conn.settings(members.role.as_deref())?;
+    let (_, world_size) = rank_and_world(&settings, what)?;
+    let members = members.members(world_size)?;
+    Ok((connect(&settings).await?, members))
+}
+
+async fn connect(settings: &Settings) -> Result<Client, Error> {
+    Client::connect_with(ConnectOptions {
+        addr: settings.addr.clone(),
+        identity: settings.identity(),
+        timeout: settings.timeout,
+    })
+    .await
+}
+
+/// Leaves cleanly whatever the operation's outcome, so the coordinator counts this
+/// rank as gone, not dead; the outcome alone decides the exit code.
+async fn finish<T>(client: Client, result: Result<T, Error>) -> Result<T, Error> {
+    if let Err(err) = client.close().await {
+        if result.is_ok() {
+            tracing::warn!("could not leave cleanly: {err}");
+        }
+    }
+    result
+}
+
+fn print_line(value: &[u8]) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(value).and_then(|()| out.write_all(b"\n")).and_then(|()| out.flush()).context("writing to stdout")
+}

@@ -1,0 +1,459 @@
+//! The `rallypoint` command end to end: a `rallypoint serve` child process, and
+//! verbs as separate processes the way shell scripts run them.
+
+use std::collections::HashSet;
+use std::io::{BufRead, BufReader, Read};
+use std::net::TcpListener;
+use std::process::{Child, Command, Stdio};
+use std::thread::{self, JoinHandle};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_rallypoint");
+
+/// Variables the command reads; each test sets what it means and inherits none.
+const ENV: &[&str] = &[
+    "RALLYPOINT_ADDR",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RALLYPOINT_JOB",
+    "TORCHELASTIC_RUN_ID",
+    "RANK",
+    "WORLD_SIZE",
+    "RALLYPOINT_ROLE",
+    "ROLE_NAME",
+    "RALLYPOINT_TIMEOUT",
+    "RUST_LOG",
+];
+
+/// How long any one process may run before the test kills it and fails.
+const LIMIT: Duration = Duration::from_secs(60);
+
+fn rallypoint() -> Command {
+    let mut command = Command::new(BIN);
+    for var in ENV {
+        command.env_remove(var);
+    }
+    command.stdin(Stdio::null());
+    command
+}
+
+/// A child process that is killed when the test ends, however it ends.
+struct Guard(Child);
+
+impl Drop for Guard {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+impl Guard {
+    fn pid(&self) -> u32 {
+        self.0.id()
+    }
+
+    fn still_running(&mut self) -> bool {
+        self.0.try_wait().expect("try_wait").is_none()
+    }
+}
+
+#[derive(Debug)]
+struct Run {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+fn spawn(mut command: Command) -> Guard {
+    Guard(command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn rallypoint"))
+}
+
+fn exec(command: Command) -> Run {
+    finish(&mut spawn(command))
+}
+
+/// Waits for a child (at most [`LIMIT`]) and collects its output.
+fn finish(guard: &mut Guard) -> Run {
+    fn drain(from: Option<impl Read + Send + 'static>) -> JoinHandle<String> {
+        thread::spawn(move || {
+            let mut text = String::new();
+            if let Some(mut from) = from {
+                let _ = from.read_to_string(&mut text);
+            }
+            text
+        })
+    }
+    let child = &mut guard.0;
+    let (stdout, stderr) = (drain(child.stdout.take()), drain(child.stderr.take()));
+    let deadline = Instant::now() + LIMIT;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break status;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("pid {} did not finish within {LIMIT:?}", child.id());
+        }
+        thread::sleep(Duration::from_millis(10));
+    };
+    Run { code: status.code(), stdout: stdout.join().expect("stdout"), stderr: stderr.join().expect("stderr") }
+}
+
+/// A `rallypoint serve` on a free loopback port.
+struct Server {
+    addr: String,
+    process: Guard,
+}
+
+impl Server {
+    fn start() -> Server {
+        let mut child = rallypoint()
+            .args(["serve", "--listen", "127.0.0.1:0", "--print-addr"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawn rallypoint serve");
+        let stdout = child.stdout.take().expect("piped stdout");
+        let process = Guard(child);
+        let (tx, rx) = std::sync::mpsc::channel();
+        thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let line = rx.recv_timeout(Duration::from_secs(30)).expect("the server printed its address");
+        let addr = line.trim().to_owned();
+        assert!(addr.starts_with("127.0.0.1:"), "unexpected first line: {line:?}");
+        Server { addr, process }
+    }
+
+    /// `rallypoint ARGS... --addr ADDR --job JOB`
+    fn cmd(&self, job: &str, args: &[&str]) -> Command {
+        let mut command = rallypoint();
+        command.args(args).args(["--addr", &self.addr, "--job", job]);
+        command
+    }
+
+    /// `rallypoint ARGS... --rank RANK --world-size WORLD_SIZE` in `job`, with
+    /// `--timeout 30` unless ARGS set one.
+    fn ranked(&self, job: &str, rank: u32, world_size: u32, args: &[&str]) -> Command {
+        let mut command = self.cmd(job, args);
+        command.args(["--rank", &rank.to_string(), "--world-size", &world_size.to_string()]);
+        if !args.contains(&"--timeout") {
+            command.args(["--timeout", "30"]);
+        }
+        command
+    }
+}
+
+/// Waits until process `pid` holds an established TCP connection (it has
+/// connected to the server), at most [`LIMIT`].
+fn wait_connected(pid: u32) {
+    let deadline = Instant::now() + LIMIT;
+    while Instant::now() < deadline {
+        let sockets: HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .map(|dir| {
+                dir.filter_map(|fd| std::fs::read_link(fd.ok()?.path()).ok())
+                    .filter_map(|link| {
+                        let link = link.to_string_lossy().into_owned();
+                        Some(link.strip_prefix("socket:[")?.strip_suffix(']')?.to_owned())
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let established = ["/proc/net/tcp", "/proc/net/tcp6"].iter().any(|table| {
+            std::fs::read_to_string(table).unwrap_or_default().lines().skip(1).any(|line| {
+                let fields: Vec<&str> = line.split_whitespace().collect();
+                // Field 3 is the state (01 = ESTABLISHED), field 9 the socket's inode.
+                fields.len() > 9 && fields[3] == "01" && sockets.contains(fields[9])
+            })
+        });
+        if established {
+            // Connected; give the server a moment to admit the session and its request.
+            thread::sleep(Duration::from_millis(500));
+            return;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    panic!("pid {pid} did not connect within {LIMIT:?}");
+}
+
+fn assert_code(run: &Run, code: i32) {
+    assert_eq!(run.code, Some(code), "expected exit code {code}: {run:#?}");
+}
+
+#[test]
+fn key_value_verbs() {
+    let server = Server::start();
+    let ok = |args: &[&str]| {
+        let run = exec(server.cmd("kv", args));
+        assert_code(&run, 0);
+        run.stdout
+    };
+    assert_eq!(ok(&["set", "greeting", "hello world"]), "");
+    assert_eq!(ok(&["get", "greeting"]), "hello world\n");
+    assert_eq!(ok(&["add", "counter", "5"]), "5\n");
+    assert_eq!(ok(&["add", "counter", "-2"]), "3\n");
+    assert_eq!(ok(&["check", "greeting", "counter"]), "true\n");
+    assert_eq!(ok(&["check", "greeting", "nope"]), "false\n");
+    assert_eq!(ok(&["delete", "greeting"]), "true\n");
+    assert_eq!(ok(&["delete", "greeting"]), "false\n");
+    ok(&["set", "negative", "-0.5"]);
+    assert_eq!(ok(&["get", "negative"]), "-0.5\n");
+
+    // `wait` and `get` block until the keys exist.
+    let mut waiting = spawn(server.cmd("kv", &["wait", "a", "b", "--timeout", "30"]));
+    let mut getting = spawn(server.cmd("kv", &["get", "b", "--timeout", "30"]));
+    ok(&["set", "a", "1"]);
+    thread::sleep(Duration::from_millis(300));
+    assert!(waiting.still_running(), "wait returned before key b existed");
+    ok(&["set", "b", "2"]);
+    assert_code(&finish(&mut waiting), 0);
+    assert_eq!(finish(&mut getting).stdout, "2\n");
+
+    // Jobs are separate key spaces.
+    let other = exec(server.cmd("other-job", &["check", "a"]));
+    assert_eq!(other.stdout, "false\n");
+
+    let missing = exec(server.cmd("kv", &["get", "missing-key", "--timeout", "0.5"]));
+    assert_code(&missing, 3);
+    assert!(missing.stderr.starts_with("rallypoint: "), "{missing:?}");
+    assert!(missing.stderr.contains("missing-key"), "{missing:?}");
+
+    let not_a_number = exec(server.cmd("kv", &["add", "a", "x1"]));
+    assert_code(&not_a_number, 2);
+    ok(&["set", "text", "abc"]);
+    let not_a_number = exec(server.cmd("kv", &["add", "text", "1"]));
+    assert_code(&not_a_number, 1);
+    assert!(not_a_number.stderr.contains("not an integer"), "{not_a_number:?}");
+}
+
+#[test]
+fn usage_errors_exit_2_and_name_the_bad_value() {
+    // Nothing listens here; every case must fail before connecting.
+    let addr = "127.0.0.1:1";
+    let cases: &[(&[&str], &str)] = &[
+        (&["barrier", "b", "--rank", "4", "--world-size", "4"], "rank 4"),
+        (&["barrier", "b", "--rank", "0", "--world-size", "0"], "'0'"),
+        (&["barrier", "b", "--rank", "0", "--world-size", "-3"], "'-3'"),
+        (&["barrier", "b", "--rank", "-1", "--world-size", "2"], "'-1'"),
+        (&["barrier", "b", "--rank", "0", "--world-size", "4", "--ranks", "0,x"], "'x'"),
+        (&["barrier", "b", "--rank", "0", "--world-size", "4", "--ranks", "0,7"], "rank 7"),
+        (&["barrier", "b", "--world-size", "4"], "RANK"),
+        (&["barrier", "b", "--rank", "0", "--world-size", "2", "--timeout", "-1"], "'-1'"),
+        (&["broadcast", "--root", "0", "--rank", "0", "--world-size", "2"], "VALUE"),
+        (&["broadcast", "v", "--root", "2", "--rank", "0", "--world-size", "2"], "--root 2"),
+        (&["frobnicate"], "frobnicate"),
+    ];
+    for (args, needle) in cases {
+        let run = exec({
+            let mut command = rallypoint();
+            command.args(*args).args(["--addr", addr]);
+            command
+        });
+        assert_code(&run, 2);
+        assert!(run.stderr.contains(needle), "{args:?}: stderr should name {needle:?}: {run:#?}");
+    }
+
+    // A bad value in the environment is named too.
+    let run = exec({
+        let mut command = rallypoint();
+        command.args(["barrier", "b", "--addr", addr]).env("RANK", "abc").env("WORLD_SIZE", "2");
+        command
+    });
+    assert_code(&run, 2);
+    assert!(run.stderr.contains("RANK"), "{run:#?}");
+
+    // No address anywhere.
+    let run = exec({
+        let mut command = rallypoint();
+        command.args(["get", "k"]);
+        command
+    });
+    assert_code(&run, 2);
+    assert!(run.stderr.starts_with("rallypoint: "), "{run:#?}");
+}
+
+#[test]
+fn cannot_connect_exits_7() {
+    // A port that was free a moment ago: nothing listens there.
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let run = exec({
+        let mut command = rallypoint();
+        command.args(["get", "k", "--addr", &addr, "--timeout", "1"]);
+        command
+    });
+    assert_code(&run, 7);
+    assert!(run.stderr.starts_with("rallypoint: ") && run.stderr.contains(&addr), "{run:#?}");
+}
+
+#[test]
+fn barrier_across_processes_and_reused_name() {
+    let server = Server::start();
+    let n = 3;
+    for step in 0..4 {
+        let mut ranks: Vec<Guard> =
+            (0..n - 1).map(|r| spawn(server.ranked("loop", r, n, &["barrier", "step"]))).collect();
+        if step == 0 {
+            // Nobody passes until the last rank arrives.
+            thread::sleep(Duration::from_millis(500));
+            assert!(ranks.iter_mut().all(Guard::still_running), "a rank passed the barrier alone");
+        }
+        ranks.push(spawn(server.ranked("loop", n - 1, n, &["barrier", "step"])));
+        for rank in &mut ranks {
+            let run = finish(rank);
+            assert_code(&run, 0);
+            assert_eq!(run.stdout, "");
+        }
+    }
+
+    // A barrier of a subset does not wait for the others.
+    let mut subset: Vec<Guard> =
+        [0, 2].iter().map(|&r| spawn(server.ranked("loop", r, n, &["barrier", "pair", "--ranks", "0,2"]))).collect();
+    for rank in &mut subset {
+        assert_code(&finish(rank), 0);
+    }
+}
+
+#[test]
+fn all_gather_and_broadcast() {
+    let server = Server::start();
+    let n = 3;
+    let mut gathering: Vec<Guard> =
+        (0..n).map(|r| spawn(server.ranked("coll", r, n, &["all-gather", &format!("value of {r}")]))).collect();
+    for rank in &mut gathering {
+        let run = finish(rank);
+        assert_code(&run, 0);
+        assert_eq!(run.stdout, "value of 0\nvalue of 1\nvalue of 2\n");
+    }
+
+    let mut receiving: Vec<Guard> = (0..n)
+        .map(|r| {
+            let value = if r == 1 { vec!["from-one"] } else { vec![] };
+            let args: Vec<&str> = ["broadcast"].into_iter().chain(value).chain(["--root", "1"]).collect();
+            spawn(server.ranked("coll", r, n, &args))
+        })
+        .collect();
+    for rank in &mut receiving {
+        let run = finish(rank);
+        assert_code(&run, 0);
+        assert_eq!(run.stdout, "from-one\n");
+    }
+}
+
+#[test]
+fn killed_rank_fails_every_peer_with_code_4() {
+    let server = Server::start();
+    // World of 4: ranks 0, 1 and 2 wait in the barrier (3 never comes), then 1 is killed.
+    let mut peers: Vec<Guard> = [0, 2].iter().map(|&r| spawn(server.ranked("kill", r, 4, &["barrier", "b"]))).collect();
+    let mut victim = spawn(server.ranked("kill", 1, 4, &["barrier", "b"]));
+    for pid in peers.iter().map(Guard::pid).chain([victim.pid()]) {
+        wait_connected(pid);
+    }
+    victim.0.kill().expect("SIGKILL rank 1");
+    let killed_at = Instant::now();
+    for peer in &mut peers {
+        let run = finish(peer);
+        assert_code(&run, 4);
+        assert!(run.stderr.starts_with("rallypoint: "), "{run:#?}");
+        assert!(run.stderr.contains("rank 1"), "the error should name rank 1: {run:#?}");
+    }
+    // At once, not after the 30 s timeout.
+    assert!(killed_at.elapsed() < Duration::from_secs(10), "peers took {:?}", killed_at.elapsed());
+}
+
+#[test]
+fn timeout_exits_3_and_names_the_missing_rank() {
+    let server = Server::start();
+    let mut ranks: Vec<Guard> =
+        (0..2).map(|r| spawn(server.ranked("late", r, 3, &["barrier", "b", "--timeout", "1"]))).collect();
+    for rank in &mut ranks {
+        let run = finish(rank);
+        assert_code(&run, 3);
+        assert!(run.stderr.starts_with("rallypoint: "), "{run:#?}");
+        assert!(run.stderr.contains("rank 2"), "the error should name rank 2: {run:#?}");
+    }
+}
+
+#[test]
+fn abort_fails_waiting_ranks_with_code_5() {
+    let server = Server::start();
+    let mut waiting = spawn(server.ranked("doomed", 0, 2, &["barrier", "b"]));
+    wait_connected(waiting.pid());
+    assert_code(&exec(server.cmd("doomed", &["abort", "disk full on node 7"])), 0);
+    let run = finish(&mut waiting);
+    assert_code(&run, 5);
+    assert!(run.stderr.contains("disk full on node 7"), "{run:#?}");
+}
+
+#[test]
+fn serve_stops_cleanly_on_sigterm_and_sigint() {
+    for signal in [libc::SIGTERM, libc::SIGINT] {
+        let mut server = Server::start();
+        // SAFETY: kill(2) on a child we own and have not reaped.
+        assert_eq!(unsafe { libc::kill(server.process.pid() as i32, signal) }, 0);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while server.process.still_running() {
+            assert!(Instant::now() < deadline, "serve did not stop on signal {signal}");
+            thread::sleep(Duration::from_millis(20));
+        }
+        assert_eq!(server.process.0.wait().unwrap().code(), Some(0), "signal {signal}");
+    }
+}
+
+#[test]
+fn help_lists_exit_codes() {
+    let run = exec({
+        let mut command = rallypoint();
+        command.arg("--help");
+        command
+    });
+    assert_code(&run, 0);
+    for line in ["3  timeout", "4  peer lost", "7  cannot connect"] {
+        assert!(run.stdout.contains(line), "--help should list {line:?}");
+    }
+}
+
+#[test]
+fn demo_exits_0() {
+    let run = exec({
+        let mut command = rallypoint();
+        command.args(["demo", "--ranks", "3"]);
+        command
+    });
+    assert_code(&run, 0);
+    for needle in ["[rank 0] step 1", "[rank 2] step 3", "SIGKILL", "rank 2", "demo ok"] {
+        assert!(run.stdout.contains(needle), "demo output should contain {needle:?}: {run:#?}");
+    }
+}
+
+#[test]
+fn benches_report_json() {
+    let run = exec({
+        let mut command = rallypoint();
+        command.args(["bench", "barrier", "--clients", "4", "--rounds", "20", "--json"]);
+        command
+    });
+    assert_code(&run, 0);
+    let report: serde_json::Value = serde_json::from_str(&run.stdout).expect("one JSON object");
+    assert_eq!(report["clients"], 4);
+    assert_eq!(report["rounds"], 20);
+    for field in ["median_us", "p99_us", "mean_us", "min_us", "max_us", "connect_ms"] {
+        assert!(report[field].as_f64().is_some_and(|v| v > 0.0), "{field}: {report}");
+    }
+    assert!(report["p99_us"].as_f64() >= report["median_us"].as_f64());
+    assert!(report["server_rss_per_conn_bytes"].is_u64(), "{report}");
+
+    let run = exec({
+        let mut command = rallypoint();
+        command.args(["bench", "kv", "--clients", "2", "--ops", "20", "--json"]);
+        command
+    });
+    assert_code(&run, 0);
+    let report: serde_json::Value = serde_json::from_str(&run.stdout).expect("one JSON object");
+    for op in ["set", "get", "add", "check", "compare_set", "multi_get"] {
+        assert_eq!(report["latency"][op]["count"], 20, "{op}: {report}");
+    }
+    assert_eq!(report["add_throughput"]["ops"], 40);
+}

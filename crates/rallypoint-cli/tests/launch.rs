@@ -1,0 +1,293 @@
+//! `rallypoint launch` end to end: real worker processes (shell scripts calling the
+//! `rallypoint` verbs), real signals, and two launchers on loopback as two nodes.
+
+use std::io::Read;
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::thread;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_rallypoint");
+/// No launcher in these tests may run longer than this.
+const LIMIT: Duration = Duration::from_secs(60);
+
+/// Variables a worker would otherwise inherit from the test's own environment.
+const SCRUB: &[&str] = &[
+    "RALLYPOINT_ADDR", "RALLYPOINT_JOB", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS", "RUST_LOG",
+];
+
+struct Launched {
+    child: Child,
+    stdout: thread::JoinHandle<String>,
+    stderr: thread::JoinHandle<String>,
+}
+
+struct Finished {
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+}
+
+fn launch(args: &[&str], script: &str, dir: &Path) -> Launched {
+    let mut cmd = Command::new(BIN);
+    for var in SCRUB {
+        cmd.env_remove(var);
+    }
+    cmd.arg("launch").args(args).arg("--").args(["sh", "-c", script]);
+    cmd.env("RP", BIN).env("DIR", dir).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("start the launcher");
+    let mut out = child.stdout.take().expect("piped");
+    let mut err = child.stderr.take().expect("piped");
+    Launched {
+        child,
+        stdout: thread::spawn(move || {
+            let mut s = String::new();
+            let _ = out.read_to_string(&mut s);
+            s
+        }),
+        stderr: thread::spawn(move || {
+            let mut s = String::new();
+            let _ = err.read_to_string(&mut s);
+            s
+        }),
+    }
+}
+
+impl Launched {
+    fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    fn finish(mut self) -> Finished {
+        let deadline = Instant::now() + LIMIT;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                break Some(status);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                break None;
+            }
+            thread::sleep(Duration::from_millis(20));
+        };
+        let stdout = self.stdout.join().unwrap_or_default();
+        let stderr = self.stderr.join().unwrap_or_default();
+        let status = status.unwrap_or_else(|| panic!("the launcher ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"));
+        Finished { code: status.code(), stdout, stderr }
+    }
+}
+
+fn temp_dir(name: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("rp-launch-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}
+
+/// Waits (bounded) until every file exists; returns their contents.
+fn wait_for_files(dir: &Path, names: &[String]) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let contents: Vec<Option<String>> = names.iter().map(|n| std::fs::read_to_string(dir.join(n)).ok()).collect();
+        if contents.iter().all(|c| c.as_deref().is_some_and(|s| s.ends_with('\n'))) {
+            return contents.into_iter().flatten().map(|s| s.trim().to_owned()).collect();
+        }
+        assert!(Instant::now() < deadline, "files {names:?} never all appeared in {}", dir.display());
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn alive(pid: &str) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| s.contains(") Z "))
+}
+
+fn signal(pid: i32, sig: i32) {
+    // SAFETY: plain syscall on a pid this test started.
+    unsafe {
+        libc::kill(pid, sig);
+    }
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").and_then(|l| l.local_addr()).map(|a| a.port()).expect("free port")
+}
+
+#[test]
+fn every_rank_gets_torchrun_variables_prefixed_output_and_a_working_coordinator() {
+    let dir = temp_dir("env");
+    let script = r#"
+        echo "env $RANK $LOCAL_RANK $WORLD_SIZE $LOCAL_WORLD_SIZE $GROUP_RANK $GROUP_WORLD_SIZE $ROLE_RANK $ROLE_NAME $ROLE_WORLD_SIZE $TORCHELASTIC_RUN_ID $TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS $TORCHELASTIC_USE_AGENT_STORE $RALLYPOINT_JOB $OMP_NUM_THREADS"
+        echo "addr $RALLYPOINT_ADDR $MASTER_ADDR:$MASTER_PORT"
+        echo "to stderr $RANK" >&2
+        "$RP" barrier start --timeout 30 || exit 11
+        "$RP" all-gather "v$RANK" --timeout 30 | tr '\n' ' ' | sed 's/^/gathered /'; echo
+    "#;
+    let done = launch(&["--nproc-per-node", "3", "--job", "envtest"], script, &dir).finish();
+    assert_eq!(done.code, Some(0), "stderr:\n{}", done.stderr);
+    for r in 0..3 {
+        let expected = format!("[rank{r}]: env {r} {r} 3 3 0 1 {r} default 3 envtest 0 0 True envtest 1");
+        assert!(done.stdout.lines().any(|l| l == expected), "missing {expected:?} in\n{}", done.stdout);
+        assert!(done.stderr.lines().any(|l| l == format!("[rank{r}]: to stderr {r}")), "{}", done.stderr);
+        assert!(done.stdout.lines().any(|l| l == format!("[rank{r}]: gathered v0 v1 v2 ")), "{}", done.stdout);
+        let addr = done.stdout.lines().find(|l| l.starts_with(&format!("[rank{r}]: addr "))).expect("addr line");
+        let parts: Vec<&str> = addr.split_whitespace().collect();
+        assert_eq!(parts[2], parts[3], "RALLYPOINT_ADDR equals MASTER_ADDR:MASTER_PORT");
+        assert!(parts[2].starts_with("127.0.0.1:"), "{addr}");
+    }
+}
+
+#[test]
+fn a_failing_rank_takes_the_job_down_and_the_summary_names_it() {
+    let dir = temp_dir("fail");
+    let script = r#"
+        echo $$ > "$DIR/pid$RANK.tmp" && mv "$DIR/pid$RANK.tmp" "$DIR/pid$RANK"
+        if [ "$RANK" = 1 ]; then
+            i=0; while [ ! -f "$DIR/pid0" ] || [ ! -f "$DIR/pid2" ]; do i=$((i+1)); [ $i -gt 400 ] && break; sleep 0.05; done
+            echo "loading batch 17" >&2
+            echo "fatal: bad batch" >&2
+            exit 3
+        fi
+        exec sleep 30
+    "#;
+    let done = launch(&["--nproc-per-node", "3", "--grace", "2"], script, &dir).finish();
+    assert_eq!(done.code, Some(3), "stderr:\n{}", done.stderr);
+    let first_line = done.stderr.lines().find(|l| l.starts_with("rallypoint: ")).unwrap_or_default();
+    assert!(first_line.contains("FAILED") && first_line.contains("rank 1 exited with code 3"), "{}", done.stderr);
+    assert!(done.stderr.contains("rank 1 (local rank 1, node 0, host "), "{}", done.stderr);
+    assert!(done.stderr.contains("    | fatal: bad batch"), "{}", done.stderr);
+    assert!(done.stderr.contains("rank 0: killed by the launcher (SIGTERM) after rank 1 failed"), "{}", done.stderr);
+    assert!(done.stderr.contains("rank 2: killed by the launcher (SIGTERM) after rank 1 failed"), "{}", done.stderr);
+    for pid in wait_for_files(&dir, &["pid0".into(), "pid2".into()]) {
+        assert!(!alive(&pid), "worker {pid} survived its job");
+    }
+}
+
+#[test]
+fn a_worker_killed_by_sigkill_exits_137_and_its_peers_barriers_name_it() {
+    let dir = temp_dir("sigkill");
+    let script = r#"
+        if [ "$RANK" = 1 ]; then
+            echo $$ > "$DIR/pid.tmp" && mv "$DIR/pid.tmp" "$DIR/pid1"
+            exec "$RP" get never-set --timeout 60
+        fi
+        "$RP" barrier step --timeout 60
+        echo "barrier exit $?"
+        sleep 5
+    "#;
+    let launched = launch(&["--nproc-per-node", "3", "--grace", "5"], script, &dir);
+    let pid = wait_for_files(&dir, &["pid1".into()]).remove(0);
+    // Let rank 1's `get` connect, so its death is seen as a lost rank.
+    thread::sleep(Duration::from_millis(300));
+    signal(pid.parse().expect("pid"), libc::SIGKILL);
+    let done = launched.finish();
+    assert_eq!(done.code, Some(137), "stderr:\n{}", done.stderr);
+    assert!(done.stderr.contains("rank 1 was killed by SIGKILL"), "{}", done.stderr);
+    for r in [0, 2] {
+        let exit_line = format!("[rank{r}]: barrier exit ");
+        let line = done.stdout.lines().find(|l| l.starts_with(&exit_line)).unwrap_or_else(|| panic!("{}", done.stdout));
+        assert!(line.ends_with(" 4") || line.ends_with(" 5"), "peer lost (4) or aborted (5): {line}");
+        let why = done.stderr.lines().find(|l| l.starts_with(&format!("[rank{r}]: rallypoint: "))).unwrap_or_default();
+        assert!(why.contains("rank 1"), "rank {r}'s barrier error must name rank 1: {why:?}\n{}", done.stderr);
+    }
+}
+
+#[test]
+fn sigint_to_the_launcher_reaches_every_worker() {
+    let dir = temp_dir("sigint");
+    let script = r#"
+        trap 'echo int > "$DIR/int$RANK"; exit 0' INT
+        echo ready > "$DIR/ready$RANK"
+        i=0; while [ $i -lt 600 ]; do i=$((i+1)); sleep 0.1; done
+    "#;
+    let launched = launch(&["--nproc-per-node", "2"], script, &dir);
+    wait_for_files(&dir, &["ready0".into(), "ready1".into()]);
+    signal(launched.pid(), libc::SIGINT);
+    let done = launched.finish();
+    assert_eq!(done.code, Some(130), "stderr:\n{}", done.stderr);
+    wait_for_files(&dir, &["int0".into(), "int1".into()]);
+    assert!(done.stderr.contains("received SIGINT"), "{}", done.stderr);
+}
+
+#[test]
+fn restarts_run_the_whole_group_again_in_a_fresh_job() {
+    let dir = temp_dir("restart");
+    let script = r#"
+        echo "attempt $TORCHELASTIC_RESTART_COUNT job $RALLYPOINT_JOB"
+        "$RP" barrier step --timeout 30 || exit 9
+        "$RP" barrier step --timeout 30 || exit 9
+        if [ "$TORCHELASTIC_RESTART_COUNT" -lt 2 ] && [ "$RANK" = 0 ]; then exit 5; fi
+        echo "done in attempt $TORCHELASTIC_RESTART_COUNT"
+    "#;
+    let done = launch(&["--nproc-per-node", "2", "--max-restarts", "2", "--grace", "2"], script, &dir).finish();
+    assert_eq!(done.code, Some(0), "stdout:\n{}\nstderr:\n{}", done.stdout, done.stderr);
+    for (attempt, job) in [(0, "default"), (1, "default.restart1"), (2, "default.restart2")] {
+        let line = format!("[rank1]: attempt {attempt} job {job}");
+        assert!(done.stdout.lines().any(|l| l == line), "missing {line:?}\n{}", done.stdout);
+    }
+    assert!(done.stdout.lines().any(|l| l == "[rank1]: done in attempt 2"), "{}", done.stdout);
+    assert!(done.stderr.contains("restarting (1 of 2 restarts)"), "{}", done.stderr);
+    assert!(done.stderr.contains("restarting (2 of 2 restarts)"), "{}", done.stderr);
+
+    // Out of restarts: the last failure's code.
+    let done = launch(&["--nproc-per-node", "2", "--max-restarts", "1"], "exit 6", &dir).finish();
+    assert_eq!(done.code, Some(6), "{}", done.stderr);
+    assert!(done.stderr.contains("attempt 2 of 2"), "{}", done.stderr);
+}
+
+#[test]
+fn two_nodes_a_failure_on_node_1_takes_node_0_down() {
+    let dir = temp_dir("twonode");
+    let master = format!("127.0.0.1:{}", free_port());
+    let script = r#"
+        echo "node $GROUP_RANK rank $RANK of $WORLD_SIZE"
+        echo $$ > "$DIR/pid$RANK.tmp" && mv "$DIR/pid$RANK.tmp" "$DIR/pid$RANK"
+        if [ "$RANK" = 3 ]; then
+            i=0; while [ ! -f "$DIR/pid0" ] || [ ! -f "$DIR/pid1" ]; do i=$((i+1)); [ $i -gt 400 ] && break; sleep 0.05; done
+            echo "node 1 worker failing" >&2
+            exit 7
+        fi
+        exec sleep 30
+    "#;
+    let common = ["--nnodes", "2", "--nproc-per-node", "2", "--master", master.as_str(), "--job", "two", "--grace", "2"];
+    let node0 = launch(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir);
+    let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir);
+    let (n0, n1) = (node0.finish(), node1.finish());
+    assert_eq!(n1.code, Some(7), "node 1 stderr:\n{}", n1.stderr);
+    assert_eq!(n0.code, Some(7), "node 0 stderr:\n{}", n0.stderr);
+    assert!(n0.stdout.contains("[rank0]: node 0 rank 0 of 4") && n1.stdout.contains("[rank3]: node 1 rank 3 of 4"), "{}\n{}", n0.stdout, n1.stdout);
+    assert!(n0.stderr.contains("rank 3 exited with code 7"), "node 0 names the root cause:\n{}", n0.stderr);
+    assert!(n0.stderr.contains("    | node 1 worker failing"), "{}", n0.stderr);
+    assert!(n0.stderr.contains("rank 0: killed by the launcher (SIGTERM) after rank 3 failed"), "{}", n0.stderr);
+    for pid in wait_for_files(&dir, &["pid0".into(), "pid1".into(), "pid2".into()]) {
+        assert!(!alive(&pid), "worker {pid} survived its job");
+    }
+}
+
+#[test]
+fn workers_do_not_outlive_a_killed_launcher() {
+    let dir = temp_dir("orphans");
+    let launched = launch(&["--nproc-per-node", "2"], r#"echo $$ > "$DIR/p.tmp$RANK" && mv "$DIR/p.tmp$RANK" "$DIR/pid$RANK"; exec sleep 30"#, &dir);
+    let pids = wait_for_files(&dir, &["pid0".into(), "pid1".into()]);
+    signal(launched.pid(), libc::SIGKILL);
+    let _ = launched.finish();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|p| alive(p)) {
+        assert!(Instant::now() < deadline, "workers {pids:?} outlived their launcher");
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn usage_errors_exit_2() {
+    let dir = temp_dir("usage");
+    let done = launch(&["--nnodes", "2", "--node-rank", "0"], "true", &dir).finish();
+    assert_eq!(done.code, Some(2), "{}", done.stderr);
+    assert!(done.stderr.contains("--master"), "{}", done.stderr);
+    let done = launch(&["--nnodes", "2", "--node-rank", "2", "--master", "127.0.0.1:1"], "true", &dir).finish();
+    assert_eq!(done.code, Some(2), "{}", done.stderr);
+    assert!(done.stderr.contains("--node-rank 2 is out of range"), "{}", done.stderr);
+}
