@@ -33,8 +33,10 @@ pub struct DemoArgs {
 
 #[derive(Args, Debug)]
 pub struct WorkerArgs {
-    #[arg(long)]
+    /// Steps of barrier + all-gather + broadcast
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..=100))]
     rounds: u32,
+    /// The last rank kills itself with SIGKILL while the others wait for it
     #[arg(long)]
     kill_last: bool,
 }

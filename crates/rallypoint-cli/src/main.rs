@@ -39,8 +39,8 @@ enum Command {
     Bench(bench::BenchCommand),
     /// Start a coordinator and a few worker processes, and show what they do.
     Demo(demo::DemoArgs),
-    /// One worker process of `rallypoint demo`.
-    #[command(hide = true)]
+    /// One worker of the demo job, configured by RANK, WORLD_SIZE, RALLYPOINT_ADDR and
+    /// RALLYPOINT_JOB: run it under `rallypoint launch`.
     DemoWorker(demo::WorkerArgs),
 }
 
@@ -70,7 +70,7 @@ fn run(command: Command) -> anyhow::Result<i32> {
     // A verb does one request: a single-threaded runtime starts fastest. The server,
     // benchmarks and demo do many things at once.
     let runtime = match command {
-        Command::Verb(_) | Command::DemoWorker(_) => tokio::runtime::Builder::new_current_thread(),
+        Command::Verb(_) | Command::DemoWorker(_) | Command::Serve(_) => tokio::runtime::Builder::new_current_thread(),
         _ => tokio::runtime::Builder::new_multi_thread(),
     }
     .enable_all()

@@ -160,6 +160,10 @@ impl Client {
         self.runtime.block_on(self.inner.broadcast(name, members, root, value, timeout))
     }
 
+    pub fn ping(&self) -> Result<(), Error> {
+        self.runtime.block_on(self.inner.ping())
+    }
+
     pub fn abort(&self, reason: &str) -> Result<(), Error> {
         self.runtime.block_on(self.inner.abort(reason))
     }

@@ -1,4 +1,6 @@
-//! `rallypoint bench barrier`: N clients in one barrier, R rounds.
+//! `rallypoint bench barrier`: N clients in one barrier, R rounds; or, with
+//! `--op ping`, the same rounds of plain round trips: the floor a barrier is
+//! measured against.
 
 use std::time::{Duration, Instant};
 
@@ -31,10 +33,22 @@ pub struct Args {
     /// (then no server memory is reported)
     #[arg(long, value_name = "HOST:PORT")]
     addr: Option<String>,
+    /// What each client does per round: `barrier`, or `ping` (one round trip each, not
+    /// held in step: the cost of N requests and N replies, the floor of a barrier)
+    #[arg(long, value_enum, default_value_t = Op::Barrier)]
+    op: Op,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Op {
+    Barrier,
+    Ping,
 }
 
 #[derive(Debug, Serialize)]
 struct Report {
+    op: Op,
     clients: u32,
     rounds: u32,
     warmup_rounds: u32,
@@ -97,13 +111,18 @@ async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {
     // Every client loops through all rounds on its own, as ranks of a training job
     // do, and notes when each barrier released it.
     let total = (args.warmup + args.rounds) as usize;
+    let op = args.op;
     let start = Instant::now();
     let mut running = JoinSet::new();
     for client in clients {
         running.spawn(async move {
             let mut released = Vec::with_capacity(total);
             for _ in 0..total {
-                if let Err(err) = client.barrier("bench", Members::World, Some(timeout)).await {
+                let result = match op {
+                    Op::Barrier => client.barrier("bench", Members::World, Some(timeout)).await,
+                    Op::Ping => client.ping().await,
+                };
+                if let Err(err) = result {
                     return (client, Err(err));
                 }
                 released.push(Instant::now());
@@ -111,7 +130,7 @@ async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {
             (client, Ok(released))
         });
     }
-    // A round ends when its last client is released.
+    // A round ends when its last client is released (or, for pings, answered).
     let mut round_end = vec![start; total];
     let mut clients = Vec::with_capacity(n as usize);
     let mut failure = None;
@@ -134,7 +153,9 @@ async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {
         return Err(err).context("a barrier round failed");
     }
 
-    // A round runs from the end of the one before (all released) to its own end.
+    // A round runs from the end of the one before to its own end. Pinging clients are
+    // not held in step, so a ping round is the throughput-bound floor of a barrier round:
+    // the same N requests and N replies, without the waiting.
     let warmup = args.warmup as usize;
     let mut rounds: Vec<Duration> =
         (warmup..total).map(|r| round_end[r] - if r == 0 { start } else { round_end[r - 1] }).collect();
@@ -144,6 +165,7 @@ async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {
         _ => None,
     };
     Ok(Report {
+        op: args.op,
         clients: n,
         rounds: args.rounds,
         warmup_rounds: args.warmup,

@@ -311,6 +311,15 @@ impl Client {
         }
     }
 
+    /// One round trip to the coordinator (it also counts as this rank's heartbeat):
+    /// checks that the coordinator is there and responsive.
+    pub async fn ping(&self) -> Result<(), Error> {
+        match self.call_now(Request::Heartbeat).await? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("ping", other)),
+        }
+    }
+
     /// Aborts the job: every pending and later operation of every member fails
     /// with [`crate::OpError::Aborted`] naming this client and `reason`.
     pub async fn abort(&self, reason: &str) -> Result<(), Error> {

@@ -2,7 +2,10 @@
 //! out. One task per connection; while idle it holds no read or write buffer.
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::io;
+use std::pin::{pin, Pin};
+use std::task::{ready, Context, Poll};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -13,7 +16,7 @@ use rallypoint_proto::native::{
     decode_client_frame, decode_preamble, encode_reply, encode_server_frame, ClientFrame, FrameLimits, ProtoError,
     ServerFrame, VERSION,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
@@ -204,9 +207,8 @@ impl Connection {
                 // Replies first: they free waiting peers, and reading more only adds work.
                 biased;
                 () = outbox.ready.notified() => {}
-                ready = self.stream.readable() => {
-                    ready?;
-                    match self.try_read() {
+                read = std::future::poll_fn(|cx| self.poll_read_some(cx)) => {
+                    match read {
                         Ok(0) => {
                             if !self.rbuf.is_empty() {
                                 debug!(peer = %self.peer, %session, buffered = self.rbuf.len(), "closed in the middle of a frame");
@@ -214,7 +216,6 @@ impl Connection {
                             return Ok(());
                         }
                         Ok(_) => broken = self.process(session, shared).err(),
-                        Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
                         Err(error) => return Err(error.into()),
                     }
                 }
@@ -222,23 +223,27 @@ impl Connection {
         }
     }
 
-    /// Reads what the socket has (up to [`READ_CHUNK`]) without blocking.
+    /// Reads what the socket has (up to [`READ_CHUNK`]).
     ///
+    /// Through `poll_read`, which learns from a short read that the socket is drained;
+    /// `try_read` would spend a second, empty `recv` per request to learn that.
     /// Reads land on the stack first and are appended to the read buffer, so a
     /// buffer starting empty is allocated at exactly the size received. Decoded
-    /// keys and values share that allocation (the codec does not copy them), and
-    /// the store keeps them: a small `set` must not pin a whole read chunk.
-    /// The rest of a frame already started is read straight into the buffer, which
-    /// grows geometrically so that a large value takes few reads.
-    fn try_read(&mut self) -> io::Result<usize> {
+    /// keys and values share that allocation (the codec does not copy them): a small
+    /// `set` must not pin a whole read chunk. The stack chunk lives only within one
+    /// poll, so it does not enlarge an idle connection's task. The rest of a frame
+    /// already started is read straight into the buffer, which grows geometrically so
+    /// that a large value takes few reads.
+    fn poll_read_some(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if !self.rbuf.is_empty() {
             self.rbuf.reserve(READ_CHUNK.max(self.rbuf.len()));
-            return self.stream.try_read_buf(&mut self.rbuf);
+            return pin!(self.stream.read_buf(&mut self.rbuf)).poll(cx);
         }
         let mut chunk = [0u8; READ_CHUNK];
-        let n = self.stream.try_read(&mut chunk)?;
-        self.rbuf.extend_from_slice(&chunk[..n]);
-        Ok(n)
+        let mut filled = ReadBuf::new(&mut chunk);
+        ready!(Pin::new(&mut self.stream).poll_read(cx, &mut filled))?;
+        self.rbuf.extend_from_slice(filled.filled());
+        Poll::Ready(Ok(filled.filled().len()))
     }
 
     /// Decodes every whole frame buffered and feeds the requests to the engine under
