@@ -70,7 +70,7 @@ fn run(command: Command) -> anyhow::Result<i32> {
     // A verb does one request: a single-threaded runtime starts fastest. The server,
     // benchmarks and demo do many things at once.
     let runtime = match command {
-        Command::Verb(_) | Command::DemoWorker(_) | Command::Serve(_) => tokio::runtime::Builder::new_current_thread(),
+        Command::Verb(_) | Command::DemoWorker(_) => tokio::runtime::Builder::new_current_thread(),
         _ => tokio::runtime::Builder::new_multi_thread(),
     }
     .enable_all()
