@@ -12,7 +12,7 @@ use crate::{Client, ConnectOptions, Identity};
 /// Between aborting the job on the coordinator and signalling the workers: long enough
 /// for a worker blocked in a barrier to receive the reason and report it itself, short
 /// enough not to matter to a person waiting.
-const NOTICE: Duration = Duration::from_millis(250);
+const NOTICE: Duration = Duration::from_millis(100);
 
 use super::agents::{Agents, Remote, Report};
 use super::env::{worker_env, JobEnv, Placement};
