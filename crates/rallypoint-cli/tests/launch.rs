@@ -291,3 +291,24 @@ fn usage_errors_exit_2() {
     assert_eq!(done.code, Some(2), "{}", done.stderr);
     assert!(done.stderr.contains("--node-rank 2 is out of range"), "{}", done.stderr);
 }
+
+#[test]
+fn a_lost_node_launcher_takes_the_other_node_down_naming_it() {
+    let dir = temp_dir("nodelost");
+    let master = format!("127.0.0.1:{}", free_port());
+    let script = r#"echo $$ > "$DIR/p$RANK.tmp" && mv "$DIR/p$RANK.tmp" "$DIR/pid$RANK"; exec sleep 30"#;
+    let common = ["--nnodes", "2", "--nproc-per-node", "1", "--master", master.as_str(), "--job", "lost", "--grace", "2"];
+    let node0 = launch(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir);
+    let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir);
+    let pids = wait_for_files(&dir, &["pid0".into(), "pid1".into()]);
+    signal(node1.pid(), libc::SIGKILL);
+    let _ = node1.finish();
+    let n0 = node0.finish();
+    assert_eq!(n0.code, Some(1), "node 0 stderr:\n{}", n0.stderr);
+    assert!(n0.stderr.contains("node 1 (") && n0.stderr.contains("was lost"), "{}", n0.stderr);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while pids.iter().any(|p| alive(p)) {
+        assert!(Instant::now() < deadline, "workers {pids:?} survived the lost node");
+        thread::sleep(Duration::from_millis(20));
+    }
+}

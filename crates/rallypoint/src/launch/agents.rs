@@ -12,7 +12,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
-use crate::{Client, ConnectOptions, Error, Identity, Members, OpError};
+use crate::{Client, ConnectOptions, Error, Identity, Members, OpError, RankState};
 
 use super::outcome::{Failure, FailureKind};
 
@@ -150,11 +150,19 @@ fn decode(got: Result<bytes::Bytes, Error>, from: u32) -> Result<Report, Failure
         Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
             Failure::now(FailureKind::NodeLost { detail: format!("it sent an unreadable report: {e}") }, from, "?")
         }),
-        Err(Error::Op(OpError::PeerLost { peer, .. })) => Err(Failure::now(
-            FailureKind::NodeLost { detail: format!("its launcher was lost ({peer})") },
-            from,
-            peer.host.as_deref().unwrap_or("?"),
-        )),
+        Err(Error::Op(OpError::PeerLost { peer, .. })) => {
+            // The peer is a launcher, whose "rank" is its node index: say it in those terms.
+            let how = match peer.state {
+                RankState::Lost(reason) => reason.to_string(),
+                _ => "was lost".to_owned(),
+            };
+            let pid = peer.pid.map_or(String::new(), |pid| format!(" (pid {pid})"));
+            Err(Failure::now(
+                FailureKind::NodeLost { detail: format!("its launcher{pid}: {how}") },
+                from,
+                peer.host.as_deref().unwrap_or("?"),
+            ))
+        }
         Err(e) => Err(Failure::now(FailureKind::NodeLost { detail: format!("no word from its launcher: {e}") }, from, "?")),
     }
 }
