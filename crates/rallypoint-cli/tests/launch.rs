@@ -312,3 +312,23 @@ fn a_lost_node_launcher_takes_the_other_node_down_naming_it() {
         thread::sleep(Duration::from_millis(20));
     }
 }
+
+#[test]
+fn two_nodes_restart_together_after_a_failure() {
+    let dir = temp_dir("tworestart");
+    let master = format!("127.0.0.1:{}", free_port());
+    let script = r#"
+        if [ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 1 ]; then exit 4; fi
+        "$RP" barrier together --timeout 30 || exit 9
+        echo "rank $RANK done in attempt $TORCHELASTIC_RESTART_COUNT of job $RALLYPOINT_JOB"
+    "#;
+    let common = ["--nnodes", "2", "--nproc-per-node", "1", "--master", master.as_str(), "--job", "tr", "--max-restarts", "1", "--grace", "2"];
+    let node0 = launch(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir);
+    let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir);
+    let (n0, n1) = (node0.finish(), node1.finish());
+    assert_eq!(n0.code, Some(0), "node 0 stderr:\n{}", n0.stderr);
+    assert_eq!(n1.code, Some(0), "node 1 stderr:\n{}", n1.stderr);
+    assert!(n0.stdout.contains("[rank0]: rank 0 done in attempt 1 of job tr.restart1"), "{}", n0.stdout);
+    assert!(n1.stdout.contains("[rank1]: rank 1 done in attempt 1 of job tr.restart1"), "{}", n1.stdout);
+    assert!(n0.stderr.contains("restarting (1 of 1 restarts)") && n1.stderr.contains("restarting (1 of 1 restarts)"));
+}
