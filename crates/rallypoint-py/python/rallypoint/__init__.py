@@ -1,0 +1,51 @@
+"""rallypoint: coordination for distributed jobs.
+
+Barriers, all-gather, broadcast and a key-value store served by one small
+coordinator, with dead or missing ranks named at once::
+
+    import rallypoint as rp
+
+    c = rp.Client.from_env()            # under `rallypoint launch`, torchrun or rp.spawn
+    with c.scope("step"):               # barrier on entry and exit
+        losses = c.all_gather(b"0.25")  # every rank's value, in rank order
+    c.close()
+
+See ``help(rallypoint.Client)`` and the exceptions in ``rallypoint._errors``.
+"""
+
+from ._errors import (
+    Aborted,
+    BadMembers,
+    BarrierTimeout,
+    ConnectionError,
+    InvalidArgument,
+    KeyTimeout,
+    MismatchError,
+    PeerLost,
+    RallypointError,
+    RankInfo,
+    ReplyTimeout,
+    WorkerError,
+)
+from ._native import Client, _Coordinator
+from ._scope import Scope
+from .spawn import spawn
+
+__all__ = [
+    "Client",
+    "Scope",
+    "spawn",
+    "RallypointError",
+    "BarrierTimeout",
+    "KeyTimeout",
+    "ReplyTimeout",
+    "PeerLost",
+    "Aborted",
+    "MismatchError",
+    "BadMembers",
+    "ConnectionError",
+    "InvalidArgument",
+    "WorkerError",
+    "RankInfo",
+    "_Coordinator",
+]

@@ -1,0 +1,173 @@
+"""The exceptions of rallypoint.
+
+Every error of the Rust client becomes one of these; its message is the Rust
+error's text (ranks are named ``rank N``), and its attributes carry the same facts,
+to match on rather than parse. All of them pickle, so ``spawn`` can send them
+from a worker to the parent.
+
+::
+
+    RallypointError
+    ├── BarrierTimeout     (also TimeoutError)  a barrier/all_gather/broadcast timed out
+    ├── KeyTimeout         (also TimeoutError)  get/wait/multi_get timed out
+    ├── ReplyTimeout       (also TimeoutError)  the coordinator went silent
+    ├── PeerLost                                a rank the operation needs died
+    ├── Aborted                                 someone called abort()
+    ├── MismatchError                           ranks called one generation differently
+    │   └── BadMembers     (also ValueError)    caller not among the members, rank outside the world
+    ├── ConnectionError    (also builtins.ConnectionError)  cannot connect, connection lost, client closed
+    ├── InvalidArgument    (also ValueError)    bad argument or environment variable, value too large
+    └── WorkerError                             a process of spawn() raised or died
+"""
+
+from __future__ import annotations
+
+import builtins
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+__all__ = [
+    "RallypointError",
+    "BarrierTimeout",
+    "KeyTimeout",
+    "ReplyTimeout",
+    "PeerLost",
+    "Aborted",
+    "MismatchError",
+    "BadMembers",
+    "ConnectionError",
+    "InvalidArgument",
+    "WorkerError",
+    "RankInfo",
+]
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """A rank as the coordinator last knew it (in ``BarrierTimeout.missing`` and ``PeerLost.peer``)."""
+
+    rank: int
+    #: Host and pid of its latest connection; None if it never connected.
+    host: Optional[str]
+    pid: Optional[int]
+    #: "never_connected", "connected" (but not arrived), "left" (cleanly) or "lost".
+    state: str
+    #: Why a lost rank is lost ("connection dropped without a clean leave", "no heartbeat for 15.0 s"); else None.
+    reason: Optional[str]
+    #: Seconds since the coordinator last heard from it; None if never.
+    last_seen: Optional[float]
+
+
+class RallypointError(Exception):
+    """Base class of every rallypoint error. ``str(e)`` is the full message."""
+
+
+class BarrierTimeout(RallypointError, TimeoutError):
+    """A barrier, all_gather or broadcast reached its timeout.
+
+    Attributes: ``op`` ("barrier", "all-gather", "broadcast"), ``name``, ``generation``
+    (1 for a rank's first call of that name), ``waited`` (seconds), ``member_count``,
+    ``missing_ranks`` (sorted ranks that had not arrived) and ``missing`` (a
+    :class:`RankInfo` for each: host, pid, state, last seen).
+    """
+
+    op: str
+    name: str
+    generation: int
+    waited: float
+    member_count: int
+    missing_ranks: List[int]
+    missing: List[RankInfo]
+
+
+class KeyTimeout(RallypointError, TimeoutError):
+    """``get``, ``wait`` or ``multi_get`` timed out. ``missing_keys``: the keys that still did not exist; ``waited`` in seconds."""
+
+    waited: float
+    missing_keys: List[bytes]
+
+
+class ReplyTimeout(RallypointError, TimeoutError):
+    """No reply within the operation's timeout plus a margin: the coordinator went silent without closing the connection."""
+
+    waited: float
+
+
+class PeerLost(RallypointError):
+    """A rank the operation needs is dead (killed, crashed, or silent for a whole lease).
+
+    Attributes: ``rank``, ``host``, ``pid``, ``reason`` (why it is considered lost),
+    ``last_seen`` (seconds), ``peer`` (a :class:`RankInfo`), and the failed operation:
+    ``op``, ``name``, ``generation``.
+    """
+
+    rank: int
+    host: Optional[str]
+    pid: Optional[int]
+    reason: Optional[str]
+    last_seen: Optional[float]
+    peer: RankInfo
+    op: str
+    name: str
+    generation: int
+
+
+class Aborted(RallypointError):
+    """The job was aborted. ``by_rank`` (None for a rank-less client such as a launcher), ``host``, ``pid``, ``reason``, ``job``."""
+
+    by_rank: Optional[int]
+    host: str
+    pid: int
+    reason: str
+    job: str
+
+
+class MismatchError(RallypointError):
+    """Two ranks called the same generation of a collective with different members, world sizes or roots.
+
+    ``mine`` and ``theirs`` are dicts with ``rank``, ``members``, ``world_size`` and ``root``;
+    ``op``, ``name``, ``generation`` name the collective.
+    """
+
+    op: str
+    name: str
+    generation: int
+    mine: Dict[str, Any]
+    theirs: Dict[str, Any]
+
+
+class BadMembers(MismatchError, ValueError):
+    """The caller is not among the members it named, or a member is outside the world. ``op``, ``name``, ``reason``."""
+
+    reason: str
+
+
+class ConnectionError(RallypointError, builtins.ConnectionError):
+    """Cannot connect to the coordinator (after retrying for the timeout; then ``addr`` and
+    ``waited`` are set), the connection was lost, the coordinator closed it, or the client is closed."""
+
+
+class InvalidArgument(RallypointError, ValueError):
+    """An invalid argument or environment variable, a value over the coordinator's limits,
+    ``add`` on a non-integer value, or a collective called by a client without rank."""
+
+
+class WorkerError(RallypointError):
+    """A process started by :func:`rallypoint.spawn` raised or died.
+
+    Attributes: ``rank``, ``pid``, ``exitcode`` (None if it raised), ``exception`` (the
+    worker's exception if it could be sent, else None; also the ``__cause__``) and
+    ``traceback`` (its traceback as text, or None if it died without one).
+    """
+
+    rank: int
+    pid: Optional[int]
+    exitcode: Optional[int]
+    exception: Optional[BaseException]
+    traceback: Optional[str]
+
+
+# Shown (and pickled) as rallypoint.X, where users import them from.
+for _cls in [globals()[_name] for _name in __all__]:
+    _cls.__module__ = "rallypoint"
+del _cls

@@ -1,0 +1,430 @@
+//! `rallypoint.Client`: the async Rust client on a one-thread runtime owned by the
+//! Python object. Every call releases the GIL and waits interruptibly ([`crate::wait`]).
+
+use std::future::Future;
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use pyo3::types::{PyByteArray, PyBytes, PyString};
+use rallypoint::client::DEFAULT_TIMEOUT;
+use rallypoint::env::{Overrides, Settings};
+use rallypoint::{ConnectOptions, Error, Identity, Members};
+use tokio::runtime::Runtime;
+
+use crate::errors;
+
+/// A connection to the coordinator as one rank (or as a rank-less tool).
+///
+/// Share one client between threads freely. Call `close()` when done (or use it as
+/// a context manager): a process that exits without closing counts as dead, so its
+/// peers fail at once with `PeerLost`.
+#[pyclass(module = "rallypoint", frozen)]
+pub struct Client {
+    addr: String,
+    identity: Identity,
+    timeout: Duration,
+    /// `None` once closed.
+    client: Mutex<Option<rallypoint::Client>>,
+    runtime: Runtime,
+}
+
+/// Bytes of a key or value given as `str` (UTF-8), `bytes` or `bytearray`.
+fn blob(what: &str, value: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(bytes) = value.cast::<PyBytes>() {
+        Ok(bytes.as_bytes().to_vec())
+    } else if let Ok(text) = value.cast::<PyString>() {
+        Ok(text.to_cow()?.as_bytes().to_vec())
+    } else if let Ok(array) = value.cast::<PyByteArray>() {
+        Ok(array.to_vec())
+    } else {
+        Err(errors::wrong_type(what, value))
+    }
+}
+
+/// A list of keys; a single `str` or `bytes` counts as a list of one key (rather
+/// than a sequence of characters).
+fn blobs(what: &str, values: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
+    if values.is_instance_of::<PyString>() || values.is_instance_of::<PyBytes>() {
+        return Ok(vec![blob(what, values)?]);
+    }
+    values.try_iter()?.map(|item| blob(what, &item?)).collect()
+}
+
+fn duration(py: Python<'_>, what: &str, secs: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(secs)
+        .map_err(|_| errors::invalid(py, format!("{what}={secs} is not a non-negative number of seconds")))
+}
+
+fn timeout(py: Python<'_>, secs: Option<f64>) -> PyResult<Option<Duration>> {
+    secs.map(|secs| duration(py, "timeout", secs)).transpose()
+}
+
+fn rank(py: Python<'_>, what: &str, rank: i64) -> PyResult<u32> {
+    u32::try_from(rank).map_err(|_| errors::invalid(py, format!("{what}={rank} is not a non-negative integer")))
+}
+
+/// The members of a collective: every rank, the listed ranks, or a role's ranks.
+fn members(py: Python<'_>, ranks: Option<Vec<i64>>, role: Option<String>) -> PyResult<Members> {
+    match (ranks, role) {
+        (None, None) => Ok(Members::World),
+        (Some(ranks), None) => Ok(Members::Ranks(ranks.into_iter().map(|r| rank(py, "ranks", r)).collect::<PyResult<_>>()?)),
+        (None, Some(role)) => Ok(Members::Role(role)),
+        (Some(_), Some(_)) => Err(errors::invalid(py, "give ranks or role, not both".to_owned())),
+    }
+}
+
+fn list<'py>(py: Python<'py>, values: &[bytes::Bytes]) -> Vec<Bound<'py, PyBytes>> {
+    values.iter().map(|v| PyBytes::new(py, v)).collect()
+}
+
+impl Client {
+    fn connect(py: Python<'_>, addr: String, identity: Identity, timeout: Duration) -> PyResult<Client> {
+        let runtime = crate::runtime("rallypoint-client", 1)
+            .map_err(|source| errors::to_py(py, Error::Connect { addr: addr.clone(), waited: Duration::ZERO, source }))?;
+        let options = ConnectOptions { addr: addr.clone(), identity, timeout };
+        let client = crate::wait(py, &runtime, rallypoint::Client::connect_with(options))?
+            .map_err(|e| errors::to_py(py, e))?;
+        // The identity with the host and pid that connect filled in.
+        let identity = client.identity().clone();
+        Ok(Client { addr, identity, timeout, client: Mutex::new(Some(client)), runtime })
+    }
+
+    /// A handle on the connection, or an error once the client is closed.
+    fn handle(&self, py: Python<'_>) -> PyResult<rallypoint::Client> {
+        let client = self.client.lock().unwrap_or_else(PoisonError::into_inner).clone();
+        client.ok_or_else(|| errors::to_py(py, Error::Disconnected(format!("the client for {} is closed", self.addr))))
+    }
+
+    /// Runs one operation on this client's runtime, interruptibly, without the GIL.
+    fn run<T: Send>(&self, py: Python<'_>, op: impl Future<Output = Result<T, Error>> + Send) -> PyResult<T> {
+        crate::wait(py, &self.runtime, op)?.map_err(|e| errors::to_py(py, e))
+    }
+
+    fn take(&self) -> Option<rallypoint::Client> {
+        self.client.lock().unwrap_or_else(PoisonError::into_inner).take()
+    }
+}
+
+#[pymethods]
+impl Client {
+    /// Connects to the coordinator at `addr` ("host:port"), retrying for up to
+    /// `timeout` seconds (default 300), which is also the default timeout of every
+    /// blocking call. Without `rank` and `world_size` only the key-value store and
+    /// `abort` are usable.
+    #[new]
+    #[pyo3(signature = (addr, rank = None, world_size = None, job = "default", role = None, timeout = None))]
+    fn new(
+        py: Python<'_>,
+        addr: String,
+        rank: Option<i64>,
+        world_size: Option<i64>,
+        job: &str,
+        role: Option<String>,
+        timeout: Option<f64>,
+    ) -> PyResult<Self> {
+        let rank = rank.map(|r| crate::client::rank(py, "rank", r)).transpose()?;
+        let world_size = world_size
+            .map(|n| u32::try_from(n).ok().filter(|&n| n > 0).ok_or(n))
+            .transpose()
+            .map_err(|n| errors::invalid(py, format!("world_size={n} is not a positive integer")))?;
+        if let (Some(rank), Some(world_size)) = (rank, world_size) {
+            if rank >= world_size {
+                let message = format!("rank {rank} is not below the world size {world_size} (ranks are 0 to {})", world_size - 1);
+                return Err(errors::invalid(py, message));
+            }
+        }
+        let timeout = crate::client::timeout(py, timeout)?.unwrap_or(DEFAULT_TIMEOUT);
+        let identity = Identity { rank, world_size, role, ..Identity::anonymous(job) };
+        Client::connect(py, addr, identity, timeout)
+    }
+
+    /// Connects with the settings a launcher gives (`rallypoint launch`, torchrun,
+    /// `rallypoint.spawn`): address from RALLYPOINT_ADDR, else MASTER_ADDR and
+    /// MASTER_PORT; job from RALLYPOINT_JOB, else TORCHELASTIC_RUN_ID, else "default";
+    /// RANK, WORLD_SIZE; role from RALLYPOINT_ROLE, else ROLE_NAME; timeout from
+    /// RALLYPOINT_TIMEOUT, else 300 s. Arguments given here win over the environment.
+    #[staticmethod]
+    #[pyo3(signature = (*, addr = None, rank = None, world_size = None, job = None, role = None, timeout = None))]
+    fn from_env(
+        py: Python<'_>,
+        addr: Option<String>,
+        rank: Option<i64>,
+        world_size: Option<i64>,
+        job: Option<String>,
+        role: Option<String>,
+        timeout: Option<f64>,
+    ) -> PyResult<Self> {
+        let overrides = Overrides { addr, job, rank, world_size, role, timeout_secs: timeout };
+        let settings = Settings::resolve(overrides).map_err(|e| errors::to_py(py, e))?;
+        let identity = settings.identity();
+        Client::connect(py, settings.addr, identity, settings.timeout)
+    }
+
+    /// This client's rank, or None for a rank-less client.
+    #[getter]
+    fn rank(&self) -> Option<u32> {
+        self.identity.rank
+    }
+
+    #[getter]
+    fn world_size(&self) -> Option<u32> {
+        self.identity.world_size
+    }
+
+    #[getter]
+    fn job(&self) -> &str {
+        &self.identity.job
+    }
+
+    /// The role this client joined as (for `barrier(role=...)`), or None.
+    #[getter]
+    fn role(&self) -> Option<&str> {
+        self.identity.role.as_deref()
+    }
+
+    /// The coordinator's address as given.
+    #[getter]
+    fn addr(&self) -> &str {
+        &self.addr
+    }
+
+    /// Default timeout of blocking calls, in seconds.
+    #[getter]
+    fn timeout(&self) -> f64 {
+        self.timeout.as_secs_f64()
+    }
+
+    /// Whether `close()` was called (or the context manager exited).
+    #[getter]
+    fn closed(&self) -> bool {
+        self.client.lock().unwrap_or_else(PoisonError::into_inner).is_none()
+    }
+
+    /// Stores `value` under `key` (both str or bytes; str is stored as UTF-8).
+    fn set(&self, py: Python<'_>, key: &Bound<'_, PyAny>, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (key, value) = (blob("key", key)?, blob("value", value)?);
+        let client = self.handle(py)?;
+        self.run(py, client.set(key, value))
+    }
+
+    /// The value of `key`, waiting until it exists (at most `timeout` seconds).
+    #[pyo3(signature = (key, timeout = None))]
+    fn get<'py>(&self, py: Python<'py>, key: &Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<Bound<'py, PyBytes>> {
+        let (key, timeout) = (blob("key", key)?, crate::client::timeout(py, timeout)?);
+        let client = self.handle(py)?;
+        let value = self.run(py, client.get(key, timeout))?;
+        Ok(PyBytes::new(py, &value))
+    }
+
+    /// Adds `n` to the decimal integer stored at `key` (missing counts as 0); returns the sum.
+    fn add(&self, py: Python<'_>, key: &Bound<'_, PyAny>, n: i64) -> PyResult<i64> {
+        let key = blob("key", key)?;
+        let client = self.handle(py)?;
+        self.run(py, client.add(key, n))
+    }
+
+    /// Sets `desired` if the value is `expected` (or the key is missing and
+    /// `expected` is empty); returns the value now stored.
+    fn compare_set<'py>(
+        &self,
+        py: Python<'py>,
+        key: &Bound<'_, PyAny>,
+        expected: &Bound<'_, PyAny>,
+        desired: &Bound<'_, PyAny>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let (key, expected, desired) = (blob("key", key)?, blob("expected", expected)?, blob("desired", desired)?);
+        let client = self.handle(py)?;
+        let value = self.run(py, client.compare_set(key, expected, desired))?;
+        Ok(PyBytes::new(py, &value))
+    }
+
+    /// Appends `value` to the value of `key` (a missing key counts as empty).
+    fn append(&self, py: Python<'_>, key: &Bound<'_, PyAny>, value: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (key, value) = (blob("key", key)?, blob("value", value)?);
+        let client = self.handle(py)?;
+        self.run(py, client.append(key, value))
+    }
+
+    /// Deletes `key`; returns whether it existed.
+    fn delete(&self, py: Python<'_>, key: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let key = blob("key", key)?;
+        let client = self.handle(py)?;
+        self.run(py, client.delete(key))
+    }
+
+    /// Whether every key exists now (no waiting).
+    fn check(&self, py: Python<'_>, keys: &Bound<'_, PyAny>) -> PyResult<bool> {
+        let keys = blobs("key", keys)?;
+        let client = self.handle(py)?;
+        self.run(py, client.check(&keys))
+    }
+
+    /// Waits until every key exists (at most `timeout` seconds).
+    #[pyo3(signature = (keys, timeout = None))]
+    fn wait(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, timeout: Option<f64>) -> PyResult<()> {
+        let (keys, timeout) = (blobs("key", keys)?, crate::client::timeout(py, timeout)?);
+        let client = self.handle(py)?;
+        self.run(py, client.wait(&keys, timeout))
+    }
+
+    /// Waits until every key exists; returns their values in the order asked.
+    #[pyo3(signature = (keys, timeout = None))]
+    fn multi_get<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'_, PyAny>,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let (keys, timeout) = (blobs("key", keys)?, crate::client::timeout(py, timeout)?);
+        let client = self.handle(py)?;
+        let values = self.run(py, client.multi_get(&keys, timeout))?;
+        Ok(list(py, &values))
+    }
+
+    /// Sets `keys[i]` to `values[i]` for every i, in one request.
+    fn multi_set(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (keys, values) = (blobs("key", keys)?, blobs("value", values)?);
+        if keys.len() != values.len() {
+            return Err(errors::invalid(py, format!("multi_set got {} keys but {} values", keys.len(), values.len())));
+        }
+        let entries: Vec<(Vec<u8>, Vec<u8>)> = keys.into_iter().zip(values).collect();
+        let client = self.handle(py)?;
+        self.run(py, client.multi_set(&entries))
+    }
+
+    /// Number of keys in this job's store.
+    fn num_keys(&self, py: Python<'_>) -> PyResult<i64> {
+        let client = self.handle(py)?;
+        self.run(py, client.num_keys())
+    }
+
+    /// The keys starting with `prefix`, sorted.
+    #[pyo3(signature = (prefix = None))]
+    fn list_keys<'py>(&self, py: Python<'py>, prefix: Option<&Bound<'_, PyAny>>) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let prefix = prefix.map(|p| blob("prefix", p)).transpose()?.unwrap_or_default();
+        let client = self.handle(py)?;
+        let keys = self.run(py, client.list_keys(prefix))?;
+        Ok(list(py, &keys))
+    }
+
+    /// Waits until every member has called this barrier. Members: all ranks, or
+    /// `ranks`, or the ranks that joined as `role`. The n-th call of a name meets
+    /// the other members' n-th call. Raises BarrierTimeout naming every missing
+    /// rank, PeerLost as soon as a member dies.
+    #[pyo3(signature = (name = "default", ranks = None, role = None, timeout = None))]
+    fn barrier(
+        &self,
+        py: Python<'_>,
+        name: &str,
+        ranks: Option<Vec<i64>>,
+        role: Option<String>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let (members, timeout) = (members(py, ranks, role)?, crate::client::timeout(py, timeout)?);
+        let client = self.handle(py)?;
+        self.run(py, client.barrier(name, members, timeout))
+    }
+
+    /// Every member contributes `value`; returns all values in rank order.
+    #[pyo3(signature = (value, name = "default", ranks = None, role = None, timeout = None))]
+    fn all_gather<'py>(
+        &self,
+        py: Python<'py>,
+        value: &Bound<'_, PyAny>,
+        name: &str,
+        ranks: Option<Vec<i64>>,
+        role: Option<String>,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
+        let value = blob("value", value)?;
+        let (members, timeout) = (members(py, ranks, role)?, crate::client::timeout(py, timeout)?);
+        let client = self.handle(py)?;
+        let values = self.run(py, client.all_gather(name, members, value, timeout))?;
+        Ok(list(py, &values))
+    }
+
+    /// Returns `root`'s value on every member; the root must pass a value, the
+    /// others may pass None.
+    #[pyo3(signature = (value, root = 0, name = "default", ranks = None, role = None, timeout = None))]
+    #[allow(clippy::too_many_arguments)] // the Python signature: every argument is a keyword
+    fn broadcast<'py>(
+        &self,
+        py: Python<'py>,
+        value: Option<&Bound<'_, PyAny>>,
+        root: i64,
+        name: &str,
+        ranks: Option<Vec<i64>>,
+        role: Option<String>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let value = value.map(|v| blob("value", v)).transpose()?;
+        let root = crate::client::rank(py, "root", root)?;
+        let (members, timeout) = (members(py, ranks, role)?, crate::client::timeout(py, timeout)?);
+        let client = self.handle(py)?;
+        let value = self.run(py, client.broadcast(name, members, root, value.as_deref(), timeout))?;
+        Ok(PyBytes::new(py, &value))
+    }
+
+    /// Barrier on entry and on exit of a `with` block (`name + ":enter"`, then
+    /// `name + ":exit"`). If the block raises, the exit barrier is skipped.
+    #[pyo3(signature = (name, ranks = None, role = None, timeout = None))]
+    fn scope<'py>(
+        slf: &Bound<'py, Self>,
+        name: &str,
+        ranks: Option<Vec<i64>>,
+        role: Option<String>,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let scope = py.import("rallypoint._scope")?.getattr("Scope")?;
+        scope.call1((slf, name, ranks, role, timeout))
+    }
+
+    /// Fails every pending and later operation of the job, on every rank, with
+    /// Aborted naming this client and `reason`.
+    fn abort(&self, py: Python<'_>, reason: &str) -> PyResult<()> {
+        let client = self.handle(py)?;
+        self.run(py, client.abort(reason))
+    }
+
+    /// Leaves cleanly: the coordinator records that this rank left (it may come
+    /// back) rather than died. Does nothing the second time.
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        match self.take() {
+            Some(client) => self.run(py, client.close()),
+            None => Ok(()),
+        }
+    }
+
+    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    /// Closes cleanly when the block ends normally. When it raises, drops the
+    /// connection as a crash would, so that peers waiting for this rank fail at
+    /// once with PeerLost instead of waiting for a rank that has merely left.
+    #[pyo3(signature = (exc_type, _exc = None, _tb = None))]
+    fn __exit__(
+        &self,
+        py: Python<'_>,
+        exc_type: Option<&Bound<'_, PyAny>>,
+        _exc: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        match exc_type {
+            None => self.close(py),
+            Some(_) => {
+                drop(self.take());
+                Ok(())
+            }
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        let Identity { job, rank, world_size, .. } = &self.identity;
+        let show = |v: &Option<u32>| v.map_or_else(|| "None".to_owned(), |v| v.to_string());
+        let state = if self.closed() { ", closed" } else { "" };
+        format!("Client('{}', rank={}, world_size={}, job='{job}'{state})", self.addr, show(rank), show(world_size))
+    }
+}

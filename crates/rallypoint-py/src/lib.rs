@@ -1,0 +1,52 @@
+//! `rallypoint._native`: the Rust half of the `rallypoint` Python package.
+//!
+//! [`client::Client`] wraps the async `rallypoint::Client` on a small tokio runtime
+//! of its own; [`coordinator::Coordinator`] runs a `rallypoint::Server` in the
+//! process (for `rallypoint.spawn` and tests). The public API, the exception
+//! classes and `spawn` are in the pure-Python part (`python/rallypoint`).
+
+mod client;
+mod coordinator;
+mod errors;
+
+use std::future::Future;
+use std::pin::pin;
+use std::time::Duration;
+
+use pyo3::prelude::*;
+use tokio::runtime::Runtime;
+
+/// How long a blocking call waits with the GIL released before it runs Python's
+/// signal handlers, so that Ctrl-C interrupts any wait within about this long.
+const SLICE: Duration = Duration::from_millis(50);
+
+/// Runs `future` on `runtime` to completion without holding the GIL, in slices of
+/// [`SLICE`]; between slices, pending signals are handled, and an exception they
+/// raise (KeyboardInterrupt) drops the future and is returned.
+fn wait<F>(py: Python<'_>, runtime: &Runtime, future: F) -> PyResult<F::Output>
+where
+    F: Future + Send,
+    F::Output: Send,
+{
+    let mut future = pin!(future);
+    loop {
+        // The timer must be made inside the runtime, hence the async block.
+        let sliced = py.detach(|| runtime.block_on(async { tokio::time::timeout(SLICE, future.as_mut()).await }));
+        match sliced {
+            Ok(output) => return Ok(output),
+            Err(_elapsed) => py.check_signals()?,
+        }
+    }
+}
+
+/// A runtime of `threads` worker threads that keeps connections serviced between calls.
+fn runtime(name: &str, threads: usize) -> std::io::Result<Runtime> {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(threads).thread_name(name).enable_all().build()
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<client::Client>()?;
+    m.add_class::<coordinator::Coordinator>()?;
+    Ok(())
+}

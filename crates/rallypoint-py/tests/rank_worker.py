@@ -1,0 +1,40 @@
+"""A rank run as a child process by the tests: `rank_worker.py ACTION`, settings
+from the environment (RALLYPOINT_ADDR, RALLYPOINT_JOB, RANK, WORLD_SIZE).
+Prints one line per event; the tests wait for them."""
+
+import json
+import sys
+import time
+
+import rallypoint as rp
+
+
+def main() -> None:
+    action = sys.argv[1]
+    client = rp.Client.from_env(timeout=20.0)
+    print("connected", client.rank, flush=True)
+    if action == "collectives":
+        client.barrier("start")
+        gathered = client.all_gather(f"from {client.rank}".encode())
+        seed = client.broadcast(b"42" if client.rank == 0 else None, root=0)
+        print("result", json.dumps({"gathered": [g.decode() for g in gathered], "seed": seed.decode()}), flush=True)
+        client.close()
+    elif action == "idle":
+        time.sleep(60)  # connected, never arrives: the test kills it
+    elif action == "barrier":
+        print("waiting", flush=True)
+        started = time.monotonic()
+        try:
+            client.barrier("b", timeout=30.0)
+            print("passed", flush=True)
+        except rp.PeerLost as e:
+            info = {"rank": e.rank, "pid": e.pid, "host": e.host, "reason": e.reason, "message": str(e)}
+            print("peerlost", json.dumps(info), flush=True)
+        except KeyboardInterrupt:
+            print("interrupted", round(time.monotonic() - started, 3), flush=True)
+    else:
+        raise SystemExit(f"unknown action {action}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,355 @@
+"""Every Client method, threads as ranks, and the exceptions with their facts."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable, List, TypeVar
+
+import pytest
+
+import rallypoint as rp
+
+T = TypeVar("T")
+
+
+def client(coordinator, job, rank=None, world_size=None, **kw) -> rp.Client:
+    return rp.Client(coordinator.addr, rank=rank, world_size=world_size, job=job, timeout=10.0, **kw)
+
+
+def as_ranks(n: int, fn: Callable[[int], T], timeout: float = 20.0) -> List[T]:
+    """Runs fn(rank) for every rank in its own thread; results in rank order."""
+    with ThreadPoolExecutor(max_workers=n) as pool:
+        futures = [pool.submit(fn, rank) for rank in range(n)]
+        return [f.result(timeout=timeout) for f in futures]
+
+
+def test_properties_and_repr(coordinator, job):
+    c = client(coordinator, job, rank=1, world_size=3, role="trainer")
+    assert (c.rank, c.world_size, c.job, c.role, c.addr, c.timeout) == (1, 3, job, "trainer", coordinator.addr, 10.0)
+    assert not c.closed
+    assert repr(c) == f"Client('{coordinator.addr}', rank=1, world_size=3, job='{job}')"
+    c.close()
+    assert c.closed and repr(c).endswith(", closed)")
+    tool = rp.Client(coordinator.addr)
+    assert (tool.rank, tool.world_size, tool.job, tool.role, tool.timeout) == (None, None, "default", None, 300.0)
+    tool.close()
+
+
+def test_key_value_methods(coordinator, job):
+    c = client(coordinator, job)
+    c.set("text", "héllo")
+    c.set(b"raw", b"\x00\xff")
+    c.set("array", bytearray(b"ab"))
+    assert c.get("text") == "héllo".encode()
+    assert c.get(b"raw", timeout=1.0) == b"\x00\xff"
+    assert c.get("array") == b"ab"
+    assert c.add("counter", 5) == 5
+    assert c.add("counter", -7) == -2
+    assert c.compare_set("cas", "", "first") == b"first"  # missing + expected empty: set
+    assert c.compare_set("cas", "other", "second") == b"first"  # no match: unchanged
+    assert c.compare_set("cas", "first", "second") == b"second"
+    c.append("log", "a")
+    c.append("log", b"b")
+    assert c.get("log") == b"ab"
+    assert c.check(["text", "raw"]) is True
+    assert c.check("text") is True  # a single key is a list of one
+    assert c.check(["text", "nope"]) is False
+    assert c.delete("text") is True
+    assert c.delete("text") is False
+    c.multi_set(["m/1", "m/2"], [b"one", "two"])
+    assert c.multi_get(["m/2", "m/1"]) == [b"two", b"one"]
+    assert c.list_keys("m/") == [b"m/1", b"m/2"]
+    assert c.num_keys() == len(c.list_keys())
+    c.wait(["m/1", "m/2"], timeout=1.0)
+    with pytest.raises(rp.InvalidArgument, match="2 keys but 1 values"):
+        c.multi_set(["a", "b"], ["x"])
+    c.close()
+
+
+def test_blocking_gets_wake_when_a_key_is_set(coordinator, job):
+    c = client(coordinator, job)
+    setter = threading.Timer(0.2, lambda: c.set("late", "v"))
+    setter.start()
+    try:
+        started = time.monotonic()
+        assert c.get("late", timeout=5.0) == b"v"
+        assert 0.15 < time.monotonic() - started < 2.0
+        c.wait(["late"])
+        assert c.multi_get(["late"]) == [b"v"]
+    finally:
+        setter.join()
+    c.close()
+
+
+def test_key_timeout_names_the_missing_keys(coordinator, job):
+    c = client(coordinator, job)
+    c.set("here", "1")
+    for call in (lambda: c.wait(["here", "absent"], timeout=0.2), lambda: c.get("absent", timeout=0.2),
+                 lambda: c.multi_get(["absent", "here"], timeout=0.2)):
+        with pytest.raises(rp.KeyTimeout) as info:
+            call()
+        assert isinstance(info.value, TimeoutError) and isinstance(info.value, rp.RallypointError)
+        assert info.value.missing_keys == [b"absent"]
+        assert 0.15 <= info.value.waited < 1.0
+        assert '"absent"' in str(info.value)
+    c.close()
+
+
+def test_threads_as_ranks_collectives(coordinator, job):
+    n = 4
+
+    def rank(r: int):
+        c = client(coordinator, job, rank=r, world_size=n, role="even" if r % 2 == 0 else "odd")
+        c.barrier()
+        c.barrier("named", timeout=5.0)
+        gathered = c.all_gather(f"v{r}".encode())
+        gathered_named = c.all_gather(str(r * r), name="squares")
+        seed = c.broadcast(b"seed-from-2" if r == 2 else None, root=2)
+        if r in (1, 3):
+            c.barrier("odd-only", ranks=[1, 3])
+            pair = c.all_gather(f"p{r}", name="pair", ranks=[3, 1])
+        else:
+            pair = None
+        evens = c.broadcast(b"even" if r == 0 else None, name="evens", role="even") if r % 2 == 0 else None
+        with c.scope("step"):
+            inside = c.add("inside", 1)
+        after = int(c.get("inside"))
+        c.close()
+        return gathered, gathered_named, seed, pair, evens, inside, after
+
+    results = as_ranks(n, rank)
+    for r, (gathered, named, seed, pair, evens, inside, after) in enumerate(results):
+        assert gathered == [b"v0", b"v1", b"v2", b"v3"]
+        assert named == [b"0", b"1", b"4", b"9"]
+        assert seed == b"seed-from-2"
+        assert pair == ([b"p1", b"p3"] if r in (1, 3) else None)
+        assert evens == (b"even" if r % 2 == 0 else None)
+        assert after == n  # every rank incremented before anyone left the scope
+    assert sorted(inside for *_, inside, _ in results) == [1, 2, 3, 4]
+
+
+def test_scope_skips_exit_barrier_on_error(coordinator, job):
+    c = client(coordinator, job, rank=0, world_size=1)
+    with pytest.raises(RuntimeError):
+        with c.scope("s"):
+            raise RuntimeError("inside")
+    with c.scope("s") as scope:
+        assert scope.name == "s"
+    c.close()
+
+
+def test_barrier_timeout_names_exactly_the_missing_ranks(coordinator, job):
+    arrived = [client(coordinator, job, rank=r, world_size=4) for r in (0, 2)]
+    idle = client(coordinator, job, rank=1, world_size=4)  # connected, never arrives; rank 3 never connects
+
+    def wait(c: rp.Client):
+        with pytest.raises(rp.BarrierTimeout) as info:
+            c.barrier("sync", timeout=0.5)
+        return info.value
+
+    with ThreadPoolExecutor(2) as pool:
+        errors = list(pool.map(wait, arrived))
+    for e in errors:
+        assert isinstance(e, TimeoutError) and isinstance(e, rp.RallypointError)
+        assert e.missing_ranks == [1, 3]
+        assert (e.op, e.name, e.generation, e.member_count) == ("barrier", "sync", 1, 4)
+        assert 0.45 <= e.waited < 2.0
+        one, three = e.missing
+        assert (one.rank, one.state, one.host, one.pid) == (1, "connected", socket.gethostname(), os.getpid())
+        assert one.last_seen is not None and one.last_seen < 5.0
+        assert (three.rank, three.state, three.host, three.pid, three.last_seen) == (3, "never_connected", None, None, None)
+        assert "2 of 4 ranks missing: rank 1 (" in str(e) and "rank 3 (never connected)" in str(e)
+    for c in (*arrived, idle):
+        c.close()
+
+
+def test_all_gather_and_broadcast_time_out_as_barrier_timeout(coordinator, job):
+    c = client(coordinator, job, rank=0, world_size=2)
+    with pytest.raises(rp.BarrierTimeout) as info:
+        c.all_gather(b"x", name="g", timeout=0.2)
+    assert (info.value.op, info.value.missing_ranks) == ("all-gather", [1])
+    with pytest.raises(rp.BarrierTimeout) as info:
+        c.broadcast(None, root=1, name="b", timeout=0.2)  # the root itself need not wait
+    assert (info.value.op, info.value.missing_ranks) == ("broadcast", [1])
+    c.close()
+
+
+def test_peer_dropping_without_close_is_lost(coordinator, job):
+    """A rank whose `with Client` block raises drops its connection as a crash would."""
+    waiter = client(coordinator, job, rank=0, world_size=2)
+    entered = threading.Event()
+
+    def failing_rank():
+        with pytest.raises(RuntimeError):
+            with client(coordinator, job, rank=1, world_size=2):
+                entered.set()
+                time.sleep(0.3)
+                raise RuntimeError("rank 1 fails")
+
+    thread = threading.Thread(target=failing_rank)
+    thread.start()
+    assert entered.wait(5)
+    started = time.monotonic()
+    with pytest.raises(rp.PeerLost) as info:
+        waiter.barrier("b", timeout=10)
+    assert time.monotonic() - started < 1.0
+    thread.join(5)
+    e = info.value
+    assert (e.rank, e.pid, e.op, e.name, e.generation) == (1, os.getpid(), "barrier", "b", 1)
+    assert e.reason == "connection dropped without a clean leave"
+    assert e.peer.state == "lost" and "rank 1 (" in str(e)
+    waiter.close()
+
+
+def test_clean_close_is_not_death(coordinator, job):
+    leaver = client(coordinator, job, rank=1, world_size=2)
+    with leaver:
+        pass  # closes cleanly
+    assert leaver.closed
+    c = client(coordinator, job, rank=0, world_size=2)
+    with pytest.raises(rp.BarrierTimeout) as info:
+        c.barrier(timeout=0.3)
+    assert info.value.missing[0].state == "left"
+    c.close()
+
+
+def test_abort_reaches_waiting_ranks(coordinator, job):
+    waiter = client(coordinator, job, rank=1, world_size=2)
+    aborter = client(coordinator, job, rank=0, world_size=2)
+    threading.Timer(0.2, lambda: aborter.abort("disk full")).start()
+    with pytest.raises(rp.Aborted) as info:
+        waiter.barrier(timeout=10)
+    e = info.value
+    assert (e.by_rank, e.reason, e.job, e.pid) == (0, "disk full", job, os.getpid())
+    assert "aborted by rank 0" in str(e)
+    with pytest.raises(rp.Aborted):
+        waiter.get("anything", timeout=5)
+    waiter.close()
+    aborter.close()
+
+
+def test_mismatch_and_bad_members(coordinator, job):
+    def rank(r: int):
+        c = client(coordinator, job, rank=r, world_size=3)
+        try:
+            with pytest.raises(rp.MismatchError) as info:
+                c.barrier("m", ranks=[0, 1] if r == 0 else [0, 1, 2], timeout=5)
+            return info.value
+        finally:
+            c.close()
+
+    errors = as_ranks(2, rank)
+    assert any(e.mine["members"] != e.theirs["members"] for e in errors)
+    assert all((e.op, e.name, e.generation) == ("barrier", "m", 1) for e in errors)
+    c = client(coordinator, job, rank=0, world_size=3)
+    with pytest.raises(rp.BadMembers) as info:
+        c.barrier("x", ranks=[1, 2])
+    assert isinstance(info.value, rp.MismatchError) and isinstance(info.value, ValueError)
+    c.close()
+
+
+def test_invalid_arguments(coordinator, job):
+    with pytest.raises(rp.InvalidArgument, match="rank 2 is not below the world size 2"):
+        rp.Client(coordinator.addr, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="rank=-1 is not a non-negative integer"):
+        rp.Client(coordinator.addr, rank=-1, world_size=2)
+    with pytest.raises(ValueError, match="world_size=0"):
+        rp.Client(coordinator.addr, rank=0, world_size=0)
+    c = client(coordinator, job, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="timeout=-1"):
+        c.barrier(timeout=-1)
+    with pytest.raises(ValueError, match="ranks or role"):
+        c.barrier(ranks=[0], role="r")
+    with pytest.raises(TypeError, match="key must be str or bytes, not int"):
+        c.set(1, "x")
+    c.close()
+    tool = client(coordinator, job)
+    with pytest.raises(rp.InvalidArgument, match="needs a rank"):
+        tool.barrier()
+    tool.set("n", "abc")
+    with pytest.raises(rp.InvalidArgument, match="not an integer"):
+        tool.add("n", 1)
+    tool.close()
+
+
+def test_closed_client_raises_connection_error(coordinator, job):
+    c = client(coordinator, job)
+    c.close()
+    c.close()  # idempotent
+    with pytest.raises(rp.ConnectionError, match="closed") as info:
+        c.get("k")
+    assert isinstance(info.value, ConnectionError)  # the built-in one too
+
+
+def test_cannot_connect():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nobody listens once closed
+    started = time.monotonic()
+    with pytest.raises(rp.ConnectionError) as info:
+        rp.Client(f"127.0.0.1:{port}", timeout=0.3)
+    assert time.monotonic() - started < 3.0
+    assert info.value.addr == f"127.0.0.1:{port}" and "cannot connect" in str(info.value)
+
+
+def test_coordinator_shutdown_fails_waiting_calls(job):
+    co = rp._Coordinator()
+    c = rp.Client(co.addr, rank=0, world_size=2, job=job, timeout=10)
+    threading.Timer(0.2, co.shutdown).start()
+    with pytest.raises(rp.ConnectionError):
+        c.barrier(timeout=10)
+    co.shutdown()
+
+
+def test_from_env(coordinator, job, monkeypatch):
+    for name in ("RALLYPOINT_ADDR", "MASTER_ADDR", "MASTER_PORT", "RALLYPOINT_JOB", "TORCHELASTIC_RUN_ID",
+                 "RANK", "WORLD_SIZE", "RALLYPOINT_ROLE", "ROLE_NAME", "RALLYPOINT_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(rp.InvalidArgument, match="RALLYPOINT_ADDR"):
+        rp.Client.from_env()
+    host, port = coordinator.addr.rsplit(":", 1)
+    monkeypatch.setenv("MASTER_ADDR", host)
+    monkeypatch.setenv("MASTER_PORT", port)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", job)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("ROLE_NAME", "trainer")
+    monkeypatch.setenv("RALLYPOINT_TIMEOUT", "7.5")
+    c = rp.Client.from_env()
+    assert (c.addr, c.job, c.rank, c.world_size, c.role, c.timeout) == (coordinator.addr, job, 1, 2, "trainer", 7.5)
+    c.close()
+    monkeypatch.setenv("RALLYPOINT_ADDR", coordinator.addr)
+    monkeypatch.setenv("MASTER_PORT", "not-used")
+    c = rp.Client.from_env(rank=0, job="explicit", timeout=1.0)
+    assert (c.job, c.rank, c.world_size, c.timeout) == ("explicit", 0, 2, 1.0)
+    c.close()
+    monkeypatch.setenv("WORLD_SIZE", "-3")
+    with pytest.raises(ValueError, match="WORLD_SIZE='-3' is not a positive integer"):
+        rp.Client.from_env()
+
+
+def test_exceptions_pickle_with_their_facts(coordinator, job):
+    c = client(coordinator, job, rank=0, world_size=2)
+    with pytest.raises(rp.BarrierTimeout) as info:
+        c.barrier(timeout=0.1)
+    copy = pickle.loads(pickle.dumps(info.value))
+    assert type(copy) is rp.BarrierTimeout
+    assert str(copy) == str(info.value)
+    assert copy.missing_ranks == [1] and copy.missing == info.value.missing
+    c.close()
+
+
+def test_exception_hierarchy():
+    for cls in (rp.BarrierTimeout, rp.KeyTimeout, rp.ReplyTimeout):
+        assert issubclass(cls, rp.RallypointError) and issubclass(cls, TimeoutError)
+    for cls in (rp.PeerLost, rp.Aborted, rp.MismatchError, rp.BadMembers, rp.ConnectionError, rp.InvalidArgument,
+                rp.WorkerError):
+        assert issubclass(cls, rp.RallypointError)
+    assert issubclass(rp.ConnectionError, ConnectionError)
+    assert issubclass(rp.InvalidArgument, ValueError)
+    assert rp.PeerLost.__module__ == "rallypoint"
