@@ -34,6 +34,9 @@ pub struct ServeArgs {
     /// [default: 1073741824]
     #[arg(long, value_name = "BYTES")]
     max_gather_bytes: Option<usize>,
+    /// Job that PyTorch TCPStore clients (which cannot name one) join
+    #[arg(long, value_name = "NAME", default_value = "default")]
+    tcpstore_job: String,
     /// Print the bound address as the first line on stdout (for scripts using port 0)
     #[arg(long)]
     print_addr: bool,
@@ -61,6 +64,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
     // Binding raises the open-file limit and logs the bound address.
     let server = Server::bind(ServerConfig { listen: args.listen, engine }).await?;
+    server.set_tcpstore_job(&args.tcpstore_job);
     if args.print_addr {
         let mut out = std::io::stdout().lock();
         writeln!(out, "{}", server.local_addr()).and_then(|()| out.flush()).context("writing the address to stdout")?;

@@ -94,6 +94,16 @@ pub enum Verb {
         #[command(flatten)]
         conn: Conn,
     },
+    /// Print what the coordinator knows about the job's PyTorch processes.
+    ///
+    /// For torch jobs (TCPStore clients): TCPStore connections and the ranks inferred
+    /// for them, arrivals at `init/`, each process group's ranks that wrote their
+    /// address key and the ranks others wait for that never did, store barriers, and
+    /// every waiting connection (see docs/TCPSTORE.md).
+    Status {
+        #[command(flatten)]
+        conn: Conn,
+    },
     /// Abort the job: its waiting and later operations fail (exit code 5).
     ///
     /// Every pending and later barrier, collective and wait of the job fails with
@@ -204,6 +214,13 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
             let client = connect(&conn.settings(None)?).await?;
             let result = client.check(&keys).await;
             print_line(finish(client, result).await?.to_string().as_bytes())?;
+        }
+        Verb::Status { conn } => {
+            let client = connect(&conn.settings(None)?).await?;
+            let result = client.status().await;
+            let report = finish(client, result).await?;
+            let mut out = std::io::stdout().lock();
+            out.write_all(report.as_bytes()).and_then(|()| out.flush()).context("writing to stdout")?;
         }
         Verb::Abort { reason, conn } => {
             let client = connect(&conn.settings(None)?).await?;

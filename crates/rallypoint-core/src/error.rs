@@ -254,7 +254,7 @@ impl fmt::Display for KeyList<'_> {
 }
 
 /// Bytes shown as a quoted, escaped string, cut at 64 bytes.
-struct Show<'a>(&'a Bytes);
+pub(crate) struct Show<'a>(pub &'a Bytes);
 
 impl fmt::Display for Show<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {

@@ -67,6 +67,22 @@ pub enum Request {
     Broadcast { name: String, members: Members, root: u32, value: Option<Bytes>, timeout_ms: Option<u64> },
     /// Fails every pending and later operation of the job with `reason`.
     Abort { reason: String },
+    /// Appends `value` to the queue `key`. Queues are a namespace apart from keys, but a
+    /// wait or check on `key` is satisfied by a non-empty queue of that name (as in
+    /// torch's libuv TCPStore); a push wakes one such waiter.
+    QueuePush { key: Bytes, value: Bytes },
+    /// Takes the oldest item of queue `key` without blocking; replies `Popped`.
+    QueuePop { key: Bytes },
+    /// Replies the length of queue `key` as `Int`.
+    QueueLen { key: Bytes },
+    /// Ends every key wait of this session (each fails with `Closed`); always replies Done.
+    CancelWait,
+    /// TCPStore's store barrier: adds 1 to the decimal counter stored at `key` (never
+    /// reset), and replies Done once it is at least `world_size`.
+    StoreBarrier { key: Bytes, world_size: i64, timeout_ms: Option<u64> },
+    /// A text report of what the coordinator knows or infers about the job's PyTorch
+    /// (TCPStore) processes: ranks seen and missing, waiting connections. Replies `Value`.
+    Status,
     /// Keeps the session's rank alive (any request does).
     Heartbeat,
     /// The session is about to close cleanly: its rank has left, not died.
@@ -93,6 +109,12 @@ impl Request {
             Request::AllGather { .. } => "all_gather",
             Request::Broadcast { .. } => "broadcast",
             Request::Abort { .. } => "abort",
+            Request::QueuePush { .. } => "queue_push",
+            Request::QueuePop { .. } => "queue_pop",
+            Request::QueueLen { .. } => "queue_len",
+            Request::CancelWait => "cancel_wait",
+            Request::StoreBarrier { .. } => "store_barrier",
+            Request::Status => "status",
             Request::Heartbeat => "heartbeat",
             Request::Leave => "leave",
         }
@@ -102,11 +124,12 @@ impl Request {
 /// A successful reply.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Response {
-    /// set, multi_set, append, wait, barrier, abort, heartbeat, leave.
+    /// set, multi_set, append, wait, barrier, store_barrier, queue_push, cancel_wait,
+    /// abort, heartbeat, leave.
     Done,
-    /// get, compare_set, broadcast.
+    /// get, compare_set, broadcast, status.
     Value(Bytes),
-    /// add, num_keys.
+    /// add, num_keys, queue_len.
     Int(i64),
     /// delete (whether the key existed), check (whether all keys exist).
     Bool(bool),
@@ -114,6 +137,8 @@ pub enum Response {
     Values(Vec<Bytes>),
     /// all_gather: every member's value in rank order, shared by all recipients.
     Gathered(Arc<[Bytes]>),
+    /// queue_pop: the queue's length before the pop (0: it was empty) and the item taken.
+    Popped { len_before: i64, value: Option<Bytes> },
 }
 
 pub type Reply = Result<Response, OpError>;

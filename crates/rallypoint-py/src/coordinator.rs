@@ -6,6 +6,7 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use pyo3::prelude::*;
+use rallypoint::launch::env::{worker_env, JobEnv, Placement};
 use rallypoint::{Config, Server, ServerConfig, ServerHandle};
 use tokio::runtime::Runtime;
 
@@ -60,6 +61,26 @@ impl Coordinator {
     #[getter]
     fn port(&self) -> u16 {
         self.addr.port()
+    }
+
+    /// The environment `rallypoint launch` gives a worker of a one-node job served by
+    /// this coordinator: torchrun's variables plus RALLYPOINT_ADDR and RALLYPOINT_JOB.
+    /// Taken from the launcher itself, so `spawn` and `launch` cannot drift apart.
+    fn worker_env(&self, rank: u32, nprocs: u32, job: &str) -> Vec<(&'static str, String)> {
+        let job = JobEnv {
+            coordinator: self.addr,
+            run_id: job.to_owned(),
+            attempt_job: job.to_owned(),
+            restart_count: 0,
+            max_restarts: 0,
+        };
+        let placement =
+            Placement { rank, local_rank: rank, world_size: nprocs, local_world_size: nprocs, node_rank: 0, nnodes: 1 };
+        let inherited_omp = std::env::var_os("OMP_NUM_THREADS").is_some();
+        worker_env(&job, &placement, inherited_omp)
+            .into_iter()
+            .map(|(name, value)| (name, value.to_string_lossy().into_owned()))
+            .collect()
     }
 
     /// Stops accepting, closes every connection (their ranks count as lost) and

@@ -7,6 +7,7 @@ mod members;
 mod ranks;
 mod store;
 mod timers;
+mod torch;
 mod validate;
 
 use std::collections::HashMap;
@@ -30,6 +31,8 @@ struct Session {
     identity: Identity,
     /// Said `Leave`: its close is clean, not a loss.
     leaving: bool,
+    /// A PyTorch TCPStore connection: its rank, if any, was inferred (module `torch`).
+    torch: bool,
 }
 
 /// The coordination state machine. See the crate documentation.
@@ -42,6 +45,8 @@ pub struct Engine {
     sessions: HashMap<SessionId, Session>,
     timers: Timers,
     outgoing: Vec<Outgoing>,
+    /// Warnings for the operator (stalled torch jobs), in the order produced.
+    notices: Vec<String>,
 }
 
 impl Engine {
@@ -54,6 +59,7 @@ impl Engine {
             sessions: HashMap::new(),
             timers: Timers::default(),
             outgoing: Vec::new(),
+            notices: Vec::new(),
         }
     }
 
@@ -89,18 +95,83 @@ impl Engine {
                 job.collectives.rank_connected(&job.ranks, &mut ctx);
             }
         }
-        self.sessions.insert(session, Session { job: job_id, identity, leaving: false });
+        self.sessions.insert(session, Session { job: job_id, identity, leaving: false, torch: false });
         Ok(Welcome { session, lease_ms })
+    }
+
+    /// Admits a PyTorch TCPStore connection of process `pid` on `host`: a session
+    /// without rank in `job`. Its rank is inferred later from the address key it
+    /// writes; a new connection of a process already attributed gets that rank at once
+    /// (torch opens several connections per process).
+    pub fn open_tcpstore(&mut self, session: SessionId, job: &str, host: &str, pid: u32, now: Millis) -> Result<Welcome, OpError> {
+        let mut identity = Identity::anonymous(job);
+        identity.host = host.to_owned();
+        identity.pid = pid;
+        let welcome = self.open(session, identity, now)?;
+        let Some(sess) = self.sessions.get_mut(&session) else { return Ok(welcome) };
+        sess.torch = true;
+        let (job_id, host) = (sess.job, sess.identity.host.clone());
+        let known = self.sessions.values().find(|s| {
+            s.torch && s.job == job_id && s.identity.pid == pid && pid != 0 && s.identity.host == host && s.identity.rank.is_some()
+        });
+        if let Some(rank) = known.and_then(|s| s.identity.rank) {
+            self.attribute(session, rank, now);
+        }
+        Ok(welcome)
+    }
+
+    /// Gives `rank` to the unattributed torch session and to the other unattributed
+    /// torch sessions of the same process. Torch clients never heartbeat, so these
+    /// sessions keep their rank alive without a lease; their unclean close loses it.
+    fn attribute(&mut self, session: SessionId, rank: u32, now: Millis) {
+        let Some(sess) = self.sessions.get(&session) else { return };
+        let (job_id, host, pid) = (sess.job, sess.identity.host.clone(), sess.identity.pid);
+        let Some(job) = self.jobs.get_mut(&job_id) else { return };
+        let mut ctx = Ctx { job: job_id, now, out: &mut self.outgoing, timers: &mut self.timers };
+        for (id, s) in self.sessions.iter_mut() {
+            let same_process = pid != 0 && s.identity.pid == pid && s.identity.host == host;
+            if !s.torch || s.job != job_id || s.identity.rank.is_some() || (*id != session && !same_process) {
+                continue;
+            }
+            s.identity.rank = Some(rank);
+            let change = job.ranks.connect(rank, &host, pid, None, now, 0);
+            job.apply(rank, change, &mut ctx);
+            job.collectives.rank_connected(&job.ranks, &mut ctx);
+        }
+    }
+
+    /// The rank an unattributed torch session reveals by writing its address key.
+    fn revealed_rank(&self, session: SessionId, request: &Request) -> Option<u32> {
+        self.sessions.get(&session).filter(|s| s.torch && s.identity.rank.is_none())?;
+        match request {
+            Request::Set { key, .. } => torch::address_key(key).map(|(_, rank)| rank),
+            _ => None,
+        }
+    }
+
+    /// Warnings produced so far (a torch job stalled at init, naming the ranks it
+    /// waits for), for the caller to log.
+    pub fn drain_notices(&mut self) -> std::vec::Drain<'_, String> {
+        self.notices.drain(..)
     }
 
     /// Feeds one request. Its reply (now or later) appears in [`Engine::drain_outgoing`]
     /// tagged with `request_id`. Requests of unknown sessions are ignored.
     pub fn handle(&mut self, session: SessionId, request_id: u64, request: Request, now: Millis) {
+        if let Some(rank) = self.revealed_rank(session, &request) {
+            self.attribute(session, rank, now);
+        }
+        if matches!(request, Request::Status) {
+            let report = self.report(session, now);
+            self.outgoing.push(Outgoing { session, request_id, reply: Ok(Response::Value(report.into())) });
+            return;
+        }
         let Some(sess) = self.sessions.get_mut(&session) else { return };
         let Some(job) = self.jobs.get_mut(&sess.job) else { return };
         let mut ctx = Ctx { job: job.id, now, out: &mut self.outgoing, timers: &mut self.timers };
         if let Some(rank) = sess.identity.rank {
-            let change = job.ranks.touch(rank, now, self.config.lease_ms);
+            let lease_ms = if sess.torch { 0 } else { self.config.lease_ms };
+            let change = job.ranks.touch(rank, now, lease_ms);
             job.apply(rank, change, &mut ctx);
         }
         let reply = |ctx: &mut Ctx<'_>, reply: Reply| ctx.out.push(Outgoing { session, request_id, reply });
@@ -122,8 +193,32 @@ impl Engine {
 
         let mut woken = Vec::new();
         let id = (session, request_id);
+        let torch = sess.torch;
         let result: Option<Reply> = match request {
-            Request::Heartbeat | Request::Leave => None,
+            Request::Heartbeat | Request::Leave | Request::Status => None,
+            Request::QueuePush { key, value } => {
+                job.store.queue_push(key, value, &mut woken);
+                Some(Ok(Response::Done))
+            }
+            Request::QueuePop { key } => {
+                let (len_before, value) = job.store.queue_pop(&key);
+                Some(Ok(Response::Popped { len_before, value }))
+            }
+            Request::QueueLen { key } => Some(Ok(Response::Int(job.store.queue_len(&key)))),
+            Request::CancelWait => {
+                job.store.cancel_session(session, &mut woken);
+                Some(Ok(Response::Done))
+            }
+            Request::StoreBarrier { key, world_size, timeout_ms } => {
+                match job.store.barrier(id, key, world_size, now, &mut woken) {
+                    Err(error) => Some(Err(error)),
+                    Ok(Some(reply)) => Some(reply),
+                    Ok(None) => {
+                        schedule_wait_timers(job.id, &mut ctx, id, timeout_ms, torch);
+                        None
+                    }
+                }
+            }
             Request::Set { key, value } => {
                 job.store.set(key, value, &mut woken);
                 Some(Ok(Response::Done))
@@ -137,7 +232,7 @@ impl Engine {
                 Some(Ok(Response::Value(job.store.compare_set(key, expected, desired, &mut woken))))
             }
             Request::Delete { key } => Some(Ok(Response::Bool(job.store.delete(&key)))),
-            Request::Check { keys } => Some(Ok(Response::Bool(keys.iter().all(|k| job.store.contains(k))))),
+            Request::Check { keys } => Some(Ok(Response::Bool(keys.iter().all(|k| job.store.exists(k))))),
             Request::MultiSet { entries } => {
                 for (key, value) in entries {
                     job.store.set(key, value, &mut woken);
@@ -147,11 +242,11 @@ impl Engine {
             Request::NumKeys => Some(Ok(Response::Int(i64::try_from(job.store.len()).unwrap_or(i64::MAX)))),
             Request::ListKeys { prefix } => Some(Ok(Response::Values(job.store.list(&prefix)))),
             Request::Get { key, timeout_ms } => {
-                key_wait(job, &mut ctx, id, WaitKind::Get, vec![key], timeout_ms)
+                key_wait(job, &mut ctx, id, WaitKind::Get, vec![key], timeout_ms, torch)
             }
-            Request::Wait { keys, timeout_ms } => key_wait(job, &mut ctx, id, WaitKind::Wait, keys, timeout_ms),
+            Request::Wait { keys, timeout_ms } => key_wait(job, &mut ctx, id, WaitKind::Wait, keys, timeout_ms, torch),
             Request::MultiGet { keys, timeout_ms } => {
-                key_wait(job, &mut ctx, id, WaitKind::MultiGet, keys, timeout_ms)
+                key_wait(job, &mut ctx, id, WaitKind::MultiGet, keys, timeout_ms, torch)
             }
             Request::Barrier { name, members, timeout_ms } => {
                 let call = collective_call(&sess.identity, id, &job.ranks, CollectiveKind::Barrier, &name, members, None, bytes::Bytes::new(), timeout_ms);
@@ -215,6 +310,20 @@ impl Engine {
         self.outgoing.retain(|o| o.session != session);
     }
 
+    /// The status report of the session's job (see `Request::Status`).
+    fn report(&self, session: SessionId, now: Millis) -> String {
+        let Some(job_id) = self.sessions.get(&session).map(|s| s.job) else { return String::new() };
+        let Some(job) = self.jobs.get(&job_id) else { return String::new() };
+        let mut sessions: Vec<(SessionId, &Identity, bool)> = self
+            .sessions
+            .iter()
+            .filter(|(id, s)| s.job == job_id && **id != session)
+            .map(|(id, s)| (*id, &s.identity, s.torch))
+            .collect();
+        sessions.sort_by_key(|(id, _, _)| *id);
+        torch::report(job, &sessions, now)
+    }
+
     /// Advances time: fires timeouts and lease expiries due at or before `now`.
     pub fn tick(&mut self, now: Millis) {
         while let Some((at, timer)) = self.timers.pop_due(now) {
@@ -234,7 +343,11 @@ impl Engine {
 
     fn fire(&mut self, at: Millis, timer: Timer, now: Millis) {
         let job_id = match &timer {
-            Timer::KeyWait { job, .. } | Timer::Collective { job, .. } | Timer::Lease { job, .. } | Timer::JobIdle { job } => *job,
+            Timer::KeyWait { job, .. }
+            | Timer::Stall { job, .. }
+            | Timer::Collective { job, .. }
+            | Timer::Lease { job, .. }
+            | Timer::JobIdle { job } => *job,
         };
         let Some(job) = self.jobs.get_mut(&job_id) else { return };
         let mut ctx = Ctx { job: job_id, now, out: &mut self.outgoing, timers: &mut self.timers };
@@ -242,6 +355,17 @@ impl Engine {
             Timer::KeyWait { session, request_id, .. } => {
                 if let Some(reply) = job.store.expire((session, request_id), now) {
                     ctx.out.push(Outgoing { session, request_id, reply });
+                }
+            }
+            Timer::Stall { session, request_id, .. } => {
+                let Some(wait) = job.store.wait_of((session, request_id)) else { return };
+                let Some(identity) = self.sessions.get(&session).map(|s| &s.identity) else { return };
+                let peers: Vec<(SessionId, &Identity)> =
+                    self.sessions.iter().filter(|(_, s)| s.torch && s.job == job_id).map(|(id, s)| (*id, &s.identity)).collect();
+                if let Some(notice) = torch::stall_notice(job, session, identity, wait, &peers, now) {
+                    self.notices.push(notice);
+                    let timer = Timer::Stall { job: job_id, session, request_id };
+                    self.timers.schedule(now.saturating_add(torch::STALL_REPEAT_MS), timer);
                 }
             }
             Timer::Collective { kind, name, generation, .. } => {
@@ -263,7 +387,8 @@ impl Engine {
     }
 }
 
-/// Answers a get/wait/multi-get now, or blocks it with a deadline.
+/// Answers a get/wait/multi-get now, or blocks it with a deadline. A timeout of 0
+/// fails at once if the keys are missing.
 fn key_wait(
     job: &mut Job,
     ctx: &mut Ctx<'_>,
@@ -271,17 +396,27 @@ fn key_wait(
     kind: WaitKind,
     keys: Vec<bytes::Bytes>,
     timeout_ms: Option<u64>,
+    torch: bool,
 ) -> Option<Reply> {
     match job.store.wait_or_reply(id, kind, keys, ctx.now) {
         Err(error) => Some(Err(error)),
         Ok(Some(reply)) => Some(reply),
+        Ok(None) if timeout_ms == Some(0) => job.store.expire(id, ctx.now),
         Ok(None) => {
-            if let Some(timeout) = timeout_ms {
-                let timer = Timer::KeyWait { job: job.id, session: id.0, request_id: id.1 };
-                ctx.timers.schedule(ctx.now.saturating_add(timeout), timer);
-            }
+            schedule_wait_timers(job.id, ctx, id, timeout_ms, torch);
             None
         }
+    }
+}
+
+/// A blocked wait's deadline, and for a torch session the stall report.
+fn schedule_wait_timers(job: JobId, ctx: &mut Ctx<'_>, id: (SessionId, u64), timeout_ms: Option<u64>, torch: bool) {
+    let (session, request_id) = id;
+    if let Some(timeout) = timeout_ms {
+        ctx.timers.schedule(ctx.now.saturating_add(timeout), Timer::KeyWait { job, session, request_id });
+    }
+    if torch {
+        ctx.timers.schedule(ctx.now.saturating_add(torch::STALL_REPORT_MS), Timer::Stall { job, session, request_id });
     }
 }
 

@@ -1,7 +1,7 @@
 //! A job's key-value data and the requests blocked until keys exist.
 //! Semantics follow PyTorch's TCPStore wherever the operation exists there.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 
 use bytes::{Bytes, BytesMut};
 
@@ -13,16 +13,18 @@ pub(crate) enum WaitKind {
     Wait,
     Get,
     MultiGet,
+    /// A TCPStore store barrier: released once the counter at its key reaches `world_size`.
+    Barrier { world_size: i64 },
 }
 
 /// A request blocked on keys, identified by its session and request id.
 #[derive(Debug)]
-struct KeyWait {
-    kind: WaitKind,
-    keys: Vec<Bytes>,
+pub(crate) struct KeyWait {
+    pub kind: WaitKind,
+    pub keys: Vec<Bytes>,
     /// Distinct keys still absent when last counted; a re-check runs when it reaches 0.
     missing: usize,
-    started: Millis,
+    pub started: Millis,
 }
 
 pub(crate) type WaitId = (SessionId, u64);
@@ -33,11 +35,92 @@ pub(crate) struct Store {
     waiters_by_key: HashMap<Bytes, Vec<WaitId>>,
     /// Ordered so that one session's waits are a contiguous range.
     waits: BTreeMap<WaitId, KeyWait>,
+    /// TCPStore queues: a namespace apart from `data` (torch's libuv server does the same).
+    queues: HashMap<Bytes, VecDeque<Bytes>>,
+    /// Store barriers waiting for the counter at their key.
+    barrier_waiters: HashMap<Bytes, Vec<WaitId>>,
+    /// Keys ever used as store-barrier counters, for status reports.
+    barrier_keys: BTreeSet<Bytes>,
 }
 
 impl Store {
-    pub fn contains(&self, key: &[u8]) -> bool {
-        self.data.contains_key(key)
+    /// Whether a wait or check on `key` is satisfied: the key exists, or (as in torch's
+    /// libuv server) a queue of that name is not empty.
+    pub fn exists(&self, key: &[u8]) -> bool {
+        self.data.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.is_empty())
+    }
+
+    pub fn get(&self, key: &[u8]) -> Option<&Bytes> {
+        self.data.get(key)
+    }
+
+    pub fn waits(&self) -> impl Iterator<Item = (&WaitId, &KeyWait)> {
+        self.waits.iter()
+    }
+
+    pub fn barrier_keys(&self) -> impl Iterator<Item = &Bytes> {
+        self.barrier_keys.iter()
+    }
+
+    pub fn wait_of(&self, id: WaitId) -> Option<&KeyWait> {
+        self.waits.get(&id)
+    }
+
+    /// Appends to queue `key` and wakes one waiter on that name, as torch does.
+    pub fn queue_push(&mut self, key: Bytes, value: Bytes, done: &mut Vec<(WaitId, Reply)>) {
+        let key = own(key);
+        self.queues.entry(key.clone()).or_default().push_back(own(value));
+        self.wake_one(&key, done);
+    }
+
+    /// Takes the oldest item; returns the queue's length before the pop and the item.
+    pub fn queue_pop(&mut self, key: &[u8]) -> (i64, Option<Bytes>) {
+        let Some(queue) = self.queues.get_mut(key) else { return (0, None) };
+        let len = i64::try_from(queue.len()).unwrap_or(i64::MAX);
+        let value = queue.pop_front();
+        if queue.is_empty() {
+            self.queues.remove(key);
+        }
+        (len, value)
+    }
+
+    pub fn queue_len(&self, key: &[u8]) -> i64 {
+        self.queues.get(key).map_or(0, |q| i64::try_from(q.len()).unwrap_or(i64::MAX))
+    }
+
+    /// TCPStore's BARRIER: adds 1 to the decimal counter stored at `key` (it never
+    /// resets), then answers at once if it is at least `world_size`, else blocks.
+    /// Releasing answers every barrier waiter of `key` whose world size is reached.
+    pub fn barrier(
+        &mut self,
+        id: WaitId,
+        key: Bytes,
+        world_size: i64,
+        now: Millis,
+        done: &mut Vec<(WaitId, Reply)>,
+    ) -> Result<Option<Reply>, OpError> {
+        if self.waits.contains_key(&id) {
+            return Err(OpError::Invalid(format!("request id {} is already waiting on this session", id.1)));
+        }
+        let key = own(key);
+        self.barrier_keys.insert(key.clone());
+        let count = self.add(key.clone(), 1, done)?;
+        if count >= world_size {
+            return Ok(Some(Ok(Response::Done)));
+        }
+        self.barrier_waiters.entry(key.clone()).or_default().push(id);
+        self.waits.insert(id, KeyWait { kind: WaitKind::Barrier { world_size }, keys: vec![key], missing: 0, started: now });
+        Ok(None)
+    }
+
+    /// Ends every wait of `session` (torch's CANCEL_WAIT); each fails with `Closed`,
+    /// so that every request still gets exactly one reply.
+    pub fn cancel_session(&mut self, session: SessionId, done: &mut Vec<(WaitId, Reply)>) {
+        for id in self.session_waits(session) {
+            if self.remove_wait(id).is_some() {
+                done.push((id, Err(OpError::Closed("the wait was canceled".into()))));
+            }
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -86,6 +169,9 @@ impl Store {
     /// counts as matching an empty `expected`. Returns the value now stored, except that for
     /// a missing key and a non-empty `expected` it returns `expected` and stores nothing
     /// (torch does the same, and clients depend on it).
+    /// On a missing key with a non-empty `expected` nothing is stored, yet waiters on
+    /// the key are woken and answered as if it existed: torch's libuv server does
+    /// exactly that, and a torch `wait` returns there.
     pub fn compare_set(
         &mut self,
         key: Bytes,
@@ -103,7 +189,10 @@ impl Store {
                 self.set(key, desired.clone(), done);
                 desired
             }
-            None => expected,
+            None => {
+                self.wake_as_if_set(&key, done);
+                expected
+            }
         }
     }
 
@@ -140,29 +229,37 @@ impl Store {
     /// The wait's deadline passed: fail it naming the keys still absent.
     pub fn expire(&mut self, id: WaitId, now: Millis) -> Option<Reply> {
         let wait = self.remove_wait(id)?;
-        let missing = self.absent(&wait.keys);
+        let missing = match wait.kind {
+            // The counter exists; what is missing is its release.
+            WaitKind::Barrier { .. } => wait.keys,
+            _ => self.absent(&wait.keys),
+        };
         Some(Err(OpError::KeyTimeout { waited_ms: now.saturating_sub(wait.started), missing }))
     }
 
     /// Drops every wait of `session` (it closed), without replying.
     pub fn drop_session(&mut self, session: SessionId) {
-        let ids: Vec<WaitId> = self.waits.range((session, 0)..=(session, u64::MAX)).map(|(id, _)| *id).collect();
-        for id in ids {
+        for id in self.session_waits(session) {
             self.remove_wait(id);
         }
+    }
+
+    fn session_waits(&self, session: SessionId) -> Vec<WaitId> {
+        self.waits.range((session, 0)..=(session, u64::MAX)).map(|(id, _)| *id).collect()
     }
 
     /// Fails every wait with `error` (the job was aborted).
     pub fn fail_all(&mut self, error: &OpError, done: &mut Vec<(WaitId, Reply)>) {
         self.waiters_by_key.clear();
+        self.barrier_waiters.clear();
         for (id, _) in std::mem::take(&mut self.waits) {
             done.push((id, Err(error.clone())));
         }
     }
 
-    fn absent(&self, keys: &[Bytes]) -> Vec<Bytes> {
+    pub fn absent(&self, keys: &[Bytes]) -> Vec<Bytes> {
         let mut seen = HashSet::new();
-        keys.iter().filter(|k| !self.data.contains_key(*k) && seen.insert(*k)).cloned().collect()
+        keys.iter().filter(|k| !self.exists(k) && seen.insert(*k)).cloned().collect()
     }
 
     fn register(&mut self, id: WaitId, absent: &[Bytes]) {
@@ -173,11 +270,15 @@ impl Store {
 
     fn remove_wait(&mut self, id: WaitId) -> Option<KeyWait> {
         let wait = self.waits.remove(&id)?;
+        let index = match wait.kind {
+            WaitKind::Barrier { .. } => &mut self.barrier_waiters,
+            _ => &mut self.waiters_by_key,
+        };
         for key in &wait.keys {
-            if let Some(ids) = self.waiters_by_key.get_mut(key) {
+            if let Some(ids) = index.get_mut(key) {
                 ids.retain(|w| *w != id);
                 if ids.is_empty() {
-                    self.waiters_by_key.remove(key);
+                    index.remove(key);
                 }
             }
         }
@@ -187,7 +288,7 @@ impl Store {
     fn answer(&self, kind: WaitKind, keys: &[Bytes]) -> Response {
         let value = |k: &Bytes| self.data.get(k).cloned().unwrap_or_default();
         match kind {
-            WaitKind::Wait => Response::Done,
+            WaitKind::Wait | WaitKind::Barrier { .. } => Response::Done,
             WaitKind::Get => Response::Value(keys.first().map(value).unwrap_or_default()),
             WaitKind::MultiGet => Response::Values(keys.iter().map(value).collect()),
         }
@@ -195,7 +296,49 @@ impl Store {
 
     /// `key` now exists: count it off every wait on it and answer those with nothing left.
     fn wake(&mut self, key: &Bytes, done: &mut Vec<(WaitId, Reply)>) {
+        self.release_barriers(key, done);
         let Some(ids) = self.waiters_by_key.remove(key) else { return };
+        self.count_off(ids, None, done);
+    }
+
+    /// A queue push wakes only the oldest waiter on that name (torch: wakeupOneWaitingClient).
+    fn wake_one(&mut self, key: &Bytes, done: &mut Vec<(WaitId, Reply)>) {
+        let Some(ids) = self.waiters_by_key.get_mut(key) else { return };
+        let first = ids.remove(0);
+        if ids.is_empty() {
+            self.waiters_by_key.remove(key);
+        }
+        self.count_off(vec![first], None, done);
+    }
+
+    /// Counts `key` off its waiters as if it existed, without it existing.
+    fn wake_as_if_set(&mut self, key: &Bytes, done: &mut Vec<(WaitId, Reply)>) {
+        let Some(ids) = self.waiters_by_key.remove(key) else { return };
+        self.count_off(ids, Some(key), done);
+    }
+
+    /// Answers the barrier waiters of `key` whose world size the counter has reached.
+    fn release_barriers(&mut self, key: &Bytes, done: &mut Vec<(WaitId, Reply)>) {
+        let Some(ids) = self.barrier_waiters.get(key) else { return };
+        let count = self.data.get(key).and_then(|v| parse_stoll(v));
+        let released: Vec<WaitId> = ids
+            .iter()
+            .copied()
+            .filter(|id| {
+                matches!((self.waits.get(id).map(|w| w.kind), count),
+                    (Some(WaitKind::Barrier { world_size }), Some(n)) if n >= world_size)
+            })
+            .collect();
+        for id in released {
+            if self.remove_wait(id).is_some() {
+                done.push((id, Ok(Response::Done)));
+            }
+        }
+    }
+
+    /// One of each wait's keys arrived: answer those with nothing left. `present` is
+    /// a key to count as existing even if it does not (see `compare_set`).
+    fn count_off(&mut self, ids: Vec<WaitId>, present: Option<&Bytes>, done: &mut Vec<(WaitId, Reply)>) {
         for id in ids {
             let Some(wait) = self.waits.get_mut(&id) else { continue };
             wait.missing = wait.missing.saturating_sub(1);
@@ -204,7 +347,8 @@ impl Store {
             }
             // A key counted earlier may have been deleted since: count again before answering.
             let keys = std::mem::take(&mut wait.keys);
-            let absent = self.absent(&keys);
+            let mut absent = self.absent(&keys);
+            absent.retain(|k| Some(k) != present);
             if absent.is_empty() {
                 if let Some(wait) = self.waits.remove(&id) {
                     done.push((id, Ok(self.answer(wait.kind, &keys))));

@@ -28,11 +28,16 @@ pub(crate) fn identity(identity: &Identity, limits: &Limits) -> Result<(), OpErr
 
 pub(crate) fn request(request: &Request, limits: &Limits) -> Result<(), OpError> {
     match request {
-        Request::Set { key, value } | Request::Append { key, value } => {
+        Request::Set { key, value } | Request::Append { key, value } | Request::QueuePush { key, value } => {
             self::key(key, limits)?;
             self::value(value, limits)
         }
-        Request::Get { key, .. } | Request::Add { key, .. } | Request::Delete { key } => self::key(key, limits),
+        Request::Get { key, .. }
+        | Request::Add { key, .. }
+        | Request::Delete { key }
+        | Request::QueuePop { key }
+        | Request::QueueLen { key }
+        | Request::StoreBarrier { key, .. } => self::key(key, limits),
         Request::CompareSet { key, expected, desired } => {
             self::key(key, limits)?;
             self::value(expected, limits)?;
@@ -60,7 +65,7 @@ pub(crate) fn request(request: &Request, limits: &Limits) -> Result<(), OpError>
             value.as_ref().map_or(Ok(()), |v| self::value(v, limits))
         }
         Request::Abort { reason } => self::name("abort reason", reason, limits),
-        Request::NumKeys | Request::Heartbeat | Request::Leave => Ok(()),
+        Request::NumKeys | Request::CancelWait | Request::Status | Request::Heartbeat | Request::Leave => Ok(()),
     }
 }
 

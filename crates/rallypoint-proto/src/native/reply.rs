@@ -18,6 +18,7 @@ mod tag {
     pub const BOOL: u8 = 0x04;
     pub const VALUES: u8 = 0x05;
     pub const GATHERED: u8 = 0x06;
+    pub const POPPED: u8 = 0x07;
 }
 
 pub(crate) fn encode_reply_body(reply: &Reply, dst: &mut BytesMut) {
@@ -59,6 +60,11 @@ fn encode_response(response: &Response, dst: &mut BytesMut) {
             dst.put_u8(tag::GATHERED);
             put_blobs(dst, values);
         }
+        Response::Popped { len_before, value } => {
+            dst.put_u8(tag::POPPED);
+            dst.put_i64_le(*len_before);
+            dst.put_option(value.as_deref(), BytesMut::put_blob);
+        }
     }
 }
 
@@ -70,6 +76,10 @@ fn decode_response_fields(tag: u8, r: &mut Reader) -> DecodeResult<Response> {
         tag::BOOL => Response::Bool(r.bool("bool")?),
         tag::VALUES => Response::Values(blobs(r, "values")?),
         tag::GATHERED => Response::Gathered(Arc::from(blobs(r, "gathered")?)),
+        tag::POPPED => Response::Popped {
+            len_before: r.i64("len_before")?,
+            value: r.option("value", |r| r.bytes("value"))?,
+        },
         other => return Err(DecodeError::unknown("reply tag", other)),
     })
 }

@@ -25,6 +25,12 @@ mod op {
     pub const ABORT: u8 = 0x10;
     pub const HEARTBEAT: u8 = 0x11;
     pub const LEAVE: u8 = 0x12;
+    pub const QUEUE_PUSH: u8 = 0x13;
+    pub const QUEUE_POP: u8 = 0x14;
+    pub const QUEUE_LEN: u8 = 0x15;
+    pub const CANCEL_WAIT: u8 = 0x16;
+    pub const STORE_BARRIER: u8 = 0x17;
+    pub const STATUS: u8 = 0x18;
 }
 
 mod members {
@@ -138,6 +144,31 @@ pub(crate) fn encode_request(request: &Request, dst: &mut BytesMut) {
             dst.put_u8(op::ABORT);
             dst.put_str(reason);
         }
+        Request::QueuePush { key, value } => {
+            dst.put_u8(op::QUEUE_PUSH);
+            dst.put_blob(key);
+            dst.put_blob(value);
+        }
+        Request::QueuePop { key } => {
+            dst.put_u8(op::QUEUE_POP);
+            dst.put_blob(key);
+        }
+        Request::QueueLen { key } => {
+            dst.put_u8(op::QUEUE_LEN);
+            dst.put_blob(key);
+        }
+        Request::CancelWait => dst.put_u8(op::CANCEL_WAIT),
+        Request::StoreBarrier {
+            key,
+            world_size,
+            timeout_ms,
+        } => {
+            dst.put_u8(op::STORE_BARRIER);
+            dst.put_blob(key);
+            dst.put_i64_le(*world_size);
+            put_timeout(dst, *timeout_ms);
+        }
+        Request::Status => dst.put_u8(op::STATUS),
         Request::Heartbeat => dst.put_u8(op::HEARTBEAT),
         Request::Leave => dst.put_u8(op::LEAVE),
     }
@@ -211,6 +242,23 @@ pub(crate) fn decode_request(r: &mut Reader) -> DecodeResult<Request> {
         op::ABORT => Request::Abort {
             reason: r.string("reason")?,
         },
+        op::QUEUE_PUSH => Request::QueuePush {
+            key: r.bytes("key")?,
+            value: r.bytes("value")?,
+        },
+        op::QUEUE_POP => Request::QueuePop {
+            key: r.bytes("key")?,
+        },
+        op::QUEUE_LEN => Request::QueueLen {
+            key: r.bytes("key")?,
+        },
+        op::CANCEL_WAIT => Request::CancelWait,
+        op::STORE_BARRIER => Request::StoreBarrier {
+            key: r.bytes("key")?,
+            world_size: r.i64("world_size")?,
+            timeout_ms: timeout(r)?,
+        },
+        op::STATUS => Request::Status,
         op::HEARTBEAT => Request::Heartbeat,
         op::LEAVE => Request::Leave,
         other => return Err(DecodeError::unknown("request opcode", other)),

@@ -98,6 +98,12 @@ pub fn request() -> impl Strategy<Value = Request> {
         string().prop_map(|reason| Request::Abort { reason }),
         Just(Request::Heartbeat),
         Just(Request::Leave),
+        (bytes(), bytes()).prop_map(|(key, value)| Request::QueuePush { key, value }),
+        bytes().prop_map(|key| Request::QueuePop { key }),
+        bytes().prop_map(|key| Request::QueueLen { key }),
+        Just(Request::CancelWait),
+        (bytes(), any::<i64>(), t()).prop_map(|(key, world_size, timeout_ms)| Request::StoreBarrier { key, world_size, timeout_ms }),
+        Just(Request::Status),
     ]
 }
 
@@ -109,6 +115,7 @@ pub fn response() -> impl Strategy<Value = Response> {
         any::<bool>().prop_map(Response::Bool),
         keys().prop_map(Response::Values),
         keys().prop_map(|values| Response::Gathered(Arc::from(values))),
+        (any::<i64>(), proptest::option::of(bytes())).prop_map(|(len_before, value)| Response::Popped { len_before, value }),
     ]
 }
 

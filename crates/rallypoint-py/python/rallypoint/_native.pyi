@@ -1,7 +1,7 @@
 """Type stubs of the native module (the Rust client and the embedded coordinator)."""
 
 from types import TracebackType
-from typing import List, Optional, Sequence, Type, Union, final
+from typing import List, Optional, Sequence, Tuple, Type, Union, final
 
 from ._scope import Scope
 
@@ -197,6 +197,8 @@ class _Coordinator:
     @property
     def port(self) -> int:
         """The port it listens on (MASTER_PORT)."""
+    def worker_env(self, rank: int, nprocs: int, job: str) -> List[Tuple[str, str]]:
+        """The environment ``rallypoint launch`` gives a worker of a one-node job served here."""
     def shutdown(self) -> None:
         """Stops accepting, closes every connection (their ranks count as lost) and
         waits until the server is done. Does nothing the second time."""

@@ -23,29 +23,7 @@ _ECHO_WINDOW = 1.0
 
 def worker_env(coordinator: _Coordinator, rank: int, nprocs: int, job: str) -> Dict[str, str]:
     """The environment `rallypoint launch` gives a worker on one node: torchrun's variables plus RALLYPOINT_*."""
-    env = {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(nprocs),
-        "LOCAL_WORLD_SIZE": str(nprocs),
-        "GROUP_RANK": "0",
-        "GROUP_WORLD_SIZE": "1",
-        "ROLE_RANK": str(rank),
-        "ROLE_NAME": "default",
-        "ROLE_WORLD_SIZE": str(nprocs),
-        "MASTER_ADDR": coordinator.host,
-        "MASTER_PORT": str(coordinator.port),
-        "TORCHELASTIC_RUN_ID": job,
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "RALLYPOINT_ADDR": coordinator.addr,
-        "RALLYPOINT_JOB": job,
-    }
-    # As torchrun does: many workers each starting a thread per core oversubscribe the machine.
-    if nprocs > 1 and "OMP_NUM_THREADS" not in os.environ:
-        env["OMP_NUM_THREADS"] = "1"
-    return env
+    return dict(coordinator.worker_env(rank, nprocs, job))
 
 
 @dataclass

@@ -258,6 +258,15 @@ impl Client {
         }
     }
 
+    /// What the coordinator knows or infers about this job's PyTorch (TCPStore)
+    /// processes: ranks seen, ranks missing, waiting connections (docs/TCPSTORE.md).
+    pub async fn status(&self) -> Result<String, Error> {
+        match self.call_now(Request::Status).await? {
+            Response::Value(report) => Ok(String::from_utf8_lossy(&report).into_owned()),
+            other => Err(unexpected("status", other)),
+        }
+    }
+
     /// Keys starting with `prefix`, sorted.
     pub async fn list_keys(&self, prefix: impl AsRef<[u8]>) -> Result<Vec<Bytes>, Error> {
         match self.call_now(Request::ListKeys { prefix: bytes(prefix) }).await? {

@@ -3,7 +3,7 @@
 //! as soon as one worker fails; then says which one, and why.
 
 mod agents;
-mod env;
+pub mod env;
 mod outcome;
 mod output;
 mod supervise;
@@ -76,7 +76,7 @@ pub async fn launch(options: LaunchOptions) -> Result<i32, LaunchError> {
     };
     let agents = Agents::join(&addr, &options.job, options.node_rank, options.nnodes, &host, options.join_timeout).await?;
     let signals = forward_signals()?;
-    let result = run_attempts(&options, &agents, coordinator, &host, signals).await;
+    let result = run_attempts(&options, &agents, server.as_ref(), coordinator, &host, signals).await;
     agents.close().await;
     if let Some(server) = server {
         server.shutdown().await;
@@ -87,6 +87,7 @@ pub async fn launch(options: LaunchOptions) -> Result<i32, LaunchError> {
 async fn run_attempts(
     options: &LaunchOptions,
     agents: &Agents,
+    server: Option<&ServerHandle>,
     coordinator: SocketAddr,
     host: &str,
     mut signals: mpsc::UnboundedReceiver<i32>,
@@ -101,6 +102,11 @@ async fn run_attempts(
             restart_count: attempt,
             max_restarts: options.max_restarts,
         };
+        // torch's TCPStore clients (MASTER_ADDR/MASTER_PORT point here) cannot name a
+        // job: they join the attempt's, so their keys and ranks are the workers'.
+        if let Some(server) = server {
+            server.set_tcpstore_job(&job.attempt_job);
+        }
         let run = Attempt { options, agents, job: &job, host, base_rank, world_size, attempt };
         let result = run.run(&mut signals).await?;
         match result {

@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::{Identity, OpError, SessionId};
+use rallypoint_proto::tcpstore::TcpLimits;
 use rallypoint_proto::native::{
     decode_client_frame, decode_preamble, encode_reply, encode_server_frame, ClientFrame, FrameLimits, ProtoError,
     ServerFrame, VERSION,
@@ -32,10 +33,14 @@ const MAX_WRITE_BATCH: usize = 1 << 20;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Serves one accepted connection until it closes; never fails the server.
-pub(crate) async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, limits: FrameLimits) {
+pub(crate) async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, limits: FrameLimits, tcp_limits: TcpLimits) {
     let mut conn = Connection { stream, peer, limits, rbuf: BytesMut::new(), wbuf: BytesMut::new() };
     let identity = match tokio::time::timeout(HANDSHAKE_TIMEOUT, conn.handshake()).await {
-        Ok(Ok(Some(identity))) => identity,
+        Ok(Ok(Some(Hello::Native(identity)))) => identity,
+        Ok(Ok(Some(Hello::TcpStore))) => {
+            debug!(%peer, "PyTorch TCPStore client");
+            return super::tcpstore::serve(conn.stream, peer, conn.rbuf, shared, tcp_limits).await;
+        }
         Ok(Ok(None)) => return,
         Ok(Err(error)) => {
             debug!(%peer, %error, "connection failed during the handshake");
@@ -71,6 +76,13 @@ pub(crate) async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Share
     }
 }
 
+/// What a new connection turned out to be.
+enum Hello {
+    Native(Identity),
+    /// A PyTorch TCPStore client: its first byte (VALIDATE) is still in the read buffer.
+    TcpStore,
+}
+
 /// Why a session's connection ended (other than the peer closing it).
 enum End {
     Io(io::Error),
@@ -86,9 +98,9 @@ impl From<io::Error> for End {
 
 /// Tells the engine when the session ends, however the connection task ends
 /// (error, peer close, server shutdown cancelling the task).
-struct SessionGuard<'a> {
-    shared: &'a Shared,
-    session: SessionId,
+pub(crate) struct SessionGuard<'a> {
+    pub(crate) shared: &'a Shared,
+    pub(crate) session: SessionId,
 }
 
 impl Drop for SessionGuard<'_> {
@@ -111,9 +123,10 @@ struct Connection {
 }
 
 impl Connection {
-    /// Reads the preamble and the hello. `Ok(None)`: the peer is not (or no longer)
-    /// a native client we can serve; already logged, and the connection is done.
-    async fn handshake(&mut self) -> io::Result<Option<Identity>> {
+    /// Reads the preamble and the hello, or recognises a TCPStore client by its first
+    /// byte. `Ok(None)`: the peer is not (or no longer) a client we can serve; already
+    /// logged, and the connection is done.
+    async fn handshake(&mut self) -> io::Result<Option<Hello>> {
         let peer = self.peer;
         // The first byte tells the protocol apart: 'R' starts the native magic,
         // 0x00 is the first byte of every PyTorch TCPStore connection.
@@ -134,10 +147,7 @@ impl Connection {
                         return Ok(None);
                     }
                 },
-                Some(0x00) => {
-                    warn!(%peer, "a PyTorch TCPStore client connected; the TCPStore protocol is not supported yet; closing");
-                    return Ok(None);
-                }
+                Some(0x00) => return Ok(Some(Hello::TcpStore)),
                 Some(&byte) => {
                     warn!(%peer, first_byte = byte, "unknown protocol (not a rallypoint client); closing");
                     return Ok(None);
@@ -150,7 +160,7 @@ impl Connection {
         }
         loop {
             match decode_client_frame(&mut self.rbuf, &self.limits) {
-                Ok(Some(ClientFrame::Hello(identity))) => return Ok(Some(identity)),
+                Ok(Some(ClientFrame::Hello(identity))) => return Ok(Some(Hello::Native(identity))),
                 Ok(Some(ClientFrame::Request { id, request })) => {
                     warn!(%peer, id, request = request.name(), "request before hello; closing");
                     self.refuse(OpError::Invalid("the first frame must be a hello".to_owned())).await;

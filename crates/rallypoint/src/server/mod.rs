@@ -7,6 +7,7 @@
 
 mod connection;
 mod shared;
+mod tcpstore;
 mod ticker;
 
 use std::future::Future;
@@ -17,6 +18,7 @@ use std::time::Duration;
 
 use rallypoint_core::Config;
 use rallypoint_proto::native::FrameLimits;
+use rallypoint_proto::tcpstore::TcpLimits;
 use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::{oneshot, watch};
 use tokio::task::{JoinHandle, JoinSet};
@@ -45,6 +47,7 @@ pub struct Server {
     local_addr: SocketAddr,
     shared: Arc<Shared>,
     limits: FrameLimits,
+    tcp_limits: TcpLimits,
 }
 
 impl Server {
@@ -56,7 +59,14 @@ impl Server {
         let local_addr = listener.local_addr()?;
         info!(%local_addr, fd_limit, lease_ms = config.engine.lease_ms, "rallypoint coordinator listening");
         let limits = FrameLimits::from_limits(&config.engine.limits);
-        Ok(Server { listener, local_addr, shared: Arc::new(Shared::new(config.engine)), limits })
+        let tcp_limits = TcpLimits::from_limits(&config.engine.limits);
+        Ok(Server { listener, local_addr, shared: Arc::new(Shared::new(config.engine)), limits, tcp_limits })
+    }
+
+    /// The job PyTorch TCPStore connections join (they cannot name one); "default"
+    /// unless set. Takes effect for connections opened afterwards.
+    pub fn set_tcpstore_job(&self, job: &str) {
+        self.shared.set_tcpstore_job(job);
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -66,7 +76,7 @@ impl Server {
     /// Serves until `shutdown` completes, then stops accepting, closes every
     /// connection (their ranks count as lost, not left) and returns.
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> io::Result<()> {
-        let Server { listener, local_addr, shared, limits } = self;
+        let Server { listener, local_addr, shared, limits, tcp_limits } = self;
         // Dropping `stop` tells the ticker and every connection task to finish.
         let (stop, stopped) = watch::channel(());
         let spawn_ticker = || tokio::spawn(ticker::run(Arc::clone(&shared), stopped.clone()));
@@ -85,7 +95,7 @@ impl Server {
                         let mut stopped = stopped.clone();
                         connections.spawn(async move {
                             tokio::select! {
-                                () = connection::serve(stream, peer, shared, limits) => {}
+                                () = connection::serve(stream, peer, shared, limits, tcp_limits) => {}
                                 _ = stopped.changed() => {}
                             }
                         });
@@ -122,18 +132,20 @@ impl Server {
     #[must_use = "dropping the handle shuts the server down"]
     pub fn spawn(self) -> ServerHandle {
         let local_addr = self.local_addr;
+        let shared = Arc::clone(&self.shared);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(self.run_until(async move {
             // Completes when the handle sends or is dropped.
             let _ = stopped.await;
         }));
-        ServerHandle { local_addr, stop, task }
+        ServerHandle { local_addr, shared, stop, task }
     }
 }
 
 /// A server running in the background (see [`Server::spawn`]).
 pub struct ServerHandle {
     local_addr: SocketAddr,
+    shared: Arc<Shared>,
     /// Never sent: dropping it is the shutdown signal.
     stop: oneshot::Sender<()>,
     task: JoinHandle<io::Result<()>>,
@@ -142,6 +154,12 @@ pub struct ServerHandle {
 impl ServerHandle {
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// See [`Server::set_tcpstore_job`]. The launcher points TCPStore clients at the
+    /// job of each attempt.
+    pub fn set_tcpstore_job(&self, job: &str) {
+        self.shared.set_tcpstore_job(job);
     }
 
     /// Stops accepting, closes every connection and waits until the server is done.

@@ -9,6 +9,9 @@ use std::time::Instant;
 use rallypoint_core::{Config, Engine, Identity, Millis, OpError, Reply, Request, SessionId, Welcome};
 use tokio::sync::Notify;
 
+/// The job of TCPStore connections unless the server is told otherwise.
+pub(crate) const DEFAULT_TCPSTORE_JOB: &str = "default";
+
 pub(crate) struct Shared {
     state: Mutex<State>,
     /// Time zero of the engine's clock.
@@ -19,6 +22,8 @@ pub(crate) struct Shared {
     ticker_plan: AtomicU64,
     /// Wakes the ticker when a deadline earlier than its plan appears.
     ticker_wake: Notify,
+    /// The job TCPStore connections join.
+    tcpstore_job: Mutex<String>,
 }
 
 struct State {
@@ -65,6 +70,7 @@ impl Shared {
             next_session: AtomicU64::new(1),
             ticker_plan: AtomicU64::new(u64::MAX),
             ticker_wake: Notify::new(),
+            tcpstore_job: Mutex::new(DEFAULT_TCPSTORE_JOB.to_owned()),
         }
     }
 
@@ -83,6 +89,22 @@ impl Shared {
         let mut state = lock(&self.state);
         let now = self.now();
         let welcome = state.engine.open(session, identity, now)?;
+        state.outboxes.insert(session, outbox);
+        self.after_input(&mut state);
+        Ok(welcome)
+    }
+
+    pub(crate) fn set_tcpstore_job(&self, job: &str) {
+        job.clone_into(&mut lock(&self.tcpstore_job));
+    }
+
+    /// Admits a PyTorch TCPStore connection into the TCPStore job.
+    pub(crate) fn open_tcpstore(&self, host: &str, pid: u32, outbox: Arc<Outbox>) -> Result<Welcome, OpError> {
+        let job = lock(&self.tcpstore_job).clone();
+        let session = SessionId(self.next_session.fetch_add(1, Ordering::Relaxed));
+        let mut state = lock(&self.state);
+        let now = self.now();
+        let welcome = state.engine.open_tcpstore(session, &job, host, pid, now)?;
         state.outboxes.insert(session, outbox);
         self.after_input(&mut state);
         Ok(welcome)
@@ -144,6 +166,9 @@ impl Shared {
 
 fn dispatch(state: &mut State) {
     let State { engine, outboxes } = state;
+    for notice in engine.drain_notices() {
+        tracing::warn!("{notice}");
+    }
     for out in engine.drain_outgoing() {
         // A reply for a session that closed meanwhile has nowhere to go.
         if let Some(outbox) = outboxes.get(&out.session) {

@@ -1,0 +1,255 @@
+//! What rallypoint infers about a PyTorch job from its TCPStore traffic, where a
+//! connection carries no rank (docs/TCPSTORE.md says what is inferred and how):
+//! gloo address keys name the rank that writes them and the ranks others wait for,
+//! `init/` counts the processes that connected, store-barrier counters count arrivals.
+
+use std::collections::BTreeSet;
+use std::fmt::Write;
+
+use bytes::Bytes;
+
+use crate::error::{Secs, Show};
+use crate::{Identity, Millis, SessionId};
+
+use super::job::Job;
+use super::store::{KeyWait, WaitKind};
+
+/// A torch wait blocked this long on an address key or a store barrier is reported.
+pub(crate) const STALL_REPORT_MS: Millis = 5_000;
+/// ...and again at this interval while it stays blocked.
+pub(crate) const STALL_REPEAT_MS: Millis = 30_000;
+
+/// The key every torch client with a world size adds 1 to when it connects.
+const INIT_KEY: &[u8] = b"init/";
+
+/// A process group's address key, `<prefix>//<device>//<n>/<rank>` as gloo writes it
+/// (e.g. `/default_pg/0//cpu//0/3`): its prefix (through the last `/`) and rank.
+pub(crate) fn address_key(key: &[u8]) -> Option<(&[u8], u32)> {
+    let slash = key.iter().rposition(|&b| b == b'/')?;
+    let (prefix, rank) = key.split_at(slash + 1);
+    let rank = decimal(rank)?;
+    // "...//<device>//<n>": a number, then an alphanumeric device, each after "//".
+    let inner = prefix.strip_suffix(b"/")?;
+    let n_at = inner.iter().rposition(|&b| b == b'/')? + 1;
+    decimal(&inner[n_at..])?;
+    let before_n = inner[..n_at].strip_suffix(b"//")?;
+    let device_at = before_n.iter().rposition(|&b| b == b'/')? + 1;
+    let device = &before_n[device_at..];
+    if device.is_empty() || !device.iter().all(u8::is_ascii_alphanumeric) || !before_n[..device_at].ends_with(b"//") {
+        return None;
+    }
+    Some((prefix, rank))
+}
+
+fn decimal(digits: &[u8]) -> Option<u32> {
+    if digits.is_empty() || !digits.iter().all(u8::is_ascii_digit) {
+        return None;
+    }
+    std::str::from_utf8(digits).ok()?.parse().ok()
+}
+
+/// Ranks whose address key under `prefix` exists.
+fn written(job: &Job, prefix: &[u8]) -> BTreeSet<u32> {
+    job.store
+        .list(prefix)
+        .iter()
+        .filter_map(|k| address_key(k).filter(|(p, _)| *p == prefix).map(|(_, r)| r))
+        .collect()
+}
+
+/// Address-key prefixes and ranks a wait is blocked on.
+fn missing_addresses(job: &Job, wait: &KeyWait) -> Vec<(Bytes, BTreeSet<u32>)> {
+    let mut groups: Vec<(Bytes, BTreeSet<u32>)> = Vec::new();
+    for key in job.store.absent(&wait.keys) {
+        let Some((prefix, rank)) = address_key(&key) else { continue };
+        match groups.iter_mut().find(|(p, _)| p == prefix) {
+            Some((_, ranks)) => {
+                ranks.insert(rank);
+            }
+            None => groups.push((Bytes::copy_from_slice(prefix), BTreeSet::from([rank]))),
+        }
+    }
+    groups
+}
+
+fn arrived_at_init(job: &Job) -> Option<String> {
+    job.store.get(INIT_KEY).map(|v| String::from_utf8_lossy(v).into_owned())
+}
+
+fn who(session: SessionId, identity: &Identity) -> String {
+    let mut s = match identity.rank {
+        Some(rank) => format!("rank {rank}"),
+        None => format!("unattributed {session}"),
+    };
+    let _ = write!(s, " (host {}, pid {})", identity.host, identity.pid);
+    s
+}
+
+fn ranks(set: &BTreeSet<u32>) -> String {
+    let list: Vec<String> = set.iter().map(u32::to_string).collect();
+    format!("[{}]", list.join(", "))
+}
+
+/// Ranks that wait at store barrier `key`, and the ranks of the world not among them,
+/// when every waiter is attributed.
+fn barrier_arrivals(job: &Job, key: &Bytes, sessions: &[(SessionId, &Identity)]) -> (usize, Option<i64>, BTreeSet<u32>, bool) {
+    let mut waiting = 0;
+    let mut world = None;
+    let mut arrived = BTreeSet::new();
+    let mut all_known = true;
+    for ((session, _), wait) in job.store.waits() {
+        let WaitKind::Barrier { world_size } = wait.kind else { continue };
+        if wait.keys.first() != Some(key) {
+            continue;
+        }
+        waiting += 1;
+        world = Some(world_size);
+        match sessions.iter().find(|(s, _)| s == session).and_then(|(_, i)| i.rank) {
+            Some(rank) => {
+                arrived.insert(rank);
+            }
+            None => all_known = false,
+        }
+    }
+    (waiting, world, arrived, all_known)
+}
+
+/// The warning for a torch wait blocked since `wait.started`, or None if it waits on
+/// nothing torch tells us about.
+pub(crate) fn stall_notice(
+    job: &Job,
+    session: SessionId,
+    identity: &Identity,
+    wait: &KeyWait,
+    sessions: &[(SessionId, &Identity)],
+    now: Millis,
+) -> Option<String> {
+    let waited = Secs(now.saturating_sub(wait.started));
+    let mut text = format!("PyTorch job '{}': {} has waited {waited}", job.name, who(session, identity));
+    if let WaitKind::Barrier { world_size } = wait.kind {
+        let key = wait.keys.first()?;
+        let counter = job.store.get(key).map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
+        let _ = write!(text, " at store barrier {} (counter {counter} of world size {world_size})", Show(key));
+        let (_, _, arrived, all_known) = barrier_arrivals(job, key, sessions);
+        if all_known {
+            let world = u32::try_from(world_size).unwrap_or(0);
+            let missing: BTreeSet<u32> = (0..world).filter(|r| !arrived.contains(r)).collect();
+            let _ = write!(text, "; ranks not waiting there: {}", ranks(&missing));
+        }
+        return Some(text);
+    }
+    let groups = missing_addresses(job, wait);
+    if groups.is_empty() {
+        return None;
+    }
+    for (prefix, missing) in &groups {
+        let _ = write!(
+            text,
+            " for process group {}: ranks {} never wrote their address key (written by ranks {})",
+            Show(prefix),
+            ranks(missing),
+            ranks(&written(job, prefix))
+        );
+    }
+    if let Some(count) = arrived_at_init(job) {
+        let _ = write!(text, "; {count} process(es) arrived at init/");
+    }
+    Some(text)
+}
+
+/// `rallypoint status`: everything known or inferred about the job's torch processes.
+pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: Millis) -> String {
+    let mut out = format!("job '{}'\n", job.name);
+    let torch: Vec<(SessionId, &Identity)> = sessions.iter().filter(|(_, _, t)| *t).map(|(s, i, _)| (*s, *i)).collect();
+    let attributed: BTreeSet<u32> = torch.iter().filter_map(|(_, i)| i.rank).collect();
+    let _ = writeln!(
+        out,
+        "connections: {} TCPStore ({} attributed to ranks {}), {} native",
+        torch.len(),
+        torch.iter().filter(|(_, i)| i.rank.is_some()).count(),
+        ranks(&attributed),
+        sessions.len() - torch.len()
+    );
+    match arrived_at_init(job) {
+        Some(count) => {
+            let _ = writeln!(out, "init/: {count} process(es) arrived");
+        }
+        None => out.push_str("init/: no arrivals\n"),
+    }
+    // Process groups: ranks written, and ranks waited for but never written.
+    let mut prefixes: Vec<Bytes> = Vec::new();
+    for key in job.store.list(b"") {
+        if let Some((prefix, _)) = address_key(&key) {
+            if !prefixes.iter().any(|p| p == prefix) {
+                prefixes.push(Bytes::copy_from_slice(prefix));
+            }
+        }
+    }
+    let mut missing_by_group: Vec<(Bytes, BTreeSet<u32>)> = Vec::new();
+    for (_, wait) in job.store.waits() {
+        for (prefix, missing) in missing_addresses(job, wait) {
+            match missing_by_group.iter_mut().find(|(p, _)| *p == prefix) {
+                Some((_, set)) => set.extend(missing),
+                None => missing_by_group.push((prefix, missing)),
+            }
+        }
+    }
+    for (prefix, _) in &missing_by_group {
+        if !prefixes.contains(prefix) {
+            prefixes.push(prefix.clone());
+        }
+    }
+    prefixes.sort();
+    for prefix in &prefixes {
+        let _ = write!(out, "process group {}: address written by ranks {}", Show(prefix), ranks(&written(job, prefix)));
+        if let Some((_, missing)) = missing_by_group.iter().find(|(p, _)| p == prefix) {
+            let _ = write!(out, "; MISSING (waited for, never written): ranks {}", ranks(missing));
+        }
+        out.push('\n');
+    }
+    for key in job.store.barrier_keys() {
+        let counter = job.store.get(key).map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
+        let (waiting, world, arrived, all_known) = barrier_arrivals(job, key, &torch);
+        let _ = write!(out, "store barrier {}: counter {counter}", Show(key));
+        if let Some(world) = world {
+            let _ = write!(out, ", {waiting} waiting for world size {world} (ranks {})", ranks(&arrived));
+            if all_known {
+                let world = u32::try_from(world).unwrap_or(0);
+                let missing: BTreeSet<u32> = (0..world).filter(|r| !arrived.contains(r)).collect();
+                let _ = write!(out, "; MISSING ranks {}", ranks(&missing));
+            }
+        }
+        out.push('\n');
+    }
+    for ((session, _), wait) in job.store.waits() {
+        let Some((_, identity)) = torch.iter().find(|(s, _)| s == session) else { continue };
+        let keys: Vec<String> = wait.keys.iter().take(4).map(|k| Show(k).to_string()).collect();
+        let _ = writeln!(
+            out,
+            "waiting: {} for {} on {}{}",
+            who(*session, identity),
+            Secs(now.saturating_sub(wait.started)),
+            keys.join(", "),
+            if wait.keys.len() > 4 { format!(" and {} more", wait.keys.len() - 4) } else { String::new() }
+        );
+    }
+    for rank in job.ranks.lost() {
+        let _ = writeln!(out, "lost: {}", job.ranks.info(rank, now));
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::address_key;
+
+    #[test]
+    fn gloo_address_keys() {
+        assert_eq!(address_key(b"/default_pg/0//cpu//0/3"), Some((&b"/default_pg/0//cpu//0/"[..], 3)));
+        assert_eq!(address_key(b"/default_pg/0//1//cpu//0/12"), Some((&b"/default_pg/0//1//cpu//0/"[..], 12)));
+        assert_eq!(address_key(b"/default_pg/0//cuda//0/0"), Some((&b"/default_pg/0//cuda//0/"[..], 0)));
+        for no in [&b"/k"[..], b"init/", b"/default_pg/0//cpu//0/", b"/a/0/1", b"/x//cpu//a/1", b"/x/cpu//0/1", b"/x//c-u//0/1"] {
+            assert_eq!(address_key(no), None, "{}", no.escape_ascii());
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! Engine semantics PyTorch's TCPStore needs: queues, CancelWait, the store
+//! barrier, compare_set waking waiters, and what is inferred about torch ranks.
+
+mod common;
+
+use bytes::Bytes;
+use common::{b, err, ok, Harness};
+use rallypoint_core::{Identity, OpError, Request, Response, SessionId};
+
+fn anon(h: &mut Harness) -> SessionId {
+    h.open(Identity::anonymous("j"))
+}
+
+fn torch(h: &mut Harness, id: u64, pid: u32) -> SessionId {
+    let session = SessionId(1000 + id);
+    h.engine.open_tcpstore(session, "j", "10.0.0.1", pid, h.now).expect("accepted");
+    session
+}
+
+fn wait(keys: &[&str]) -> Request {
+    Request::Wait { keys: keys.iter().map(|k| b(k)).collect(), timeout_ms: None }
+}
+
+fn push(key: &str, value: &str) -> Request {
+    Request::QueuePush { key: b(key), value: b(value) }
+}
+
+#[test]
+fn queues_are_a_namespace_apart_yet_satisfy_waits_and_checks() {
+    let mut h = Harness::new();
+    let s = anon(&mut h);
+    assert_eq!(ok(Some(h.call(s, Request::QueuePop { key: b("q") }))), Response::Popped { len_before: 0, value: None });
+    let w1 = h.send(s, wait(&["q"]));
+    let w2 = h.send(s, wait(&["q"]));
+    assert!(h.pending(s, w1) && h.pending(s, w2));
+    ok(Some(h.call(s, push("q", "a"))));
+    // One push wakes one waiter, as torch's wakeupOneWaitingClient.
+    assert_eq!(ok(h.take(s, w1)), Response::Done);
+    assert!(h.pending(s, w2));
+    ok(Some(h.call(s, push("q", "b"))));
+    assert_eq!(ok(h.take(s, w2)), Response::Done);
+    assert_eq!(ok(Some(h.call(s, Request::QueueLen { key: b("q") }))), Response::Int(2));
+    assert_eq!(ok(Some(h.call(s, Request::Check { keys: vec![b("q")] }))), Response::Bool(true));
+    // Queues are not keys.
+    assert_eq!(ok(Some(h.call(s, Request::NumKeys))), Response::Int(0));
+    assert_eq!(ok(Some(h.call(s, Request::QueuePop { key: b("q") }))), Response::Popped { len_before: 2, value: Some(b("a")) });
+    assert_eq!(ok(Some(h.call(s, Request::QueuePop { key: b("q") }))), Response::Popped { len_before: 1, value: Some(b("b")) });
+    assert_eq!(ok(Some(h.call(s, Request::Check { keys: vec![b("q")] }))), Response::Bool(false));
+}
+
+#[test]
+fn cancel_wait_ends_the_sessions_waits_and_always_answers() {
+    let mut h = Harness::new();
+    let s = anon(&mut h);
+    let other = anon(&mut h);
+    assert_eq!(ok(Some(h.call(s, Request::CancelWait))), Response::Done);
+    let w = h.send(s, wait(&["x"]));
+    let kept = h.send(other, wait(&["x"]));
+    assert_eq!(ok(Some(h.call(s, Request::CancelWait))), Response::Done);
+    assert!(matches!(err(h.take(s, w)), OpError::Closed(_)));
+    ok(Some(h.call(s, Request::Set { key: b("x"), value: b("1") })));
+    assert_eq!(ok(h.take(other, kept)), Response::Done);
+    // The session stays usable.
+    assert_eq!(ok(Some(h.call(s, wait(&["x"])))), Response::Done);
+}
+
+#[test]
+fn store_barrier_counts_at_its_key_and_never_resets() {
+    let mut h = Harness::new();
+    let (a, c) = (anon(&mut h), anon(&mut h));
+    let bar = |ws| Request::StoreBarrier { key: b("/b"), world_size: ws, timeout_ms: None };
+    let first = h.send(a, bar(2));
+    assert!(h.pending(a, first));
+    // A canceled wait keeps its increment.
+    ok(Some(h.call(a, Request::CancelWait)));
+    assert!(matches!(err(h.take(a, first)), OpError::Closed(_)));
+    let again = h.send(a, bar(3));
+    assert!(h.pending(a, again));
+    let last = h.send(c, bar(3));
+    assert_eq!(ok(h.take(c, last)), Response::Done);
+    assert_eq!(ok(h.take(a, again)), Response::Done);
+    assert_eq!(ok(Some(h.call(a, Request::Get { key: b("/b"), timeout_ms: None }))), Response::Value(b("3")));
+    // 4 >= 2: released at once.
+    assert_eq!(ok(Some(h.call(a, bar(2)))), Response::Done);
+    let bad = Request::Set { key: b("/n"), value: b("abc") };
+    ok(Some(h.call(a, bad)));
+    let e = h.call(a, Request::StoreBarrier { key: b("/n"), world_size: 1, timeout_ms: None });
+    assert!(matches!(e, Err(OpError::NotANumber { .. })));
+}
+
+#[test]
+fn compare_set_on_a_missing_key_wakes_waiters_without_creating_it() {
+    let mut h = Harness::new();
+    let s = anon(&mut h);
+    let w = h.send(s, wait(&["x"]));
+    let reply = h.call(s, Request::CompareSet { key: b("x"), expected: b("e"), desired: b("d") });
+    assert_eq!(ok(Some(reply)), Response::Value(b("e")));
+    assert_eq!(ok(h.take(s, w)), Response::Done, "torch's libuv server wakes the waiter");
+    assert_eq!(ok(Some(h.call(s, Request::Check { keys: vec![b("x")] }))), Response::Bool(false));
+}
+
+#[test]
+fn get_with_timeout_zero_fails_at_once() {
+    let mut h = Harness::new();
+    let s = anon(&mut h);
+    let e = h.call(s, Request::Get { key: b("nope"), timeout_ms: Some(0) });
+    assert!(matches!(e, Err(OpError::KeyTimeout { .. })));
+}
+
+#[test]
+fn torch_ranks_are_inferred_from_address_keys_and_named_when_missing() {
+    let mut h = Harness::new();
+    let prefix = "/default_pg/0//cpu//0/";
+    let ranks: Vec<SessionId> = (0..3).map(|r| torch(&mut h, r, 100 + r as u32)).collect();
+    // A second connection of rank 1's process (torch clones its store).
+    let clone = torch(&mut h, 9, 101);
+    for (r, s) in ranks.iter().enumerate() {
+        ok(Some(h.call(*s, Request::Add { key: b("init/"), delta: 1 })));
+        ok(Some(h.call(*s, Request::Set { key: Bytes::from(format!("{prefix}{r}")), value: b("addr") })));
+    }
+    // Rank 0 waits for rank 3, which never comes.
+    let w = h.send(ranks[0], wait(&[&format!("{prefix}3")]));
+    assert!(h.pending(ranks[0], w));
+    h.advance(5_000);
+    let notices: Vec<String> = h.engine.drain_notices().collect();
+    assert_eq!(notices.len(), 1, "{notices:?}");
+    assert!(notices[0].contains("rank 0") && notices[0].contains("ranks [3] never wrote"), "{}", notices[0]);
+    assert!(notices[0].contains("written by ranks [0, 1, 2]") && notices[0].contains("3 process(es) arrived"), "{}", notices[0]);
+    let tool = h.open(Identity::anonymous("j"));
+    let Response::Value(report) = ok(Some(h.call(tool, Request::Status))) else { panic!("status is text") };
+    let report = String::from_utf8_lossy(&report).into_owned();
+    assert!(report.contains("MISSING (waited for, never written): ranks [3]"), "{report}");
+    assert!(report.contains("attributed to ranks [0, 1, 2]") && report.contains("4 TCPStore"), "{report}");
+    // Rank 1's clone was attributed too: rank 1 is lost only when both connections drop.
+    h.kill(ranks[1]);
+    h.kill(clone);
+    let Response::Value(report) = ok(Some(h.call(tool, Request::Status))) else { panic!("status is text") };
+    let report = String::from_utf8_lossy(&report).into_owned();
+    assert!(report.contains("lost: rank 1 (host 10.0.0.1, pid 101, lost: connection dropped"), "{report}");
+}
+
+#[test]
+fn a_lost_torch_rank_fails_native_collectives_naming_it() {
+    let mut h = Harness::new();
+    let t = torch(&mut h, 1, 4242);
+    ok(Some(h.call(t, Request::Set { key: b("/default_pg/0//cpu//0/1"), value: b("addr") })));
+    let native = h.rank("j", 0, 2);
+    let id = h.send(native, common::barrier("step", None));
+    assert!(h.pending(native, id));
+    h.kill(t);
+    match err(h.take(native, id)) {
+        OpError::PeerLost { peer, .. } => assert_eq!((peer.rank, peer.pid), (1, Some(4242))),
+        other => panic!("expected PeerLost, got {other:?}"),
+    }
+}
