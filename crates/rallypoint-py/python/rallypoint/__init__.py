@@ -31,21 +31,6 @@ from ._native import Client, _Coordinator
 from ._scope import Scope
 from .spawn import spawn
 
-__all__ = [
-    "Client",
-    "Scope",
-    "spawn",
-    "RallypointError",
-    "BarrierTimeout",
-    "KeyTimeout",
-    "ReplyTimeout",
-    "PeerLost",
-    "Aborted",
-    "MismatchError",
-    "BadMembers",
-    "ConnectionError",
-    "InvalidArgument",
-    "WorkerError",
-    "RankInfo",
-    "_Coordinator",
-]
+from . import _errors
+
+__all__ = ["Client", "Scope", "spawn", *_errors.__all__, "_Coordinator"]
