@@ -129,8 +129,18 @@ impl Store {
 
     /// Stores `value` and returns the waits it completed.
     pub fn set(&mut self, key: Bytes, value: Bytes, done: &mut Vec<(WaitId, Reply)>) {
-        let key = own(key);
-        self.data.insert(key.clone(), own(value));
+        self.put(key, own(value), done);
+    }
+
+    /// Stores a value that is already owned (not a view into a read buffer). An existing
+    /// key keeps its stored copy, so updating a key allocates nothing for it.
+    fn put(&mut self, key: Bytes, value: Bytes, done: &mut Vec<(WaitId, Reply)>) {
+        match self.data.get_mut(&key) {
+            Some(slot) => *slot = value,
+            None => {
+                self.data.insert(own(key.clone()), value);
+            }
+        }
         self.wake(&key, done);
     }
 
@@ -161,7 +171,8 @@ impl Store {
         let new = current
             .checked_add(delta)
             .ok_or_else(|| OpError::Overflow { key: key.clone(), current, delta })?;
-        self.set(key, Bytes::from(new.to_string()), done);
+        // Decimal text, as TCPStore stores counters; freshly allocated, so no copy needed.
+        self.put(key, Bytes::from(new.to_string()), done);
         Ok(new)
     }
 
