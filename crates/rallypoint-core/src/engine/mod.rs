@@ -142,11 +142,11 @@ impl Engine {
 
     /// The rank an unattributed torch session reveals by writing its address key.
     fn revealed_rank(&self, session: SessionId, request: &Request) -> Option<u32> {
+        // The request first: it is cheap to rule out, and this runs for every request.
+        let Request::Set { key, .. } = request else { return None };
+        let (_, rank) = torch::address_key(key)?;
         self.sessions.get(&session).filter(|s| s.torch && s.identity.rank.is_none())?;
-        match request {
-            Request::Set { key, .. } => torch::address_key(key).map(|(_, rank)| rank),
-            _ => None,
-        }
+        Some(rank)
     }
 
     /// Warnings produced so far (a torch job stalled at init, naming the ranks it
