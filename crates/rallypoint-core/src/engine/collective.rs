@@ -5,7 +5,9 @@
 //! generation's member set; a caller that disagrees fails the generation for all.
 //! A generation that failed is remembered, so a late arrival gets the same error.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use super::HashMap;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -77,7 +79,7 @@ pub(crate) struct Collectives {
 
 impl Collectives {
     pub fn new(failed_kept: usize, max_gather_bytes: usize) -> Self {
-        Collectives { by_name: HashMap::new(), failed_kept: failed_kept.max(1), max_gather_bytes }
+        Collectives { by_name: HashMap::default(), failed_kept: failed_kept.max(1), max_gather_bytes }
     }
 
     pub fn arrive(&mut self, kind: CollectiveKind, name: &str, call: Call, ranks: &Ranks, ctx: &mut Ctx<'_>) {

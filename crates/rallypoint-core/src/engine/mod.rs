@@ -10,7 +10,6 @@ mod timers;
 mod torch;
 mod validate;
 
-use std::collections::HashMap;
 
 use crate::{
     AbortInfo, CollectiveKind, Config, Identity, Members, Millis, OpError, Outgoing, Reply, Request, Response,
@@ -24,6 +23,11 @@ use timers::{Timer, Timers};
 
 /// Jobs are numbered so that timers never point at a newer job of the same name.
 pub(crate) type JobId = u64;
+
+/// The engine's hash maps: foldhash, randomly seeded per process. SipHash showed in
+/// per-request profiles; keys come from the job's own clients, and the random seed
+/// keeps crafted collisions impractical.
+pub(crate) type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
 #[derive(Debug)]
 struct Session {
@@ -53,10 +57,10 @@ impl Engine {
     pub fn new(config: Config) -> Self {
         Engine {
             config,
-            jobs: HashMap::new(),
-            job_ids: HashMap::new(),
+            jobs: HashMap::default(),
+            job_ids: HashMap::default(),
             next_job: 1,
-            sessions: HashMap::new(),
+            sessions: HashMap::default(),
             timers: Timers::default(),
             outgoing: Vec::new(),
             notices: Vec::new(),

@@ -1,7 +1,9 @@
 //! Liveness of a job's ranks: who connected, from where, when last heard from,
 //! and whether it left cleanly or was lost.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+use super::HashMap;
 
 use crate::{LossReason, Millis, RankInfo, RankState};
 

@@ -1,7 +1,9 @@
 //! A job's key-value data and the requests blocked until keys exist.
 //! Semantics follow PyTorch's TCPStore wherever the operation exists there.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
+
+use super::HashMap;
 
 use bytes::{Bytes, BytesMut};
 

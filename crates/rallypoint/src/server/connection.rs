@@ -33,46 +33,79 @@ const MAX_WRITE_BATCH: usize = 1 << 20;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Serves one accepted connection until it closes; never fails the server.
-pub(crate) async fn serve(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, limits: FrameLimits, tcp_limits: TcpLimits) {
+///
+/// Memory per idle connection is what this task holds while a session waits, so
+/// the handshake (and a TCPStore connection's whole life) runs in a boxed future
+/// freed when it ends; the task itself keeps only the open [`Session`] and its loop.
+pub(crate) fn serve(
+    stream: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    limits: FrameLimits,
+    tcp_limits: TcpLimits,
+) -> impl Future<Output = ()> + Send {
+    let opening = Box::pin(open(stream, peer, shared, limits, tcp_limits));
+    async move {
+        let Some(mut session) = opening.await else { return };
+        let Session { conn, outbox, guard } = &mut session;
+        let end = conn.run(guard.session, &guard.shared, outbox).await;
+        session.log_end(end);
+    }
+}
+
+/// Handshake and admission. `None`: the connection is done (refused, closed, or a
+/// TCPStore connection served to its end).
+async fn open(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, limits: FrameLimits, tcp_limits: TcpLimits) -> Option<Session> {
     let mut conn = Connection { stream, peer, limits, rbuf: BytesMut::new(), wbuf: BytesMut::new() };
     let identity = match tokio::time::timeout(HANDSHAKE_TIMEOUT, conn.handshake()).await {
         Ok(Ok(Some(Hello::Native(identity)))) => identity,
         Ok(Ok(Some(Hello::TcpStore))) => {
             debug!(%peer, "PyTorch TCPStore client");
-            return super::tcpstore::serve(conn.stream, peer, conn.rbuf, shared, tcp_limits).await;
+            super::tcpstore::serve(conn.stream, peer, conn.rbuf, shared, tcp_limits).await;
+            return None;
         }
-        Ok(Ok(None)) => return,
+        Ok(Ok(None)) => return None,
         Ok(Err(error)) => {
             debug!(%peer, %error, "connection failed during the handshake");
-            return;
+            return None;
         }
         Err(_) => {
             warn!(%peer, "no hello within {HANDSHAKE_TIMEOUT:?}; closing the connection");
-            return;
+            return None;
         }
     };
-
     let outbox = Arc::new(Outbox::default());
     let welcome = match shared.open(identity.clone(), Arc::clone(&outbox)) {
         Ok(welcome) => welcome,
         Err(error) => {
             warn!(%peer, job = %identity.job, rank = ?identity.rank, %error, "refused a client");
             conn.refuse(error).await;
-            return;
+            return None;
         }
     };
-    let session = welcome.session;
-    let _guard = SessionGuard { shared: &shared, session };
-    debug!(%peer, %session, job = %identity.job, rank = ?identity.rank, host = %identity.host, pid = identity.pid, "session opened");
-    // The engine keeps the identity; this task need not hold a copy while it serves.
-    drop(identity);
+    let id = welcome.session;
+    debug!(%peer, session = %id, job = %identity.job, rank = ?identity.rank, host = %identity.host, pid = identity.pid, "session opened");
     encode_server_frame(&ServerFrame::Welcome(welcome), &mut conn.wbuf);
+    Some(Session { conn, outbox, guard: SessionGuard { shared, session: id } })
+}
 
-    match conn.run(session, &shared, &outbox).await {
-        Ok(()) => debug!(%peer, %session, "session closed by the peer"),
-        Err(End::Io(error)) => debug!(%peer, %session, %error, "session connection failed"),
-        Err(End::Malformed(error)) => warn!(%peer, %session, %error, "malformed input; closing the connection"),
-        Err(End::SecondHello) => warn!(%peer, %session, "a second hello on an open session; closing the connection"),
+/// An admitted native session: its connection, its outbox, and the guard that
+/// closes it in the engine when the task ends.
+struct Session {
+    conn: Connection,
+    outbox: Arc<Outbox>,
+    guard: SessionGuard,
+}
+
+impl Session {
+    fn log_end(&self, end: Result<(), End>) {
+        let (peer, session) = (self.conn.peer, self.guard.session);
+        match end {
+            Ok(()) => debug!(%peer, %session, "session closed by the peer"),
+            Err(End::Io(error)) => debug!(%peer, %session, %error, "session connection failed"),
+            Err(End::Malformed(error)) => warn!(%peer, %session, %error, "malformed input; closing the connection"),
+            Err(End::SecondHello) => warn!(%peer, %session, "a second hello on an open session; closing the connection"),
+        }
     }
 }
 
@@ -98,12 +131,12 @@ impl From<io::Error> for End {
 
 /// Tells the engine when the session ends, however the connection task ends
 /// (error, peer close, server shutdown cancelling the task).
-pub(crate) struct SessionGuard<'a> {
-    pub(crate) shared: &'a Shared,
+pub(crate) struct SessionGuard {
+    pub(crate) shared: Arc<Shared>,
     pub(crate) session: SessionId,
 }
 
-impl Drop for SessionGuard<'_> {
+impl Drop for SessionGuard {
     fn drop(&mut self) {
         if std::thread::panicking() {
             // The engine may be what panicked; calling it again would abort the process.
@@ -283,7 +316,11 @@ impl Connection {
             }
         }
         if !requests.is_empty() {
-            shared.handle(session, requests.into_iter());
+            let mut immediate = Vec::new();
+            shared.handle(session, requests.into_iter(), &mut immediate);
+            for (id, reply) in immediate {
+                encode_reply(id, &reply, &mut self.wbuf);
+            }
         }
         result
     }
@@ -305,3 +342,4 @@ impl Connection {
         Ok(())
     }
 }
+

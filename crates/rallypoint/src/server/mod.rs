@@ -77,7 +77,7 @@ impl Server {
     /// connection (their ranks count as lost, not left) and returns.
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> io::Result<()> {
         let Server { listener, local_addr, shared, limits, tcp_limits } = self;
-        // Dropping `stop` tells the ticker and every connection task to finish.
+        // Dropping `stop` tells the ticker to finish; connection tasks are aborted.
         let (stop, stopped) = watch::channel(());
         let spawn_ticker = || tokio::spawn(ticker::run(Arc::clone(&shared), stopped.clone()));
         let mut ticker = spawn_ticker();
@@ -91,14 +91,9 @@ impl Server {
                         if let Err(error) = stream.set_nodelay(true) {
                             debug!(%peer, %error, "cannot set TCP_NODELAY");
                         }
-                        let shared = Arc::clone(&shared);
-                        let mut stopped = stopped.clone();
-                        connections.spawn(async move {
-                            tokio::select! {
-                                () = connection::serve(stream, peer, shared, limits, tcp_limits) => {}
-                                _ = stopped.changed() => {}
-                            }
-                        });
+                        // Shutdown aborts these tasks (no per-task stop signal: an idle
+                        // connection's memory is its task).
+                        connections.spawn(connection::serve(stream, peer, Arc::clone(&shared), limits, tcp_limits));
                     }
                     Err(error) => accept_failed(error).await,
                 },
@@ -119,7 +114,7 @@ impl Server {
         info!(%local_addr, connections = connections.len(), "rallypoint coordinator shutting down");
         drop(listener);
         drop(stop);
-        while connections.join_next().await.is_some() {}
+        connections.shutdown().await;
         if let Err(error) = ticker.await {
             error!(%error, "the ticker failed");
         }

@@ -110,14 +110,18 @@ impl Shared {
         Ok(welcome)
     }
 
-    /// Feeds a batch of requests of one session under a single lock.
-    pub(crate) fn handle(&self, session: SessionId, requests: impl Iterator<Item = (u64, Request)>) {
+    /// Feeds a batch of requests of one session under a single lock. Replies to
+    /// that session's own requests that are ready at once go to `immediate` (the
+    /// caller writes them without a wake-up through its outbox); later replies, and
+    /// replies to other sessions, go to outboxes.
+    pub(crate) fn handle(&self, session: SessionId, requests: impl Iterator<Item = (u64, Request)>, immediate: &mut Vec<(u64, Reply)>) {
         let mut state = lock(&self.state);
         let now = self.now();
         for (id, request) in requests {
             state.engine.handle(session, id, request, now);
         }
-        self.after_input(&mut state);
+        dispatch(&mut state, Some((session, immediate)));
+        self.plan_ticker(&state);
     }
 
     /// The session's connection is gone; the engine decides whether that is a
@@ -141,7 +145,7 @@ impl Shared {
         let mut state = lock(&self.state);
         let now = self.now();
         state.engine.tick(now);
-        dispatch(&mut state);
+        dispatch(&mut state, None);
         let next = state.engine.next_deadline();
         self.ticker_plan.store(next.unwrap_or(u64::MAX), Ordering::Relaxed);
         next
@@ -154,7 +158,11 @@ impl Shared {
     /// Routes the engine's replies and wakes the ticker if the engine now has a
     /// deadline earlier than the one the ticker sleeps towards.
     fn after_input(&self, state: &mut State) {
-        dispatch(state);
+        dispatch(state, None);
+        self.plan_ticker(state);
+    }
+
+    fn plan_ticker(&self, state: &State) {
         if let Some(next) = state.engine.next_deadline() {
             if next < self.ticker_plan.load(Ordering::Relaxed) {
                 self.ticker_plan.store(next, Ordering::Relaxed);
@@ -164,12 +172,20 @@ impl Shared {
     }
 }
 
-fn dispatch(state: &mut State) {
+/// Routes the engine's output: replies for `caller`'s session into its vector, the
+/// rest into outboxes.
+fn dispatch(state: &mut State, mut caller: Option<(SessionId, &mut Vec<(u64, Reply)>)>) {
     let State { engine, outboxes } = state;
     for notice in engine.drain_notices() {
         tracing::warn!("{notice}");
     }
     for out in engine.drain_outgoing() {
+        if let Some((session, immediate)) = caller.as_mut() {
+            if out.session == *session {
+                immediate.push((out.request_id, out.reply));
+                continue;
+            }
+        }
         // A reply for a session that closed meanwhile has nowhere to go.
         if let Some(outbox) = outboxes.get(&out.session) {
             outbox.push(out.request_id, out.reply);

@@ -74,12 +74,12 @@ enum End {
 struct Conn<'a> {
     stream: TcpStream,
     peer: SocketAddr,
-    shared: &'a Shared,
+    shared: &'a Arc<Shared>,
     outbox: Arc<Outbox>,
     limits: TcpLimits,
     rbuf: BytesMut,
     wbuf: BytesMut,
-    session: Option<(SessionId, SessionGuard<'a>)>,
+    session: Option<(SessionId, SessionGuard)>,
     next_id: u64,
     pending: VecDeque<Pending>,
 }
@@ -178,7 +178,9 @@ impl<'a> Conn<'a> {
             requests.push((id, request));
         }
         if let (Some((session, _)), false) = (&self.session, requests.is_empty()) {
-            self.shared.handle(*session, requests.into_iter());
+            let mut immediate = Vec::new();
+            self.shared.handle(*session, requests.into_iter(), &mut immediate);
+            self.settle(immediate);
         }
         result
     }
@@ -192,18 +194,24 @@ impl<'a> Conn<'a> {
         let welcome = self.shared.open_tcpstore(&host, pid, Arc::clone(&self.outbox)).map_err(|e| End::Refused(Box::new(e)))?;
         let session = welcome.session;
         debug!(peer = %self.peer, %session, pid, "TCPStore session opened");
-        self.session = Some((session, SessionGuard { shared: self.shared, session }));
+        self.session = Some((session, SessionGuard { shared: Arc::clone(self.shared), session }));
         Ok(())
+    }
+
+    /// Records the engine's replies on their pending requests.
+    fn settle(&mut self, replies: impl IntoIterator<Item = (u64, Reply)>) {
+        for (id, reply) in replies {
+            if let Some(p) = self.pending.iter_mut().find(|p| p.id == id && p.reply.is_none()) {
+                p.reply = Some(answer(p.kind, p.canceled, reply));
+            }
+        }
     }
 
     /// Takes the engine's replies and encodes, in request order, every answer whose
     /// turn has come. A failure torch would answer by closing the connection ends it.
     fn write_ready(&mut self) -> Result<(), End> {
-        for (id, reply) in self.outbox.take() {
-            if let Some(p) = self.pending.iter_mut().find(|p| p.id == id && p.reply.is_none()) {
-                p.reply = Some(answer(p.kind, p.canceled, reply));
-            }
-        }
+        let later = self.outbox.take();
+        self.settle(later);
         while self.pending.front().is_some_and(|p| p.reply.is_some()) {
             let Some(Pending { kind, reply: Some(reply), .. }) = self.pending.pop_front() else { break };
             match reply {
