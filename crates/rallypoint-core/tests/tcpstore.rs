@@ -153,3 +153,29 @@ fn a_lost_torch_rank_fails_native_collectives_naming_it() {
         other => panic!("expected PeerLost, got {other:?}"),
     }
 }
+
+#[test]
+fn ranks_stalled_at_one_store_barrier_give_one_notice_per_period_naming_the_missing() {
+    let mut h = Harness::new();
+    let prefix = "/default_pg/0//cpu//0/";
+    let world: u32 = 200;
+    let ranks: Vec<SessionId> = (0..world).map(|r| torch(&mut h, u64::from(r), 100 + r)).collect();
+    for (r, s) in ranks.iter().enumerate() {
+        ok(Some(h.call(*s, Request::Set { key: Bytes::from(format!("{prefix}{r}")), value: b("addr") })));
+    }
+    // Every rank but 57 reaches the barrier.
+    let bar = || Request::StoreBarrier { key: b("/barrier"), world_size: i64::from(world), timeout_ms: None };
+    let waits: Vec<(SessionId, u64)> = ranks.iter().enumerate().filter(|(r, _)| *r != 57).map(|(_, s)| (*s, h.send(*s, bar()))).collect();
+    assert!(waits.iter().all(|(s, w)| h.pending(*s, *w)));
+    h.advance(5_000);
+    let notices: Vec<String> = h.engine.drain_notices().collect();
+    assert_eq!(notices.len(), 1, "one notice for the barrier, not one per waiting rank: {notices:?}");
+    assert!(notices[0].contains("ranks not waiting there: [57]"), "{}", notices[0]);
+    // Still stalled a period later: one more notice.
+    h.advance(30_000);
+    assert_eq!(h.engine.drain_notices().count(), 1);
+    ok(Some(h.call(ranks[57], bar())));
+    assert!(waits.iter().all(|(s, w)| h.take(*s, *w).is_some()));
+    h.advance(30_000);
+    assert_eq!(h.engine.drain_notices().count(), 0);
+}

@@ -6,8 +6,9 @@ use super::collective::{Collectives, Ctx};
 use super::ranks::{Change, Ranks};
 use super::store::{Store, WaitId};
 use super::timers::Timer;
-use super::JobId;
+use super::{HashMap, JobId};
 use crate::Reply;
+use bytes::Bytes;
 
 #[derive(Debug)]
 pub(crate) struct Job {
@@ -20,6 +21,8 @@ pub(crate) struct Job {
     /// Open sessions of this job.
     pub sessions: usize,
     pub idle_since: Millis,
+    /// When a torch stall notice last named each stalled key (first key waited on).
+    pub stall_noted: HashMap<Bytes, Millis>,
 }
 
 impl Job {
@@ -33,6 +36,7 @@ impl Job {
             aborted: None,
             sessions: 0,
             idle_since: now,
+            stall_noted: HashMap::default(),
         }
     }
 

@@ -47,6 +47,9 @@ pub struct Engine {
     job_ids: HashMap<String, JobId>,
     next_job: JobId,
     sessions: HashMap<SessionId, Session>,
+    /// Open torch sessions by process (job, host, pid ≠ 0): torch opens several
+    /// connections per process, and a rank learned on one belongs to all of them.
+    torch_processes: HashMap<(JobId, String, u32), Vec<SessionId>>,
     timers: Timers,
     outgoing: Vec<Outgoing>,
     /// Warnings for the operator (stalled torch jobs), in the order produced.
@@ -61,6 +64,7 @@ impl Engine {
             job_ids: HashMap::default(),
             next_job: 1,
             sessions: HashMap::default(),
+            torch_processes: HashMap::default(),
             timers: Timers::default(),
             outgoing: Vec::new(),
             notices: Vec::new(),
@@ -114,11 +118,14 @@ impl Engine {
         let welcome = self.open(session, identity, now)?;
         let Some(sess) = self.sessions.get_mut(&session) else { return Ok(welcome) };
         sess.torch = true;
-        let (job_id, host) = (sess.job, sess.identity.host.clone());
-        let known = self.sessions.values().find(|s| {
-            s.torch && s.job == job_id && s.identity.pid == pid && pid != 0 && s.identity.host == host && s.identity.rank.is_some()
-        });
-        if let Some(rank) = known.and_then(|s| s.identity.rank) {
+        if pid == 0 {
+            return Ok(welcome);
+        }
+        let process = self.torch_processes.entry((sess.job, sess.identity.host.clone(), pid)).or_default();
+        process.push(session);
+        let sessions = &self.sessions;
+        let known = process.iter().find_map(|s| sessions.get(s).and_then(|s| s.identity.rank));
+        if let Some(rank) = known {
             self.attribute(session, rank, now);
         }
         Ok(welcome)
@@ -130,11 +137,13 @@ impl Engine {
     fn attribute(&mut self, session: SessionId, rank: u32, now: Millis) {
         let Some(sess) = self.sessions.get(&session) else { return };
         let (job_id, host, pid) = (sess.job, sess.identity.host.clone(), sess.identity.pid);
+        let same_process = if pid == 0 { None } else { self.torch_processes.get(&(job_id, host.clone(), pid)) };
+        let targets: Vec<SessionId> = same_process.map_or_else(|| vec![session], Clone::clone);
         let Some(job) = self.jobs.get_mut(&job_id) else { return };
         let mut ctx = Ctx { job: job_id, now, out: &mut self.outgoing, timers: &mut self.timers };
-        for (id, s) in self.sessions.iter_mut() {
-            let same_process = pid != 0 && s.identity.pid == pid && s.identity.host == host;
-            if !s.torch || s.job != job_id || s.identity.rank.is_some() || (*id != session && !same_process) {
+        for id in targets {
+            let Some(s) = self.sessions.get_mut(&id) else { continue };
+            if !s.torch || s.identity.rank.is_some() {
                 continue;
             }
             s.identity.rank = Some(rank);
@@ -298,6 +307,15 @@ impl Engine {
     /// it was its rank's last session, the rank is lost.
     pub fn close(&mut self, session: SessionId, now: Millis) {
         let Some(sess) = self.sessions.remove(&session) else { return };
+        if sess.torch && sess.identity.pid != 0 {
+            let process = (sess.job, sess.identity.host.clone(), sess.identity.pid);
+            if let Some(sessions) = self.torch_processes.get_mut(&process) {
+                sessions.retain(|s| *s != session);
+                if sessions.is_empty() {
+                    self.torch_processes.remove(&process);
+                }
+            }
+        }
         let Some(job) = self.jobs.get_mut(&sess.job) else { return };
         job.store.drop_session(session);
         job.sessions = job.sessions.saturating_sub(1);
@@ -364,11 +382,19 @@ impl Engine {
             Timer::Stall { session, request_id, .. } => {
                 let Some(wait) = job.store.wait_of((session, request_id)) else { return };
                 let Some(identity) = self.sessions.get(&session).map(|s| &s.identity) else { return };
-                let peers: Vec<(SessionId, &Identity)> =
-                    self.sessions.iter().filter(|(_, s)| s.torch && s.job == job_id).map(|(id, s)| (*id, &s.identity)).collect();
-                if let Some(notice) = torch::stall_notice(job, session, identity, wait, &peers, now) {
+                let timer = Timer::Stall { job: job_id, session, request_id };
+                // Every rank stalled at one barrier or address key has the same story:
+                // one notice per key and period, not one per waiting rank.
+                let subject = wait.keys.first().cloned().unwrap_or_default();
+                if job.stall_noted.get(&subject).is_some_and(|&at| now < at.saturating_add(torch::STALL_REPEAT_MS)) {
+                    self.timers.schedule(now.saturating_add(torch::STALL_REPEAT_MS), timer);
+                    return;
+                }
+                let sessions = &self.sessions;
+                let rank_of = |s: SessionId| sessions.get(&s).and_then(|s| s.identity.rank);
+                if let Some(notice) = torch::stall_notice(job, session, identity, wait, &rank_of, now) {
                     self.notices.push(notice);
-                    let timer = Timer::Stall { job: job_id, session, request_id };
+                    job.stall_noted.insert(subject, now);
                     self.timers.schedule(now.saturating_add(torch::STALL_REPEAT_MS), timer);
                 }
             }

@@ -12,6 +12,7 @@ use crate::error::{Secs, Show};
 use crate::{Identity, Millis, SessionId};
 
 use super::job::Job;
+use super::HashMap;
 use super::store::{KeyWait, WaitKind};
 
 /// A torch wait blocked this long on an address key or a store barrier is reported.
@@ -92,7 +93,7 @@ fn ranks(set: &BTreeSet<u32>) -> String {
 
 /// Ranks that wait at store barrier `key`, and the ranks of the world not among them,
 /// when every waiter is attributed.
-fn barrier_arrivals(job: &Job, key: &Bytes, sessions: &[(SessionId, &Identity)]) -> (usize, Option<i64>, BTreeSet<u32>, bool) {
+fn barrier_arrivals(job: &Job, key: &Bytes, rank_of: &dyn Fn(SessionId) -> Option<u32>) -> (usize, Option<i64>, BTreeSet<u32>, bool) {
     let mut waiting = 0;
     let mut world = None;
     let mut arrived = BTreeSet::new();
@@ -104,7 +105,7 @@ fn barrier_arrivals(job: &Job, key: &Bytes, sessions: &[(SessionId, &Identity)])
         }
         waiting += 1;
         world = Some(world_size);
-        match sessions.iter().find(|(s, _)| s == session).and_then(|(_, i)| i.rank) {
+        match rank_of(*session) {
             Some(rank) => {
                 arrived.insert(rank);
             }
@@ -121,7 +122,7 @@ pub(crate) fn stall_notice(
     session: SessionId,
     identity: &Identity,
     wait: &KeyWait,
-    sessions: &[(SessionId, &Identity)],
+    rank_of: &dyn Fn(SessionId) -> Option<u32>,
     now: Millis,
 ) -> Option<String> {
     let waited = Secs(now.saturating_sub(wait.started));
@@ -130,7 +131,7 @@ pub(crate) fn stall_notice(
         let key = wait.keys.first()?;
         let counter = job.store.get(key).map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
         let _ = write!(text, " at store barrier {} (counter {counter} of world size {world_size})", Show(key));
-        let (_, _, arrived, all_known) = barrier_arrivals(job, key, sessions);
+        let (_, _, arrived, all_known) = barrier_arrivals(job, key, rank_of);
         if all_known {
             let world = u32::try_from(world_size).unwrap_or(0);
             let missing: BTreeSet<u32> = (0..world).filter(|r| !arrived.contains(r)).collect();
@@ -162,6 +163,8 @@ pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: 
     let mut out = format!("job '{}'\n", job.name);
     let torch: Vec<(SessionId, &Identity)> = sessions.iter().filter(|(_, _, t)| *t).map(|(s, i, _)| (*s, *i)).collect();
     let attributed: BTreeSet<u32> = torch.iter().filter_map(|(_, i)| i.rank).collect();
+    let by_session: HashMap<SessionId, &Identity> = torch.iter().copied().collect();
+    let rank_of = |session: SessionId| by_session.get(&session).and_then(|i| i.rank);
     let _ = writeln!(
         out,
         "connections: {} TCPStore ({} attributed to ranks {}), {} native",
@@ -209,7 +212,7 @@ pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: 
     }
     for key in job.store.barrier_keys() {
         let counter = job.store.get(key).map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
-        let (waiting, world, arrived, all_known) = barrier_arrivals(job, key, &torch);
+        let (waiting, world, arrived, all_known) = barrier_arrivals(job, key, &rank_of);
         let _ = write!(out, "store barrier {}: counter {counter}", Show(key));
         if let Some(world) = world {
             let _ = write!(out, ", {waiting} waiting for world size {world} (ranks {})", ranks(&arrived));
@@ -222,7 +225,7 @@ pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: 
         out.push('\n');
     }
     for ((session, _), wait) in job.store.waits() {
-        let Some((_, identity)) = torch.iter().find(|(s, _)| s == session) else { continue };
+        let Some(identity) = by_session.get(session) else { continue };
         let keys: Vec<String> = wait.keys.iter().take(4).map(|k| Show(k).to_string()).collect();
         let _ = writeln!(
             out,
