@@ -143,14 +143,14 @@ pub struct AbortInfo {
 
 impl fmt::Display for AbortInfo {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.by_rank {
-            Some(rank) => write!(f, "rank {rank}")?,
-            None => write!(f, "a client without rank")?,
-        }
-        if !self.host.is_empty() {
-            write!(f, " (host {}, pid {})", self.host, self.pid)?;
-        } else if self.pid != 0 {
-            write!(f, " (pid {})", self.pid)?;
+        // Without a rank (a tool, the launcher) the process is the name; its reason
+        // says what it is ("launcher: rank 3 exited with code 1").
+        match (self.by_rank, self.host.is_empty()) {
+            (Some(rank), false) => write!(f, "rank {rank} (host {}, pid {})", self.host, self.pid)?,
+            (Some(rank), true) if self.pid == 0 => write!(f, "rank {rank}")?,
+            (Some(rank), true) => write!(f, "rank {rank} (pid {})", self.pid)?,
+            (None, false) => write!(f, "pid {} on host {}", self.pid, self.host)?,
+            (None, true) => write!(f, "pid {}", self.pid)?,
         }
         write!(f, ": {}", self.reason)
     }

@@ -202,6 +202,11 @@ fn abort_fails_pending_and_later_operations_naming_who_aborted() {
     assert_eq!(h.call(s[0], Request::Set { key: b("k"), value: b("v") }).unwrap_err(), e);
     // Another job is untouched.
     assert!(h.pending(other_job, ob));
+    // A process without rank (the launcher) is named by its pid and host.
+    let launcher = h.open(Identity { host: "node0".into(), pid: 77, ..Identity::anonymous("other") });
+    h.call(launcher, Request::Abort { reason: "launcher: rank 1 exited with code 3".into() }).expect("abort");
+    let e = err(h.take(other_job, ob));
+    assert_eq!(e.to_string(), "job 'other' was aborted by pid 77 on host node0: launcher: rank 1 exited with code 3");
 }
 
 #[test]
