@@ -46,7 +46,9 @@ pub struct Engine {
     jobs: HashMap<JobId, Job>,
     job_ids: HashMap<String, JobId>,
     next_job: JobId,
-    sessions: HashMap<SessionId, Session>,
+    /// Boxed: the table stays small (it is sized by powers of two, so often half
+    /// empty), which matters at tens of thousands of idle sessions.
+    sessions: HashMap<SessionId, Box<Session>>,
     /// Open torch sessions by process (job, host, pid ≠ 0): torch opens several
     /// connections per process, and a rank learned on one belongs to all of them.
     torch_processes: HashMap<(JobId, String, u32), Vec<SessionId>>,
@@ -78,7 +80,7 @@ impl Engine {
     /// Admits a session with its identity. An invalid identity (rank ≥ world size,
     /// world size 0, names too long) is refused and leaves no trace. Reusing the id of
     /// an open session is refused too.
-    pub fn open(&mut self, session: SessionId, identity: Identity, now: Millis) -> Result<Welcome, OpError> {
+    pub fn open(&mut self, session: SessionId, mut identity: Identity, now: Millis) -> Result<Welcome, OpError> {
         validate::identity(&identity, &self.config.limits)?;
         if self.sessions.contains_key(&session) {
             return Err(OpError::Invalid(format!("{session} is already open")));
@@ -103,7 +105,9 @@ impl Engine {
                 job.collectives.rank_connected(&job.ranks, &mut ctx);
             }
         }
-        self.sessions.insert(session, Session { job: job_id, identity, leaving: false, torch: false });
+        // The job keeps the name; a copy per session would only cost memory.
+        identity.job = String::new();
+        self.sessions.insert(session, Box::new(Session { job: job_id, identity, leaving: false, torch: false }));
         Ok(Welcome { session, lease_ms })
     }
 
