@@ -1,5 +1,6 @@
 //! `rallypoint`: run a coordinator, call it from shell scripts, benchmark it, see a demo.
 
+mod agent;
 mod bench;
 mod demo;
 mod exit;
@@ -30,6 +31,9 @@ struct Cli {
 enum Command {
     /// Run the coordinator.
     Serve(serve::ServeArgs),
+    /// Run a node agent: this node's ranks connect to it, and it carries them all
+    /// to the coordinator over one connection.
+    Agent(agent::AgentArgs),
     /// Run a job: host the coordinator, spawn the workers, take the job down when one fails.
     Launch(launch::LaunchArgs),
     #[command(flatten)]
@@ -49,7 +53,7 @@ fn main() -> ExitCode {
     // The coordinator reports what it does; a verb in a shell script stays quiet
     // unless something is wrong. RUST_LOG overrides both.
     let default_level = match cli.command {
-        Command::Serve(_) => "info",
+        Command::Serve(_) | Command::Agent(_) => "info",
         _ => "warn",
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
@@ -78,6 +82,7 @@ fn run(command: Command) -> anyhow::Result<i32> {
     runtime.block_on(async move {
         match command {
             Command::Serve(args) => serve::run(args).await.map(|()| 0),
+            Command::Agent(args) => agent::run(args).await.map(|()| 0),
             Command::Launch(args) => launch::run(args).await,
             Command::Verb(verb) => verbs::run(verb).await.map(|()| 0),
             Command::Bench(bench) => bench::run(bench).await.map(|()| 0),

@@ -6,11 +6,13 @@
 //! [`blocking::Client`] talk to it, and [`env`](mod@env) resolves the usual launcher
 //! variables (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, ...) into connection settings.
 
+pub mod agent;
 pub mod blocking;
 pub mod client;
 pub mod env;
 pub mod launch;
 mod fdlimit;
+pub mod net;
 pub mod server;
 
 pub use client::{Client, ConnectOptions, Error};

@@ -1,10 +1,20 @@
-//! `rallypoint bench`: barrier round times, key-value latency and throughput,
-//! and the coordinator's memory per idle connection.
+//! `rallypoint bench`: barrier and all-gather round times, key-value latency and
+//! throughput, connection storms, and the coordinator's memory per idle
+//! connection; over the native protocol or PyTorch's TCPStore protocol.
 
+mod all_gather;
 mod barrier;
+mod hierarchy;
 mod kv;
+mod plot;
+mod storm;
+mod tcpstore;
 
+use std::future::Future;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::ops::Range;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,6 +23,7 @@ use clap::Subcommand;
 use rallypoint::{Client, ConnectOptions, Identity};
 use serde::Serialize;
 use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::{TcpSocket, TcpStream};
 use tokio::process::{Child, Command};
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
@@ -24,13 +35,38 @@ pub enum BenchCommand {
     Barrier(barrier::Args),
     /// Latency of single key-value operations, and throughput of `add` from N clients.
     Kv(kv::Args),
+    /// N clients, each with its own connection, all-gather a value each R times.
+    AllGather(all_gather::Args),
+    /// N clients connect and join at once, as at a job's start: time until all are
+    /// admitted, and how many connects were refused, reset or retried.
+    Storm(storm::Args),
+    /// Draws barrier round time against N, one line per system, from JSON lines to a PNG.
+    Plot(plot::Args),
+    /// N ranks in one barrier through K node agents (`rallypoint agent`), their
+    /// connections spread over several load-generator processes.
+    Hierarchy(hierarchy::Args),
 }
 
 pub async fn run(command: BenchCommand) -> anyhow::Result<()> {
     match command {
         BenchCommand::Barrier(args) => barrier::run(args).await,
         BenchCommand::Kv(args) => kv::run(args).await,
+        BenchCommand::AllGather(args) => all_gather::run(args).await,
+        BenchCommand::Storm(args) => storm::run(args).await,
+        BenchCommand::Plot(args) => plot::run(args).await,
+        BenchCommand::Hierarchy(args) => hierarchy::run(args).await,
     }
+}
+
+/// The wire protocol the load generator speaks.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Protocol {
+    /// rallypoint's own protocol, through the `rallypoint` client library
+    Native,
+    /// PyTorch's TCPStore protocol, spoken directly (so it also runs against torch's
+    /// own server, given with `--addr`)
+    Tcpstore,
 }
 
 /// The coordinator under test: the one at `--addr`, or a `rallypoint serve` child
@@ -87,6 +123,133 @@ impl Target {
             let _ = server.child.kill().await;
         }
     }
+}
+
+/// Connects one TCP socket to `addr` with `TCP_NODELAY`, from `source` if given.
+async fn connect_tcp(addr: SocketAddr, source: Option<IpAddr>) -> io::Result<TcpStream> {
+    let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };
+    if let Some(ip) = source {
+        // Port 0: the kernel picks a free port of that address.
+        socket.bind(SocketAddr::new(ip, 0))?;
+    }
+    let stream = socket.connect(addr).await?;
+    stream.set_nodelay(true)?;
+    Ok(stream)
+}
+
+/// Source addresses of a load generator's connections. Towards one server address,
+/// one source address has only the ephemeral ports of `ip_local_port_range` (28,232
+/// here); past that, clients bind the loopback aliases 127.0.0.2, 127.0.0.3, ...
+#[derive(Debug, Clone, Copy)]
+struct Sources {
+    /// 0: no binding, the kernel picks the source (127.0.0.1 on loopback).
+    addrs: u32,
+    /// Clients per address when binding.
+    per_addr: u32,
+}
+
+impl Sources {
+    /// `explicit` addresses for `clients` clients, or as many as their number needs.
+    fn plan(explicit: Option<u32>, clients: u32) -> Sources {
+        let addrs = explicit.unwrap_or_else(|| {
+            // Leave a tenth of the range for whatever else runs on the machine.
+            let usable = (ephemeral_ports() * 9 / 10).max(1);
+            if clients <= usable { 0 } else { clients.div_ceil(usable) }
+        });
+        Sources { addrs, per_addr: clients.div_ceil(addrs.max(1)).max(1) }
+    }
+
+    /// The source address of the client with global index `i`.
+    fn of(&self, i: u32) -> Option<IpAddr> {
+        if self.addrs == 0 {
+            return None;
+        }
+        // 127.0.0.2 upwards: 127.0.0.1 is the server's, and the default source.
+        let n = 2 + (i / self.per_addr).min(self.addrs - 1);
+        Some(IpAddr::V4(Ipv4Addr::from(u32::from(Ipv4Addr::new(127, 0, 0, 0)) + n)))
+    }
+}
+
+/// Size of the ephemeral port range (`net.ipv4.ip_local_port_range`); Linux's
+/// default if it cannot be read.
+fn ephemeral_ports() -> u32 {
+    let range = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range").unwrap_or_default();
+    let mut bounds = range.split_whitespace().filter_map(|s| s.parse::<u32>().ok());
+    match (bounds.next(), bounds.next()) {
+        (Some(lo), Some(hi)) if hi >= lo => hi - lo + 1,
+        _ => 28_232,
+    }
+}
+
+/// `CLOCK_MONOTONIC` in nanoseconds. Unlike an `Instant` it can be passed between
+/// processes: load-generator children report their release times with it.
+fn mono_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime only writes the struct we pass; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// A future borrowing the client it runs on.
+type ClientFuture<'a> = Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send + 'a>>;
+
+/// What one client does in round `r`.
+type RoundOp<C> = Arc<dyn for<'a> Fn(&'a mut C, usize) -> ClientFuture<'a> + Send + Sync>;
+
+/// Runs rounds `0..total` of `op` on every client, each client looping on its own
+/// like a rank of a training job. Returns the clients and, per round, when its last
+/// client finished it ([`mono_ns`]); or the first failure.
+async fn run_rounds<C: Send + 'static>(clients: Vec<C>, total: usize, op: RoundOp<C>) -> (Vec<C>, anyhow::Result<Vec<u64>>) {
+    let mut running = JoinSet::new();
+    for mut client in clients {
+        let op = Arc::clone(&op);
+        running.spawn(async move {
+            let mut released = Vec::with_capacity(total);
+            for r in 0..total {
+                if let Err(err) = op(&mut client, r).await {
+                    return (client, Err(err.context(format!("round {r}"))));
+                }
+                released.push(mono_ns());
+            }
+            (client, Ok(released))
+        });
+    }
+    let mut round_end = vec![0u64; total];
+    let mut clients = Vec::new();
+    let mut failure = None;
+    while let Some(joined) = running.join_next().await {
+        let (client, result) = match joined {
+            Ok(joined) => joined,
+            Err(err) => {
+                failure.get_or_insert(anyhow::Error::new(err).context("a client task failed"));
+                continue;
+            }
+        };
+        clients.push(client);
+        match result {
+            Ok(released) => {
+                for (end, at) in round_end.iter_mut().zip(released) {
+                    *end = (*end).max(at);
+                }
+            }
+            Err(err) => {
+                failure.get_or_insert(err);
+            }
+        }
+    }
+    (clients, failure.map_or(Ok(round_end), Err))
+}
+
+/// Round times from when each round's last client finished: a round runs from the
+/// end of the one before (or `start`) to its own end; the first `warmup` are dropped.
+fn round_stats(start_ns: u64, round_end_ns: &[u64], warmup: usize) -> Option<Stats> {
+    let mut rounds: Vec<Duration> = (warmup..round_end_ns.len())
+        .map(|r| {
+            let from = if r == 0 { start_ns } else { round_end_ns[r - 1] };
+            Duration::from_nanos(round_end_ns[r].saturating_sub(from))
+        })
+        .collect();
+    Stats::of(&mut rounds)
 }
 
 /// Raises the soft file-descriptor limit and checks that `needed` fit under it.

@@ -24,6 +24,12 @@ pub enum ProtoError {
     /// consumed; `id` is the request id of the reply if it could be read.
     #[error("malformed server frame{}: {message}", id_suffix(*id))]
     BadReply { id: Option<u64>, message: String },
+
+    /// A frame between a node agent and the coordinator arrived whole but does not
+    /// decode. The frame was consumed; `sub` and `id` are its sub-session and
+    /// request id if they could be read.
+    #[error("malformed agent frame{}{}: {message}", sub.map(|s| format!(" (sub-session {s})")).unwrap_or_default(), id_suffix(*id))]
+    BadSubFrame { sub: Option<u64>, id: Option<u64>, message: String },
 }
 
 impl ProtoError {
@@ -32,7 +38,7 @@ impl ProtoError {
     pub fn is_fatal(&self) -> bool {
         match self {
             ProtoError::BadMagic { .. } | ProtoError::FrameTooLarge { .. } => true,
-            ProtoError::BadRequest { .. } | ProtoError::BadReply { .. } => false,
+            ProtoError::BadRequest { .. } | ProtoError::BadReply { .. } | ProtoError::BadSubFrame { .. } => false,
         }
     }
 }

@@ -17,15 +17,24 @@ use super::wire::{DecodeError, DecodeResult, Reader};
 pub const MAX_FRAME_LEN: usize = u32::MAX as usize - 1;
 
 /// Bytes of the length prefix in front of every frame body.
-const LEN_PREFIX: usize = 4;
+pub(crate) const LEN_PREFIX: usize = 4;
 
 /// First byte of every frame body. Values are part of the protocol: never renumber.
-mod kind {
+pub(crate) mod kind {
     pub const HELLO: u8 = 0x01;
     pub const REQUEST: u8 = 0x02;
     pub const WELCOME: u8 = 0x81;
     pub const REFUSED: u8 = 0x82;
     pub const REPLY: u8 = 0x83;
+    // Node agents (docs/PROTOCOL.md, section 12).
+    pub const AGENT_HELLO: u8 = 0x03;
+    pub const SUB_HELLO: u8 = 0x04;
+    pub const SUB_REQUEST: u8 = 0x05;
+    pub const SUB_CLOSE: u8 = 0x06;
+    pub const AGENT_WELCOME: u8 = 0x84;
+    pub const SUB_WELCOME: u8 = 0x85;
+    pub const SUB_REFUSED: u8 = 0x86;
+    pub const SUB_REPLY: u8 = 0x87;
 }
 
 /// A frame a client sends.
@@ -131,6 +140,16 @@ pub fn encode_server_frame(frame: &ServerFrame, dst: &mut BytesMut) {
 /// A response too long to frame (an all-gather of many large values) is replaced
 /// by `OpError::TooLarge`, so the caller still gets a typed answer.
 pub fn encode_reply(id: u64, reply: &Reply, dst: &mut BytesMut) {
+    let reply = frameable(reply, 0);
+    write_frame(dst, |dst| put_reply(dst, id, &reply));
+}
+
+/// Frame kind, request id and reply tag.
+const REPLY_HEADER_LEN: usize = 1 + 8 + 1;
+
+/// `reply`, or a `TooLarge` error in its place if its encoding could not be framed
+/// even with `extra` more header bytes.
+pub(crate) fn frameable(reply: &Reply, extra: usize) -> std::borrow::Cow<'_, Reply> {
     // Checked before encoding so that nothing that large is ever copied. Only
     // value-carrying responses need it: their size is world size × value size,
     // which no single engine limit bounds; errors stay within the engine's limits.
@@ -140,23 +159,17 @@ pub fn encode_reply(id: u64, reply: &Reply, dst: &mut BytesMut) {
         Ok(Response::Gathered(values)) => list_len(values),
         _ => 0,
     };
-    let body_len = payload_len.saturating_add(REPLY_HEADER_LEN);
-    let too_large;
-    let reply = if body_len > MAX_FRAME_LEN {
-        too_large = Err(OpError::TooLarge {
+    let body_len = payload_len.saturating_add(REPLY_HEADER_LEN + extra);
+    if body_len > MAX_FRAME_LEN {
+        std::borrow::Cow::Owned(Err(OpError::TooLarge {
             what: "reply".to_owned(),
             len: body_len as u64,
             limit: MAX_FRAME_LEN as u64,
-        });
-        &too_large
+        }))
     } else {
-        reply
-    };
-    write_frame(dst, |dst| put_reply(dst, id, reply));
+        std::borrow::Cow::Borrowed(reply)
+    }
 }
-
-/// Frame kind, request id and reply tag.
-const REPLY_HEADER_LEN: usize = 1 + 8 + 1;
 
 fn blob_len(blob: &[u8]) -> usize {
     blob.len().saturating_add(4)
@@ -175,7 +188,7 @@ fn put_reply(dst: &mut BytesMut, id: u64, reply: &Reply) {
 }
 
 /// Writes a length prefix and the body `body` produces.
-fn write_frame(dst: &mut BytesMut, body: impl FnOnce(&mut BytesMut)) {
+pub(crate) fn write_frame(dst: &mut BytesMut, body: impl FnOnce(&mut BytesMut)) {
     let start = dst.len();
     dst.put_u32_le(0);
     body(dst);
@@ -218,7 +231,7 @@ pub fn decode_server_frame(
 }
 
 /// Splits one whole frame body off `src`, or returns `Ok(None)` if it has not all arrived.
-fn take_frame(src: &mut BytesMut, limits: &FrameLimits) -> Result<Option<Bytes>, ProtoError> {
+pub(crate) fn take_frame(src: &mut BytesMut, limits: &FrameLimits) -> Result<Option<Bytes>, ProtoError> {
     let mut peek: &[u8] = src;
     if peek.len() < LEN_PREFIX {
         return Ok(None);

@@ -3,6 +3,7 @@
 //! requests and waits; replies come back in any order. The full specification,
 //! with every opcode and field layout, is `docs/PROTOCOL.md`.
 
+mod agent;
 mod error;
 mod frame;
 mod identity;
@@ -13,6 +14,10 @@ mod wire;
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
+pub use agent::{
+    decode_agent_frame, decode_root_frame, encode_agent_frame, encode_root_frame, encode_sub_reply,
+    starts_with_agent_hello, AgentFrame, RootFrame,
+};
 pub use error::ProtoError;
 pub use frame::{
     decode_client_frame, decode_server_frame, encode_client_frame, encode_reply,

@@ -6,8 +6,9 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::Poll;
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -17,13 +18,12 @@ use rallypoint_proto::native::{
 };
 use rand::Rng;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 use tracing::debug;
 
 use super::error::Error;
+use crate::net::{ReadHalf, Stream, WriteHalf};
 
 /// First pause between connect attempts; doubles up to [`BACKOFF_CAP`].
 const BACKOFF_START: Duration = Duration::from_millis(10);
@@ -50,6 +50,9 @@ pub(crate) struct Link {
     addr: String,
     next_id: AtomicU64,
     pending: Mutex<Pending>,
+    /// Replies handed to their calls since the writer last looked: each woke a
+    /// caller that may be about to send its next request.
+    delivered: AtomicUsize,
 }
 
 struct Pending {
@@ -64,6 +67,7 @@ impl Link {
             addr,
             next_id: AtomicU64::new(1),
             pending: Mutex::new(Pending { slots: HashMap::new(), closed: None }),
+            delivered: AtomicUsize::new(0),
         }
     }
 
@@ -103,6 +107,7 @@ impl Link {
         // No slot: a heartbeat, or a call that timed out on this side.
         let slot = self.lock().slots.remove(&id);
         if let Some(slot) = slot {
+            self.delivered.fetch_add(1, Ordering::Relaxed);
             // The caller may have stopped waiting meanwhile; that is fine.
             let _ = slot.send(result);
         }
@@ -127,7 +132,7 @@ impl Link {
 
 /// A connected, welcomed client connection, not yet handed to its task.
 pub(crate) struct Connected {
-    stream: TcpStream,
+    stream: Stream,
     /// Bytes read past the welcome.
     buffered: BytesMut,
     welcome: Welcome,
@@ -190,8 +195,7 @@ impl From<io::Error> for Attempt {
 }
 
 async fn attempt(addr: &str, identity: &Identity) -> Result<Connected, Attempt> {
-    let mut stream = TcpStream::connect(addr).await?;
-    stream.set_nodelay(true)?;
+    let mut stream = Stream::connect(addr).await?;
     let mut out = BytesMut::new();
     encode_preamble(&mut out);
     encode_client_frame(&ClientFrame::Hello(identity.clone()), &mut out);
@@ -230,7 +234,7 @@ pub(crate) fn spawn(addr: String, connected: Connected) -> (Arc<Link>, mpsc::Unb
 }
 
 async fn run(
-    stream: TcpStream,
+    stream: Stream,
     buffered: BytesMut,
     queue: mpsc::UnboundedReceiver<Command>,
     link: Arc<Link>,
@@ -252,7 +256,7 @@ async fn run(
 }
 
 /// Routes replies to their calls; returns why the connection ended.
-async fn read_loop(mut reader: OwnedReadHalf, mut buf: BytesMut, link: &Link) -> String {
+async fn read_loop(mut reader: ReadHalf, mut buf: BytesMut, link: &Link) -> String {
     let limits = FrameLimits::unbounded();
     loop {
         loop {
@@ -282,7 +286,7 @@ async fn read_loop(mut reader: OwnedReadHalf, mut buf: BytesMut, link: &Link) ->
 /// Writes requests and heartbeats; returns why it stopped, and whom to tell once
 /// the connection is fully closed if that was asked for.
 async fn write_loop(
-    mut writer: OwnedWriteHalf,
+    mut writer: WriteHalf,
     mut queue: mpsc::UnboundedReceiver<Command>,
     link: &Link,
     heartbeat: Option<Duration>,
@@ -302,19 +306,16 @@ async fn write_loop(
                     // abruptly, as a killed process would.
                     return (format!("the client for the coordinator at {} was dropped", link.addr), None);
                 };
-                let mut next = Some(command);
-                while let Some(command) = next.take() {
-                    match command {
-                        Command::Request { id, request } => {
-                            encode_client_frame(&ClientFrame::Request { id, request }, &mut buf);
-                        }
-                        Command::Shutdown(done) => {
-                            shutdown = Some(done);
-                            break;
-                        }
-                    }
-                    if buf.len() < MAX_WRITE_BATCH {
-                        next = queue.try_recv().ok();
+                let mut gathered = 0;
+                shutdown = gather(command, &mut queue, &mut buf, &mut gathered);
+                // Callers woken by the last replies that have not sent their next
+                // request yet: let them run first, so that their requests share this
+                // write instead of costing one system call each.
+                let woken = link.delivered.swap(0, Ordering::Relaxed);
+                if shutdown.is_none() && woken > gathered && buf.len() < MAX_WRITE_BATCH {
+                    yield_to_ready_tasks().await;
+                    if let Ok(command) = queue.try_recv() {
+                        shutdown = gather(command, &mut queue, &mut buf, &mut gathered);
                     }
                 }
             }
@@ -337,6 +338,46 @@ async fn write_loop(
             return (format!("the client for the coordinator at {} was closed", link.addr), Some(done));
         }
     }
+}
+
+/// Encodes `first` and whatever else is queued (up to [`MAX_WRITE_BATCH`]) into
+/// `buf`, counting requests in `gathered`; stops at a shutdown and returns it.
+fn gather(
+    first: Command,
+    queue: &mut mpsc::UnboundedReceiver<Command>,
+    buf: &mut BytesMut,
+    gathered: &mut usize,
+) -> Option<oneshot::Sender<()>> {
+    let mut next = Some(first);
+    while let Some(command) = next.take() {
+        match command {
+            Command::Request { id, request } => {
+                encode_client_frame(&ClientFrame::Request { id, request }, buf);
+                *gathered += 1;
+            }
+            Command::Shutdown(done) => return Some(done),
+        }
+        if buf.len() < MAX_WRITE_BATCH {
+            next = queue.try_recv().ok();
+        }
+    }
+    None
+}
+
+/// Lets the tasks already waiting to run go first, once. Unlike
+/// `tokio::task::yield_now`, it does not wait for the runtime to poll for I/O:
+/// a task that wakes itself is put at the back of the run queue at once.
+async fn yield_to_ready_tasks() {
+    let mut yielded = false;
+    std::future::poll_fn(|cx| {
+        if yielded {
+            return Poll::Ready(());
+        }
+        yielded = true;
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    })
+    .await
 }
 
 async fn tick(beat: &mut Option<Interval>) {

@@ -14,8 +14,8 @@ use bytes::BytesMut;
 use rallypoint_core::{Identity, OpError, SessionId};
 use rallypoint_proto::tcpstore::TcpLimits;
 use rallypoint_proto::native::{
-    decode_client_frame, decode_preamble, encode_reply, encode_server_frame, ClientFrame, FrameLimits, ProtoError,
-    ServerFrame, VERSION,
+    decode_client_frame, decode_preamble, encode_reply, encode_server_frame, starts_with_agent_hello, ClientFrame,
+    FrameLimits, ProtoError, ServerFrame, VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
@@ -59,6 +59,10 @@ async fn open(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, limits: 
     let mut conn = Connection { stream, peer, limits, rbuf: BytesMut::new(), wbuf: BytesMut::new() };
     let identity = match tokio::time::timeout(HANDSHAKE_TIMEOUT, conn.handshake()).await {
         Ok(Ok(Some(Hello::Native(identity)))) => identity,
+        Ok(Ok(Some(Hello::Agent))) => {
+            Box::pin(super::agent::serve(conn.stream, peer, conn.rbuf, shared, limits)).await;
+            return None;
+        }
         Ok(Ok(Some(Hello::TcpStore))) => {
             debug!(%peer, "PyTorch TCPStore client");
             super::tcpstore::serve(conn.stream, peer, conn.rbuf, shared, tcp_limits).await;
@@ -114,6 +118,8 @@ enum Hello {
     Native(Identity),
     /// A PyTorch TCPStore client: its first byte (VALIDATE) is still in the read buffer.
     TcpStore,
+    /// A node agent (docs/PROTOCOL.md, section 12): its agent hello is still in the read buffer.
+    Agent,
 }
 
 /// Why a session's connection ended (other than the peer closing it).
@@ -192,6 +198,9 @@ impl Connection {
             }
         }
         loop {
+            if starts_with_agent_hello(&self.rbuf) == Some(true) {
+                return Ok(Some(Hello::Agent));
+            }
             match decode_client_frame(&mut self.rbuf, &self.limits) {
                 Ok(Some(ClientFrame::Hello(identity))) => return Ok(Some(Hello::Native(identity))),
                 Ok(Some(ClientFrame::Request { id, request })) => {

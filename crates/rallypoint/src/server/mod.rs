@@ -5,6 +5,7 @@
 //! requests, feeds them to the engine under a lock and writes the replies the
 //! engine addresses to it; a ticker task advances the engine's clock.
 
+mod agent;
 mod connection;
 mod shared;
 mod tcpstore;

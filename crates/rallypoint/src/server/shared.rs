@@ -9,6 +9,8 @@ use std::time::Instant;
 use rallypoint_core::{Config, Engine, Identity, Millis, OpError, Reply, Request, SessionId, Welcome};
 use tokio::sync::Notify;
 
+use super::agent::AgentOutbox;
+
 /// The job of TCPStore connections unless the server is told otherwise.
 pub(crate) const DEFAULT_TCPSTORE_JOB: &str = "default";
 
@@ -28,7 +30,21 @@ pub(crate) struct Shared {
 
 struct State {
     engine: Engine,
-    outboxes: HashMap<SessionId, Arc<Outbox>>,
+    outboxes: HashMap<SessionId, Sink>,
+}
+
+/// Where a session's replies go: its own connection, or the node agent carrying it.
+enum Sink {
+    Direct(Arc<Outbox>),
+    Agent(Arc<AgentOutbox>),
+}
+
+/// One thing a node agent's connection tells the engine (see [`Shared::agent_batch`]).
+pub(crate) enum AgentInput {
+    /// A rank behind the agent said hello; `session` comes from [`Shared::new_session_id`].
+    Open { session: SessionId, identity: Identity },
+    Request { session: SessionId, id: u64, request: Request },
+    Close { session: SessionId },
 }
 
 /// Replies waiting to be written to one connection. The connection task swaps the
@@ -89,9 +105,59 @@ impl Shared {
         let mut state = lock(&self.state);
         let now = self.now();
         let welcome = state.engine.open(session, identity, now)?;
-        state.outboxes.insert(session, outbox);
+        state.outboxes.insert(session, Sink::Direct(outbox));
         self.after_input(&mut state);
         Ok(welcome)
+    }
+
+    /// A fresh session id, for a rank behind a node agent.
+    pub(crate) fn new_session_id(&self) -> SessionId {
+        SessionId(self.next_session.fetch_add(1, Ordering::Relaxed))
+    }
+
+    pub(crate) fn lease_ms(&self) -> Millis {
+        lock(&self.state).engine.config().lease_ms
+    }
+
+    /// Feeds what a node agent sent, in order, under a single lock; the replies of
+    /// its sessions go to `outbox`. Returns whether each `Open` was admitted.
+    pub(crate) fn agent_batch(
+        &self,
+        inputs: Vec<AgentInput>,
+        outbox: &Arc<AgentOutbox>,
+    ) -> Vec<(SessionId, Result<Welcome, OpError>)> {
+        let mut opened = Vec::new();
+        let mut state = lock(&self.state);
+        let now = self.now();
+        for input in inputs {
+            match input {
+                AgentInput::Open { session, identity } => {
+                    let welcome = state.engine.open(session, identity, now);
+                    if welcome.is_ok() {
+                        state.outboxes.insert(session, Sink::Agent(Arc::clone(outbox)));
+                    }
+                    opened.push((session, welcome));
+                }
+                AgentInput::Request { session, id, request } => state.engine.handle(session, id, request, now),
+                AgentInput::Close { session } => {
+                    state.outboxes.remove(&session);
+                    state.engine.close(session, now);
+                }
+            }
+        }
+        self.after_input(&mut state);
+        opened
+    }
+
+    /// Closes many sessions at once (a node agent's connection ended).
+    pub(crate) fn close_all(&self, sessions: &[SessionId]) {
+        let mut state = lock(&self.state);
+        let now = self.now();
+        for &session in sessions {
+            state.outboxes.remove(&session);
+            state.engine.close(session, now);
+        }
+        self.after_input(&mut state);
     }
 
     pub(crate) fn set_tcpstore_job(&self, job: &str) {
@@ -105,7 +171,7 @@ impl Shared {
         let mut state = lock(&self.state);
         let now = self.now();
         let welcome = state.engine.open_tcpstore(session, &job, host, pid, now)?;
-        state.outboxes.insert(session, outbox);
+        state.outboxes.insert(session, Sink::Direct(outbox));
         self.after_input(&mut state);
         Ok(welcome)
     }
@@ -187,8 +253,10 @@ fn dispatch(state: &mut State, mut caller: Option<(SessionId, &mut Vec<(u64, Rep
             }
         }
         // A reply for a session that closed meanwhile has nowhere to go.
-        if let Some(outbox) = outboxes.get(&out.session) {
-            outbox.push(out.request_id, out.reply);
+        match outboxes.get(&out.session) {
+            Some(Sink::Direct(outbox)) => outbox.push(out.request_id, out.reply),
+            Some(Sink::Agent(outbox)) => outbox.push(out.session, out.request_id, out.reply),
+            None => {}
         }
     }
 }

@@ -118,3 +118,52 @@ async fn server_shutdown_fails_waiting_calls() {
         other => panic!("expected Disconnected, got {other:?}"),
     }
 }
+
+/// Many calls in flight on one client at once: replies that arrive together wake
+/// their callers together, and the connection gathers their next requests into one
+/// write. Every call must still get its own reply.
+async fn concurrent_calls_on_one_client_get_their_own_replies() {
+    const TASKS: i64 = 32;
+    const ADDS: i64 = 200;
+    let server = start_server().await;
+    let c = connect(&server, Identity::anonymous("kv")).await;
+    let mut tasks = JoinSet::new();
+    for t in 0..TASKS {
+        let c = c.clone();
+        tasks.spawn(async move {
+            let mut seen = Vec::with_capacity(ADDS as usize);
+            for i in 0..ADDS {
+                // A per-task key checks that replies are not crossed between calls.
+                let own = format!("own/{t}");
+                c.set(&own, i.to_string()).await.expect("set");
+                assert_eq!(c.get(&own, None).await.expect("get"), i.to_string().as_bytes());
+                seen.push(c.add("shared", 1).await.expect("add"));
+            }
+            seen
+        });
+    }
+    let mut all = Vec::new();
+    bounded("concurrent calls", async {
+        while let Some(seen) = tasks.join_next().await {
+            all.extend(seen.expect("task"));
+        }
+    })
+    .await;
+    // Each add returned a distinct count: 1 ..= TASKS * ADDS, each once.
+    all.sort_unstable();
+    assert_eq!(all, (1..=TASKS * ADDS).collect::<Vec<_>>());
+    bounded("close", c.close()).await.expect("close");
+    let other = connect(&server, Identity::anonymous("kv")).await;
+    assert_eq!(other.add("shared", 0).await.expect("read counter"), TASKS * ADDS);
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_calls_on_one_client_multi_thread() {
+    concurrent_calls_on_one_client_get_their_own_replies().await;
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn concurrent_calls_on_one_client_current_thread() {
+    concurrent_calls_on_one_client_get_their_own_replies().await;
+}

@@ -4,6 +4,7 @@
 
 mod common;
 
+mod agents;
 mod blocking;
 mod collectives;
 mod connect;

@@ -1,0 +1,50 @@
+//! `rallypoint agent`: a node agent, until SIGINT or SIGTERM or the loss of its
+//! coordinator.
+
+use std::io::Write;
+
+use anyhow::Context;
+use clap::Args;
+use rallypoint::agent::{Agent, AgentConfig};
+use tokio::signal::unix::{signal, SignalKind};
+use tracing::info;
+
+use crate::parse;
+
+#[derive(Args, Debug)]
+pub struct AgentArgs {
+    /// The coordinator this agent carries its node's ranks to
+    #[arg(long, value_name = "HOST:PORT")]
+    upstream: String,
+    /// Where this node's ranks connect (their RALLYPOINT_ADDR): `IP:PORT` (port 0 picks
+    /// a free port) or `unix:PATH` for a Unix domain socket (cheaper per message)
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:29501")]
+    listen: String,
+    /// Seconds to keep trying to reach the coordinator at start
+    #[arg(long, value_name = "SECS", default_value = "300", value_parser = parse::secs)]
+    connect_timeout: f64,
+    /// Print the local address as the first line on stdout (for scripts using port 0)
+    #[arg(long)]
+    print_addr: bool,
+}
+
+pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
+    let mut config = AgentConfig::new(args.upstream, args.listen);
+    config.connect_timeout = std::time::Duration::from_secs_f64(args.connect_timeout);
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let agent = Agent::bind(config).await?;
+    if args.print_addr {
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{}", agent.local_addr()).and_then(|()| out.flush()).context("writing the address to stdout")?;
+    }
+    agent
+        .run_until(async move {
+            tokio::select! {
+                _ = interrupt.recv() => info!("SIGINT: shutting down"),
+                _ = terminate.recv() => info!("SIGTERM: shutting down"),
+            }
+        })
+        .await?;
+    Ok(())
+}

@@ -1,0 +1,120 @@
+//! `rallypoint bench all-gather`: N clients, each with its own connection and rank,
+//! all-gather a value of `--size` bytes each, R rounds. The coordinator collects
+//! the N values and sends every rank all of them: N requests in, N × N × size bytes
+//! out per round.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{ensure, Context};
+use rallypoint::{Client, Identity, Members};
+use serde::Serialize;
+
+use super::{close_all, connect_many, ensure_fds, mono_ns, round_stats, run_rounds, ClientFuture, RoundOp, Target};
+use crate::parse;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Clients (ranks), each with its own connection, all in the one all-gather
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    clients: u32,
+    /// Bytes each rank contributes
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    size: u32,
+    /// Measured rounds
+    #[arg(long, default_value_t = 50, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
+    /// Unmeasured rounds before them
+    #[arg(long, default_value_t = 3)]
+    warmup: u32,
+    /// Seconds one round (and connecting one client) may take before the benchmark fails
+    #[arg(long, value_name = "SECS", default_value = "120", value_parser = parse::secs)]
+    timeout: f64,
+    /// Print one JSON object instead of text
+    #[arg(long)]
+    json: bool,
+    /// Benchmark the coordinator at this address instead of starting one
+    #[arg(long, value_name = "HOST:PORT")]
+    addr: Option<String>,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    op: &'static str,
+    clients: u32,
+    value_bytes: u32,
+    rounds: u32,
+    warmup_rounds: u32,
+    median_us: f64,
+    p99_us: f64,
+    mean_us: f64,
+    min_us: f64,
+    max_us: f64,
+    connect_ms: f64,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    ensure_fds(u64::from(args.clients) + 64)?;
+    let target = Target::start(args.addr.clone()).await?;
+    let report = measure(&args, &target).await;
+    target.stop().await;
+    let r = report?;
+    if args.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "all-gather of {} B per rank, {} clients, {} rounds (+{} warm-up); connecting took {:.0} ms",
+            r.value_bytes, r.clients, r.rounds, r.warmup_rounds, r.connect_ms
+        );
+        println!(
+            "round time: median {:.1} µs, p99 {:.1} µs, mean {:.1} µs, min {:.1} µs, max {:.1} µs",
+            r.median_us, r.p99_us, r.mean_us, r.min_us, r.max_us
+        );
+    }
+    Ok(())
+}
+
+async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {
+    let n = args.clients;
+    let job = format!("bench-all-gather-{}", std::process::id());
+    let timeout = Duration::from_secs_f64(args.timeout);
+    let started = Instant::now();
+    let clients = connect_many(&target.addr, 0..n, |rank| Identity::ranked(&job, rank, n), timeout).await?;
+    let connect_ms = (started.elapsed().as_secs_f64() * 1e4).round() / 10.0;
+
+    let size = args.size as usize;
+    let round: RoundOp<Client> = Arc::new(move |client: &mut Client, r| -> ClientFuture<'_> {
+        Box::pin(async move {
+            // Distinct contents per rank and round, so a stale or misplaced value shows.
+            let rank = client.identity().rank.unwrap_or(0);
+            let value = vec![(rank as usize + r) as u8; size];
+            let gathered = client.all_gather("bench", Members::World, &value, Some(timeout)).await?;
+            ensure!(gathered.len() == n as usize, "gathered {} values, not {n}", gathered.len());
+            let peer = (rank as usize + 1) % n as usize;
+            ensure!(
+                gathered[peer].len() == size && gathered[peer].first() == Some(&((peer + r) as u8)),
+                "rank {peer}'s value is wrong in round {r}"
+            );
+            Ok(())
+        })
+    });
+    let start = mono_ns();
+    let total = (args.warmup + args.rounds) as usize;
+    let (clients, ends) = run_rounds(clients, total, round).await;
+    close_all(clients).await;
+    let ends = ends.context("an all-gather round failed")?;
+    let stats = round_stats(start, &ends, args.warmup as usize).context("no rounds measured")?;
+    Ok(Report {
+        op: "all_gather",
+        clients: n,
+        value_bytes: args.size,
+        rounds: args.rounds,
+        warmup_rounds: args.warmup,
+        median_us: stats.median_us,
+        p99_us: stats.p99_us,
+        mean_us: stats.mean_us,
+        min_us: stats.min_us,
+        max_us: stats.max_us,
+        connect_ms,
+    })
+}

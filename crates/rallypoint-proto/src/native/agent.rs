@@ -1,0 +1,196 @@
+//! Frames between a node agent and the coordinator (docs/PROTOCOL.md, section 12).
+//!
+//! A node agent accepts the ordinary native protocol from the ranks of its node and
+//! holds one connection to the coordinator, over which each local rank is a
+//! *sub-session* named by an agent-chosen `sub` id: the coordinator keeps one
+//! engine session per rank, so every semantic stays exactly that of a direct
+//! connection. The connection starts with the usual preamble; its first frame is an
+//! [`AgentFrame::Hello`] instead of a client Hello.
+
+use bytes::{BufMut, BytesMut};
+use rallypoint_core::{Identity, OpError, Reply, Request, SessionId, Welcome};
+
+use super::error::ProtoError;
+use super::frame::{frameable, kind, take_frame, write_frame, FrameLimits, LEN_PREFIX};
+use super::identity::{decode_identity, encode_identity};
+use super::op_error::{decode_op_error, encode_op_error};
+use super::reply::{decode_reply_body, encode_reply_body};
+use super::request::{decode_request, encode_request};
+use super::wire::{DecodeError, DecodeResult, Reader, WireWrite};
+
+/// A frame a node agent sends to the coordinator.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AgentFrame {
+    /// First frame after the preamble: this connection carries sub-sessions.
+    Hello { host: String, pid: u32 },
+    /// A local rank said hello; `sub` is never reused on this connection.
+    SubHello { sub: u64, identity: Identity },
+    /// A request of sub-session `sub`, exactly as its rank sent it.
+    SubRequest { sub: u64, id: u64, request: Request },
+    /// The local rank's connection ended. The coordinator decides, as for a direct
+    /// connection, whether that is a clean leave (a Leave came first) or a loss.
+    SubClose { sub: u64 },
+}
+
+/// A frame the coordinator sends to a node agent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RootFrame {
+    /// The agent hello was accepted; `lease_ms` is the coordinator's lease.
+    Welcome { lease_ms: u64 },
+    /// The agent hello was refused; the coordinator closes the connection.
+    Refused(OpError),
+    SubWelcome { sub: u64, welcome: Welcome },
+    /// The sub-session's hello was refused; nothing of it remains on the coordinator.
+    SubRefused { sub: u64, error: OpError },
+    SubReply { sub: u64, id: u64, reply: Reply },
+}
+
+/// True if `src`, read right after the preamble, starts with an agent hello; `None`
+/// until its frame-kind byte has arrived.
+pub fn starts_with_agent_hello(src: &[u8]) -> Option<bool> {
+    src.get(LEN_PREFIX).map(|&kind| kind == kind::AGENT_HELLO)
+}
+
+pub fn encode_agent_frame(frame: &AgentFrame, dst: &mut BytesMut) {
+    write_frame(dst, |dst| match frame {
+        AgentFrame::Hello { host, pid } => {
+            dst.put_u8(kind::AGENT_HELLO);
+            dst.put_str(host);
+            dst.put_u32_le(*pid);
+        }
+        AgentFrame::SubHello { sub, identity } => {
+            dst.put_u8(kind::SUB_HELLO);
+            dst.put_u64_le(*sub);
+            encode_identity(identity, dst);
+        }
+        AgentFrame::SubRequest { sub, id, request } => {
+            dst.put_u8(kind::SUB_REQUEST);
+            dst.put_u64_le(*sub);
+            dst.put_u64_le(*id);
+            encode_request(request, dst);
+        }
+        AgentFrame::SubClose { sub } => {
+            dst.put_u8(kind::SUB_CLOSE);
+            dst.put_u64_le(*sub);
+        }
+    });
+}
+
+pub fn encode_root_frame(frame: &RootFrame, dst: &mut BytesMut) {
+    match frame {
+        RootFrame::Welcome { lease_ms } => write_frame(dst, |dst| {
+            dst.put_u8(kind::AGENT_WELCOME);
+            dst.put_u64_le(*lease_ms);
+        }),
+        RootFrame::Refused(error) => write_frame(dst, |dst| {
+            dst.put_u8(kind::REFUSED);
+            encode_op_error(error, dst);
+        }),
+        RootFrame::SubWelcome { sub, welcome } => write_frame(dst, |dst| {
+            dst.put_u8(kind::SUB_WELCOME);
+            dst.put_u64_le(*sub);
+            dst.put_u64_le(welcome.session.0);
+            dst.put_u64_le(welcome.lease_ms);
+        }),
+        RootFrame::SubRefused { sub, error } => write_frame(dst, |dst| {
+            dst.put_u8(kind::SUB_REFUSED);
+            dst.put_u64_le(*sub);
+            encode_op_error(error, dst);
+        }),
+        RootFrame::SubReply { sub, id, reply } => encode_sub_reply(*sub, *id, reply, dst),
+    }
+}
+
+/// Encodes `RootFrame::SubReply` without owning the reply; a reply too long to
+/// frame becomes `TooLarge`, as in [`super::encode_reply`].
+pub fn encode_sub_reply(sub: u64, id: u64, reply: &Reply, dst: &mut BytesMut) {
+    let reply = frameable(reply, 8);
+    write_frame(dst, |dst| {
+        dst.put_u8(kind::SUB_REPLY);
+        dst.put_u64_le(sub);
+        dst.put_u64_le(id);
+        encode_reply_body(&reply, dst);
+    });
+}
+
+/// Decodes the next agent frame; same contract as [`super::decode_client_frame`].
+/// A bad frame yields [`ProtoError::BadSubFrame`] with the sub-session and request
+/// id if they could be read, so the coordinator can answer that request.
+pub fn decode_agent_frame(src: &mut BytesMut, limits: &FrameLimits) -> Result<Option<AgentFrame>, ProtoError> {
+    let Some(body) = take_frame(src, limits)? else {
+        return Ok(None);
+    };
+    let mut ids = (None, None);
+    agent_body(&mut Reader::new(body), &mut ids)
+        .map(Some)
+        .map_err(|DecodeError(message)| ProtoError::BadSubFrame { sub: ids.0, id: ids.1, message })
+}
+
+/// Decodes the next coordinator frame; same contract as [`decode_agent_frame`].
+pub fn decode_root_frame(src: &mut BytesMut, limits: &FrameLimits) -> Result<Option<RootFrame>, ProtoError> {
+    let Some(body) = take_frame(src, limits)? else {
+        return Ok(None);
+    };
+    let mut ids = (None, None);
+    root_body(&mut Reader::new(body), &mut ids)
+        .map(Some)
+        .map_err(|DecodeError(message)| ProtoError::BadSubFrame { sub: ids.0, id: ids.1, message })
+}
+
+type Ids = (Option<u64>, Option<u64>);
+
+fn agent_body(r: &mut Reader, ids: &mut Ids) -> DecodeResult<AgentFrame> {
+    let frame = match r.u8("frame kind")? {
+        kind::AGENT_HELLO => AgentFrame::Hello { host: r.string("host")?, pid: r.u32("pid")? },
+        kind::SUB_HELLO => {
+            let sub = sub_id(r, ids)?;
+            AgentFrame::SubHello { sub, identity: decode_identity(r)? }
+        }
+        kind::SUB_REQUEST => {
+            let sub = sub_id(r, ids)?;
+            let id = r.u64("request id")?;
+            ids.1 = Some(id);
+            AgentFrame::SubRequest { sub, id, request: decode_request(r)? }
+        }
+        kind::SUB_CLOSE => AgentFrame::SubClose { sub: sub_id(r, ids)? },
+        other => return Err(DecodeError::unknown("agent frame kind", other)),
+    };
+    r.finish(match &frame {
+        AgentFrame::Hello { .. } => "agent hello",
+        AgentFrame::SubHello { .. } => "sub-session hello",
+        AgentFrame::SubRequest { request, .. } => request.name(),
+        AgentFrame::SubClose { .. } => "sub-session close",
+    })?;
+    Ok(frame)
+}
+
+fn root_body(r: &mut Reader, ids: &mut Ids) -> DecodeResult<RootFrame> {
+    let (frame, what) = match r.u8("frame kind")? {
+        kind::AGENT_WELCOME => (RootFrame::Welcome { lease_ms: r.u64("lease_ms")? }, "agent welcome"),
+        kind::REFUSED => (RootFrame::Refused(decode_op_error(r)?), "refused"),
+        kind::SUB_WELCOME => {
+            let sub = sub_id(r, ids)?;
+            let welcome = Welcome { session: SessionId(r.u64("session")?), lease_ms: r.u64("lease_ms")? };
+            (RootFrame::SubWelcome { sub, welcome }, "sub-session welcome")
+        }
+        kind::SUB_REFUSED => {
+            let sub = sub_id(r, ids)?;
+            (RootFrame::SubRefused { sub, error: decode_op_error(r)? }, "sub-session refusal")
+        }
+        kind::SUB_REPLY => {
+            let sub = sub_id(r, ids)?;
+            let id = r.u64("request id")?;
+            ids.1 = Some(id);
+            (RootFrame::SubReply { sub, id, reply: decode_reply_body(r)? }, "sub-session reply")
+        }
+        other => return Err(DecodeError::unknown("coordinator frame kind", other)),
+    };
+    r.finish(what)?;
+    Ok(frame)
+}
+
+fn sub_id(r: &mut Reader, ids: &mut Ids) -> DecodeResult<u64> {
+    let sub = r.u64("sub-session")?;
+    ids.0 = Some(sub);
+    Ok(sub)
+}

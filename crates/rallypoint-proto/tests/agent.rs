@@ -1,0 +1,203 @@
+//! Frames between node agents and the coordinator: every variant round-trips, a
+//! stream decodes the same however it is split, and bad frames name their
+//! sub-session and request id without desynchronising the stream.
+
+mod common;
+
+use bytes::{BufMut, BytesMut};
+use common::{drain, identity, op_error, request, response, samples};
+use proptest::prelude::*;
+use rallypoint_core::{Identity, OpError, Request, SessionId, Welcome};
+use rallypoint_proto::native::{
+    decode_agent_frame, decode_root_frame, encode_agent_frame, encode_root_frame, starts_with_agent_hello,
+    AgentFrame, FrameLimits, ProtoError, RootFrame,
+};
+
+fn agent_frames() -> Vec<AgentFrame> {
+    let mut frames = vec![
+        AgentFrame::Hello { host: "node-7".into(), pid: 4242 },
+        AgentFrame::SubHello { sub: 1, identity: Identity::ranked("job", 3, 8) },
+    ];
+    frames.extend(
+        samples(request(), 18)
+            .into_iter()
+            .enumerate()
+            .map(|(id, request)| AgentFrame::SubRequest { sub: id as u64 % 3, id: id as u64, request }),
+    );
+    frames.push(AgentFrame::SubClose { sub: 2 });
+    frames
+}
+
+fn root_frames() -> Vec<RootFrame> {
+    let mut frames = vec![
+        RootFrame::Welcome { lease_ms: 15_000 },
+        RootFrame::Refused(OpError::Invalid("no".into())),
+        RootFrame::SubWelcome { sub: 1, welcome: Welcome { session: SessionId(9), lease_ms: 15_000 } },
+    ];
+    let errors = samples(op_error(), 12);
+    frames.extend(errors.iter().cloned().map(|error| RootFrame::SubRefused { sub: 4, error }));
+    let replies = samples(response(), 7).into_iter().map(Ok).chain(errors.into_iter().map(Err));
+    frames.extend(replies.enumerate().map(|(id, reply)| RootFrame::SubReply { sub: 5, id: id as u64, reply }));
+    frames
+}
+
+/// Same check as `stream.rs`: split in two at every byte, and one byte at a time.
+fn assert_split_invariant<T: PartialEq + std::fmt::Debug>(
+    stream: &[u8],
+    expected: &[Result<T, ProtoError>],
+    decode: impl Fn(&mut BytesMut, &FrameLimits) -> Result<Option<T>, ProtoError> + Copy,
+) {
+    for cut in 0..=stream.len() {
+        let mut src = BytesMut::from(&stream[..cut]);
+        let mut got = drain(&mut src, decode);
+        src.extend_from_slice(&stream[cut..]);
+        got.extend(drain(&mut src, decode));
+        assert_eq!(got, expected, "split at byte {cut}");
+        assert!(src.is_empty(), "bytes left over after split at {cut}");
+    }
+    let mut src = BytesMut::new();
+    let mut got = Vec::new();
+    for &byte in stream {
+        src.put_u8(byte);
+        got.extend(drain(&mut src, decode));
+    }
+    assert_eq!(got, expected, "fed one byte at a time");
+}
+
+#[test]
+fn agent_stream_splits_at_every_byte() {
+    let frames = agent_frames();
+    let mut stream = BytesMut::new();
+    for frame in &frames {
+        encode_agent_frame(frame, &mut stream);
+    }
+    let expected: Vec<_> = frames.into_iter().map(Ok).collect();
+    assert_split_invariant(&stream, &expected, decode_agent_frame);
+}
+
+#[test]
+fn root_stream_splits_at_every_byte() {
+    let frames = root_frames();
+    let mut stream = BytesMut::new();
+    for frame in &frames {
+        encode_root_frame(frame, &mut stream);
+    }
+    let expected: Vec<_> = frames.into_iter().map(Ok).collect();
+    assert_split_invariant(&stream, &expected, decode_root_frame);
+}
+
+#[test]
+fn an_agent_hello_is_told_apart_from_a_client_hello() {
+    let mut agent = BytesMut::new();
+    encode_agent_frame(&AgentFrame::Hello { host: "h".into(), pid: 1 }, &mut agent);
+    assert_eq!(starts_with_agent_hello(&agent), Some(true));
+    assert_eq!(starts_with_agent_hello(&agent[..4]), None);
+    let mut client = BytesMut::new();
+    rallypoint_proto::native::encode_client_frame(
+        &rallypoint_proto::native::ClientFrame::Hello(Identity::anonymous("j")),
+        &mut client,
+    );
+    assert_eq!(starts_with_agent_hello(&client), Some(false));
+}
+
+/// The agent hello, sub-session frames and the agent welcome, byte for byte
+/// (docs/PROTOCOL.md, section 12).
+#[test]
+fn golden_bytes() {
+    let mut out = BytesMut::new();
+    encode_agent_frame(&AgentFrame::Hello { host: "n".into(), pid: 7 }, &mut out);
+    encode_agent_frame(&AgentFrame::SubRequest { sub: 2, id: 1, request: Request::Heartbeat }, &mut out);
+    encode_agent_frame(&AgentFrame::SubClose { sub: 2 }, &mut out);
+    #[rustfmt::skip]
+    let expected: &[u8] = &[
+        0x0a, 0, 0, 0, 0x03, 1, 0, 0, 0, b'n', 7, 0, 0, 0,
+        0x12, 0, 0, 0, 0x05, 2, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0x11,
+        0x09, 0, 0, 0, 0x06, 2, 0, 0, 0, 0, 0, 0, 0,
+    ];
+    assert_eq!(&out[..], expected);
+    let mut out = BytesMut::new();
+    encode_root_frame(&RootFrame::SubReply { sub: 2, id: 1, reply: Ok(rallypoint_core::Response::Done) }, &mut out);
+    #[rustfmt::skip]
+    let expected: &[u8] = &[0x12, 0, 0, 0, 0x87, 2, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0x01];
+    assert_eq!(&out[..], expected);
+}
+
+#[test]
+fn a_bad_sub_request_names_its_sub_session_and_id_and_the_stream_goes_on() {
+    let first = AgentFrame::SubClose { sub: 1 };
+    let last = AgentFrame::SubRequest { sub: 3, id: 4, request: Request::NumKeys };
+    let mut stream = BytesMut::new();
+    encode_agent_frame(&first, &mut stream);
+    // Sub-session 2, request id 9, unknown opcode 0x7f.
+    stream.put_u32_le(1 + 8 + 8 + 1);
+    stream.put_u8(0x05);
+    stream.put_u64_le(2);
+    stream.put_u64_le(9);
+    stream.put_u8(0x7f);
+    // An unknown frame kind.
+    stream.put_u32_le(1);
+    stream.put_u8(0x7e);
+    // A client Request frame is not an agent frame.
+    rallypoint_proto::native::encode_client_frame(
+        &rallypoint_proto::native::ClientFrame::Request { id: 1, request: Request::NumKeys },
+        &mut stream,
+    );
+    encode_agent_frame(&last, &mut stream);
+    let expected = [
+        Ok(first),
+        Err(ProtoError::BadSubFrame { sub: Some(2), id: Some(9), message: "unknown request opcode 0x7f".into() }),
+        Err(ProtoError::BadSubFrame { sub: None, id: None, message: "unknown agent frame kind 0x7e".into() }),
+        Err(ProtoError::BadSubFrame { sub: None, id: None, message: "unknown agent frame kind 0x02".into() }),
+        Ok(last),
+    ];
+    assert_split_invariant(&stream, &expected, decode_agent_frame);
+}
+
+#[test]
+fn a_truncated_sub_reply_names_what_it_could_read() {
+    let mut stream = BytesMut::new();
+    stream.put_u32_le(1 + 8 + 4);
+    stream.put_u8(0x87);
+    stream.put_u64_le(6);
+    stream.put_u32_le(0);
+    let got = drain(&mut stream, decode_root_frame);
+    assert_eq!(
+        got,
+        [Err(ProtoError::BadSubFrame {
+            sub: Some(6),
+            id: None,
+            message: "truncated field 'request id': needs 8 bytes, 4 left".into()
+        })]
+    );
+}
+
+proptest! {
+    #[test]
+    fn any_agent_frame_round_trips(sub in any::<u64>(), id in any::<u64>(), identity in identity(), request in request()) {
+        for frame in [
+            AgentFrame::SubHello { sub, identity: identity.clone() },
+            AgentFrame::SubRequest { sub, id, request: request.clone() },
+            AgentFrame::SubClose { sub },
+            AgentFrame::Hello { host: identity.host.clone(), pid: identity.pid },
+        ] {
+            let mut buf = BytesMut::new();
+            encode_agent_frame(&frame, &mut buf);
+            prop_assert_eq!(decode_agent_frame(&mut buf, &FrameLimits::default()).unwrap(), Some(frame));
+            prop_assert!(buf.is_empty());
+        }
+    }
+
+    #[test]
+    fn any_root_frame_round_trips(sub in any::<u64>(), id in any::<u64>(), response in response(), error in op_error()) {
+        for frame in [
+            RootFrame::SubReply { sub, id, reply: Ok(response.clone()) },
+            RootFrame::SubReply { sub, id, reply: Err(error.clone()) },
+            RootFrame::SubRefused { sub, error: error.clone() },
+        ] {
+            let mut buf = BytesMut::new();
+            encode_root_frame(&frame, &mut buf);
+            prop_assert_eq!(decode_root_frame(&mut buf, &FrameLimits::default()).unwrap(), Some(frame));
+            prop_assert!(buf.is_empty());
+        }
+    }
+}

@@ -1,0 +1,720 @@
+//! The node agent: one process per node between that node's ranks and the coordinator.
+//!
+//! Local ranks connect to the agent exactly as to a coordinator (the unchanged
+//! native protocol, over TCP or a Unix socket). The agent holds one connection to
+//! the coordinator and carries every local rank over it as a *sub-session*
+//! (docs/PROTOCOL.md, section 12): the coordinator keeps one engine session per
+//! rank, so barriers, collectives, the store, leases, timeouts naming the missing
+//! ranks and the loss of a rank behave exactly as with direct connections, while
+//! the coordinator handles one socket per node instead of one per rank.
+//!
+//! Batching: whatever the local ranks send while the previous upstream write is in
+//! flight goes up in the next single write; the coordinator's replies for many
+//! ranks arrive in one read and are fanned out from the task that read them, each
+//! written straight to its rank's socket when the socket takes it at once.
+//!
+//! Failure: a local rank whose connection ends is reported upstream at once (the
+//! coordinator decides, as for a direct connection, whether it left or is lost).
+//! If the upstream connection ends, the coordinator counts every rank of this agent
+//! as lost; the agent answers every call still waiting with a `Closed` error saying
+//! so, closes the local connections and stops with [`AgentError::UpstreamLost`].
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::io;
+use std::pin::{pin, Pin};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, BytesMut};
+use rallypoint_core::OpError;
+use rallypoint_proto::native::{
+    decode_client_frame, decode_preamble, decode_root_frame, encode_agent_frame, encode_preamble, encode_reply,
+    encode_server_frame, AgentFrame, ClientFrame, FrameLimits, ProtoError, RootFrame, ServerFrame, VERSION,
+};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
+use tokio::sync::{oneshot, Notify};
+use tokio::task::{JoinHandle, JoinSet};
+use tracing::{debug, error, info, warn};
+
+use crate::net::{Listener, ReadHalf, Stream, WriteHalf};
+
+/// Bytes taken from a socket per read.
+const READ_CHUNK: usize = 4096;
+/// Bytes reserved per read of the upstream connection: replies for many ranks at once.
+const UPSTREAM_READ_CHUNK: usize = 256 * 1024;
+/// Buffers larger than this are freed once empty instead of kept.
+const KEEP_CAPACITY: usize = 64 * 1024;
+/// A local peer that does not finish its preamble and hello in this time is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// First pause between attempts to reach the coordinator; doubles up to [`BACKOFF_CAP`].
+const BACKOFF_START: Duration = Duration::from_millis(10);
+const BACKOFF_CAP: Duration = Duration::from_secs(1);
+
+#[derive(Debug, Clone)]
+pub struct AgentConfig {
+    /// `host:port` of the coordinator.
+    pub upstream: String,
+    /// Where the local ranks connect: `host:port` (port 0: any free one) or `unix:PATH`.
+    pub listen: String,
+    /// How long to keep trying to reach the coordinator at start.
+    pub connect_timeout: Duration,
+    /// Host name the agent gives the coordinator (for its logs).
+    pub host: String,
+    /// Largest frame a local rank may send; should match the coordinator's.
+    pub limits: FrameLimits,
+}
+
+impl AgentConfig {
+    pub fn new(upstream: impl Into<String>, listen: impl Into<String>) -> Self {
+        AgentConfig {
+            upstream: upstream.into(),
+            listen: listen.into(),
+            connect_timeout: crate::client::DEFAULT_TIMEOUT,
+            host: crate::env::hostname(),
+            limits: FrameLimits::default(),
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum AgentError {
+    #[error("node agent: cannot listen on {addr}: {source}")]
+    Listen { addr: String, source: io::Error },
+    #[error("node agent: cannot reach the coordinator at {addr} (tried for {waited:.1?}): {source}")]
+    Connect { addr: String, waited: Duration, source: io::Error },
+    #[error("node agent: the coordinator at {addr} refused this agent: {error}")]
+    Refused { addr: String, error: OpError },
+    #[error("node agent: the coordinator at {addr} broke the protocol: {message}")]
+    Protocol { addr: String, message: String },
+    /// The coordinator counts every rank of this agent as lost.
+    #[error("node agent: {why}; its {ranks} local rank connection(s) were closed")]
+    UpstreamLost { why: String, ranks: usize },
+}
+
+/// A node agent with its local listener bound and its coordinator connection
+/// welcomed, not yet serving.
+pub struct Agent {
+    listener: Listener,
+    local_addr: String,
+    upstream: Stream,
+    /// Bytes read past the coordinator's welcome.
+    buffered: BytesMut,
+    hub: Arc<Hub>,
+}
+
+impl Agent {
+    /// Binds the local listener, then connects to the coordinator (retrying until
+    /// `connect_timeout`) and introduces itself.
+    pub async fn bind(config: AgentConfig) -> Result<Agent, AgentError> {
+        let fd_limit = crate::raise_fd_limit();
+        let listener = Listener::bind(&config.listen)
+            .await
+            .map_err(|source| AgentError::Listen { addr: config.listen.clone(), source })?;
+        let local_addr =
+            listener.local_addr().map_err(|source| AgentError::Listen { addr: config.listen.clone(), source })?;
+        let (upstream, buffered, lease_ms) = connect_upstream(&config).await?;
+        info!(%local_addr, upstream = %config.upstream, fd_limit, lease_ms, "rallypoint node agent ready");
+        let hub = Arc::new(Hub {
+            addr: config.upstream,
+            limits: config.limits,
+            up: Mutex::new(Up { buf: BytesMut::new(), lost: None }),
+            up_ready: Notify::new(),
+            routes: Mutex::new(HashMap::new()),
+            next_sub: AtomicU64::new(1),
+        });
+        Ok(Agent { listener, local_addr, upstream, buffered, hub })
+    }
+
+    /// Where local ranks connect, as `RALLYPOINT_ADDR` takes it.
+    pub fn local_addr(&self) -> &str {
+        &self.local_addr
+    }
+
+    /// Serves until `shutdown` completes (`Ok`) or the coordinator connection ends
+    /// ([`AgentError::UpstreamLost`]). Either way every local connection is closed;
+    /// on shutdown the coordinator then counts the agent's ranks as lost (as a
+    /// coordinator shutting down does for direct connections).
+    pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> Result<(), AgentError> {
+        let Agent { listener, local_addr, upstream, buffered, hub } = self;
+        let (reader, writer) = upstream.into_split();
+        let mut locals = JoinSet::new();
+        tokio::pin!(shutdown);
+        let upstream = async {
+            tokio::select! {
+                why = read_upstream(reader, buffered, &hub) => why,
+                why = write_upstream(writer, &hub) => why,
+            }
+        };
+        tokio::pin!(upstream);
+        let outcome = loop {
+            tokio::select! {
+                () = &mut shutdown => {
+                    let ranks = hub.lose("the node agent is shutting down".to_owned());
+                    info!(%local_addr, ranks, "node agent shutting down; its ranks are lost to the coordinator");
+                    break Ok(());
+                }
+                why = &mut upstream => {
+                    let ranks = hub.lose(format!(
+                        "the node agent lost its connection to the coordinator ({why}); the coordinator counts this node's ranks as lost"
+                    ));
+                    error!(%local_addr, %why, ranks, "node agent lost the coordinator; its ranks are lost");
+                    break Err(AgentError::UpstreamLost { why, ranks });
+                }
+                accepted = listener.accept() => match accepted {
+                    Ok(stream) => {
+                        let hub = Arc::clone(&hub);
+                        locals.spawn(async move { serve_local(stream, hub).await });
+                    }
+                    Err(error) => {
+                        warn!(%local_addr, %error, "accept failed");
+                        // Out of file descriptors and the like: do not spin.
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                },
+                Some(ended) = locals.join_next() => {
+                    if let Err(error) = ended {
+                        if error.is_panic() {
+                            error!(%error, "a local connection task panicked");
+                        }
+                    }
+                }
+            }
+        };
+        drop(listener);
+        // Replies to waiting calls (after an upstream loss) are written by the local
+        // tasks as they end; a rank that does not read them must not hold us up.
+        let drained = async { while locals.join_next().await.is_some() {} };
+        if tokio::time::timeout(Duration::from_secs(1), drained).await.is_err() {
+            locals.shutdown().await;
+        }
+        info!(%local_addr, "rallypoint node agent stopped");
+        outcome
+    }
+
+    /// Runs the agent on the current tokio runtime. Dropping the handle stops it.
+    #[must_use = "dropping the handle stops the agent"]
+    pub fn spawn(self) -> AgentHandle {
+        let local_addr = self.local_addr.clone();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(self.run_until(async move {
+            let _ = stopped.await;
+        }));
+        AgentHandle { local_addr, stop, task }
+    }
+}
+
+/// An agent running in the background (see [`Agent::spawn`]).
+pub struct AgentHandle {
+    local_addr: String,
+    /// Never sent: dropping it is the stop signal.
+    stop: oneshot::Sender<()>,
+    task: JoinHandle<Result<(), AgentError>>,
+}
+
+impl AgentHandle {
+    pub fn local_addr(&self) -> &str {
+        &self.local_addr
+    }
+
+    /// Stops the agent (its ranks are lost to the coordinator) and returns how it ended.
+    pub async fn shutdown(self) -> Result<(), AgentError> {
+        let AgentHandle { stop, task, .. } = self;
+        drop(stop);
+        joined(task).await
+    }
+
+    /// Waits until the agent stops by itself (its coordinator connection ended).
+    pub async fn wait(self) -> Result<(), AgentError> {
+        let AgentHandle { stop, task, .. } = self;
+        let outcome = joined(task).await;
+        drop(stop);
+        outcome
+    }
+}
+
+async fn joined(task: JoinHandle<Result<(), AgentError>>) -> Result<(), AgentError> {
+    match task.await {
+        Ok(outcome) => outcome,
+        Err(error) => Err(AgentError::UpstreamLost { why: format!("the agent task failed: {error}"), ranks: 0 }),
+    }
+}
+
+/// Connects to the coordinator and exchanges the agent hello and welcome, retrying
+/// with backoff while nothing answers (agents often start before the coordinator).
+async fn connect_upstream(config: &AgentConfig) -> Result<(Stream, BytesMut, u64), AgentError> {
+    let addr = &config.upstream;
+    let started = Instant::now();
+    let mut backoff = BACKOFF_START;
+    loop {
+        let error = match tokio::time::timeout(HANDSHAKE_TIMEOUT, hello_upstream(config)).await {
+            Ok(Ok(Ok(connected))) => return Ok(connected),
+            Ok(Ok(Err(refused))) => return Err(refused),
+            Ok(Err(error)) => error,
+            Err(_) => io::Error::new(io::ErrorKind::TimedOut, "no welcome from the coordinator"),
+        };
+        if started.elapsed() >= config.connect_timeout {
+            return Err(AgentError::Connect { addr: addr.clone(), waited: started.elapsed(), source: error });
+        }
+        debug!(%addr, %error, "cannot reach the coordinator yet; retrying");
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(BACKOFF_CAP);
+    }
+}
+
+/// `Err`: worth retrying; `Ok(Err)`: the coordinator's answer, final.
+async fn hello_upstream(config: &AgentConfig) -> io::Result<Result<(Stream, BytesMut, u64), AgentError>> {
+    let addr = &config.upstream;
+    let mut stream = Stream::connect(addr).await?;
+    let mut out = BytesMut::new();
+    encode_preamble(&mut out);
+    encode_agent_frame(&AgentFrame::Hello { host: config.host.clone(), pid: std::process::id() }, &mut out);
+    stream.write_all(&out).await?;
+    let mut buf = BytesMut::new();
+    loop {
+        let protocol = |message: String| AgentError::Protocol { addr: addr.clone(), message };
+        match decode_root_frame(&mut buf, &FrameLimits::unbounded()) {
+            Ok(Some(RootFrame::Welcome { lease_ms })) => return Ok(Ok((stream, buf, lease_ms))),
+            Ok(Some(RootFrame::Refused(error))) => return Ok(Err(AgentError::Refused { addr: addr.clone(), error })),
+            Ok(Some(other)) => return Ok(Err(protocol(format!("sent {other:?} before its welcome")))),
+            Ok(None) => {}
+            Err(error) => return Ok(Err(protocol(error.to_string()))),
+        }
+        buf.reserve(READ_CHUNK);
+        if stream.read_buf(&mut buf).await? == 0 {
+            return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the coordinator closed the connection"));
+        }
+    }
+}
+
+/// What the local connections and the upstream tasks share.
+struct Hub {
+    /// The coordinator's address, for messages.
+    addr: String,
+    limits: FrameLimits,
+    up: Mutex<Up>,
+    /// Wakes the upstream writer: `up.buf` has bytes.
+    up_ready: Notify,
+    /// Local connections by sub-session id.
+    routes: Mutex<HashMap<u64, Arc<Local>>>,
+    next_sub: AtomicU64,
+}
+
+struct Up {
+    /// Frames for the coordinator not yet written.
+    buf: BytesMut,
+    /// Set once the coordinator connection has ended: why.
+    lost: Option<String>,
+}
+
+/// Locks, carrying on past a poisoned lock: nothing here leaves the guarded state
+/// inconsistent, and one panicking task must not take the node's ranks down.
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+impl Hub {
+    /// Appends frames for the coordinator; false if it is already gone.
+    fn send_up(&self, encode: impl FnOnce(&mut BytesMut)) -> bool {
+        let mut up = lock(&self.up);
+        if up.lost.is_some() {
+            return false;
+        }
+        let was_empty = up.buf.is_empty();
+        encode(&mut up.buf);
+        drop(up);
+        if was_empty {
+            self.up_ready.notify_one();
+        }
+        true
+    }
+
+    fn lost_reason(&self) -> Option<String> {
+        lock(&self.up).lost.clone()
+    }
+
+    /// The agent stops serving (`message` says why): every waiting call of every
+    /// local rank gets a `Closed(message)` error, every local connection closes, and
+    /// later ones are refused. Returns how many local ranks were connected.
+    fn lose(&self, message: String) -> usize {
+        lock(&self.up).lost = Some(message.clone());
+        let locals: Vec<Arc<Local>> = lock(&self.routes).drain().map(|(_, local)| local).collect();
+        for local in &locals {
+            local.fail_pending(&message);
+        }
+        locals.len()
+    }
+
+    fn route(&self, sub: u64) -> Option<Arc<Local>> {
+        lock(&self.routes).get(&sub).cloned()
+    }
+}
+
+/// Reads the coordinator's frames and fans them out to the local connections;
+/// returns why the connection ended.
+async fn read_upstream(mut reader: ReadHalf, mut buf: BytesMut, hub: &Hub) -> String {
+    let limits = FrameLimits::unbounded();
+    loop {
+        loop {
+            match decode_root_frame(&mut buf, &limits) {
+                Ok(None) => break,
+                Ok(Some(RootFrame::SubReply { sub, id, reply })) => {
+                    if let Some(local) = hub.route(sub) {
+                        local.reply(id, |out| encode_reply(id, &reply, out));
+                    }
+                }
+                Ok(Some(RootFrame::SubWelcome { sub, welcome })) => {
+                    if let Some(local) = hub.route(sub) {
+                        local.send(|out| encode_server_frame(&ServerFrame::Welcome(welcome), out));
+                    }
+                }
+                Ok(Some(RootFrame::SubRefused { sub, error })) => {
+                    let local = lock(&hub.routes).remove(&sub);
+                    if let Some(local) = local {
+                        debug!(sub, %error, "the coordinator refused a local rank");
+                        local.send(|out| encode_server_frame(&ServerFrame::Refused(error), out));
+                        local.end();
+                    }
+                }
+                Ok(Some(frame @ (RootFrame::Welcome { .. } | RootFrame::Refused(_)))) => {
+                    return format!("the coordinator at {} sent {frame:?} on an open agent connection", hub.addr);
+                }
+                Err(ProtoError::BadSubFrame { sub: Some(sub), id: Some(id), message }) => {
+                    // The call must not wait forever for a reply that will not come.
+                    warn!(sub, id, %message, "malformed reply from the coordinator");
+                    if let Some(local) = hub.route(sub) {
+                        let error = Err(OpError::Invalid(format!("malformed reply from the coordinator: {message}")));
+                        local.reply(id, |out| encode_reply(id, &error, out));
+                    }
+                }
+                Err(error) if !error.is_fatal() => warn!(%error, "skipped a malformed frame from the coordinator"),
+                Err(error) => return format!("malformed data from the coordinator at {}: {error}", hub.addr),
+            }
+        }
+        if buf.is_empty() && buf.capacity() > KEEP_CAPACITY {
+            buf = BytesMut::new();
+        }
+        buf.reserve(UPSTREAM_READ_CHUNK);
+        match reader.read_buf(&mut buf).await {
+            Ok(0) => return format!("the coordinator at {} closed the connection", hub.addr),
+            Ok(_) => {}
+            Err(error) => return format!("the connection to the coordinator at {} failed: {error}", hub.addr),
+        }
+    }
+}
+
+/// Writes what the local ranks sent, everything gathered since the last write in
+/// one write; returns why it stopped.
+async fn write_upstream(mut writer: WriteHalf, hub: &Hub) -> String {
+    let mut batch = BytesMut::new();
+    loop {
+        hub.up_ready.notified().await;
+        loop {
+            {
+                let mut up = lock(&hub.up);
+                std::mem::swap(&mut up.buf, &mut batch);
+            }
+            if batch.is_empty() {
+                break;
+            }
+            if let Err(error) = writer.write_all(&batch).await {
+                return format!("writing to the coordinator at {} failed: {error}", hub.addr);
+            }
+            batch.clear();
+            if batch.capacity() > KEEP_CAPACITY {
+                batch = BytesMut::new();
+            }
+        }
+    }
+}
+
+/// One local rank's connection, shared by its task (which reads it) and the
+/// upstream reader (which writes replies to it).
+struct Local {
+    writer: WriteHalf,
+    out: Mutex<LocalOut>,
+    /// Wakes the local task: bytes the socket did not take at once, or the end.
+    wake: Notify,
+}
+
+#[derive(Default)]
+struct LocalOut {
+    /// Bytes for the rank not yet written.
+    buf: BytesMut,
+    /// The local task is writing `buf`: append, do not write around it.
+    writing: bool,
+    /// Ids of the rank's requests forwarded and not yet answered.
+    pending: Vec<u64>,
+    /// Close the connection once `buf` is written.
+    end: bool,
+}
+
+impl Local {
+    /// Queues bytes for the rank and writes them at once if the socket takes them.
+    fn send(&self, encode: impl FnOnce(&mut BytesMut)) {
+        let mut out = lock(&self.out);
+        encode(&mut out.buf);
+        self.push(&mut out);
+    }
+
+    /// A reply to request `id`, which is no longer pending.
+    fn reply(&self, id: u64, encode: impl FnOnce(&mut BytesMut)) {
+        let mut out = lock(&self.out);
+        if let Some(at) = out.pending.iter().position(|&p| p == id) {
+            out.pending.swap_remove(at);
+        }
+        encode(&mut out.buf);
+        self.push(&mut out);
+    }
+
+    /// Writes what the socket takes without waiting; hands the rest to the local
+    /// task. Writing from here saves a task wake-up per reply.
+    fn push(&self, out: &mut LocalOut) {
+        if out.writing {
+            return;
+        }
+        while !out.buf.is_empty() {
+            match self.writer.try_write(&out.buf) {
+                Ok(n) => out.buf.advance(n),
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
+                // The task sees the same failure on its next read or write and ends.
+                Err(_) => break,
+            }
+        }
+        if !out.buf.is_empty() {
+            out.writing = true;
+            self.wake.notify_one();
+        }
+    }
+
+    /// Close after writing what is queued.
+    fn end(&self) {
+        lock(&self.out).end = true;
+        self.wake.notify_one();
+    }
+
+    /// Answers every waiting call with `Closed(message)` and ends the connection.
+    fn fail_pending(&self, message: &str) {
+        let mut out = lock(&self.out);
+        let pending = std::mem::take(&mut out.pending);
+        for id in pending {
+            encode_reply(id, &Err(OpError::Closed(message.to_owned())), &mut out.buf);
+        }
+        out.end = true;
+        self.push(&mut out);
+        drop(out);
+        self.wake.notify_one();
+    }
+
+    /// Writes everything queued (waiting for the socket as needed); true if the
+    /// connection should now close.
+    async fn drain(&self) -> io::Result<bool> {
+        loop {
+            {
+                let mut out = lock(&self.out);
+                while !out.buf.is_empty() {
+                    match self.writer.try_write(&out.buf) {
+                        Ok(n) => out.buf.advance(n),
+                        Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
+                        Err(error) => return Err(error),
+                    }
+                }
+                if out.buf.is_empty() {
+                    out.writing = false;
+                    if out.buf.capacity() > KEEP_CAPACITY {
+                        out.buf = BytesMut::new();
+                    }
+                    return Ok(out.end);
+                }
+            }
+            self.writer.writable().await?;
+        }
+    }
+}
+
+/// Serves one local rank connection until it closes, then reports that upstream.
+async fn serve_local(stream: Stream, hub: Arc<Hub>) {
+    let (mut reader, writer) = stream.into_split();
+    let local = Arc::new(Local { writer, out: Mutex::new(LocalOut::default()), wake: Notify::new() });
+    let mut rbuf = BytesMut::new();
+    let identity = match tokio::time::timeout(HANDSHAKE_TIMEOUT, local_hello(&mut reader, &mut rbuf, &hub)).await {
+        Ok(Ok(identity)) => identity,
+        Ok(Err(refusal)) => {
+            if let Some(error) = refusal {
+                local.send(|out| encode_server_frame(&ServerFrame::Refused(error), out));
+                let _ = local.drain().await;
+            }
+            return;
+        }
+        Err(_) => {
+            warn!("no hello from a local rank within {HANDSHAKE_TIMEOUT:?}; closing its connection");
+            return;
+        }
+    };
+    let sub = hub.next_sub.fetch_add(1, Ordering::Relaxed);
+    debug!(sub, job = %identity.job, rank = ?identity.rank, host = %identity.host, pid = identity.pid, "local rank connected");
+    // Routed before its hello goes up: a reply can only follow the hello, and a
+    // `Hub::lose` after the hello went up finds the route.
+    lock(&hub.routes).insert(sub, Arc::clone(&local));
+    if !hub.send_up(|up| encode_agent_frame(&AgentFrame::SubHello { sub, identity }, up)) {
+        lock(&hub.routes).remove(&sub);
+        let why = hub.lost_reason().unwrap_or_default();
+        local.send(|out| encode_server_frame(&ServerFrame::Refused(OpError::Closed(why)), out));
+        let _ = local.drain().await;
+        return;
+    }
+
+    let ended = serve_local_session(sub, &mut reader, rbuf, &hub, &local).await;
+    debug!(sub, how = %ended, "local rank connection ended");
+    // Still routed: the rank's connection ended on its side (or failed), not ours.
+    if lock(&hub.routes).remove(&sub).is_some() {
+        hub.send_up(|up| encode_agent_frame(&AgentFrame::SubClose { sub }, up));
+    }
+}
+
+/// Reads the preamble and hello. `Err(Some(error))`: refuse with it; `Err(None)`:
+/// just close (already logged).
+async fn local_hello(
+    reader: &mut ReadHalf,
+    rbuf: &mut BytesMut,
+    hub: &Hub,
+) -> Result<rallypoint_core::Identity, Option<OpError>> {
+    loop {
+        match rbuf.first() {
+            None => {}
+            Some(b'R') => match decode_preamble(rbuf) {
+                Ok(None) => {}
+                Ok(Some(VERSION)) => break,
+                Ok(Some(version)) => {
+                    warn!(version, "local rank speaks an unsupported protocol version");
+                    let message =
+                        format!("protocol version {version} is not supported; this node agent speaks {VERSION}");
+                    return Err(Some(OpError::Invalid(message)));
+                }
+                Err(error) => {
+                    warn!(%error, "bad preamble from a local connection");
+                    return Err(None);
+                }
+            },
+            Some(&byte) => {
+                // 0x00 is a PyTorch TCPStore client: those connect to the coordinator itself.
+                warn!(first_byte = byte, "not a rallypoint native client (TCPStore clients must connect to the coordinator directly); closing");
+                return Err(None);
+            }
+        }
+        if !read_more(reader, rbuf).await {
+            return Err(None);
+        }
+    }
+    loop {
+        match decode_client_frame(rbuf, &hub.limits) {
+            Ok(Some(ClientFrame::Hello(identity))) => return Ok(identity),
+            Ok(Some(ClientFrame::Request { .. })) => {
+                return Err(Some(OpError::Invalid("the first frame must be a hello".to_owned())));
+            }
+            Ok(None) => {
+                if !read_more(reader, rbuf).await {
+                    return Err(None);
+                }
+            }
+            Err(error) if error.is_fatal() => return Err(None),
+            Err(error) => return Err(Some(OpError::Invalid(error.to_string()))),
+        }
+    }
+}
+
+/// Reads once into `rbuf`; false at end of stream or on error.
+async fn read_more(reader: &mut ReadHalf, rbuf: &mut BytesMut) -> bool {
+    rbuf.reserve(READ_CHUNK);
+    matches!(reader.read_buf(rbuf).await, Ok(n) if n > 0)
+}
+
+/// Forwards the rank's requests and writes what the upstream reader could not;
+/// returns how the connection ended, for the log.
+async fn serve_local_session(sub: u64, reader: &mut ReadHalf, mut rbuf: BytesMut, hub: &Hub, local: &Local) -> String {
+    // The hello may have arrived together with the first requests.
+    if let Err(end) = forward(sub, &mut rbuf, hub, local) {
+        return end;
+    }
+    loop {
+        if rbuf.is_empty() {
+            rbuf = BytesMut::new();
+        }
+        tokio::select! {
+            biased;
+            () = local.wake.notified() => match local.drain().await {
+                Ok(true) => return "closed by the agent".to_owned(),
+                Ok(false) => {}
+                Err(error) => return format!("write failed: {error}"),
+            },
+            read = std::future::poll_fn(|cx| poll_read_some(reader, &mut rbuf, cx)) => match read {
+                Ok(0) => return "closed by the rank".to_owned(),
+                Ok(_) => {
+                    if let Err(end) = forward(sub, &mut rbuf, hub, local) {
+                        return end;
+                    }
+                }
+                Err(error) => return format!("read failed: {error}"),
+            },
+        }
+    }
+}
+
+/// Reads what the socket has; see the server's connection for why through `poll_read`.
+fn poll_read_some(reader: &mut ReadHalf, rbuf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+    if !rbuf.is_empty() {
+        rbuf.reserve(READ_CHUNK.max(rbuf.len()));
+        return pin!(reader.read_buf(rbuf)).poll(cx);
+    }
+    let mut chunk = [0u8; READ_CHUNK];
+    let mut filled = ReadBuf::new(&mut chunk);
+    ready!(Pin::new(reader).poll_read(cx, &mut filled))?;
+    rbuf.extend_from_slice(filled.filled());
+    Poll::Ready(Ok(filled.filled().len()))
+}
+
+/// Sends every whole request buffered upstream as sub-session requests, in one
+/// append. Malformed requests are answered here exactly as the coordinator would.
+fn forward(sub: u64, rbuf: &mut BytesMut, hub: &Hub, local: &Local) -> Result<(), String> {
+    let mut requests = Vec::new();
+    let mut result = Ok(());
+    loop {
+        match decode_client_frame(rbuf, &hub.limits) {
+            Ok(None) => break,
+            Ok(Some(ClientFrame::Request { id, request })) => requests.push((id, request)),
+            Ok(Some(ClientFrame::Hello(_))) => {
+                warn!(sub, "a second hello from a local rank; closing its connection");
+                result = Err("a second hello".to_owned());
+                break;
+            }
+            Err(error) if error.is_fatal() => {
+                warn!(sub, %error, "malformed input from a local rank; closing its connection");
+                result = Err(format!("malformed input: {error}"));
+                break;
+            }
+            Err(error) => {
+                warn!(sub, %error, "bad request from a local rank");
+                if let ProtoError::BadRequest { id: Some(id), message } = error {
+                    local.send(|out| encode_reply(id, &Err(OpError::Invalid(message)), out));
+                }
+            }
+        }
+    }
+    if !requests.is_empty() {
+        lock(&local.out).pending.extend(requests.iter().map(|(id, _)| *id));
+        let sent = hub.send_up(|up| {
+            for (id, request) in requests {
+                encode_agent_frame(&AgentFrame::SubRequest { sub, id, request }, up);
+            }
+        });
+        if !sent {
+            // Lost meanwhile: `Hub::lose` may have run before these became pending.
+            if let Some(why) = hub.lost_reason() {
+                local.fail_pending(&why);
+            }
+        }
+    }
+    result
+}

@@ -1,0 +1,176 @@
+//! Byte streams the client and the node agent speak over: TCP, or a Unix domain
+//! socket for ranks talking to the agent of their own node (`unix:/path`), which
+//! costs the kernel far less per message than loopback TCP.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{tcp, unix, TcpListener, TcpStream, UnixListener, UnixStream};
+
+/// Prefix of an address naming a Unix domain socket: `unix:/run/rallypoint.sock`.
+pub const UNIX_PREFIX: &str = "unix:";
+
+/// The socket path of a `unix:PATH` address, `None` for `host:port`.
+pub fn unix_path(addr: &str) -> Option<&Path> {
+    addr.strip_prefix(UNIX_PREFIX).map(Path::new)
+}
+
+pub(crate) enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    /// Connects to `host:port` (with `TCP_NODELAY`) or `unix:PATH`.
+    pub(crate) async fn connect(addr: &str) -> io::Result<Stream> {
+        match unix_path(addr) {
+            Some(path) => Ok(Stream::Unix(UnixStream::connect(path).await?)),
+            None => {
+                let stream = TcpStream::connect(addr).await?;
+                stream.set_nodelay(true)?;
+                Ok(Stream::Tcp(stream))
+            }
+        }
+    }
+
+    pub(crate) fn into_split(self) -> (ReadHalf, WriteHalf) {
+        match self {
+            Stream::Tcp(s) => {
+                let (r, w) = s.into_split();
+                (ReadHalf::Tcp(r), WriteHalf::Tcp(w))
+            }
+            Stream::Unix(s) => {
+                let (r, w) = s.into_split();
+                (ReadHalf::Unix(r), WriteHalf::Unix(w))
+            }
+        }
+    }
+}
+
+pub(crate) enum ReadHalf {
+    Tcp(tcp::OwnedReadHalf),
+    Unix(unix::OwnedReadHalf),
+}
+
+pub(crate) enum WriteHalf {
+    Tcp(tcp::OwnedWriteHalf),
+    Unix(unix::OwnedWriteHalf),
+}
+
+impl WriteHalf {
+    /// Writes what the socket takes now without waiting (`WouldBlock` if nothing).
+    pub(crate) fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            WriteHalf::Tcp(w) => w.try_write(buf),
+            WriteHalf::Unix(w) => w.try_write(buf),
+        }
+    }
+
+    pub(crate) async fn writable(&self) -> io::Result<()> {
+        match self {
+            WriteHalf::Tcp(w) => w.writable().await,
+            WriteHalf::Unix(w) => w.writable().await,
+        }
+    }
+}
+
+macro_rules! delegate {
+    ($self:ident, $inner:ident => $call:expr) => {
+        match $self.get_mut() {
+            Self::Tcp($inner) => $call,
+            Self::Unix($inner) => $call,
+        }
+    };
+}
+
+impl AsyncRead for Stream {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        delegate!(self, s => Pin::new(s).poll_read(cx, buf))
+    }
+}
+
+impl AsyncWrite for Stream {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        delegate!(self, s => Pin::new(s).poll_write(cx, buf))
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        delegate!(self, s => Pin::new(s).poll_flush(cx))
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        delegate!(self, s => Pin::new(s).poll_shutdown(cx))
+    }
+}
+
+impl AsyncRead for ReadHalf {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        delegate!(self, s => Pin::new(s).poll_read(cx, buf))
+    }
+}
+
+impl AsyncWrite for WriteHalf {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        delegate!(self, s => Pin::new(s).poll_write(cx, buf))
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        delegate!(self, s => Pin::new(s).poll_flush(cx))
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        delegate!(self, s => Pin::new(s).poll_shutdown(cx))
+    }
+}
+
+/// A listening socket: TCP, or Unix (whose path is removed when it is dropped).
+pub(crate) enum Listener {
+    Tcp(TcpListener),
+    Unix(UnixListener, PathBuf),
+}
+
+impl Listener {
+    /// Binds `host:port` or `unix:PATH`. A stale socket file at PATH (left by an
+    /// agent that was killed) is replaced.
+    pub(crate) async fn bind(addr: &str) -> io::Result<Listener> {
+        match unix_path(addr) {
+            Some(path) => {
+                match std::fs::remove_file(path) {
+                    Ok(()) => {}
+                    Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+                    Err(error) => return Err(error),
+                }
+                Ok(Listener::Unix(UnixListener::bind(path)?, path.to_owned()))
+            }
+            None => Ok(Listener::Tcp(TcpListener::bind(addr).await?)),
+        }
+    }
+
+    /// The address to give clients, in the form [`Stream::connect`] takes.
+    pub(crate) fn local_addr(&self) -> io::Result<String> {
+        match self {
+            Listener::Tcp(l) => Ok(l.local_addr()?.to_string()),
+            Listener::Unix(_, path) => Ok(format!("{UNIX_PREFIX}{}", path.display())),
+        }
+    }
+
+    pub(crate) async fn accept(&self) -> io::Result<Stream> {
+        match self {
+            Listener::Tcp(l) => {
+                let (stream, _) = l.accept().await?;
+                // Replies are small and latency-bound.
+                stream.set_nodelay(true)?;
+                Ok(Stream::Tcp(stream))
+            }
+            Listener::Unix(l, _) => Ok(Stream::Unix(l.accept().await?.0)),
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, path) = self {
+            // Best effort: a leftover file is replaced by the next bind anyway.
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}

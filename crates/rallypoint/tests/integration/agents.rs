@@ -1,0 +1,308 @@
+//! Ranks behind node agents: one upstream connection per agent, and every
+//! semantic (barriers, all-gather, the store, timeouts naming the missing ranks,
+//! a dead rank named with its host) exactly as with direct connections.
+
+use std::time::Duration;
+
+use rallypoint::agent::{Agent, AgentConfig, AgentError, AgentHandle};
+use rallypoint::server::ServerHandle;
+use rallypoint::{Client, ConnectOptions, Error, Identity, LossReason, Members, OpError, RankInfo, RankState};
+use rallypoint_core::CollectiveKind;
+use tokio::task::JoinSet;
+
+use crate::common::{bounded, connect, rank, start_confirmed, start_server};
+
+const WAIT: Option<Duration> = Some(Duration::from_secs(50));
+
+/// An agent for `server`, its ranks connecting over loopback TCP or, with `unix`,
+/// over a Unix socket in a fresh temporary directory.
+async fn start_agent(server: &ServerHandle, unix: bool) -> AgentHandle {
+    let listen = if unix {
+        let dir = std::env::temp_dir().join(format!("rallypoint-agent-test-{}-{}", std::process::id(), rand_suffix()));
+        std::fs::create_dir_all(&dir).expect("temporary directory");
+        format!("unix:{}", dir.join("agent.sock").display())
+    } else {
+        "127.0.0.1:0".to_owned()
+    };
+    let mut config = AgentConfig::new(server.local_addr().to_string(), listen);
+    config.connect_timeout = Duration::from_secs(20);
+    bounded("agent start", Agent::bind(config)).await.expect("agent binds and reaches the coordinator").spawn()
+}
+
+fn rand_suffix() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
+async fn connect_via(agent: &AgentHandle, identity: Identity) -> Client {
+    let options = ConnectOptions { addr: agent.local_addr().to_owned(), identity, timeout: Duration::from_secs(20) };
+    bounded("connect through an agent", Client::connect_with(options)).await.expect("connect through the agent")
+}
+
+/// Ranks 0-1 behind a TCP agent, 2-3 behind a Unix-socket agent, 4-5 direct.
+async fn six_ranks(server: &ServerHandle, job: &str) -> (AgentHandle, AgentHandle, Vec<Client>) {
+    let a = start_agent(server, false).await;
+    let b = start_agent(server, true).await;
+    let mut clients = Vec::new();
+    for r in 0..6 {
+        let identity = rank(job, r, 6);
+        clients.push(match r {
+            0 | 1 => connect_via(&a, identity).await,
+            2 | 3 => connect_via(&b, identity).await,
+            _ => connect(server, identity).await,
+        });
+    }
+    (a, b, clients)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_behind_two_agents_and_direct_ranks_pass_barriers_together() {
+    let server = start_server().await;
+    let (a, b, clients) = six_ranks(&server, "mixed").await;
+    for round in 0..5 {
+        let mut waiting = JoinSet::new();
+        for client in &clients {
+            let client = client.clone();
+            waiting.spawn(async move { client.barrier("step", Members::World, WAIT).await });
+        }
+        bounded("barrier round", async {
+            while let Some(passed) = waiting.join_next().await {
+                passed.expect("task").unwrap_or_else(|e| panic!("round {round}: {e}"));
+            }
+        })
+        .await;
+    }
+    for client in clients {
+        bounded("close", client.close()).await.expect("clean leave");
+    }
+    a.shutdown().await.expect("agent a stops cleanly");
+    b.shutdown().await.expect("agent b stops cleanly");
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn all_gather_and_kv_through_agents() {
+    let server = start_server().await;
+    let (_a, _b, clients) = six_ranks(&server, "gather").await;
+    let mut gathering = JoinSet::new();
+    for (r, client) in clients.iter().enumerate() {
+        let client = client.clone();
+        gathering.spawn(async move { client.all_gather("vals", Members::World, format!("v{r}"), WAIT).await });
+    }
+    bounded("all-gather", async {
+        while let Some(gathered) = gathering.join_next().await {
+            let gathered = gathered.expect("task").expect("all_gather");
+            let values: Vec<&[u8]> = gathered.iter().map(|v| v.as_ref()).collect();
+            assert_eq!(values, [b"v0", b"v1", b"v2", b"v3", b"v4", b"v5"]);
+        }
+    })
+    .await;
+
+    // A blocking get behind agent b waits for a key set behind agent a.
+    let waiter = clients[2].clone();
+    let get = start_confirmed(&clients[2], async move { waiter.get("late", WAIT).await }).await;
+    clients[0].set("late", "from rank 0").await.expect("set");
+    assert_eq!(bounded("get", get).await.expect("task").expect("get"), "from rank 0");
+    assert_eq!(clients[1].add("n", 2).await.expect("add"), 2);
+    assert_eq!(clients[3].add("n", 3).await.expect("add"), 5);
+    assert_eq!(clients[4].add("n", 4).await.expect("add"), 9);
+    assert!(clients[3].check(&["late", "n"]).await.expect("check"));
+    assert_eq!(clients[1].compare_set("late", "from rank 0", "swapped").await.expect("cas"), "swapped");
+    assert_eq!(clients[5].multi_get(&["late", "n"], WAIT).await.expect("multi_get"), ["swapped", "9"]);
+    assert_eq!(clients[2].num_keys().await.expect("num_keys"), 2);
+    // An error reply travels back through the agent with its facts.
+    match clients[0].add("late", 1).await {
+        Err(Error::Op(OpError::NotANumber { key, .. })) => assert_eq!(key, "late"),
+        other => panic!("expected NotANumber, got {other:?}"),
+    }
+    server.shutdown().await;
+}
+
+/// A rank behind an agent dies while everyone waits for it: peers behind the same
+/// agent, behind another agent and connected directly are all told at once, by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_rank_behind_an_agent_is_named_by_every_peer() {
+    let server = start_server().await;
+    let (_a, _b, mut clients) = six_ranks(&server, "dead").await;
+    let victim = clients.remove(1);
+    let mut waiters = Vec::new();
+    for client in &clients {
+        let c = client.clone();
+        waiters.push(start_confirmed(client, async move { c.barrier("sync", Members::World, WAIT).await }).await);
+    }
+    drop(victim);
+    for (i, waiter) in waiters.into_iter().enumerate() {
+        match bounded("waiter", waiter).await.expect("task") {
+            Err(Error::Op(OpError::PeerLost { op, peer })) => {
+                assert_eq!((op.kind, op.name.as_str(), op.generation), (CollectiveKind::Barrier, "sync", 1));
+                assert_eq!((peer.rank, peer.host.as_deref(), peer.pid), (1, Some("host-1"), Some(1001)));
+                assert_eq!(peer.state, RankState::Lost(LossReason::Disconnected));
+            }
+            other => panic!("waiter {i}: expected PeerLost naming rank 1, got {other:?}"),
+        }
+    }
+    server.shutdown().await;
+}
+
+/// The timeout error lists exactly the missing ranks, behind agents or not, with
+/// what is known of each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn barrier_timeout_names_exactly_the_missing_ranks_behind_agents() {
+    let server = start_server().await;
+    let a = start_agent(&server, false).await;
+    let b = start_agent(&server, true).await;
+    let r0 = connect(&server, rank("late", 0, 5)).await;
+    let r1 = connect_via(&a, rank("late", 1, 5)).await;
+    let _r2 = connect_via(&b, rank("late", 2, 5)).await;
+    let r3 = connect_via(&a, rank("late", 3, 5)).await;
+    bounded("close", r3.close()).await.expect("rank 3 leaves cleanly");
+    // Rank 4 never connects.
+    let timeout = Some(Duration::from_millis(500));
+    let (x, y) = bounded("barrier", async {
+        tokio::join!(r0.barrier("epoch", Members::World, timeout), r1.barrier("epoch", Members::World, timeout))
+    })
+    .await;
+    for (r, result) in [(0, x), (1, y)] {
+        let Err(Error::Op(OpError::CollectiveTimeout { op, members, missing, .. })) = result else {
+            panic!("rank {r}: expected CollectiveTimeout, got {result:?}");
+        };
+        assert_eq!((op.name.as_str(), members), ("epoch", 5));
+        let states: Vec<(u32, RankState)> = missing.iter().map(|m: &RankInfo| (m.rank, m.state)).collect();
+        assert_eq!(states, [(2, RankState::Connected), (3, RankState::Left), (4, RankState::NeverConnected)], "rank {r}");
+        assert_eq!((missing[0].host.as_deref(), missing[0].pid), (Some("host-2"), Some(1002)));
+        assert_eq!((missing[1].host.as_deref(), missing[1].pid), (Some("host-3"), Some(1003)));
+        assert_eq!(missing[2].host, None);
+    }
+    server.shutdown().await;
+}
+
+/// An agent that goes away takes its ranks with it: the coordinator names each of
+/// them (with its host) to their peers, and the agent's own ranks are told why
+/// their calls failed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_agent_loses_all_its_ranks_by_name() {
+    let server = start_server().await;
+    let a = start_agent(&server, true).await;
+    let r0 = connect_via(&a, rank("agentless", 0, 4)).await;
+    let r1 = connect_via(&a, rank("agentless", 1, 4)).await;
+    let r2 = connect(&server, rank("agentless", 2, 4)).await;
+    let w0 = { let c = r0.clone(); start_confirmed(&r0, async move { c.barrier("sync", Members::World, WAIT).await }).await };
+    let w2 = { let c = r2.clone(); start_confirmed(&r2, async move { c.barrier("sync", Members::World, WAIT).await }).await };
+
+    bounded("agent shutdown", a.shutdown()).await.expect("the agent stops");
+
+    match bounded("rank 0", w0).await.expect("task") {
+        Err(Error::Op(OpError::Closed(message))) => {
+            assert!(message.contains("node agent is shutting down"), "{message}");
+        }
+        other => panic!("rank 0: expected Closed from its agent, got {other:?}"),
+    }
+    match bounded("rank 2", w2).await.expect("task") {
+        Err(Error::Op(OpError::PeerLost { peer, .. })) => {
+            assert!(peer.rank < 2, "names a rank of the lost agent: {peer:?}");
+            assert_eq!(peer.state, RankState::Lost(LossReason::Disconnected));
+        }
+        other => panic!("rank 2: expected PeerLost, got {other:?}"),
+    }
+    // Each of the agent's ranks, by name and host.
+    for lost in [0u32, 1] {
+        match r2.barrier(&format!("with-{lost}"), Members::Ranks(vec![lost, 2]), WAIT).await {
+            Err(Error::Op(OpError::PeerLost { peer, .. })) => {
+                let host = format!("host-{lost}");
+                assert_eq!((peer.rank, peer.host.as_deref()), (lost, Some(host.as_str())));
+                assert_eq!(peer.state, RankState::Lost(LossReason::Disconnected));
+            }
+            other => panic!("expected PeerLost naming rank {lost}, got {other:?}"),
+        }
+    }
+    // The agent's clients see their connection closed.
+    assert!(matches!(r1.ping().await, Err(Error::Disconnected(_))));
+    server.shutdown().await;
+}
+
+/// The coordinator goes away under an agent: the agent's ranks get a clear error
+/// for the calls they were waiting on, and the agent stops saying why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn losing_the_coordinator_fails_local_calls_with_a_clear_error() {
+    let server = start_server().await;
+    let a = start_agent(&server, false).await;
+    let r0 = connect_via(&a, rank("orphan", 0, 2)).await;
+    let waiter = { let c = r0.clone(); start_confirmed(&r0, async move { c.barrier("sync", Members::World, WAIT).await }).await };
+    server.shutdown().await;
+    match bounded("rank 0", waiter).await.expect("task") {
+        Err(Error::Op(OpError::Closed(message))) => {
+            assert!(message.contains("lost its connection to the coordinator"), "{message}");
+        }
+        other => panic!("expected Closed naming the lost coordinator, got {other:?}"),
+    }
+    match bounded("agent", a.wait()).await {
+        Err(AgentError::UpstreamLost { ranks: 1, .. }) => {}
+        other => panic!("expected UpstreamLost with one rank, got {other:?}"),
+    }
+}
+
+/// A hello the coordinator refuses is refused to the rank, through the agent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_rank_is_refused_through_the_agent() {
+    let server = start_server().await;
+    let a = start_agent(&server, false).await;
+    let options = ConnectOptions { addr: a.local_addr().to_owned(), identity: rank("bad", 5, 2), timeout: Duration::from_secs(20) };
+    match bounded("connect", Client::connect_with(options)).await {
+        Err(Error::Op(OpError::Invalid(message))) => assert!(message.contains('5'), "{message}"),
+        other => panic!("expected the coordinator's refusal, got {:?}", other.map(|_| ())),
+    }
+    // The agent still serves.
+    let ok = connect_via(&a, rank("bad", 1, 2)).await;
+    ok.set("k", "v").await.expect("set");
+    server.shutdown().await;
+}
+
+/// 4,096 ranks over four agents (two over TCP, two over Unix sockets) pass
+/// barriers together and share one counter. (An all-gather at this size is
+/// quadratic in bytes, too slow for a debug build; it is tested above with 6.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_thousand_ranks_over_four_agents() {
+    const WORLD: u32 = 4096;
+    // Client and agent ends of every local connection live in this process.
+    rallypoint::raise_fd_limit();
+    let server = start_server().await;
+    let mut agents = Vec::new();
+    for i in 0..4 {
+        agents.push(start_agent(&server, i % 2 == 1).await);
+    }
+    let mut ranks = JoinSet::new();
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(256));
+    for r in 0..WORLD {
+        let addr = agents[(r % 4) as usize].local_addr().to_owned();
+        let slots = std::sync::Arc::clone(&slots);
+        ranks.spawn(async move {
+            let options = ConnectOptions { addr, identity: rank("scale", r, WORLD), timeout: Duration::from_secs(50) };
+            let client = {
+                let _slot = slots.acquire().await.expect("semaphore");
+                Client::connect_with(options).await.expect("connect")
+            };
+            for _ in 0..3 {
+                client.barrier("step", Members::World, WAIT).await.expect("barrier");
+            }
+            client.add("arrived", 1).await.expect("add");
+            client.barrier("counted", Members::World, WAIT).await.expect("barrier");
+            let total = client.get("arrived", WAIT).await.expect("get");
+            client.close().await.expect("close");
+            total
+        });
+    }
+    bounded("4,096 ranks", async {
+        let mut done = 0;
+        while let Some(total) = ranks.join_next().await {
+            assert_eq!(total.expect("rank task"), WORLD.to_string());
+            done += 1;
+        }
+        assert_eq!(done, WORLD);
+    })
+    .await;
+    for agent in agents {
+        agent.shutdown().await.expect("agent stops");
+    }
+    server.shutdown().await;
+}

@@ -1,0 +1,181 @@
+#!/usr/bin/env python3
+"""Helpers of scripts/compare-torch (run through it, not by hand):
+
+  serve-torch                 host torch's own TCPStore server (libuv backend, torch's
+                              default) on a free port of 127.0.0.1, print the port, live
+                              until stdin closes
+  synchronize HOST PORT N ROUNDS SIZE
+                              N torch clients (threads, one TCPStore connection each) run
+                              torch.distributed.elastic.utils.store.synchronize of SIZE
+                              bytes each, ROUNDS times; prints one JSON line like
+                              `rallypoint bench all-gather --json`
+  report RESULTS              reads the raw JSON lines compare-torch wrote, prints the
+                              ratio table (markdown) and appends the barrier-vs-N sweep
+                              lines {"system", "n", "median_us", "mean_us"} to RESULTS
+"""
+import datetime
+import json
+import statistics
+import sys
+import threading
+import time
+
+
+def serve_torch():
+    import torch.distributed as dist
+
+    master = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=60))
+    print(master.port, flush=True)
+    sys.stdin.read()  # returns when the parent closes the pipe (or dies)
+    del master
+
+
+def synchronize(host, port, n, rounds, size):
+    import torch.distributed as dist
+    from torch.distributed.elastic.utils import store as estore
+
+    timeout = 600  # seconds; every call is bounded by it
+    t0 = time.perf_counter()
+    clients = [dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout), wait_for_workers=False)
+               for _ in range(n)]
+    connect_ms = (time.perf_counter() - t0) * 1e3
+    tag = str(time.time_ns())
+    start = threading.Barrier(n + 1, timeout=timeout)
+    entered = [[0.0] * rounds for _ in range(n)]
+    done = [[0.0] * rounds for _ in range(n)]
+    errors = []
+
+    def member(i):
+        try:
+            start.wait()
+            for r in range(rounds):
+                entered[i][r] = time.perf_counter()
+                got = estore.synchronize(clients[i], bytes([(i + r) % 256]) * size, i, n,
+                                         key_prefix=f"ag{tag}/{r}/", timeout=timeout)
+                done[i][r] = time.perf_counter()
+                peer = (i + 1) % n
+                assert len(got) == n and got[peer][:1] == bytes([(peer + r) % 256]), "wrong data"
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    ths = [threading.Thread(target=member, args=(i,), daemon=True) for i in range(n)]
+    for t in ths:
+        t.start()
+    start.wait()
+    for t in ths:
+        t.join(timeout=timeout * rounds)
+    if errors or any(t.is_alive() for t in ths):
+        raise SystemExit(f"synchronize failed: {errors[:3]}")
+    # As torch_barrier.py: a round lasts from the last member's entry to the last release.
+    rt = sorted(max(done[i][r] for i in range(n)) - max(entered[i][r] for i in range(n)) for r in range(rounds))
+    print(json.dumps({"op": "synchronize", "clients": n, "value_bytes": size, "rounds": rounds,
+                      "median_us": round(rt[len(rt) // 2] * 1e6, 1),
+                      "mean_us": round(statistics.fmean(rt) * 1e6, 1),
+                      "max_us": round(rt[-1] * 1e6, 1), "connect_ms": round(connect_ms, 1)}))
+
+
+def report(path):
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    # The raw lines; sweep lines of an earlier report are rewritten, not repeated.
+    runs = [r for r in rows if "run" in r]
+
+    def pick(run, server, n=None):
+        return [r["result"] for r in runs if r["run"] == run and r["server"] == server
+                and (n is None or r.get("n") == n)]
+
+    def med(xs):
+        return statistics.median(xs) if xs else None
+
+    def fmt_us(us):
+        if us is None:
+            return "—"
+        return f"{us / 1e3:,.2f} ms" if us >= 1000 else f"{us:,.1f} µs"
+
+    def ratio(a, b):
+        return f"{a / b:,.2f}×" if a and b else "—"
+
+    out = []
+    # Barrier at N (the headline): round medians of each system, and the ping floor.
+    n = max((r["n"] for r in runs if r["run"] == "barrier"), default=None)
+    if n is not None:
+        b = {s: med([x["median_us"] for x in pick("barrier", s, n)]) for s in ("torch", "rallypoint")}
+        p = {s: med([x["mean_us"] for x in pick("ping", s, n)]) for s in ("torch", "rallypoint")}
+        native = med([x["median_us"] for x in pick("native-barrier", "rallypoint", n)])
+        tb = {m: med([x["median_us"] for x in pick(f"torch-clients-{m}", "torch", n)]) for m in ("elastic", "op")}
+        fastest_torch = min(x for x in [b["torch"], tb["elastic"], tb["op"]] if x is not None)
+        out += [f"### Barrier, N = {n:,} (round median; ping = mean of a PING round, the floor)", "",
+                "| what | torch's server | rallypoint | torch ÷ rallypoint |", "| --- | ---: | ---: | ---: |",
+                f"| BARRIER request (type 18), Rust load | {fmt_us(b['torch'])} | {fmt_us(b['rallypoint'])} "
+                f"| {ratio(b['torch'], b['rallypoint'])} |",
+                f"| PING round (floor), Rust load | {fmt_us(p['torch'])} | {fmt_us(p['rallypoint'])} "
+                f"| {ratio(p['torch'], p['rallypoint'])} |",
+                f"| torch clients, elastic `store.barrier` | {fmt_us(tb['elastic'])} "
+                f"| {fmt_us(med([x['median_us'] for x in pick('torch-clients-elastic', 'rallypoint', n)]))} | |",
+                f"| torch clients, `TCPStore.barrier` (op) | {fmt_us(tb['op'])} "
+                f"| {fmt_us(med([x['median_us'] for x in pick('torch-clients-op', 'rallypoint', n)]))} | |",
+                f"| rallypoint native barrier | | {fmt_us(native)} | |", "",
+                f"- rallypoint's BARRIER vs torch's fastest store barrier on its own server ({fmt_us(fastest_torch)}): "
+                f"torch ÷ rallypoint = **{ratio(fastest_torch, b['rallypoint'])}** (target ≥ 10×); native barrier: "
+                f"{ratio(fastest_torch, native)}",
+                f"- rallypoint's BARRIER ÷ PING round on rallypoint: **{ratio(b['rallypoint'], p['rallypoint'])}** "
+                f"(target ≤ 3×); native barrier ÷ that ping round: {ratio(native, p['rallypoint'])}", ""]
+    # KV: per-op latency (lower is better) and add throughput (higher is better).
+    kv = {s: pick("kv", s) for s in ("torch", "rallypoint")}
+    if kv["torch"] and kv["rallypoint"]:
+        out += ["### TCPStore KV, Rust load (median of the runs' medians; throughput = median of runs)", "",
+                "| op | torch | rallypoint | rallypoint's speed-up |", "| --- | ---: | ---: | ---: |"]
+        for op in ["set", "get", "add", "check", "compare_set", "multi_get"]:
+            t = med([k["latency"][op]["median_us"] for k in kv["torch"]])
+            r = med([k["latency"][op]["median_us"] for k in kv["rallypoint"]])
+            out.append(f"| {op} latency | {fmt_us(t)} | {fmt_us(r)} | {ratio(t, r)} |")
+        for run in ("kv", "kv-depth16"):
+            kt, kr = pick(run, "torch"), pick(run, "rallypoint")
+            for i, th in enumerate(kt[0]["add_throughput"] if kt and kr else []):
+                t = med([k["add_throughput"][i]["ops_per_s"] for k in kt])
+                r = med([k["add_throughput"][i]["ops_per_s"] for k in kr])
+                out.append(f"| add, {th['clients']} clients × {th['depth']} in flight | {t:,.0f} ops/s "
+                           f"| {r:,.0f} ops/s | {ratio(r, t)} |")
+        out += ["", "(latency: torch ÷ rallypoint; throughput: rallypoint ÷ torch; > 1 = rallypoint faster. "
+                "`set` has no reply: its figure is the client's send)", ""]
+    ag_t, ag_r = pick("synchronize", "torch"), pick("all-gather", "rallypoint")
+    if ag_t and ag_r:
+        t, r = ag_t[0], ag_r[0]
+        out += [f"### All-gather of {r['value_bytes']} B per rank, N = {r['clients']:,}", "",
+                "| torch `synchronize` on torch's server | rallypoint `all_gather` | torch ÷ rallypoint |",
+                "| ---: | ---: | ---: |",
+                f"| {fmt_us(t['median_us'])} | {fmt_us(r['median_us'])} | **{ratio(t['median_us'], r['median_us'])}** "
+                f"(target ≥ 100×) |", ""]
+    print("\n".join(out))
+
+    names = {("sweep-barrier", "torch"): "torch server, BARRIER request (Rust load)",
+             ("sweep-barrier", "rallypoint"): "rallypoint, TCPStore BARRIER request (Rust load)",
+             ("sweep-native", "rallypoint"): "rallypoint, native barrier",
+             ("sweep-ping", "rallypoint"): "rallypoint, TCPStore PING round (floor)",
+             ("sweep-ping", "torch"): "torch server, PING round (floor)",
+             ("sweep-torch-clients", "torch"): "torch server, torch clients, TCPStore.barrier (op)"}
+    with open(path, "w") as f:
+        for r in runs:
+            f.write(json.dumps(r) + "\n")
+        for (run, server), system in names.items():
+            for r in runs:
+                if r["run"] == run and r["server"] == server:
+                    x = r["result"]
+                    mean = x.get("mean_us", x["median_us"])
+                    f.write(json.dumps({"system": system, "n": r["n"], "median_us": x["median_us"],
+                                        "mean_us": mean}) + "\n")
+
+
+def main():
+    cmd, args = sys.argv[1], sys.argv[2:]
+    if cmd == "serve-torch":
+        serve_torch()
+    elif cmd == "synchronize":
+        synchronize(args[0], int(args[1]), int(args[2]), int(args[3]), int(args[4]))
+    elif cmd == "report":
+        report(args[0])
+    else:
+        raise SystemExit(__doc__)
+
+
+if __name__ == "__main__":
+    main()
