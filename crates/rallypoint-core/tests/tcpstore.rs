@@ -179,3 +179,28 @@ fn ranks_stalled_at_one_store_barrier_give_one_notice_per_period_naming_the_miss
     h.advance(30_000);
     assert_eq!(h.engine.drain_notices().count(), 0);
 }
+
+#[test]
+fn store_barrier_waiters_with_different_world_sizes_are_released_as_the_counter_reaches_each() {
+    let mut h = Harness::new();
+    let s: Vec<SessionId> = (0..6).map(|_| anon(&mut h)).collect();
+    let bar = |ws| Request::StoreBarrier { key: b("/mixed"), world_size: ws, timeout_ms: None };
+    // Counter 1 and 2: waiting for 5 and 4 arrivals.
+    let w5 = h.send(s[0], bar(5));
+    let w4 = h.send(s[1], bar(4));
+    assert!(h.pending(s[0], w5) && h.pending(s[1], w4));
+    // Counter 3 waits for 3: released alone, at once.
+    let w3 = h.send(s[2], bar(3));
+    assert_eq!(ok(h.take(s[2], w3)), Response::Done);
+    assert!(h.pending(s[0], w5) && h.pending(s[1], w4));
+    // Counter 4 releases the world-size-4 waiter, not the 5 nor the new 6.
+    let w6 = h.send(s[3], bar(6));
+    assert_eq!(ok(h.take(s[1], w4)), Response::Done);
+    assert!(h.pending(s[0], w5) && h.pending(s[3], w6));
+    // A canceled waiter leaves the others in place; counter 5 releases the 5.
+    ok(Some(h.call(s[3], Request::CancelWait)));
+    assert!(matches!(err(h.take(s[3], w6)), OpError::Closed(_)));
+    assert_eq!(ok(Some(h.call(s[4], bar(5)))), Response::Done);
+    assert_eq!(ok(h.take(s[0], w5)), Response::Done);
+    assert_eq!(ok(Some(h.call(s[5], bar(6)))), Response::Done);
+}

@@ -10,6 +10,7 @@ mod timers;
 mod torch;
 mod validate;
 
+use std::collections::BTreeSet;
 
 use crate::{
     AbortInfo, CollectiveKind, Config, Identity, Members, Millis, OpError, Outgoing, Reply, Request, Response,
@@ -39,6 +40,13 @@ struct Session {
     torch: bool,
 }
 
+/// The open TCPStore connections of one torch process, and its rank once known.
+#[derive(Debug, Default)]
+struct TorchProcess {
+    rank: Option<u32>,
+    sessions: BTreeSet<SessionId>,
+}
+
 /// The coordination state machine. See the crate documentation.
 #[derive(Debug)]
 pub struct Engine {
@@ -51,7 +59,7 @@ pub struct Engine {
     sessions: HashMap<SessionId, Box<Session>>,
     /// Open torch sessions by process (job, host, pid ≠ 0): torch opens several
     /// connections per process, and a rank learned on one belongs to all of them.
-    torch_processes: HashMap<(JobId, String, u32), Vec<SessionId>>,
+    torch_processes: HashMap<(JobId, String, u32), TorchProcess>,
     timers: Timers,
     outgoing: Vec<Outgoing>,
     /// Warnings for the operator (stalled torch jobs), in the order produced.
@@ -126,10 +134,8 @@ impl Engine {
             return Ok(welcome);
         }
         let process = self.torch_processes.entry((sess.job, sess.identity.host.clone(), pid)).or_default();
-        process.push(session);
-        let sessions = &self.sessions;
-        let known = process.iter().find_map(|s| sessions.get(s).and_then(|s| s.identity.rank));
-        if let Some(rank) = known {
+        process.sessions.insert(session);
+        if let Some(rank) = process.rank {
             self.attribute(session, rank, now);
         }
         Ok(welcome)
@@ -141,8 +147,14 @@ impl Engine {
     fn attribute(&mut self, session: SessionId, rank: u32, now: Millis) {
         let Some(sess) = self.sessions.get(&session) else { return };
         let (job_id, host, pid) = (sess.job, sess.identity.host.clone(), sess.identity.pid);
-        let same_process = if pid == 0 { None } else { self.torch_processes.get(&(job_id, host.clone(), pid)) };
-        let targets: Vec<SessionId> = same_process.map_or_else(|| vec![session], Clone::clone);
+        let same_process = if pid == 0 { None } else { self.torch_processes.get_mut(&(job_id, host.clone(), pid)) };
+        let targets: Vec<SessionId> = match same_process {
+            Some(process) => {
+                process.rank = Some(rank);
+                process.sessions.iter().copied().collect()
+            }
+            None => vec![session],
+        };
         let Some(job) = self.jobs.get_mut(&job_id) else { return };
         let mut ctx = Ctx { job: job_id, now, out: &mut self.outgoing, timers: &mut self.timers };
         for id in targets {
@@ -313,9 +325,9 @@ impl Engine {
         let Some(sess) = self.sessions.remove(&session) else { return };
         if sess.torch && sess.identity.pid != 0 {
             let process = (sess.job, sess.identity.host.clone(), sess.identity.pid);
-            if let Some(sessions) = self.torch_processes.get_mut(&process) {
-                sessions.retain(|s| *s != session);
-                if sessions.is_empty() {
+            if let Some(entry) = self.torch_processes.get_mut(&process) {
+                entry.sessions.remove(&session);
+                if entry.sessions.is_empty() {
                     self.torch_processes.remove(&process);
                 }
             }

@@ -40,7 +40,9 @@ pub(crate) struct Store {
     /// TCPStore queues: a namespace apart from `data` (torch's libuv server does the same).
     queues: HashMap<Bytes, VecDeque<Bytes>>,
     /// Store barriers waiting for the counter at their key.
-    barrier_waiters: HashMap<Bytes, Vec<WaitId>>,
+    /// Ordered by world size, so an arrival releases the waiters it satisfies
+    /// without looking at the others (N arrivals stay O(N log N), not O(N²)).
+    barrier_waiters: HashMap<Bytes, BTreeSet<(i64, WaitId)>>,
     /// Keys ever used as store-barrier counters, for status reports.
     barrier_keys: BTreeSet<Bytes>,
 }
@@ -110,7 +112,7 @@ impl Store {
         if count >= world_size {
             return Ok(Some(Ok(Response::Done)));
         }
-        self.barrier_waiters.entry(key.clone()).or_default().push(id);
+        self.barrier_waiters.entry(key.clone()).or_default().insert((world_size, id));
         self.waits.insert(id, KeyWait { kind: WaitKind::Barrier { world_size }, keys: vec![key], missing: 0, started: now });
         Ok(None)
     }
@@ -283,15 +285,22 @@ impl Store {
 
     fn remove_wait(&mut self, id: WaitId) -> Option<KeyWait> {
         let wait = self.waits.remove(&id)?;
-        let index = match wait.kind {
-            WaitKind::Barrier { .. } => &mut self.barrier_waiters,
-            _ => &mut self.waiters_by_key,
-        };
+        if let WaitKind::Barrier { world_size } = wait.kind {
+            for key in &wait.keys {
+                if let Some(waiters) = self.barrier_waiters.get_mut(key) {
+                    waiters.remove(&(world_size, id));
+                    if waiters.is_empty() {
+                        self.barrier_waiters.remove(key);
+                    }
+                }
+            }
+            return Some(wait);
+        }
         for key in &wait.keys {
-            if let Some(ids) = index.get_mut(key) {
+            if let Some(ids) = self.waiters_by_key.get_mut(key) {
                 ids.retain(|w| *w != id);
                 if ids.is_empty() {
-                    index.remove(key);
+                    self.waiters_by_key.remove(key);
                 }
             }
         }
@@ -332,18 +341,19 @@ impl Store {
 
     /// Answers the barrier waiters of `key` whose world size the counter has reached.
     fn release_barriers(&mut self, key: &Bytes, done: &mut Vec<(WaitId, Reply)>) {
-        let Some(ids) = self.barrier_waiters.get(key) else { return };
-        let count = self.data.get(key).and_then(|v| parse_stoll(v));
-        let released: Vec<WaitId> = ids
-            .iter()
-            .copied()
-            .filter(|id| {
-                matches!((self.waits.get(id).map(|w| w.kind), count),
-                    (Some(WaitKind::Barrier { world_size }), Some(n)) if n >= world_size)
-            })
-            .collect();
-        for id in released {
-            if self.remove_wait(id).is_some() {
+        let Some(count) = self.data.get(key).and_then(|v| parse_stoll(v)) else { return };
+        let Some(waiters) = self.barrier_waiters.get_mut(key) else { return };
+        // Everything ordered before (count + 1, _) has a world size the counter reached.
+        let still_waiting = match count.checked_add(1) {
+            Some(next) => waiters.split_off(&(next, (SessionId(0), 0))),
+            None => BTreeSet::new(),
+        };
+        let released = std::mem::replace(waiters, still_waiting);
+        if self.barrier_waiters.get(key).is_some_and(BTreeSet::is_empty) {
+            self.barrier_waiters.remove(key);
+        }
+        for (_, id) in released {
+            if self.waits.remove(&id).is_some() {
                 done.push((id, Ok(Response::Done)));
             }
         }
