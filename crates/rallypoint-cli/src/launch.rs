@@ -13,7 +13,9 @@ use crate::exit::UsageError;
 #[command(after_help = "\
 Each worker gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
 GROUP_WORLD_SIZE, ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), plus RALLYPOINT_ADDR and
-RALLYPOINT_JOB, so `rallypoint barrier ...` and Client::from_env() work inside it.
+RALLYPOINT_JOB, so `rallypoint barrier ...` and Client::from_env() work inside it (with
+--node-agent, RALLYPOINT_ADDR is this node's agent; a rank dying behind it is still named, with
+its host, by every peer).
 When a worker fails, every worker on every node gets SIGTERM (SIGKILL after --grace), a summary
 names the first failure on stderr, and the launcher exits with that worker's exit code
 (128 + signal for a signal).")]
@@ -50,6 +52,13 @@ pub struct LaunchArgs {
     /// Seconds to wait for the coordinator and for every node to join.
     #[arg(long, default_value_t = 300.0)]
     join_timeout: f64,
+    /// Host a node agent in this launcher: the workers' RALLYPOINT_ADDR becomes its Unix
+    /// socket (unix:PATH, in a private temporary directory removed at exit) and it carries
+    /// all of this node's worker connections to the coordinator over one connection.
+    /// MASTER_ADDR/MASTER_PORT still name the coordinator itself (torch's TCPStore cannot
+    /// go through the agent). Workers must share the launcher's filesystem to reach it.
+    #[arg(long)]
+    node_agent: bool,
     /// The worker command and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
     command: Vec<OsString>,
@@ -70,6 +79,7 @@ pub async fn run(args: LaunchArgs) -> anyhow::Result<i32> {
         tee: args.tee,
         max_restarts: args.max_restarts,
         join_timeout: seconds("join-timeout", args.join_timeout)?,
+        node_agent: args.node_agent,
         command: args.command,
     };
     match launch(options).await {

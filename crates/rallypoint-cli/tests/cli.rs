@@ -447,7 +447,7 @@ fn benches_report_json() {
 
     let run = exec({
         let mut command = rallypoint();
-        command.args(["bench", "kv", "--clients", "2", "--ops", "20", "--json"]);
+        command.args(["bench", "kv", "--clients", "2", "--ops", "20", "--adds", "40", "--json"]);
         command
     });
     assert_code(&run, 0);
@@ -455,5 +455,7 @@ fn benches_report_json() {
     for op in ["set", "get", "add", "check", "compare_set", "multi_get"] {
         assert_eq!(report["latency"][op]["count"], 20, "{op}: {report}");
     }
-    assert_eq!(report["add_throughput"]["ops"], 40);
+    // One throughput run per `--clients` count.
+    assert_eq!(report["add_throughput"][0]["clients"], 2, "{report}");
+    assert_eq!(report["add_throughput"][0]["ops"], 40, "{report}");
 }

@@ -332,3 +332,80 @@ fn two_nodes_restart_together_after_a_failure() {
     assert!(n1.stdout.contains("[rank1]: rank 1 done in attempt 1 of job tr.restart1"), "{}", n1.stdout);
     assert!(n0.stderr.contains("restarting (1 of 1 restarts)") && n1.stderr.contains("restarting (1 of 1 restarts)"));
 }
+
+/// The `unix:PATH` a worker printed as `addr RALLYPOINT_ADDR MASTER_ADDR:MASTER_PORT`;
+/// checks that MASTER_* still names the coordinator.
+fn node_agent_socket(stdout: &str, rank: u32, master: &str) -> PathBuf {
+    let prefix = format!("[rank{rank}]: addr ");
+    let line = stdout.lines().find(|l| l.starts_with(&prefix)).unwrap_or_else(|| panic!("no addr line of rank {rank}:\n{stdout}"));
+    let parts: Vec<&str> = line.split_whitespace().collect();
+    assert_eq!(parts[3], master, "MASTER_ADDR:MASTER_PORT must stay the coordinator's: {line}");
+    let path = parts[2].strip_prefix("unix:").unwrap_or_else(|| panic!("RALLYPOINT_ADDR must be the node agent's Unix socket: {line}"));
+    PathBuf::from(path)
+}
+
+#[test]
+fn two_nodes_behind_node_agents_pass_barriers_and_all_gathers() {
+    let dir = temp_dir("nodeagent");
+    let master = format!("127.0.0.1:{}", free_port());
+    let script = r#"
+        echo "addr $RALLYPOINT_ADDR $MASTER_ADDR:$MASTER_PORT"
+        exec "$RP" demo-worker --rounds 3
+    "#;
+    let common = ["--nnodes", "2", "--nproc-per-node", "2", "--master", master.as_str(), "--job", "na", "--node-agent"];
+    let node0 = launch(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir);
+    let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir);
+    let (n0, n1) = (node0.finish(), node1.finish());
+    assert_eq!(n0.code, Some(0), "node 0 stderr:\n{}", n0.stderr);
+    assert_eq!(n1.code, Some(0), "node 1 stderr:\n{}", n1.stderr);
+    for (node, ranks) in [(&n0, [0, 1]), (&n1, [2, 3])] {
+        let sockets: Vec<PathBuf> = ranks.iter().map(|&r| node_agent_socket(&node.stdout, r, &master)).collect();
+        assert_eq!(sockets[0], sockets[1], "one node agent per node");
+        let socket_dir = sockets[0].parent().expect("the socket lives in a directory");
+        assert!(!socket_dir.exists(), "the node agent's directory {} outlived its launcher", socket_dir.display());
+        for r in ranks {
+            // Step 3's losses are 2/4 + 0.01 * rank: every rank saw all four, in rank order.
+            let gathered = "all-gather 'loss': [0.500, 0.510, 0.520, 0.530]";
+            let line = format!("[rank{r}]: [rank {r}] step 3: barrier 'step' passed");
+            assert!(
+                node.stdout.lines().any(|l| l.starts_with(&line) && l.contains(gathered)),
+                "missing {line:?} with {gathered:?} in\n{}",
+                node.stdout
+            );
+        }
+    }
+    let (s0, s1) = (node_agent_socket(&n0.stdout, 0, &master), node_agent_socket(&n1.stdout, 2, &master));
+    assert_ne!(s0, s1, "each node's launcher hosts its own node agent");
+}
+
+#[test]
+fn a_worker_killed_behind_a_node_agent_is_named_on_the_other_node() {
+    let dir = temp_dir("nodeagentkill");
+    let master = format!("127.0.0.1:{}", free_port());
+    // Rank 3, the last, is on node 1: it kills itself with SIGKILL while the others
+    // wait for it in a barrier.
+    let script = r#"exec "$RP" demo-worker --rounds 1 --kill-last"#;
+    let common =
+        ["--nnodes", "2", "--nproc-per-node", "2", "--master", master.as_str(), "--job", "nak", "--grace", "2", "--node-agent"];
+    let node0 = launch(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir);
+    let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir);
+    let (n0, n1) = (node0.finish(), node1.finish());
+    assert_eq!(n1.code, Some(137), "node 1 stderr:\n{}", n1.stderr);
+    assert_eq!(n0.code, Some(137), "node 0 stderr:\n{}", n0.stderr);
+    assert!(n1.stderr.contains("rank 3 was killed by SIGKILL"), "node 1's summary names rank 3:\n{}", n1.stderr);
+    assert!(n0.stderr.contains("rank 3 was killed by SIGKILL"), "node 0's summary names rank 3:\n{}", n0.stderr);
+    for r in [0, 1] {
+        // The barrier fails either with PeerLost through the node agent (the worker
+        // prints when it was told) or, if node 1's launcher aborted the job first,
+        // with the abort naming rank 3: both name the dead rank and a host.
+        let told = format!("[rank{r}]: [rank {r}] told ");
+        let failed = format!("[rank{r}]: rallypoint: ");
+        let why = n0
+            .stdout
+            .lines()
+            .chain(n0.stderr.lines())
+            .find(|l| l.starts_with(&told) || l.starts_with(&failed))
+            .unwrap_or_else(|| panic!("rank {r} never reported the failure\nstdout:\n{}\nstderr:\n{}", n0.stdout, n0.stderr));
+        assert!(why.contains("rank 3") && why.contains("host "), "rank {r} must name rank 3 and a host: {why:?}");
+    }
+}

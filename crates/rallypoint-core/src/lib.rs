@@ -17,4 +17,4 @@ pub use config::{Config, Limits};
 pub use engine::Engine;
 pub use error::{AbortInfo, CallShape, CollectiveKind, LossReason, OpError, OpRef, RankInfo, RankState};
 pub use identity::{Identity, SessionId};
-pub use request::{Members, Millis, Outgoing, Reply, Request, Response, Welcome};
+pub use request::{Gathered, Members, Millis, Outgoing, Reply, Request, Response, Welcome};

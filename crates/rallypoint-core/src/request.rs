@@ -1,7 +1,7 @@
 //! Requests a session sends, and the replies it gets.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 
@@ -136,12 +136,72 @@ pub enum Response {
     /// multi_get (in request order), list_keys (sorted).
     Values(Vec<Bytes>),
     /// all_gather: every member's value in rank order, shared by all recipients.
-    Gathered(Arc<[Bytes]>),
+    Gathered(Gathered),
     /// queue_pop: the queue's length before the pop (0: it was empty) and the item taken.
     Popped { len_before: i64, value: Option<Bytes> },
 }
 
 pub type Reply = Result<Response, OpError>;
+
+/// An all-gather's result: every member's value in rank order.
+///
+/// Every member gets the same result, so clones share it whole: the values, and
+/// their wire encoding once a codec has made it. Encoding it once per generation
+/// instead of once per recipient is what keeps an all-gather's work on the
+/// coordinator linear in the number of ranks (each reply is N values long).
+#[derive(Clone)]
+pub struct Gathered {
+    values: Arc<[Bytes]>,
+    encoding: Arc<OnceLock<Bytes>>,
+}
+
+impl Gathered {
+    pub fn new(values: impl Into<Arc<[Bytes]>>) -> Self {
+        Gathered { values: values.into(), encoding: Arc::default() }
+    }
+
+    /// A result whose encoding is already known, such as the bytes it was decoded
+    /// from; `encoding` must be exactly what the codec would make of `values`.
+    pub fn with_encoding(values: impl Into<Arc<[Bytes]>>, encoding: Bytes) -> Self {
+        Gathered { values: values.into(), encoding: Arc::new(OnceLock::from(encoding)) }
+    }
+
+    pub fn values(&self) -> &Arc<[Bytes]> {
+        &self.values
+    }
+
+    pub fn into_values(self) -> Arc<[Bytes]> {
+        self.values
+    }
+
+    /// The encoding made so far, if any (see [`Gathered::encoding`]).
+    pub fn cached_encoding(&self) -> Option<&Bytes> {
+        self.encoding.get()
+    }
+
+    /// The values' encoding, made by `encode` on first use and shared by every clone
+    /// after that; concurrent first uses wait for one `encode` rather than each
+    /// making their own. The cache holds one encoding: it belongs to the one wire
+    /// format that carries all-gather results (the native protocol's).
+    pub fn encoding(&self, encode: impl FnOnce(&[Bytes]) -> Bytes) -> &Bytes {
+        self.encoding.get_or_init(|| encode(&self.values))
+    }
+}
+
+/// Equal values make equal results, whether or not either is encoded yet.
+impl PartialEq for Gathered {
+    fn eq(&self, other: &Self) -> bool {
+        self.values == other.values
+    }
+}
+
+impl Eq for Gathered {}
+
+impl fmt::Debug for Gathered {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("Gathered").field(&self.values).finish()
+    }
+}
 
 /// A reply the engine has produced for a session's request.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -7,10 +7,10 @@ mod common;
 use bytes::{BufMut, BytesMut};
 use common::{drain, identity, op_error, request, response, samples};
 use proptest::prelude::*;
-use rallypoint_core::{Identity, OpError, Request, SessionId, Welcome};
+use rallypoint_core::{Identity, Members, OpError, Request, Response, SessionId, Welcome};
 use rallypoint_proto::native::{
-    decode_agent_frame, decode_root_frame, encode_agent_frame, encode_root_frame, starts_with_agent_hello,
-    AgentFrame, FrameLimits, ProtoError, RootFrame,
+    decode_agent_frame, decode_root_frame, encode_agent_frame, encode_root_frame, encode_sub_replies,
+    starts_with_agent_hello, AgentFrame, FrameLimits, ProtoError, RootFrame,
 };
 
 fn agent_frames() -> Vec<AgentFrame> {
@@ -25,6 +25,10 @@ fn agent_frames() -> Vec<AgentFrame> {
             .map(|(id, request)| AgentFrame::SubRequest { sub: id as u64 % 3, id: id as u64, request }),
     );
     frames.push(AgentFrame::SubClose { sub: 2 });
+    frames.extend(samples(request(), 6).into_iter().enumerate().map(|(n, request)| AgentFrame::SubRequests {
+        calls: (0..n as u64).map(|i| (i * 7, u64::MAX - i)).collect(),
+        request,
+    }));
     frames
 }
 
@@ -37,7 +41,12 @@ fn root_frames() -> Vec<RootFrame> {
     let errors = samples(op_error(), 12);
     frames.extend(errors.iter().cloned().map(|error| RootFrame::SubRefused { sub: 4, error }));
     let replies = samples(response(), 7).into_iter().map(Ok).chain(errors.into_iter().map(Err));
-    frames.extend(replies.enumerate().map(|(id, reply)| RootFrame::SubReply { sub: 5, id: id as u64, reply }));
+    let replies: Vec<_> = replies.collect();
+    frames.extend(replies.iter().cloned().enumerate().map(|(id, reply)| RootFrame::SubReply { sub: 5, id: id as u64, reply }));
+    frames.extend(replies.into_iter().enumerate().map(|(n, reply)| RootFrame::SubReplies {
+        calls: (0..n as u64 % 4).map(|i| (i + 1, 40 + i)).collect(),
+        reply,
+    }));
     frames
 }
 
@@ -153,6 +162,110 @@ fn a_bad_sub_request_names_its_sub_session_and_id_and_the_stream_goes_on() {
     assert_split_invariant(&stream, &expected, decode_agent_frame);
 }
 
+/// The aggregated barrier arrival and release of docs/PROTOCOL.md, section 12.
+#[test]
+fn golden_bytes_of_aggregated_frames() {
+    let barrier = Request::Barrier { name: "b".into(), members: Members::World, timeout_ms: None };
+    let mut out = BytesMut::new();
+    encode_agent_frame(&AgentFrame::SubRequests { calls: vec![(2, 1), (5, 3)], request: barrier }, &mut out);
+    #[rustfmt::skip]
+    let expected: &[u8] = &[
+        0x2d, 0, 0, 0, 0x07, 2, 0, 0, 0,
+        2, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0,
+        5, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0,
+        0x0d, 1, 0, 0, 0, b'b', 0x00, 0x00,
+    ];
+    assert_eq!(&out[..], expected);
+    let mut out = BytesMut::new();
+    encode_sub_replies(&[(2, 1), (5, 3)], &Ok(Response::Done), &mut out);
+    #[rustfmt::skip]
+    let expected: &[u8] = &[
+        0x26, 0, 0, 0, 0x88, 2, 0, 0, 0,
+        2, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0,
+        5, 0, 0, 0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0,
+        0x01,
+    ];
+    assert_eq!(&out[..], expected);
+}
+
+/// A node's ranks share one all-gather result: the coordinator sends its values once,
+/// as the uncopied tail of one SubReplies frame.
+#[test]
+fn sub_replies_with_a_shared_tail_decode_whole() {
+    let values: Vec<bytes::Bytes> = (0..4u8).map(|i| bytes::Bytes::from(vec![i; 8192])).collect();
+    let reply = Ok(Response::Gathered(rallypoint_core::Gathered::new(values)));
+    let mut stream = BytesMut::new();
+    let tail = rallypoint_proto::native::encode_sub_replies_shared(&[(1, 2), (3, 4)], &reply, &mut stream)
+        .expect("a large all-gather result is shared, not copied");
+    stream.extend_from_slice(&tail);
+    let got = decode_root_frame(&mut stream, &FrameLimits::unbounded()).expect("well-formed");
+    assert_eq!(got, Some(RootFrame::SubReplies { calls: vec![(1, 2), (3, 4)], reply }));
+    assert!(stream.is_empty());
+}
+
+#[test]
+fn one_call_of_sub_replies_is_a_plain_sub_reply() {
+    let reply = Err(OpError::Invalid("x".into()));
+    let mut grouped = BytesMut::new();
+    encode_sub_replies(&[(3, 9)], &reply, &mut grouped);
+    let mut plain = BytesMut::new();
+    encode_root_frame(&RootFrame::SubReply { sub: 3, id: 9, reply }, &mut plain);
+    assert_eq!(grouped, plain);
+}
+
+#[test]
+fn a_bad_aggregated_frame_names_every_call_and_the_stream_goes_on() {
+    let last = AgentFrame::SubClose { sub: 1 };
+    let mut stream = BytesMut::new();
+    // Calls (2, 9) and (4, 11), then the unknown opcode 0x7f.
+    stream.put_u32_le(1 + 4 + 32 + 1);
+    stream.put_u8(0x07);
+    stream.put_u32_le(2);
+    for (sub, id) in [(2u64, 9u64), (4, 11)] {
+        stream.put_u64_le(sub);
+        stream.put_u64_le(id);
+    }
+    stream.put_u8(0x7f);
+    // A count the frame cannot hold is refused before anything is allocated.
+    stream.put_u32_le(1 + 4);
+    stream.put_u8(0x07);
+    stream.put_u32_le(u32::MAX);
+    // A whole request followed by a stray byte.
+    stream.put_u32_le(1 + 4 + 16 + 1 + 1);
+    stream.put_u8(0x07);
+    stream.put_u32_le(1);
+    stream.put_u64_le(6);
+    stream.put_u64_le(7);
+    stream.put_u8(0x11);
+    stream.put_u8(0xee);
+    encode_agent_frame(&last, &mut stream);
+    let expected = [
+        Err(ProtoError::BadSubCalls { calls: vec![(2, 9), (4, 11)], message: "unknown request opcode 0x7f".into() }),
+        Err(ProtoError::BadSubFrame {
+            sub: None,
+            id: None,
+            message: "field 'calls': 4294967295 items cannot fit in the 0 bytes left".into(),
+        }),
+        Err(ProtoError::BadSubCalls { calls: vec![(6, 7)], message: "1 unexpected trailing bytes after heartbeat".into() }),
+        Ok(last),
+    ];
+    assert_split_invariant(&stream, &expected, decode_agent_frame);
+
+    // Likewise a SubReplies frame whose reply does not decode (unknown tag 0x7f).
+    let mut stream = BytesMut::new();
+    stream.put_u32_le(1 + 4 + 16 + 1);
+    stream.put_u8(0x88);
+    stream.put_u32_le(1);
+    stream.put_u64_le(3);
+    stream.put_u64_le(5);
+    stream.put_u8(0x7f);
+    let got = drain(&mut stream, decode_root_frame);
+    assert!(
+        matches!(&got[..], [Err(ProtoError::BadSubCalls { calls, .. })] if calls == &[(3, 5)]),
+        "{got:?}"
+    );
+}
+
 #[test]
 fn a_truncated_sub_reply_names_what_it_could_read() {
     let mut stream = BytesMut::new();
@@ -179,6 +292,7 @@ proptest! {
             AgentFrame::SubRequest { sub, id, request: request.clone() },
             AgentFrame::SubClose { sub },
             AgentFrame::Hello { host: identity.host.clone(), pid: identity.pid },
+            AgentFrame::SubRequests { calls: vec![(sub, id), (id, sub)], request: request.clone() },
         ] {
             let mut buf = BytesMut::new();
             encode_agent_frame(&frame, &mut buf);
@@ -193,6 +307,8 @@ proptest! {
             RootFrame::SubReply { sub, id, reply: Ok(response.clone()) },
             RootFrame::SubReply { sub, id, reply: Err(error.clone()) },
             RootFrame::SubRefused { sub, error: error.clone() },
+            RootFrame::SubReplies { calls: vec![(sub, id), (id, sub), (0, 0)], reply: Ok(response.clone()) },
+            RootFrame::SubReplies { calls: vec![(sub, id), (id, sub)], reply: Err(error.clone()) },
         ] {
             let mut buf = BytesMut::new();
             encode_root_frame(&frame, &mut buf);

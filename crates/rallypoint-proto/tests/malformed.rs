@@ -3,12 +3,10 @@
 
 mod common;
 
-use std::sync::Arc;
-
 use bytes::{BufMut, Bytes, BytesMut};
 use common::{client_frame, server_frame};
 use proptest::prelude::*;
-use rallypoint_core::{Limits, OpError, Request, Response};
+use rallypoint_core::{Gathered, Limits, OpError, Request, Response};
 use rallypoint_proto::native::{
     decode_client_frame, decode_preamble, decode_server_frame, encode_client_frame,
     encode_preamble, encode_reply, encode_server_frame, ClientFrame, FrameLimits, ProtoError,
@@ -227,7 +225,7 @@ fn unframeable_reply_becomes_too_large() {
     // 65 × 64 MiB exceeds what a u32 length can frame. The buffer is shared and
     // never touched, so this costs no real memory.
     let chunk = Bytes::from(vec![0u8; 64 << 20]);
-    let gathered: Arc<[Bytes]> = vec![chunk; 65].into();
+    let gathered = Gathered::new(vec![chunk; 65]);
     let mut dst = BytesMut::new();
     encode_reply(4, &Ok(Response::Gathered(gathered)), &mut dst);
     match decode_server_frame(&mut dst, &FrameLimits::default()) {

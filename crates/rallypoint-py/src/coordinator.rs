@@ -69,6 +69,7 @@ impl Coordinator {
     fn worker_env(&self, rank: u32, nprocs: u32, job: &str) -> Vec<(&'static str, String)> {
         let job = JobEnv {
             coordinator: self.addr,
+            node_agent: None,
             run_id: job.to_owned(),
             attempt_job: job.to_owned(),
             restart_count: 0,

@@ -13,13 +13,19 @@
 //! ranks arrive in one read and are fanned out from the task that read them, each
 //! written straight to its rank's socket when the socket takes it at once.
 //!
+//! Aggregation: within one such write, the local ranks' identical barrier calls go
+//! up as one SubRequests frame listing them, and the coordinator's identical replies
+//! (a barrier's release) come back as one SubReplies frame that is fanned out here,
+//! so a node's arrival at and release from a barrier cost the coordinator one frame
+//! each instead of one per rank.
+//!
 //! Failure: a local rank whose connection ends is reported upstream at once (the
 //! coordinator decides, as for a direct connection, whether it left or is lost).
 //! If the upstream connection ends, the coordinator counts every rank of this agent
 //! as lost; the agent answers every call still waiting with a `Closed` error saying
 //! so, closes the local connections and stops with [`AgentError::UpstreamLost`].
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::future::Future;
 use std::io;
 use std::pin::{pin, Pin};
@@ -29,15 +35,16 @@ use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, BytesMut};
-use rallypoint_core::OpError;
+use rallypoint_core::{OpError, Request};
 use rallypoint_proto::native::{
     decode_client_frame, decode_preamble, decode_root_frame, encode_agent_frame, encode_preamble, encode_reply,
-    encode_server_frame, AgentFrame, ClientFrame, FrameLimits, ProtoError, RootFrame, ServerFrame, VERSION,
+    encode_server_frame, AgentFrame, ClientFrame, FrameLimits, ProtoError, RootFrame, ServerFrame,
+    MAX_CALLS_PER_FRAME, VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::sync::{oneshot, Notify};
 use tokio::task::{JoinHandle, JoinSet};
-use tracing::{debug, error, info, warn};
+use tracing::{debug, error, info, trace, warn};
 
 use crate::net::{Listener, ReadHalf, Stream, WriteHalf};
 
@@ -52,6 +59,9 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// First pause between attempts to reach the coordinator; doubles up to [`BACKOFF_CAP`].
 const BACKOFF_START: Duration = Duration::from_millis(10);
 const BACKOFF_CAP: Duration = Duration::from_secs(1);
+/// Distinct barrier calls merged at once before a write; they are compared one by
+/// one, and a node's ranks rarely wait at more than one or two barriers together.
+const MAX_MERGED: usize = 8;
 
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
@@ -120,7 +130,7 @@ impl Agent {
         let hub = Arc::new(Hub {
             addr: config.upstream,
             limits: config.limits,
-            up: Mutex::new(Up { buf: BytesMut::new(), lost: None }),
+            up: Mutex::new(Up::default()),
             up_ready: Notify::new(),
             routes: Mutex::new(HashMap::new()),
             next_sub: AtomicU64::new(1),
@@ -302,11 +312,69 @@ struct Hub {
     next_sub: AtomicU64,
 }
 
+#[derive(Default)]
 struct Up {
     /// Frames for the coordinator not yet written.
     buf: BytesMut,
+    /// Barrier calls of the local ranks not yet written, merged by identical request;
+    /// [`Up::seal`] appends them to `buf`.
+    merged: Vec<Merged>,
+    /// Sub-sessions with a call in `merged`: their next frame must not overtake it.
+    in_merged: HashSet<u64>,
     /// Set once the coordinator connection has ended: why.
     lost: Option<String>,
+}
+
+/// One barrier call made by several local ranks: one SubRequests frame.
+struct Merged {
+    request: Request,
+    /// `(sub, request id)` of each rank that made it.
+    calls: Vec<(u64, u64)>,
+}
+
+impl Up {
+    /// Nothing waits to be written.
+    fn is_idle(&self) -> bool {
+        self.buf.is_empty() && self.merged.is_empty()
+    }
+
+    /// A frame of `sub` is about to be appended: if a merged call of `sub` is still
+    /// held back, everything merged goes first, so `sub`'s frames keep their order.
+    /// (Holding back a call past other sub-sessions' frames is harmless: their ranks'
+    /// calls were concurrent, and any interleaving of them is one they could have had.)
+    fn order_before(&mut self, sub: u64) {
+        if self.in_merged.contains(&sub) {
+            self.seal();
+        }
+    }
+
+    /// Adds a barrier call to the merged call with the same request, or starts one.
+    fn merge(&mut self, sub: u64, id: u64, request: Request) {
+        self.order_before(sub);
+        match self.merged.iter_mut().find(|m| m.calls.len() < MAX_CALLS_PER_FRAME && m.request == request) {
+            Some(merged) => merged.calls.push((sub, id)),
+            None => {
+                if self.merged.len() >= MAX_MERGED {
+                    self.seal();
+                }
+                self.merged.push(Merged { request, calls: vec![(sub, id)] });
+            }
+        }
+        self.in_merged.insert(sub);
+    }
+
+    /// Appends the merged calls to `buf`: a call made by one rank alone as the plain
+    /// SubRequest it was.
+    fn seal(&mut self) {
+        for Merged { request, calls } in self.merged.drain(..) {
+            let frame = match calls[..] {
+                [(sub, id)] => AgentFrame::SubRequest { sub, id, request },
+                _ => AgentFrame::SubRequests { calls, request },
+            };
+            encode_agent_frame(&frame, &mut self.buf);
+        }
+        self.in_merged.clear();
+    }
 }
 
 /// Locks, carrying on past a poisoned lock: nothing here leaves the guarded state
@@ -316,16 +384,43 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Hub {
-    /// Appends frames for the coordinator; false if it is already gone.
-    fn send_up(&self, encode: impl FnOnce(&mut BytesMut)) -> bool {
+    /// Appends a frame of sub-session `sub` for the coordinator; false if it is
+    /// already gone.
+    fn send_up(&self, sub: u64, encode: impl FnOnce(&mut BytesMut)) -> bool {
         let mut up = lock(&self.up);
         if up.lost.is_some() {
             return false;
         }
-        let was_empty = up.buf.is_empty();
+        let was_idle = up.is_idle();
+        up.order_before(sub);
         encode(&mut up.buf);
         drop(up);
-        if was_empty {
+        if was_idle {
+            self.up_ready.notify_one();
+        }
+        true
+    }
+
+    /// Queues a rank's requests for the coordinator, merging its barrier calls with
+    /// identical ones of other local ranks; false if the coordinator is already gone.
+    fn send_requests(&self, sub: u64, requests: Vec<(u64, Request)>) -> bool {
+        let mut up = lock(&self.up);
+        if up.lost.is_some() {
+            return false;
+        }
+        let was_idle = up.is_idle();
+        for (id, request) in requests {
+            // Only barriers: every rank's call is the same bytes (the rank is its
+            // session's), while all-gather and broadcast calls carry values of their own.
+            if matches!(request, Request::Barrier { .. }) {
+                up.merge(sub, id, request);
+            } else {
+                up.order_before(sub);
+                encode_agent_frame(&AgentFrame::SubRequest { sub, id, request }, &mut up.buf);
+            }
+        }
+        drop(up);
+        if was_idle {
             self.up_ready.notify_one();
         }
         true
@@ -339,7 +434,13 @@ impl Hub {
     /// local rank gets a `Closed(message)` error, every local connection closes, and
     /// later ones are refused. Returns how many local ranks were connected.
     fn lose(&self, message: String) -> usize {
-        lock(&self.up).lost = Some(message.clone());
+        {
+            let mut up = lock(&self.up);
+            up.lost = Some(message.clone());
+            // Their calls are pending on their connections, and fail below.
+            up.merged.clear();
+            up.in_merged.clear();
+        }
         let locals: Vec<Arc<Local>> = lock(&self.routes).drain().map(|(_, local)| local).collect();
         for local in &locals {
             local.fail_pending(&message);
@@ -363,6 +464,13 @@ async fn read_upstream(mut reader: ReadHalf, mut buf: BytesMut, hub: &Hub) -> St
                 Ok(Some(RootFrame::SubReply { sub, id, reply })) => {
                     if let Some(local) = hub.route(sub) {
                         local.reply(id, |out| encode_reply(id, &reply, out));
+                    }
+                }
+                Ok(Some(RootFrame::SubReplies { calls, reply })) => {
+                    for (sub, id) in calls {
+                        if let Some(local) = hub.route(sub) {
+                            local.reply(id, |out| encode_reply(id, &reply, out));
+                        }
                     }
                 }
                 Ok(Some(RootFrame::SubWelcome { sub, welcome })) => {
@@ -389,6 +497,15 @@ async fn read_upstream(mut reader: ReadHalf, mut buf: BytesMut, hub: &Hub) -> St
                         local.reply(id, |out| encode_reply(id, &error, out));
                     }
                 }
+                Err(ProtoError::BadSubCalls { calls, message }) => {
+                    warn!(calls = calls.len(), %message, "malformed replies from the coordinator");
+                    let error = Err(OpError::Invalid(format!("malformed reply from the coordinator: {message}")));
+                    for (sub, id) in calls {
+                        if let Some(local) = hub.route(sub) {
+                            local.reply(id, |out| encode_reply(id, &error, out));
+                        }
+                    }
+                }
                 Err(error) if !error.is_fatal() => warn!(%error, "skipped a malformed frame from the coordinator"),
                 Err(error) => return format!("malformed data from the coordinator at {}: {error}", hub.addr),
             }
@@ -412,13 +529,18 @@ async fn write_upstream(mut writer: WriteHalf, hub: &Hub) -> String {
     loop {
         hub.up_ready.notified().await;
         loop {
-            {
+            let (calls, merged) = {
                 let mut up = lock(&hub.up);
+                let calls: usize = up.merged.iter().map(|m| m.calls.len()).sum();
+                let merged = up.merged.len();
+                up.seal();
                 std::mem::swap(&mut up.buf, &mut batch);
-            }
+                (calls, merged)
+            };
             if batch.is_empty() {
                 break;
             }
+            trace!(bytes = batch.len(), barrier_calls = calls, barrier_frames = merged, "writing to the coordinator");
             if let Err(error) = writer.write_all(&batch).await {
                 return format!("writing to the coordinator at {} failed: {error}", hub.addr);
             }
@@ -558,7 +680,7 @@ async fn serve_local(stream: Stream, hub: Arc<Hub>) {
     // Routed before its hello goes up: a reply can only follow the hello, and a
     // `Hub::lose` after the hello went up finds the route.
     lock(&hub.routes).insert(sub, Arc::clone(&local));
-    if !hub.send_up(|up| encode_agent_frame(&AgentFrame::SubHello { sub, identity }, up)) {
+    if !hub.send_up(sub, |up| encode_agent_frame(&AgentFrame::SubHello { sub, identity }, up)) {
         lock(&hub.routes).remove(&sub);
         let why = hub.lost_reason().unwrap_or_default();
         local.send(|out| encode_server_frame(&ServerFrame::Refused(OpError::Closed(why)), out));
@@ -570,7 +692,7 @@ async fn serve_local(stream: Stream, hub: Arc<Hub>) {
     debug!(sub, how = %ended, "local rank connection ended");
     // Still routed: the rank's connection ended on its side (or failed), not ours.
     if lock(&hub.routes).remove(&sub).is_some() {
-        hub.send_up(|up| encode_agent_frame(&AgentFrame::SubClose { sub }, up));
+        hub.send_up(sub, |up| encode_agent_frame(&AgentFrame::SubClose { sub }, up));
     }
 }
 
@@ -704,12 +826,7 @@ fn forward(sub: u64, rbuf: &mut BytesMut, hub: &Hub, local: &Local) -> Result<()
     }
     if !requests.is_empty() {
         lock(&local.out).pending.extend(requests.iter().map(|(id, _)| *id));
-        let sent = hub.send_up(|up| {
-            for (id, request) in requests {
-                encode_agent_frame(&AgentFrame::SubRequest { sub, id, request }, up);
-            }
-        });
-        if !sent {
+        if !hub.send_requests(sub, requests) {
             // Lost meanwhile: `Hub::lose` may have run before these became pending.
             if let Some(why) = hub.lost_reason() {
                 local.fail_pending(&why);
@@ -717,4 +834,87 @@ fn forward(sub: u64, rbuf: &mut BytesMut, hub: &Hub, local: &Local) -> Result<()
         }
     }
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use rallypoint_core::Members;
+    use rallypoint_proto::native::decode_agent_frame;
+
+    use super::*;
+
+    fn barrier(name: &str) -> Request {
+        Request::Barrier { name: name.to_owned(), members: Members::World, timeout_ms: Some(1000) }
+    }
+
+    fn sealed(up: &mut Up) -> Vec<AgentFrame> {
+        up.seal();
+        let mut frames = Vec::new();
+        while let Some(frame) = decode_agent_frame(&mut up.buf, &FrameLimits::unbounded()).expect("well-formed") {
+            frames.push(frame);
+        }
+        frames
+    }
+
+    #[test]
+    fn identical_barrier_calls_go_up_as_one_frame_and_a_lone_call_as_it_was() {
+        let mut up = Up::default();
+        up.merge(1, 10, barrier("a"));
+        up.merge(2, 20, barrier("a"));
+        up.merge(3, 30, barrier("b"));
+        up.merge(4, 40, barrier("a"));
+        assert_eq!(
+            sealed(&mut up),
+            [
+                AgentFrame::SubRequests { calls: vec![(1, 10), (2, 20), (4, 40)], request: barrier("a") },
+                AgentFrame::SubRequest { sub: 3, id: 30, request: barrier("b") },
+            ]
+        );
+        assert!(up.is_idle() && up.in_merged.is_empty());
+    }
+
+    #[test]
+    fn a_later_frame_of_a_merged_rank_never_overtakes_its_call() {
+        let mut up = Up::default();
+        up.merge(1, 10, barrier("a"));
+        up.merge(2, 20, barrier("a"));
+        // Another rank's frame may pass the held-back calls...
+        up.order_before(3);
+        encode_agent_frame(&AgentFrame::SubClose { sub: 3 }, &mut up.buf);
+        // ...but rank 1's next frame goes after its call, and so does its next barrier.
+        up.order_before(1);
+        encode_agent_frame(&AgentFrame::SubClose { sub: 1 }, &mut up.buf);
+        up.merge(2, 21, barrier("a"));
+        assert_eq!(
+            sealed(&mut up),
+            [
+                AgentFrame::SubClose { sub: 3 },
+                AgentFrame::SubRequests { calls: vec![(1, 10), (2, 20)], request: barrier("a") },
+                AgentFrame::SubClose { sub: 1 },
+                AgentFrame::SubRequest { sub: 2, id: 21, request: barrier("a") },
+            ]
+        );
+    }
+
+    #[test]
+    fn merged_calls_are_bounded_per_frame_and_in_kinds() {
+        let mut up = Up::default();
+        let n = MAX_CALLS_PER_FRAME as u64 + 1;
+        for sub in 0..n {
+            up.merge(sub, 1, barrier("a"));
+        }
+        let frames = sealed(&mut up);
+        assert!(
+            matches!(&frames[..], [AgentFrame::SubRequests { calls, .. }, AgentFrame::SubRequest { sub, .. }]
+                if calls.len() == MAX_CALLS_PER_FRAME && *sub == n - 1),
+            "{} frames",
+            frames.len()
+        );
+        for sub in 0..=MAX_MERGED as u64 {
+            up.merge(sub, 1, barrier(&format!("b{sub}")));
+        }
+        // The ninth distinct call sealed the first eight.
+        assert_eq!(up.merged.len(), 1);
+        assert!(!up.buf.is_empty());
+    }
 }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use crate::{CallShape, CollectiveKind, Members, Millis, OpError, OpRef, Outgoing, Response, SessionId};
+use crate::{CallShape, CollectiveKind, Gathered, Members, Millis, OpError, OpRef, Outgoing, Response, SessionId};
 
 use super::members::{Arrivals, MemberSet};
 use super::ranks::Ranks;
@@ -268,8 +268,10 @@ impl Collective {
             CollectiveKind::AllGather if complete => {
                 let values: Arc<[Bytes]> =
                     g.members.in_order().map(|r| g.arrivals.get(r).cloned().unwrap_or_default()).collect();
+                // One result for all: each waiter's reply is an O(1) clone of it.
+                let gathered = Gathered::new(values);
                 for waiter in g.waiters.drain(..) {
-                    ctx.reply(waiter, Ok(Response::Gathered(values.clone())));
+                    ctx.reply(waiter, Ok(Response::Gathered(gathered.clone())));
                 }
             }
             _ => {}

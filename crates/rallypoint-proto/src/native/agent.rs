@@ -7,14 +7,14 @@
 //! connection. The connection starts with the usual preamble; its first frame is an
 //! [`AgentFrame::Hello`] instead of a client Hello.
 
-use bytes::{BufMut, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use rallypoint_core::{Identity, OpError, Reply, Request, SessionId, Welcome};
 
 use super::error::ProtoError;
-use super::frame::{frameable, kind, take_frame, write_frame, FrameLimits, LEN_PREFIX};
+use super::frame::{frameable, kind, take_frame, write_frame, write_frame_shared, FrameLimits, LEN_PREFIX};
 use super::identity::{decode_identity, encode_identity};
 use super::op_error::{decode_op_error, encode_op_error};
-use super::reply::{decode_reply_body, encode_reply_body};
+use super::reply::{decode_reply_body, encode_reply_body, encode_reply_body_shared};
 use super::request::{decode_request, encode_request};
 use super::wire::{DecodeError, DecodeResult, Reader, WireWrite};
 
@@ -30,6 +30,9 @@ pub enum AgentFrame {
     /// The local rank's connection ended. The coordinator decides, as for a direct
     /// connection, whether that is a clean leave (a Leave came first) or a loss.
     SubClose { sub: u64 },
+    /// The same request from every listed `(sub, id)` call, as if each had sent its
+    /// SubRequest here, in list order: a node's arrivals at one barrier in one frame.
+    SubRequests { calls: Vec<(u64, u64)>, request: Request },
 }
 
 /// A frame the coordinator sends to a node agent.
@@ -43,7 +46,16 @@ pub enum RootFrame {
     /// The sub-session's hello was refused; nothing of it remains on the coordinator.
     SubRefused { sub: u64, error: OpError },
     SubReply { sub: u64, id: u64, reply: Reply },
+    /// The same reply to every listed `(sub, id)` call: a barrier's release for a node.
+    SubReplies { calls: Vec<(u64, u64)>, reply: Reply },
 }
+
+/// Bytes one `(sub, id)` call takes in a SubRequests or SubReplies frame.
+const CALL_LEN: usize = 16;
+/// Most calls rallypoint puts in one SubRequests or SubReplies frame (64 KiB of call
+/// list): larger groups are split, so no frame comes near a frame limit. A receiver
+/// takes any count that fits in the frame.
+pub const MAX_CALLS_PER_FRAME: usize = 4096;
 
 /// True if `src`, read right after the preamble, starts with an agent hello; `None`
 /// until its frame-kind byte has arrived.
@@ -73,6 +85,11 @@ pub fn encode_agent_frame(frame: &AgentFrame, dst: &mut BytesMut) {
             dst.put_u8(kind::SUB_CLOSE);
             dst.put_u64_le(*sub);
         }
+        AgentFrame::SubRequests { calls, request } => {
+            dst.put_u8(kind::SUB_REQUESTS);
+            put_calls(calls, dst);
+            encode_request(request, dst);
+        }
     });
 }
 
@@ -98,7 +115,65 @@ pub fn encode_root_frame(frame: &RootFrame, dst: &mut BytesMut) {
             encode_op_error(error, dst);
         }),
         RootFrame::SubReply { sub, id, reply } => encode_sub_reply(*sub, *id, reply, dst),
+        RootFrame::SubReplies { calls, reply } => {
+            if let Some(tail) = encode_sub_replies_frame(calls, reply, dst) {
+                dst.extend_from_slice(&tail);
+            }
+        }
     }
+}
+
+/// Encodes the same reply to every call in `calls`: one SubReplies frame, or a plain
+/// SubReply for a single call. A reply that could not be framed with the call list in
+/// front goes as one SubReply per call instead (each then framed, or turned into
+/// `TooLarge`, on its own, exactly as without aggregation).
+pub fn encode_sub_replies(calls: &[(u64, u64)], reply: &Reply, dst: &mut BytesMut) {
+    if let Some(tail) = encode_sub_replies_shared(calls, reply, dst) {
+        dst.extend_from_slice(&tail);
+    }
+}
+
+/// [`encode_sub_replies`] with a large shared tail returned uncopied, as in
+/// [`encode_sub_reply_shared`]: an all-gather's values go to a node once, not once
+/// per rank.
+pub fn encode_sub_replies_shared(calls: &[(u64, u64)], reply: &Reply, dst: &mut BytesMut) -> Option<Bytes> {
+    match calls {
+        [(sub, id)] => encode_sub_reply_shared(*sub, *id, reply, dst),
+        _ => encode_sub_replies_frame(calls, reply, dst),
+    }
+}
+
+/// Encodes `RootFrame::SubReplies` as it is (any number of calls), its shared tail
+/// returned uncopied; falls back to one SubReply per call as [`encode_sub_replies`]
+/// says.
+fn encode_sub_replies_frame(calls: &[(u64, u64)], reply: &Reply, dst: &mut BytesMut) -> Option<Bytes> {
+    let header = 4usize.saturating_add(calls.len().saturating_mul(CALL_LEN));
+    match frameable(reply, header) {
+        std::borrow::Cow::Borrowed(reply) => write_frame_shared(dst, |dst| {
+            dst.put_u8(kind::SUB_REPLIES);
+            put_calls(calls, dst);
+            encode_reply_body_shared(reply, dst)
+        }),
+        std::borrow::Cow::Owned(_) => {
+            for &(sub, id) in calls {
+                encode_sub_reply(sub, id, reply, dst);
+            }
+            None
+        }
+    }
+}
+
+fn put_calls(calls: &[(u64, u64)], dst: &mut BytesMut) {
+    // Callers bound a frame's calls far below u32::MAX (the frame length is a u32).
+    dst.put_u32_le(u32::try_from(calls.len()).unwrap_or(u32::MAX));
+    for &(sub, id) in calls {
+        dst.put_u64_le(sub);
+        dst.put_u64_le(id);
+    }
+}
+
+fn calls(r: &mut Reader) -> DecodeResult<Vec<(u64, u64)>> {
+    r.list("calls", CALL_LEN, |r| Ok((r.u64("sub-session")?, r.u64("request id")?)))
 }
 
 /// Encodes `RootFrame::SubReply` without owning the reply; a reply too long to
@@ -113,6 +188,18 @@ pub fn encode_sub_reply(sub: u64, id: u64, reply: &Reply, dst: &mut BytesMut) {
     });
 }
 
+/// [`encode_sub_reply`] with a large shared tail returned uncopied, as in
+/// [`super::encode_reply_shared`]: the caller writes it right after `dst`'s bytes.
+pub fn encode_sub_reply_shared(sub: u64, id: u64, reply: &Reply, dst: &mut BytesMut) -> Option<Bytes> {
+    let reply = frameable(reply, 8);
+    write_frame_shared(dst, |dst| {
+        dst.put_u8(kind::SUB_REPLY);
+        dst.put_u64_le(sub);
+        dst.put_u64_le(id);
+        encode_reply_body_shared(&reply, dst)
+    })
+}
+
 /// Decodes the next agent frame; same contract as [`super::decode_client_frame`].
 /// A bad frame yields [`ProtoError::BadSubFrame`] with the sub-session and request
 /// id if they could be read, so the coordinator can answer that request.
@@ -120,10 +207,8 @@ pub fn decode_agent_frame(src: &mut BytesMut, limits: &FrameLimits) -> Result<Op
     let Some(body) = take_frame(src, limits)? else {
         return Ok(None);
     };
-    let mut ids = (None, None);
-    agent_body(&mut Reader::new(body), &mut ids)
-        .map(Some)
-        .map_err(|DecodeError(message)| ProtoError::BadSubFrame { sub: ids.0, id: ids.1, message })
+    let mut ids = Ids::default();
+    agent_body(&mut Reader::new(body), &mut ids).map(Some).map_err(|DecodeError(message)| ids.error(message))
 }
 
 /// Decodes the next coordinator frame; same contract as [`decode_agent_frame`].
@@ -131,13 +216,27 @@ pub fn decode_root_frame(src: &mut BytesMut, limits: &FrameLimits) -> Result<Opt
     let Some(body) = take_frame(src, limits)? else {
         return Ok(None);
     };
-    let mut ids = (None, None);
-    root_body(&mut Reader::new(body), &mut ids)
-        .map(Some)
-        .map_err(|DecodeError(message)| ProtoError::BadSubFrame { sub: ids.0, id: ids.1, message })
+    let mut ids = Ids::default();
+    root_body(&mut Reader::new(body), &mut ids).map(Some).map_err(|DecodeError(message)| ids.error(message))
 }
 
-type Ids = (Option<u64>, Option<u64>);
+/// What a bad frame let us read of whom it was for, so that they can be answered.
+#[derive(Default)]
+struct Ids {
+    sub: Option<u64>,
+    id: Option<u64>,
+    /// The call list of an aggregated frame.
+    calls: Option<Vec<(u64, u64)>>,
+}
+
+impl Ids {
+    fn error(self, message: String) -> ProtoError {
+        match self.calls {
+            Some(calls) => ProtoError::BadSubCalls { calls, message },
+            None => ProtoError::BadSubFrame { sub: self.sub, id: self.id, message },
+        }
+    }
+}
 
 fn agent_body(r: &mut Reader, ids: &mut Ids) -> DecodeResult<AgentFrame> {
     let frame = match r.u8("frame kind")? {
@@ -149,18 +248,30 @@ fn agent_body(r: &mut Reader, ids: &mut Ids) -> DecodeResult<AgentFrame> {
         kind::SUB_REQUEST => {
             let sub = sub_id(r, ids)?;
             let id = r.u64("request id")?;
-            ids.1 = Some(id);
+            ids.id = Some(id);
             AgentFrame::SubRequest { sub, id, request: decode_request(r)? }
         }
         kind::SUB_CLOSE => AgentFrame::SubClose { sub: sub_id(r, ids)? },
+        kind::SUB_REQUESTS => {
+            ids.calls = Some(calls(r)?);
+            let request = decode_request(r)?;
+            AgentFrame::SubRequests { calls: ids.calls.take().unwrap_or_default(), request }
+        }
         other => return Err(DecodeError::unknown("agent frame kind", other)),
     };
-    r.finish(match &frame {
+    let what = match &frame {
         AgentFrame::Hello { .. } => "agent hello",
         AgentFrame::SubHello { .. } => "sub-session hello",
-        AgentFrame::SubRequest { request, .. } => request.name(),
+        AgentFrame::SubRequest { request, .. } | AgentFrame::SubRequests { request, .. } => request.name(),
         AgentFrame::SubClose { .. } => "sub-session close",
-    })?;
+    };
+    if let Err(error) = r.finish(what) {
+        // Trailing bytes after a whole request: every call is answered, as for a bad one.
+        if let AgentFrame::SubRequests { calls, .. } = frame {
+            ids.calls = Some(calls);
+        }
+        return Err(error);
+    }
     Ok(frame)
 }
 
@@ -180,17 +291,27 @@ fn root_body(r: &mut Reader, ids: &mut Ids) -> DecodeResult<RootFrame> {
         kind::SUB_REPLY => {
             let sub = sub_id(r, ids)?;
             let id = r.u64("request id")?;
-            ids.1 = Some(id);
+            ids.id = Some(id);
             (RootFrame::SubReply { sub, id, reply: decode_reply_body(r)? }, "sub-session reply")
+        }
+        kind::SUB_REPLIES => {
+            ids.calls = Some(calls(r)?);
+            let reply = decode_reply_body(r)?;
+            (RootFrame::SubReplies { calls: ids.calls.take().unwrap_or_default(), reply }, "sub-session replies")
         }
         other => return Err(DecodeError::unknown("coordinator frame kind", other)),
     };
-    r.finish(what)?;
+    if let Err(error) = r.finish(what) {
+        if let RootFrame::SubReplies { calls, .. } = frame {
+            ids.calls = Some(calls);
+        }
+        return Err(error);
+    }
     Ok(frame)
 }
 
 fn sub_id(r: &mut Reader, ids: &mut Ids) -> DecodeResult<u64> {
     let sub = r.u64("sub-session")?;
-    ids.0 = Some(sub);
+    ids.sub = Some(sub);
     Ok(sub)
 }

@@ -30,6 +30,12 @@ pub enum ProtoError {
     /// request id if they could be read.
     #[error("malformed agent frame{}{}: {message}", sub.map(|s| format!(" (sub-session {s})")).unwrap_or_default(), id_suffix(*id))]
     BadSubFrame { sub: Option<u64>, id: Option<u64>, message: String },
+
+    /// An aggregated agent frame (SubRequests or SubReplies) whose call list was read
+    /// but whose request or reply does not decode. The frame was consumed; every
+    /// listed (sub-session, request id) call needs an answer.
+    #[error("malformed agent frame for {} call(s): {message}", calls.len())]
+    BadSubCalls { calls: Vec<(u64, u64)>, message: String },
 }
 
 impl ProtoError {
@@ -38,7 +44,10 @@ impl ProtoError {
     pub fn is_fatal(&self) -> bool {
         match self {
             ProtoError::BadMagic { .. } | ProtoError::FrameTooLarge { .. } => true,
-            ProtoError::BadRequest { .. } | ProtoError::BadReply { .. } | ProtoError::BadSubFrame { .. } => false,
+            ProtoError::BadRequest { .. }
+            | ProtoError::BadReply { .. }
+            | ProtoError::BadSubFrame { .. }
+            | ProtoError::BadSubCalls { .. } => false,
         }
     }
 }

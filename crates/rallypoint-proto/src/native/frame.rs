@@ -7,7 +7,7 @@ use rallypoint_core::{Identity, Limits, OpError, Reply, Request, Response, Sessi
 use super::error::ProtoError;
 use super::identity::{decode_identity, encode_identity};
 use super::op_error::{decode_op_error, encode_op_error};
-use super::reply::{decode_reply_body, encode_reply_body};
+use super::reply::{blobs_len, decode_reply_body, encode_reply_body, encode_reply_body_shared, gathered_len};
 use super::request::{decode_request, encode_request};
 use super::wire::{DecodeError, DecodeResult, Reader};
 
@@ -31,10 +31,12 @@ pub(crate) mod kind {
     pub const SUB_HELLO: u8 = 0x04;
     pub const SUB_REQUEST: u8 = 0x05;
     pub const SUB_CLOSE: u8 = 0x06;
+    pub const SUB_REQUESTS: u8 = 0x07;
     pub const AGENT_WELCOME: u8 = 0x84;
     pub const SUB_WELCOME: u8 = 0x85;
     pub const SUB_REFUSED: u8 = 0x86;
     pub const SUB_REPLY: u8 = 0x87;
+    pub const SUB_REPLIES: u8 = 0x88;
 }
 
 /// A frame a client sends.
@@ -141,7 +143,24 @@ pub fn encode_server_frame(frame: &ServerFrame, dst: &mut BytesMut) {
 /// by `OpError::TooLarge`, so the caller still gets a typed answer.
 pub fn encode_reply(id: u64, reply: &Reply, dst: &mut BytesMut) {
     let reply = frameable(reply, 0);
-    write_frame(dst, |dst| put_reply(dst, id, &reply));
+    write_frame(dst, |dst| {
+        dst.put_u8(kind::REPLY);
+        dst.put_u64_le(id);
+        encode_reply_body(&reply, dst);
+    });
+}
+
+/// Like [`encode_reply`], but a large tail of bytes the reply shares with other
+/// replies (an all-gather's values, encoded once for all members; a large value)
+/// is returned instead of copied into `dst`. The frame is complete once the
+/// caller has written the tail right after the bytes appended to `dst`.
+pub fn encode_reply_shared(id: u64, reply: &Reply, dst: &mut BytesMut) -> Option<Bytes> {
+    let reply = frameable(reply, 0);
+    write_frame_shared(dst, |dst| {
+        dst.put_u8(kind::REPLY);
+        dst.put_u64_le(id);
+        encode_reply_body_shared(&reply, dst)
+    })
 }
 
 /// Frame kind, request id and reply tag.
@@ -154,9 +173,10 @@ pub(crate) fn frameable(reply: &Reply, extra: usize) -> std::borrow::Cow<'_, Rep
     // value-carrying responses need it: their size is world size × value size,
     // which no single engine limit bounds; errors stay within the engine's limits.
     let payload_len = match reply {
-        Ok(Response::Value(value)) => blob_len(value),
-        Ok(Response::Values(values)) => list_len(values),
-        Ok(Response::Gathered(values)) => list_len(values),
+        Ok(Response::Value(value)) => value.len().saturating_add(4),
+        Ok(Response::Values(values)) => blobs_len(values),
+        // O(1) once the first member's reply has encoded it.
+        Ok(Response::Gathered(gathered)) => gathered_len(gathered),
         _ => 0,
     };
     let body_len = payload_len.saturating_add(REPLY_HEADER_LEN + extra);
@@ -171,30 +191,34 @@ pub(crate) fn frameable(reply: &Reply, extra: usize) -> std::borrow::Cow<'_, Rep
     }
 }
 
-fn blob_len(blob: &[u8]) -> usize {
-    blob.len().saturating_add(4)
-}
-
-fn list_len(blobs: &[Bytes]) -> usize {
-    blobs
-        .iter()
-        .fold(4, |total: usize, blob| total.saturating_add(blob_len(blob)))
-}
-
-fn put_reply(dst: &mut BytesMut, id: u64, reply: &Reply) {
-    dst.put_u8(kind::REPLY);
-    dst.put_u64_le(id);
-    encode_reply_body(reply, dst);
-}
-
 /// Writes a length prefix and the body `body` produces.
 pub(crate) fn write_frame(dst: &mut BytesMut, body: impl FnOnce(&mut BytesMut)) {
+    write_frame_shared(dst, |dst| {
+        body(dst);
+        None
+    });
+}
+
+/// Writes a length prefix and the start of the body `head` produces; the body ends
+/// with the tail `head` returns, which the caller writes (the prefix counts it).
+pub(crate) fn write_frame_shared(dst: &mut BytesMut, head: impl FnOnce(&mut BytesMut) -> Option<Bytes>) -> Option<Bytes> {
     let start = dst.len();
     dst.put_u32_le(0);
-    body(dst);
-    let len = dst.len() - start - LEN_PREFIX;
+    let tail = head(dst);
+    let len = (dst.len() - start - LEN_PREFIX).saturating_add(tail.as_ref().map_or(0, Bytes::len));
     let prefix = u32::try_from(len).unwrap_or(u32::MAX).to_le_bytes();
     dst[start..start + LEN_PREFIX].copy_from_slice(&prefix);
+    tail
+}
+
+/// Total length (prefix included) of the frame at the start of `src`, once its
+/// length prefix has arrived: a reader that trusts its peer (a client reading its
+/// coordinator) can make room for a large reply at once instead of growing its
+/// buffer, and copying what it holds, step by step as the bytes arrive.
+pub fn pending_frame_len(src: &[u8]) -> Option<usize> {
+    let prefix = src.get(..LEN_PREFIX)?;
+    let len = u32::from_le_bytes(prefix.try_into().ok()?);
+    Some((len as usize).saturating_add(LEN_PREFIX))
 }
 
 /// Decodes the next client frame from `src`.

@@ -15,13 +15,14 @@ mod wire;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
 
 pub use agent::{
-    decode_agent_frame, decode_root_frame, encode_agent_frame, encode_root_frame, encode_sub_reply,
-    starts_with_agent_hello, AgentFrame, RootFrame,
+    decode_agent_frame, decode_root_frame, encode_agent_frame, encode_root_frame, encode_sub_replies,
+    encode_sub_replies_shared, encode_sub_reply, encode_sub_reply_shared, starts_with_agent_hello, AgentFrame,
+    RootFrame, MAX_CALLS_PER_FRAME,
 };
 pub use error::ProtoError;
 pub use frame::{
-    decode_client_frame, decode_server_frame, encode_client_frame, encode_reply,
-    encode_server_frame, ClientFrame, FrameLimits, ServerFrame, MAX_FRAME_LEN,
+    decode_client_frame, decode_server_frame, encode_client_frame, encode_reply, encode_reply_shared,
+    encode_server_frame, pending_frame_len, ClientFrame, FrameLimits, ServerFrame, MAX_FRAME_LEN,
 };
 
 /// First bytes a native client sends. A PyTorch TCPStore client's first byte is

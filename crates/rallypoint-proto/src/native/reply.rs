@@ -1,10 +1,8 @@
 //! Reply layouts (docs/PROTOCOL.md, "Replies"). A reply is one tag byte: below
 //! 0x80 a [`Response`], from 0x80 up an [`OpError`] (see `op_error.rs`).
 
-use std::sync::Arc;
-
-use bytes::{BufMut, BytesMut};
-use rallypoint_core::{Reply, Response};
+use bytes::{BufMut, Bytes, BytesMut};
+use rallypoint_core::{Gathered, Reply, Response};
 
 use super::op_error::{decode_op_error_fields, encode_op_error, ERROR_TAG_BIT};
 use super::request::{blobs, put_blobs};
@@ -21,11 +19,65 @@ mod tag {
     pub const POPPED: u8 = 0x07;
 }
 
+/// A shared tail shorter than this is copied into the frame after all: writing it
+/// on its own would cost more than the copy, and small replies batch into one write.
+const SHARED_TAIL_MIN: usize = 4096;
+
 pub(crate) fn encode_reply_body(reply: &Reply, dst: &mut BytesMut) {
     match reply {
         Ok(response) => encode_response(response, dst),
         Err(error) => encode_op_error(error, dst),
     }
+}
+
+/// Encodes the reply body into `dst` like [`encode_reply_body`], except for its
+/// trailing bytes when the reply shares them with other replies: a value (held by
+/// the store, or a broadcast's root value every member gets), or an all-gather's
+/// values, encoded once for every member ([`Gathered::encoding`]). Those are
+/// returned, uncopied, to be written right after `dst`; the body is both together.
+pub(crate) fn encode_reply_body_shared(reply: &Reply, dst: &mut BytesMut) -> Option<Bytes> {
+    let tail = match reply {
+        Ok(Response::Value(value)) if value.len() >= SHARED_TAIL_MIN => {
+            dst.put_u8(tag::VALUE);
+            dst.put_count(value.len());
+            value.clone()
+        }
+        Ok(Response::Gathered(gathered)) => {
+            dst.put_u8(tag::GATHERED);
+            gathered_encoding(gathered).clone()
+        }
+        _ => {
+            encode_reply_body(reply, dst);
+            return None;
+        }
+    };
+    if tail.len() < SHARED_TAIL_MIN {
+        dst.put_slice(&tail);
+        return None;
+    }
+    Some(tail)
+}
+
+/// Length of the fields after the tag of a Gathered reply.
+pub(crate) fn gathered_len(gathered: &Gathered) -> usize {
+    match gathered.cached_encoding() {
+        Some(encoding) => encoding.len(),
+        None => blobs_len(gathered.values()),
+    }
+}
+
+/// Length of a `list<bytes>`; saturates rather than wrap.
+pub(crate) fn blobs_len(blobs: &[Bytes]) -> usize {
+    blobs.iter().fold(4, |total: usize, blob| total.saturating_add(blob.len()).saturating_add(4))
+}
+
+/// The `list<bytes>` of a Gathered reply, encoded by the first reply that needs it.
+fn gathered_encoding(gathered: &Gathered) -> &Bytes {
+    gathered.encoding(|values| {
+        let mut encoding = BytesMut::with_capacity(blobs_len(values));
+        put_blobs(&mut encoding, values);
+        encoding.freeze()
+    })
 }
 
 pub(crate) fn decode_reply_body(r: &mut Reader) -> DecodeResult<Reply> {
@@ -56,9 +108,13 @@ fn encode_response(response: &Response, dst: &mut BytesMut) {
             dst.put_u8(tag::VALUES);
             put_blobs(dst, values);
         }
-        Response::Gathered(values) => {
+        Response::Gathered(gathered) => {
             dst.put_u8(tag::GATHERED);
-            put_blobs(dst, values);
+            // Encoding into a buffer of its own first would cost a second copy.
+            match gathered.cached_encoding() {
+                Some(encoding) => dst.put_slice(encoding),
+                None => put_blobs(dst, gathered.values()),
+            }
         }
         Response::Popped { len_before, value } => {
             dst.put_u8(tag::POPPED);
@@ -75,7 +131,12 @@ fn decode_response_fields(tag: u8, r: &mut Reader) -> DecodeResult<Response> {
         tag::INT => Response::Int(r.i64("int")?),
         tag::BOOL => Response::Bool(r.bool("bool")?),
         tag::VALUES => Response::Values(blobs(r, "values")?),
-        tag::GATHERED => Response::Gathered(Arc::from(blobs(r, "gathered")?)),
+        tag::GATHERED => {
+            // The values' encoding is the bytes just read: a node agent passing the
+            // reply on to its rank writes them as they are.
+            let (values, encoding) = r.spanned(|r| blobs(r, "gathered"))?;
+            Response::Gathered(Gathered::with_encoding(values, encoding))
+        }
         tag::POPPED => Response::Popped {
             len_before: r.i64("len_before")?,
             value: r.option("value", |r| r.bytes("value"))?,

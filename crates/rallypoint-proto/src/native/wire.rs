@@ -117,6 +117,17 @@ impl Reader {
         Ok(items)
     }
 
+    /// What `read` returns, and the bytes it consumed (without copying them).
+    pub(crate) fn spanned<T>(
+        &mut self,
+        read: impl FnOnce(&mut Self) -> DecodeResult<T>,
+    ) -> DecodeResult<(T, Bytes)> {
+        let mut span = self.buf.clone();
+        let value = read(self)?;
+        span.truncate(span.len() - self.buf.len());
+        Ok((value, span))
+    }
+
     /// Succeeds if the whole body was consumed.
     pub(crate) fn finish(&self, what: &str) -> DecodeResult<()> {
         match self.buf.remaining() {

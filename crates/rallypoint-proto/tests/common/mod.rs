@@ -2,14 +2,12 @@
 //! value of every variant, and a decode loop.
 #![allow(dead_code)] // each test binary uses its own subset
 
-use std::sync::Arc;
-
 use bytes::{Bytes, BytesMut};
 use proptest::collection::vec;
 use proptest::option;
 use proptest::prelude::*;
 use rallypoint_core::{
-    AbortInfo, CallShape, CollectiveKind, Identity, LossReason, Members, OpError, OpRef, RankInfo,
+    AbortInfo, CallShape, CollectiveKind, Gathered, Identity, LossReason, Members, OpError, OpRef, RankInfo,
     RankState, Request, Response, SessionId, Welcome,
 };
 use rallypoint_proto::native::{ClientFrame, FrameLimits, ProtoError, ServerFrame};
@@ -114,7 +112,7 @@ pub fn response() -> impl Strategy<Value = Response> {
         any::<i64>().prop_map(Response::Int),
         any::<bool>().prop_map(Response::Bool),
         keys().prop_map(Response::Values),
-        keys().prop_map(|values| Response::Gathered(Arc::from(values))),
+        keys().prop_map(|values| Response::Gathered(Gathered::new(values))),
         (any::<i64>(), proptest::option::of(bytes())).prop_map(|(len_before, value)| Response::Popped { len_before, value }),
     ]
 }

@@ -14,7 +14,8 @@ use std::time::Duration;
 use bytes::BytesMut;
 use rallypoint_core::{Identity, OpError, Request, Response, Welcome};
 use rallypoint_proto::native::{
-    decode_server_frame, encode_client_frame, encode_preamble, ClientFrame, FrameLimits, ProtoError, ServerFrame,
+    decode_server_frame, encode_client_frame, encode_preamble, pending_frame_len, ClientFrame, FrameLimits,
+    ProtoError, ServerFrame,
 };
 use rand::Rng;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -30,6 +31,10 @@ const BACKOFF_START: Duration = Duration::from_millis(10);
 const BACKOFF_CAP: Duration = Duration::from_secs(1);
 /// Bytes reserved for each read of replies.
 const READ_CHUNK: usize = 8192;
+/// Most bytes reserved at once for the rest of a reply whose length prefix has
+/// arrived. Beyond it the buffer grows as the bytes arrive: a corrupt prefix must
+/// not make the client reserve gigabytes.
+const MAX_RESERVE: usize = 256 << 20;
 /// Buffers larger than this are freed once empty instead of kept.
 const KEEP_CAPACITY: usize = 64 * 1024;
 /// Stop gathering queued requests into one write past this size.
@@ -274,13 +279,22 @@ async fn read_loop(mut reader: ReadHalf, mut buf: BytesMut, link: &Link) -> Stri
         if buf.is_empty() && buf.capacity() > KEEP_CAPACITY {
             buf = BytesMut::new();
         }
-        buf.reserve(READ_CHUNK);
+        buf.reserve(read_room(&buf));
         match reader.read_buf(&mut buf).await {
             Ok(0) => return link.lost("the coordinator closed the connection"),
             Ok(_) => {}
             Err(error) => return link.lost(error),
         }
     }
+}
+
+/// Room to make in the read buffer before the next read: the rest of the reply
+/// being received when its length is known (up to [`MAX_RESERVE`]), at least
+/// [`READ_CHUNK`]. An all-gather reply is world size × value size: reserving a
+/// little per read would regrow the buffer, copying all it holds, again and again.
+fn read_room(buf: &[u8]) -> usize {
+    let missing = pending_frame_len(buf).map_or(0, |len| len.saturating_sub(buf.len()));
+    missing.clamp(READ_CHUNK, MAX_RESERVE)
 }
 
 /// Writes requests and heartbeats; returns why it stopped, and whom to tell once

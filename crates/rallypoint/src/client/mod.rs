@@ -297,7 +297,7 @@ impl Client {
         let (timeout_ms, wait) = self.blocking_timeout(timeout);
         let request = Request::AllGather { name: name.to_owned(), members, value: bytes(value), timeout_ms };
         match self.call(request, wait).await? {
-            Response::Gathered(values) => Ok(values),
+            Response::Gathered(gathered) => Ok(gathered.into_values()),
             other => Err(unexpected("all_gather", other)),
         }
     }

@@ -1,5 +1,7 @@
-//! How the launchers of a job's nodes (its node agents) agree, through the
-//! coordinator, using rallypoint's own primitives in a job of their own:
+//! How the launchers of a job's nodes agree, through the coordinator, using
+//! rallypoint's own primitives in a job of their own (the launcher processes
+//! themselves; the node agents of `launch --node-agent`, which carry the workers'
+//! connections, are [`super::node_agent`]):
 //! - rendezvous: an all-gather of every node's worker count gives each node its
 //!   rank range and the world size;
 //! - each node `j > 0` reports its attempt's outcome (its first failure, or success)

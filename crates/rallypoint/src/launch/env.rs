@@ -18,7 +18,12 @@ pub struct Placement {
 /// What every worker of one attempt shares.
 #[derive(Debug, Clone)]
 pub struct JobEnv {
+    /// MASTER_ADDR/MASTER_PORT always (torch's TCPStore must reach the coordinator
+    /// itself), and RALLYPOINT_ADDR unless the node has a node agent.
     pub coordinator: SocketAddr,
+    /// This node's node agent (`unix:PATH` or `IP:PORT`): RALLYPOINT_ADDR, so the
+    /// workers' native connections go through it.
+    pub node_agent: Option<String>,
     /// The user's job name (TORCHELASTIC_RUN_ID).
     pub run_id: String,
     /// The coordinator job of this attempt (RALLYPOINT_JOB): new at each restart, so no
@@ -46,7 +51,7 @@ pub fn worker_env(job: &JobEnv, p: &Placement, inherited_omp: bool) -> Vec<(&'st
         ("TORCHELASTIC_RESTART_COUNT", s(&job.restart_count)),
         ("TORCHELASTIC_MAX_RESTARTS", s(&job.max_restarts)),
         ("TORCHELASTIC_USE_AGENT_STORE", s(&"True")),
-        ("RALLYPOINT_ADDR", s(&job.coordinator)),
+        ("RALLYPOINT_ADDR", job.node_agent.as_ref().map_or_else(|| s(&job.coordinator), OsString::from)),
         ("RALLYPOINT_JOB", s(&job.attempt_job)),
     ];
     // As torchrun does: many workers each spawning a thread per core oversubscribe the node.
@@ -64,6 +69,7 @@ mod tests {
     fn torchrun_compatible_variables() {
         let job = JobEnv {
             coordinator: "127.0.0.1:29500".parse().expect("literal address"),
+            node_agent: None,
             run_id: "train".into(),
             attempt_job: "train.restart1".into(),
             restart_count: 1,
@@ -84,5 +90,13 @@ mod tests {
         assert_eq!(get("OMP_NUM_THREADS"), "1");
         let env = worker_env(&job, &p, true);
         assert!(env.iter().all(|(k, _)| *k != "OMP_NUM_THREADS"), "a user's OMP_NUM_THREADS is kept");
+
+        // Behind a node agent only the native protocol's address moves.
+        let job = JobEnv { node_agent: Some("unix:/tmp/rp/agent.sock".into()), ..job };
+        let env: std::collections::HashMap<_, _> = worker_env(&job, &p, false).into_iter().collect();
+        let get = |k: &str| env.get(k).and_then(|v| v.to_str()).unwrap_or("<unset>");
+        assert_eq!(get("RALLYPOINT_ADDR"), "unix:/tmp/rp/agent.sock");
+        assert_eq!(get("MASTER_ADDR"), "127.0.0.1");
+        assert_eq!(get("MASTER_PORT"), "29500");
     }
 }

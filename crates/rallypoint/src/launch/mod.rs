@@ -4,6 +4,7 @@
 
 mod agents;
 pub mod env;
+mod node_agent;
 mod outcome;
 mod output;
 mod supervise;
@@ -25,6 +26,7 @@ pub use outcome::{Exit, Failure, FailureKind};
 
 use agents::Agents;
 use env::JobEnv;
+use node_agent::NodeAgent;
 use supervise::{Attempt, AttemptResult};
 
 #[derive(Debug, Clone)]
@@ -45,6 +47,9 @@ pub struct LaunchOptions {
     pub max_restarts: u32,
     /// How long to wait for the coordinator and the other nodes.
     pub join_timeout: Duration,
+    /// Host a node agent for this node's workers (their `RALLYPOINT_ADDR`), so the
+    /// coordinator holds one connection for the node instead of one per worker.
+    pub node_agent: bool,
     pub command: Vec<OsString>,
 }
 
@@ -58,6 +63,11 @@ pub enum LaunchError {
     Io(#[from] io::Error),
     #[error("{0}")]
     Coordinator(#[from] crate::Error),
+    #[error("cannot create the node agent's socket directory in {dir}: {source}")]
+    SocketDir { dir: PathBuf, source: io::Error },
+    #[error("{0}")]
+    /// Boxed: an agent error is large, and launch errors are rare.
+    NodeAgent(Box<crate::agent::AgentError>),
 }
 
 /// Runs the job to its end; returns the launcher's exit code (0, or the first failure's).
@@ -75,8 +85,19 @@ pub async fn launch(options: LaunchOptions) -> Result<i32, LaunchError> {
         None => resolve(&addr).await?,
     };
     let agents = Agents::join(&addr, &options.job, options.node_rank, options.nnodes, &host, options.join_timeout).await?;
+    // After the join: the coordinator is known to be up, so the agent connects at once.
+    let node_agent = if options.node_agent {
+        Some(NodeAgent::start(&coordinator.to_string(), &host, options.join_timeout).await?)
+    } else {
+        None
+    };
     let signals = forward_signals()?;
-    let result = run_attempts(&options, &agents, server.as_ref(), coordinator, &host, signals).await;
+    let worker_addr = node_agent.as_ref().map(|a| a.addr().to_owned());
+    let result = run_attempts(&options, &agents, server.as_ref(), coordinator, worker_addr, &host, signals).await;
+    // Every worker has exited: no rank is left behind the agent.
+    if let Some(node_agent) = node_agent {
+        node_agent.stop().await;
+    }
     agents.close().await;
     if let Some(server) = server {
         server.shutdown().await;
@@ -89,6 +110,7 @@ async fn run_attempts(
     agents: &Agents,
     server: Option<&ServerHandle>,
     coordinator: SocketAddr,
+    node_agent: Option<String>,
     host: &str,
     mut signals: mpsc::UnboundedReceiver<i32>,
 ) -> Result<i32, LaunchError> {
@@ -97,6 +119,7 @@ async fn run_attempts(
         let (base_rank, world_size) = agents.rendezvous(attempt, options.nproc_per_node, options.join_timeout).await?;
         let job = JobEnv {
             coordinator,
+            node_agent: node_agent.clone(),
             run_id: options.job.clone(),
             attempt_job: if attempt == 0 { options.job.clone() } else { format!("{}.restart{attempt}", options.job) },
             restart_count: attempt,

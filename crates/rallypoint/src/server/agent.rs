@@ -4,7 +4,10 @@
 //! Each sub-session is an ordinary engine session, so the engine's semantics are
 //! those of direct connections. What the agent sent since the last read is fed to
 //! the engine under one lock, in stream order; the replies for all its ranks go
-//! out in one write. When the connection ends, every sub-session still open
+//! out in one write, identical consecutive replies (a barrier's release for this
+//! node's ranks) as one SubReplies frame. A SubRequests frame (a node's ranks at
+//! one barrier) is expanded into each rank's own call before the engine sees it.
+//! When the connection ends, every sub-session still open
 //! closes with it: the engine counts those ranks as lost (unless they left).
 
 use std::collections::HashMap;
@@ -15,15 +18,16 @@ use std::sync::{Arc, Mutex};
 use bytes::BytesMut;
 use rallypoint_core::{OpError, Reply, SessionId};
 use rallypoint_proto::native::{
-    decode_agent_frame, encode_root_frame, encode_sub_reply, AgentFrame, FrameLimits, ProtoError, RootFrame,
-    MAX_FRAME_LEN,
+    decode_agent_frame, encode_root_frame, encode_sub_replies, encode_sub_replies_shared, encode_sub_reply,
+    AgentFrame, FrameLimits, ProtoError, RootFrame, MAX_CALLS_PER_FRAME, MAX_FRAME_LEN,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tokio::sync::Notify;
-use tracing::{debug, info, warn};
+use tracing::{debug, info, trace, warn};
 
 use super::shared::{AgentInput, Shared};
+use super::write_with_tail;
 
 /// Bytes reserved per read: a batch of many ranks' requests.
 const READ_CHUNK: usize = 64 * 1024;
@@ -88,9 +92,14 @@ impl Drop for SubsGuard<'_> {
 /// Serves an agent connection whose preamble was read; `rbuf` starts with its agent
 /// hello. Never fails the server.
 pub(crate) async fn serve(mut stream: TcpStream, peer: SocketAddr, mut rbuf: BytesMut, shared: Arc<Shared>, limits: FrameLimits) {
-    // A sub-request is a client request plus a sub-session id: the agent's frames may
-    // exceed a direct client's limit by that much.
-    let limits = FrameLimits { max_frame_len: limits.max_frame_len.saturating_add(16).min(MAX_FRAME_LEN) };
+    // A sub-request is a client request (at most a client's frame) with a sub-session
+    // id in place of its request id; a SubRequests frame has a call list in front of
+    // it instead, of at most MAX_CALLS_PER_FRAME calls. A request a rank could send
+    // directly must never make its agent's frame too large (that would end the agent's
+    // connection, losing all its ranks), so the agent's frames may exceed a direct
+    // client's limit by the largest call list.
+    let slack = 4 + 16 * MAX_CALLS_PER_FRAME;
+    let limits = FrameLimits { max_frame_len: limits.max_frame_len.saturating_add(slack).min(MAX_FRAME_LEN) };
     let (host, pid) = match decode_agent_frame(&mut rbuf, &limits) {
         Ok(Some(AgentFrame::Hello { host, pid })) => (host, pid),
         other => {
@@ -169,6 +178,16 @@ impl AgentConn<'_> {
                     // Its hello was refused: the engine never knew it.
                     None => debug!(peer = %self.peer, sub, id, "request of an unknown sub-session ignored"),
                 },
+                Ok(Some(AgentFrame::SubRequests { calls, request })) => {
+                    // Each rank's own call, in list order: the engine keeps one session
+                    // per rank, so naming of missing or dead ranks stays exact.
+                    for (sub, id) in calls {
+                        match subs.by_sub.get(&sub) {
+                            Some(&session) => inputs.push(AgentInput::Request { session, id, request: request.clone() }),
+                            None => debug!(peer = %self.peer, sub, id, "request of an unknown sub-session ignored"),
+                        }
+                    }
+                }
                 Ok(Some(AgentFrame::SubClose { sub })) => {
                     if let Some(session) = subs.by_sub.remove(&sub) {
                         subs.by_session.remove(&session);
@@ -185,8 +204,16 @@ impl AgentConn<'_> {
                 }
                 Err(error) => {
                     warn!(peer = %self.peer, %error, "bad frame from a node agent");
-                    if let ProtoError::BadSubFrame { sub: Some(sub), id: Some(id), message } = error {
-                        encode_sub_reply(sub, id, &Err(OpError::Invalid(message)), &mut self.wbuf);
+                    match error {
+                        ProtoError::BadSubFrame { sub: Some(sub), id: Some(id), message } => {
+                            encode_sub_reply(sub, id, &Err(OpError::Invalid(message)), &mut self.wbuf);
+                        }
+                        ProtoError::BadSubCalls { calls, message } => {
+                            for calls in calls.chunks(MAX_CALLS_PER_FRAME) {
+                                encode_sub_replies(calls, &Err(OpError::Invalid(message.clone())), &mut self.wbuf);
+                            }
+                        }
+                        _ => {}
                     }
                 }
             }
@@ -212,23 +239,42 @@ impl AgentConn<'_> {
         }
     }
 
-    /// Writes the welcomes and every reply ready, batched into as few writes as possible.
+    /// Writes the welcomes and every reply ready, batched into as few writes as possible;
+    /// a reply's large shared tail (an all-gather's values, encoded once for every
+    /// member) is written from where it is, after the batch that ends with its head.
     async fn flush(&mut self, outbox: &AgentOutbox) -> io::Result<()> {
-        let mut replies = outbox.take().into_iter();
+        let mut replies = outbox.take().into_iter().peekable();
         let subs = &self.guard.subs;
+        let mut calls = Vec::new();
+        let (mut replied, mut frames) = (0usize, 0usize);
         loop {
-            while self.wbuf.len() < MAX_WRITE_BATCH {
+            let mut tail = None;
+            while tail.is_none() && self.wbuf.len() < MAX_WRITE_BATCH {
                 let Some((session, id, reply)) = replies.next() else { break };
+                calls.clear();
                 // A reply for a sub-session that closed meanwhile has nowhere to go.
-                if let Some(&sub) = subs.by_session.get(&session) {
-                    encode_sub_reply(sub, id, &reply, &mut self.wbuf);
+                calls.extend(subs.by_session.get(&session).map(|&sub| (sub, id)));
+                // The engine emits a barrier's releases (or its failure) one after the
+                // other: identical neighbours go as one frame. Comparing costs less than
+                // encoding the reply again (a shared all-gather result compares by pointer).
+                while calls.len() < MAX_CALLS_PER_FRAME {
+                    let Some((session, id, _)) = replies.next_if(|(_, _, next)| *next == reply) else { break };
+                    calls.extend(subs.by_session.get(&session).map(|&sub| (sub, id)));
+                }
+                if !calls.is_empty() {
+                    tail = encode_sub_replies_shared(&calls, &reply, &mut self.wbuf);
+                    replied += calls.len();
+                    frames += 1;
                 }
             }
             if self.wbuf.is_empty() {
                 break;
             }
-            self.stream.write_all(&self.wbuf).await?;
+            write_with_tail(self.stream, &self.wbuf, tail.as_deref().unwrap_or_default()).await?;
             self.wbuf.clear();
+        }
+        if replied > 0 {
+            trace!(peer = %self.peer, replies = replied, frames, "replied to a node agent");
         }
         if self.wbuf.capacity() > KEEP_CAPACITY {
             self.wbuf = BytesMut::new();

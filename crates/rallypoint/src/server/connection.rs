@@ -1,7 +1,6 @@
 //! One client connection: protocol preamble, hello, then requests in and replies
 //! out. One task per connection; while idle it holds no read or write buffer.
 
-use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
 use std::pin::{pin, Pin};
@@ -11,17 +10,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
-use rallypoint_core::{Identity, OpError, SessionId};
+use rallypoint_core::{Identity, OpError, Reply, SessionId};
 use rallypoint_proto::tcpstore::TcpLimits;
 use rallypoint_proto::native::{
-    decode_client_frame, decode_preamble, encode_reply, encode_server_frame, starts_with_agent_hello, ClientFrame,
-    FrameLimits, ProtoError, ServerFrame, VERSION,
+    decode_client_frame, decode_preamble, encode_reply, encode_reply_shared, encode_server_frame,
+    starts_with_agent_hello, ClientFrame, FrameLimits, ProtoError, ServerFrame, VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
 use super::shared::{Outbox, Shared};
+use super::write_with_tail;
 
 /// Most bytes taken from the socket per read; larger frames grow the buffer as they arrive.
 const READ_CHUNK: usize = 4096;
@@ -242,12 +242,15 @@ impl Connection {
 
     /// Serves the open session until the peer closes (`Ok`) or something fails.
     async fn run(&mut self, session: SessionId, shared: &Shared, outbox: &Outbox) -> Result<(), End> {
+        // Replies to this session's requests that were ready at once; moved into
+        // each flush, so that an idle connection holds no allocation for them.
+        let mut immediate = Vec::new();
         // The hello may have arrived together with the first requests.
-        let mut broken = self.process(session, shared).err();
+        let mut broken = self.process(session, shared, &mut immediate).err();
         loop {
             // Replies to the requests before a broken frame still go out, so the peer
             // learns all it can before the connection closes.
-            self.flush(outbox).await?;
+            self.flush(std::mem::take(&mut immediate).into_iter().chain(outbox.take())).await?;
             if let Some(end) = broken.take() {
                 return Err(end);
             }
@@ -267,7 +270,7 @@ impl Connection {
                             }
                             return Ok(());
                         }
-                        Ok(_) => broken = self.process(session, shared).err(),
+                        Ok(_) => broken = self.process(session, shared, &mut immediate).err(),
                         Err(error) => return Err(error.into()),
                     }
                 }
@@ -299,9 +302,10 @@ impl Connection {
     }
 
     /// Decodes every whole frame buffered and feeds the requests to the engine under
-    /// one lock. Bad requests get an `Invalid` reply; a broken stream ends the session
-    /// (after the requests before it are handled).
-    fn process(&mut self, session: SessionId, shared: &Shared) -> Result<(), End> {
+    /// one lock; replies ready at once go to `immediate`. Bad requests get an
+    /// `Invalid` reply; a broken stream ends the session (after the requests before
+    /// it are handled).
+    fn process(&mut self, session: SessionId, shared: &Shared, immediate: &mut Vec<(u64, Reply)>) -> Result<(), End> {
         let mut requests = Vec::new();
         let mut result = Ok(());
         loop {
@@ -325,24 +329,25 @@ impl Connection {
             }
         }
         if !requests.is_empty() {
-            let mut immediate = Vec::new();
-            shared.handle(session, requests.into_iter(), &mut immediate);
-            for (id, reply) in immediate {
-                encode_reply(id, &reply, &mut self.wbuf);
-            }
+            shared.handle(session, requests.into_iter(), immediate);
         }
         result
     }
 
-    /// Writes every reply ready for this session, batched into as few writes as possible.
-    async fn flush(&mut self, outbox: &Outbox) -> io::Result<()> {
-        let mut replies: VecDeque<_> = outbox.take();
-        while !replies.is_empty() || !self.wbuf.is_empty() {
-            while self.wbuf.len() < MAX_WRITE_BATCH {
-                let Some((id, reply)) = replies.pop_front() else { break };
-                encode_reply(id, &reply, &mut self.wbuf);
+    /// Writes what is buffered and `replies`, batched into as few writes as possible.
+    /// A reply's large shared tail (an all-gather's values, encoded once for every
+    /// member) is written from where it is, after the batch that ends with its head.
+    async fn flush(&mut self, mut replies: impl Iterator<Item = (u64, Reply)>) -> io::Result<()> {
+        loop {
+            let mut tail = None;
+            while tail.is_none() && self.wbuf.len() < MAX_WRITE_BATCH {
+                let Some((id, reply)) = replies.next() else { break };
+                tail = encode_reply_shared(id, &reply, &mut self.wbuf);
             }
-            self.stream.write_all(&self.wbuf).await?;
+            if self.wbuf.is_empty() {
+                break;
+            }
+            write_with_tail(&mut self.stream, &self.wbuf, tail.as_deref().unwrap_or_default()).await?;
             self.wbuf.clear();
         }
         if self.wbuf.capacity() > KEEP_WRITE_CAPACITY {

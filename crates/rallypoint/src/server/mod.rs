@@ -12,7 +12,7 @@ mod tcpstore;
 mod ticker;
 
 use std::future::Future;
-use std::io;
+use std::io::{self, IoSlice};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,7 +20,8 @@ use std::time::Duration;
 use rallypoint_core::Config;
 use rallypoint_proto::native::FrameLimits;
 use rallypoint_proto::tcpstore::TcpLimits;
-use tokio::net::{TcpListener, TcpSocket};
+use tokio::io::AsyncWriteExt;
+use tokio::net::{TcpListener, TcpSocket, TcpStream};
 use tokio::sync::{oneshot, watch};
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, error, info, warn};
@@ -197,4 +198,24 @@ async fn accept_failed(error: io::Error) {
         warn!(%error, "accept failed");
         tokio::time::sleep(ACCEPT_BACKOFF).await;
     }
+}
+
+/// Writes `head`, then `tail`, as one stream of bytes: a batch of encoded replies
+/// ending with the start of a frame whose last bytes are `tail`, bytes shared with
+/// other replies (an all-gather's values, encoded once for every member). Writing
+/// them together (`writev`) sends them without copying `tail` into the batch.
+pub(crate) async fn write_with_tail(stream: &mut TcpStream, mut head: &[u8], mut tail: &[u8]) -> io::Result<()> {
+    while !head.is_empty() {
+        let written = stream.write_vectored(&[IoSlice::new(head), IoSlice::new(tail)]).await?;
+        if written == 0 {
+            return Err(io::ErrorKind::WriteZero.into());
+        }
+        if written < head.len() {
+            head = &head[written..];
+        } else {
+            tail = &tail[written - head.len()..];
+            head = &[];
+        }
+    }
+    stream.write_all(tail).await
 }

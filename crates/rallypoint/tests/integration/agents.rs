@@ -7,7 +7,8 @@ use std::time::Duration;
 use rallypoint::agent::{Agent, AgentConfig, AgentError, AgentHandle};
 use rallypoint::server::ServerHandle;
 use rallypoint::{Client, ConnectOptions, Error, Identity, LossReason, Members, OpError, RankInfo, RankState};
-use rallypoint_core::CollectiveKind;
+use rallypoint_core::{CollectiveKind, Request, Response};
+use rallypoint_proto::native::{AgentFrame, FrameLimits, RootFrame};
 use tokio::task::JoinSet;
 
 use crate::common::{bounded, connect, rank, start_confirmed, start_server};
@@ -78,6 +79,28 @@ async fn ranks_behind_two_agents_and_direct_ranks_pass_barriers_together() {
     }
     a.shutdown().await.expect("agent a stops cleanly");
     b.shutdown().await.expect("agent b stops cleanly");
+    server.shutdown().await;
+}
+
+/// Large gathered values reach ranks behind agents whole: the coordinator writes
+/// each sub-session reply's values as bytes shared by all of them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_all_gather_through_agents() {
+    let server = start_server().await;
+    let (_a, _b, clients) = six_ranks(&server, "large").await;
+    let value = |r: usize| vec![r as u8 + 1; 100 * 1024];
+    let mut gathering = JoinSet::new();
+    for (r, client) in clients.iter().enumerate() {
+        let client = client.clone();
+        gathering.spawn(async move { client.all_gather("big", Members::World, value(r), WAIT).await });
+    }
+    bounded("all-gather", async {
+        while let Some(gathered) = gathering.join_next().await {
+            let gathered = gathered.expect("task").expect("all_gather");
+            assert!(gathered.iter().map(|v| v.as_ref()).eq((0..6).map(value).collect::<Vec<_>>().iter().map(Vec::as_slice)));
+        }
+    })
+    .await;
     server.shutdown().await;
 }
 
@@ -303,6 +326,104 @@ async fn four_thousand_ranks_over_four_agents() {
     .await;
     for agent in agents {
         agent.shutdown().await.expect("agent stops");
+    }
+    server.shutdown().await;
+}
+
+/// A raw agent connection to `server`: preamble and agent hello sent, welcome read.
+struct RawAgent {
+    stream: tokio::net::TcpStream,
+    rbuf: bytes::BytesMut,
+}
+
+impl RawAgent {
+    async fn connect(server: &ServerHandle) -> RawAgent {
+        use rallypoint_proto::native::{encode_agent_frame, encode_preamble, AgentFrame};
+        let stream = tokio::net::TcpStream::connect(server.local_addr()).await.expect("connect to the coordinator");
+        let mut out = bytes::BytesMut::new();
+        encode_preamble(&mut out);
+        encode_agent_frame(&AgentFrame::Hello { host: "raw-agent".into(), pid: 1 }, &mut out);
+        let mut agent = RawAgent { stream, rbuf: bytes::BytesMut::new() };
+        agent.write(&out).await;
+        let welcome = agent.next().await;
+        assert!(matches!(welcome, RootFrame::Welcome { .. }), "{welcome:?}");
+        agent
+    }
+
+    async fn send(&mut self, frames: &[AgentFrame]) {
+        let mut out = bytes::BytesMut::new();
+        for frame in frames {
+            rallypoint_proto::native::encode_agent_frame(frame, &mut out);
+        }
+        self.write(&out).await;
+    }
+
+    async fn write(&mut self, bytes: &[u8]) {
+        use tokio::io::AsyncWriteExt;
+        bounded("agent write", self.stream.write_all(bytes)).await.expect("write to the coordinator");
+    }
+
+    async fn next(&mut self) -> RootFrame {
+        use tokio::io::AsyncReadExt;
+        loop {
+            let decoded = rallypoint_proto::native::decode_root_frame(&mut self.rbuf, &FrameLimits::unbounded());
+            if let Some(frame) = decoded.expect("a well-formed coordinator frame") {
+                return frame;
+            }
+            let read = bounded("agent read", self.stream.read_buf(&mut self.rbuf)).await.expect("read");
+            assert!(read > 0, "the coordinator closed the agent connection");
+        }
+    }
+}
+
+/// A node's ranks arriving at a barrier in one SubRequests frame are each their own
+/// call to the engine: the release comes back as one SubReplies frame, and when a
+/// rank dies, the failure names exactly that rank, also in one frame.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn aggregated_barrier_frames_keep_every_rank_its_own_session() {
+    let server = start_server().await;
+    let mut agent = RawAgent::connect(&server).await;
+    let barrier = |name: &str| Request::Barrier { name: name.into(), members: Members::World, timeout_ms: Some(50_000) };
+    agent
+        .send(&[
+            AgentFrame::SubHello { sub: 1, identity: rank("agg", 0, 3) },
+            AgentFrame::SubHello { sub: 2, identity: rank("agg", 1, 3) },
+            AgentFrame::SubRequests { calls: vec![(1, 10), (2, 20)], request: barrier("first") },
+        ])
+        .await;
+    for _ in 0..2 {
+        let welcome = agent.next().await;
+        assert!(matches!(welcome, RootFrame::SubWelcome { .. }), "{welcome:?}");
+    }
+    let direct = connect(&server, rank("agg", 2, 3)).await;
+    bounded("direct rank's barrier", direct.barrier("first", Members::World, WAIT)).await.expect("barrier passes");
+    match agent.next().await {
+        RootFrame::SubReplies { mut calls, reply } => {
+            calls.sort_unstable();
+            assert_eq!(calls, [(1, 10), (2, 20)]);
+            assert_eq!(reply, Ok(Response::Done));
+        }
+        other => panic!("expected one release for both ranks, got {other:?}"),
+    }
+
+    // Ranks 0 and 1 wait at "second" (one frame in); rank 2 dies without a clean
+    // leave: both are told it was rank 2, with its host (one frame out). Whether the
+    // death or the arrivals reach the engine first, the failure is the same.
+    agent.send(&[AgentFrame::SubRequests { calls: vec![(2, 21), (1, 11)], request: barrier("second") }]).await;
+    drop(direct);
+    match agent.next().await {
+        RootFrame::SubReplies { mut calls, reply } => {
+            calls.sort_unstable();
+            assert_eq!(calls, [(1, 11), (2, 21)]);
+            match reply {
+                Err(OpError::PeerLost { op, peer }) => {
+                    assert_eq!((op.kind, op.name.as_str()), (CollectiveKind::Barrier, "second"));
+                    assert_eq!((peer.rank, peer.host.as_deref(), peer.pid), (2, Some("host-2"), Some(1002)));
+                }
+                other => panic!("expected PeerLost naming rank 2, got {other:?}"),
+            }
+        }
+        other => panic!("expected one failure for both ranks, got {other:?}"),
     }
     server.shutdown().await;
 }

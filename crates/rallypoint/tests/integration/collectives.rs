@@ -184,6 +184,44 @@ async fn all_gather_and_broadcast() {
     server.shutdown().await;
 }
 
+/// Large payloads: each member's reply carries the gathered values (and a `get` its
+/// value) as bytes shared with other replies, written after the reply's head rather
+/// than copied into the batch. Several all-gathers in flight on each connection mix
+/// such replies with small ones in one batch; every byte must arrive in its place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_all_gathers_in_flight_together_arrive_whole() {
+    const RANKS: u32 = 3;
+    const SIZE: usize = 300 * 1024;
+    let server = start_server().await;
+    let mut clients = Vec::new();
+    for r in 0..RANKS {
+        clients.push(connect(&server, rank("large", r, RANKS)).await);
+    }
+    let t = Some(Duration::from_secs(20));
+    let value = |r: u32, name: usize| vec![(r as usize * 7 + name) as u8; if name == 0 { 5 } else { SIZE }];
+    let mut calls = tokio::task::JoinSet::new();
+    for (r, client) in clients.iter().enumerate() {
+        for name in 0..3 {
+            let client = client.clone();
+            let mine = value(r as u32, name);
+            calls.spawn(async move { (name, client.all_gather(&format!("g{name}"), Members::World, mine, t).await) });
+        }
+    }
+    bounded("all_gather", async {
+        while let Some(done) = calls.join_next().await {
+            let (name, gathered) = done.expect("task");
+            let gathered = gathered.expect("all_gather");
+            let expected: Vec<Vec<u8>> = (0..RANKS).map(|r| value(r, name)).collect();
+            assert!(gathered.iter().map(|v| v.as_ref()).eq(expected.iter().map(Vec::as_slice)), "g{name}");
+        }
+    })
+    .await;
+    let big = vec![9u8; 3 << 20];
+    clients[0].set("big", big.clone()).await.expect("set");
+    assert!(bounded("get", clients[1].get("big", t)).await.expect("get") == big);
+    server.shutdown().await;
+}
+
 /// An abort fails a waiting peer with the aborting rank and reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn abort_reaches_waiting_peers() {
