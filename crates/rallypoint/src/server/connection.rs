@@ -25,8 +25,6 @@ use super::write_with_tail;
 
 /// Most bytes taken from the socket per read; larger frames grow the buffer as they arrive.
 const READ_CHUNK: usize = 4096;
-/// A write buffer larger than this is freed after use rather than kept for the next batch.
-const KEEP_WRITE_CAPACITY: usize = 4096;
 /// Stop gathering replies into one write past this size and send what we have.
 const MAX_WRITE_BATCH: usize = 1 << 20;
 /// A peer that connects but does not finish the preamble and hello in this time is dropped.
@@ -125,7 +123,7 @@ enum Hello {
 /// Why a session's connection ended (other than the peer closing it).
 enum End {
     Io(io::Error),
-    Malformed(ProtoError),
+    Malformed(Box<ProtoError>),
     SecondHello,
 }
 
@@ -250,14 +248,18 @@ impl Connection {
         loop {
             // Replies to the requests before a broken frame still go out, so the peer
             // learns all it can before the connection closes.
-            self.flush(std::mem::take(&mut immediate).into_iter().chain(outbox.take())).await?;
+            // Boxed: a flush's state (iterators, a shared tail, the vectored write) is
+            // larger than the idle wait's, and would otherwise sit in every idle task.
+            Box::pin(self.flush(std::mem::take(&mut immediate).into_iter().chain(outbox.take()))).await?;
             if let Some(end) = broken.take() {
                 return Err(end);
             }
-            // Idle connections keep no read buffer; bytes of a partial frame stay.
+            // Idle connections keep no read buffer (bytes of a partial frame stay)
+            // and no write buffer (flush leaves it empty).
             if self.rbuf.is_empty() {
                 self.rbuf = BytesMut::new();
             }
+            self.wbuf = BytesMut::new();
             tokio::select! {
                 // Replies first: they free waiting peers, and reading more only adds work.
                 biased;
@@ -317,7 +319,7 @@ impl Connection {
                     break;
                 }
                 Err(error) if error.is_fatal() => {
-                    result = Err(End::Malformed(error));
+                    result = Err(End::Malformed(Box::new(error)));
                     break;
                 }
                 Err(error) => {
@@ -350,10 +352,9 @@ impl Connection {
             write_with_tail(&mut self.stream, &self.wbuf, tail.as_deref().unwrap_or_default()).await?;
             self.wbuf.clear();
         }
-        if self.wbuf.capacity() > KEEP_WRITE_CAPACITY {
-            self.wbuf = BytesMut::new();
-        }
         Ok(())
     }
 }
+
+
 
