@@ -264,7 +264,7 @@ impl Connection {
                 // Replies first: they free waiting peers, and reading more only adds work.
                 biased;
                 () = outbox.ready.notified() => {}
-                read = std::future::poll_fn(|cx| self.poll_read_some(cx)) => {
+                read = std::future::poll_fn(|cx| poll_read_some(&mut self.stream, &mut self.rbuf, cx)) => {
                     match read {
                         Ok(0) => {
                             if !self.rbuf.is_empty() {
@@ -278,29 +278,6 @@ impl Connection {
                 }
             }
         }
-    }
-
-    /// Reads what the socket has (up to [`READ_CHUNK`]).
-    ///
-    /// Through `poll_read`, which learns from a short read that the socket is drained;
-    /// `try_read` would spend a second, empty `recv` per request to learn that.
-    /// Reads land on the stack first and are appended to the read buffer, so a
-    /// buffer starting empty is allocated at exactly the size received. Decoded
-    /// keys and values share that allocation (the codec does not copy them): a small
-    /// `set` must not pin a whole read chunk. The stack chunk lives only within one
-    /// poll, so it does not enlarge an idle connection's task. The rest of a frame
-    /// already started is read straight into the buffer, which grows geometrically so
-    /// that a large value takes few reads.
-    fn poll_read_some(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
-        if !self.rbuf.is_empty() {
-            self.rbuf.reserve(READ_CHUNK.max(self.rbuf.len()));
-            return pin!(self.stream.read_buf(&mut self.rbuf)).poll(cx);
-        }
-        let mut chunk = [0u8; READ_CHUNK];
-        let mut filled = ReadBuf::new(&mut chunk);
-        ready!(Pin::new(&mut self.stream).poll_read(cx, &mut filled))?;
-        self.rbuf.extend_from_slice(filled.filled());
-        Poll::Ready(Ok(filled.filled().len()))
     }
 
     /// Decodes every whole frame buffered and feeds the requests to the engine under
@@ -356,5 +333,25 @@ impl Connection {
     }
 }
 
-
-
+/// Reads what the socket has (up to [`READ_CHUNK`]) into `rbuf`.
+///
+/// Through `poll_read`, which learns from a short read that the socket is drained;
+/// `try_read` would spend a second, empty `recv` per request to learn that.
+/// Reads land on the stack first and are appended to the read buffer, so a
+/// buffer starting empty is allocated at exactly the size received. Decoded
+/// keys and values share that allocation (the codecs do not copy them): a small
+/// `set` must not pin a whole read chunk, and a request must not cost a 4 KiB
+/// allocation. The stack chunk lives only within one poll, so it does not enlarge
+/// an idle connection's task. The rest of a frame already started is read straight
+/// into the buffer, which grows geometrically so that a large value takes few reads.
+pub(crate) fn poll_read_some(stream: &mut TcpStream, rbuf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+    if !rbuf.is_empty() {
+        rbuf.reserve(READ_CHUNK.max(rbuf.len()));
+        return pin!(stream.read_buf(rbuf)).poll(cx);
+    }
+    let mut chunk = [0u8; READ_CHUNK];
+    let mut filled = ReadBuf::new(&mut chunk);
+    ready!(Pin::new(stream).poll_read(cx, &mut filled))?;
+    rbuf.extend_from_slice(filled.filled());
+    Poll::Ready(Ok(filled.filled().len()))
+}

@@ -16,15 +16,12 @@ use std::sync::Arc;
 use bytes::{Bytes, BytesMut};
 use rallypoint_core::{OpError, Reply, Request, Response, SessionId};
 use rallypoint_proto::tcpstore::{decode_command, encode_answer, Answer, Command, TcpError, TcpLimits, VALIDATE_MAGIC};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
-use super::connection::SessionGuard;
+use super::connection::{poll_read_some, SessionGuard};
 use super::shared::{Outbox, Shared};
-
-/// Most bytes taken from the socket per read.
-const READ_CHUNK: usize = 4096;
 
 /// How an engine reply becomes torch's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -122,7 +119,7 @@ impl<'a> Conn<'a> {
             tokio::select! {
                 biased;
                 () = self.outbox.ready.notified() => {}
-                read = read_some(&mut self.stream, &mut self.rbuf) => {
+                read = std::future::poll_fn(|cx| poll_read_some(&mut self.stream, &mut self.rbuf, cx)) => {
                     if read? == 0 {
                         return Ok(());
                     }
@@ -289,9 +286,4 @@ fn kind_name(kind: Kind) -> &'static str {
         Kind::Popped => "QUEUE_POP",
         Kind::CancelWait => "CANCEL_WAIT",
     }
-}
-
-async fn read_some(stream: &mut TcpStream, rbuf: &mut BytesMut) -> io::Result<usize> {
-    rbuf.reserve(READ_CHUNK.max(rbuf.len()));
-    stream.read_buf(rbuf).await
 }
