@@ -117,3 +117,25 @@ fn idle_jobs_are_forgotten_after_their_ttl() {
     let s = h.rank("j", 0, 1);
     assert_eq!(h.call(s, Request::NumKeys), Ok(Response::Int(0)));
 }
+
+#[test]
+fn a_rank_taking_in_a_long_write_keeps_its_lease() {
+    let mut h = Harness::with_config(Config { lease_ms: 1_000, ..Config::default() });
+    let s0 = h.rank("j", 0, 2);
+    let s1 = h.rank("j", 1, 2);
+    let a = h.send(s0, barrier("x", None));
+    // Rank 1 sends nothing for 2 s, but the server's write to it keeps making progress.
+    for _ in 0..5 {
+        h.advance(400);
+        h.call(s0, Request::Heartbeat).unwrap();
+        h.engine.alive(s1, h.now);
+    }
+    assert!(h.pending(s0, a), "rank 1 is not lost while it takes in a write");
+    // Once that stops too, the lease runs out as usual.
+    for _ in 0..3 {
+        h.advance(400);
+        h.call(s0, Request::Heartbeat).unwrap();
+    }
+    let OpError::PeerLost { peer, .. } = err(h.take(s0, a)) else { panic!("rank 1 lost") };
+    assert_eq!(peer.state, RankState::Lost(LossReason::LeaseExpired { lease_ms: 1_000 }));
+}

@@ -184,6 +184,19 @@ impl Engine {
         self.notices.drain(..)
     }
 
+    /// The session's peer is taking in what the server sends (a long write to it made
+    /// progress): as good as a heartbeat for its rank's lease. A connection does not
+    /// read while it writes, so a rank receiving a reply of many MiB on a busy machine
+    /// would otherwise look silent for the whole write.
+    pub fn alive(&mut self, session: SessionId, now: Millis) {
+        let Some(sess) = self.sessions.get(&session) else { return };
+        let (Some(rank), false) = (sess.identity.rank, sess.torch) else { return };
+        let Some(job) = self.jobs.get_mut(&sess.job) else { return };
+        let mut ctx = Ctx { job: job.id, now, out: &mut self.outgoing, timers: &mut self.timers };
+        let change = job.ranks.touch(rank, now, self.config.lease_ms);
+        job.apply(rank, change, &mut ctx);
+    }
+
     /// Feeds one request. Its reply (now or later) appears in [`Engine::drain_outgoing`]
     /// tagged with `request_id`. Requests of unknown sessions are ignored.
     pub fn handle(&mut self, session: SessionId, request_id: u64, request: Request, now: Millis) {

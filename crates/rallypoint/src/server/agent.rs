@@ -27,7 +27,7 @@ use tokio::sync::Notify;
 use tracing::{debug, info, trace, warn};
 
 use super::shared::{AgentInput, Shared};
-use super::write_with_tail;
+use super::{write_with_tail, WriteProgress};
 
 /// Bytes reserved per read: a batch of many ranks' requests.
 const READ_CHUNK: usize = 64 * 1024;
@@ -245,6 +245,8 @@ impl AgentConn<'_> {
     async fn flush(&mut self, outbox: &AgentOutbox) -> io::Result<()> {
         let mut replies = outbox.take().into_iter().peekable();
         let subs = &self.guard.subs;
+        let carried = || subs.by_session.keys().copied().collect();
+        let mut progress = WriteProgress::new(self.guard.shared, &carried);
         let mut calls = Vec::new();
         let (mut replied, mut frames) = (0usize, 0usize);
         loop {
@@ -270,7 +272,7 @@ impl AgentConn<'_> {
             if self.wbuf.is_empty() {
                 break;
             }
-            write_with_tail(self.stream, &self.wbuf, tail.as_deref().unwrap_or_default()).await?;
+            write_with_tail(self.stream, &self.wbuf, tail.as_deref().unwrap_or_default(), &mut progress).await?;
             self.wbuf.clear();
         }
         if replied > 0 {

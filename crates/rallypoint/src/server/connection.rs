@@ -21,7 +21,7 @@ use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
 use super::shared::{Outbox, Shared};
-use super::write_with_tail;
+use super::{write_with_tail, WriteProgress};
 
 /// Most bytes taken from the socket per read; larger frames grow the buffer as they arrive.
 const READ_CHUNK: usize = 4096;
@@ -250,7 +250,7 @@ impl Connection {
             // learns all it can before the connection closes.
             // Boxed: a flush's state (iterators, a shared tail, the vectored write) is
             // larger than the idle wait's, and would otherwise sit in every idle task.
-            Box::pin(self.flush(std::mem::take(&mut immediate).into_iter().chain(outbox.take()))).await?;
+            Box::pin(self.flush(std::mem::take(&mut immediate).into_iter().chain(outbox.take()), session, shared)).await?;
             if let Some(end) = broken.take() {
                 return Err(end);
             }
@@ -316,7 +316,9 @@ impl Connection {
     /// Writes what is buffered and `replies`, batched into as few writes as possible.
     /// A reply's large shared tail (an all-gather's values, encoded once for every
     /// member) is written from where it is, after the batch that ends with its head.
-    async fn flush(&mut self, mut replies: impl Iterator<Item = (u64, Reply)>) -> io::Result<()> {
+    async fn flush(&mut self, mut replies: impl Iterator<Item = (u64, Reply)>, session: SessionId, shared: &Shared) -> io::Result<()> {
+        let this_session = || vec![session];
+        let mut progress = WriteProgress::new(shared, &this_session);
         loop {
             let mut tail = None;
             while tail.is_none() && self.wbuf.len() < MAX_WRITE_BATCH {
@@ -326,7 +328,7 @@ impl Connection {
             if self.wbuf.is_empty() {
                 break;
             }
-            write_with_tail(&mut self.stream, &self.wbuf, tail.as_deref().unwrap_or_default()).await?;
+            write_with_tail(&mut self.stream, &self.wbuf, tail.as_deref().unwrap_or_default(), &mut progress).await?;
             self.wbuf.clear();
         }
         Ok(())

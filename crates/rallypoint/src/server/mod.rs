@@ -15,9 +15,9 @@ use std::future::Future;
 use std::io::{self, IoSlice};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use rallypoint_core::Config;
+use rallypoint_core::{Config, SessionId};
 use rallypoint_proto::native::FrameLimits;
 use rallypoint_proto::tcpstore::TcpLimits;
 use tokio::io::AsyncWriteExt;
@@ -204,9 +204,18 @@ async fn accept_failed(error: io::Error) {
 /// ending with the start of a frame whose last bytes are `tail`, bytes shared with
 /// other replies (an all-gather's values, encoded once for every member). Writing
 /// them together (`writev`) sends them without copying `tail` into the batch.
-pub(crate) async fn write_with_tail(stream: &mut TcpStream, mut head: &[u8], mut tail: &[u8]) -> io::Result<()> {
-    while !head.is_empty() {
-        let written = stream.write_vectored(&[IoSlice::new(head), IoSlice::new(tail)]).await?;
+pub(crate) async fn write_with_tail(
+    stream: &mut TcpStream,
+    mut head: &[u8],
+    mut tail: &[u8],
+    progress: &mut WriteProgress<'_>,
+) -> io::Result<()> {
+    while !head.is_empty() || !tail.is_empty() {
+        let written = if head.is_empty() {
+            stream.write(tail).await?
+        } else {
+            stream.write_vectored(&[IoSlice::new(head), IoSlice::new(tail)]).await?
+        };
         if written == 0 {
             return Err(io::ErrorKind::WriteZero.into());
         }
@@ -216,6 +225,32 @@ pub(crate) async fn write_with_tail(stream: &mut TcpStream, mut head: &[u8], mut
             tail = &tail[written - head.len()..];
             head = &[];
         }
+        progress.made();
     }
-    stream.write_all(tail).await
+    Ok(())
+}
+
+/// Tells the engine, at most once per [`ALIVE_EVERY`], that the peers of a connection
+/// take in a long write: a connection does not read (so sees no heartbeat) while it
+/// writes, and a rank receiving many MiB must not lose its lease meanwhile.
+pub(crate) struct WriteProgress<'a> {
+    shared: &'a Shared,
+    sessions: &'a (dyn Fn() -> Vec<SessionId> + Sync),
+    since: Instant,
+}
+
+/// How often a long write counts as a sign of life (well inside any sensible lease).
+const ALIVE_EVERY: Duration = Duration::from_secs(1);
+
+impl<'a> WriteProgress<'a> {
+    pub(crate) fn new(shared: &'a Shared, sessions: &'a (dyn Fn() -> Vec<SessionId> + Sync)) -> Self {
+        WriteProgress { shared, sessions, since: Instant::now() }
+    }
+
+    fn made(&mut self) {
+        if self.since.elapsed() >= ALIVE_EVERY {
+            self.shared.alive((self.sessions)().into_iter());
+            self.since = Instant::now();
+        }
+    }
 }

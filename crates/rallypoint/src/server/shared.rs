@@ -149,6 +149,17 @@ impl Shared {
         opened
     }
 
+    /// The peers of `sessions` are taking in a long write: their ranks' leases count
+    /// that as a sign of life (see `Engine::alive`).
+    pub(crate) fn alive(&self, sessions: impl Iterator<Item = SessionId>) {
+        let mut state = lock(&self.state);
+        let now = self.now();
+        for session in sessions {
+            state.engine.alive(session, now);
+        }
+        self.after_input(&mut state);
+    }
+
     /// Closes many sessions at once (a node agent's connection ended).
     pub(crate) fn close_all(&self, sessions: &[SessionId]) {
         let mut state = lock(&self.state);
