@@ -1,15 +1,11 @@
 //! `rallypoint agent`: a node agent, until SIGINT or SIGTERM or the loss of its
 //! coordinator.
 
-use std::io::Write;
-
-use anyhow::Context;
 use clap::Args;
 use rallypoint::agent::{Agent, AgentConfig};
-use tokio::signal::unix::{signal, SignalKind};
-use tracing::info;
 
 use crate::parse;
+use crate::serve::{print_addr, shutdown_signal};
 
 #[derive(Args, Debug)]
 pub struct AgentArgs {
@@ -31,20 +27,11 @@ pub struct AgentArgs {
 pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let mut config = AgentConfig::new(args.upstream, args.listen);
     config.connect_timeout = std::time::Duration::from_secs_f64(args.connect_timeout);
-    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let stop = shutdown_signal()?;
     let agent = Agent::bind(config).await?;
     if args.print_addr {
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "{}", agent.local_addr()).and_then(|()| out.flush()).context("writing the address to stdout")?;
+        print_addr(agent.local_addr())?;
     }
-    agent
-        .run_until(async move {
-            tokio::select! {
-                _ = interrupt.recv() => info!("SIGINT: shutting down"),
-                _ = terminate.recv() => info!("SIGTERM: shutting down"),
-            }
-        })
-        .await?;
+    agent.run_until(stop).await?;
     Ok(())
 }

@@ -60,22 +60,31 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         engine.limits.max_gather_bytes = n;
     }
     // Installed before the address is announced: whoever reads it may signal at once.
-    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
-    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    let stop = shutdown_signal()?;
     // Binding raises the open-file limit and logs the bound address.
     let server = Server::bind(ServerConfig { listen: args.listen, engine }).await?;
     server.set_tcpstore_job(&args.tcpstore_job);
     if args.print_addr {
-        let mut out = std::io::stdout().lock();
-        writeln!(out, "{}", server.local_addr()).and_then(|()| out.flush()).context("writing the address to stdout")?;
+        print_addr(server.local_addr())?;
     }
-    server
-        .run_until(async move {
-            tokio::select! {
-                _ = interrupt.recv() => info!("SIGINT: shutting down"),
-                _ = terminate.recv() => info!("SIGTERM: shutting down"),
-            }
-        })
-        .await?;
+    server.run_until(stop).await?;
     Ok(())
+}
+
+/// Completes at SIGINT or SIGTERM; the handlers are installed when this is called.
+pub(crate) fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Output = ()>> {
+    let mut interrupt = signal(SignalKind::interrupt()).context("installing the SIGINT handler")?;
+    let mut terminate = signal(SignalKind::terminate()).context("installing the SIGTERM handler")?;
+    Ok(async move {
+        tokio::select! {
+            _ = interrupt.recv() => info!("SIGINT: shutting down"),
+            _ = terminate.recv() => info!("SIGTERM: shutting down"),
+        }
+    })
+}
+
+/// The bound address as the first line on stdout (for scripts that listen on port 0).
+pub(crate) fn print_addr(addr: impl std::fmt::Display) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{addr}").and_then(|()| out.flush()).context("writing the address to stdout")
 }
