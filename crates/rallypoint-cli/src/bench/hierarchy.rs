@@ -33,6 +33,7 @@ use tokio::net::{TcpStream, UnixStream};
 use tokio::process::{Child, Command};
 use tokio::task::JoinSet;
 
+use super::Stats;
 use crate::parse;
 
 #[derive(clap::Args, Debug)]
@@ -264,11 +265,11 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
     let start_ns = reports.iter().map(|r| r.start_ns).max().unwrap_or(0);
     let ends: Vec<u64> =
         (0..total).map(|k| reports.iter().map(|r| r.round_end_ns.get(k).copied().unwrap_or(0)).max().unwrap_or(0)).collect();
-    let mut rounds: Vec<u64> = Vec::new();
+    let mut rounds: Vec<Duration> = Vec::new();
     let mut previous = start_ns;
     for (k, &end) in ends.iter().enumerate() {
         if k >= args.warmup as usize {
-            rounds.push(end.saturating_sub(previous));
+            rounds.push(Duration::from_nanos(end.saturating_sub(previous)));
         }
         previous = end;
     }
@@ -291,10 +292,7 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
     let _ = root.child.kill().await;
     let _ = std::fs::remove_dir_all(&dir);
 
-    rounds.sort_unstable();
-    let n = rounds.len();
-    let pick = |p: f64| rounds[((p * n as f64).ceil() as usize).clamp(1, n) - 1];
-    let us = |ns: u64| (ns as f64 / 100.0).round() / 10.0;
+    let stats = Stats::of(&mut rounds).context("no round was measured")?;
     Ok(Report {
         op: "barrier",
         ranks: args.ranks,
@@ -303,11 +301,11 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
         transport: args.transport,
         rounds: args.rounds,
         warmup_rounds: args.warmup,
-        median_us: us(pick(0.5)),
-        p99_us: us(pick(0.99)),
-        mean_us: us(rounds.iter().sum::<u64>() / n as u64),
-        min_us: us(rounds[0]),
-        max_us: us(rounds[n - 1]),
+        median_us: stats.median_us,
+        p99_us: stats.p99_us,
+        mean_us: stats.mean_us,
+        min_us: stats.min_us,
+        max_us: stats.max_us,
         connect_ms: (connect_ms * 10.0).round() / 10.0,
         cpu_us_per_rank_round: cpu,
     })
