@@ -86,6 +86,8 @@ def main():
     ap.add_argument("--clients", type=int, default=64, help="clients of the add throughput test [64]")
     ap.add_argument("--adds", type=int, default=500, help="adds per client per round [500]")
     ap.add_argument("--max-seconds", type=float, default=600, help="give up after this long [600]")
+    ap.add_argument("--server-cpu", type=int, help="pin both servers to this CPU (default: the scheduler places them)")
+    ap.add_argument("--client-cpu", type=int, help="pin the clients (this process) to this CPU")
     ap.add_argument("--serve-torch", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.serve_torch:
@@ -104,8 +106,13 @@ def main():
     rp_bin = os.environ.get("RALLYPOINT_BIN", "target/release/rallypoint")
     servers = {}
     try:
-        servers["torch"] = Server("torch", [sys.executable, os.path.abspath(__file__), "--serve-torch"])
-        servers["rallypoint"] = Server("rallypoint", [rp_bin, "serve", "--listen", "127.0.0.1:0", "--print-addr"])
+        # Where the scheduler puts a server relative to its client moves a round trip by
+        # ~40 % here (same CPU: no cross-CPU wake-up); pinning compares like with like.
+        pin = ["taskset", "-c", str(a.server_cpu)] if a.server_cpu is not None else []
+        if a.client_cpu is not None:
+            os.sched_setaffinity(0, {a.client_cpu})
+        servers["torch"] = Server("torch", pin + [sys.executable, os.path.abspath(__file__), "--serve-torch"])
+        servers["rallypoint"] = Server("rallypoint", pin + [rp_bin, "serve", "--listen", "127.0.0.1:0", "--print-addr"])
 
         def client(s):
             return dist.TCPStore("127.0.0.1", servers[s].port, None, False, timeout, wait_for_workers=False)
@@ -211,6 +218,7 @@ def main():
 
         res = {"torch_version": torch.__version__, "ops": a.ops, "warmup": a.warmup, "block": a.block,
                "rounds": a.rounds, "multi_get_keys": MULTI_KEYS, "clients": a.clients, "adds_per_client_per_round": a.adds,
+               "server_cpu": a.server_cpu, "client_cpu": a.client_cpu,
                "latency_us": {}, "add_throughput": {}}
         for s in SERVERS:
             res["latency_us"][s] = {}

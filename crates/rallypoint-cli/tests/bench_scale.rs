@@ -64,12 +64,9 @@ fn barrier_of_4096_native_clients() {
     assert!(report["median_us"].as_f64().is_some_and(|us| us > 0.0), "{report}");
 }
 
-/// 1,024 clients, not 4,096: rallypoint's TCPStore BARRIER is still quadratic in N
-/// (docs/BENCHMARKS.md), ~1 s per round at 4,096 on an idle machine, which next to
-/// the other tests overran the limit. Raise it back once that is fixed.
 #[test]
-fn tcpstore_barrier_of_1024_clients_from_two_processes() {
-    let n = clients().min(1024).to_string();
+fn tcpstore_barrier_of_4096_clients_from_two_processes() {
+    let n = clients().to_string();
     let report = bench(&[
         "barrier", "--protocol", "tcpstore", "--procs", "2", "--clients", &n, "--rounds", "3", "--warmup", "1",
     ]);

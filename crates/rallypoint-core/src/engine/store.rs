@@ -165,18 +165,27 @@ impl Store {
 
     /// Adds `delta` to the decimal integer at `key` (absent counts as 0), like TCPStore.
     pub fn add(&mut self, key: Bytes, delta: i64, done: &mut Vec<(WaitId, Reply)>) -> Result<i64, OpError> {
-        let current = match self.data.get(&key) {
+        // One lookup for the read and the write: `add` is the hottest request there is.
+        let slot = self.data.get_mut(&key);
+        let current = match &slot {
             None => 0,
             Some(value) => parse_stoll(value).ok_or_else(|| OpError::NotANumber {
                 key: key.clone(),
-                value: value.clone(),
+                value: (*value).clone(),
             })?,
         };
         let new = current
             .checked_add(delta)
             .ok_or_else(|| OpError::Overflow { key: key.clone(), current, delta })?;
         // Decimal text, as TCPStore stores counters; freshly allocated, so no copy needed.
-        self.put(key, Bytes::from(new.to_string()), done);
+        let value = Bytes::from(new.to_string());
+        match slot {
+            Some(slot) => *slot = value,
+            None => {
+                self.data.insert(own(key.clone()), value);
+            }
+        }
+        self.wake(&key, done);
         Ok(new)
     }
 
@@ -318,7 +327,13 @@ impl Store {
 
     /// `key` now exists: count it off every wait on it and answer those with nothing left.
     fn wake(&mut self, key: &Bytes, done: &mut Vec<(WaitId, Reply)>) {
-        self.release_barriers(key, done);
+        // Most writes have nobody waiting: skip the lookups (and hashing) then.
+        if !self.barrier_waiters.is_empty() {
+            self.release_barriers(key, done);
+        }
+        if self.waiters_by_key.is_empty() {
+            return;
+        }
         let Some(ids) = self.waiters_by_key.remove(key) else { return };
         self.count_off(ids, None, done);
     }
@@ -341,8 +356,8 @@ impl Store {
 
     /// Answers the barrier waiters of `key` whose world size the counter has reached.
     fn release_barriers(&mut self, key: &Bytes, done: &mut Vec<(WaitId, Reply)>) {
-        let Some(count) = self.data.get(key).and_then(|v| parse_stoll(v)) else { return };
         let Some(waiters) = self.barrier_waiters.get_mut(key) else { return };
+        let Some(count) = self.data.get(key).and_then(|v| parse_stoll(v)) else { return };
         // Everything ordered before (count + 1, _) has a world size the counter reached.
         let still_waiting = match count.checked_add(1) {
             Some(next) => waiters.split_off(&(next, (SessionId(0), 0))),

@@ -23,10 +23,9 @@ use rallypoint_proto::native::{
 };
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
-use tokio::sync::Notify;
 use tracing::{debug, info, trace, warn};
 
-use super::shared::{AgentInput, Shared};
+use super::shared::{AgentInput, Ready, Shared};
 use super::{write_with_tail, WriteProgress};
 
 /// Bytes reserved per read: a batch of many ranks' requests.
@@ -40,7 +39,7 @@ const MAX_WRITE_BATCH: usize = 4 << 20;
 #[derive(Default)]
 pub(crate) struct AgentOutbox {
     queue: Mutex<Vec<(SessionId, u64, Reply)>>,
-    pub(crate) ready: Notify,
+    pub(crate) ready: Ready,
 }
 
 impl AgentOutbox {
@@ -50,7 +49,7 @@ impl AgentOutbox {
         queue.push((session, request_id, reply));
         drop(queue);
         if was_empty {
-            self.ready.notify_one();
+            self.ready.notify();
         }
     }
 
@@ -143,7 +142,7 @@ impl AgentConn<'_> {
             tokio::select! {
                 // Replies first: they free waiting ranks, and reading more only adds work.
                 biased;
-                () = outbox.ready.notified() => {}
+                () = outbox.ready.wait() => {}
                 read = self.stream.read_buf(&mut self.rbuf) => match read? {
                     0 => return Ok(()),
                     _ => self.process(outbox)?,

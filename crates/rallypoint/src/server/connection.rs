@@ -1,8 +1,10 @@
 //! One client connection: protocol preamble, hello, then requests in and replies
-//! out. One task per connection; while idle it holds no read or write buffer.
+//! out. One task per native connection; while idle it holds no read or write buffer.
+//! TCPStore connections are recognised here and handed to the TCPStore reactor.
 
 use std::future::Future;
 use std::io;
+use std::mem::MaybeUninit;
 use std::pin::{pin, Pin};
 use std::task::{ready, Context, Poll};
 use std::net::SocketAddr;
@@ -11,7 +13,6 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::{Identity, OpError, Reply, SessionId};
-use rallypoint_proto::tcpstore::TcpLimits;
 use rallypoint_proto::native::{
     decode_client_frame, decode_preamble, encode_reply, encode_reply_shared, encode_server_frame,
     starts_with_agent_hello, ClientFrame, FrameLimits, ProtoError, ServerFrame, VERSION,
@@ -20,6 +21,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
+use super::reactor::Reactor;
 use super::shared::{Outbox, Shared};
 use super::{write_with_tail, WriteProgress};
 
@@ -33,16 +35,17 @@ const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
 /// Serves one accepted connection until it closes; never fails the server.
 ///
 /// Memory per idle connection is what this task holds while a session waits, so
-/// the handshake (and a TCPStore connection's whole life) runs in a boxed future
-/// freed when it ends; the task itself keeps only the open [`Session`] and its loop.
+/// the handshake (and a node agent's whole life) runs in a boxed future freed when
+/// it ends; the task itself keeps only the open [`Session`] and its loop. A TCPStore
+/// connection leaves for the [`Reactor`] thread once recognised.
 pub(crate) fn serve(
     stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
     limits: FrameLimits,
-    tcp_limits: TcpLimits,
+    reactor: Arc<Reactor>,
 ) -> impl Future<Output = ()> + Send {
-    let opening = Box::pin(open(stream, peer, shared, limits, tcp_limits));
+    let opening = Box::pin(open(stream, peer, shared, limits, reactor));
     async move {
         let Some(mut session) = opening.await else { return };
         let Session { conn, outbox, guard } = &mut session;
@@ -51,9 +54,9 @@ pub(crate) fn serve(
     }
 }
 
-/// Handshake and admission. `None`: the connection is done (refused, closed, or a
-/// TCPStore connection served to its end).
-async fn open(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, limits: FrameLimits, tcp_limits: TcpLimits) -> Option<Session> {
+/// Handshake and admission. `None`: the connection is done here (refused, closed,
+/// served to its end as a node agent, or handed to the TCPStore reactor).
+async fn open(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, limits: FrameLimits, reactor: Arc<Reactor>) -> Option<Session> {
     let mut conn = Connection { stream, peer, limits, rbuf: BytesMut::new(), wbuf: BytesMut::new() };
     let identity = match tokio::time::timeout(HANDSHAKE_TIMEOUT, conn.handshake()).await {
         Ok(Ok(Some(Hello::Native(identity)))) => identity,
@@ -63,7 +66,9 @@ async fn open(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, limits: 
         }
         Ok(Ok(Some(Hello::TcpStore))) => {
             debug!(%peer, "PyTorch TCPStore client");
-            super::tcpstore::serve(conn.stream, peer, conn.rbuf, shared, tcp_limits).await;
+            if let Err(error) = reactor.adopt(conn.stream, peer, conn.rbuf) {
+                debug!(%peer, %error, "cannot serve a TCPStore client; closing the connection");
+            }
             return None;
         }
         Ok(Ok(None)) => return None,
@@ -88,7 +93,7 @@ async fn open(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, limits: 
     let id = welcome.session;
     debug!(%peer, session = %id, job = %identity.job, rank = ?identity.rank, host = %identity.host, pid = identity.pid, "session opened");
     encode_server_frame(&ServerFrame::Welcome(welcome), &mut conn.wbuf);
-    Some(Session { conn, outbox, guard: SessionGuard { shared, session: id } })
+    Some(Session { conn, outbox, guard: SessionGuard::new(shared, id) })
 }
 
 /// An admitted native session: its connection, its outbox, and the guard that
@@ -133,16 +138,29 @@ impl From<io::Error> for End {
     }
 }
 
-/// Tells the engine when the session ends, however the connection task ends
-/// (error, peer close, server shutdown cancelling the task).
+/// Tells the engine when the session ends, however the connection ends (error,
+/// peer close, server shutdown cancelling the task).
 pub(crate) struct SessionGuard {
     pub(crate) shared: Arc<Shared>,
     pub(crate) session: SessionId,
+    /// The engine panicked: do not call it again on drop.
+    abandoned: bool,
+}
+
+impl SessionGuard {
+    pub(crate) fn new(shared: Arc<Shared>, session: SessionId) -> SessionGuard {
+        SessionGuard { shared, session, abandoned: false }
+    }
+
+    /// Drops the session's outbox without telling the engine (see [`Shared::forget`]).
+    pub(crate) fn forget(mut self) {
+        self.abandoned = true;
+    }
 }
 
 impl Drop for SessionGuard {
     fn drop(&mut self) {
-        if std::thread::panicking() {
+        if self.abandoned || std::thread::panicking() {
             // The engine may be what panicked; calling it again would abort the process.
             self.shared.forget(self.session);
         } else {
@@ -263,7 +281,7 @@ impl Connection {
             tokio::select! {
                 // Replies first: they free waiting peers, and reading more only adds work.
                 biased;
-                () = outbox.ready.notified() => {}
+                () = outbox.ready.wait() => {}
                 read = std::future::poll_fn(|cx| poll_read_some(&mut self.stream, &mut self.rbuf, cx)) => {
                     match read {
                         Ok(0) => {
@@ -308,7 +326,7 @@ impl Connection {
             }
         }
         if !requests.is_empty() {
-            shared.handle(session, requests.into_iter(), immediate);
+            shared.handle(session, requests.into_iter(), &mut |id, reply| immediate.push((id, reply)));
         }
         result
     }
@@ -346,13 +364,14 @@ impl Connection {
 /// allocation. The stack chunk lives only within one poll, so it does not enlarge
 /// an idle connection's task. The rest of a frame already started is read straight
 /// into the buffer, which grows geometrically so that a large value takes few reads.
-pub(crate) fn poll_read_some(stream: &mut TcpStream, rbuf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+fn poll_read_some(stream: &mut TcpStream, rbuf: &mut BytesMut, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
     if !rbuf.is_empty() {
         rbuf.reserve(READ_CHUNK.max(rbuf.len()));
         return pin!(stream.read_buf(rbuf)).poll(cx);
     }
-    let mut chunk = [0u8; READ_CHUNK];
-    let mut filled = ReadBuf::new(&mut chunk);
+    // Not zeroed: only what the read fills is looked at.
+    let mut chunk = [MaybeUninit::<u8>::uninit(); READ_CHUNK];
+    let mut filled = ReadBuf::uninit(&mut chunk);
     ready!(Pin::new(stream).poll_read(cx, &mut filled))?;
     rbuf.extend_from_slice(filled.filled());
     Poll::Ready(Ok(filled.filled().len()))

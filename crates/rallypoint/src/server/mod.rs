@@ -1,12 +1,15 @@
 //! The coordinator server: a TCP listener in front of the engine.
 //!
 //! The [`rallypoint_core::Engine`] holds all coordination state and does no I/O;
-//! this module only moves bytes. Each connection is one task that decodes
+//! this module only moves bytes. Each native connection is one task that decodes
 //! requests, feeds them to the engine under a lock and writes the replies the
-//! engine addresses to it; a ticker task advances the engine's clock.
+//! engine addresses to it. PyTorch TCPStore connections are served by one reactor
+//! thread with a plain event loop, as torch's own server does; a ticker thread
+//! advances the engine's clock.
 
 mod agent;
 mod connection;
+mod reactor;
 mod shared;
 mod tcpstore;
 mod ticker;
@@ -22,11 +25,13 @@ use rallypoint_proto::native::FrameLimits;
 use rallypoint_proto::tcpstore::TcpLimits;
 use tokio::io::AsyncWriteExt;
 use tokio::net::{TcpListener, TcpSocket, TcpStream};
-use tokio::sync::{oneshot, watch};
+use tokio::sync::oneshot;
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, error, info, warn};
 
 use shared::Shared;
+use reactor::Reactor;
+use ticker::Ticker;
 
 pub use crate::fdlimit::raise_fd_limit;
 
@@ -79,10 +84,8 @@ impl Server {
     /// connection (their ranks count as lost, not left) and returns.
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> io::Result<()> {
         let Server { listener, local_addr, shared, limits, tcp_limits } = self;
-        // Dropping `stop` tells the ticker to finish; connection tasks are aborted.
-        let (stop, stopped) = watch::channel(());
-        let spawn_ticker = || tokio::spawn(ticker::run(Arc::clone(&shared), stopped.clone()));
-        let mut ticker = spawn_ticker();
+        let ticker = Ticker::start(Arc::clone(&shared))?;
+        let reactor = Arc::new(Reactor::start(Arc::clone(&shared), tcp_limits)?);
         let mut connections = JoinSet::new();
         tokio::pin!(shutdown);
         loop {
@@ -95,7 +98,7 @@ impl Server {
                         }
                         // Shutdown aborts these tasks (no per-task stop signal: an idle
                         // connection's memory is its task).
-                        connections.spawn(connection::serve(stream, peer, Arc::clone(&shared), limits, tcp_limits));
+                        connections.spawn(connection::serve(stream, peer, Arc::clone(&shared), limits, Arc::clone(&reactor)));
                     }
                     Err(error) => accept_failed(error).await,
                 },
@@ -106,20 +109,14 @@ impl Server {
                         }
                     }
                 }
-                ended = &mut ticker => {
-                    // Without the ticker no timeout would ever fire: restart it.
-                    error!(error = ?ended.err(), "the ticker stopped unexpectedly; restarting it");
-                    ticker = spawn_ticker();
-                }
             }
         }
         info!(%local_addr, connections = connections.len(), "rallypoint coordinator shutting down");
         drop(listener);
-        drop(stop);
+        // Connection tasks are aborted, not told to stop.
         connections.shutdown().await;
-        if let Err(error) = ticker.await {
-            error!(%error, "the ticker failed");
-        }
+        reactor.stop().await;
+        ticker.stop().await;
         info!(%local_addr, "rallypoint coordinator stopped");
         Ok(())
     }

@@ -2,14 +2,16 @@
 //! session's replies go, and the server's clock.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::task::{Poll, Waker};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use rallypoint_core::{Config, Engine, Identity, Millis, OpError, Reply, Request, SessionId, Welcome};
-use tokio::sync::Notify;
+use atomic_waker::AtomicWaker;
 
 use super::agent::AgentOutbox;
+use super::ticker::Alarm;
 
 /// The job of TCPStore connections unless the server is told otherwise.
 pub(crate) const DEFAULT_TCPSTORE_JOB: &str = "default";
@@ -23,7 +25,7 @@ pub(crate) struct Shared {
     /// Written only under the state lock.
     ticker_plan: AtomicU64,
     /// Wakes the ticker when a deadline earlier than its plan appears.
-    ticker_wake: Notify,
+    ticker_alarm: Alarm,
     /// The job TCPStore connections join.
     tcpstore_job: Mutex<String>,
 }
@@ -53,18 +55,63 @@ pub(crate) enum AgentInput {
 #[derive(Default)]
 pub(crate) struct Outbox {
     queue: Mutex<VecDeque<(u64, Reply)>>,
-    pub(crate) ready: Notify,
+    /// Whether `queue` may hold replies: lets `take` skip the lock after each request
+    /// when, as usual, every reply went back directly.
+    queued: AtomicBool,
+    pub(crate) ready: Ready,
 }
 
 impl Outbox {
     fn push(&self, request_id: u64, reply: Reply) {
-        lock(&self.queue).push_back((request_id, reply));
-        self.ready.notify_one();
+        let mut queue = lock(&self.queue);
+        queue.push_back((request_id, reply));
+        self.queued.store(true, Ordering::Release);
+        drop(queue);
+        self.ready.notify();
     }
 
     /// Takes every queued reply, leaving the queue without an allocation.
     pub(crate) fn take(&self) -> VecDeque<(u64, Reply)> {
-        std::mem::take(&mut *lock(&self.queue))
+        if !self.queued.load(Ordering::Acquire) {
+            return VecDeque::new();
+        }
+        let mut queue = lock(&self.queue);
+        self.queued.store(false, Ordering::Relaxed);
+        std::mem::take(&mut *queue)
+    }
+}
+
+/// Tells whoever serves a connection (its task, or the TCPStore reactor) that
+/// something was queued for it. A flag and an atomic waker rather than `Notify`:
+/// with a single waiter, arming the wait costs an atomic operation instead of a
+/// lock on `Notify`'s wait list, on every request a connection reads.
+#[derive(Default)]
+pub(crate) struct Ready {
+    pending: AtomicBool,
+    waker: AtomicWaker,
+}
+
+impl Ready {
+    /// Wakes the task, or lets its next wait return at once (as `Notify::notify_one`).
+    pub(crate) fn notify(&self) {
+        self.pending.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+
+    /// Completes once `notify` was called since the last wait completed.
+    pub(crate) async fn wait(&self) {
+        std::future::poll_fn(|cx| if self.poll_wait(cx.waker()) { Poll::Ready(()) } else { Poll::Pending }).await;
+    }
+
+    /// `wait` without a future: true if `notify` was called since the last wait
+    /// completed; otherwise `waker` is woken by the next `notify`.
+    pub(crate) fn poll_wait(&self, waker: &Waker) -> bool {
+        if self.pending.swap(false, Ordering::Acquire) {
+            return true;
+        }
+        self.waker.register(waker);
+        // A notify between the check and the registration must not be lost.
+        self.pending.swap(false, Ordering::Acquire)
     }
 }
 
@@ -85,7 +132,7 @@ impl Shared {
             start: Instant::now(),
             next_session: AtomicU64::new(1),
             ticker_plan: AtomicU64::new(u64::MAX),
-            ticker_wake: Notify::new(),
+            ticker_alarm: Alarm::default(),
             tcpstore_job: Mutex::new(DEFAULT_TCPSTORE_JOB.to_owned()),
         }
     }
@@ -191,7 +238,7 @@ impl Shared {
     /// that session's own requests that are ready at once go to `immediate` (the
     /// caller writes them without a wake-up through its outbox); later replies, and
     /// replies to other sessions, go to outboxes.
-    pub(crate) fn handle(&self, session: SessionId, requests: impl Iterator<Item = (u64, Request)>, immediate: &mut Vec<(u64, Reply)>) {
+    pub(crate) fn handle(&self, session: SessionId, requests: impl Iterator<Item = (u64, Request)>, immediate: Immediate<'_>) {
         let mut state = lock(&self.state);
         let now = self.now();
         for (id, request) in requests {
@@ -228,8 +275,8 @@ impl Shared {
         next
     }
 
-    pub(crate) async fn ticker_woken(&self) {
-        self.ticker_wake.notified().await;
+    pub(crate) fn ticker_alarm(&self) -> &Alarm {
+        &self.ticker_alarm
     }
 
     /// Routes the engine's replies and wakes the ticker if the engine now has a
@@ -243,15 +290,18 @@ impl Shared {
         if let Some(next) = state.engine.next_deadline() {
             if next < self.ticker_plan.load(Ordering::Relaxed) {
                 self.ticker_plan.store(next, Ordering::Relaxed);
-                self.ticker_wake.notify_one();
+                self.ticker_alarm.poke();
             }
         }
     }
 }
 
-/// Routes the engine's output: replies for `caller`'s session into its vector, the
+/// Where the replies to the session that made a request go at once: (request id, reply).
+type Immediate<'a> = &'a mut dyn FnMut(u64, Reply);
+
+/// Routes the engine's output: replies for `caller`'s session to its callback, the
 /// rest into outboxes.
-fn dispatch(state: &mut State, mut caller: Option<(SessionId, &mut Vec<(u64, Reply)>)>) {
+fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
     let State { engine, outboxes } = state;
     for notice in engine.drain_notices() {
         tracing::warn!("{notice}");
@@ -259,7 +309,7 @@ fn dispatch(state: &mut State, mut caller: Option<(SessionId, &mut Vec<(u64, Rep
     for out in engine.drain_outgoing() {
         if let Some((session, immediate)) = caller.as_mut() {
             if out.session == *session {
-                immediate.push((out.request_id, out.reply));
+                immediate(out.request_id, out.reply);
                 continue;
             }
         }

@@ -2,25 +2,24 @@
 //! in, an engine session without rank in the server's TCPStore job.
 //!
 //! torch sends no request ids and waits for each reply before its next request
-//! (except WAIT followed by CANCEL_WAIT after a client-side timeout), so this task
-//! numbers the requests itself and writes the replies strictly in request order.
+//! (except WAIT followed by CANCEL_WAIT after a client-side timeout), so the
+//! connection numbers the requests itself and writes the replies strictly in request order.
 //! Requests without a reply in torch (SET, APPEND, MULTI_SET, QUEUE_PUSH) get none.
 //! Where torch's server closes the connection (a handler error such as ADD on a
 //! non-number, an over-limit length, an unknown type) this closes only this one.
 
 use std::collections::VecDeque;
-use std::io;
+use std::io::{self, Read, Write};
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::task::Waker;
 
-use bytes::{Bytes, BytesMut};
+use bytes::{Buf, Bytes, BytesMut};
 use rallypoint_core::{OpError, Reply, Request, Response, SessionId};
 use rallypoint_proto::tcpstore::{decode_command, encode_answer, Answer, Command, TcpError, TcpLimits, VALIDATE_MAGIC};
-use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
 use tracing::{debug, warn};
 
-use super::connection::{poll_read_some, SessionGuard};
+use super::connection::SessionGuard;
 use super::shared::{Outbox, Shared};
 
 /// How an engine reply becomes torch's answer.
@@ -54,7 +53,7 @@ struct Pending {
 
 /// Why the connection ends early.
 #[derive(Debug, thiserror::Error)]
-enum End {
+pub(crate) enum End {
     #[error("{0}")]
     Io(#[from] io::Error),
     #[error("{0}")]
@@ -68,10 +67,11 @@ enum End {
     Refused(Box<OpError>),
 }
 
-struct Conn<'a> {
-    stream: TcpStream,
+/// One TCPStore connection, owned and driven by the [`super::reactor`] thread.
+pub(crate) struct Conn {
+    stream: mio::net::TcpStream,
     peer: SocketAddr,
-    shared: &'a Arc<Shared>,
+    shared: Arc<Shared>,
     outbox: Arc<Outbox>,
     limits: TcpLimits,
     rbuf: BytesMut,
@@ -79,58 +79,132 @@ struct Conn<'a> {
     session: Option<(SessionId, SessionGuard)>,
     next_id: u64,
     pending: VecDeque<Pending>,
+    /// The socket may hold unread bytes (epoll is edge-triggered: read until it is drained).
+    readable: bool,
+    /// `rbuf` may hold whole requests not yet handled: those the handshake's read brought.
+    buffered: bool,
+    /// The stream broke after these replies: close once they are written.
+    broken: Option<End>,
 }
 
-/// Serves a connection whose first byte (0x00, VALIDATE) is in `rbuf`.
-pub(crate) async fn serve(stream: TcpStream, peer: SocketAddr, rbuf: BytesMut, shared: Arc<Shared>, limits: TcpLimits) {
-    let mut conn = Conn {
-        stream,
-        peer,
-        shared: &shared,
-        outbox: Arc::new(Outbox::default()),
-        limits,
-        rbuf,
-        wbuf: BytesMut::new(),
-        session: None,
-        next_id: 1,
-        pending: VecDeque::new(),
-    };
-    let result = conn.run().await;
-    let session = conn.session.as_ref().map(|(s, _)| *s);
-    match result {
-        Ok(()) => debug!(%peer, ?session, "TCPStore connection closed by the peer"),
-        Err(End::Io(error)) => debug!(%peer, ?session, %error, "TCPStore connection failed"),
-        Err(error) => warn!(%peer, ?session, %error, "closing the TCPStore connection"),
+/// Where a connection stands after [`Conn::service`].
+pub(crate) enum Progress {
+    /// Waiting for the peer (or for replies from the engine).
+    Idle,
+    /// Its read budget is spent with bytes still unread: service it again soon.
+    More,
+    /// The peer closed the connection.
+    Closed,
+}
+
+impl Conn {
+    /// A connection whose first byte (0x00, VALIDATE) is in `rbuf`.
+    pub(crate) fn new(stream: mio::net::TcpStream, peer: SocketAddr, rbuf: BytesMut, shared: Arc<Shared>, limits: TcpLimits) -> Conn {
+        Conn {
+            stream,
+            peer,
+            shared,
+            outbox: Arc::new(Outbox::default()),
+            limits,
+            rbuf,
+            wbuf: BytesMut::new(),
+            session: None,
+            next_id: 1,
+            pending: VecDeque::new(),
+            readable: true,
+            buffered: true,
+            broken: None,
+        }
     }
-}
 
-impl<'a> Conn<'a> {
-    async fn run(&mut self) -> Result<(), End> {
+    pub(crate) fn stream(&mut self) -> &mut mio::net::TcpStream {
+        &mut self.stream
+    }
+
+    /// An event said the socket has bytes (or an end) to read.
+    pub(crate) fn set_readable(&mut self) {
+        self.readable = true;
+    }
+
+    /// Writes what is ready, then reads and answers until the socket would block, the
+    /// peer stops reading our replies, or `max_reads` reads are done. Replies the
+    /// engine queued for this session (a WAIT released by another client) are
+    /// written too; `waker` is woken when more are queued.
+    pub(crate) fn service(&mut self, read_buf: &mut [u8], max_reads: usize, waker: &Waker) -> Result<Progress, End> {
+        if std::mem::take(&mut self.buffered) {
+            self.broken = self.process().err();
+        }
+        let mut reads = 0;
         loop {
-            let broken = self.process().err();
             self.write_ready()?;
-            if !self.wbuf.is_empty() {
-                self.stream.write_all(&self.wbuf).await?;
-                self.wbuf.clear();
+            if !self.flush()? {
+                return Ok(Progress::Idle); // the socket says when it takes more
             }
-            if let Some(end) = broken {
+            if let Some(end) = self.broken.take() {
                 return Err(end);
             }
-            tokio::select! {
-                biased;
-                () = self.outbox.ready.notified() => {}
-                read = std::future::poll_fn(|cx| poll_read_some(&mut self.stream, &mut self.rbuf, cx)) => {
-                    if read? == 0 {
-                        return Ok(());
-                    }
+            if !self.readable {
+                if self.outbox.ready.poll_wait(waker) {
+                    continue;
                 }
+                return Ok(Progress::Idle);
             }
+            if reads == max_reads {
+                return Ok(Progress::More);
+            }
+            reads += 1;
+            match self.stream.read(read_buf) {
+                Ok(0) => return Ok(Progress::Closed),
+                Ok(n) => {
+                    // A short read drained the socket; new bytes raise a new edge.
+                    self.readable = n == read_buf.len();
+                    self.rbuf.extend_from_slice(&read_buf[..n]);
+                    self.broken = self.process().err();
+                }
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => self.readable = false,
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(error) => return Err(error.into()),
+            }
+        }
+    }
+
+    /// Writes as much of the write buffer as the socket takes; true once it is empty.
+    fn flush(&mut self) -> Result<bool, End> {
+        while !self.wbuf.is_empty() {
+            match self.stream.write(&self.wbuf) {
+                Ok(0) => return Err(End::Io(io::ErrorKind::WriteZero.into())),
+                Ok(n) => self.wbuf.advance(n),
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
+                Err(error) => return Err(error.into()),
+            }
+        }
+        Ok(true)
+    }
+
+    /// Logs how the connection ended.
+    pub(crate) fn log_end(&self, end: Result<(), End>) {
+        let (peer, session) = (self.peer, self.session.as_ref().map(|(s, _)| *s));
+        match end {
+            Ok(()) => debug!(%peer, ?session, "TCPStore connection closed by the peer"),
+            Err(End::Io(error)) => debug!(%peer, ?session, %error, "TCPStore connection failed"),
+            Err(error) => warn!(%peer, ?session, %error, "closing the TCPStore connection"),
+        }
+    }
+
+    /// The engine panicked while serving this connection: drop its session without
+    /// calling the engine again.
+    pub(crate) fn abandon(&mut self) {
+        if let Some((_, guard)) = self.session.take() {
+            guard.forget();
         }
     }
 
     /// Decodes every whole request buffered and feeds them to the engine in one batch.
     fn process(&mut self) -> Result<(), End> {
-        let mut requests = Vec::new();
+        // torch sends one request at a time: the first needs no allocation.
+        let mut first = None;
+        let mut rest = Vec::new();
         let mut result = Ok(());
         loop {
             let command = match decode_command(&mut self.rbuf, &self.limits) {
@@ -172,12 +246,16 @@ impl<'a> Conn<'a> {
             let id = self.next_id;
             self.next_id += 1;
             self.pending.push_back(Pending { id, kind, canceled: false, reply: None });
-            requests.push((id, request));
+            if first.is_none() {
+                first = Some((id, request));
+            } else {
+                rest.push((id, request));
+            }
         }
-        if let (Some((session, _)), false) = (&self.session, requests.is_empty()) {
-            let mut immediate = Vec::new();
-            self.shared.handle(*session, requests.into_iter(), &mut immediate);
-            self.settle(immediate);
+        if let (Some((session, _)), Some(first)) = (&self.session, first) {
+            let pending = &mut self.pending;
+            let requests = std::iter::once(first).chain(rest);
+            self.shared.handle(*session, requests, &mut |id, reply| settle(pending, id, reply));
         }
         result
     }
@@ -191,24 +269,16 @@ impl<'a> Conn<'a> {
         let welcome = self.shared.open_tcpstore(&host, pid, Arc::clone(&self.outbox)).map_err(|e| End::Refused(Box::new(e)))?;
         let session = welcome.session;
         debug!(peer = %self.peer, %session, pid, "TCPStore session opened");
-        self.session = Some((session, SessionGuard { shared: Arc::clone(self.shared), session }));
+        self.session = Some((session, SessionGuard::new(Arc::clone(&self.shared), session)));
         Ok(())
-    }
-
-    /// Records the engine's replies on their pending requests.
-    fn settle(&mut self, replies: impl IntoIterator<Item = (u64, Reply)>) {
-        for (id, reply) in replies {
-            if let Some(p) = self.pending.iter_mut().find(|p| p.id == id && p.reply.is_none()) {
-                p.reply = Some(answer(p.kind, p.canceled, reply));
-            }
-        }
     }
 
     /// Takes the engine's replies and encodes, in request order, every answer whose
     /// turn has come. A failure torch would answer by closing the connection ends it.
     fn write_ready(&mut self) -> Result<(), End> {
-        let later = self.outbox.take();
-        self.settle(later);
+        for (id, reply) in self.outbox.take() {
+            settle(&mut self.pending, id, reply);
+        }
         while self.pending.front().is_some_and(|p| p.reply.is_some()) {
             let Some(Pending { kind, reply: Some(reply), .. }) = self.pending.pop_front() else { break };
             match reply {
@@ -218,6 +288,13 @@ impl<'a> Conn<'a> {
             }
         }
         Ok(())
+    }
+}
+
+/// Records an engine reply on its pending request.
+fn settle(pending: &mut VecDeque<Pending>, id: u64, reply: Reply) {
+    if let Some(p) = pending.iter_mut().find(|p| p.id == id && p.reply.is_none()) {
+        p.reply = Some(answer(p.kind, p.canceled, reply));
     }
 }
 

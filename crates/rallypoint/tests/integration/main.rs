@@ -12,3 +12,4 @@ mod kv;
 mod malformed;
 mod memory;
 mod scale;
+mod tcpstore;

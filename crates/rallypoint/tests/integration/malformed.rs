@@ -81,7 +81,7 @@ async fn malformed_input_costs_only_its_own_connection() {
     send(&mut s, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n").await;
     assert!(expect_closed(&mut s, "http garbage").await.is_empty());
 
-    // A PyTorch TCPStore client (first byte 0x00): not supported yet, closed.
+    // A PyTorch TCPStore client whose VALIDATE has the wrong magic: closed.
     let mut s = raw(&server).await;
     send(&mut s, &[0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00, 0x00]).await;
     assert!(expect_closed(&mut s, "tcpstore").await.is_empty());
