@@ -22,6 +22,9 @@ use tracing::{debug, warn};
 use super::connection::SessionGuard;
 use super::shared::{Outbox, Shared};
 
+/// Requests handled between two writes of replies (see [`Conn::process`]).
+const MAX_BATCH: usize = 16;
+
 /// How an engine reply becomes torch's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Kind {
@@ -81,7 +84,7 @@ pub(crate) struct Conn {
     pending: VecDeque<Pending>,
     /// The socket may hold unread bytes (epoll is edge-triggered: read until it is drained).
     readable: bool,
-    /// `rbuf` may hold whole requests not yet handled: those the handshake's read brought.
+    /// `rbuf` may hold whole requests not yet handled (read, or brought by the handshake).
     buffered: bool,
     /// The stream broke after these replies: close once they are written.
     broken: Option<End>,
@@ -131,9 +134,6 @@ impl Conn {
     /// engine queued for this session (a WAIT released by another client) are
     /// written too; `waker` is woken when more are queued.
     pub(crate) fn service(&mut self, read_buf: &mut [u8], max_reads: usize, waker: &Waker) -> Result<Progress, End> {
-        if std::mem::take(&mut self.buffered) {
-            self.broken = self.process().err();
-        }
         let mut reads = 0;
         loop {
             self.write_ready()?;
@@ -142,6 +142,10 @@ impl Conn {
             }
             if let Some(end) = self.broken.take() {
                 return Err(end);
+            }
+            if self.buffered {
+                self.broken = self.process().err();
+                continue;
             }
             if !self.readable {
                 if self.outbox.ready.poll_wait(waker) {
@@ -159,7 +163,7 @@ impl Conn {
                     // A short read drained the socket; new bytes raise a new edge.
                     self.readable = n == read_buf.len();
                     self.rbuf.extend_from_slice(&read_buf[..n]);
-                    self.broken = self.process().err();
+                    self.buffered = true;
                 }
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => self.readable = false,
                 Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
@@ -200,13 +204,23 @@ impl Conn {
         }
     }
 
-    /// Decodes every whole request buffered and feeds them to the engine in one batch.
+    /// Decodes the whole requests buffered, at most [`MAX_BATCH`], and feeds them to
+    /// the engine in one batch. The replies are written before the next batch, so a
+    /// client that pipelines requests for large values but does not read the answers
+    /// makes the server hold at most one batch of replies beyond what the socket takes.
     fn process(&mut self) -> Result<(), End> {
+        self.buffered = false;
+        let mut decoded = 0;
         // torch sends one request at a time: the first needs no allocation.
         let mut first = None;
         let mut rest = Vec::new();
         let mut result = Ok(());
         loop {
+            if decoded == MAX_BATCH {
+                self.buffered = true;
+                break;
+            }
+            decoded += 1;
             let command = match decode_command(&mut self.rbuf, &self.limits) {
                 Ok(Some(command)) => command,
                 Ok(None) => break,
