@@ -24,6 +24,8 @@ use super::shared::{Outbox, Shared};
 
 /// Requests handled between two writes of replies (see [`Conn::process`]).
 const MAX_BATCH: usize = 16;
+/// Buffer capacity an idle connection keeps (one read's worth).
+const KEEP_CAPACITY: usize = 64 * 1024;
 
 /// How an engine reply becomes torch's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,6 +153,7 @@ impl Conn {
                 if self.outbox.ready.poll_wait(waker) {
                     continue;
                 }
+                self.shrink_idle_buffers();
                 return Ok(Progress::Idle);
             }
             if reads == max_reads {
@@ -169,6 +172,17 @@ impl Conn {
                 Err(error) if error.kind() == io::ErrorKind::Interrupted => {}
                 Err(error) => return Err(error.into()),
             }
+        }
+    }
+
+    /// Frees buffers a large value grew: an idle connection must not keep megabytes
+    /// for good (a job of 1,000 ranks that each once read an 8 MiB value).
+    fn shrink_idle_buffers(&mut self) {
+        if self.rbuf.is_empty() && self.rbuf.capacity() > KEEP_CAPACITY {
+            self.rbuf = BytesMut::new();
+        }
+        if self.wbuf.is_empty() && self.wbuf.capacity() > KEEP_CAPACITY {
+            self.wbuf = BytesMut::new();
         }
     }
 
