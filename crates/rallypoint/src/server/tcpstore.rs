@@ -24,8 +24,10 @@ use super::shared::{Outbox, Shared};
 
 /// Requests handled between two writes of replies (see [`Conn::process`]).
 const MAX_BATCH: usize = 16;
-/// Buffer capacity an idle connection keeps (one read's worth).
-const KEEP_CAPACITY: usize = 64 * 1024;
+/// Buffer capacity an idle connection keeps: enough for torch's usual requests and
+/// replies, so a busy connection does not reallocate, while thousands of idle ones
+/// do not each hold a handshake's 4 KiB read buffer or a large value's.
+const KEEP_CAPACITY: usize = 1024;
 
 /// How an engine reply becomes torch's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,8 +177,8 @@ impl Conn {
         }
     }
 
-    /// Frees buffers a large value grew: an idle connection must not keep megabytes
-    /// for good (a job of 1,000 ranks that each once read an 8 MiB value).
+    /// Frees buffers grown past [`KEEP_CAPACITY`]: an idle connection must not keep
+    /// megabytes for good (a job of 1,000 ranks that each once read an 8 MiB value).
     fn shrink_idle_buffers(&mut self) {
         if self.rbuf.is_empty() && self.rbuf.capacity() > KEEP_CAPACITY {
             self.rbuf = BytesMut::new();
