@@ -10,7 +10,7 @@ use anyhow::{ensure, Context};
 use rallypoint::{Client, Identity, Members};
 use serde::Serialize;
 
-use super::{close_all, connect_many, ensure_fds, mono_ns, round_stats, run_rounds, ClientFuture, RoundOp, Target};
+use super::{close_all, connect_many, ensure_fds, mono_ns, round_stats, run_rounds, ClientFuture, RoundOp, Target, Times};
 use crate::parse;
 
 #[derive(clap::Args, Debug)]
@@ -45,11 +45,8 @@ struct Report {
     value_bytes: u32,
     rounds: u32,
     warmup_rounds: u32,
-    median_us: f64,
-    p99_us: f64,
-    mean_us: f64,
-    min_us: f64,
-    max_us: f64,
+    #[serde(flatten)]
+    round: Times,
     connect_ms: f64,
 }
 
@@ -66,10 +63,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "all-gather of {} B per rank, {} clients, {} rounds (+{} warm-up); connecting took {:.0} ms",
             r.value_bytes, r.clients, r.rounds, r.warmup_rounds, r.connect_ms
         );
-        println!(
-            "round time: median {:.1} µs, p99 {:.1} µs, mean {:.1} µs, min {:.1} µs, max {:.1} µs",
-            r.median_us, r.p99_us, r.mean_us, r.min_us, r.max_us
-        );
+        println!("round time: {}", r.round);
     }
     Ok(())
 }
@@ -110,11 +104,7 @@ async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {
         value_bytes: args.size,
         rounds: args.rounds,
         warmup_rounds: args.warmup,
-        median_us: stats.median_us,
-        p99_us: stats.p99_us,
-        mean_us: stats.mean_us,
-        min_us: stats.min_us,
-        max_us: stats.max_us,
+        round: stats.times,
         connect_ms,
     })
 }

@@ -17,7 +17,7 @@ use tokio::process::Command;
 use super::tcpstore::{self, StoreConn};
 use super::{
     close_all, connect_many, ensure_fds, mono_ns, round_stats, run_rounds, ClientFuture, Protocol, RoundOp, Sources,
-    Target,
+    Target, Times,
 };
 use crate::parse;
 
@@ -84,11 +84,8 @@ struct Report {
     src_addrs: u32,
     rounds: u32,
     warmup_rounds: u32,
-    median_us: f64,
-    p99_us: f64,
-    mean_us: f64,
-    min_us: f64,
-    max_us: f64,
+    #[serde(flatten)]
+    round: Times,
     connect_ms: f64,
     /// The server's resident memory with one client connected (none connected with
     /// `--procs` > 1).
@@ -288,11 +285,7 @@ fn report(
         src_addrs: sources.addrs,
         rounds: args.rounds,
         warmup_rounds: args.warmup,
-        median_us: stats.median_us,
-        p99_us: stats.p99_us,
-        mean_us: stats.mean_us,
-        min_us: stats.min_us,
-        max_us: stats.max_us,
+        round: stats.times,
         connect_ms,
         server_rss_one_conn_bytes: one,
         server_rss_idle_bytes: idle,
@@ -418,10 +411,7 @@ fn print_text(r: &Report) {
         r.warmup_rounds,
         r.connect_ms
     );
-    println!(
-        "round time: median {:.1} µs, p99 {:.1} µs, mean {:.1} µs, min {:.1} µs, max {:.1} µs",
-        r.median_us, r.p99_us, r.mean_us, r.min_us, r.max_us
-    );
+    println!("round time: {}", r.round);
     if let (Some(idle), Some(per_conn)) = (r.server_rss_idle_bytes, r.server_rss_per_conn_bytes) {
         println!(
             "server memory (RSS): {:.1} MiB with {} idle connections: {} bytes per connection",

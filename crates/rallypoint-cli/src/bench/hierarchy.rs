@@ -33,7 +33,7 @@ use tokio::net::{TcpStream, UnixStream};
 use tokio::process::{Child, Command};
 use tokio::task::JoinSet;
 
-use super::Stats;
+use super::{Stats, Times};
 use crate::parse;
 
 #[derive(clap::Args, Debug)]
@@ -92,11 +92,8 @@ struct Report {
     transport: Transport,
     rounds: u32,
     warmup_rounds: u32,
-    median_us: f64,
-    p99_us: f64,
-    mean_us: f64,
-    min_us: f64,
-    max_us: f64,
+    #[serde(flatten)]
+    round: Times,
     /// From starting the generators until every rank was welcomed.
     connect_ms: f64,
     /// CPU time (user + system) per rank per round, warm-up included, of the
@@ -153,9 +150,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                     report.agents,
                     report.transport,
                     report.rounds,
-                    report.median_us / 1000.0,
-                    report.p99_us / 1000.0,
-                    report.mean_us / 1000.0,
+                    report.round.median_us / 1000.0,
+                    report.round.p99_us / 1000.0,
+                    report.round.mean_us / 1000.0,
                     report.connect_ms
                 );
             }
@@ -301,11 +298,7 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
         transport: args.transport,
         rounds: args.rounds,
         warmup_rounds: args.warmup,
-        median_us: stats.median_us,
-        p99_us: stats.p99_us,
-        mean_us: stats.mean_us,
-        min_us: stats.min_us,
-        max_us: stats.max_us,
+        round: stats.times,
         connect_ms: (connect_ms * 10.0).round() / 10.0,
         cpu_us_per_rank_round: cpu,
     })

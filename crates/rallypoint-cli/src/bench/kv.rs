@@ -84,7 +84,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         for (op, s) in OPS.iter().filter_map(|&op| Some((op, report.latency.get(op)?))) {
             println!(
                 "{op:<12} median {:>8.1} µs  p99 {:>8.1} µs  mean {:>8.1} µs  ({} ops)",
-                s.median_us, s.p99_us, s.mean_us, s.count
+                s.times.median_us, s.times.p99_us, s.times.mean_us, s.count
             );
         }
         for t in &report.add_throughput {

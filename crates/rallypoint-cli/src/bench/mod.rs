@@ -298,15 +298,30 @@ async fn close_all(clients: Vec<Client>) {
     while closing.join_next().await.is_some() {}
 }
 
-/// Percentiles of a set of durations, in microseconds.
+/// How many durations were measured, and their percentiles.
 #[derive(Debug, Clone, Copy, Serialize)]
 struct Stats {
     count: usize,
+    #[serde(flatten)]
+    times: Times,
+}
+
+/// Percentiles of a set of durations, in microseconds. Reports of round times
+/// flatten it, so its fields appear as `median_us`, `p99_us`, ... in their JSON.
+#[derive(Debug, Clone, Copy, Serialize)]
+struct Times {
     median_us: f64,
     p99_us: f64,
     mean_us: f64,
     min_us: f64,
     max_us: f64,
+}
+
+impl std::fmt::Display for Times {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Times { median_us, p99_us, mean_us, min_us, max_us } = self;
+        write!(f, "median {median_us:.1} µs, p99 {p99_us:.1} µs, mean {mean_us:.1} µs, min {min_us:.1} µs, max {max_us:.1} µs")
+    }
 }
 
 impl Stats {
@@ -320,11 +335,13 @@ impl Stats {
         let us = |d: Duration| (d.as_secs_f64() * 1e7).round() / 10.0;
         Some(Stats {
             count: n,
-            median_us: us(pick(0.5)),
-            p99_us: us(pick(0.99)),
-            mean_us: us(mean),
-            min_us: us(min),
-            max_us: us(max),
+            times: Times {
+                median_us: us(pick(0.5)),
+                p99_us: us(pick(0.99)),
+                mean_us: us(mean),
+                min_us: us(min),
+                max_us: us(max),
+            },
         })
     }
 }
@@ -362,8 +379,9 @@ mod tests {
     fn percentiles() {
         let mut samples: Vec<Duration> = (1..=100).rev().map(Duration::from_micros).collect();
         let stats = Stats::of(&mut samples).unwrap();
-        assert_eq!((stats.median_us, stats.p99_us, stats.min_us, stats.max_us), (50.0, 99.0, 1.0, 100.0));
-        assert_eq!(stats.mean_us, 50.5);
+        let t = stats.times;
+        assert_eq!((stats.count, t.median_us, t.p99_us, t.min_us, t.max_us), (100, 50.0, 99.0, 1.0, 100.0));
+        assert_eq!(t.mean_us, 50.5);
         assert!(Stats::of(&mut []).is_none());
     }
 

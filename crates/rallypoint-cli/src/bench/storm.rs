@@ -197,9 +197,9 @@ async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {
     }
     if let Some(stats) = Stats::of(&mut admit) {
         let ms = |us: f64| (us / 100.0).round() / 10.0;
-        report.all_admitted_ms = ms(stats.max_us);
-        report.admit_median_ms = ms(stats.median_us);
-        report.admit_p99_ms = ms(stats.p99_us);
+        report.all_admitted_ms = ms(stats.times.max_us);
+        report.admit_median_ms = ms(stats.times.median_us);
+        report.admit_p99_ms = ms(stats.times.p99_us);
     }
     // Every client was in at once (the outcomes hold their connections); now let them go.
     drop(outcomes);
