@@ -10,7 +10,10 @@ use anyhow::{ensure, Context};
 use rallypoint::{Client, Identity, Members};
 use serde::Serialize;
 
-use super::{close_all, connect_many, ensure_fds, mono_ns, round_stats, run_rounds, ClientFuture, RoundOp, Target, Times};
+use super::{
+    close_all, connect_many, ensure_fds, mono_ns, on_target, print_report, round_stats, run_rounds, ClientFuture, RoundOp,
+    Target, Times,
+};
 use crate::parse;
 
 #[derive(clap::Args, Debug)]
@@ -52,20 +55,14 @@ struct Report {
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     ensure_fds(u64::from(args.clients) + 64)?;
-    let target = Target::start(args.addr.clone()).await?;
-    let report = measure(&args, &target).await;
-    target.stop().await;
-    let r = report?;
-    if args.json {
-        println!("{}", serde_json::to_string(&r)?);
-    } else {
+    let report = on_target(args.addr.clone(), async |target| measure(&args, target).await).await?;
+    print_report(&report, args.json, |r| {
         println!(
             "all-gather of {} B per rank, {} clients, {} rounds (+{} warm-up); connecting took {:.0} ms",
             r.value_bytes, r.clients, r.rounds, r.warmup_rounds, r.connect_ms
         );
         println!("round time: {}", r.round);
-    }
-    Ok(())
+    })
 }
 
 async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {

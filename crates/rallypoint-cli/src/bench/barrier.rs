@@ -16,8 +16,8 @@ use tokio::process::Command;
 
 use super::tcpstore::{self, StoreConn};
 use super::{
-    close_all, connect_many, ensure_fds, mono_ns, round_stats, run_rounds, ClientFuture, Protocol, RoundOp, Sources,
-    Target, Times,
+    close_all, connect_many, ensure_fds, mono_ns, on_target, print_report, round_stats, run_rounds, ClientFuture, Protocol,
+    RoundOp, Sources, Target, Times,
 };
 use crate::parse;
 
@@ -123,20 +123,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(shard) = args.shard {
         return run_shard(&args, shard, sources).await;
     }
-    let target = Target::start(args.addr.clone()).await?;
-    let report = if args.procs == 1 {
-        measure(&args, &target, sources).await
-    } else {
-        measure_procs(&args, &target, sources).await
-    };
-    target.stop().await;
-    let report = report?;
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
-        print_text(&report);
-    }
-    Ok(())
+    let report = on_target(args.addr.clone(), async |target| {
+        if args.procs == 1 {
+            measure(&args, target, sources).await
+        } else {
+            measure_procs(&args, target, sources).await
+        }
+    })
+    .await?;
+    print_report(&report, args.json, print_text)
 }
 
 /// The clients of one load-generator process.

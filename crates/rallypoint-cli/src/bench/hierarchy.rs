@@ -33,7 +33,7 @@ use tokio::net::{TcpStream, UnixStream};
 use tokio::process::{Child, Command};
 use tokio::task::JoinSet;
 
-use super::{Stats, Times};
+use super::{print_report, Stats, Times};
 use crate::parse;
 
 #[derive(clap::Args, Debug)]
@@ -139,25 +139,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     let limit = Duration::from_secs_f64(args.timeout);
     match tokio::time::timeout(limit, coordinate(&args)).await {
-        Ok(report) => {
-            let report = report?;
-            if args.json {
-                println!("{}", serde_json::to_string(&report)?);
-            } else {
-                println!(
-                    "{} ranks through {} agents ({:?}), {} rounds: median {:.2} ms, p99 {:.2} ms, mean {:.2} ms (connecting all: {:.0} ms)",
-                    report.ranks,
-                    report.agents,
-                    report.transport,
-                    report.rounds,
-                    report.round.median_us / 1000.0,
-                    report.round.p99_us / 1000.0,
-                    report.round.mean_us / 1000.0,
-                    report.connect_ms
-                );
-            }
-            Ok(())
-        }
+        Ok(report) => print_report(&report?, args.json, |report| {
+            println!(
+                "{} ranks through {} agents ({:?}), {} rounds: median {:.2} ms, p99 {:.2} ms, mean {:.2} ms (connecting all: {:.0} ms)",
+                report.ranks,
+                report.agents,
+                report.transport,
+                report.rounds,
+                report.round.median_us / 1000.0,
+                report.round.p99_us / 1000.0,
+                report.round.mean_us / 1000.0,
+                report.connect_ms
+            );
+        }),
         Err(_) => bail!("the benchmark did not finish within {limit:?}"),
     }
 }

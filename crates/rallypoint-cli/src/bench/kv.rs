@@ -12,7 +12,7 @@ use serde::Serialize;
 use tokio::task::JoinSet;
 
 use super::tcpstore::{self, StoreConn};
-use super::{close_all, connect_many, ensure_fds, Bounded, Protocol, Sources, Stats, Target};
+use super::{close_all, connect_many, ensure_fds, on_target, print_report, Bounded, Protocol, Sources, Stats, Target};
 use crate::parse;
 
 #[derive(clap::Args, Debug)]
@@ -74,13 +74,8 @@ const VALUE: &[u8] = b"0123456789abcdef0123456789abcdef";
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let most = args.clients.iter().copied().max().unwrap_or(1);
     ensure_fds(u64::from(most) + 64)?;
-    let target = Target::start(args.addr.clone()).await?;
-    let report = measure(&args, &target).await;
-    target.stop().await;
-    let report = report?;
-    if args.json {
-        println!("{}", serde_json::to_string(&report)?);
-    } else {
+    let report = on_target(args.addr.clone(), async |target| measure(&args, target).await).await?;
+    print_report(&report, args.json, |report| {
         for (op, s) in OPS.iter().filter_map(|&op| Some((op, report.latency.get(op)?))) {
             println!(
                 "{op:<12} median {:>8.1} µs  p99 {:>8.1} µs  mean {:>8.1} µs  ({} ops)",
@@ -93,8 +88,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 t.clients, t.depth, t.ops_per_s, t.ops, t.seconds
             );
         }
-    }
-    Ok(())
+    })
 }
 
 async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {

@@ -125,6 +125,25 @@ impl Target {
     }
 }
 
+/// Runs `measure` against the coordinator at `addr`, or against one started for it
+/// and stopped afterwards whether the measurement succeeded or not.
+async fn on_target<R>(addr: Option<String>, measure: impl AsyncFnOnce(&Target) -> anyhow::Result<R>) -> anyhow::Result<R> {
+    let target = Target::start(addr).await?;
+    let report = measure(&target).await;
+    target.stop().await;
+    report
+}
+
+/// Prints a report: one JSON object with `json`, else the lines `text` prints.
+fn print_report<R: Serialize>(report: &R, json: bool, text: impl FnOnce(&R)) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string(report)?);
+    } else {
+        text(report);
+    }
+    Ok(())
+}
+
 /// Connects one TCP socket to `addr` with `TCP_NODELAY`, from `source` if given.
 async fn connect_tcp(addr: SocketAddr, source: Option<IpAddr>) -> io::Result<TcpStream> {
     let socket = if addr.is_ipv4() { TcpSocket::new_v4()? } else { TcpSocket::new_v6()? };

@@ -23,7 +23,7 @@ use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
 use super::tcpstore::{self, StoreConn};
-use super::{connect_tcp, ensure_fds, mono_ns, Protocol, Sources, Stats, Target};
+use super::{connect_tcp, ensure_fds, mono_ns, on_target, print_report, Protocol, Sources, Stats, Target};
 use crate::parse;
 
 #[derive(clap::Args, Debug)]
@@ -111,13 +111,8 @@ struct Outcome {
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     ensure_fds(u64::from(args.clients) + 64)?;
-    let target = Target::start(args.addr.clone()).await?;
-    let report = measure(&args, &target).await;
-    target.stop().await;
-    let r = report?;
-    if args.json {
-        println!("{}", serde_json::to_string(&r)?);
-    } else {
+    let report = on_target(args.addr.clone(), async |target| measure(&args, target).await).await?;
+    print_report(&report, args.json, |r| {
         println!(
             "storm of {} clients over {:?}: {} admitted in {:.1} ms (median {:.1} ms, p99 {:.1} ms), {} failed",
             r.clients, r.protocol, r.admitted, r.all_admitted_ms, r.admit_median_ms, r.admit_p99_ms, r.failed
@@ -126,8 +121,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             "failed attempts: {} resets, {} refused, {} timeouts, {} other; {} retries; kernel: {} listen overflows, {} listen drops",
             r.resets, r.refused, r.timeouts, r.other_errors, r.retries, r.listen_overflows, r.listen_drops
         );
-    }
-    Ok(())
+    })
 }
 
 async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {
