@@ -25,7 +25,7 @@ use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tracing::{debug, info, trace, warn};
 
-use super::shared::{AgentInput, Ready, Shared};
+use super::shared::{lock, AgentInput, Ready, Shared};
 use super::{write_with_tail, WriteProgress};
 
 /// Bytes reserved per read: a batch of many ranks' requests.
@@ -44,7 +44,7 @@ pub(crate) struct AgentOutbox {
 
 impl AgentOutbox {
     pub(crate) fn push(&self, session: SessionId, request_id: u64, reply: Reply) {
-        let mut queue = self.queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut queue = lock(&self.queue);
         let was_empty = queue.is_empty();
         queue.push((session, request_id, reply));
         drop(queue);
@@ -54,7 +54,7 @@ impl AgentOutbox {
     }
 
     fn take(&self) -> Vec<(SessionId, u64, Reply)> {
-        std::mem::take(&mut *self.queue.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+        std::mem::take(&mut *lock(&self.queue))
     }
 }
 

@@ -31,7 +31,7 @@ use rallypoint_proto::tcpstore::TcpLimits;
 use slab::Slab;
 use tracing::{debug, error};
 
-use super::shared::Shared;
+use super::shared::{lock, Shared};
 use super::tcpstore::{Conn, Progress};
 
 /// The token of the reactor's own waker; connections use their slab index.
@@ -64,8 +64,7 @@ struct Inbox {
 
 impl Mailbox {
     fn lock(&self) -> MutexGuard<'_, Inbox> {
-        // Nothing under this lock can panic; carry on past poisoning regardless.
-        self.inbox.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.inbox)
     }
 
     fn wake(&self) {
@@ -127,7 +126,7 @@ impl Reactor {
     /// Closes every connection (their sessions count as lost) and ends the thread.
     pub(crate) async fn stop(&self) {
         self.signal_stop();
-        let thread = self.thread.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).take();
+        let thread = lock(&self.thread).take();
         if let Some(thread) = thread {
             // Joining blocks (for at most one turn of the loop), so not on a runtime worker.
             let _ = tokio::task::spawn_blocking(move || thread.join()).await;

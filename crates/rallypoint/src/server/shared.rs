@@ -115,11 +115,11 @@ impl Ready {
     }
 }
 
-/// Locks, carrying on past a poisoned lock: a panic in one connection task must not
-/// take every other job on this coordinator down with it.
-fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+/// Locks, carrying on past a poisoned lock: a panic in one connection must not take
+/// every other job on this coordinator down with it.
+pub(crate) fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(|poisoned| {
-        tracing::error!("a task panicked while holding the coordinator state; carrying on");
+        tracing::error!("a thread panicked while holding a lock of the coordinator; carrying on");
         mutex.clear_poison();
         poisoned.into_inner()
     })

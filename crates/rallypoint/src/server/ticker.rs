@@ -9,13 +9,13 @@
 //! runtime sleeps with no timeout, as libuv-based servers such as torch's do.
 
 use std::panic::{self, AssertUnwindSafe};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::{self, JoinHandle};
 use std::time::{Duration, Instant};
 
 use tracing::error;
 
-use super::shared::Shared;
+use super::shared::{lock, Shared};
 
 /// Longest sleep between ticks even without a deadline: a safety net should a wake-up
 /// ever be missed, cheap enough to be invisible.
@@ -38,18 +38,18 @@ struct AlarmState {
 impl Alarm {
     /// Cuts the current sleep short (the ticker re-reads the engine's next deadline).
     pub(crate) fn poke(&self) {
-        self.lock().poked = true;
+        lock(&self.state).poked = true;
         self.changed.notify_one();
     }
 
     fn stop(&self) {
-        self.lock().stop = true;
+        lock(&self.state).stop = true;
         self.changed.notify_one();
     }
 
     /// Sleeps until `until`, a poke or a stop; false once stopped.
     fn sleep_until(&self, until: Instant) -> bool {
-        let mut state = self.lock();
+        let mut state = lock(&self.state);
         loop {
             if state.stop {
                 return false;
@@ -65,11 +65,6 @@ impl Alarm {
                 Err(poisoned) => poisoned.into_inner().0,
             };
         }
-    }
-
-    fn lock(&self) -> MutexGuard<'_, AlarmState> {
-        // Nothing runs under this lock that could panic; carry on regardless.
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 }
 
