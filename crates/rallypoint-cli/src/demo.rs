@@ -10,7 +10,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use rallypoint::env::Settings;
 use rallypoint::server::{Server, ServerConfig};
-use rallypoint::{Client, Config, ConnectOptions, Error, Members, OpError};
+use rallypoint::{Client, Config, Error, Members, OpError};
 use tokio::process::Command;
 
 /// The job name the demo's workers use.
@@ -120,12 +120,7 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         (Some(rank), Some(world_size)) => (rank, world_size),
         _ => bail!("demo-worker needs RANK and WORLD_SIZE"),
     };
-    let client = Client::connect_with(ConnectOptions {
-        addr: settings.addr.clone(),
-        identity: settings.identity(),
-        timeout: settings.timeout,
-    })
-    .await?;
+    let client = Client::connect_with(settings.connect_options()).await?;
 
     for step in 1..=args.rounds {
         let at = Instant::now();

@@ -6,7 +6,7 @@ use std::io::Write;
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use rallypoint::env::{Overrides, Settings};
-use rallypoint::{Client, ConnectOptions, Error, Members};
+use rallypoint::{Client, Error, Members};
 
 use crate::exit::usage;
 use crate::parse;
@@ -278,12 +278,7 @@ async fn collective(conn: &Conn, members: &MembersArgs, what: &str) -> anyhow::R
 }
 
 async fn connect(settings: &Settings) -> Result<Client, Error> {
-    Client::connect_with(ConnectOptions {
-        addr: settings.addr.clone(),
-        identity: settings.identity(),
-        timeout: settings.timeout,
-    })
-    .await
+    Client::connect_with(settings.connect_options()).await
 }
 
 /// Leaves cleanly whatever the operation's outcome, so the coordinator counts this

@@ -82,3 +82,12 @@ fn worked_example() {
         "1d 00 00 00 83 01 00 00 00 00 00 00 00 82 88 13 00 00 00 00 00 00 01 00 00 00 03 00 00 00 66 6f 6f",
     );
 }
+
+#[test]
+fn shared_reply_frames() {
+    client(ClientFrame::TakeSharedReplies, "01 00 00 00 08");
+    server(
+        ServerFrame::SharedReply { id: 1, len: 4104 },
+        "11 00 00 00 89 01 00 00 00 00 00 00 00 08 10 00 00 00 00 00 00",
+    );
+}

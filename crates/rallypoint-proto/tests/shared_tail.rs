@@ -10,8 +10,9 @@ use proptest::collection::vec;
 use proptest::prelude::*;
 use rallypoint_core::{Gathered, Reply, Response};
 use rallypoint_proto::native::{
-    decode_root_frame, decode_server_frame, encode_reply, encode_reply_shared, encode_sub_reply,
-    encode_sub_reply_shared, pending_frame_len, FrameLimits, RootFrame, ServerFrame,
+    decode_root_frame, decode_server_frame, decode_shared_reply, encode_reply, encode_reply_body_parts,
+    encode_reply_shared, encode_sub_reply, encode_sub_reply_shared, pending_frame_len, FrameLimits, ProtoError,
+    RootFrame, ServerFrame,
 };
 
 /// Responses with payloads on both sides of the size from which tails are shared.
@@ -102,3 +103,28 @@ fn a_decoded_gathered_reply_passes_on_the_bytes_it_was_read_from() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn a_reply_body_written_to_a_shared_file_decodes_to_the_reply_without_copying() {
+    let values = vec![Bytes::from(vec![7u8; 5000]), Bytes::from_static(b"x")];
+    for reply in [
+        gathered_reply(values),
+        Ok(Response::Value(Bytes::from(vec![3u8; 8192]))),
+        Ok(Response::Int(5)),
+        Err(rallypoint_core::OpError::Closed("gone".into())),
+    ] {
+        let mut body = BytesMut::new();
+        let tail = encode_reply_body_parts(&reply, &mut body);
+        body.extend_from_slice(tail.as_deref().unwrap_or_default());
+        let body = body.freeze();
+        let span = body.as_ptr_range();
+        let decoded = decode_shared_reply(4, body).expect("decodes");
+        assert_eq!(decoded, reply);
+        if let Ok(Response::Gathered(gathered)) = &decoded {
+            assert!(span.contains(&gathered.values()[0].as_ptr()), "a value was copied");
+        }
+    }
+    let truncated = decode_shared_reply(4, Bytes::from_static(&[0x06, 2, 0, 0, 0]));
+    assert!(matches!(truncated, Err(ProtoError::BadReply { id: Some(4), .. })), "{truncated:?}");
+}
+

@@ -82,7 +82,7 @@ impl Client {
     fn connect(py: Python<'_>, addr: String, identity: Identity, timeout: Duration) -> PyResult<Client> {
         let runtime = crate::runtime("rallypoint-client", 1)
             .map_err(|source| errors::to_py(py, Error::Connect { addr: addr.clone(), waited: Duration::ZERO, source }))?;
-        let options = ConnectOptions { addr: addr.clone(), identity, timeout };
+        let options = ConnectOptions::new(addr.clone(), identity).with_timeout(timeout);
         let client = crate::wait(py, &runtime, rallypoint::Client::connect_with(options))?
             .map_err(|e| errors::to_py(py, e))?;
         // The identity with the host and pid that connect filled in.

@@ -25,21 +25,22 @@
 //! as lost; the agent answers every call still waiting with a `Closed` error saying
 //! so, closes the local connections and stops with [`AgentError::UpstreamLost`].
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::io;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::pin::{pin, Pin};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::{Buf, BytesMut};
-use rallypoint_core::{OpError, Request};
+use rallypoint_core::{OpError, Reply, Request};
 use rallypoint_proto::native::{
     decode_client_frame, decode_preamble, decode_root_frame, encode_agent_frame, encode_preamble, encode_reply,
-    encode_server_frame, AgentFrame, ClientFrame, FrameLimits, ProtoError, RootFrame, ServerFrame,
-    MAX_CALLS_PER_FRAME, VERSION,
+    encode_reply_body_parts, encode_server_frame, reply_payload_len, AgentFrame, ClientFrame, FrameLimits, ProtoError,
+    RootFrame, ServerFrame, MAX_CALLS_PER_FRAME, VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 use tokio::sync::{oneshot, Notify};
@@ -47,6 +48,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, error, info, trace, warn};
 
 use crate::net::{Listener, ReadHalf, Stream, WriteHalf};
+use crate::shm::{SharedBody, MAX_FDS_PER_WRITE, SHARED_REPLY_MIN};
 
 /// Bytes taken from a socket per read.
 const READ_CHUNK: usize = 4096;
@@ -461,18 +463,8 @@ async fn read_upstream(mut reader: ReadHalf, mut buf: BytesMut, hub: &Hub) -> St
         loop {
             match decode_root_frame(&mut buf, &limits) {
                 Ok(None) => break,
-                Ok(Some(RootFrame::SubReply { sub, id, reply })) => {
-                    if let Some(local) = hub.route(sub) {
-                        local.reply(id, |out| encode_reply(id, &reply, out));
-                    }
-                }
-                Ok(Some(RootFrame::SubReplies { calls, reply })) => {
-                    for (sub, id) in calls {
-                        if let Some(local) = hub.route(sub) {
-                            local.reply(id, |out| encode_reply(id, &reply, out));
-                        }
-                    }
-                }
+                Ok(Some(RootFrame::SubReply { sub, id, reply })) => fan_out(hub, &[(sub, id)], &reply),
+                Ok(Some(RootFrame::SubReplies { calls, reply })) => fan_out(hub, &calls, &reply),
                 Ok(Some(RootFrame::SubWelcome { sub, welcome })) => {
                     if let Some(local) = hub.route(sub) {
                         local.send(|out| encode_server_frame(&ServerFrame::Welcome(welcome), out));
@@ -522,6 +514,39 @@ async fn read_upstream(mut reader: ReadHalf, mut buf: BytesMut, hub: &Hub) -> St
     }
 }
 
+/// Hands one reply from the coordinator to each of the calls `(sub, id)`. A large
+/// one (an all-gather result) goes to ranks that take shared replies as one sealed
+/// memory file for all of them (docs/PROTOCOL.md, section 13), to the others as
+/// bytes on their socket.
+fn fan_out(hub: &Hub, calls: &[(u64, u64)], reply: &Reply) {
+    let large = reply_payload_len(reply) >= SHARED_REPLY_MIN;
+    let mut shared: Option<Option<Arc<SharedBody>>> = None;
+    for &(sub, id) in calls {
+        let Some(local) = hub.route(sub) else { continue };
+        if large && local.takes_shared.load(Ordering::Relaxed) {
+            if let Some(body) = shared.get_or_insert_with(|| shared_body(reply)) {
+                local.reply_shared(id, body);
+                continue;
+            }
+        }
+        local.reply(id, |out| encode_reply(id, reply, out));
+    }
+}
+
+/// The reply's body in a sealed memory file; `None` (logged) if one cannot be made,
+/// and the ranks get the reply through their sockets instead.
+fn shared_body(reply: &Reply) -> Option<Arc<SharedBody>> {
+    let mut head = BytesMut::new();
+    let tail = encode_reply_body_parts(reply, &mut head);
+    match SharedBody::create(&head, tail.as_deref().unwrap_or_default()) {
+        Ok(body) => Some(Arc::new(body)),
+        Err(error) => {
+            warn!(%error, "cannot put a large reply in shared memory; sending it through the sockets");
+            None
+        }
+    }
+}
+
 /// Writes what the local ranks sent, everything gathered since the last write in
 /// one write; returns why it stopped.
 async fn write_upstream(mut writer: WriteHalf, hub: &Hub) -> String {
@@ -559,12 +584,19 @@ struct Local {
     out: Mutex<LocalOut>,
     /// Wakes the local task: bytes the socket did not take at once, or the end.
     wake: Notify,
+    /// The rank asked for large replies as shared memory (it is on a Unix socket).
+    takes_shared: AtomicBool,
 }
 
 #[derive(Default)]
 struct LocalOut {
     /// Bytes for the rank not yet written.
     buf: BytesMut,
+    /// Bytes written to the rank so far: where `buf` starts in the stream.
+    written: u64,
+    /// Files of shared replies in `buf` not yet passed, with where their frame
+    /// starts in the stream. A file must go with or before its frame's first byte.
+    files: VecDeque<(u64, Arc<SharedBody>)>,
     /// The local task is writing `buf`: append, do not write around it.
     writing: bool,
     /// Ids of the rank's requests forwarded and not yet answered.
@@ -591,6 +623,35 @@ impl Local {
         self.push(&mut out);
     }
 
+    /// A reply to request `id` whose body is in the shared file `body`.
+    fn reply_shared(&self, id: u64, body: &Arc<SharedBody>) {
+        let mut out = lock(&self.out);
+        if let Some(at) = out.pending.iter().position(|&p| p == id) {
+            out.pending.swap_remove(at);
+        }
+        let at = out.written + out.buf.len() as u64;
+        out.files.push_back((at, Arc::clone(body)));
+        encode_server_frame(&ServerFrame::SharedReply { id, len: body.len }, &mut out.buf);
+        self.push(&mut out);
+    }
+
+    /// Writes what the socket takes now of `out.buf`, with the files due.
+    fn write_some(&self, out: &mut LocalOut) -> io::Result<()> {
+        let passing = out.files.len().min(MAX_FDS_PER_WRITE);
+        // Files beyond one write's worth go with a later write: stop before their frames.
+        let until = match out.files.get(passing) {
+            Some(&(at, _)) => (at - out.written) as usize,
+            None => out.buf.len(),
+        };
+        let files: Vec<BorrowedFd<'_>> = out.files.iter().take(passing).map(|(_, body)| body.file.as_fd()).collect();
+        let n = self.writer.try_write_with_files(&out.buf[..until], &files)?;
+        drop(files);
+        out.files.drain(..passing);
+        out.buf.advance(n);
+        out.written += n as u64;
+        Ok(())
+    }
+
     /// Writes what the socket takes without waiting; hands the rest to the local
     /// task. Writing from here saves a task wake-up per reply.
     fn push(&self, out: &mut LocalOut) {
@@ -598,8 +659,8 @@ impl Local {
             return;
         }
         while !out.buf.is_empty() {
-            match self.writer.try_write(&out.buf) {
-                Ok(n) => out.buf.advance(n),
+            match self.write_some(out) {
+                Ok(()) => {}
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
                 // The task sees the same failure on its next read or write and ends.
                 Err(_) => break,
@@ -637,8 +698,8 @@ impl Local {
             {
                 let mut out = lock(&self.out);
                 while !out.buf.is_empty() {
-                    match self.writer.try_write(&out.buf) {
-                        Ok(n) => out.buf.advance(n),
+                    match self.write_some(&mut out) {
+                        Ok(()) => {}
                         Err(error) if error.kind() == io::ErrorKind::WouldBlock => break,
                         Err(error) => return Err(error),
                     }
@@ -659,7 +720,12 @@ impl Local {
 /// Serves one local rank connection until it closes, then reports that upstream.
 async fn serve_local(stream: Stream, hub: Arc<Hub>) {
     let (mut reader, writer) = stream.into_split();
-    let local = Arc::new(Local { writer, out: Mutex::new(LocalOut::default()), wake: Notify::new() });
+    let local = Arc::new(Local {
+        writer,
+        out: Mutex::new(LocalOut::default()),
+        wake: Notify::new(),
+        takes_shared: AtomicBool::new(false),
+    });
     let mut rbuf = BytesMut::new();
     let identity = match tokio::time::timeout(HANDSHAKE_TIMEOUT, local_hello(&mut reader, &mut rbuf, &hub)).await {
         Ok(Ok(identity)) => identity,
@@ -733,7 +799,7 @@ async fn local_hello(
     loop {
         match decode_client_frame(rbuf, &hub.limits) {
             Ok(Some(ClientFrame::Hello(identity))) => return Ok(identity),
-            Ok(Some(ClientFrame::Request { .. })) => {
+            Ok(Some(ClientFrame::Request { .. } | ClientFrame::TakeSharedReplies)) => {
                 return Err(Some(OpError::Invalid("the first frame must be a hello".to_owned())));
             }
             Ok(None) => {
@@ -806,6 +872,12 @@ fn forward(sub: u64, rbuf: &mut BytesMut, hub: &Hub, local: &Local) -> Result<()
         match decode_client_frame(rbuf, &hub.limits) {
             Ok(None) => break,
             Ok(Some(ClientFrame::Request { id, request })) => requests.push((id, request)),
+            Ok(Some(ClientFrame::TakeSharedReplies)) => {
+                // Files only pass over Unix sockets; over TCP the rank gets plain replies.
+                if local.writer.is_unix() {
+                    local.takes_shared.store(true, Ordering::Relaxed);
+                }
+            }
             Ok(Some(ClientFrame::Hello(_))) => {
                 warn!(sub, "a second hello from a local rank; closing its connection");
                 result = Err("a second hello".to_owned());
@@ -838,10 +910,12 @@ fn forward(sub: u64, rbuf: &mut BytesMut, hub: &Hub, local: &Local) -> Result<()
 
 #[cfg(test)]
 mod tests {
-    use rallypoint_core::Members;
-    use rallypoint_proto::native::decode_agent_frame;
+    use bytes::Bytes;
+    use rallypoint_core::{Members, Response};
+    use rallypoint_proto::native::{decode_agent_frame, decode_server_frame, decode_shared_reply};
 
     use super::*;
+    use crate::shm::map_body;
 
     fn barrier(name: &str) -> Request {
         Request::Barrier { name: name.to_owned(), members: Members::World, timeout_ms: Some(1000) }
@@ -916,5 +990,48 @@ mod tests {
         // The ninth distinct call sealed the first eight.
         assert_eq!(up.merged.len(), 1);
         assert!(!up.buf.is_empty());
+    }
+
+    #[tokio::test]
+    async fn shared_replies_pass_their_files_in_order_even_more_than_one_write_carries() {
+        let (ours, theirs) = tokio::net::UnixStream::pair().expect("socket pair");
+        let (_unread, writer) = Stream::Unix(ours).into_split();
+        let local = Local {
+            writer,
+            out: Mutex::new(LocalOut::default()),
+            wake: Notify::new(),
+            takes_shared: AtomicBool::new(true),
+        };
+        let n = 3 * MAX_FDS_PER_WRITE + 1;
+        let value = |id: u64| Bytes::from(vec![id as u8; 5000]);
+        let reader = tokio::spawn(async move {
+            let (mut reader, _writer) = Stream::Unix(theirs).into_split();
+            let (mut buf, mut files, mut got) = (BytesMut::new(), VecDeque::new(), 0);
+            loop {
+                while let Some(frame) = decode_server_frame(&mut buf, &FrameLimits::unbounded()).expect("well-formed") {
+                    let ServerFrame::SharedReply { id, len } = frame else { panic!("{frame:?}") };
+                    let file = files.pop_front().expect("a frame's file arrives with or before it");
+                    let body = map_body(file, len).expect("maps");
+                    assert_eq!(decode_shared_reply(id, body), Ok(Ok(Response::Value(value(id)))));
+                    got += 1;
+                }
+                if got == n {
+                    break;
+                }
+                let read = reader.read_with_files(&mut buf, 8192, &mut files).await.expect("reads");
+                assert!(read > 0, "closed after {got} replies");
+            }
+            assert!(files.is_empty(), "{} files too many", files.len());
+        });
+        // Queued while the local task "is writing", then written together: one
+        // write could carry them all, but may carry at most MAX_FDS_PER_WRITE files.
+        lock(&local.out).writing = true;
+        for id in 0..n as u64 {
+            let body = shared_body(&Ok(Response::Value(value(id)))).expect("a memory file");
+            local.reply_shared(id, &body);
+        }
+        assert_eq!(lock(&local.out).files.len(), n);
+        assert!(!local.drain().await.expect("writes"));
+        tokio::time::timeout(Duration::from_secs(30), reader).await.expect("in time").expect("reader");
     }
 }

@@ -67,11 +67,7 @@ impl Client {
     /// Connects with settings from the environment (see [`crate::env::Settings`]).
     pub fn from_env() -> Result<Client, Error> {
         let settings = crate::env::Settings::from_env()?;
-        Client::connect_with(ConnectOptions {
-            addr: settings.addr.clone(),
-            identity: settings.identity(),
-            timeout: settings.timeout,
-        })
+        Client::connect_with(settings.connect_options())
     }
 
     pub fn identity(&self) -> &Identity {

@@ -61,6 +61,11 @@ impl Settings {
             role: self.role.clone(),
         }
     }
+
+    /// Options to connect with these settings.
+    pub fn connect_options(&self) -> crate::ConnectOptions {
+        crate::ConnectOptions::new(self.addr.clone(), self.identity()).with_timeout(self.timeout)
+    }
 }
 
 fn config(message: String) -> Error {

@@ -14,6 +14,7 @@ pub mod launch;
 mod fdlimit;
 pub mod net;
 pub mod server;
+mod shm;
 
 pub use client::{Client, ConnectOptions, Error};
 pub use fdlimit::raise_fd_limit;

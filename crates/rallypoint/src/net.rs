@@ -2,13 +2,18 @@
 //! socket for ranks talking to the agent of their own node (`unix:/path`), which
 //! costs the kernel far less per message than loopback TCP.
 
+use std::collections::VecDeque;
 use std::io;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, Interest, ReadBuf};
 use tokio::net::{tcp, unix, TcpListener, TcpStream, UnixListener, UnixStream};
+
+use crate::shm;
 
 /// Prefix of an address naming a Unix domain socket: `unix:/run/rallypoint.sock`.
 pub const UNIX_PREFIX: &str = "unix:";
@@ -36,6 +41,10 @@ impl Stream {
         }
     }
 
+    pub(crate) fn is_unix(&self) -> bool {
+        matches!(self, Stream::Unix(_))
+    }
+
     pub(crate) fn into_split(self) -> (ReadHalf, WriteHalf) {
         match self {
             Stream::Tcp(s) => {
@@ -60,12 +69,56 @@ pub(crate) enum WriteHalf {
     Unix(unix::OwnedWriteHalf),
 }
 
+impl ReadHalf {
+    /// Reads into `buf` like `read_buf` (making room for `room` bytes); on a Unix
+    /// socket, files passed with the bytes are appended to `files` (section 13 of
+    /// docs/PROTOCOL.md).
+    pub(crate) async fn read_with_files(
+        &mut self,
+        buf: &mut BytesMut,
+        room: usize,
+        files: &mut VecDeque<OwnedFd>,
+    ) -> io::Result<usize> {
+        match self {
+            ReadHalf::Tcp(r) => {
+                buf.reserve(room);
+                r.read_buf(buf).await
+            }
+            ReadHalf::Unix(r) => loop {
+                r.readable().await?;
+                let stream: &UnixStream = r.as_ref();
+                match stream.try_io(Interest::READABLE, || shm::recv_with_files(stream.as_fd(), buf, room, files)) {
+                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                    read => return read,
+                }
+            },
+        }
+    }
+}
+
 impl WriteHalf {
+    pub(crate) fn is_unix(&self) -> bool {
+        matches!(self, WriteHalf::Unix(_))
+    }
+
     /// Writes what the socket takes now without waiting (`WouldBlock` if nothing).
     pub(crate) fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
         match self {
             WriteHalf::Tcp(w) => w.try_write(buf),
             WriteHalf::Unix(w) => w.try_write(buf),
+        }
+    }
+
+    /// Like [`WriteHalf::try_write`], passing `files` with the first byte written
+    /// (Unix sockets only; at most [`shm::MAX_FDS_PER_WRITE`]).
+    pub(crate) fn try_write_with_files(&self, buf: &[u8], files: &[BorrowedFd<'_>]) -> io::Result<usize> {
+        match self {
+            _ if files.is_empty() => self.try_write(buf),
+            WriteHalf::Tcp(_) => Err(io::Error::new(io::ErrorKind::Unsupported, "files can only pass over Unix sockets")),
+            WriteHalf::Unix(w) => {
+                let stream: &UnixStream = w.as_ref();
+                stream.try_io(Interest::WRITABLE, || shm::send_with_files(stream.as_fd(), buf, files))
+            }
         }
     }
 

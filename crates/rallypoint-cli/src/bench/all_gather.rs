@@ -2,6 +2,12 @@
 //! all-gather a value of `--size` bytes each, R rounds. The coordinator collects
 //! the N values and sends every rank all of them: N requests in, N × N × size bytes
 //! out per round.
+//!
+//! With `--agents K` the ranks reach the coordinator through K node agents (child
+//! processes, as `bench hierarchy` starts them) over Unix sockets, rank r through
+//! agent r mod K: the coordinator sends each agent the result once, and each agent
+//! hands it to its ranks as one shared memory file (docs/PROTOCOL.md, section 13),
+//! or, with `--no-shared-replies`, copies it to each rank's socket.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -10,9 +16,10 @@ use anyhow::{ensure, Context};
 use rallypoint::{Client, Identity, Members};
 use serde::Serialize;
 
+use super::hierarchy::{spawn, Spawned};
 use super::{
-    close_all, connect_many, ensure_fds, mono_ns, on_target, print_report, round_stats, run_rounds, ClientFuture, RoundOp,
-    Target, Times,
+    close_all, connect_many, ensure_fds, mono_ns, on_target, options, print_report, round_stats, run_rounds,
+    ClientFuture, RoundOp, Target, Times,
 };
 use crate::parse;
 
@@ -39,6 +46,13 @@ pub struct Args {
     /// Benchmark the coordinator at this address instead of starting one
     #[arg(long, value_name = "HOST:PORT")]
     addr: Option<String>,
+    /// Reach the coordinator through this many node agents over Unix sockets
+    /// (0: every rank connects to it directly)
+    #[arg(long, default_value_t = 0)]
+    agents: u32,
+    /// With --agents: ranks take the result through their sockets, not as shared memory
+    #[arg(long)]
+    no_shared_replies: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -48,6 +62,9 @@ struct Report {
     value_bytes: u32,
     rounds: u32,
     warmup_rounds: u32,
+    agents: u32,
+    /// Ranks behind agents took the result as shared memory.
+    shared_replies: bool,
     #[serde(flatten)]
     round: Times,
     connect_ms: f64,
@@ -57,8 +74,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     ensure_fds(u64::from(args.clients) + 64)?;
     let report = on_target(args.addr.clone(), async |target| measure(&args, target).await).await?;
     print_report(&report, args.json, |r| {
+        let via = match (r.agents, r.shared_replies) {
+            (0, _) => "directly".to_owned(),
+            (k, true) => format!("through {k} agent(s), shared replies"),
+            (k, false) => format!("through {k} agent(s), replies copied to each socket"),
+        };
         println!(
-            "all-gather of {} B per rank, {} clients, {} rounds (+{} warm-up); connecting took {:.0} ms",
+            "all-gather of {} B per rank, {} clients {via}, {} rounds (+{} warm-up); connecting took {:.0} ms",
             r.value_bytes, r.clients, r.rounds, r.warmup_rounds, r.connect_ms
         );
         println!("round time: {}", r.round);
@@ -66,11 +88,61 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 }
 
 async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {
+    let agents = Agents::start(args.agents, &target.addr).await?;
+    let report = measure_via(args, agents.addrs.as_deref().unwrap_or(std::slice::from_ref(&target.addr))).await;
+    agents.stop().await;
+    report
+}
+
+/// Node agents started for the run, and the directory of their sockets.
+struct Agents {
+    children: Vec<Spawned>,
+    dir: std::path::PathBuf,
+    /// Where ranks connect; `None` without agents.
+    addrs: Option<Vec<String>>,
+}
+
+impl Agents {
+    async fn start(count: u32, upstream: &str) -> anyhow::Result<Agents> {
+        let dir = std::env::temp_dir().join(format!("rallypoint-bench-ag-{}", std::process::id()));
+        let mut agents = Agents { children: Vec::new(), dir, addrs: None };
+        if count == 0 {
+            return Ok(agents);
+        }
+        std::fs::create_dir_all(&agents.dir).with_context(|| format!("creating {}", agents.dir.display()))?;
+        let mut addrs = Vec::new();
+        for i in 0..count {
+            let listen = format!("unix:{}", agents.dir.join(format!("agent-{i}.sock")).display());
+            let argv = ["agent", "--upstream", upstream, "--listen", &listen, "--print-addr"].map(String::from);
+            let mut agent = spawn(&argv, "a node agent").await?;
+            addrs.push(agent.line("a node agent").await?);
+            agents.children.push(agent);
+        }
+        agents.addrs = Some(addrs);
+        Ok(agents)
+    }
+
+    async fn stop(self) {
+        for mut agent in self.children {
+            let _ = agent.child.kill().await;
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Runs the rounds with rank r connected to `addrs[r % addrs.len()]`.
+async fn measure_via(args: &Args, addrs: &[String]) -> anyhow::Result<Report> {
     let n = args.clients;
     let job = format!("bench-all-gather-{}", std::process::id());
     let timeout = Duration::from_secs_f64(args.timeout);
     let started = Instant::now();
-    let clients = connect_many(&target.addr, 0..n, |rank| Identity::ranked(&job, rank, n), timeout).await?;
+    let clients = connect_many(0..n, |rank| {
+        let addr = &addrs[rank as usize % addrs.len()];
+        let mut options = options(addr, Identity::ranked(&job, rank, n), timeout);
+        options.shared_replies = !args.no_shared_replies;
+        options
+    })
+    .await?;
     let connect_ms = (started.elapsed().as_secs_f64() * 1e4).round() / 10.0;
 
     let size = args.size as usize;
@@ -101,6 +173,8 @@ async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {
         value_bytes: args.size,
         rounds: args.rounds,
         warmup_rounds: args.warmup,
+        agents: args.agents,
+        shared_replies: args.agents > 0 && !args.no_shared_replies,
         round: stats.times,
         connect_ms,
     })

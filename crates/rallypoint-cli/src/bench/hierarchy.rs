@@ -110,7 +110,7 @@ struct CpuSplit {
 }
 
 /// CPU ticks (user + system) a process has used so far; 0 if it cannot be read.
-fn cpu_ticks(child: &Child) -> u64 {
+pub(super) fn cpu_ticks(child: &Child) -> u64 {
     let Some(pid) = child.id() else { return 0 };
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0 };
     // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
@@ -157,12 +157,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// A child process whose first stdout line is an address or a "ready" mark.
-struct Spawned {
-    child: Child,
+pub(super) struct Spawned {
+    pub(super) child: Child,
     lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
 }
 
-async fn spawn(args: &[String], what: &str) -> anyhow::Result<Spawned> {
+pub(super) async fn spawn(args: &[String], what: &str) -> anyhow::Result<Spawned> {
     let exe = std::env::current_exe().context("finding the rallypoint executable")?;
     let mut command = Command::new(exe);
     command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).kill_on_drop(true);
@@ -175,7 +175,7 @@ async fn spawn(args: &[String], what: &str) -> anyhow::Result<Spawned> {
 }
 
 impl Spawned {
-    async fn line(&mut self, what: &str) -> anyhow::Result<String> {
+    pub(super) async fn line(&mut self, what: &str) -> anyhow::Result<String> {
         match self.lines.next_line().await {
             Ok(Some(line)) => Ok(line.trim().to_owned()),
             _ => bail!("{what} exited without reporting"),

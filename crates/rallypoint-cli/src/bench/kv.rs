@@ -12,7 +12,9 @@ use serde::Serialize;
 use tokio::task::JoinSet;
 
 use super::tcpstore::{self, StoreConn};
-use super::{close_all, connect_many, ensure_fds, on_target, print_report, Bounded, Protocol, Sources, Stats, Target};
+use super::{
+    close_all, connect_many, ensure_fds, on_target, options, print_report, Bounded, Protocol, Sources, Stats, Target,
+};
 use crate::parse;
 
 #[derive(clap::Args, Debug)]
@@ -100,13 +102,13 @@ async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {
     let mut add_throughput = Vec::new();
     match args.protocol {
         Protocol::Native => {
-            let mut one = connect_many(&target.addr, 0..1, |_| Identity::anonymous(&tag), timeout).await?;
+            let mut one = connect_many(0..1, |_| options(&target.addr, Identity::anonymous(&tag), timeout)).await?;
             let client = one.pop().context("no client connected")?;
             let measured = native_latencies(&client, args.ops, max).await;
             close_all(vec![client]).await;
             latency = measured?;
             for &n in &args.clients {
-                let clients = connect_many(&target.addr, 0..n, |_| Identity::anonymous(&tag), timeout).await?;
+                let clients = connect_many(0..n, |_| options(&target.addr, Identity::anonymous(&tag), timeout)).await?;
                 let key = format!("bench/throughput/{n}");
                 add_throughput.push(native_throughput(clients, &key, args.adds, args.depth, max).await?);
             }

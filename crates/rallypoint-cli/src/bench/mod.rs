@@ -280,21 +280,17 @@ fn ensure_fds(needed: u64) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Connects one client per id in `ids`, each its own connection, a bounded number
-/// at a time so the listen backlog never overflows. Returns them in no set order.
-async fn connect_many(
-    addr: &str,
-    ids: Range<u32>,
-    identity: impl Fn(u32) -> Identity,
-    timeout: Duration,
-) -> anyhow::Result<Vec<Client>> {
+/// Connects one client per id in `ids`, each its own connection made with
+/// `options(id)`, a bounded number at a time so the listen backlog never
+/// overflows. Returns them in no set order.
+async fn connect_many(ids: Range<u32>, options: impl Fn(u32) -> ConnectOptions) -> anyhow::Result<Vec<Client>> {
     const IN_FLIGHT: usize = 256;
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     let mut connecting = JoinSet::new();
     let mut clients = Vec::with_capacity(ids.len());
     for i in ids {
         let slot = Arc::clone(&slots).acquire_owned().await?;
-        let options = ConnectOptions { addr: addr.to_owned(), identity: identity(i), timeout };
+        let options = options(i);
         connecting.spawn(async move {
             let client = Client::connect_with(options).await;
             drop(slot);
@@ -309,6 +305,11 @@ async fn connect_many(
         clients.push(connected??);
     }
     Ok(clients)
+}
+
+/// Options for a client of `addr` with `identity` and `timeout`.
+fn options(addr: &str, identity: Identity, timeout: Duration) -> ConnectOptions {
+    ConnectOptions::new(addr, identity).with_timeout(timeout)
 }
 
 /// Closes every client cleanly (concurrently: one by one would take N round trips).

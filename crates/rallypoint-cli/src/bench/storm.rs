@@ -249,7 +249,9 @@ async fn join_native(addr: SocketAddr, source: Option<IpAddr>, identity: &Identi
         match decode_server_frame(&mut buffered, &FrameLimits::unbounded())? {
             Some(ServerFrame::Welcome(_)) => return Ok(stream),
             Some(ServerFrame::Refused(error)) => anyhow::bail!("refused: {error}"),
-            Some(ServerFrame::Reply { .. }) => anyhow::bail!("a reply before the welcome"),
+            Some(ServerFrame::Reply { .. } | ServerFrame::SharedReply { .. }) => {
+                anyhow::bail!("a reply before the welcome")
+            }
             None => {}
         }
         if stream.read_buf(&mut buffered).await? == 0 {

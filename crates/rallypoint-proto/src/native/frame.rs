@@ -26,6 +26,9 @@ pub(crate) mod kind {
     pub const WELCOME: u8 = 0x81;
     pub const REFUSED: u8 = 0x82;
     pub const REPLY: u8 = 0x83;
+    // Shared-memory replies over Unix sockets (docs/PROTOCOL.md, section 13).
+    pub const TAKE_SHARED_REPLIES: u8 = 0x08;
+    pub const SHARED_REPLY: u8 = 0x89;
     // Node agents (docs/PROTOCOL.md, section 12).
     pub const AGENT_HELLO: u8 = 0x03;
     pub const SUB_HELLO: u8 = 0x04;
@@ -46,6 +49,9 @@ pub enum ClientFrame {
     Hello(Identity),
     /// An operation; its reply carries the same `id`.
     Request { id: u64, request: Request },
+    /// The client takes large replies as [`ServerFrame::SharedReply`]: it is on a
+    /// Unix socket and can receive the file each one comes with.
+    TakeSharedReplies,
 }
 
 /// A frame a server sends.
@@ -57,6 +63,10 @@ pub enum ServerFrame {
     Refused(OpError),
     /// The outcome of the request with this `id`.
     Reply { id: u64, reply: Reply },
+    /// The outcome of the request with this `id`, whose reply body (tag and fields,
+    /// as in a Reply) is the first `len` bytes of a sealed shared-memory file sent
+    /// with this frame over the Unix socket (decode it with [`decode_shared_reply`]).
+    SharedReply { id: u64, len: u64 },
 }
 
 /// How long a frame a decoder accepts before declaring the stream broken.
@@ -114,6 +124,7 @@ pub fn encode_client_frame(frame: &ClientFrame, dst: &mut BytesMut) {
             dst.put_u64_le(*id);
             encode_request(request, dst);
         }
+        ClientFrame::TakeSharedReplies => dst.put_u8(kind::TAKE_SHARED_REPLIES),
     });
 }
 
@@ -134,7 +145,31 @@ pub fn encode_server_frame(frame: &ServerFrame, dst: &mut BytesMut) {
             });
         }
         ServerFrame::Reply { id, reply } => encode_reply(*id, reply, dst),
+        ServerFrame::SharedReply { id, len } => {
+            write_frame(dst, |dst| {
+                dst.put_u8(kind::SHARED_REPLY);
+                dst.put_u64_le(*id);
+                dst.put_u64_le(*len);
+            });
+        }
     }
+}
+
+/// Encodes the body of a reply (tag and fields, as a Reply frame carries them after
+/// the request id) for a shared-memory file: the bytes appended to `dst`, then the
+/// returned tail, if any (an all-gather's values or a large value, not copied).
+pub fn encode_reply_body_parts(reply: &Reply, dst: &mut BytesMut) -> Option<Bytes> {
+    let reply = frameable(reply, 0);
+    encode_reply_body_shared(&reply, dst)
+}
+
+/// Decodes the reply body of a [`ServerFrame::SharedReply`] for request `id`: the
+/// values are sliced out of `body`, not copied.
+pub fn decode_shared_reply(id: u64, body: Bytes) -> Result<Reply, ProtoError> {
+    let mut r = Reader::new(body);
+    decode_reply_body(&mut r)
+        .and_then(|reply| r.finish("shared reply").map(|()| reply))
+        .map_err(|DecodeError(message)| ProtoError::BadReply { id: Some(id), message })
 }
 
 /// Encodes `ServerFrame::Reply { id, reply }` without owning the reply.
@@ -172,14 +207,7 @@ pub(crate) fn frameable(reply: &Reply, extra: usize) -> std::borrow::Cow<'_, Rep
     // Checked before encoding so that nothing that large is ever copied. Only
     // value-carrying responses need it: their size is world size × value size,
     // which no single engine limit bounds; errors stay within the engine's limits.
-    let payload_len = match reply {
-        Ok(Response::Value(value)) => value.len().saturating_add(4),
-        Ok(Response::Values(values)) => blobs_len(values),
-        // O(1) once the first member's reply has encoded it.
-        Ok(Response::Gathered(gathered)) => gathered_len(gathered),
-        _ => 0,
-    };
-    let body_len = payload_len.saturating_add(REPLY_HEADER_LEN + extra);
+    let body_len = reply_payload_len(reply).saturating_add(REPLY_HEADER_LEN + extra);
     if body_len > MAX_FRAME_LEN {
         std::borrow::Cow::Owned(Err(OpError::TooLarge {
             what: "reply".to_owned(),
@@ -188,6 +216,18 @@ pub(crate) fn frameable(reply: &Reply, extra: usize) -> std::borrow::Cow<'_, Rep
         }))
     } else {
         std::borrow::Cow::Borrowed(reply)
+    }
+}
+
+/// Bytes of the values a reply carries (a value, a list of them, an all-gather's),
+/// with their length fields; 0 for replies without values. Costs no encoding.
+pub fn reply_payload_len(reply: &Reply) -> usize {
+    match reply {
+        Ok(Response::Value(value)) => value.len().saturating_add(4),
+        Ok(Response::Values(values)) => blobs_len(values),
+        // O(1) once the first member's reply has encoded it.
+        Ok(Response::Gathered(gathered)) => gathered_len(gathered),
+        _ => 0,
     }
 }
 
@@ -286,11 +326,13 @@ fn client_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ClientFrame
                 request: decode_request(r)?,
             }
         }
+        kind::TAKE_SHARED_REPLIES => ClientFrame::TakeSharedReplies,
         other => return Err(DecodeError::unknown("client frame kind", other)),
     };
     r.finish(match &frame {
         ClientFrame::Hello(_) => "hello",
         ClientFrame::Request { request, .. } => request.name(),
+        ClientFrame::TakeSharedReplies => "take-shared-replies",
     })?;
     Ok(frame)
 }
@@ -315,6 +357,12 @@ fn server_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ServerFrame
                 },
                 "reply",
             )
+        }
+        kind::SHARED_REPLY => {
+            let request_id = r.u64("request id")?;
+            *id = Some(request_id);
+            let len = r.u64("shared reply length")?;
+            (ServerFrame::SharedReply { id: request_id, len }, "shared reply")
         }
         other => return Err(DecodeError::unknown("server frame kind", other)),
     };

@@ -4,7 +4,7 @@
 //! heartbeats) and routes replies to the slots by id, so any number of calls
 //! pipeline over one connection.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -14,8 +14,8 @@ use std::time::Duration;
 use bytes::BytesMut;
 use rallypoint_core::{Identity, OpError, Request, Response, Welcome};
 use rallypoint_proto::native::{
-    decode_server_frame, encode_client_frame, encode_preamble, pending_frame_len, ClientFrame, FrameLimits,
-    ProtoError, ServerFrame,
+    decode_server_frame, decode_shared_reply, encode_client_frame, encode_preamble, pending_frame_len, ClientFrame,
+    FrameLimits, ProtoError, ServerFrame,
 };
 use rand::Rng;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -146,7 +146,15 @@ pub(crate) struct Connected {
 /// Connects and says hello, retrying with exponential backoff and jitter until
 /// `timeout`: workers often start before their coordinator listens. A refusal is
 /// the coordinator's answer and is returned at once.
-pub(crate) async fn connect(addr: &str, identity: &Identity, timeout: Duration) -> Result<Connected, Error> {
+///
+/// `shared_replies`: on a Unix socket (a node agent of this machine), take large
+/// replies as shared memory (docs/PROTOCOL.md, section 13).
+pub(crate) async fn connect(
+    addr: &str,
+    identity: &Identity,
+    timeout: Duration,
+    shared_replies: bool,
+) -> Result<Connected, Error> {
     let started = Instant::now();
     let deadline = started + timeout;
     let mut backoff = BACKOFF_START;
@@ -155,7 +163,7 @@ pub(crate) async fn connect(addr: &str, identity: &Identity, timeout: Duration) 
     let mut last = None;
     loop {
         attempts += 1;
-        match tokio::time::timeout_at(deadline, attempt(addr, identity)).await {
+        match tokio::time::timeout_at(deadline, attempt(addr, identity, shared_replies)).await {
             Ok(Ok(connected)) => {
                 debug!(addr, attempts, session = %connected.welcome.session, "connected to the coordinator");
                 return Ok(connected);
@@ -199,11 +207,14 @@ impl From<io::Error> for Attempt {
     }
 }
 
-async fn attempt(addr: &str, identity: &Identity) -> Result<Connected, Attempt> {
+async fn attempt(addr: &str, identity: &Identity, shared_replies: bool) -> Result<Connected, Attempt> {
     let mut stream = Stream::connect(addr).await?;
     let mut out = BytesMut::new();
     encode_preamble(&mut out);
     encode_client_frame(&ClientFrame::Hello(identity.clone()), &mut out);
+    if shared_replies && stream.is_unix() {
+        encode_client_frame(&ClientFrame::TakeSharedReplies, &mut out);
+    }
     stream.write_all(&out).await?;
 
     let mut buffered = BytesMut::new();
@@ -211,7 +222,7 @@ async fn attempt(addr: &str, identity: &Identity) -> Result<Connected, Attempt> 
         match decode_server_frame(&mut buffered, &FrameLimits::unbounded()) {
             Ok(Some(ServerFrame::Welcome(welcome))) => return Ok(Connected { stream, buffered, welcome }),
             Ok(Some(ServerFrame::Refused(error))) => return Err(Attempt::Refused(error)),
-            Ok(Some(ServerFrame::Reply { id, .. })) => {
+            Ok(Some(ServerFrame::Reply { id, .. } | ServerFrame::SharedReply { id, .. })) => {
                 return Err(Attempt::Protocol(format!("sent a reply (request id {id}) before its welcome")));
             }
             Ok(None) => {}
@@ -263,11 +274,23 @@ async fn run(
 /// Routes replies to their calls; returns why the connection ended.
 async fn read_loop(mut reader: ReadHalf, mut buf: BytesMut, link: &Link) -> String {
     let limits = FrameLimits::unbounded();
+    // Files of shared replies, received with (or before) their frames, in order.
+    let mut files = VecDeque::new();
     loop {
         loop {
             match decode_server_frame(&mut buf, &limits) {
                 Ok(None) => break,
                 Ok(Some(ServerFrame::Reply { id, reply })) => link.complete(id, reply.map_err(Error::Op)),
+                Ok(Some(ServerFrame::SharedReply { id, len })) => {
+                    let Some(file) = files.pop_front() else {
+                        return link.lost(format!("a shared reply (request id {id}) came without its file"));
+                    };
+                    let reply = match crate::shm::map_body(file, len) {
+                        Ok(body) => decode_shared_reply(id, body).map_err(|error| Error::Protocol(error.to_string())),
+                        Err(error) => Err(Error::Protocol(format!("cannot map a shared reply: {error}"))),
+                    };
+                    link.complete(id, reply.and_then(|reply| reply.map_err(Error::Op)));
+                }
                 Ok(Some(ServerFrame::Welcome(_) | ServerFrame::Refused(_))) => {
                     return link.lost("the coordinator sent a second handshake frame");
                 }
@@ -279,8 +302,8 @@ async fn read_loop(mut reader: ReadHalf, mut buf: BytesMut, link: &Link) -> Stri
         if buf.is_empty() && buf.capacity() > KEEP_CAPACITY {
             buf = BytesMut::new();
         }
-        buf.reserve(read_room(&buf));
-        match reader.read_buf(&mut buf).await {
+        let room = read_room(&buf);
+        match reader.read_with_files(&mut buf, room, &mut files).await {
             Ok(0) => return link.lost("the coordinator closed the connection"),
             Ok(_) => {}
             Err(error) => return link.lost(error),

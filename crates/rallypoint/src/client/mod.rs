@@ -40,12 +40,21 @@ pub struct ConnectOptions {
     pub identity: Identity,
     /// How long connecting retries, and the default timeout of blocking operations.
     pub timeout: Duration,
+    /// Over a Unix socket (to this node's agent), take large replies (all-gather
+    /// results, large values) as shared memory mapped read-only instead of copied
+    /// through the socket (docs/PROTOCOL.md, section 13). Ignored over TCP.
+    pub shared_replies: bool,
 }
 
 impl ConnectOptions {
-    /// Options with the default timeout of 300 s.
+    /// Options with the default timeout of 300 s, taking shared replies.
     pub fn new(addr: impl Into<String>, identity: Identity) -> Self {
-        ConnectOptions { addr: addr.into(), identity, timeout: DEFAULT_TIMEOUT }
+        ConnectOptions { addr: addr.into(), identity, timeout: DEFAULT_TIMEOUT, shared_replies: true }
+    }
+
+    /// These options with another connect (and default operation) timeout.
+    pub fn with_timeout(self, timeout: Duration) -> Self {
+        ConnectOptions { timeout, ..self }
     }
 }
 
@@ -103,14 +112,14 @@ impl Client {
     }
 
     pub async fn connect_with(options: ConnectOptions) -> Result<Client, Error> {
-        let ConnectOptions { addr, mut identity, timeout } = options;
+        let ConnectOptions { addr, mut identity, timeout, shared_replies } = options;
         if identity.host.is_empty() {
             identity.host = crate::env::hostname();
         }
         if identity.pid == 0 {
             identity.pid = std::process::id();
         }
-        let connected = connection::connect(&addr, &identity, timeout).await?;
+        let connected = connection::connect(&addr, &identity, timeout, shared_replies).await?;
         let (link, commands, _welcome) = connection::spawn(addr, connected);
         Ok(Client { inner: Arc::new(Inner { identity, timeout, link, commands }) })
     }
@@ -118,12 +127,7 @@ impl Client {
     /// Connects with settings from the environment (see [`crate::env::Settings`]).
     pub async fn from_env() -> Result<Client, Error> {
         let settings = crate::env::Settings::from_env()?;
-        Client::connect_with(ConnectOptions {
-            addr: settings.addr.clone(),
-            identity: settings.identity(),
-            timeout: settings.timeout,
-        })
-        .await
+        Client::connect_with(settings.connect_options()).await
     }
 
     pub fn identity(&self) -> &Identity {

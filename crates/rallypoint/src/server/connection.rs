@@ -219,8 +219,12 @@ impl Connection {
             }
             match decode_client_frame(&mut self.rbuf, &self.limits) {
                 Ok(Some(ClientFrame::Hello(identity))) => return Ok(Some(Hello::Native(identity))),
-                Ok(Some(ClientFrame::Request { id, request })) => {
-                    warn!(%peer, id, request = request.name(), "request before hello; closing");
+                Ok(Some(frame @ (ClientFrame::Request { .. } | ClientFrame::TakeSharedReplies))) => {
+                    let what = match &frame {
+                        ClientFrame::Request { request, .. } => request.name(),
+                        _ => "take-shared-replies",
+                    };
+                    warn!(%peer, frame = what, "a frame before the hello; closing");
                     self.refuse(OpError::Invalid("the first frame must be a hello".to_owned())).await;
                     return Ok(None);
                 }
@@ -309,6 +313,9 @@ impl Connection {
             match decode_client_frame(&mut self.rbuf, &self.limits) {
                 Ok(None) => break,
                 Ok(Some(ClientFrame::Request { id, request })) => requests.push((id, request)),
+                // Only node agents hand out shared replies: they serve the Unix sockets
+                // of their node, the coordinator only TCP. Replies stay plain frames.
+                Ok(Some(ClientFrame::TakeSharedReplies)) => {}
                 Ok(Some(ClientFrame::Hello(_))) => {
                     result = Err(End::SecondHello);
                     break;

@@ -37,7 +37,7 @@ fn rand_suffix() -> u64 {
 }
 
 async fn connect_via(agent: &AgentHandle, identity: Identity) -> Client {
-    let options = ConnectOptions { addr: agent.local_addr().to_owned(), identity, timeout: Duration::from_secs(20) };
+    let options = ConnectOptions::new(agent.local_addr().to_owned(), identity).with_timeout(Duration::from_secs(20));
     bounded("connect through an agent", Client::connect_with(options)).await.expect("connect through the agent")
 }
 
@@ -101,6 +101,55 @@ async fn large_all_gather_through_agents() {
         }
     })
     .await;
+    server.shutdown().await;
+}
+
+/// Address ranges of this process's mappings of shared-reply files.
+fn shared_reply_mappings() -> Vec<std::ops::Range<usize>> {
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("/proc/self/maps");
+    maps.lines()
+        .filter(|line| line.contains("memfd:rallypoint-reply"))
+        .filter_map(|line| {
+            let (start, end) = line.split_whitespace().next()?.split_once('-')?;
+            Some(usize::from_str_radix(start, 16).ok()?..usize::from_str_radix(end, 16).ok()?)
+        })
+        .collect()
+}
+
+/// Over a Unix socket a large all-gather result is mapped from the one file the
+/// agent wrote, not copied through the socket; a rank that did not ask for that,
+/// and small results, get plain replies; both see the same values.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_results_reach_unix_ranks_as_shared_memory() {
+    let server = start_server().await;
+    let agent = start_agent(&server, true).await;
+    let mut clients = Vec::new();
+    for r in 0..4 {
+        let mut options = ConnectOptions::new(agent.local_addr(), rank("shm", r, 4)).with_timeout(WAIT.unwrap_or_default());
+        options.shared_replies = r != 3;
+        clients.push(bounded("connect", Client::connect_with(options)).await.expect("connects"));
+    }
+    for (round, size) in [(0usize, 64 * 1024), (1, 100), (2, 64 * 1024)] {
+        let value = move |r: usize| vec![(r + round) as u8; size];
+        let mut gathering = JoinSet::new();
+        for (r, client) in clients.iter().enumerate() {
+            let client = client.clone();
+            gathering.spawn(async move { (r, client.all_gather("g", Members::World, value(r), WAIT).await) });
+        }
+        let results: Vec<_> = bounded("all-gather", gathering.join_all()).await;
+        let mapped = shared_reply_mappings();
+        for (r, gathered) in results {
+            let gathered = gathered.unwrap_or_else(|e| panic!("rank {r}, round {round}: {e}"));
+            let expected: Vec<Vec<u8>> = (0..4).map(value).collect();
+            assert!(gathered.iter().map(|v| v.as_ref()).eq(expected.iter().map(Vec::as_slice)));
+            let shared = mapped.iter().any(|range| range.contains(&(gathered[0].as_ptr() as usize)));
+            assert_eq!(shared, r != 3 && size > 1000, "rank {r}, round {round}: shared {shared}");
+        }
+    }
+    for client in clients {
+        bounded("close", client.close()).await.expect("clean leave");
+    }
+    agent.shutdown().await.expect("agent stops cleanly");
     server.shutdown().await;
 }
 
@@ -270,7 +319,7 @@ async fn losing_the_coordinator_fails_local_calls_with_a_clear_error() {
 async fn a_refused_rank_is_refused_through_the_agent() {
     let server = start_server().await;
     let a = start_agent(&server, false).await;
-    let options = ConnectOptions { addr: a.local_addr().to_owned(), identity: rank("bad", 5, 2), timeout: Duration::from_secs(20) };
+    let options = ConnectOptions::new(a.local_addr(), rank("bad", 5, 2)).with_timeout(Duration::from_secs(20));
     match bounded("connect", Client::connect_with(options)).await {
         Err(Error::Op(OpError::Invalid(message))) => assert!(message.contains('5'), "{message}"),
         other => panic!("expected the coordinator's refusal, got {:?}", other.map(|_| ())),
@@ -300,7 +349,7 @@ async fn four_thousand_ranks_over_four_agents() {
         let addr = agents[(r % 4) as usize].local_addr().to_owned();
         let slots = std::sync::Arc::clone(&slots);
         ranks.spawn(async move {
-            let options = ConnectOptions { addr, identity: rank("scale", r, WORLD), timeout: Duration::from_secs(50) };
+            let options = ConnectOptions::new(addr, rank("scale", r, WORLD)).with_timeout(Duration::from_secs(50));
             let client = {
                 let _slot = slots.acquire().await.expect("semaphore");
                 Client::connect_with(options).await.expect("connect")

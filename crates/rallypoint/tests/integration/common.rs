@@ -41,7 +41,7 @@ pub fn rank(job: &str, rank: u32, world: u32) -> Identity {
 }
 
 pub async fn connect(server: &ServerHandle, identity: Identity) -> Client {
-    let options = ConnectOptions { addr: server.local_addr().to_string(), identity, timeout: Duration::from_secs(20) };
+    let options = ConnectOptions::new(server.local_addr().to_string(), identity).with_timeout(Duration::from_secs(20));
     Client::connect_with(options).await.expect("connect to the test server")
 }
 

@@ -21,7 +21,7 @@ async fn connect_retries_until_the_coordinator_listens() {
     init_tracing();
     let impostor = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = impostor.local_addr().expect("addr");
-    let options = ConnectOptions { addr: addr.to_string(), identity: rank("early", 0, 1), timeout: Duration::from_secs(30) };
+    let options = ConnectOptions::new(addr.to_string(), rank("early", 0, 1)).with_timeout(Duration::from_secs(30));
     let connecting = tokio::spawn(Client::connect_with(options));
 
     for attempt in 0..2 {
@@ -43,7 +43,8 @@ async fn connect_retries_until_the_coordinator_listens() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_gives_up_after_its_timeout_naming_the_address() {
     let addr = free_port().await;
-    let options = ConnectOptions { addr: addr.to_string(), identity: Identity::anonymous("j"), timeout: Duration::from_millis(300) };
+    let options = ConnectOptions::new(addr.to_string(), Identity::anonymous("j"))
+        .with_timeout(Duration::from_millis(300));
     let started = Instant::now();
     match bounded("connect", Client::connect_with(options)).await {
         Err(Error::Connect { addr: named, waited, source }) => {
@@ -61,7 +62,7 @@ async fn connect_gives_up_after_its_timeout_naming_the_address() {
 async fn refused_identity_is_not_retried() {
     let server = start_server().await;
     let bad = Identity { rank: Some(5), ..rank("j", 0, 2) };
-    let options = ConnectOptions { addr: server.local_addr().to_string(), identity: bad, timeout: Duration::from_secs(30) };
+    let options = ConnectOptions::new(server.local_addr().to_string(), bad).with_timeout(Duration::from_secs(30));
     let started = Instant::now();
     match bounded("connect", Client::connect_with(options)).await {
         Err(Error::Op(OpError::Invalid(message))) => assert!(message.contains("rank 5"), "{message}"),

@@ -18,11 +18,9 @@ async fn thousand_clients_reuse_one_barrier_ten_times() {
         let identity = rank("big", r, WORLD);
         let server_addr = server.local_addr();
         clients.spawn(async move {
-            let client = rallypoint::Client::connect_with(rallypoint::ConnectOptions {
-                addr: server_addr.to_string(),
-                identity,
-                timeout: Duration::from_secs(30),
-            })
+            let client = rallypoint::Client::connect_with(
+                rallypoint::ConnectOptions::new(server_addr.to_string(), identity).with_timeout(Duration::from_secs(30)),
+            )
             .await
             .expect("connect");
             for _ in 0..10 {
