@@ -97,6 +97,9 @@ pub(crate) fn recv_with_files(
     room: usize,
     files: &mut VecDeque<OwnedFd>,
 ) -> io::Result<usize> {
+    // Room for all of `room` at once (a large reply's rest), so the buffer does not
+    // regrow step by step; zeroed and read a bounded part at a time.
+    buf.reserve(room);
     let start = buf.len();
     buf.resize(start + room.clamp(1, MAX_READ), 0);
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_WRITE))];
