@@ -8,8 +8,9 @@
 //! carries the workers' native-protocol connections.
 
 use std::io;
-use std::os::unix::fs::DirBuilderExt;
-use std::path::PathBuf;
+use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
 
 use tracing::{debug, info, warn};
@@ -23,6 +24,8 @@ const MAX_SOCKET_PATH: usize = 107;
 /// Attempts at a fresh directory name before giving up (another process racing for
 /// the same name, or a leftover of a launcher with the same pid).
 const DIR_ATTEMPTS: u32 = 16;
+/// Socket directories are named `{DIR_PREFIX}{pid}-{suffix}`.
+const DIR_PREFIX: &str = "rallypoint-node-agent-";
 
 /// This node's node agent, running until [`NodeAgent::stop`].
 pub struct NodeAgent {
@@ -86,11 +89,12 @@ struct SocketDir {
 impl SocketDir {
     fn create() -> Result<SocketDir, LaunchError> {
         let parent = std::env::temp_dir();
+        sweep_stale(&parent);
         let pid = std::process::id();
         let mut last = None;
         for attempt in 0..DIR_ATTEMPTS {
             let nanos = SystemTime::now().duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| d.subsec_nanos());
-            let path = parent.join(format!("rallypoint-node-agent-{pid}-{nanos:x}{attempt}"));
+            let path = parent.join(format!("{DIR_PREFIX}{pid}-{nanos:x}{attempt}"));
             // `create`, not `create_all`: a name someone else made first is not ours.
             match std::fs::DirBuilder::new().mode(0o700).create(&path) {
                 Ok(()) => return Ok(SocketDir { path }),
@@ -112,3 +116,85 @@ impl Drop for SocketDir {
         }
     }
 }
+
+/// Removes the socket directories of launchers killed without a chance to clean up
+/// (SIGKILL, a crash): this user's, whose launcher process is gone and whose socket
+/// no agent answers. Both are checked because a launcher in another PID namespace
+/// sharing this temporary directory looks gone by its pid alone.
+fn sweep_stale(parent: &Path) {
+    let Ok(entries) = std::fs::read_dir(parent) else { return };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name.to_str().and_then(|name| name.strip_prefix(DIR_PREFIX)).and_then(|rest| rest.split('-').next())
+        else {
+            continue;
+        };
+        let Ok(pid) = pid.parse::<i32>() else { continue };
+        let path = entry.path();
+        let ours = std::fs::symlink_metadata(&path).is_ok_and(|meta| meta.is_dir() && meta.uid() == uid);
+        if !ours || process_exists(pid) || agent_answers(&path.join("agent.sock")) {
+            continue;
+        }
+        match std::fs::remove_dir_all(&path) {
+            Ok(()) => info!(path = %path.display(), pid, "removed the socket directory of a launcher that is gone"),
+            Err(error) => debug!(path = %path.display(), %error, "cannot remove a stale socket directory"),
+        }
+    }
+}
+
+fn process_exists(pid: i32) -> bool {
+    // SAFETY: signal 0 only checks that the process exists and may be signalled.
+    pid > 0 && (unsafe { libc::kill(pid, 0) } == 0 || io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH))
+}
+
+/// Something listens on the socket (a refused or missing socket: nothing does).
+fn agent_answers(socket: &Path) -> bool {
+    match UnixStream::connect(socket) {
+        Ok(_) => true,
+        Err(error) => !matches!(error.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::net::UnixListener;
+
+    use super::*;
+
+    fn dead_pid() -> i32 {
+        let mut child = std::process::Command::new("true").spawn().expect("spawn true");
+        let pid = child.id() as i32;
+        child.wait().expect("wait");
+        pid
+    }
+
+    #[test]
+    fn only_directories_of_gone_launchers_with_silent_sockets_are_swept() {
+        let parent = std::env::temp_dir().join(format!("rallypoint-sweep-test-{}", std::process::id()));
+        std::fs::create_dir_all(&parent).expect("test directory");
+        let dead = dead_pid();
+        let make = |name: String| {
+            let dir = parent.join(name);
+            std::fs::create_dir(&dir).expect("socket directory");
+            dir
+        };
+        // Killed launcher: pid gone, socket file left, nobody listening.
+        let stale = make(format!("{DIR_PREFIX}{dead}-a0"));
+        drop(UnixListener::bind(stale.join("agent.sock")).expect("bind"));
+        // Pid gone (as seen from here) but its agent still answers: kept.
+        let answering = make(format!("{DIR_PREFIX}{dead}-b0"));
+        let _listener = UnixListener::bind(answering.join("agent.sock")).expect("bind");
+        // A live launcher (this process): kept.
+        let live = make(format!("{DIR_PREFIX}{}-c0", std::process::id()));
+        // Not ours to judge.
+        let other = make(format!("unrelated-{dead}-d0"));
+
+        sweep_stale(&parent);
+        assert!(!stale.exists(), "the stale directory stayed");
+        assert!(answering.exists() && live.exists() && other.exists());
+        std::fs::remove_dir_all(&parent).expect("cleanup");
+    }
+}
+
