@@ -86,8 +86,9 @@ fn worked_example() {
 #[test]
 fn shared_reply_frames() {
     client(ClientFrame::TakeSharedReplies, "01 00 00 00 08");
+    client(ClientFrame::ReleaseShared { slab: 2 }, "09 00 00 00 09 02 00 00 00 00 00 00 00");
     server(
-        ServerFrame::SharedReply { id: 1, len: 4104 },
-        "11 00 00 00 89 01 00 00 00 00 00 00 00 08 10 00 00 00 00 00 00",
+        ServerFrame::SharedReply { id: 1, slab: 2, len: 4104 },
+        "19 00 00 00 89 01 00 00 00 00 00 00 00 02 00 00 00 00 00 00 00 08 10 00 00 00 00 00 00",
     );
 }

@@ -28,7 +28,7 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::future::Future;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::pin::{pin, Pin};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -48,7 +48,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, error, info, trace, warn};
 
 use crate::net::{Listener, ReadHalf, Stream, WriteHalf};
-use crate::shm::{SharedBody, MAX_FDS_PER_WRITE, SHARED_REPLY_MIN};
+use crate::shm::{Slab, MAX_FDS_PER_WRITE, SHARED_REPLY_MIN};
 
 /// Bytes taken from a socket per read.
 const READ_CHUNK: usize = 4096;
@@ -64,6 +64,10 @@ const BACKOFF_CAP: Duration = Duration::from_secs(1);
 /// Distinct barrier calls merged at once before a write; they are compared one by
 /// one, and a node's ranks rarely wait at more than one or two barriers together.
 const MAX_MERGED: usize = 8;
+/// Shared-memory slabs an agent makes at most. Each is free again once its ranks
+/// released it, so a job needs about one per large result its ranks hold at once;
+/// past this, large replies go through the sockets.
+const MAX_SLABS: usize = 64;
 
 #[derive(Debug, Clone)]
 pub struct AgentConfig {
@@ -136,6 +140,7 @@ impl Agent {
             up_ready: Notify::new(),
             routes: Mutex::new(HashMap::new()),
             next_sub: AtomicU64::new(1),
+            slabs: Mutex::new(Vec::new()),
         });
         Ok(Agent { listener, local_addr, upstream, buffered, hub })
     }
@@ -312,6 +317,15 @@ struct Hub {
     /// Local connections by sub-session id.
     routes: Mutex<HashMap<u64, Arc<Local>>>,
     next_sub: AtomicU64,
+    /// Shared-memory slabs (docs/PROTOCOL.md, section 13); a slab's id is its index.
+    slabs: Mutex<Vec<SlabUse>>,
+}
+
+/// A slab and the ranks holding its current contents.
+struct SlabUse {
+    slab: Slab,
+    /// Per sub-session: shared replies from this slab's contents not yet released.
+    holders: HashMap<u64, u32>,
 }
 
 #[derive(Default)]
@@ -453,6 +467,83 @@ impl Hub {
     fn route(&self, sub: u64) -> Option<Arc<Local>> {
         lock(&self.routes).get(&sub).cloned()
     }
+
+    /// Writes `reply`'s body into the smallest free slab that holds it, making one
+    /// if none does (up to [`MAX_SLABS`]); `None` if there is no room, or a slab
+    /// cannot be made (logged), and the ranks get the reply through their sockets.
+    fn place(&self, reply: &Reply) -> Option<Placed> {
+        let mut head = BytesMut::new();
+        let tail = encode_reply_body_parts(reply, &mut head);
+        let tail = tail.as_deref().unwrap_or_default();
+        let len = head.len() + tail.len();
+        let mut slabs = lock(&self.slabs);
+        let free = slabs
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.holders.is_empty() && s.slab.capacity() >= len)
+            .min_by_key(|(_, s)| s.slab.capacity())
+            .map(|(at, _)| at);
+        let at = match free {
+            Some(at) => at,
+            None if slabs.len() < MAX_SLABS => match Slab::create(len) {
+                Ok(slab) => {
+                    slabs.push(SlabUse { slab, holders: HashMap::new() });
+                    slabs.len() - 1
+                }
+                Err(error) => {
+                    warn!(%error, "cannot make a shared-memory slab; sending large replies through the sockets");
+                    return None;
+                }
+            },
+            None => {
+                debug!(slabs = slabs.len(), "every shared-memory slab is held; sending a large reply through the sockets");
+                return None;
+            }
+        };
+        let used = &mut slabs[at];
+        let len = used.slab.write(&head, tail);
+        Some(Placed { slab: at as u64, len, file: Arc::clone(&used.slab.file) })
+    }
+
+    /// `sub` is given the current contents of `slab`.
+    fn hold(&self, slab: u64, sub: u64) {
+        if let Some(used) = lock(&self.slabs).get_mut(slab as usize) {
+            *used.holders.entry(sub).or_default() += 1;
+        }
+    }
+
+    /// `sub` released one shared reply from `slab` (all of them, with `all`: its
+    /// connection ended).
+    fn release(&self, slab: Option<u64>, sub: u64) {
+        let mut slabs = lock(&self.slabs);
+        let drop_one = |used: &mut SlabUse| {
+            if let Some(count) = used.holders.get_mut(&sub) {
+                *count -= 1;
+                if *count == 0 {
+                    used.holders.remove(&sub);
+                }
+            }
+        };
+        match slab {
+            Some(slab) => {
+                if let Some(used) = slabs.get_mut(slab as usize) {
+                    drop_one(used);
+                }
+            }
+            None => {
+                for used in slabs.iter_mut() {
+                    used.holders.remove(&sub);
+                }
+            }
+        }
+    }
+}
+
+/// A reply body written into a slab.
+struct Placed {
+    slab: u64,
+    len: u64,
+    file: Arc<OwnedFd>,
 }
 
 /// Reads the coordinator's frames and fans them out to the local connections;
@@ -515,35 +606,22 @@ async fn read_upstream(mut reader: ReadHalf, mut buf: BytesMut, hub: &Hub) -> St
 }
 
 /// Hands one reply from the coordinator to each of the calls `(sub, id)`. A large
-/// one (an all-gather result) goes to ranks that take shared replies as one sealed
-/// memory file for all of them (docs/PROTOCOL.md, section 13), to the others as
-/// bytes on their socket.
+/// one (an all-gather result) is written once into a shared-memory slab for the
+/// ranks that take shared replies (docs/PROTOCOL.md, section 13), and goes to the
+/// others as bytes on their socket.
 fn fan_out(hub: &Hub, calls: &[(u64, u64)], reply: &Reply) {
     let large = reply_payload_len(reply) >= SHARED_REPLY_MIN;
-    let mut shared: Option<Option<Arc<SharedBody>>> = None;
+    let mut placed: Option<Option<Placed>> = None;
     for &(sub, id) in calls {
         let Some(local) = hub.route(sub) else { continue };
         if large && local.takes_shared.load(Ordering::Relaxed) {
-            if let Some(body) = shared.get_or_insert_with(|| shared_body(reply)) {
-                local.reply_shared(id, body);
+            if let Some(placed) = placed.get_or_insert_with(|| hub.place(reply)) {
+                hub.hold(placed.slab, sub);
+                local.reply_shared(id, placed);
                 continue;
             }
         }
         local.reply(id, |out| encode_reply(id, reply, out));
-    }
-}
-
-/// The reply's body in a sealed memory file; `None` (logged) if one cannot be made,
-/// and the ranks get the reply through their sockets instead.
-fn shared_body(reply: &Reply) -> Option<Arc<SharedBody>> {
-    let mut head = BytesMut::new();
-    let tail = encode_reply_body_parts(reply, &mut head);
-    match SharedBody::create(&head, tail.as_deref().unwrap_or_default()) {
-        Ok(body) => Some(Arc::new(body)),
-        Err(error) => {
-            warn!(%error, "cannot put a large reply in shared memory; sending it through the sockets");
-            None
-        }
     }
 }
 
@@ -594,9 +672,12 @@ struct LocalOut {
     buf: BytesMut,
     /// Bytes written to the rank so far: where `buf` starts in the stream.
     written: u64,
-    /// Files of shared replies in `buf` not yet passed, with where their frame
-    /// starts in the stream. A file must go with or before its frame's first byte.
-    files: VecDeque<(u64, Arc<SharedBody>)>,
+    /// Files of slabs named in `buf` not yet passed, with where the first frame
+    /// naming each starts in the stream. A file must go with or before that frame's
+    /// first byte.
+    files: VecDeque<(u64, Arc<OwnedFd>)>,
+    /// Slabs whose file this rank was given (or is queued to be).
+    slabs_given: HashSet<u64>,
     /// The local task is writing `buf`: append, do not write around it.
     writing: bool,
     /// Ids of the rank's requests forwarded and not yet answered.
@@ -623,15 +704,19 @@ impl Local {
         self.push(&mut out);
     }
 
-    /// A reply to request `id` whose body is in the shared file `body`.
-    fn reply_shared(&self, id: u64, body: &Arc<SharedBody>) {
+    /// A reply to request `id` whose body is in a slab; the slab's file goes with
+    /// the first such reply to this rank.
+    fn reply_shared(&self, id: u64, placed: &Placed) {
         let mut out = lock(&self.out);
         if let Some(at) = out.pending.iter().position(|&p| p == id) {
             out.pending.swap_remove(at);
         }
-        let at = out.written + out.buf.len() as u64;
-        out.files.push_back((at, Arc::clone(body)));
-        encode_server_frame(&ServerFrame::SharedReply { id, len: body.len }, &mut out.buf);
+        if out.slabs_given.insert(placed.slab) {
+            let at = out.written + out.buf.len() as u64;
+            out.files.push_back((at, Arc::clone(&placed.file)));
+        }
+        let frame = ServerFrame::SharedReply { id, slab: placed.slab, len: placed.len };
+        encode_server_frame(&frame, &mut out.buf);
         self.push(&mut out);
     }
 
@@ -643,7 +728,7 @@ impl Local {
             Some(&(at, _)) => (at - out.written) as usize,
             None => out.buf.len(),
         };
-        let files: Vec<BorrowedFd<'_>> = out.files.iter().take(passing).map(|(_, body)| body.file.as_fd()).collect();
+        let files: Vec<BorrowedFd<'_>> = out.files.iter().take(passing).map(|(_, file)| file.as_fd()).collect();
         let n = self.writer.try_write_with_files(&out.buf[..until], &files)?;
         drop(files);
         out.files.drain(..passing);
@@ -756,6 +841,8 @@ async fn serve_local(stream: Stream, hub: Arc<Hub>) {
 
     let ended = serve_local_session(sub, &mut reader, rbuf, &hub, &local).await;
     debug!(sub, how = %ended, "local rank connection ended");
+    // Whatever it held of the slabs is free again.
+    hub.release(None, sub);
     // Still routed: the rank's connection ended on its side (or failed), not ours.
     if lock(&hub.routes).remove(&sub).is_some() {
         hub.send_up(sub, |up| encode_agent_frame(&AgentFrame::SubClose { sub }, up));
@@ -799,7 +886,7 @@ async fn local_hello(
     loop {
         match decode_client_frame(rbuf, &hub.limits) {
             Ok(Some(ClientFrame::Hello(identity))) => return Ok(identity),
-            Ok(Some(ClientFrame::Request { .. } | ClientFrame::TakeSharedReplies)) => {
+            Ok(Some(ClientFrame::Request { .. } | ClientFrame::TakeSharedReplies | ClientFrame::ReleaseShared { .. })) => {
                 return Err(Some(OpError::Invalid("the first frame must be a hello".to_owned())));
             }
             Ok(None) => {
@@ -878,6 +965,7 @@ fn forward(sub: u64, rbuf: &mut BytesMut, hub: &Hub, local: &Local) -> Result<()
                     local.takes_shared.store(true, Ordering::Relaxed);
                 }
             }
+            Ok(Some(ClientFrame::ReleaseShared { slab })) => hub.release(Some(slab), sub),
             Ok(Some(ClientFrame::Hello(_))) => {
                 warn!(sub, "a second hello from a local rank; closing its connection");
                 result = Err("a second hello".to_owned());
@@ -915,7 +1003,7 @@ mod tests {
     use rallypoint_proto::native::{decode_agent_frame, decode_server_frame, decode_shared_reply};
 
     use super::*;
-    use crate::shm::map_body;
+    use crate::shm::{held_body, map_slab};
 
     fn barrier(name: &str) -> Request {
         Request::Barrier { name: name.to_owned(), members: Members::World, timeout_ms: Some(1000) }
@@ -993,7 +1081,7 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn shared_replies_pass_their_files_in_order_even_more_than_one_write_carries() {
+    async fn slab_files_pass_once_each_in_order_even_more_than_one_write_carries() {
         let (ours, theirs) = tokio::net::UnixStream::pair().expect("socket pair");
         let (_unread, writer) = Stream::Unix(ours).into_split();
         let local = Local {
@@ -1002,17 +1090,34 @@ mod tests {
             wake: Notify::new(),
             takes_shared: AtomicBool::new(true),
         };
-        let n = 3 * MAX_FDS_PER_WRITE + 1;
-        let value = |id: u64| Bytes::from(vec![id as u8; 5000]);
+        // Replies from more slabs than one write passes files for, then one more
+        // reply from each of the first two slabs, which must come without a file.
+        let slabs = 3 * MAX_FDS_PER_WRITE + 1;
+        let value = |slab: u64| Bytes::from(vec![slab as u8; 5000]);
+        let placed: Vec<Placed> = (0..slabs as u64)
+            .map(|slab| {
+                let mut made = Slab::create(5000).expect("a slab");
+                let mut head = BytesMut::new();
+                let tail = encode_reply_body_parts(&Ok(Response::Value(value(slab))), &mut head);
+                let len = made.write(&head, tail.as_deref().unwrap_or_default());
+                Placed { slab, len, file: Arc::clone(&made.file) }
+            })
+            .collect();
+        let replies: Vec<(u64, &Placed)> =
+            placed.iter().map(|p| (p.slab, p)).chain([(100, &placed[0]), (101, &placed[1])]).collect();
+        let n = replies.len();
         let reader = tokio::spawn(async move {
             let (mut reader, _writer) = Stream::Unix(theirs).into_split();
-            let (mut buf, mut files, mut got) = (BytesMut::new(), VecDeque::new(), 0);
+            let (mut buf, mut files, mut maps, mut got) = (BytesMut::new(), VecDeque::new(), HashMap::new(), 0);
             loop {
                 while let Some(frame) = decode_server_frame(&mut buf, &FrameLimits::unbounded()).expect("well-formed") {
-                    let ServerFrame::SharedReply { id, len } = frame else { panic!("{frame:?}") };
-                    let file = files.pop_front().expect("a frame's file arrives with or before it");
-                    let body = map_body(file, len).expect("maps");
-                    assert_eq!(decode_shared_reply(id, body), Ok(Ok(Response::Value(value(id)))));
+                    let ServerFrame::SharedReply { id, slab, len } = frame else { panic!("{frame:?}") };
+                    let map = maps.entry(slab).or_insert_with(|| {
+                        let file = files.pop_front().expect("a slab's file arrives with or before its first frame");
+                        map_slab(file).expect("maps")
+                    });
+                    let body = held_body(Arc::clone(map), len, || {}).expect("fits");
+                    assert_eq!(decode_shared_reply(id, body), Ok(Ok(Response::Value(value(slab)))), "reply {id}");
                     got += 1;
                 }
                 if got == n {
@@ -1026,11 +1131,10 @@ mod tests {
         // Queued while the local task "is writing", then written together: one
         // write could carry them all, but may carry at most MAX_FDS_PER_WRITE files.
         lock(&local.out).writing = true;
-        for id in 0..n as u64 {
-            let body = shared_body(&Ok(Response::Value(value(id)))).expect("a memory file");
-            local.reply_shared(id, &body);
+        for (id, placed) in replies {
+            local.reply_shared(id, placed);
         }
-        assert_eq!(lock(&local.out).files.len(), n);
+        assert_eq!(lock(&local.out).files.len(), slabs);
         assert!(!local.drain().await.expect("writes"));
         tokio::time::timeout(Duration::from_secs(30), reader).await.expect("in time").expect("reader");
     }

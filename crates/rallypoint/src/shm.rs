@@ -3,25 +3,30 @@
 //!
 //! An all-gather result is the same N values for every rank. Written to each rank's
 //! socket it is copied twice per rank (into the socket, out of it): N² bytes per
-//! round for a node of N ranks. Instead the agent writes it once into a sealed
-//! memory file and passes the file with a small frame (`SCM_RIGHTS`) to every rank
-//! that asked for shared replies; each rank maps it read-only and decodes the values
-//! in place. The kernel frees the file when the last rank unmaps it.
+//! round for a node of N ranks. Instead the agent writes it once into a shared
+//! memory *slab*, a memory file it passes (`SCM_RIGHTS`) to each rank the first
+//! time it names it; each rank maps the slab read-only once and decodes the values
+//! in place. A rank tells the agent when it no longer holds anything of a slab, and
+//! the agent writes the slab's next contents only once every rank it gave the
+//! current ones to has done so: a rank's mapping stays valid and its pages stay
+//! mapped from one round to the next, so a round costs no mapping work at all.
 
 use std::collections::VecDeque;
 use std::fs::File;
-use std::io::{self, IoSlice, IoSliceMut, Write};
+use std::io::{self, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{BorrowedFd, OwnedFd};
+use std::sync::Arc;
 
 use bytes::{Bytes, BytesMut};
+use memmap2::{Mmap, MmapMut};
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
 };
 
-/// Reply bodies from this size up go as shared files to ranks that take them:
-/// below it, copying through the socket costs less than creating and mapping a file.
+/// Reply bodies from this size up go to ranks that take them through slabs: below
+/// it, copying through the socket costs less than the bookkeeping.
 pub(crate) const SHARED_REPLY_MIN: usize = 128 * 1024;
 
 /// Files passed with one write at most. A receiver makes room for as many per
@@ -29,51 +34,95 @@ pub(crate) const SHARED_REPLY_MIN: usize = 128 * 1024;
 pub(crate) const MAX_FDS_PER_WRITE: usize = 16;
 
 /// Bytes a receiver reads at most per call: the socket carries only small frames
-/// when large replies come as files, and the buffer is zeroed before each read.
+/// when large replies come through slabs, and the buffer is zeroed before each read.
 const MAX_READ: usize = 64 * 1024;
 
-/// No write, resize or further seal: what a rank needs to map the file safely.
-const SEALS: SealFlags = SealFlags::WRITE.union(SealFlags::SHRINK).union(SealFlags::GROW).union(SealFlags::SEAL);
+/// Smallest slab made: a result that grows a little from one round to the next
+/// still fits the slab the last one used.
+const MIN_SLAB: usize = 1 << 20;
 
-/// A reply body in a sealed memory file, shared by every rank it goes to.
-pub(crate) struct SharedBody {
-    pub(crate) file: OwnedFd,
-    pub(crate) len: u64,
+/// No resize and no further seal: a rank's mapping of the whole file can never
+/// point past its end (which would be a SIGBUS on access).
+const SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW).union(SealFlags::SEAL);
+
+/// A slab as the agent holds it: a memory file, mapped writable here.
+pub(crate) struct Slab {
+    pub(crate) file: Arc<OwnedFd>,
+    map: MmapMut,
 }
 
-impl SharedBody {
-    /// Writes `head` then `tail` into a new memory file and seals it.
-    pub(crate) fn create(head: &[u8], tail: &[u8]) -> io::Result<SharedBody> {
-        let fd = rustix::fs::memfd_create("rallypoint-reply", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
-        let mut file = File::from(fd);
-        file.write_all(head)?;
-        file.write_all(tail)?;
+impl Slab {
+    /// A slab of at least `len` bytes (a power of two, at least [`MIN_SLAB`]).
+    pub(crate) fn create(len: usize) -> io::Result<Slab> {
+        let capacity = len.max(MIN_SLAB).checked_next_power_of_two().unwrap_or(len);
+        let fd = rustix::fs::memfd_create("rallypoint-slab", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
+        rustix::fs::ftruncate(&fd, capacity as u64)?;
+        let file = File::from(fd);
+        // SAFETY: a fresh memory file of this process; ranks only ever map it
+        // read-only, and the seals keep its size.
+        let map = unsafe { MmapMut::map_mut(&file)? };
         let file = OwnedFd::from(file);
         rustix::fs::fcntl_add_seals(&file, SEALS)?;
-        Ok(SharedBody { file, len: (head.len() + tail.len()) as u64 })
+        Ok(Slab { file: Arc::new(file), map })
+    }
+
+    pub(crate) fn capacity(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Writes a reply body (`head`, then `tail`) at the start of the slab; returns
+    /// its length. The caller makes sure no rank still holds the previous body.
+    pub(crate) fn write(&mut self, head: &[u8], tail: &[u8]) -> u64 {
+        self.map[..head.len()].copy_from_slice(head);
+        self.map[head.len()..head.len() + tail.len()].copy_from_slice(tail);
+        (head.len() + tail.len()) as u64
     }
 }
 
-/// Maps the first `len` bytes of a shared reply's file, read-only, as `Bytes`
-/// that unmap it when the last slice of them is dropped.
-pub(crate) fn map_body(file: OwnedFd, len: u64) -> io::Result<Bytes> {
-    let invalid = |message: String| io::Error::new(io::ErrorKind::InvalidData, message);
+/// Maps a slab's file read-only, whole, as a rank keeps it.
+pub(crate) fn map_slab(file: OwnedFd) -> io::Result<Arc<Mmap>> {
     let seals = rustix::fs::fcntl_get_seals(&file)?;
-    if !seals.contains(SealFlags::WRITE | SealFlags::SHRINK) {
-        return Err(invalid(format!("the file of a shared reply is not sealed against writes ({seals:?})")));
+    if !seals.contains(SealFlags::SHRINK) {
+        let message = format!("a shared-memory slab is not sealed against shrinking ({seals:?})");
+        return Err(io::Error::new(io::ErrorKind::InvalidData, message));
     }
-    let size = rustix::fs::fstat(&file)?.st_size as u64;
-    if size < len {
-        return Err(invalid(format!("the file of a shared reply holds {size} bytes, not {len}")));
+    // SAFETY: the file cannot shrink (checked above), so no mapped page can vanish;
+    // the agent writes a slab only when no rank holds what it held.
+    Ok(Arc::new(unsafe { Mmap::map(&File::from(file))? }))
+}
+
+/// The first `len` bytes of a mapped slab as `Bytes`; `release` runs once the last
+/// slice of them is dropped (and at once if `len` does not fit).
+pub(crate) fn held_body(map: Arc<Mmap>, len: u64, release: impl FnOnce() + Send + 'static) -> io::Result<Bytes> {
+    match usize::try_from(len).ok().filter(|&len| len <= map.len()) {
+        Some(len) => Ok(Bytes::from_owner(Held { map, len, release: Some(release) })),
+        None => {
+            release();
+            let message = format!("a shared reply of {len} bytes does not fit its slab of {} bytes", map.len());
+            Err(io::Error::new(io::ErrorKind::InvalidData, message))
+        }
     }
-    if len == 0 {
-        return Ok(Bytes::new());
+}
+
+/// What a rank holds of a slab: the owner of the `Bytes` decoded from it.
+struct Held<F: FnOnce()> {
+    map: Arc<Mmap>,
+    len: usize,
+    release: Option<F>,
+}
+
+impl<F: FnOnce()> AsRef<[u8]> for Held<F> {
+    fn as_ref(&self) -> &[u8] {
+        &self.map[..self.len]
     }
-    let len = usize::try_from(len).map_err(|_| invalid(format!("a shared reply of {len} bytes cannot be mapped")))?;
-    // SAFETY: the file is sealed against writes and shrinking (checked above), so
-    // the mapped bytes can neither change nor vanish while mapped.
-    let map = unsafe { memmap2::MmapOptions::new().len(len).map(&File::from(file))? };
-    Ok(Bytes::from_owner(map))
+}
+
+impl<F: FnOnce()> Drop for Held<F> {
+    fn drop(&mut self) {
+        if let Some(release) = self.release.take() {
+            release();
+        }
+    }
 }
 
 /// Writes what `socket` takes of `buf` without waiting, passing `files` with its
@@ -132,22 +181,42 @@ pub(crate) fn recv_with_files(
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
     use super::*;
 
     #[test]
-    fn a_sealed_body_maps_back_and_an_unsealed_or_short_file_is_refused() {
-        let body = SharedBody::create(b"head:", &[7u8; 5000]).expect("a memory file");
-        assert_eq!(body.len, 5005);
-        let mapped = map_body(body.file.try_clone().expect("dup"), body.len).expect("maps");
-        assert_eq!(&mapped[..5], b"head:");
-        assert!(mapped[5..].iter().all(|&b| b == 7));
-        let short = map_body(body.file.try_clone().expect("dup"), body.len + 1).expect_err("too short");
-        assert!(short.to_string().contains("holds 5005 bytes"), "{short}");
+    fn a_slab_maps_back_and_its_release_runs_when_the_last_slice_goes() {
+        let mut slab = Slab::create(5000).expect("a slab");
+        assert_eq!(slab.capacity(), MIN_SLAB);
+        assert_eq!(slab.write(b"head:", &[7u8; 5000]), 5005);
+        let map = map_slab(slab.file.try_clone().expect("dup")).expect("maps");
+        let released = Arc::new(AtomicUsize::new(0));
+        let counter = Arc::clone(&released);
+        let body = held_body(Arc::clone(&map), 5005, move || {
+            counter.fetch_add(1, Ordering::SeqCst);
+        })
+        .expect("fits");
+        let (head, tail) = (body.slice(..5), body.slice(5..));
+        drop(body);
+        assert_eq!(&head[..], b"head:");
+        assert!(tail.iter().all(|&b| b == 7) && tail.len() == 5000);
+        drop(head);
+        assert_eq!(released.load(Ordering::SeqCst), 0, "released while a slice is held");
+        drop(tail);
+        assert_eq!(released.load(Ordering::SeqCst), 1);
 
-        // A writer could still change or truncate this one under the mapping.
+        let counter = Arc::clone(&released);
+        let too_long = held_body(map, MIN_SLAB as u64 + 1, move || {
+            counter.fetch_add(1, Ordering::SeqCst);
+        });
+        assert!(too_long.expect_err("too long").to_string().contains("does not fit"));
+        assert_eq!(released.load(Ordering::SeqCst), 2, "a refused body is released at once");
+
+        // A file that could shrink under the mapping is refused.
         let unsealed = rustix::fs::memfd_create("unsealed", MemfdFlags::CLOEXEC).expect("a memory file");
-        File::from(unsealed.try_clone().expect("dup")).write_all(b"x").expect("write");
-        let error = map_body(unsealed, 1).expect_err("unsealed");
+        rustix::fs::ftruncate(&unsealed, 4096).expect("size");
+        let error = map_slab(unsealed).expect_err("unsealed");
         assert!(error.to_string().contains("not sealed"), "{error}");
     }
 }

@@ -28,6 +28,7 @@ pub(crate) mod kind {
     pub const REPLY: u8 = 0x83;
     // Shared-memory replies over Unix sockets (docs/PROTOCOL.md, section 13).
     pub const TAKE_SHARED_REPLIES: u8 = 0x08;
+    pub const RELEASE_SHARED: u8 = 0x09;
     pub const SHARED_REPLY: u8 = 0x89;
     // Node agents (docs/PROTOCOL.md, section 12).
     pub const AGENT_HELLO: u8 = 0x03;
@@ -52,6 +53,9 @@ pub enum ClientFrame {
     /// The client takes large replies as [`ServerFrame::SharedReply`]: it is on a
     /// Unix socket and can receive the file each one comes with.
     TakeSharedReplies,
+    /// The client holds nothing any more of what `slab` held for it: the sender
+    /// may write the slab's next contents.
+    ReleaseShared { slab: u64 },
 }
 
 /// A frame a server sends.
@@ -64,9 +68,10 @@ pub enum ServerFrame {
     /// The outcome of the request with this `id`.
     Reply { id: u64, reply: Reply },
     /// The outcome of the request with this `id`, whose reply body (tag and fields,
-    /// as in a Reply) is the first `len` bytes of a sealed shared-memory file sent
-    /// with this frame over the Unix socket (decode it with [`decode_shared_reply`]).
-    SharedReply { id: u64, len: u64 },
+    /// as in a Reply) is the first `len` bytes of shared-memory slab `slab`; the
+    /// slab's file comes over the Unix socket with the first frame that names it
+    /// (decode the body with [`decode_shared_reply`]).
+    SharedReply { id: u64, slab: u64, len: u64 },
 }
 
 /// How long a frame a decoder accepts before declaring the stream broken.
@@ -125,6 +130,10 @@ pub fn encode_client_frame(frame: &ClientFrame, dst: &mut BytesMut) {
             encode_request(request, dst);
         }
         ClientFrame::TakeSharedReplies => dst.put_u8(kind::TAKE_SHARED_REPLIES),
+        ClientFrame::ReleaseShared { slab } => {
+            dst.put_u8(kind::RELEASE_SHARED);
+            dst.put_u64_le(*slab);
+        }
     });
 }
 
@@ -145,10 +154,11 @@ pub fn encode_server_frame(frame: &ServerFrame, dst: &mut BytesMut) {
             });
         }
         ServerFrame::Reply { id, reply } => encode_reply(*id, reply, dst),
-        ServerFrame::SharedReply { id, len } => {
+        ServerFrame::SharedReply { id, slab, len } => {
             write_frame(dst, |dst| {
                 dst.put_u8(kind::SHARED_REPLY);
                 dst.put_u64_le(*id);
+                dst.put_u64_le(*slab);
                 dst.put_u64_le(*len);
             });
         }
@@ -327,12 +337,14 @@ fn client_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ClientFrame
             }
         }
         kind::TAKE_SHARED_REPLIES => ClientFrame::TakeSharedReplies,
+        kind::RELEASE_SHARED => ClientFrame::ReleaseShared { slab: r.u64("slab")? },
         other => return Err(DecodeError::unknown("client frame kind", other)),
     };
     r.finish(match &frame {
         ClientFrame::Hello(_) => "hello",
         ClientFrame::Request { request, .. } => request.name(),
         ClientFrame::TakeSharedReplies => "take-shared-replies",
+        ClientFrame::ReleaseShared { .. } => "release-shared",
     })?;
     Ok(frame)
 }
@@ -361,8 +373,9 @@ fn server_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ServerFrame
         kind::SHARED_REPLY => {
             let request_id = r.u64("request id")?;
             *id = Some(request_id);
+            let slab = r.u64("slab")?;
             let len = r.u64("shared reply length")?;
-            (ServerFrame::SharedReply { id: request_id, len }, "shared reply")
+            (ServerFrame::SharedReply { id: request_id, slab, len }, "shared reply")
         }
         other => return Err(DecodeError::unknown("server frame kind", other)),
     };

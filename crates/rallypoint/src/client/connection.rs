@@ -4,6 +4,7 @@
 //! heartbeats) and routes replies to the slots by id, so any number of calls
 //! pipeline over one connection.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::io;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -45,6 +46,8 @@ pub(crate) type ReplySlot = oneshot::Sender<Result<Response, Error>>;
 /// What a call sends to the connection task.
 pub(crate) enum Command {
     Request { id: u64, request: Request },
+    /// Nothing of this shared-memory slab's current contents is held any more.
+    Release { slab: u64 },
     /// Shut the socket down (after everything queued before it was written) and
     /// tell the sender when done.
     Shutdown(oneshot::Sender<()>),
@@ -245,7 +248,9 @@ pub(crate) fn spawn(addr: String, connected: Connected) -> (Arc<Link>, mpsc::Unb
     let (commands, queue) = mpsc::unbounded_channel();
     // Heartbeat at a third of the lease so that two may be lost before it expires.
     let heartbeat = (welcome.lease_ms > 0).then(|| Duration::from_millis((welcome.lease_ms / 3).max(1)));
-    tokio::spawn(run(stream, buffered, queue, Arc::clone(&link), heartbeat));
+    // Weak: slab releases must not keep the connection open once every client is gone.
+    let releases = commands.downgrade();
+    tokio::spawn(run(stream, buffered, queue, releases, Arc::clone(&link), heartbeat));
     (link, commands, welcome)
 }
 
@@ -253,6 +258,7 @@ async fn run(
     stream: Stream,
     buffered: BytesMut,
     queue: mpsc::UnboundedReceiver<Command>,
+    releases: mpsc::WeakUnboundedSender<Command>,
     link: Arc<Link>,
     heartbeat: Option<Duration>,
 ) {
@@ -260,7 +266,7 @@ async fn run(
     // Reading and writing run concurrently, so a large write never stops replies
     // from being read (which could deadlock against a server doing the same).
     let (why, done) = tokio::select! {
-        why = read_loop(reader, buffered, &link) => (why, None),
+        why = read_loop(reader, buffered, &releases, &link) => (why, None),
         ended = write_loop(writer, queue, &link, heartbeat) => ended,
     };
     debug!(addr = %link.addr, %why, "connection task ended");
@@ -272,22 +278,45 @@ async fn run(
 }
 
 /// Routes replies to their calls; returns why the connection ended.
-async fn read_loop(mut reader: ReadHalf, mut buf: BytesMut, link: &Link) -> String {
+async fn read_loop(
+    mut reader: ReadHalf,
+    mut buf: BytesMut,
+    releases: &mpsc::WeakUnboundedSender<Command>,
+    link: &Link,
+) -> String {
     let limits = FrameLimits::unbounded();
-    // Files of shared replies, received with (or before) their frames, in order.
+    // Files of shared-memory slabs, received with (or before) the first frame naming
+    // each, in order; and the slabs mapped so far, kept for the connection's life.
     let mut files = VecDeque::new();
+    let mut slabs = HashMap::new();
     loop {
         loop {
             match decode_server_frame(&mut buf, &limits) {
                 Ok(None) => break,
                 Ok(Some(ServerFrame::Reply { id, reply })) => link.complete(id, reply.map_err(Error::Op)),
-                Ok(Some(ServerFrame::SharedReply { id, len })) => {
-                    let Some(file) = files.pop_front() else {
-                        return link.lost(format!("a shared reply (request id {id}) came without its file"));
+                Ok(Some(ServerFrame::SharedReply { id, slab, len })) => {
+                    let map = match slabs.entry(slab) {
+                        Entry::Occupied(known) => Arc::clone(known.get()),
+                        Entry::Vacant(new) => {
+                            let Some(file) = files.pop_front() else {
+                                return link.lost(format!("shared-memory slab {slab} came without its file"));
+                            };
+                            match crate::shm::map_slab(file) {
+                                Ok(map) => Arc::clone(new.insert(map)),
+                                // Later replies from it could not be read either.
+                                Err(error) => return link.lost(format!("cannot map shared-memory slab {slab}: {error}")),
+                            }
+                        }
                     };
-                    let reply = match crate::shm::map_body(file, len) {
+                    let releases = releases.clone();
+                    let release = move || {
+                        if let Some(commands) = releases.upgrade() {
+                            let _ = commands.send(Command::Release { slab });
+                        }
+                    };
+                    let reply = match crate::shm::held_body(map, len, release) {
                         Ok(body) => decode_shared_reply(id, body).map_err(|error| Error::Protocol(error.to_string())),
-                        Err(error) => Err(Error::Protocol(format!("cannot map a shared reply: {error}"))),
+                        Err(error) => Err(Error::Protocol(error.to_string())),
                     };
                     link.complete(id, reply.and_then(|reply| reply.map_err(Error::Op)));
                 }
@@ -392,6 +421,7 @@ fn gather(
                 encode_client_frame(&ClientFrame::Request { id, request }, buf);
                 *gathered += 1;
             }
+            Command::Release { slab } => encode_client_frame(&ClientFrame::ReleaseShared { slab }, buf),
             Command::Shutdown(done) => return Some(done),
         }
         if buf.len() < MAX_WRITE_BATCH {

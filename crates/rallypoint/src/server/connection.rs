@@ -219,10 +219,14 @@ impl Connection {
             }
             match decode_client_frame(&mut self.rbuf, &self.limits) {
                 Ok(Some(ClientFrame::Hello(identity))) => return Ok(Some(Hello::Native(identity))),
-                Ok(Some(frame @ (ClientFrame::Request { .. } | ClientFrame::TakeSharedReplies))) => {
+                Ok(Some(
+                    frame @ (ClientFrame::Request { .. }
+                    | ClientFrame::TakeSharedReplies
+                    | ClientFrame::ReleaseShared { .. }),
+                )) => {
                     let what = match &frame {
                         ClientFrame::Request { request, .. } => request.name(),
-                        _ => "take-shared-replies",
+                        _ => "a shared-reply frame",
                     };
                     warn!(%peer, frame = what, "a frame before the hello; closing");
                     self.refuse(OpError::Invalid("the first frame must be a hello".to_owned())).await;
@@ -315,7 +319,7 @@ impl Connection {
                 Ok(Some(ClientFrame::Request { id, request })) => requests.push((id, request)),
                 // Only node agents hand out shared replies: they serve the Unix sockets
                 // of their node, the coordinator only TCP. Replies stay plain frames.
-                Ok(Some(ClientFrame::TakeSharedReplies)) => {}
+                Ok(Some(ClientFrame::TakeSharedReplies | ClientFrame::ReleaseShared { .. })) => {}
                 Ok(Some(ClientFrame::Hello(_))) => {
                     result = Err(End::SecondHello);
                     break;

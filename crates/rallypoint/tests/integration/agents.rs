@@ -104,11 +104,11 @@ async fn large_all_gather_through_agents() {
     server.shutdown().await;
 }
 
-/// Address ranges of this process's mappings of shared-reply files.
+/// Address ranges of this process's mappings of shared-memory slabs.
 fn shared_reply_mappings() -> Vec<std::ops::Range<usize>> {
     let maps = std::fs::read_to_string("/proc/self/maps").expect("/proc/self/maps");
     maps.lines()
-        .filter(|line| line.contains("memfd:rallypoint-reply"))
+        .filter(|line| line.contains("memfd:rallypoint-slab"))
         .filter_map(|line| {
             let (start, end) = line.split_whitespace().next()?.split_once('-')?;
             Some(usize::from_str_radix(start, 16).ok()?..usize::from_str_radix(end, 16).ok()?)
@@ -145,6 +145,62 @@ async fn large_results_reach_unix_ranks_as_shared_memory() {
             let shared = mapped.iter().any(|range| range.contains(&(gathered[0].as_ptr() as usize)));
             assert_eq!(shared, r != 3 && size > 1000, "rank {r}, round {round}: shared {shared}");
         }
+    }
+    for client in clients {
+        bounded("close", client.close()).await.expect("clean leave");
+    }
+    agent.shutdown().await.expect("agent stops cleanly");
+    server.shutdown().await;
+}
+
+/// A slab is written again only once every rank released what it held from it:
+/// results released at once come from the same slab, and so the same mapped
+/// bytes, round after round; a result a rank keeps stays intact while later
+/// rounds go to another slab.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slabs_are_reused_once_released_and_never_while_held() {
+    let server = start_server().await;
+    let agent = start_agent(&server, true).await;
+    let mut clients = Vec::new();
+    for r in 0..3 {
+        clients.push(connect_via(&agent, rank("slabs", r, 3)).await);
+    }
+    let value = |r: usize, round: usize| vec![(10 * round + r) as u8; 64 * 1024];
+    let gather = |round: usize| {
+        let clients = clients.clone();
+        async move {
+            let mut gathering = JoinSet::new();
+            for (r, client) in clients.into_iter().enumerate() {
+                gathering.spawn(async move { (r, client.all_gather("s", Members::World, value(r, round), WAIT).await) });
+            }
+            let mut results: Vec<_> = bounded("all-gather", gathering.join_all()).await;
+            results.sort_by_key(|(r, _)| *r);
+            results.into_iter().map(|(r, gathered)| gathered.unwrap_or_else(|e| panic!("rank {r}: {e}"))).collect::<Vec<_>>()
+        }
+    };
+    let expected = |round: usize| (0..3).map(|r| value(r, round)).collect::<Vec<_>>();
+    let same = |gathered: &[bytes::Bytes], round: usize| gathered.iter().map(|v| v.as_ref()).eq(expected(round).iter().map(Vec::as_slice));
+
+    // Released at once: the next round reuses the slab.
+    let first = gather(0).await;
+    let address = first[0][0].as_ptr() as usize;
+    assert!(shared_reply_mappings().iter().any(|range| range.contains(&address)), "not from a slab");
+    drop(first);
+    // A release travels on the rank's connection: give it a moment to arrive.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let second = gather(1).await;
+    assert!(second.iter().all(|g| same(g, 1)));
+    assert_eq!(second[0][0].as_ptr() as usize, address, "the released slab was not reused");
+
+    // Rank 0 keeps round 1: rounds 2-4 must not write over it.
+    let kept = second[0].clone();
+    drop(second);
+    for round in 2..5 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let later = gather(round).await;
+        assert!(later.iter().all(|g| same(g, round)), "round {round}");
+        assert_ne!(later[0][0].as_ptr() as usize, address, "round {round} went into a slab still held");
+        assert!(same(&kept, 1), "a held result changed in round {round}");
     }
     for client in clients {
         bounded("close", client.close()).await.expect("clean leave");
