@@ -512,8 +512,8 @@ impl Hub {
         }
     }
 
-    /// `sub` released one shared reply from `slab` (all of them, with `all`: its
-    /// connection ended).
+    /// `sub` released one shared reply from `slab`; with `None`, every one it held
+    /// of every slab (its connection ended). A rank can only release its own holds.
     fn release(&self, slab: Option<u64>, sub: u64) {
         let mut slabs = lock(&self.slabs);
         let drop_one = |used: &mut SlabUse| {
