@@ -4,7 +4,25 @@
 mod common;
 
 use common::{barrier, barrier_of, err, ok, Harness};
-use rallypoint_core::{Config, LossReason, Members, OpError, RankState, Request, Response};
+use rallypoint_core::{Config, LossReason, Members, OpError, RankState, Request, Response, SessionId};
+
+/// Ranks 0 and 1 of a job with a 1 s lease, rank 0 waiting at barrier "x" (its request id).
+fn rank_0_waiting_under_a_1s_lease() -> (Harness, SessionId, SessionId, u64) {
+    let mut h = Harness::with_config(Config { lease_ms: 1_000, ..Config::default() });
+    let s0 = h.rank("j", 0, 2);
+    let s1 = h.rank("j", 1, 2);
+    let a = h.send(s0, barrier("x", None));
+    (h, s0, s1, a)
+}
+
+/// `steps` × 400 ms pass with rank 0 (`s0`) heartbeating; `each` runs after every step.
+fn steps_of_400ms(h: &mut Harness, s0: SessionId, steps: usize, mut each: impl FnMut(&mut Harness)) {
+    for _ in 0..steps {
+        h.advance(400);
+        h.call(s0, Request::Heartbeat).unwrap();
+        each(h);
+    }
+}
 
 #[test]
 fn a_killed_rank_fails_pending_barriers_on_every_peer_naming_it() {
@@ -69,14 +87,8 @@ fn a_rank_with_another_open_session_is_not_lost() {
 
 #[test]
 fn a_silent_rank_is_lost_when_its_lease_expires_and_revives_when_heard() {
-    let mut h = Harness::with_config(Config { lease_ms: 1_000, ..Config::default() });
-    let s0 = h.rank("j", 0, 2);
-    let s1 = h.rank("j", 1, 2);
-    let a = h.send(s0, barrier("x", None));
-    for _ in 0..5 {
-        h.advance(400);
-        h.call(s0, Request::Heartbeat).unwrap();
-    }
+    let (mut h, s0, s1, a) = rank_0_waiting_under_a_1s_lease();
+    steps_of_400ms(&mut h, s0, 5, |_| {});
     let e = err(h.take(s0, a));
     let OpError::PeerLost { peer, .. } = &e else { panic!("{e:?}") };
     assert_eq!(peer.rank, 1);
@@ -120,22 +132,12 @@ fn idle_jobs_are_forgotten_after_their_ttl() {
 
 #[test]
 fn a_rank_taking_in_a_long_write_keeps_its_lease() {
-    let mut h = Harness::with_config(Config { lease_ms: 1_000, ..Config::default() });
-    let s0 = h.rank("j", 0, 2);
-    let s1 = h.rank("j", 1, 2);
-    let a = h.send(s0, barrier("x", None));
+    let (mut h, s0, s1, a) = rank_0_waiting_under_a_1s_lease();
     // Rank 1 sends nothing for 2 s, but the server's write to it keeps making progress.
-    for _ in 0..5 {
-        h.advance(400);
-        h.call(s0, Request::Heartbeat).unwrap();
-        h.engine.alive(s1, h.now);
-    }
+    steps_of_400ms(&mut h, s0, 5, |h| h.engine.alive(s1, h.now));
     assert!(h.pending(s0, a), "rank 1 is not lost while it takes in a write");
     // Once that stops too, the lease runs out as usual.
-    for _ in 0..3 {
-        h.advance(400);
-        h.call(s0, Request::Heartbeat).unwrap();
-    }
+    steps_of_400ms(&mut h, s0, 3, |_| {});
     let OpError::PeerLost { peer, .. } = err(h.take(s0, a)) else { panic!("rank 1 lost") };
     assert_eq!(peer.state, RankState::Lost(LossReason::LeaseExpired { lease_ms: 1_000 }));
 }

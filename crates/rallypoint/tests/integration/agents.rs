@@ -2,7 +2,10 @@
 //! semantic (barriers, all-gather, the store, timeouts naming the missing ranks,
 //! a dead rank named with its host) exactly as with direct connections.
 
+use std::sync::Arc;
 use std::time::Duration;
+
+use bytes::Bytes;
 
 use rallypoint::agent::{Agent, AgentConfig, AgentError, AgentHandle};
 use rallypoint::server::ServerHandle;
@@ -74,12 +77,31 @@ async fn ranks_behind_two_agents_and_direct_ranks_pass_barriers_together() {
         })
         .await;
     }
+    close_cleanly(clients, [a, b], server).await;
+}
+
+/// Every client leaves cleanly, then every agent and the coordinator stop cleanly.
+async fn close_cleanly(clients: Vec<Client>, agents: impl IntoIterator<Item = AgentHandle>, server: ServerHandle) {
     for client in clients {
         bounded("close", client.close()).await.expect("clean leave");
     }
-    a.shutdown().await.expect("agent a stops cleanly");
-    b.shutdown().await.expect("agent b stops cleanly");
+    for agent in agents {
+        agent.shutdown().await.expect("agent stops cleanly");
+    }
     server.shutdown().await;
+}
+
+/// Every client all-gathers `value(its index)` under `name` at once; the results in
+/// client order.
+async fn all_gather_each(clients: &[Client], name: &str, value: impl Fn(usize) -> Vec<u8>) -> Vec<Arc<[Bytes]>> {
+    let mut gathering = JoinSet::new();
+    for (r, client) in clients.iter().enumerate() {
+        let (client, name, value) = (client.clone(), name.to_owned(), value(r));
+        gathering.spawn(async move { (r, client.all_gather(&name, Members::World, value, WAIT).await) });
+    }
+    let mut results = bounded("all-gather", gathering.join_all()).await;
+    results.sort_by_key(|(r, _)| *r);
+    results.into_iter().map(|(r, gathered)| gathered.unwrap_or_else(|e| panic!("rank {r}: {e}"))).collect()
 }
 
 /// Large gathered values reach ranks behind agents whole: the coordinator writes
@@ -89,18 +111,10 @@ async fn large_all_gather_through_agents() {
     let server = start_server().await;
     let (_a, _b, clients) = six_ranks(&server, "large").await;
     let value = |r: usize| vec![r as u8 + 1; 100 * 1024];
-    let mut gathering = JoinSet::new();
-    for (r, client) in clients.iter().enumerate() {
-        let client = client.clone();
-        gathering.spawn(async move { client.all_gather("big", Members::World, value(r), WAIT).await });
+    let expected: Vec<Vec<u8>> = (0..6).map(value).collect();
+    for gathered in all_gather_each(&clients, "big", value).await {
+        assert!(gathered.iter().map(|v| v.as_ref()).eq(expected.iter().map(Vec::as_slice)));
     }
-    bounded("all-gather", async {
-        while let Some(gathered) = gathering.join_next().await {
-            let gathered = gathered.expect("task").expect("all_gather");
-            assert!(gathered.iter().map(|v| v.as_ref()).eq((0..6).map(value).collect::<Vec<_>>().iter().map(Vec::as_slice)));
-        }
-    })
-    .await;
     server.shutdown().await;
 }
 
@@ -131,26 +145,16 @@ async fn large_results_reach_unix_ranks_as_shared_memory() {
     }
     for (round, size) in [(0usize, 64 * 1024), (1, 100), (2, 64 * 1024)] {
         let value = move |r: usize| vec![(r + round) as u8; size];
-        let mut gathering = JoinSet::new();
-        for (r, client) in clients.iter().enumerate() {
-            let client = client.clone();
-            gathering.spawn(async move { (r, client.all_gather("g", Members::World, value(r), WAIT).await) });
-        }
-        let results: Vec<_> = bounded("all-gather", gathering.join_all()).await;
+        let results = all_gather_each(&clients, "g", value).await;
         let mapped = shared_reply_mappings();
-        for (r, gathered) in results {
-            let gathered = gathered.unwrap_or_else(|e| panic!("rank {r}, round {round}: {e}"));
+        for (r, gathered) in results.into_iter().enumerate() {
             let expected: Vec<Vec<u8>> = (0..4).map(value).collect();
             assert!(gathered.iter().map(|v| v.as_ref()).eq(expected.iter().map(Vec::as_slice)));
             let shared = mapped.iter().any(|range| range.contains(&(gathered[0].as_ptr() as usize)));
             assert_eq!(shared, r != 3 && size > 1000, "rank {r}, round {round}: shared {shared}");
         }
     }
-    for client in clients {
-        bounded("close", client.close()).await.expect("clean leave");
-    }
-    agent.shutdown().await.expect("agent stops cleanly");
-    server.shutdown().await;
+    close_cleanly(clients, [agent], server).await;
 }
 
 /// A slab is written again only once every rank released what it held from it:
@@ -166,20 +170,9 @@ async fn slabs_are_reused_once_released_and_never_while_held() {
         clients.push(connect_via(&agent, rank("slabs", r, 3)).await);
     }
     let value = |r: usize, round: usize| vec![(10 * round + r) as u8; 64 * 1024];
-    let gather = |round: usize| {
-        let clients = clients.clone();
-        async move {
-            let mut gathering = JoinSet::new();
-            for (r, client) in clients.into_iter().enumerate() {
-                gathering.spawn(async move { (r, client.all_gather("s", Members::World, value(r, round), WAIT).await) });
-            }
-            let mut results: Vec<_> = bounded("all-gather", gathering.join_all()).await;
-            results.sort_by_key(|(r, _)| *r);
-            results.into_iter().map(|(r, gathered)| gathered.unwrap_or_else(|e| panic!("rank {r}: {e}"))).collect::<Vec<_>>()
-        }
-    };
+    let gather = |round: usize| all_gather_each(&clients, "s", move |r| value(r, round));
     let expected = |round: usize| (0..3).map(|r| value(r, round)).collect::<Vec<_>>();
-    let same = |gathered: &[bytes::Bytes], round: usize| gathered.iter().map(|v| v.as_ref()).eq(expected(round).iter().map(Vec::as_slice));
+    let same = |gathered: &[Bytes], round: usize| gathered.iter().map(|v| v.as_ref()).eq(expected(round).iter().map(Vec::as_slice));
 
     // Released at once: a later round reuses the slab. A release travels on the
     // rank's connection, so on a loaded machine it may miss the very next round.
@@ -209,30 +202,17 @@ async fn slabs_are_reused_once_released_and_never_while_held() {
         assert_ne!(later[0][0].as_ptr() as usize, address, "round {round} went into a slab still held");
         assert!(same(&kept, 1), "a held result changed in round {round}");
     }
-    for client in clients {
-        bounded("close", client.close()).await.expect("clean leave");
-    }
-    agent.shutdown().await.expect("agent stops cleanly");
-    server.shutdown().await;
+    close_cleanly(clients, [agent], server).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_gather_and_kv_through_agents() {
     let server = start_server().await;
     let (_a, _b, clients) = six_ranks(&server, "gather").await;
-    let mut gathering = JoinSet::new();
-    for (r, client) in clients.iter().enumerate() {
-        let client = client.clone();
-        gathering.spawn(async move { client.all_gather("vals", Members::World, format!("v{r}"), WAIT).await });
+    for gathered in all_gather_each(&clients, "vals", |r| format!("v{r}").into_bytes()).await {
+        let values: Vec<&[u8]> = gathered.iter().map(|v| v.as_ref()).collect();
+        assert_eq!(values, [b"v0", b"v1", b"v2", b"v3", b"v4", b"v5"]);
     }
-    bounded("all-gather", async {
-        while let Some(gathered) = gathering.join_next().await {
-            let gathered = gathered.expect("task").expect("all_gather");
-            let values: Vec<&[u8]> = gathered.iter().map(|v| v.as_ref()).collect();
-            assert_eq!(values, [b"v0", b"v1", b"v2", b"v3", b"v4", b"v5"]);
-        }
-    })
-    .await;
 
     // A blocking get behind agent b waits for a key set behind agent a.
     let waiter = clients[2].clone();
