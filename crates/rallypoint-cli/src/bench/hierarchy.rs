@@ -33,7 +33,7 @@ use tokio::net::{TcpStream, UnixStream};
 use tokio::process::{Child, Command};
 use tokio::task::JoinSet;
 
-use super::{print_report, Stats, Times};
+use super::{mono_ns, print_report, Stats, Times};
 use crate::parse;
 
 #[derive(clap::Args, Debug)]
@@ -296,13 +296,6 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
         connect_ms: (connect_ms * 10.0).round() / 10.0,
         cpu_us_per_rank_round: cpu,
     })
-}
-
-fn mono_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
-    // SAFETY: clock_gettime only writes the struct we pass.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    (ts.tv_sec as u64) * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 /// One rank's connection to its agent.
