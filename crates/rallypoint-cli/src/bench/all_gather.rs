@@ -16,7 +16,7 @@ use anyhow::{ensure, Context};
 use rallypoint::{Client, Identity, Members};
 use serde::Serialize;
 
-use super::hierarchy::{spawn, Spawned};
+use super::hierarchy::{Agents, Transport};
 use super::{
     close_all, connect_many, ensure_fds, mono_ns, on_target, options, print_report, round_stats, run_rounds,
     ClientFuture, RoundOp, Target, Times,
@@ -88,46 +88,11 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 }
 
 async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {
-    let agents = Agents::start(args.agents, &target.addr).await?;
-    let report = measure_via(args, agents.addrs.as_deref().unwrap_or(std::slice::from_ref(&target.addr))).await;
+    let agents = Agents::start(args.agents, &target.addr, Transport::Unix).await?;
+    let addrs = if agents.addrs.is_empty() { std::slice::from_ref(&target.addr) } else { &agents.addrs[..] };
+    let report = measure_via(args, addrs).await;
     agents.stop().await;
     report
-}
-
-/// Node agents started for the run, and the directory of their sockets.
-struct Agents {
-    children: Vec<Spawned>,
-    dir: std::path::PathBuf,
-    /// Where ranks connect; `None` without agents.
-    addrs: Option<Vec<String>>,
-}
-
-impl Agents {
-    async fn start(count: u32, upstream: &str) -> anyhow::Result<Agents> {
-        let dir = std::env::temp_dir().join(format!("rallypoint-bench-ag-{}", std::process::id()));
-        let mut agents = Agents { children: Vec::new(), dir, addrs: None };
-        if count == 0 {
-            return Ok(agents);
-        }
-        std::fs::create_dir_all(&agents.dir).with_context(|| format!("creating {}", agents.dir.display()))?;
-        let mut addrs = Vec::new();
-        for i in 0..count {
-            let listen = format!("unix:{}", agents.dir.join(format!("agent-{i}.sock")).display());
-            let argv = ["agent", "--upstream", upstream, "--listen", &listen, "--print-addr"].map(String::from);
-            let mut agent = spawn(&argv, "a node agent").await?;
-            addrs.push(agent.line("a node agent").await?);
-            agents.children.push(agent);
-        }
-        agents.addrs = Some(addrs);
-        Ok(agents)
-    }
-
-    async fn stop(self) {
-        for mut agent in self.children {
-            let _ = agent.child.kill().await;
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
 }
 
 /// Runs the rounds with rank r connected to `addrs[r % addrs.len()]`.

@@ -73,7 +73,7 @@ pub struct Args {
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
-enum Transport {
+pub(super) enum Transport {
     Unix,
     Tcp,
 }
@@ -110,7 +110,7 @@ struct CpuSplit {
 }
 
 /// CPU ticks (user + system) a process has used so far; 0 if it cannot be read.
-pub(super) fn cpu_ticks(child: &Child) -> u64 {
+fn cpu_ticks(child: &Child) -> u64 {
     let Some(pid) = child.id() else { return 0 };
     let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0 };
     // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
@@ -157,12 +157,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// A child process whose first stdout line is an address or a "ready" mark.
-pub(super) struct Spawned {
-    pub(super) child: Child,
+struct Spawned {
+    child: Child,
     lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
 }
 
-pub(super) async fn spawn(args: &[String], what: &str) -> anyhow::Result<Spawned> {
+async fn spawn(args: &[String], what: &str) -> anyhow::Result<Spawned> {
     let exe = std::env::current_exe().context("finding the rallypoint executable")?;
     let mut command = Command::new(exe);
     command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).kill_on_drop(true);
@@ -174,8 +174,54 @@ pub(super) async fn spawn(args: &[String], what: &str) -> anyhow::Result<Spawned
     Ok(Spawned { child, lines: BufReader::new(stdout).lines() })
 }
 
+/// Node agents started as child processes for a benchmark, and the directory of
+/// their Unix sockets, removed when this is dropped (the agents, spawned with
+/// `kill_on_drop`, are killed then too).
+pub(super) struct Agents {
+    children: Vec<Spawned>,
+    /// Where ranks connect, one per agent.
+    pub(super) addrs: Vec<String>,
+    dir: std::path::PathBuf,
+}
+
+impl Agents {
+    /// Starts `count` agents of the coordinator at `upstream`, each listening on a
+    /// Unix socket or on loopback TCP.
+    pub(super) async fn start(count: u32, upstream: &str, transport: Transport) -> anyhow::Result<Agents> {
+        let dir = std::env::temp_dir().join(format!("rallypoint-bench-agents-{}", std::process::id()));
+        if count > 0 && transport == Transport::Unix {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        let mut agents = Agents { children: Vec::new(), addrs: Vec::new(), dir };
+        for i in 0..count {
+            let listen = match transport {
+                Transport::Unix => format!("unix:{}", agents.dir.join(format!("agent-{i}.sock")).display()),
+                Transport::Tcp => "127.0.0.1:0".to_owned(),
+            };
+            let argv = ["agent", "--upstream", upstream, "--listen", &listen, "--print-addr"].map(String::from);
+            let mut agent = spawn(&argv, "a node agent").await?;
+            agents.addrs.push(agent.line("a node agent").await?);
+            agents.children.push(agent);
+        }
+        Ok(agents)
+    }
+
+    /// Kills the agents and waits for them to end.
+    pub(super) async fn stop(mut self) {
+        for mut agent in std::mem::take(&mut self.children) {
+            let _ = agent.child.kill().await;
+        }
+    }
+}
+
+impl Drop for Agents {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
 impl Spawned {
-    pub(super) async fn line(&mut self, what: &str) -> anyhow::Result<String> {
+    async fn line(&mut self, what: &str) -> anyhow::Result<String> {
         match self.lines.next_line().await {
             Ok(Some(line)) => Ok(line.trim().to_owned()),
             _ => bail!("{what} exited without reporting"),
@@ -188,20 +234,7 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
     let mut root = spawn(&["serve".into(), "--listen".into(), "127.0.0.1:0".into(), "--print-addr".into()], "the coordinator").await?;
     let root_addr = root.line("the coordinator").await?;
 
-    let dir = std::env::temp_dir().join(format!("rallypoint-bench-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
-    let mut agents = Vec::new();
-    let mut agent_addrs = Vec::new();
-    for i in 0..args.agents {
-        let listen = match args.transport {
-            Transport::Unix => format!("unix:{}", dir.join(format!("agent-{i}.sock")).display()),
-            Transport::Tcp => "127.0.0.1:0".to_owned(),
-        };
-        let argv = ["agent", "--upstream", &root_addr, "--listen", &listen, "--print-addr"].map(String::from);
-        let mut agent = spawn(&argv, "a node agent").await?;
-        agent_addrs.push(agent.line("a node agent").await?);
-        agents.push(agent);
-    }
+    let agents = Agents::start(args.agents, &root_addr, args.transport).await?;
 
     let started = Instant::now();
     let mut gens = Vec::new();
@@ -222,7 +255,7 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
             first.to_string(),
             count.to_string(),
             "--agent-addrs".to_owned(),
-            agent_addrs.join(","),
+            agents.addrs.join(","),
         ];
         gens.push(spawn(&argv, "a load generator").await?);
     }
@@ -235,7 +268,7 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
     let connect_ms = started.elapsed().as_secs_f64() * 1000.0;
     let cpu_before = [
         cpu_ticks(&root.child),
-        cpu_of(agents.iter().map(|a| &a.child)),
+        cpu_of(agents.children.iter().map(|a| &a.child)),
         cpu_of(gens.iter().map(|g| &g.child)),
     ];
     // Every rank is connected: start all generators at once.
@@ -267,7 +300,7 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
     // Generators exit after reporting: sample them before reading their last line.
     let cpu_after = [
         cpu_ticks(&root.child),
-        cpu_of(agents.iter().map(|a| &a.child)),
+        cpu_of(agents.children.iter().map(|a| &a.child)),
         gen_cpu_after,
     ];
     // SAFETY: sysconf has no preconditions.
@@ -277,11 +310,11 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
         (us / f64::from(args.ranks) / total as f64 * 10.0).round() / 10.0
     };
     let cpu = CpuSplit { coordinator: per_rank_round(0), agents: per_rank_round(1), generators: per_rank_round(2) };
-    for mut child in gens.into_iter().map(|g| g.child).chain(agents.into_iter().map(|a| a.child)) {
-        let _ = child.kill().await;
+    for mut generator in gens {
+        let _ = generator.child.kill().await;
     }
+    agents.stop().await;
     let _ = root.child.kill().await;
-    let _ = std::fs::remove_dir_all(&dir);
 
     let stats = Stats::of(&mut rounds).context("no round was measured")?;
     Ok(Report {
