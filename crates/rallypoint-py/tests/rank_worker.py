@@ -3,6 +3,7 @@ from the environment (RALLYPOINT_ADDR, RALLYPOINT_JOB, RANK, WORLD_SIZE).
 Prints one line per event; the tests wait for them."""
 
 import json
+import signal
 import sys
 import time
 
@@ -22,6 +23,9 @@ def main() -> None:
     elif action == "idle":
         time.sleep(60)  # connected, never arrives: the test kills it
     elif action == "barrier":
+        # Ctrl-C raises KeyboardInterrupt, as at a terminal, even when the tests run
+        # as a background job of a shell, which starts them with SIGINT ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         print("waiting", flush=True)
         started = time.monotonic()
         try:
