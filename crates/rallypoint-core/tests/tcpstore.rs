@@ -181,6 +181,52 @@ fn ranks_stalled_at_one_store_barrier_give_one_notice_per_period_naming_the_miss
 }
 
 #[test]
+fn each_stall_is_reported_five_seconds_after_it_began_whatever_ended_before_it() {
+    let mut h = Harness::new();
+    let prefix = "/default_pg/0//cpu//0/";
+    let (r0, r1) = (torch(&mut h, 0, 100), torch(&mut h, 1, 101));
+    ok(Some(h.call(r0, Request::Set { key: Bytes::from(format!("{prefix}0")), value: b("addr") })));
+    // Rank 0 waits for rank 1's address, which comes after 1 s: no stall.
+    let early = h.send(r0, wait(&[&format!("{prefix}1")]));
+    h.advance(1_000);
+    ok(Some(h.call(r1, Request::Set { key: Bytes::from(format!("{prefix}1")), value: b("addr") })));
+    assert!(h.take(r0, early).is_some());
+    // From t = 3 s, both wait for ranks that never come, each on its own key.
+    h.advance(2_000);
+    let stuck: Vec<(SessionId, u64)> = [(r0, 2), (r1, 3)].into_iter().map(|(s, r)| (s, h.send(s, wait(&[&format!("{prefix}{r}")])))).collect();
+    h.advance(4_000);
+    assert_eq!(h.engine.drain_notices().count(), 0, "4 s into the stall is not yet 5 s");
+    h.advance(1_000);
+    let notices: Vec<String> = h.engine.drain_notices().collect();
+    assert_eq!(notices.len(), 2, "one notice per stalled key: {notices:?}");
+    assert!(notices.iter().any(|n| n.contains("rank 0") && n.contains("ranks [2] never wrote")), "{notices:?}");
+    assert!(notices.iter().any(|n| n.contains("rank 1") && n.contains("ranks [3] never wrote")), "{notices:?}");
+    // Rank 2 comes at t = 9 s and its key is gone again at 10 s, and rank 0 waits for
+    // it again: a new stall, told 5 s into it, not held back by the old one's notice.
+    h.advance(1_000);
+    let r2 = torch(&mut h, 2, 102);
+    ok(Some(h.call(r2, Request::Set { key: Bytes::from(format!("{prefix}2")), value: b("addr") })));
+    assert!(h.take(stuck[0].0, stuck[0].1).is_some());
+    h.advance(1_000);
+    ok(Some(h.call(r2, Request::Delete { key: Bytes::from(format!("{prefix}2")) })));
+    let again = h.send(r0, wait(&[&format!("{prefix}2")]));
+    h.advance(4_999);
+    assert_eq!(h.engine.drain_notices().count(), 0);
+    h.advance(1);
+    let notices: Vec<String> = h.engine.drain_notices().collect();
+    assert_eq!(notices.len(), 1, "{notices:?}");
+    assert!(notices[0].contains("rank 0") && notices[0].contains("has waited 5"), "{}", notices[0]);
+    // Rank 1's stall, told at t = 8 s, is told again a period later, at 38 s.
+    h.advance(38_000 - 15_000 - 1);
+    assert_eq!(h.engine.drain_notices().count(), 0);
+    h.advance(1);
+    let notices: Vec<String> = h.engine.drain_notices().collect();
+    assert_eq!(notices.len(), 1, "{notices:?}");
+    assert!(notices[0].contains("rank 1") && notices[0].contains("ranks [3] never wrote"), "{}", notices[0]);
+    assert!(h.pending(r0, again) && h.pending(stuck[1].0, stuck[1].1));
+}
+
+#[test]
 fn store_barrier_waiters_with_different_world_sizes_are_released_as_the_counter_reaches_each() {
     let mut h = Harness::new();
     let s: Vec<SessionId> = (0..6).map(|_| anon(&mut h)).collect();

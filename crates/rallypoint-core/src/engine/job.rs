@@ -23,6 +23,10 @@ pub(crate) struct Job {
     pub idle_since: Millis,
     /// When a torch stall notice last named each stalled key (first key waited on).
     pub stall_noted: HashMap<Bytes, Millis>,
+    /// When the job's `StallSweep` timer is due, if one is: a timer per job, not per
+    /// blocked torch wait (16,384 waiting torch ranks put one each in the heap every
+    /// round). A sweep timer due at another time is stale.
+    pub stall_sweep_at: Option<Millis>,
 }
 
 impl Job {
@@ -37,6 +41,7 @@ impl Job {
             sessions: 0,
             idle_since: now,
             stall_noted: HashMap::default(),
+            stall_sweep_at: None,
         }
     }
 

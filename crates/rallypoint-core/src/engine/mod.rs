@@ -256,7 +256,7 @@ impl Engine {
                     Err(error) => Some(Err(error)),
                     Ok(Some(reply)) => Some(reply),
                     Ok(None) => {
-                        schedule_wait_timers(job.id, &mut ctx, id, timeout_ms, torch);
+                        schedule_wait_timers(job, &mut ctx, id, timeout_ms, torch);
                         None
                     }
                 }
@@ -395,7 +395,7 @@ impl Engine {
     fn fire(&mut self, at: Millis, timer: Timer, now: Millis) {
         let job_id = match &timer {
             Timer::KeyWait { job, .. }
-            | Timer::Stall { job, .. }
+            | Timer::StallSweep { job }
             | Timer::Collective { job, .. }
             | Timer::Lease { job, .. }
             | Timer::JobIdle { job } => *job,
@@ -408,23 +408,13 @@ impl Engine {
                     ctx.out.push(Outgoing { session, request_id, reply });
                 }
             }
-            Timer::Stall { session, request_id, .. } => {
-                let Some(wait) = job.store.wait_of((session, request_id)) else { return };
-                let Some(identity) = self.sessions.get(&session).map(|s| &s.identity) else { return };
-                let timer = Timer::Stall { job: job_id, session, request_id };
-                // Every rank stalled at one barrier or address key has the same story:
-                // one notice per key and period, not one per waiting rank.
-                let subject = wait.keys.first().cloned().unwrap_or_default();
-                if job.stall_noted.get(&subject).is_some_and(|&at| now < at.saturating_add(torch::STALL_REPEAT_MS)) {
-                    self.timers.schedule(now.saturating_add(torch::STALL_REPEAT_MS), timer);
+            Timer::StallSweep { .. } => {
+                if job.stall_sweep_at != Some(at) {
                     return;
                 }
-                let sessions = &self.sessions;
-                let rank_of = |s: SessionId| sessions.get(&s).and_then(|s| s.identity.rank);
-                if let Some(notice) = torch::stall_notice(job, session, identity, wait, &rank_of, now) {
-                    self.notices.push(notice);
-                    job.stall_noted.insert(subject, now);
-                    self.timers.schedule(now.saturating_add(torch::STALL_REPEAT_MS), timer);
+                job.stall_sweep_at = torch::sweep_stalls(job, &self.sessions, now, &mut self.notices);
+                if let Some(next) = job.stall_sweep_at {
+                    self.timers.schedule(next, Timer::StallSweep { job: job_id });
                 }
             }
             Timer::Collective { kind, name, generation, .. } => {
@@ -462,20 +452,22 @@ fn key_wait(
         Ok(Some(reply)) => Some(reply),
         Ok(None) if timeout_ms == Some(0) => job.store.expire(id, ctx.now),
         Ok(None) => {
-            schedule_wait_timers(job.id, ctx, id, timeout_ms, torch);
+            schedule_wait_timers(job, ctx, id, timeout_ms, torch);
             None
         }
     }
 }
 
-/// A blocked wait's deadline, and for a torch session the stall report.
-fn schedule_wait_timers(job: JobId, ctx: &mut Ctx<'_>, id: (SessionId, u64), timeout_ms: Option<u64>, torch: bool) {
+/// A blocked wait's deadline, and for a torch session the job's stall sweep.
+fn schedule_wait_timers(job: &mut Job, ctx: &mut Ctx<'_>, id: (SessionId, u64), timeout_ms: Option<u64>, torch: bool) {
     let (session, request_id) = id;
     if let Some(timeout) = timeout_ms {
-        ctx.timers.schedule(ctx.now.saturating_add(timeout), Timer::KeyWait { job, session, request_id });
+        ctx.timers.schedule(ctx.now.saturating_add(timeout), Timer::KeyWait { job: job.id, session, request_id });
     }
-    if torch {
-        ctx.timers.schedule(ctx.now.saturating_add(torch::STALL_REPORT_MS), Timer::Stall { job, session, request_id });
+    let report_at = ctx.now.saturating_add(torch::STALL_REPORT_MS);
+    if torch && job.stall_sweep_at.map_or(true, |at| at > report_at) {
+        ctx.timers.schedule(report_at, Timer::StallSweep { job: job.id });
+        job.stall_sweep_at = Some(report_at);
     }
 }
 

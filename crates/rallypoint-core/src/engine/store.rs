@@ -66,10 +66,6 @@ impl Store {
         self.barrier_keys.iter()
     }
 
-    pub fn wait_of(&self, id: WaitId) -> Option<&KeyWait> {
-        self.waits.get(&id)
-    }
-
     /// Appends to queue `key` and wakes one waiter on that name, as torch does.
     pub fn queue_push(&mut self, key: Bytes, value: Bytes, done: &mut Vec<(WaitId, Reply)>) {
         let key = own(key);

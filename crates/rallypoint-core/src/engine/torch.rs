@@ -12,13 +12,17 @@ use crate::error::{Secs, Show};
 use crate::{Identity, Millis, SessionId};
 
 use super::job::Job;
-use super::HashMap;
+use super::{HashMap, Session};
 use super::store::{KeyWait, WaitKind};
 
 /// A torch wait blocked this long on an address key or a store barrier is reported.
 pub(crate) const STALL_REPORT_MS: Millis = 5_000;
 /// ...and again at this interval while it stays blocked.
 pub(crate) const STALL_REPEAT_MS: Millis = 30_000;
+/// Sweeps for stalls run at most this often: each looks at every blocked wait of the
+/// job, and waits that come and go just short of the report time must not make it
+/// sweep at every arrival.
+const STALL_SWEEP_MIN_MS: Millis = 1_000;
 
 /// The key every torch client with a world size adds 1 to when it connects.
 const INIT_KEY: &[u8] = b"init/";
@@ -113,6 +117,56 @@ fn barrier_arrivals(job: &Job, key: &Bytes, rank_of: &dyn Fn(SessionId) -> Optio
         }
     }
     (waiting, world, arrived, all_known)
+}
+
+/// Reports every key (first key waited on) that a torch wait has been blocked on for
+/// `STALL_REPORT_MS`: one notice per key and `STALL_REPEAT_MS`, not one per waiting
+/// rank, since every rank stalled at one barrier or address key has the same story.
+/// Returns when to sweep again, or None when no torch wait is blocked.
+pub(crate) fn sweep_stalls(
+    job: &mut Job,
+    sessions: &HashMap<SessionId, Box<Session>>,
+    now: Millis,
+    notices: &mut Vec<String>,
+) -> Option<Millis> {
+    // The oldest torch wait on each key speaks for that key.
+    let mut oldest: HashMap<&Bytes, (SessionId, &KeyWait)> = HashMap::default();
+    for ((session, _), wait) in job.store.waits() {
+        let Some(subject) = wait.keys.first() else { continue };
+        if !sessions.get(session).is_some_and(|s| s.torch) {
+            continue;
+        }
+        let entry = oldest.entry(subject).or_insert((*session, wait));
+        if wait.started < entry.1.started {
+            *entry = (*session, wait);
+        }
+    }
+    job.stall_noted.retain(|key, _| oldest.contains_key(key));
+    let rank_of = |s: SessionId| sessions.get(&s).and_then(|s| s.identity.rank);
+    let mut noted = Vec::new();
+    let mut next: Option<Millis> = None;
+    for (subject, (session, wait)) in &oldest {
+        let mut due = wait.started.saturating_add(STALL_REPORT_MS);
+        // Noted after the oldest wait began: the same stall, told again a period later.
+        // Noted before it: that stall ended, and this is a new one.
+        if let Some(&at) = job.stall_noted.get(*subject).filter(|&&at| at >= wait.started) {
+            due = due.max(at.saturating_add(STALL_REPEAT_MS));
+        }
+        if due <= now {
+            let identity = sessions.get(session).map(|s| &s.identity);
+            if let Some(notice) = identity.and_then(|identity| stall_notice(job, *session, identity, wait, &rank_of, now)) {
+                notices.push(notice);
+                noted.push((*subject).clone());
+            }
+            // Looked at now, told or not: again in a period (what torch tells us may change).
+            due = now.saturating_add(STALL_REPEAT_MS);
+        }
+        next = Some(next.map_or(due, |n| n.min(due)));
+    }
+    for subject in noted {
+        job.stall_noted.insert(subject, now);
+    }
+    next.map(|at| at.max(now.saturating_add(STALL_SWEEP_MIN_MS)))
 }
 
 /// The warning for a torch wait blocked since `wait.started`, or None if it waits on
