@@ -465,7 +465,7 @@ fn schedule_wait_timers(job: &mut Job, ctx: &mut Ctx<'_>, id: (SessionId, u64), 
         ctx.timers.schedule(ctx.now.saturating_add(timeout), Timer::KeyWait { job: job.id, session, request_id });
     }
     let report_at = ctx.now.saturating_add(torch::STALL_REPORT_MS);
-    if torch && job.stall_sweep_at.map_or(true, |at| at > report_at) {
+    if torch && job.stall_sweep_at.is_none_or(|at| at > report_at) {
         ctx.timers.schedule(report_at, Timer::StallSweep { job: job.id });
         job.stall_sweep_at = Some(report_at);
     }
