@@ -5,7 +5,7 @@
 mod common;
 
 use bytes::{BufMut, BytesMut};
-use common::{drain, identity, op_error, request, response, samples};
+use common::{assert_split_invariant, drain, identity, op_error, request, response, samples};
 use proptest::prelude::*;
 use rallypoint_core::{Identity, Members, OpError, Request, Response, SessionId, Welcome};
 use rallypoint_proto::native::{
@@ -48,29 +48,6 @@ fn root_frames() -> Vec<RootFrame> {
         reply,
     }));
     frames
-}
-
-/// Same check as `stream.rs`: split in two at every byte, and one byte at a time.
-fn assert_split_invariant<T: PartialEq + std::fmt::Debug>(
-    stream: &[u8],
-    expected: &[Result<T, ProtoError>],
-    decode: impl Fn(&mut BytesMut, &FrameLimits) -> Result<Option<T>, ProtoError> + Copy,
-) {
-    for cut in 0..=stream.len() {
-        let mut src = BytesMut::from(&stream[..cut]);
-        let mut got = drain(&mut src, decode);
-        src.extend_from_slice(&stream[cut..]);
-        got.extend(drain(&mut src, decode));
-        assert_eq!(got, expected, "split at byte {cut}");
-        assert!(src.is_empty(), "bytes left over after split at {cut}");
-    }
-    let mut src = BytesMut::new();
-    let mut got = Vec::new();
-    for &byte in stream {
-        src.put_u8(byte);
-        got.extend(drain(&mut src, decode));
-    }
-    assert_eq!(got, expected, "fed one byte at a time");
 }
 
 #[test]

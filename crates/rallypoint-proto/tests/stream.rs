@@ -3,36 +3,12 @@
 mod common;
 
 use bytes::{BufMut, BytesMut};
-use common::{drain, op_error, request, response, samples};
+use common::{assert_split_invariant, op_error, request, response, samples};
 use rallypoint_core::{Identity, SessionId, Welcome};
 use rallypoint_proto::native::{
     decode_client_frame, decode_server_frame, encode_client_frame, encode_server_frame,
-    ClientFrame, FrameLimits, ProtoError, ServerFrame,
+    ClientFrame, ProtoError, ServerFrame,
 };
-
-/// Feeds `stream` split in two at every byte boundary, and one byte at a time,
-/// and checks that each way decodes to `expected`.
-fn assert_split_invariant<T: PartialEq + std::fmt::Debug>(
-    stream: &[u8],
-    expected: &[Result<T, ProtoError>],
-    decode: impl Fn(&mut BytesMut, &FrameLimits) -> Result<Option<T>, ProtoError> + Copy,
-) {
-    for cut in 0..=stream.len() {
-        let mut src = BytesMut::from(&stream[..cut]);
-        let mut got = drain(&mut src, decode);
-        src.extend_from_slice(&stream[cut..]);
-        got.extend(drain(&mut src, decode));
-        assert_eq!(got, expected, "split at byte {cut}");
-        assert!(src.is_empty(), "bytes left over after split at {cut}");
-    }
-    let mut src = BytesMut::new();
-    let mut got = Vec::new();
-    for &byte in stream {
-        src.put_u8(byte);
-        got.extend(drain(&mut src, decode));
-    }
-    assert_eq!(got, expected, "fed one byte at a time");
-}
 
 #[test]
 fn client_stream_splits_at_every_byte() {

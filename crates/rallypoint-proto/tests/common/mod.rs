@@ -1,8 +1,8 @@
 //! Shared test helpers: proptest strategies for every protocol type, one sample
-//! value of every variant, and a decode loop.
+//! value of every variant, a decode loop, and the split-at-every-byte check.
 #![allow(dead_code)] // each test binary uses its own subset
 
-use bytes::{Bytes, BytesMut};
+use bytes::{BufMut, Bytes, BytesMut};
 use proptest::collection::vec;
 use proptest::option;
 use proptest::prelude::*;
@@ -292,4 +292,28 @@ pub fn drain<T>(
             }
         }
     }
+}
+
+/// Feeds `stream` split in two at every byte boundary, and one byte at a time,
+/// and checks that each way decodes to `expected`.
+pub fn assert_split_invariant<T: PartialEq + std::fmt::Debug>(
+    stream: &[u8],
+    expected: &[Result<T, ProtoError>],
+    decode: impl Fn(&mut BytesMut, &FrameLimits) -> Result<Option<T>, ProtoError> + Copy,
+) {
+    for cut in 0..=stream.len() {
+        let mut src = BytesMut::from(&stream[..cut]);
+        let mut got = drain(&mut src, decode);
+        src.extend_from_slice(&stream[cut..]);
+        got.extend(drain(&mut src, decode));
+        assert_eq!(got, expected, "split at byte {cut}");
+        assert!(src.is_empty(), "bytes left over after split at {cut}");
+    }
+    let mut src = BytesMut::new();
+    let mut got = Vec::new();
+    for &byte in stream {
+        src.put_u8(byte);
+        got.extend(drain(&mut src, decode));
+    }
+    assert_eq!(got, expected, "fed one byte at a time");
 }
