@@ -131,14 +131,15 @@ async fn jobs_with_the_same_names_do_not_interfere() {
 /// Heartbeats keep idle ranks alive past several leases.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heartbeats_keep_idle_ranks_alive() {
-    // Long enough that a heartbeat delayed by a loaded machine (the whole suite runs
-    // at once on two cores) does not end a lease; short enough to pass four.
-    let config = rallypoint::Config { lease_ms: 600, ..rallypoint::Config::default() };
+    // Long enough that heartbeats (every third of a lease) delayed by a loaded machine
+    // do not end a lease: 600 ms did, with the suite and two busy loops on two cores
+    // (last seen 805 ms before). Short enough to pass three leases in a few seconds.
+    let config = rallypoint::Config { lease_ms: 2_000, ..rallypoint::Config::default() };
     let server = start_server_with(config).await;
     let r0 = connect(&server, rank("idle", 0, 2)).await;
     let r1 = connect(&server, rank("idle", 1, 2)).await;
-    // Time passing is the point of this test: four leases without a user call.
-    tokio::time::sleep(Duration::from_millis(2400)).await;
+    // Time passing is the point of this test: three leases without a user call.
+    tokio::time::sleep(Duration::from_millis(6_000)).await;
     bounded("barrier after idling", async {
         let (a, b) = tokio::join!(
             r0.barrier("b", Members::World, Some(Duration::from_secs(10))),
