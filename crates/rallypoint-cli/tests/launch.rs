@@ -174,21 +174,25 @@ fn a_worker_killed_by_sigkill_exits_137_and_its_peers_barriers_name_it() {
             echo $$ > "$DIR/pid.tmp" && mv "$DIR/pid.tmp" "$DIR/pid1"
             exec "$RP" get never-set --timeout 60
         fi
+        echo > "$DIR/arriving$RANK"
         "$RP" barrier step --timeout 60
         echo "barrier exit $?"
         sleep 5
     "#;
     let launched = launch(&["--nproc-per-node", "3", "--grace", "5"], script, &dir);
-    let pid = wait_for_files(&dir, &["pid1".into()]).remove(0);
-    // Let rank 1's `get` connect, so its death is seen as a lost rank.
-    thread::sleep(Duration::from_millis(300));
+    let pid = wait_for_files(&dir, &["pid1".into(), "arriving0".into(), "arriving2".into()]).remove(0);
+    // Let rank 1's `get` connect (its death is then a lost rank) and ranks 0 and 2
+    // reach their barrier: a rank not yet in it when rank 1 dies has only the
+    // launcher's 100 ms notice to get there before SIGTERM, and prints nothing.
+    // Generous, for a loaded machine: 300 ms once fell short there.
+    thread::sleep(Duration::from_millis(1_000));
     signal(pid.parse().expect("pid"), libc::SIGKILL);
     let done = launched.finish();
     assert_eq!(done.code, Some(137), "stderr:\n{}", done.stderr);
     assert!(done.stderr.contains("rank 1 was killed by SIGKILL"), "{}", done.stderr);
     for r in [0, 2] {
         let exit_line = format!("[rank{r}]: barrier exit ");
-        let line = done.stdout.lines().find(|l| l.starts_with(&exit_line)).unwrap_or_else(|| panic!("{}", done.stdout));
+        let line = done.stdout.lines().find(|l| l.starts_with(&exit_line)).unwrap_or_else(|| panic!("no {exit_line:?} in stdout:\n{}\nstderr:\n{}", done.stdout, done.stderr));
         assert!(line.ends_with(" 4") || line.ends_with(" 5"), "peer lost (4) or aborted (5): {line}");
         let why = done.stderr.lines().find(|l| l.starts_with(&format!("[rank{r}]: rallypoint: "))).unwrap_or_default();
         assert!(why.contains("rank 1"), "rank {r}'s barrier error must name rank 1: {why:?}\n{}", done.stderr);
