@@ -94,12 +94,15 @@ pub enum Verb {
         #[command(flatten)]
         conn: Conn,
     },
-    /// Print what the coordinator knows about the job's PyTorch processes.
+    /// Print what the coordinator knows about the job: who waits where, who is missing.
     ///
-    /// For torch jobs (TCPStore clients): TCPStore connections and the ranks inferred
-    /// for them, arrivals at `init/`, each process group's ranks that wrote their
-    /// address key and the ranks others wait for that never did, store barriers, and
-    /// every waiting connection (see docs/TCPSTORE.md).
+    /// Every barrier, all-gather and broadcast someone is blocked in: for how long, how
+    /// many arrived, and each missing rank with its state (never connected, connected
+    /// but not arrived, lost) and host, pid, last seen; the ranks' states; lost ranks.
+    /// For torch jobs (TCPStore clients) also: TCPStore connections and the ranks
+    /// inferred for them, arrivals at `init/`, each process group's ranks that wrote
+    /// their address key and the ranks others wait for that never did, store barriers,
+    /// and every waiting connection (see docs/TCPSTORE.md).
     Status {
         #[command(flatten)]
         conn: Conn,

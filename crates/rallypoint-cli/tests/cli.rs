@@ -388,6 +388,27 @@ fn abort_fails_waiting_ranks_with_code_5() {
 }
 
 #[test]
+fn status_names_who_waits_in_a_barrier_and_who_is_missing() {
+    let server = Server::start();
+    let mut waiting: Vec<Guard> = (0..2).map(|r| spawn(server.ranked("hang", r, 3, &["barrier", "setup"]))).collect();
+    for rank in &waiting {
+        wait_connected(rank.pid());
+    }
+    let run = exec(server.cmd("hang", &["status"]));
+    assert_code(&run, 0);
+    assert!(run.stdout.starts_with("job 'hang'\nconnections: 2 native\nranks: 2 connected, 0 left cleanly, 0 lost\n"), "{run:#?}");
+    let line = run.stdout.lines().find(|l| l.starts_with("waiting: barrier 'setup' (generation 1) for ")).unwrap_or_else(|| panic!("{run:#?}"));
+    assert!(line.ends_with(": 2 of 3 arrived; missing (1): rank 2 (never connected)"), "{line}");
+    // The missing rank comes: everyone passes, and nobody waits any more.
+    assert_code(&exec(server.ranked("hang", 2, 3, &["barrier", "setup"])), 0);
+    for rank in &mut waiting {
+        assert_code(&finish(rank), 0);
+    }
+    let run = exec(server.cmd("hang", &["status"]));
+    assert!(!run.stdout.contains("waiting: "), "{run:#?}");
+}
+
+#[test]
 fn serve_stops_cleanly_on_sigterm_and_sigint() {
     for signal in [libc::SIGTERM, libc::SIGINT] {
         let mut server = Server::start();

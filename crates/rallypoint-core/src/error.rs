@@ -217,12 +217,17 @@ impl fmt::Display for Secs {
     }
 }
 
-/// Ranks shown one after another; long lists are cut after 64 entries with a count.
-struct RankList<'a>(&'a [RankInfo]);
+/// Ranks shown one after another; long lists are cut after [`RankList::SHOWN`]
+/// entries with a count.
+pub(crate) struct RankList<'a>(pub &'a [RankInfo]);
+
+impl RankList<'_> {
+    pub const SHOWN: usize = 64;
+}
 
 impl fmt::Display for RankList<'_> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const SHOWN: usize = 64;
+        const SHOWN: usize = RankList::SHOWN;
         for (i, r) in self.0.iter().take(SHOWN).enumerate() {
             if i > 0 {
                 f.write_str("; ")?;

@@ -80,8 +80,9 @@ pub enum Request {
     /// TCPStore's store barrier: adds 1 to the decimal counter stored at `key` (never
     /// reset), and replies Done once it is at least `world_size`.
     StoreBarrier { key: Bytes, world_size: i64, timeout_ms: Option<u64> },
-    /// A text report of what the coordinator knows or infers about the job's PyTorch
-    /// (TCPStore) processes: ranks seen and missing, waiting connections. Replies `Value`.
+    /// A text report of the job: what is known or inferred about its PyTorch (TCPStore)
+    /// processes, its ranks' states, and every barrier, all-gather or broadcast someone
+    /// waits in, with who is missing and what is known of each. Replies `Value`.
     Status,
     /// Keeps the session's rank alive (any request does).
     Heartbeat,

@@ -185,6 +185,61 @@ fn broadcast_timeout_names_only_the_root() {
     assert_eq!(missing.iter().map(|m| m.rank).collect::<Vec<_>>(), vec![2]);
 }
 
+fn status(h: &mut Harness, job: &str) -> String {
+    let tool = h.open(Identity::anonymous(job));
+    let Response::Value(report) = ok(Some(h.call(tool, Request::Status))) else { panic!("status is text") };
+    h.leave(tool);
+    String::from_utf8_lossy(&report).into_owned()
+}
+
+#[test]
+fn status_says_who_waits_in_which_collective_and_who_is_missing() {
+    let mut h = Harness::new();
+    let world = 4;
+    let s: Vec<_> = (0..3).map(|r| h.rank("j", r, world)).collect();
+    // Ranks 0 and 1 wait at barrier 'step'; 2 is connected elsewhere, 3 never came.
+    let waits: Vec<u64> = s[..2].iter().map(|&sess| h.send(sess, barrier("step", None))).collect();
+    // Rank 2 waits for root 3 in a broadcast; rank 0 once more in an all-gather of {0, 1}.
+    h.send(s[2], Request::Broadcast { name: "cfg".into(), members: Members::World, root: 3, value: None, timeout_ms: None });
+    let gather = Request::AllGather { name: "pair".into(), members: Members::Ranks(vec![0, 1]), value: b("x"), timeout_ms: None };
+    h.send(s[0], gather);
+    h.advance(1_500);
+    let report = status(&mut h, "j");
+    assert!(report.contains("ranks: 3 connected, 0 left cleanly, 0 lost\n"), "{report}");
+    let lines: Vec<&str> = report.lines().filter(|l| l.starts_with("waiting: ")).collect();
+    assert_eq!(
+        lines,
+        vec![
+            "waiting: broadcast 'cfg' (generation 1) for 1.5 s: 1 of 4 arrived; the root has not arrived (1): rank 3 (never connected)",
+            "waiting: all-gather 'pair' (generation 1) for 1.5 s: 1 of 2 arrived; missing (1): \
+             rank 1 (host node1, pid 1001, connected but not arrived, last seen 1.5 s ago)",
+            "waiting: barrier 'step' (generation 1) for 1.5 s: 2 of 4 arrived; missing (2): \
+             rank 2 (host node2, pid 1002, connected but not arrived, last seen 1.5 s ago); rank 3 (never connected)",
+        ],
+        "{report}"
+    );
+    // Rank 1 dies: the barrier and the all-gather fail and leave the report; the loss is listed.
+    h.kill(s[1]);
+    assert!(matches!(err(h.take(s[0], waits[0])), OpError::PeerLost { .. }));
+    let report = status(&mut h, "j");
+    let waiting: Vec<&str> = report.lines().filter(|l| l.starts_with("waiting: ")).collect();
+    assert_eq!(waiting.len(), 1, "only the broadcast still blocks someone: {report}");
+    assert!(report.contains("ranks: 2 connected, 0 left cleanly, 1 lost\n"), "{report}");
+    assert!(report.contains("lost: rank 1 (host node1, pid 1001, lost: "), "{report}");
+}
+
+#[test]
+fn status_names_the_first_64_missing_and_counts_the_rest() {
+    let mut h = Harness::new();
+    let r0 = h.rank("big", 0, 1_000);
+    h.send(r0, barrier("all", None));
+    let report = status(&mut h, "big");
+    let line = report.lines().find(|l| l.starts_with("waiting: barrier 'all'")).unwrap_or_else(|| panic!("{report}"));
+    assert!(line.contains("1 of 1000 arrived; missing (999): rank 1 (never connected); rank 2 "), "{line}");
+    assert!(line.contains("rank 64 (never connected); and 935 more"), "{line}");
+    assert!(!line.contains("rank 65 "), "{line}");
+}
+
 #[test]
 fn abort_fails_pending_and_later_operations_naming_who_aborted() {
     let mut h = Harness::new();

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use crate::error::{RankList, Secs};
 use crate::{CallShape, CollectiveKind, Gathered, Members, Millis, OpError, OpRef, Outgoing, Response, SessionId};
 
 use super::members::{Arrivals, MemberSet};
@@ -230,6 +231,41 @@ impl Collectives {
             missing: missing.into_iter().map(|r| ranks.info(r, ctx.now)).collect(),
         };
         coll.fail(generation, error, failed_kept, ctx);
+    }
+
+    /// For `rallypoint status`: a line per generation that somebody is blocked in,
+    /// saying how long, how many arrived, and who is missing (what is known of each,
+    /// the first [`RankList::SHOWN`] by name), ordered by name and generation.
+    pub fn report(&self, ranks: &Ranks, now: Millis) -> Vec<String> {
+        let mut blocked: Vec<(&str, CollectiveKind, u64, &Generation)> = Vec::new();
+        for ((kind, name), coll) in &self.by_name {
+            // A broadcast released to the waiters stays pending until every member
+            // came, but blocks nobody.
+            let waiting = coll.pending.iter().filter(|(_, g)| !g.waiters.is_empty());
+            blocked.extend(waiting.map(|(generation, g)| (name.as_str(), *kind, *generation, g)));
+        }
+        blocked.sort_by_key(|&(name, kind, generation, _)| (name, kind.to_string(), generation));
+        blocked
+            .into_iter()
+            .map(|(name, kind, generation, g)| {
+                let op = OpRef { kind, name: name.to_owned(), generation };
+                let members = g.members.count().map_or_else(|| "? (a role, known once every rank connected)".to_owned(), |n| n.to_string());
+                let (what, missing) = match (kind, g.shape.root) {
+                    (CollectiveKind::Broadcast, Some(root)) => ("the root has not arrived", vec![root]),
+                    _ => ("missing", g.members.missing(&g.arrivals, ranks)),
+                };
+                let shown: Vec<_> = missing.iter().take(RankList::SHOWN).map(|&r| ranks.info(r, now)).collect();
+                let more = missing.len() - shown.len();
+                format!(
+                    "waiting: {op} for {}: {} of {members} arrived; {what} ({}): {}{}",
+                    Secs(now.saturating_sub(g.started)),
+                    g.arrivals.count(),
+                    missing.len(),
+                    RankList(&shown),
+                    if more > 0 { format!("; and {more} more") } else { String::new() }
+                )
+            })
+            .collect()
     }
 
     /// The job was aborted: fail everything pending.

@@ -372,7 +372,17 @@ impl Engine {
             .map(|(id, s)| (*id, &s.identity, s.torch))
             .collect();
         sessions.sort_by_key(|(id, _, _)| *id);
-        torch::report(job, &sessions, now)
+        let mut out = torch::report(job, &sessions, now);
+        let (connected, left, lost) = job.ranks.tally();
+        out.push_str(&format!("ranks: {connected} connected, {left} left cleanly, {lost} lost\n"));
+        for line in job.collectives.report(&job.ranks, now) {
+            out.push_str(&line);
+            out.push('\n');
+        }
+        for rank in job.ranks.lost() {
+            out.push_str(&format!("lost: {}\n", job.ranks.info(rank, now)));
+        }
+        out
     }
 
     /// Advances time: fires timeouts and lease expiries due at or before `now`.

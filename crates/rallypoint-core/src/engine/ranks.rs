@@ -119,6 +119,12 @@ impl Ranks {
         Change::ArmLease(now.saturating_add(lease_ms))
     }
 
+    /// Ranks ever connected, by state: (connected, left cleanly, lost).
+    pub fn tally(&self) -> (usize, usize, usize) {
+        let count = |pred: fn(&RankState) -> bool| self.entries.values().filter(|e| pred(&e.state)).count();
+        (count(|s| *s == RankState::Connected), count(|s| *s == RankState::Left), self.lost.len())
+    }
+
     pub fn lost(&self) -> impl Iterator<Item = u32> + '_ {
         self.lost.iter().copied()
     }

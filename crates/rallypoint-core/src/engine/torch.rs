@@ -212,10 +212,15 @@ pub(crate) fn stall_notice(
     Some(text)
 }
 
-/// `rallypoint status`: everything known or inferred about the job's torch processes.
+/// `rallypoint status`: everything known or inferred about the job's torch processes
+/// (for a job without any, only its connections).
 pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: Millis) -> String {
     let mut out = format!("job '{}'\n", job.name);
     let torch: Vec<(SessionId, &Identity)> = sessions.iter().filter(|(_, _, t)| *t).map(|(s, i, _)| (*s, *i)).collect();
+    if torch.is_empty() && arrived_at_init(job).is_none() {
+        let _ = writeln!(out, "connections: {} native", sessions.len());
+        return out;
+    }
     let attributed: BTreeSet<u32> = torch.iter().filter_map(|(_, i)| i.rank).collect();
     let by_session: HashMap<SessionId, &Identity> = torch.iter().copied().collect();
     let rank_of = |session: SessionId| by_session.get(&session).and_then(|i| i.rank);
@@ -289,9 +294,6 @@ pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: 
             keys.join(", "),
             if wait.keys.len() > 4 { format!(" and {} more", wait.keys.len() - 4) } else { String::new() }
         );
-    }
-    for rank in job.ranks.lost() {
-        let _ = writeln!(out, "lost: {}", job.ranks.info(rank, now));
     }
     out
 }
