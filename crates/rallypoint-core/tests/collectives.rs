@@ -71,6 +71,14 @@ fn role_barrier_resolves_once_every_rank_is_known() {
     assert!(h.pending(w0, a));
     let s1 = h.role_rank("j", 1, 4, "servers");
     assert!(h.pending(w0, a));
+    let report = status(&mut h, "j");
+    assert!(
+        report.contains(
+            "waiting: barrier 'r' (generation 1) for 0.0 s: 2 of ? (a role's members are known once every rank connected) \
+             arrived; missing (1): rank 3 (never connected)\n"
+        ),
+        "rank 1 is a server, rank 3 may be a worker: {report}"
+    );
     let _s3 = h.role_rank("j", 3, 4, "servers");
     assert_eq!(ok(h.take(w0, a)), Response::Done);
     assert_eq!(ok(h.take(w2, c)), Response::Done);

@@ -249,7 +249,7 @@ impl Collectives {
             .into_iter()
             .map(|(name, kind, generation, g)| {
                 let op = OpRef { kind, name: name.to_owned(), generation };
-                let members = g.members.count().map_or_else(|| "? (a role, known once every rank connected)".to_owned(), |n| n.to_string());
+                let members = g.members.count().map_or_else(|| "? (a role's members are known once every rank connected)".to_owned(), |n| n.to_string());
                 let (what, missing) = match (kind, g.shape.root) {
                     (CollectiveKind::Broadcast, Some(root)) => ("the root has not arrived", vec![root]),
                     _ => ("missing", g.members.missing(&g.arrivals, ranks)),
