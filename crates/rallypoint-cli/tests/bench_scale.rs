@@ -68,7 +68,17 @@ fn barrier_of_4096_native_clients() {
 fn tcpstore_barrier_of_4096_clients_from_two_processes() {
     let n = clients().to_string();
     let report = bench(&[
-        "barrier", "--protocol", "tcpstore", "--procs", "2", "--clients", &n, "--rounds", "3", "--warmup", "1",
+        "barrier",
+        "--protocol",
+        "tcpstore",
+        "--procs",
+        "2",
+        "--clients",
+        &n,
+        "--rounds",
+        "3",
+        "--warmup",
+        "1",
     ]);
     assert_eq!((report["procs"].as_u64(), report["clients"].to_string()), (Some(2), n));
     assert!(report["median_us"].as_f64().is_some_and(|us| us > 0.0), "{report}");

@@ -396,8 +396,15 @@ fn status_names_who_waits_in_a_barrier_and_who_is_missing() {
     }
     let run = exec(server.cmd("hang", &["status"]));
     assert_code(&run, 0);
-    assert!(run.stdout.starts_with("job 'hang'\nconnections: 2 native\nranks: 2 connected, 0 left cleanly, 0 lost\n"), "{run:#?}");
-    let line = run.stdout.lines().find(|l| l.starts_with("waiting: barrier 'setup' (generation 1) for ")).unwrap_or_else(|| panic!("{run:#?}"));
+    assert!(
+        run.stdout.starts_with("job 'hang'\nconnections: 2 native\nranks: 2 connected, 0 left cleanly, 0 lost\n"),
+        "{run:#?}"
+    );
+    let line = run
+        .stdout
+        .lines()
+        .find(|l| l.starts_with("waiting: barrier 'setup' (generation 1) for "))
+        .unwrap_or_else(|| panic!("{run:#?}"));
     assert!(line.ends_with(": 2 of 3 arrived; missing (1): rank 2 (never connected)"), "{line}");
     // The missing rank comes: everyone passes, and nobody waits any more.
     assert_code(&exec(server.ranked("hang", 2, 3, &["barrier", "setup"])), 0);

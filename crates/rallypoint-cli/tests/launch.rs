@@ -14,8 +14,15 @@ const LIMIT: Duration = Duration::from_secs(60);
 
 /// Variables a worker would otherwise inherit from the test's own environment.
 const SCRUB: &[&str] = &[
-    "RALLYPOINT_ADDR", "RALLYPOINT_JOB", "MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-    "TORCHELASTIC_RUN_ID", "OMP_NUM_THREADS", "RUST_LOG",
+    "RALLYPOINT_ADDR",
+    "RALLYPOINT_JOB",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "RANK",
+    "WORLD_SIZE",
+    "TORCHELASTIC_RUN_ID",
+    "OMP_NUM_THREADS",
+    "RUST_LOG",
 ];
 
 struct Launched {
@@ -75,7 +82,8 @@ impl Launched {
         };
         let stdout = self.stdout.join().unwrap_or_default();
         let stderr = self.stderr.join().unwrap_or_default();
-        let status = status.unwrap_or_else(|| panic!("the launcher ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"));
+        let status =
+            status.unwrap_or_else(|| panic!("the launcher ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"));
         Finished { code: status.code(), stdout, stderr }
     }
 }
@@ -192,7 +200,11 @@ fn a_worker_killed_by_sigkill_exits_137_and_its_peers_barriers_name_it() {
     assert!(done.stderr.contains("rank 1 was killed by SIGKILL"), "{}", done.stderr);
     for r in [0, 2] {
         let exit_line = format!("[rank{r}]: barrier exit ");
-        let line = done.stdout.lines().find(|l| l.starts_with(&exit_line)).unwrap_or_else(|| panic!("no {exit_line:?} in stdout:\n{}\nstderr:\n{}", done.stdout, done.stderr));
+        let line = done
+            .stdout
+            .lines()
+            .find(|l| l.starts_with(&exit_line))
+            .unwrap_or_else(|| panic!("no {exit_line:?} in stdout:\n{}\nstderr:\n{}", done.stdout, done.stderr));
         assert!(line.ends_with(" 4") || line.ends_with(" 5"), "peer lost (4) or aborted (5): {line}");
         let why = done.stderr.lines().find(|l| l.starts_with(&format!("[rank{r}]: rallypoint: "))).unwrap_or_default();
         assert!(why.contains("rank 1"), "rank {r}'s barrier error must name rank 1: {why:?}\n{}", done.stderr);
@@ -256,13 +268,19 @@ fn two_nodes_a_failure_on_node_1_takes_node_0_down() {
         fi
         exec sleep 30
     "#;
-    let common = ["--nnodes", "2", "--nproc-per-node", "2", "--master", master.as_str(), "--job", "two", "--grace", "2"];
+    let common =
+        ["--nnodes", "2", "--nproc-per-node", "2", "--master", master.as_str(), "--job", "two", "--grace", "2"];
     let node0 = launch(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir);
     let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir);
     let (n0, n1) = (node0.finish(), node1.finish());
     assert_eq!(n1.code, Some(7), "node 1 stderr:\n{}", n1.stderr);
     assert_eq!(n0.code, Some(7), "node 0 stderr:\n{}", n0.stderr);
-    assert!(n0.stdout.contains("[rank0]: node 0 rank 0 of 4") && n1.stdout.contains("[rank3]: node 1 rank 3 of 4"), "{}\n{}", n0.stdout, n1.stdout);
+    assert!(
+        n0.stdout.contains("[rank0]: node 0 rank 0 of 4") && n1.stdout.contains("[rank3]: node 1 rank 3 of 4"),
+        "{}\n{}",
+        n0.stdout,
+        n1.stdout
+    );
     assert!(n0.stderr.contains("rank 3 exited with code 7"), "node 0 names the root cause:\n{}", n0.stderr);
     assert!(n0.stderr.contains("    | node 1 worker failing"), "{}", n0.stderr);
     assert!(n0.stderr.contains("rank 0: killed by the launcher (SIGTERM) after rank 3 failed"), "{}", n0.stderr);
@@ -274,7 +292,11 @@ fn two_nodes_a_failure_on_node_1_takes_node_0_down() {
 #[test]
 fn workers_do_not_outlive_a_killed_launcher() {
     let dir = temp_dir("orphans");
-    let launched = launch(&["--nproc-per-node", "2"], r#"echo $$ > "$DIR/p.tmp$RANK" && mv "$DIR/p.tmp$RANK" "$DIR/pid$RANK"; exec sleep 30"#, &dir);
+    let launched = launch(
+        &["--nproc-per-node", "2"],
+        r#"echo $$ > "$DIR/p.tmp$RANK" && mv "$DIR/p.tmp$RANK" "$DIR/pid$RANK"; exec sleep 30"#,
+        &dir,
+    );
     let pids = wait_for_files(&dir, &["pid0".into(), "pid1".into()]);
     signal(launched.pid(), libc::SIGKILL);
     let _ = launched.finish();
@@ -301,7 +323,8 @@ fn a_lost_node_launcher_takes_the_other_node_down_naming_it() {
     let dir = temp_dir("nodelost");
     let master = format!("127.0.0.1:{}", free_port());
     let script = r#"echo $$ > "$DIR/p$RANK.tmp" && mv "$DIR/p$RANK.tmp" "$DIR/pid$RANK"; exec sleep 30"#;
-    let common = ["--nnodes", "2", "--nproc-per-node", "1", "--master", master.as_str(), "--job", "lost", "--grace", "2"];
+    let common =
+        ["--nnodes", "2", "--nproc-per-node", "1", "--master", master.as_str(), "--job", "lost", "--grace", "2"];
     let node0 = launch(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir);
     let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir);
     let pids = wait_for_files(&dir, &["pid0".into(), "pid1".into()]);
@@ -326,7 +349,20 @@ fn two_nodes_restart_together_after_a_failure() {
         "$RP" barrier together --timeout 30 || exit 9
         echo "rank $RANK done in attempt $TORCHELASTIC_RESTART_COUNT of job $RALLYPOINT_JOB"
     "#;
-    let common = ["--nnodes", "2", "--nproc-per-node", "1", "--master", master.as_str(), "--job", "tr", "--max-restarts", "1", "--grace", "2"];
+    let common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "1",
+        "--master",
+        master.as_str(),
+        "--job",
+        "tr",
+        "--max-restarts",
+        "1",
+        "--grace",
+        "2",
+    ];
     let node0 = launch(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir);
     let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir);
     let (n0, n1) = (node0.finish(), node1.finish());
@@ -341,10 +377,15 @@ fn two_nodes_restart_together_after_a_failure() {
 /// checks that MASTER_* still names the coordinator.
 fn node_agent_socket(stdout: &str, rank: u32, master: &str) -> PathBuf {
     let prefix = format!("[rank{rank}]: addr ");
-    let line = stdout.lines().find(|l| l.starts_with(&prefix)).unwrap_or_else(|| panic!("no addr line of rank {rank}:\n{stdout}"));
+    let line = stdout
+        .lines()
+        .find(|l| l.starts_with(&prefix))
+        .unwrap_or_else(|| panic!("no addr line of rank {rank}:\n{stdout}"));
     let parts: Vec<&str> = line.split_whitespace().collect();
     assert_eq!(parts[3], master, "MASTER_ADDR:MASTER_PORT must stay the coordinator's: {line}");
-    let path = parts[2].strip_prefix("unix:").unwrap_or_else(|| panic!("RALLYPOINT_ADDR must be the node agent's Unix socket: {line}"));
+    let path = parts[2]
+        .strip_prefix("unix:")
+        .unwrap_or_else(|| panic!("RALLYPOINT_ADDR must be the node agent's Unix socket: {line}"));
     PathBuf::from(path)
 }
 
@@ -389,8 +430,19 @@ fn a_worker_killed_behind_a_node_agent_is_named_on_the_other_node() {
     // Rank 3, the last, is on node 1: it kills itself with SIGKILL while the others
     // wait for it in a barrier.
     let script = r#"exec "$RP" demo-worker --rounds 1 --kill-last"#;
-    let common =
-        ["--nnodes", "2", "--nproc-per-node", "2", "--master", master.as_str(), "--job", "nak", "--grace", "2", "--node-agent"];
+    let common = [
+        "--nnodes",
+        "2",
+        "--nproc-per-node",
+        "2",
+        "--master",
+        master.as_str(),
+        "--job",
+        "nak",
+        "--grace",
+        "2",
+        "--node-agent",
+    ];
     let node0 = launch(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir);
     let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir);
     let (n0, n1) = (node0.finish(), node1.finish());
@@ -409,7 +461,9 @@ fn a_worker_killed_behind_a_node_agent_is_named_on_the_other_node() {
             .lines()
             .chain(n0.stderr.lines())
             .find(|l| l.starts_with(&told) || l.starts_with(&failed))
-            .unwrap_or_else(|| panic!("rank {r} never reported the failure\nstdout:\n{}\nstderr:\n{}", n0.stdout, n0.stderr));
+            .unwrap_or_else(|| {
+                panic!("rank {r} never reported the failure\nstdout:\n{}\nstderr:\n{}", n0.stdout, n0.stderr)
+            });
         assert!(why.contains("rank 3") && why.contains("host "), "rank {r} must name rank 3 and a host: {why:?}");
     }
 }

@@ -42,11 +42,6 @@ pub struct Config {
 
 impl Default for Config {
     fn default() -> Self {
-        Config {
-            limits: Limits::default(),
-            lease_ms: 15_000,
-            job_idle_ttl_ms: 3_600_000,
-            failed_generations_kept: 64,
-        }
+        Config { limits: Limits::default(), lease_ms: 15_000, job_idle_ttl_ms: 3_600_000, failed_generations_kept: 64 }
     }
 }

@@ -30,22 +30,11 @@ pub struct Identity {
 impl Identity {
     /// An identity with no rank: may use the key-value store only.
     pub fn anonymous(job: impl Into<String>) -> Self {
-        Identity {
-            job: job.into(),
-            rank: None,
-            world_size: None,
-            host: String::new(),
-            pid: 0,
-            role: None,
-        }
+        Identity { job: job.into(), rank: None, world_size: None, host: String::new(), pid: 0, role: None }
     }
 
     /// An identity of `rank` in a world of `world_size`.
     pub fn ranked(job: impl Into<String>, rank: u32, world_size: u32) -> Self {
-        Identity {
-            rank: Some(rank),
-            world_size: Some(world_size),
-            ..Identity::anonymous(job)
-        }
+        Identity { rank: Some(rank), world_size: Some(world_size), ..Identity::anonymous(job) }
     }
 }

@@ -44,42 +44,100 @@ impl fmt::Display for Members {
 /// One request of a session. `timeout_ms: None` waits without limit.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Request {
-    Set { key: Bytes, value: Bytes },
+    Set {
+        key: Bytes,
+        value: Bytes,
+    },
     /// Blocks until the key exists.
-    Get { key: Bytes, timeout_ms: Option<u64> },
+    Get {
+        key: Bytes,
+        timeout_ms: Option<u64>,
+    },
     /// Adds to a decimal integer value (missing counts as 0); replies with the new value.
-    Add { key: Bytes, delta: i64 },
+    Add {
+        key: Bytes,
+        delta: i64,
+    },
     /// TCPStore semantics; see `Store::compare_set`.
-    CompareSet { key: Bytes, expected: Bytes, desired: Bytes },
-    Append { key: Bytes, value: Bytes },
-    Delete { key: Bytes },
-    Check { keys: Vec<Bytes> },
+    CompareSet {
+        key: Bytes,
+        expected: Bytes,
+        desired: Bytes,
+    },
+    Append {
+        key: Bytes,
+        value: Bytes,
+    },
+    Delete {
+        key: Bytes,
+    },
+    Check {
+        keys: Vec<Bytes>,
+    },
     /// Blocks until every key exists.
-    Wait { keys: Vec<Bytes>, timeout_ms: Option<u64> },
+    Wait {
+        keys: Vec<Bytes>,
+        timeout_ms: Option<u64>,
+    },
     /// Blocks until every key exists, then replies with their values in order.
-    MultiGet { keys: Vec<Bytes>, timeout_ms: Option<u64> },
-    MultiSet { entries: Vec<(Bytes, Bytes)> },
+    MultiGet {
+        keys: Vec<Bytes>,
+        timeout_ms: Option<u64>,
+    },
+    MultiSet {
+        entries: Vec<(Bytes, Bytes)>,
+    },
     NumKeys,
-    ListKeys { prefix: Bytes },
-    Barrier { name: String, members: Members, timeout_ms: Option<u64> },
-    AllGather { name: String, members: Members, value: Bytes, timeout_ms: Option<u64> },
+    ListKeys {
+        prefix: Bytes,
+    },
+    Barrier {
+        name: String,
+        members: Members,
+        timeout_ms: Option<u64>,
+    },
+    AllGather {
+        name: String,
+        members: Members,
+        value: Bytes,
+        timeout_ms: Option<u64>,
+    },
     /// `value` is required from the root and ignored from the others.
-    Broadcast { name: String, members: Members, root: u32, value: Option<Bytes>, timeout_ms: Option<u64> },
+    Broadcast {
+        name: String,
+        members: Members,
+        root: u32,
+        value: Option<Bytes>,
+        timeout_ms: Option<u64>,
+    },
     /// Fails every pending and later operation of the job with `reason`.
-    Abort { reason: String },
+    Abort {
+        reason: String,
+    },
     /// Appends `value` to the queue `key`. Queues are a namespace apart from keys, but a
     /// wait or check on `key` is satisfied by a non-empty queue of that name (as in
     /// torch's libuv TCPStore); a push wakes one such waiter.
-    QueuePush { key: Bytes, value: Bytes },
+    QueuePush {
+        key: Bytes,
+        value: Bytes,
+    },
     /// Takes the oldest item of queue `key` without blocking; replies `Popped`.
-    QueuePop { key: Bytes },
+    QueuePop {
+        key: Bytes,
+    },
     /// Replies the length of queue `key` as `Int`.
-    QueueLen { key: Bytes },
+    QueueLen {
+        key: Bytes,
+    },
     /// Ends every key wait of this session (each fails with `Closed`); always replies Done.
     CancelWait,
     /// TCPStore's store barrier: adds 1 to the decimal counter stored at `key` (never
     /// reset), and replies Done once it is at least `world_size`.
-    StoreBarrier { key: Bytes, world_size: i64, timeout_ms: Option<u64> },
+    StoreBarrier {
+        key: Bytes,
+        world_size: i64,
+        timeout_ms: Option<u64>,
+    },
     /// A text report of the job: what is known or inferred about its PyTorch (TCPStore)
     /// processes, its ranks' states, and every barrier, all-gather or broadcast someone
     /// waits in, with who is missing and what is known of each. Replies `Value`.

@@ -61,11 +61,21 @@ impl Model {
         let keys: Vec<_> = h.replies.keys().copied().collect();
         for key in keys {
             let Some(reply) = h.replies.remove(&key) else { continue };
-            let (_, generation) = self.waiting.remove(&key).ok_or_else(|| TestCaseError::fail(format!("reply to an unknown request {key:?}")))?;
+            let (_, generation) = self
+                .waiting
+                .remove(&key)
+                .ok_or_else(|| TestCaseError::fail(format!("reply to an unknown request {key:?}")))?;
             match &reply {
                 Ok(Response::Done) => {
-                    prop_assert!(self.all_called(generation), "generation {generation} released early; calls {:?}", self.calls);
-                    prop_assert!(!self.doomed_by.contains_key(&generation), "generation {generation} released after a kill");
+                    prop_assert!(
+                        self.all_called(generation),
+                        "generation {generation} released early; calls {:?}",
+                        self.calls
+                    );
+                    prop_assert!(
+                        !self.doomed_by.contains_key(&generation),
+                        "generation {generation} released after a kill"
+                    );
                 }
                 Ok(other) => prop_assert!(false, "unexpected success {other:?}"),
                 Err(OpError::PeerLost { peer, op }) => {
@@ -80,9 +90,13 @@ impl Model {
                 }
                 Err(OpError::CollectiveTimeout { missing, op, .. }) => {
                     prop_assert_eq!(op.generation, generation);
-                    prop_assert!(!self.doomed_by.contains_key(&generation), "generation {generation} timed out after a kill");
+                    prop_assert!(
+                        !self.doomed_by.contains_key(&generation),
+                        "generation {generation} timed out after a kill"
+                    );
                     if !self.outcome.contains_key(&generation) {
-                        let expected: Vec<u32> = (0..self.world).filter(|&r| self.calls[r as usize] < generation).collect();
+                        let expected: Vec<u32> =
+                            (0..self.world).filter(|&r| self.calls[r as usize] < generation).collect();
                         let named: Vec<u32> = missing.iter().map(|m| m.rank).collect();
                         prop_assert_eq!(named, expected);
                     }

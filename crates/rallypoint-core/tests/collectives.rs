@@ -57,7 +57,10 @@ fn subgroup_barrier_waits_only_for_its_members() {
     }
     // A non-member calling is told so, and it does not count as an arrival.
     let e = h.call(s[1], barrier_of("sub", members, None)).unwrap_err();
-    assert!(matches!(&e, OpError::BadMembers { reason, .. } if reason.contains("rank 1") && reason.contains("[0,2,5]")), "{e}");
+    assert!(
+        matches!(&e, OpError::BadMembers { reason, .. } if reason.contains("rank 1") && reason.contains("[0,2,5]")),
+        "{e}"
+    );
 }
 
 #[test]
@@ -98,7 +101,10 @@ fn mismatched_members_or_world_size_fail_everyone_naming_both_calls() {
     assert_eq!(theirs.members, Members::World);
     assert_eq!(err(h.take(s0, a)), e);
     let text = e.to_string();
-    assert!(text.contains("rank 0 called it with all ranks") && text.contains("rank 1 called it with ranks [0,1]"), "{text}");
+    assert!(
+        text.contains("rank 0 called it with all ranks") && text.contains("rank 1 called it with ranks [0,1]"),
+        "{text}"
+    );
 
     // Different world sizes in one generation.
     let t0 = h.rank("k", 0, 4);
@@ -137,7 +143,12 @@ fn timeout_tells_every_waiter_each_missing_rank_and_its_state() {
     assert_eq!(missing[0].pid, Some(1002));
     assert_eq!(missing[1].last_seen_ms_ago, Some(2_000));
     let text = e.to_string();
-    for needle in ["3 of 5 ranks missing", "rank 2 (host node2, pid 1002, connected but not arrived", "rank 3 (host node3, pid 1003, left cleanly, last seen 2.0 s ago)", "rank 4 (never connected)"] {
+    for needle in [
+        "3 of 5 ranks missing",
+        "rank 2 (host node2, pid 1002, connected but not arrived",
+        "rank 3 (host node3, pid 1003, left cleanly, last seen 2.0 s ago)",
+        "rank 4 (never connected)",
+    ] {
         assert!(text.contains(needle), "{needle:?} not in {text}");
     }
     // The latecomer learns the generation failed; the next generation works.
@@ -153,7 +164,13 @@ fn all_gather_returns_values_in_rank_order_and_is_reusable() {
             .iter()
             .map(|&r| {
                 let value = Bytes::from(format!("r{r}g{round}"));
-                (r, h.send(s[r], Request::AllGather { name: "g".into(), members: Members::World, value, timeout_ms: None }))
+                (
+                    r,
+                    h.send(
+                        s[r],
+                        Request::AllGather { name: "g".into(), members: Members::World, value, timeout_ms: None },
+                    ),
+                )
             })
             .collect();
         let expected: Vec<Bytes> = (0..3).map(|r| Bytes::from(format!("r{r}g{round}"))).collect();
@@ -170,7 +187,13 @@ fn all_gather_returns_values_in_rank_order_and_is_reusable() {
 fn broadcast_hands_out_the_roots_value_without_waiting_for_everyone() {
     let mut h = Harness::new();
     let s: Vec<_> = (0..3).map(|r| h.rank("j", r, 3)).collect();
-    let bc = |value: Option<Bytes>| Request::Broadcast { name: "cfg".into(), members: Members::World, root: 1, value, timeout_ms: Some(1_000) };
+    let bc = |value: Option<Bytes>| Request::Broadcast {
+        name: "cfg".into(),
+        members: Members::World,
+        root: 1,
+        value,
+        timeout_ms: Some(1_000),
+    };
     let a = h.send(s[0], bc(None));
     assert!(h.pending(s[0], a));
     let root = h.send(s[1], bc(Some(b("lr=0.1"))));
@@ -187,7 +210,10 @@ fn broadcast_hands_out_the_roots_value_without_waiting_for_everyone() {
 fn broadcast_timeout_names_only_the_root() {
     let mut h = Harness::new();
     let s: Vec<_> = (0..3).map(|r| h.rank("j", r, 3)).collect();
-    let a = h.send(s[0], Request::Broadcast { name: "b".into(), members: Members::World, root: 2, value: None, timeout_ms: Some(100) });
+    let a = h.send(
+        s[0],
+        Request::Broadcast { name: "b".into(), members: Members::World, root: 2, value: None, timeout_ms: Some(100) },
+    );
     h.advance(100);
     let OpError::CollectiveTimeout { missing, .. } = err(h.take(s[0], a)) else { panic!() };
     assert_eq!(missing.iter().map(|m| m.rank).collect::<Vec<_>>(), vec![2]);
@@ -208,8 +234,16 @@ fn status_says_who_waits_in_which_collective_and_who_is_missing() {
     // Ranks 0 and 1 wait at barrier 'step'; 2 is connected elsewhere, 3 never came.
     let waits: Vec<u64> = s[..2].iter().map(|&sess| h.send(sess, barrier("step", None))).collect();
     // Rank 2 waits for root 3 in a broadcast; rank 0 once more in an all-gather of {0, 1}.
-    h.send(s[2], Request::Broadcast { name: "cfg".into(), members: Members::World, root: 3, value: None, timeout_ms: None });
-    let gather = Request::AllGather { name: "pair".into(), members: Members::Ranks(vec![0, 1]), value: b("x"), timeout_ms: None };
+    h.send(
+        s[2],
+        Request::Broadcast { name: "cfg".into(), members: Members::World, root: 3, value: None, timeout_ms: None },
+    );
+    let gather = Request::AllGather {
+        name: "pair".into(),
+        members: Members::Ranks(vec![0, 1]),
+        value: b("x"),
+        timeout_ms: None,
+    };
     h.send(s[0], gather);
     h.advance(1_500);
     let report = status(&mut h, "j");
@@ -299,7 +333,8 @@ fn an_all_gather_too_large_to_reply_fails_for_every_member() {
     let limits = Limits { max_gather_bytes: 10, ..Limits::default() };
     let mut h = Harness::with_config(Config { limits, ..Config::default() });
     let s: Vec<_> = (0..3).map(|r| h.rank("j", r, 3)).collect();
-    let gather = |v: &str| Request::AllGather { name: "g".into(), members: Members::World, value: b(v), timeout_ms: None };
+    let gather =
+        |v: &str| Request::AllGather { name: "g".into(), members: Members::World, value: b(v), timeout_ms: None };
     let a = h.send(s[0], gather("12345"));
     let e = h.call(s[1], gather("123456")).unwrap_err();
     assert!(matches!(&e, OpError::TooLarge { len: 11, limit: 10, .. }), "{e:?}");

@@ -44,7 +44,10 @@ fn add_on_non_number_or_overflow_is_an_error_and_changes_nothing() {
     h.call(s, Request::Set { key: b("big"), value: b(&i64::MAX.to_string()) }).unwrap();
     let e = h.call(s, Request::Add { key: b("big"), delta: 1 }).unwrap_err();
     assert!(matches!(e, OpError::Overflow { current: i64::MAX, delta: 1, .. }));
-    assert_eq!(h.call(s, Request::Get { key: b("big"), timeout_ms: None }), Ok(Response::Value(b(&i64::MAX.to_string()))));
+    assert_eq!(
+        h.call(s, Request::Get { key: b("big"), timeout_ms: None }),
+        Ok(Response::Value(b(&i64::MAX.to_string())))
+    );
     assert!(e.to_string().contains("overflows"));
 }
 
@@ -52,7 +55,9 @@ fn add_on_non_number_or_overflow_is_an_error_and_changes_nothing() {
 fn compare_set_follows_tcpstore_including_the_missing_key_case() {
     let mut h = Harness::new();
     let s = tool(&mut h, "j");
-    let cas = |h: &mut Harness, e: &str, d: &str| h.call(s, Request::CompareSet { key: b("k"), expected: b(e), desired: b(d) });
+    let cas = |h: &mut Harness, e: &str, d: &str| {
+        h.call(s, Request::CompareSet { key: b("k"), expected: b(e), desired: b(d) })
+    };
     // Missing key, non-empty expected: returns expected, creates nothing.
     assert_eq!(cas(&mut h, "x", "y"), Ok(Response::Value(b("x"))));
     assert_eq!(h.call(s, Request::Check { keys: vec![b("k")] }), Ok(Response::Bool(false)));
@@ -143,7 +148,8 @@ fn jobs_do_not_share_keys() {
 
 #[test]
 fn limits_are_enforced_before_anything_changes() {
-    let limits = Limits { max_key_len: 4, max_value_len: 8, max_keys_per_op: 2, max_name_len: 16, max_gather_bytes: 64 };
+    let limits =
+        Limits { max_key_len: 4, max_value_len: 8, max_keys_per_op: 2, max_name_len: 16, max_gather_bytes: 64 };
     let mut h = Harness::with_config(Config { limits, ..Config::default() });
     let s = tool(&mut h, "j");
     let e = h.call(s, Request::Set { key: b("12345"), value: b("v") }).unwrap_err();

@@ -34,7 +34,10 @@ fn a_killed_rank_fails_pending_barriers_on_every_peer_naming_it() {
     for r in 0..3 {
         let e = err(h.take(s[r], ids[r]));
         let OpError::PeerLost { op, peer } = &e else { panic!("{e:?}") };
-        assert_eq!((op.name.as_str(), peer.rank, peer.host.as_deref(), peer.pid), ("step", 3, Some("node3"), Some(1003)));
+        assert_eq!(
+            (op.name.as_str(), peer.rank, peer.host.as_deref(), peer.pid),
+            ("step", 3, Some("node3"), Some(1003))
+        );
         assert_eq!(peer.state, RankState::Lost(LossReason::Disconnected));
         assert!(e.to_string().contains("rank 3 (host node3, pid 1003, lost: connection dropped"), "{e}");
     }
@@ -106,8 +109,14 @@ fn a_silent_rank_is_lost_when_its_lease_expires_and_revives_when_heard() {
 fn a_lost_rank_fails_all_gather_but_broadcast_only_when_it_is_the_root() {
     let mut h = Harness::new();
     let s: Vec<_> = (0..3).map(|r| h.rank("j", r, 3)).collect();
-    let bc = h.send(s[0], Request::Broadcast { name: "b".into(), members: Members::World, root: 1, value: None, timeout_ms: None });
-    let ag = h.send(s[0], Request::AllGather { name: "g".into(), members: Members::World, value: "x".into(), timeout_ms: None });
+    let bc = h.send(
+        s[0],
+        Request::Broadcast { name: "b".into(), members: Members::World, root: 1, value: None, timeout_ms: None },
+    );
+    let ag = h.send(
+        s[0],
+        Request::AllGather { name: "g".into(), members: Members::World, value: "x".into(), timeout_ms: None },
+    );
     h.kill(s[2]);
     assert!(h.pending(s[0], bc), "rank 2 is not the broadcast's root");
     assert!(matches!(err(h.take(s[0], ag)), OpError::PeerLost { peer, .. } if peer.rank == 2));

@@ -43,8 +43,14 @@ fn queues_are_a_namespace_apart_yet_satisfy_waits_and_checks() {
     assert_eq!(ok(Some(h.call(s, Request::Check { keys: vec![b("q")] }))), Response::Bool(true));
     // Queues are not keys.
     assert_eq!(ok(Some(h.call(s, Request::NumKeys))), Response::Int(0));
-    assert_eq!(ok(Some(h.call(s, Request::QueuePop { key: b("q") }))), Response::Popped { len_before: 2, value: Some(b("a")) });
-    assert_eq!(ok(Some(h.call(s, Request::QueuePop { key: b("q") }))), Response::Popped { len_before: 1, value: Some(b("b")) });
+    assert_eq!(
+        ok(Some(h.call(s, Request::QueuePop { key: b("q") }))),
+        Response::Popped { len_before: 2, value: Some(b("a")) }
+    );
+    assert_eq!(
+        ok(Some(h.call(s, Request::QueuePop { key: b("q") }))),
+        Response::Popped { len_before: 1, value: Some(b("b")) }
+    );
     assert_eq!(ok(Some(h.call(s, Request::Check { keys: vec![b("q")] }))), Response::Bool(false));
 }
 
@@ -125,7 +131,11 @@ fn torch_ranks_are_inferred_from_address_keys_and_named_when_missing() {
     let notices: Vec<String> = h.engine.drain_notices().collect();
     assert_eq!(notices.len(), 1, "{notices:?}");
     assert!(notices[0].contains("rank 0") && notices[0].contains("ranks [3] never wrote"), "{}", notices[0]);
-    assert!(notices[0].contains("written by ranks [0, 1, 2]") && notices[0].contains("3 process(es) arrived"), "{}", notices[0]);
+    assert!(
+        notices[0].contains("written by ranks [0, 1, 2]") && notices[0].contains("3 process(es) arrived"),
+        "{}",
+        notices[0]
+    );
     let tool = h.open(Identity::anonymous("j"));
     let Response::Value(report) = ok(Some(h.call(tool, Request::Status))) else { panic!("status is text") };
     let report = String::from_utf8_lossy(&report).into_owned();
@@ -165,7 +175,8 @@ fn ranks_stalled_at_one_store_barrier_give_one_notice_per_period_naming_the_miss
     }
     // Every rank but 57 reaches the barrier.
     let bar = || Request::StoreBarrier { key: b("/barrier"), world_size: i64::from(world), timeout_ms: None };
-    let waits: Vec<(SessionId, u64)> = ranks.iter().enumerate().filter(|(r, _)| *r != 57).map(|(_, s)| (*s, h.send(*s, bar()))).collect();
+    let waits: Vec<(SessionId, u64)> =
+        ranks.iter().enumerate().filter(|(r, _)| *r != 57).map(|(_, s)| (*s, h.send(*s, bar()))).collect();
     assert!(waits.iter().all(|(s, w)| h.pending(*s, *w)));
     h.advance(5_000);
     let notices: Vec<String> = h.engine.drain_notices().collect();
@@ -193,7 +204,8 @@ fn each_stall_is_reported_five_seconds_after_it_began_whatever_ended_before_it()
     assert!(h.take(r0, early).is_some());
     // From t = 3 s, both wait for ranks that never come, each on its own key.
     h.advance(2_000);
-    let stuck: Vec<(SessionId, u64)> = [(r0, 2), (r1, 3)].into_iter().map(|(s, r)| (s, h.send(s, wait(&[&format!("{prefix}{r}")])))).collect();
+    let stuck: Vec<(SessionId, u64)> =
+        [(r0, 2), (r1, 3)].into_iter().map(|(s, r)| (s, h.send(s, wait(&[&format!("{prefix}{r}")])))).collect();
     h.advance(4_000);
     assert_eq!(h.engine.drain_notices().count(), 0, "4 s into the stall is not yet 5 s");
     h.advance(1_000);

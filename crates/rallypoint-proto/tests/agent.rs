@@ -18,12 +18,11 @@ fn agent_frames() -> Vec<AgentFrame> {
         AgentFrame::Hello { host: "node-7".into(), pid: 4242 },
         AgentFrame::SubHello { sub: 1, identity: Identity::ranked("job", 3, 8) },
     ];
-    frames.extend(
-        samples(request(), 18)
-            .into_iter()
-            .enumerate()
-            .map(|(id, request)| AgentFrame::SubRequest { sub: id as u64 % 3, id: id as u64, request }),
-    );
+    frames.extend(samples(request(), 18).into_iter().enumerate().map(|(id, request)| AgentFrame::SubRequest {
+        sub: id as u64 % 3,
+        id: id as u64,
+        request,
+    }));
     frames.push(AgentFrame::SubClose { sub: 2 });
     frames.extend(samples(request(), 6).into_iter().enumerate().map(|(n, request)| AgentFrame::SubRequests {
         calls: (0..n as u64).map(|i| (i * 7, u64::MAX - i)).collect(),
@@ -42,7 +41,11 @@ fn root_frames() -> Vec<RootFrame> {
     frames.extend(errors.iter().cloned().map(|error| RootFrame::SubRefused { sub: 4, error }));
     let replies = samples(response(), 7).into_iter().map(Ok).chain(errors.into_iter().map(Err));
     let replies: Vec<_> = replies.collect();
-    frames.extend(replies.iter().cloned().enumerate().map(|(id, reply)| RootFrame::SubReply { sub: 5, id: id as u64, reply }));
+    frames.extend(replies.iter().cloned().enumerate().map(|(id, reply)| RootFrame::SubReply {
+        sub: 5,
+        id: id as u64,
+        reply,
+    }));
     frames.extend(replies.into_iter().enumerate().map(|(n, reply)| RootFrame::SubReplies {
         calls: (0..n as u64 % 4).map(|i| (i + 1, 40 + i)).collect(),
         reply,
@@ -223,7 +226,10 @@ fn a_bad_aggregated_frame_names_every_call_and_the_stream_goes_on() {
             id: None,
             message: "field 'calls': 4294967295 items cannot fit in the 0 bytes left".into(),
         }),
-        Err(ProtoError::BadSubCalls { calls: vec![(6, 7)], message: "1 unexpected trailing bytes after heartbeat".into() }),
+        Err(ProtoError::BadSubCalls {
+            calls: vec![(6, 7)],
+            message: "1 unexpected trailing bytes after heartbeat".into(),
+        }),
         Ok(last),
     ];
     assert_split_invariant(&stream, &expected, decode_agent_frame);
@@ -237,10 +243,7 @@ fn a_bad_aggregated_frame_names_every_call_and_the_stream_goes_on() {
     stream.put_u64_le(5);
     stream.put_u8(0x7f);
     let got = drain(&mut stream, decode_root_frame);
-    assert!(
-        matches!(&got[..], [Err(ProtoError::BadSubCalls { calls, .. })] if calls == &[(3, 5)]),
-        "{got:?}"
-    );
+    assert!(matches!(&got[..], [Err(ProtoError::BadSubCalls { calls, .. })] if calls == &[(3, 5)]), "{got:?}");
 }
 
 #[test]

@@ -8,9 +8,8 @@ use common::{client_frame, server_frame};
 use proptest::prelude::*;
 use rallypoint_core::{Gathered, Limits, OpError, Request, Response};
 use rallypoint_proto::native::{
-    decode_client_frame, decode_preamble, decode_server_frame, encode_client_frame,
-    encode_preamble, encode_reply, encode_server_frame, ClientFrame, FrameLimits, ProtoError,
-    ServerFrame, MAX_FRAME_LEN,
+    decode_client_frame, decode_preamble, decode_server_frame, encode_client_frame, encode_preamble, encode_reply,
+    encode_server_frame, ClientFrame, FrameLimits, ProtoError, ServerFrame, MAX_FRAME_LEN,
 };
 
 /// A whole frame holding `body`.
@@ -43,18 +42,12 @@ fn bad_request(body: &[u8]) -> (Option<u64>, String) {
 
 #[test]
 fn unknown_opcode_names_it() {
-    assert_eq!(
-        bad_request(&request_body(&[0x7f])),
-        (Some(7), "unknown request opcode 0x7f".into())
-    );
+    assert_eq!(bad_request(&request_body(&[0x7f])), (Some(7), "unknown request opcode 0x7f".into()));
 }
 
 #[test]
 fn unknown_frame_kind_and_empty_body() {
-    assert_eq!(
-        bad_request(&[0x83]),
-        (None, "unknown client frame kind 0x83".into())
-    );
+    assert_eq!(bad_request(&[0x83]), (None, "unknown client frame kind 0x83".into()));
     let (id, message) = bad_request(&[]);
     assert_eq!(id, None);
     assert!(message.contains("frame kind"), "{message}");
@@ -94,13 +87,8 @@ fn invalid_flags_and_tags() {
 #[test]
 fn huge_list_count_fails_without_allocating() {
     let (_, message) = bad_request(&request_body(&[0x07, 0xff, 0xff, 0xff, 0xff, 0, 0]));
-    assert_eq!(
-        message,
-        "field 'keys': 4294967295 items cannot fit in the 2 bytes left"
-    );
-    let (_, message) = bad_request(&request_body(&[
-        0x0d, 0, 0, 0, 0, 1, 0xff, 0xff, 0xff, 0x3f,
-    ]));
+    assert_eq!(message, "field 'keys': 4294967295 items cannot fit in the 2 bytes left");
+    let (_, message) = bad_request(&request_body(&[0x0d, 0, 0, 0, 0, 1, 0xff, 0xff, 0xff, 0x3f]));
     assert!(message.contains("cannot fit"), "{message}");
 }
 
@@ -121,19 +109,10 @@ fn oversized_frames_are_fatal() {
 #[test]
 fn partial_frames_wait_for_more() {
     let mut whole = BytesMut::new();
-    encode_client_frame(
-        &ClientFrame::Request {
-            id: 1,
-            request: Request::NumKeys,
-        },
-        &mut whole,
-    );
+    encode_client_frame(&ClientFrame::Request { id: 1, request: Request::NumKeys }, &mut whole);
     for cut in 0..whole.len() {
         let mut src = BytesMut::from(&whole[..cut]);
-        assert_eq!(
-            decode_client_frame(&mut src, &FrameLimits::default()),
-            Ok(None)
-        );
+        assert_eq!(decode_client_frame(&mut src, &FrameLimits::default()), Ok(None));
         assert_eq!(src.len(), cut, "partial frame must not be consumed");
     }
 }
@@ -144,28 +123,16 @@ fn malformed_server_frames() {
     let mut src = frame(&[0x82, 0x01]);
     assert_eq!(
         decode_server_frame(&mut src, &FrameLimits::default()),
-        Err(ProtoError::BadReply {
-            id: None,
-            message: "unknown error tag 0x01".into()
-        })
+        Err(ProtoError::BadReply { id: None, message: "unknown error tag 0x01".into() })
     );
     // Reply with a bool of 2.
     let mut body = vec![0x83];
     body.extend_from_slice(&5u64.to_le_bytes());
     body.extend_from_slice(&[0x04, 0x02]);
     let err = decode_server_frame(&mut frame(&body), &FrameLimits::default()).unwrap_err();
-    assert_eq!(
-        err,
-        ProtoError::BadReply {
-            id: Some(5),
-            message: "field 'bool': invalid bool 0x02".into()
-        }
-    );
+    assert_eq!(err, ProtoError::BadReply { id: Some(5), message: "field 'bool': invalid bool 0x02".into() });
     assert!(!err.is_fatal());
-    assert_eq!(
-        err.to_string(),
-        "malformed server frame (request id 5): field 'bool': invalid bool 0x02"
-    );
+    assert_eq!(err.to_string(), "malformed server frame (request id 5): field 'bool': invalid bool 0x02");
 }
 
 #[test]
@@ -185,12 +152,7 @@ fn preamble() {
     // A TCPStore client is told apart by its first byte alone.
     let mut tcpstore = BytesMut::from(&[0x00][..]);
     let err = decode_preamble(&mut tcpstore).unwrap_err();
-    assert_eq!(
-        err,
-        ProtoError::BadMagic {
-            got: Bytes::from_static(&[0x00])
-        }
-    );
+    assert_eq!(err, ProtoError::BadMagic { got: Bytes::from_static(&[0x00]) });
     assert!(err.is_fatal());
     assert!(decode_preamble(&mut BytesMut::from(&b"RLX"[..])).is_err());
 }
@@ -198,26 +160,11 @@ fn preamble() {
 #[test]
 fn frame_limits() {
     assert_eq!(FrameLimits::default().max_frame_len, 64 << 20);
-    assert_eq!(
-        FrameLimits::from_limits(&Limits::default()),
-        FrameLimits::default()
-    );
-    let big = Limits {
-        max_value_len: 100 << 20,
-        ..Limits::default()
-    };
-    assert_eq!(
-        FrameLimits::from_limits(&big).max_frame_len,
-        (200 << 20) + 8192 + (1 << 20)
-    );
-    let absurd = Limits {
-        max_value_len: usize::MAX,
-        ..Limits::default()
-    };
-    assert_eq!(
-        FrameLimits::from_limits(&absurd).max_frame_len,
-        MAX_FRAME_LEN
-    );
+    assert_eq!(FrameLimits::from_limits(&Limits::default()), FrameLimits::default());
+    let big = Limits { max_value_len: 100 << 20, ..Limits::default() };
+    assert_eq!(FrameLimits::from_limits(&big).max_frame_len, (200 << 20) + 8192 + (1 << 20));
+    let absurd = Limits { max_value_len: usize::MAX, ..Limits::default() };
+    assert_eq!(FrameLimits::from_limits(&absurd).max_frame_len, MAX_FRAME_LEN);
 }
 
 #[test]
@@ -229,10 +176,7 @@ fn unframeable_reply_becomes_too_large() {
     let mut dst = BytesMut::new();
     encode_reply(4, &Ok(Response::Gathered(gathered)), &mut dst);
     match decode_server_frame(&mut dst, &FrameLimits::default()) {
-        Ok(Some(ServerFrame::Reply {
-            id: 4,
-            reply: Err(OpError::TooLarge { what, len, limit }),
-        })) => {
+        Ok(Some(ServerFrame::Reply { id: 4, reply: Err(OpError::TooLarge { what, len, limit }) })) => {
             assert_eq!(what, "reply");
             assert_eq!(len, 1 + 8 + 1 + 4 + 65 * (4 + (64 << 20)));
             assert_eq!(limit, MAX_FRAME_LEN as u64);
@@ -243,13 +187,8 @@ fn unframeable_reply_becomes_too_large() {
 
 /// Decodes until the input is exhausted or a fatal error; every non-fatal error
 /// must have made progress.
-fn decode_all<T>(
-    mut src: BytesMut,
-    decode: fn(&mut BytesMut, &FrameLimits) -> Result<Option<T>, ProtoError>,
-) {
-    let limits = FrameLimits {
-        max_frame_len: 1 << 16,
-    };
+fn decode_all<T>(mut src: BytesMut, decode: fn(&mut BytesMut, &FrameLimits) -> Result<Option<T>, ProtoError>) {
+    let limits = FrameLimits { max_frame_len: 1 << 16 };
     loop {
         let before = src.len();
         match decode(&mut src, &limits) {

@@ -7,16 +7,14 @@ use common::{client_frame, op_error, request, response, samples, server_frame};
 use proptest::prelude::*;
 use rallypoint_core::{OpError, Request, Response};
 use rallypoint_proto::native::{
-    decode_client_frame, decode_server_frame, encode_client_frame, encode_reply,
-    encode_server_frame, ClientFrame, FrameLimits, ServerFrame,
+    decode_client_frame, decode_server_frame, encode_client_frame, encode_reply, encode_server_frame, ClientFrame,
+    FrameLimits, ServerFrame,
 };
 
 fn client_round_trip(frame: &ClientFrame) -> ClientFrame {
     let mut buf = BytesMut::new();
     encode_client_frame(frame, &mut buf);
-    let decoded = decode_client_frame(&mut buf, &FrameLimits::default())
-        .unwrap()
-        .unwrap();
+    let decoded = decode_client_frame(&mut buf, &FrameLimits::default()).unwrap().unwrap();
     assert!(buf.is_empty(), "frame not fully consumed");
     decoded
 }
@@ -24,9 +22,7 @@ fn client_round_trip(frame: &ClientFrame) -> ClientFrame {
 fn server_round_trip(frame: &ServerFrame) -> ServerFrame {
     let mut buf = BytesMut::new();
     encode_server_frame(frame, &mut buf);
-    let decoded = decode_server_frame(&mut buf, &FrameLimits::default())
-        .unwrap()
-        .unwrap();
+    let decoded = decode_server_frame(&mut buf, &FrameLimits::default()).unwrap().unwrap();
     assert!(buf.is_empty(), "frame not fully consumed");
     decoded
 }
@@ -35,10 +31,7 @@ fn server_round_trip(frame: &ServerFrame) -> ServerFrame {
 fn every_request_variant_round_trips() {
     let all: Vec<Request> = samples(request(), 18);
     for (id, request) in all.into_iter().enumerate() {
-        let frame = ClientFrame::Request {
-            id: id as u64,
-            request,
-        };
+        let frame = ClientFrame::Request { id: id as u64, request };
         assert_eq!(client_round_trip(&frame), frame);
     }
 }
@@ -47,15 +40,9 @@ fn every_request_variant_round_trips() {
 fn every_response_and_error_variant_round_trips() {
     let responses: Vec<Response> = samples(response(), 6);
     let errors: Vec<OpError> = samples(op_error(), 12);
-    let replies = responses
-        .into_iter()
-        .map(Ok)
-        .chain(errors.iter().cloned().map(Err));
+    let replies = responses.into_iter().map(Ok).chain(errors.iter().cloned().map(Err));
     for (id, reply) in replies.enumerate() {
-        let frame = ServerFrame::Reply {
-            id: id as u64,
-            reply,
-        };
+        let frame = ServerFrame::Reply { id: id as u64, reply };
         assert_eq!(server_round_trip(&frame), frame);
     }
     for error in errors {

@@ -127,4 +127,3 @@ fn a_reply_body_written_to_a_shared_file_decodes_to_the_reply_without_copying() 
     let truncated = decode_shared_reply(4, Bytes::from_static(&[0x06, 2, 0, 0, 0]));
     assert!(matches!(truncated, Err(ProtoError::BadReply { id: Some(4), .. })), "{truncated:?}");
 }
-

@@ -6,8 +6,8 @@ use bytes::{BufMut, BytesMut};
 use common::{assert_split_invariant, op_error, request, response, samples};
 use rallypoint_core::{Identity, SessionId, Welcome};
 use rallypoint_proto::native::{
-    decode_client_frame, decode_server_frame, encode_client_frame, encode_server_frame,
-    ClientFrame, ProtoError, ServerFrame,
+    decode_client_frame, decode_server_frame, encode_client_frame, encode_server_frame, ClientFrame, ProtoError,
+    ServerFrame,
 };
 
 #[test]
@@ -17,10 +17,7 @@ fn client_stream_splits_at_every_byte() {
         samples(request(), 18)
             .into_iter()
             .enumerate()
-            .map(|(id, request)| ClientFrame::Request {
-                id: id as u64,
-                request,
-            }),
+            .map(|(id, request)| ClientFrame::Request { id: id as u64, request }),
     );
     let mut stream = BytesMut::new();
     for frame in &frames {
@@ -32,18 +29,9 @@ fn client_stream_splits_at_every_byte() {
 
 #[test]
 fn server_stream_splits_at_every_byte() {
-    let mut frames = vec![ServerFrame::Welcome(Welcome {
-        session: SessionId(9),
-        lease_ms: 15_000,
-    })];
-    let replies = samples(response(), 6)
-        .into_iter()
-        .map(Ok)
-        .chain(samples(op_error(), 12).into_iter().map(Err));
-    frames.extend(replies.enumerate().map(|(id, reply)| ServerFrame::Reply {
-        id: id as u64,
-        reply,
-    }));
+    let mut frames = vec![ServerFrame::Welcome(Welcome { session: SessionId(9), lease_ms: 15_000 })];
+    let replies = samples(response(), 6).into_iter().map(Ok).chain(samples(op_error(), 12).into_iter().map(Err));
+    frames.extend(replies.enumerate().map(|(id, reply)| ServerFrame::Reply { id: id as u64, reply }));
     let mut stream = BytesMut::new();
     for frame in &frames {
         encode_server_frame(frame, &mut stream);
@@ -54,14 +42,8 @@ fn server_stream_splits_at_every_byte() {
 
 #[test]
 fn a_bad_frame_mid_stream_does_not_desync_the_rest() {
-    let first = ClientFrame::Request {
-        id: 1,
-        request: rallypoint_core::Request::NumKeys,
-    };
-    let last = ClientFrame::Request {
-        id: 3,
-        request: rallypoint_core::Request::Heartbeat,
-    };
+    let first = ClientFrame::Request { id: 1, request: rallypoint_core::Request::NumKeys };
+    let last = ClientFrame::Request { id: 3, request: rallypoint_core::Request::Heartbeat };
     let mut stream = BytesMut::new();
     encode_client_frame(&first, &mut stream);
     // Request id 2 with unknown opcode 0x7f and two bytes of junk after it.
@@ -72,10 +54,7 @@ fn a_bad_frame_mid_stream_does_not_desync_the_rest() {
     encode_client_frame(&last, &mut stream);
     let expected = [
         Ok(first),
-        Err(ProtoError::BadRequest {
-            id: Some(2),
-            message: "unknown request opcode 0x7f".into(),
-        }),
+        Err(ProtoError::BadRequest { id: Some(2), message: "unknown request opcode 0x7f".into() }),
         Ok(last),
     ];
     assert_split_invariant(&stream, &expected, decode_client_frame);

@@ -68,7 +68,9 @@ fn rank(py: Python<'_>, what: &str, rank: i64) -> PyResult<u32> {
 fn members(py: Python<'_>, ranks: Option<Vec<i64>>, role: Option<String>) -> PyResult<Members> {
     match (ranks, role) {
         (None, None) => Ok(Members::World),
-        (Some(ranks), None) => Ok(Members::Ranks(ranks.into_iter().map(|r| rank(py, "ranks", r)).collect::<PyResult<_>>()?)),
+        (Some(ranks), None) => {
+            Ok(Members::Ranks(ranks.into_iter().map(|r| rank(py, "ranks", r)).collect::<PyResult<_>>()?))
+        }
         (None, Some(role)) => Ok(Members::Role(role)),
         (Some(_), Some(_)) => Err(errors::invalid(py, "give ranks or role, not both".to_owned())),
     }
@@ -80,11 +82,12 @@ fn list<'py>(py: Python<'py>, values: &[bytes::Bytes]) -> Vec<Bound<'py, PyBytes
 
 impl Client {
     fn connect(py: Python<'_>, addr: String, identity: Identity, timeout: Duration) -> PyResult<Client> {
-        let runtime = crate::runtime("rallypoint-client", 1)
-            .map_err(|source| errors::to_py(py, Error::Connect { addr: addr.clone(), waited: Duration::ZERO, source }))?;
+        let runtime = crate::runtime("rallypoint-client", 1).map_err(|source| {
+            errors::to_py(py, Error::Connect { addr: addr.clone(), waited: Duration::ZERO, source })
+        })?;
         let options = ConnectOptions::new(addr.clone(), identity).with_timeout(timeout);
-        let client = crate::wait(py, &runtime, rallypoint::Client::connect_with(options))?
-            .map_err(|e| errors::to_py(py, e))?;
+        let client =
+            crate::wait(py, &runtime, rallypoint::Client::connect_with(options))?.map_err(|e| errors::to_py(py, e))?;
         // The identity with the host and pid that connect filled in.
         let identity = client.identity().clone();
         Ok(Client { addr, identity, timeout, client: Mutex::new(Some(client)), runtime })
@@ -130,7 +133,8 @@ impl Client {
             .map_err(|n| errors::invalid(py, format!("world_size={n} is not a positive integer")))?;
         if let (Some(rank), Some(world_size)) = (rank, world_size) {
             if rank >= world_size {
-                let message = format!("rank {rank} is not below the world size {world_size} (ranks are 0 to {})", world_size - 1);
+                let message =
+                    format!("rank {rank} is not below the world size {world_size} (ranks are 0 to {})", world_size - 1);
                 return Err(errors::invalid(py, message));
             }
         }

@@ -26,8 +26,9 @@ impl Coordinator {
     #[new]
     #[pyo3(signature = (listen = "127.0.0.1:0", lease = None))]
     fn new(py: Python<'_>, listen: &str, lease: Option<f64>) -> PyResult<Self> {
-        let listen: SocketAddr =
-            listen.parse().map_err(|e| errors::invalid(py, format!("listen='{listen}' is not an IP:PORT address: {e}")))?;
+        let listen: SocketAddr = listen
+            .parse()
+            .map_err(|e| errors::invalid(py, format!("listen='{listen}' is not an IP:PORT address: {e}")))?;
         let mut engine = Config::default();
         if let Some(lease) = lease {
             let lease = Duration::try_from_secs_f64(lease)
@@ -104,7 +105,8 @@ impl Coordinator {
     }
 
     fn __repr__(&self) -> String {
-        let state = if self.handle.lock().unwrap_or_else(PoisonError::into_inner).is_some() { "serving" } else { "stopped" };
+        let state =
+            if self.handle.lock().unwrap_or_else(PoisonError::into_inner).is_some() { "serving" } else { "stopped" };
         format!("_Coordinator(addr='{}', {state})", self.addr)
     }
 }

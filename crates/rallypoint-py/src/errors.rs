@@ -50,11 +50,16 @@ fn build(py: Python<'_>, error: Error) -> PyResult<PyErr> {
     let message = error.to_string();
     match error {
         Error::Op(op) => op_error(py, message, op),
-        Error::Connect { addr, waited, .. } => {
-            exception(py, "ConnectionError", message, vec![("addr", obj(py, addr)?), ("waited", obj(py, waited.as_secs_f64())?)])
-        }
+        Error::Connect { addr, waited, .. } => exception(
+            py,
+            "ConnectionError",
+            message,
+            vec![("addr", obj(py, addr)?), ("waited", obj(py, waited.as_secs_f64())?)],
+        ),
         Error::Disconnected(_) => exception(py, "ConnectionError", message, vec![]),
-        Error::Timeout(waited) => exception(py, "ReplyTimeout", message, vec![("waited", obj(py, waited.as_secs_f64())?)]),
+        Error::Timeout(waited) => {
+            exception(py, "ReplyTimeout", message, vec![("waited", obj(py, waited.as_secs_f64())?)])
+        }
         Error::Config(_) => exception(py, "InvalidArgument", message, vec![]),
         Error::Protocol(_) => exception(py, "RallypointError", message, vec![]),
     }

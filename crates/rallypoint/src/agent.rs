@@ -496,7 +496,10 @@ impl Hub {
                 }
             },
             None => {
-                debug!(slabs = slabs.len(), "every shared-memory slab is held; sending a large reply through the sockets");
+                debug!(
+                    slabs = slabs.len(),
+                    "every shared-memory slab is held; sending a large reply through the sockets"
+                );
                 return None;
             }
         };
@@ -886,7 +889,9 @@ async fn local_hello(
     loop {
         match decode_client_frame(rbuf, &hub.limits) {
             Ok(Some(ClientFrame::Hello(identity))) => return Ok(identity),
-            Ok(Some(ClientFrame::Request { .. } | ClientFrame::TakeSharedReplies | ClientFrame::ReleaseShared { .. })) => {
+            Ok(Some(
+                ClientFrame::Request { .. } | ClientFrame::TakeSharedReplies | ClientFrame::ReleaseShared { .. },
+            )) => {
                 return Err(Some(OpError::Invalid("the first frame must be a hello".to_owned())));
             }
             Ok(None) => {

@@ -102,7 +102,9 @@ fn resolve_with(overrides: Overrides, lookup: impl Fn(&str) -> Option<OsString>)
     };
 
     let rank = match overrides.rank {
-        Some(rank) => Some(u32::try_from(rank).map_err(|_| config(format!("rank={rank} is not a non-negative integer")))?),
+        Some(rank) => {
+            Some(u32::try_from(rank).map_err(|_| config(format!("rank={rank} is not a non-negative integer")))?)
+        }
         None => var("RANK")?.map(|v| env_int(&v, "RANK", 0)).transpose()?,
     };
     let world_size = match overrides.world_size {
@@ -132,7 +134,9 @@ fn resolve_with(overrides: Overrides, lookup: impl Fn(&str) -> Option<OsString>)
     };
 
     let timeout = match overrides.timeout_secs {
-        Some(secs) => seconds(secs).ok_or_else(|| config(format!("timeout={secs} is not a non-negative number of seconds")))?,
+        Some(secs) => {
+            seconds(secs).ok_or_else(|| config(format!("timeout={secs} is not a non-negative number of seconds")))?
+        }
         None => match var("RALLYPOINT_TIMEOUT")? {
             Some(value) => value.trim().parse().ok().and_then(seconds).ok_or_else(|| {
                 config(format!("RALLYPOINT_TIMEOUT='{value}' is not a non-negative number of seconds"))
@@ -335,7 +339,10 @@ mod tests {
 
     #[test]
     fn rank_must_be_below_world_size() {
-        let e = config_error(resolve(Overrides::default(), &[("RALLYPOINT_ADDR", "c:1"), ("RANK", "4"), ("WORLD_SIZE", "4")]));
+        let e = config_error(resolve(
+            Overrides::default(),
+            &[("RALLYPOINT_ADDR", "c:1"), ("RANK", "4"), ("WORLD_SIZE", "4")],
+        ));
         assert_eq!(e, "rank 4 is not below the world size 4 (ranks are 0 to 3)");
     }
 

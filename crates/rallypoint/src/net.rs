@@ -114,7 +114,9 @@ impl WriteHalf {
     pub(crate) fn try_write_with_files(&self, buf: &[u8], files: &[BorrowedFd<'_>]) -> io::Result<usize> {
         match self {
             _ if files.is_empty() => self.try_write(buf),
-            WriteHalf::Tcp(_) => Err(io::Error::new(io::ErrorKind::Unsupported, "files can only pass over Unix sockets")),
+            WriteHalf::Tcp(_) => {
+                Err(io::Error::new(io::ErrorKind::Unsupported, "files can only pass over Unix sockets"))
+            }
             WriteHalf::Unix(w) => {
                 let stream: &UnixStream = w.as_ref();
                 stream.try_io(Interest::WRITABLE, || shm::send_with_files(stream.as_fd(), buf, files))

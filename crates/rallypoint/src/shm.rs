@@ -174,7 +174,10 @@ pub(crate) fn recv_with_files(
     }
     if received.flags.contains(rustix::net::ReturnFlags::CTRUNC) {
         // Files were dropped by the kernel: a later shared reply would take the wrong one.
-        return Err(io::Error::new(io::ErrorKind::InvalidData, "more files arrived in one read than there was room for"));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "more files arrived in one read than there was room for",
+        ));
     }
     Ok(received.bytes)
 }

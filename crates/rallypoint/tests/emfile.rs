@@ -55,8 +55,8 @@ async fn accept_loop_survives_running_out_of_file_descriptors() {
         let config = ServerConfig { listen: "127.0.0.1:0".parse().expect("addr"), engine: Config::default() };
         let server = Server::bind(config).await.expect("bind").spawn();
         let addr = server.local_addr();
-        let options = ConnectOptions::new(addr.to_string(), Identity::anonymous("fd"))
-            .with_timeout(Duration::from_secs(10));
+        let options =
+            ConnectOptions::new(addr.to_string(), Identity::anonymous("fd")).with_timeout(Duration::from_secs(10));
         let before = Client::connect_with(options).await.expect("connect before the squeeze");
         before.set("k", "v").await.expect("set");
 

@@ -16,8 +16,8 @@ use tokio::process::Command;
 
 use super::tcpstore::{self, StoreConn};
 use super::{
-    close_all, connect_many, ensure_fds, mono_ns, on_target, options, print_report, round_stats, run_rounds, ClientFuture,
-    Protocol, RoundOp, Sources, Target, Times,
+    close_all, connect_many, ensure_fds, mono_ns, on_target, options, print_report, round_stats, run_rounds,
+    ClientFuture, Protocol, RoundOp, Sources, Target, Times,
 };
 use crate::parse;
 
@@ -172,7 +172,8 @@ impl Setup<'_> {
         let n = self.args.clients;
         Ok(match self.args.protocol {
             Protocol::Native => Clients::Native(
-                connect_many(ranks, |rank| options(self.addr, Identity::ranked(self.job, rank, n), self.timeout)).await?,
+                connect_many(ranks, |rank| options(self.addr, Identity::ranked(self.job, rank, n), self.timeout))
+                    .await?,
             ),
             Protocol::Tcpstore => Clients::Store(
                 tcpstore::connect_many(tcpstore::resolve(self.addr)?, ranks, self.sources, self.timeout).await?,

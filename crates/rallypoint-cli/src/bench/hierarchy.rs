@@ -231,7 +231,9 @@ impl Spawned {
 
 async fn coordinate(args: &Args) -> anyhow::Result<Report> {
     let generators = args.generators.unwrap_or(args.ranks.div_ceil(PER_GENERATOR)).min(args.ranks);
-    let mut root = spawn(&["serve".into(), "--listen".into(), "127.0.0.1:0".into(), "--print-addr".into()], "the coordinator").await?;
+    let mut root =
+        spawn(&["serve".into(), "--listen".into(), "127.0.0.1:0".into(), "--print-addr".into()], "the coordinator")
+            .await?;
     let root_addr = root.line("the coordinator").await?;
 
     let agents = Agents::start(args.agents, &root_addr, args.transport).await?;
@@ -281,14 +283,16 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
     let mut gen_cpu_after = 0;
     for generator in &mut gens {
         let line = generator.line("a load generator").await?;
-        let report: GeneratorReport = serde_json::from_str(&line).with_context(|| format!("a generator reported {line:?}"))?;
+        let report: GeneratorReport =
+            serde_json::from_str(&line).with_context(|| format!("a generator reported {line:?}"))?;
         gen_cpu_after += cpu_ticks(&generator.child);
         reports.push(report);
     }
     let total = (args.warmup + args.rounds) as usize;
     let start_ns = reports.iter().map(|r| r.start_ns).max().unwrap_or(0);
-    let ends: Vec<u64> =
-        (0..total).map(|k| reports.iter().map(|r| r.round_end_ns.get(k).copied().unwrap_or(0)).max().unwrap_or(0)).collect();
+    let ends: Vec<u64> = (0..total)
+        .map(|k| reports.iter().map(|r| r.round_end_ns.get(k).copied().unwrap_or(0)).max().unwrap_or(0))
+        .collect();
     let mut rounds: Vec<Duration> = Vec::new();
     let mut previous = start_ns;
     for (k, &end) in ends.iter().enumerate() {
@@ -298,11 +302,7 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
         previous = end;
     }
     // Generators exit after reporting: sample them before reading their last line.
-    let cpu_after = [
-        cpu_ticks(&root.child),
-        cpu_of(agents.children.iter().map(|a| &a.child)),
-        gen_cpu_after,
-    ];
+    let cpu_after = [cpu_ticks(&root.child), cpu_of(agents.children.iter().map(|a| &a.child)), gen_cpu_after];
     // SAFETY: sysconf has no preconditions.
     let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     let per_rank_round = |i: usize| {
@@ -391,7 +391,8 @@ async fn generator(args: &Args, first: u32, count: u32) -> anyhow::Result<()> {
     let mut ranks = JoinSet::new();
     for rank in first..first + count {
         let addr = addrs[rank as usize % addrs.len()].clone();
-        let identity = Identity { host: "bench".into(), pid: std::process::id(), ..Identity::ranked("bench", rank, args.ranks) };
+        let identity =
+            Identity { host: "bench".into(), pid: std::process::id(), ..Identity::ranked("bench", rank, args.ranks) };
         let (released, round_end, slots, ready_tx, mut go_rx) =
             (Arc::clone(&released), Arc::clone(&round_end), Arc::clone(&slots), ready_tx.clone(), go_rx.clone());
         ranks.spawn(async move {
@@ -446,7 +447,8 @@ async fn generator(args: &Args, first: u32, count: u32) -> anyhow::Result<()> {
     while let Some(done) = ranks.join_next().await {
         conns.push(done??);
     }
-    let report = GeneratorReport { round_end_ns: round_end.iter().map(|t| t.load(Ordering::Acquire)).collect(), start_ns };
+    let report =
+        GeneratorReport { round_end_ns: round_end.iter().map(|t| t.load(Ordering::Acquire)).collect(), start_ns };
     println!("{}", serde_json::to_string(&report)?);
     // Stay (and keep the connections) until the parent has read this process's CPU
     // time and kills it.

@@ -127,7 +127,10 @@ impl Target {
 
 /// Runs `measure` against the coordinator at `addr`, or against one started for it
 /// and stopped afterwards whether the measurement succeeded or not.
-async fn on_target<R>(addr: Option<String>, measure: impl AsyncFnOnce(&Target) -> anyhow::Result<R>) -> anyhow::Result<R> {
+async fn on_target<R>(
+    addr: Option<String>,
+    measure: impl AsyncFnOnce(&Target) -> anyhow::Result<R>,
+) -> anyhow::Result<R> {
     let target = Target::start(addr).await?;
     let report = measure(&target).await;
     target.stop().await;
@@ -173,7 +176,11 @@ impl Sources {
         let addrs = explicit.unwrap_or_else(|| {
             // Leave a tenth of the range for whatever else runs on the machine.
             let usable = (ephemeral_ports() * 9 / 10).max(1);
-            if clients <= usable { 0 } else { clients.div_ceil(usable) }
+            if clients <= usable {
+                0
+            } else {
+                clients.div_ceil(usable)
+            }
         });
         Sources { addrs, per_addr: clients.div_ceil(addrs.max(1)).max(1) }
     }
@@ -218,7 +225,11 @@ type RoundOp<C> = Arc<dyn for<'a> Fn(&'a mut C, usize) -> ClientFuture<'a> + Sen
 /// Runs rounds `0..total` of `op` on every client, each client looping on its own
 /// like a rank of a training job. Returns the clients and, per round, when its last
 /// client finished it ([`mono_ns`]); or the first failure.
-async fn run_rounds<C: Send + 'static>(clients: Vec<C>, total: usize, op: RoundOp<C>) -> (Vec<C>, anyhow::Result<Vec<u64>>) {
+async fn run_rounds<C: Send + 'static>(
+    clients: Vec<C>,
+    total: usize,
+    op: RoundOp<C>,
+) -> (Vec<C>, anyhow::Result<Vec<u64>>) {
     let mut running = JoinSet::new();
     for mut client in clients {
         let op = Arc::clone(&op);

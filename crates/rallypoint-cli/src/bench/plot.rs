@@ -261,7 +261,13 @@ fn duration(us: f64) -> String {
     };
     let mut text = String::new();
     // Up to three significant digits, without trailing zeros.
-    let decimals = if value >= 100.0 { 0 } else if value >= 10.0 { 1 } else { 2 };
+    let decimals = if value >= 100.0 {
+        0
+    } else if value >= 10.0 {
+        1
+    } else {
+        2
+    };
     let _ = write!(text, "{value:.decimals$}");
     if text.contains('.') {
         let trimmed = text.trim_end_matches('0').trim_end_matches('.').len();
@@ -309,9 +315,10 @@ fn font_candidates(dirs: &[PathBuf]) -> Vec<PathBuf> {
     // Plain upright sans-serif faces first, DejaVu Sans (Debian's default) above all.
     let rank = |path: &PathBuf| {
         let name = path.file_stem().and_then(|s| s.to_str()).unwrap_or_default().to_ascii_lowercase();
-        let styled = ["bold", "italic", "oblique", "light", "thin", "condensed", "mono", "math", "serif-", "extralight"]
-            .iter()
-            .any(|s| name.contains(s));
+        let styled =
+            ["bold", "italic", "oblique", "light", "thin", "condensed", "mono", "math", "serif-", "extralight"]
+                .iter()
+                .any(|s| name.contains(s));
         let preferred = ["dejavusans", "liberationsans-regular", "notosans-regular", "freesans", "arial"]
             .iter()
             .position(|p| name == *p)

@@ -95,16 +95,16 @@ impl Collectives {
             ctx.reply(caller, Err(error.clone()));
             return;
         }
-        let shape = CallShape {
-            rank: call.rank,
-            members: call.members.clone(),
-            world_size: call.world_size,
-            root: call.root,
-        };
+        let shape =
+            CallShape { rank: call.rank, members: call.members.clone(), world_size: call.world_size, root: call.root };
         let generation = match coll.pending.get_mut(&op.generation) {
             Some(generation) => {
                 if !same_call(&generation.shape, &shape) {
-                    let error = OpError::Mismatch { op: op.clone(), mine: Box::new(shape), theirs: Box::new(generation.shape.clone()) };
+                    let error = OpError::Mismatch {
+                        op: op.clone(),
+                        mine: Box::new(shape),
+                        theirs: Box::new(generation.shape.clone()),
+                    };
                     ctx.reply(caller, Err(error.clone()));
                     coll.fail(op.generation, error, failed_kept, ctx);
                     return;
@@ -212,7 +212,15 @@ impl Collectives {
 
     /// A collective's deadline fired: if that generation still waits, fail it for every
     /// waiter, naming each missing member.
-    pub fn deadline(&mut self, kind: CollectiveKind, name: &str, generation: u64, at: Millis, ranks: &Ranks, ctx: &mut Ctx<'_>) {
+    pub fn deadline(
+        &mut self,
+        kind: CollectiveKind,
+        name: &str,
+        generation: u64,
+        at: Millis,
+        ranks: &Ranks,
+        ctx: &mut Ctx<'_>,
+    ) {
         let failed_kept = self.failed_kept;
         let Some(coll) = self.by_name.get_mut(&(kind, name.to_owned())) else { return };
         let Some(g) = coll.pending.get(&generation) else { return };
@@ -249,7 +257,10 @@ impl Collectives {
             .into_iter()
             .map(|(name, kind, generation, g)| {
                 let op = OpRef { kind, name: name.to_owned(), generation };
-                let members = g.members.count().map_or_else(|| "? (a role's members are known once every rank connected)".to_owned(), |n| n.to_string());
+                let members = g.members.count().map_or_else(
+                    || "? (a role's members are known once every rank connected)".to_owned(),
+                    |n| n.to_string(),
+                );
                 let (what, missing) = match (kind, g.shape.root) {
                     (CollectiveKind::Broadcast, Some(root)) => ("the root has not arrived", vec![root]),
                     _ => ("missing", g.members.missing(&g.arrivals, ranks)),

@@ -108,7 +108,8 @@ impl Engine {
             job.sessions += 1;
             if let Some(rank) = identity.rank {
                 let mut ctx = Ctx { job: job_id, now, out: &mut self.outgoing, timers: &mut self.timers };
-                let change = job.ranks.connect(rank, &identity.host, identity.pid, identity.role.as_deref(), now, lease_ms);
+                let change =
+                    job.ranks.connect(rank, &identity.host, identity.pid, identity.role.as_deref(), now, lease_ms);
                 job.apply(rank, change, &mut ctx);
                 job.collectives.rank_connected(&job.ranks, &mut ctx);
             }
@@ -123,7 +124,14 @@ impl Engine {
     /// without rank in `job`. Its rank is inferred later from the address key it
     /// writes; a new connection of a process already attributed gets that rank at once
     /// (torch opens several connections per process).
-    pub fn open_tcpstore(&mut self, session: SessionId, job: &str, host: &str, pid: u32, now: Millis) -> Result<Welcome, OpError> {
+    pub fn open_tcpstore(
+        &mut self,
+        session: SessionId,
+        job: &str,
+        host: &str,
+        pid: u32,
+        now: Millis,
+    ) -> Result<Welcome, OpError> {
         let mut identity = Identity::anonymous(job);
         identity.host = host.to_owned();
         identity.pid = pid;
@@ -291,13 +299,33 @@ impl Engine {
                 key_wait(job, &mut ctx, id, WaitKind::MultiGet, keys, timeout_ms, torch)
             }
             Request::Barrier { name, members, timeout_ms } => {
-                let call = collective_call(&sess.identity, id, &job.ranks, CollectiveKind::Barrier, &name, members, None, bytes::Bytes::new(), timeout_ms);
+                let call = collective_call(
+                    &sess.identity,
+                    id,
+                    &job.ranks,
+                    CollectiveKind::Barrier,
+                    &name,
+                    members,
+                    None,
+                    bytes::Bytes::new(),
+                    timeout_ms,
+                );
                 call.map(|call| job.collectives.arrive(CollectiveKind::Barrier, &name, call, &job.ranks, &mut ctx))
                     .err()
                     .map(Err)
             }
             Request::AllGather { name, members, value, timeout_ms } => {
-                let call = collective_call(&sess.identity, id, &job.ranks, CollectiveKind::AllGather, &name, members, None, value, timeout_ms);
+                let call = collective_call(
+                    &sess.identity,
+                    id,
+                    &job.ranks,
+                    CollectiveKind::AllGather,
+                    &name,
+                    members,
+                    None,
+                    value,
+                    timeout_ms,
+                );
                 call.map(|call| job.collectives.arrive(CollectiveKind::AllGather, &name, call, &job.ranks, &mut ctx))
                     .err()
                     .map(Err)
@@ -305,13 +333,27 @@ impl Engine {
             Request::Broadcast { name, members, root, value, timeout_ms } => {
                 let is_root = sess.identity.rank == Some(root);
                 match (is_root, value) {
-                    (true, None) => Some(Err(OpError::Invalid(format!("broadcast '{name}': the root (rank {root}) must provide a value")))),
+                    (true, None) => Some(Err(OpError::Invalid(format!(
+                        "broadcast '{name}': the root (rank {root}) must provide a value"
+                    )))),
                     (_, value) => {
                         let value = if is_root { value.unwrap_or_default() } else { bytes::Bytes::new() };
-                        let call = collective_call(&sess.identity, id, &job.ranks, CollectiveKind::Broadcast, &name, members, Some(root), value, timeout_ms);
-                        call.map(|call| job.collectives.arrive(CollectiveKind::Broadcast, &name, call, &job.ranks, &mut ctx))
-                            .err()
-                            .map(Err)
+                        let call = collective_call(
+                            &sess.identity,
+                            id,
+                            &job.ranks,
+                            CollectiveKind::Broadcast,
+                            &name,
+                            members,
+                            Some(root),
+                            value,
+                            timeout_ms,
+                        );
+                        call.map(|call| {
+                            job.collectives.arrive(CollectiveKind::Broadcast, &name, call, &job.ranks, &mut ctx)
+                        })
+                        .err()
+                        .map(Err)
                     }
                 }
             }

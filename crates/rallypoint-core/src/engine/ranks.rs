@@ -39,7 +39,15 @@ pub(crate) enum Change {
 
 impl Ranks {
     /// A session of `rank` opened.
-    pub fn connect(&mut self, rank: u32, host: &str, pid: u32, role: Option<&str>, now: Millis, lease_ms: u64) -> Change {
+    pub fn connect(
+        &mut self,
+        rank: u32,
+        host: &str,
+        pid: u32,
+        role: Option<&str>,
+        now: Millis,
+        lease_ms: u64,
+    ) -> Change {
         let entry = self.entries.entry(rank).or_insert_with(|| Entry {
             host: String::new(),
             pid: 0,
@@ -140,13 +148,7 @@ impl Ranks {
     /// Everything known about `rank`, for an error message.
     pub fn info(&self, rank: u32, now: Millis) -> RankInfo {
         match self.entries.get(&rank) {
-            None => RankInfo {
-                rank,
-                host: None,
-                pid: None,
-                state: RankState::NeverConnected,
-                last_seen_ms_ago: None,
-            },
+            None => RankInfo { rank, host: None, pid: None, state: RankState::NeverConnected, last_seen_ms_ago: None },
             Some(e) => RankInfo {
                 rank,
                 host: Some(e.host.clone()),

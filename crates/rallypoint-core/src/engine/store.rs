@@ -16,7 +16,9 @@ pub(crate) enum WaitKind {
     Get,
     MultiGet,
     /// A TCPStore store barrier: released once the counter at its key reaches `world_size`.
-    Barrier { world_size: i64 },
+    Barrier {
+        world_size: i64,
+    },
 }
 
 /// A request blocked on keys, identified by its session and request id.
@@ -109,7 +111,8 @@ impl Store {
             return Ok(Some(Ok(Response::Done)));
         }
         self.barrier_waiters.entry(key.clone()).or_default().insert((world_size, id));
-        self.waits.insert(id, KeyWait { kind: WaitKind::Barrier { world_size }, keys: vec![key], missing: 0, started: now });
+        self.waits
+            .insert(id, KeyWait { kind: WaitKind::Barrier { world_size }, keys: vec![key], missing: 0, started: now });
         Ok(None)
     }
 
@@ -165,14 +168,11 @@ impl Store {
         let slot = self.data.get_mut(&key);
         let current = match &slot {
             None => 0,
-            Some(value) => parse_stoll(value).ok_or_else(|| OpError::NotANumber {
-                key: key.clone(),
-                value: (*value).clone(),
-            })?,
+            Some(value) => {
+                parse_stoll(value).ok_or_else(|| OpError::NotANumber { key: key.clone(), value: (*value).clone() })?
+            }
         };
-        let new = current
-            .checked_add(delta)
-            .ok_or_else(|| OpError::Overflow { key: key.clone(), current, delta })?;
+        let new = current.checked_add(delta).ok_or_else(|| OpError::Overflow { key: key.clone(), current, delta })?;
         // Decimal text, as TCPStore stores counters; freshly allocated, so no copy needed.
         let value = Bytes::from(new.to_string());
         match slot {

@@ -10,12 +10,28 @@ use super::JobId;
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Timer {
-    KeyWait { job: JobId, session: SessionId, request_id: u64 },
+    KeyWait {
+        job: JobId,
+        session: SessionId,
+        request_id: u64,
+    },
     /// The job's torch waits may be stalled: report those blocked long enough.
-    StallSweep { job: JobId },
-    Collective { job: JobId, kind: CollectiveKind, name: String, generation: u64 },
-    Lease { job: JobId, rank: u32 },
-    JobIdle { job: JobId },
+    StallSweep {
+        job: JobId,
+    },
+    Collective {
+        job: JobId,
+        kind: CollectiveKind,
+        name: String,
+        generation: u64,
+    },
+    Lease {
+        job: JobId,
+        rank: u32,
+    },
+    JobIdle {
+        job: JobId,
+    },
 }
 
 #[derive(Debug)]

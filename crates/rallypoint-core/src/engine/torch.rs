@@ -12,8 +12,8 @@ use crate::error::{Secs, Show};
 use crate::{Identity, Millis, SessionId};
 
 use super::job::Job;
-use super::{HashMap, Session};
 use super::store::{KeyWait, WaitKind};
+use super::{HashMap, Session};
 
 /// A torch wait blocked this long on an address key or a store barrier is reported.
 pub(crate) const STALL_REPORT_MS: Millis = 5_000;
@@ -55,11 +55,7 @@ fn decimal(digits: &[u8]) -> Option<u32> {
 
 /// Ranks whose address key under `prefix` exists.
 fn written(job: &Job, prefix: &[u8]) -> BTreeSet<u32> {
-    job.store
-        .list(prefix)
-        .iter()
-        .filter_map(|k| address_key(k).filter(|(p, _)| *p == prefix).map(|(_, r)| r))
-        .collect()
+    job.store.list(prefix).iter().filter_map(|k| address_key(k).filter(|(p, _)| *p == prefix).map(|(_, r)| r)).collect()
 }
 
 /// Address-key prefixes and ranks a wait is blocked on.
@@ -97,7 +93,11 @@ fn ranks(set: &BTreeSet<u32>) -> String {
 
 /// Ranks that wait at store barrier `key`, and the ranks of the world not among them,
 /// when every waiter is attributed.
-fn barrier_arrivals(job: &Job, key: &Bytes, rank_of: &dyn Fn(SessionId) -> Option<u32>) -> (usize, Option<i64>, BTreeSet<u32>, bool) {
+fn barrier_arrivals(
+    job: &Job,
+    key: &Bytes,
+    rank_of: &dyn Fn(SessionId) -> Option<u32>,
+) -> (usize, Option<i64>, BTreeSet<u32>, bool) {
     let mut waiting = 0;
     let mut world = None;
     let mut arrived = BTreeSet::new();
@@ -154,7 +154,9 @@ pub(crate) fn sweep_stalls(
         }
         if due <= now {
             let identity = sessions.get(session).map(|s| &s.identity);
-            if let Some(notice) = identity.and_then(|identity| stall_notice(job, *session, identity, wait, &rank_of, now)) {
+            if let Some(notice) =
+                identity.and_then(|identity| stall_notice(job, *session, identity, wait, &rank_of, now))
+            {
                 notices.push(notice);
                 noted.push((*subject).clone());
             }
@@ -263,7 +265,8 @@ pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: 
     }
     prefixes.sort();
     for prefix in &prefixes {
-        let _ = write!(out, "process group {}: address written by ranks {}", Show(prefix), ranks(&written(job, prefix)));
+        let _ =
+            write!(out, "process group {}: address written by ranks {}", Show(prefix), ranks(&written(job, prefix)));
         if let Some((_, missing)) = missing_by_group.iter().find(|(p, _)| p == prefix) {
             let _ = write!(out, "; MISSING (waited for, never written): ranks {}", ranks(missing));
         }
@@ -307,7 +310,15 @@ mod tests {
         assert_eq!(address_key(b"/default_pg/0//cpu//0/3"), Some((&b"/default_pg/0//cpu//0/"[..], 3)));
         assert_eq!(address_key(b"/default_pg/0//1//cpu//0/12"), Some((&b"/default_pg/0//1//cpu//0/"[..], 12)));
         assert_eq!(address_key(b"/default_pg/0//cuda//0/0"), Some((&b"/default_pg/0//cuda//0/"[..], 0)));
-        for no in [&b"/k"[..], b"init/", b"/default_pg/0//cpu//0/", b"/a/0/1", b"/x//cpu//a/1", b"/x/cpu//0/1", b"/x//c-u//0/1"] {
+        for no in [
+            &b"/k"[..],
+            b"init/",
+            b"/default_pg/0//cpu//0/",
+            b"/a/0/1",
+            b"/x//cpu//a/1",
+            b"/x/cpu//0/1",
+            b"/x//c-u//0/1",
+        ] {
             assert_eq!(address_key(no), None, "{}", no.escape_ascii());
         }
     }

@@ -152,7 +152,11 @@ fn value(value: &Bytes, limits: &Limits) -> Result<(), OpError> {
 
 fn count(n: usize, limits: &Limits) -> Result<(), OpError> {
     if n > limits.max_keys_per_op {
-        return Err(OpError::TooLarge { what: "number of keys".into(), len: n as u64, limit: limits.max_keys_per_op as u64 });
+        return Err(OpError::TooLarge {
+            what: "number of keys".into(),
+            len: n as u64,
+            limit: limits.max_keys_per_op as u64,
+        });
     }
     Ok(())
 }

@@ -5,7 +5,9 @@
 use std::collections::HashMap;
 
 use bytes::Bytes;
-use rallypoint_core::{Config, Engine, Identity, Members, Millis, OpError, Outgoing, Reply, Request, Response, SessionId};
+use rallypoint_core::{
+    Config, Engine, Identity, Members, Millis, OpError, Outgoing, Reply, Request, Response, SessionId,
+};
 
 pub struct Harness {
     pub engine: Engine,

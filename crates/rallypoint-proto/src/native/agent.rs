@@ -39,15 +39,30 @@ pub enum AgentFrame {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum RootFrame {
     /// The agent hello was accepted; `lease_ms` is the coordinator's lease.
-    Welcome { lease_ms: u64 },
+    Welcome {
+        lease_ms: u64,
+    },
     /// The agent hello was refused; the coordinator closes the connection.
     Refused(OpError),
-    SubWelcome { sub: u64, welcome: Welcome },
+    SubWelcome {
+        sub: u64,
+        welcome: Welcome,
+    },
     /// The sub-session's hello was refused; nothing of it remains on the coordinator.
-    SubRefused { sub: u64, error: OpError },
-    SubReply { sub: u64, id: u64, reply: Reply },
+    SubRefused {
+        sub: u64,
+        error: OpError,
+    },
+    SubReply {
+        sub: u64,
+        id: u64,
+        reply: Reply,
+    },
     /// The same reply to every listed `(sub, id)` call: a barrier's release for a node.
-    SubReplies { calls: Vec<(u64, u64)>, reply: Reply },
+    SubReplies {
+        calls: Vec<(u64, u64)>,
+        reply: Reply,
+    },
 }
 
 /// Bytes one `(sub, id)` call takes in a SubRequests or SubReplies frame.

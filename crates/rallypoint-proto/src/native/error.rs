@@ -53,6 +53,5 @@ impl ProtoError {
 }
 
 fn id_suffix(id: Option<u64>) -> String {
-    id.map(|id| format!(" (request id {id})"))
-        .unwrap_or_default()
+    id.map(|id| format!(" (request id {id})")).unwrap_or_default()
 }

@@ -90,30 +90,20 @@ impl FrameLimits {
     /// Never below 64 MiB, so that batches of ordinary keys fit. Key and value
     /// limits are the engine's to enforce (with a typed `TooLarge`), not the codec's.
     pub fn from_limits(limits: &Limits) -> Self {
-        let largest = limits
-            .max_value_len
-            .saturating_mul(2)
-            .saturating_add(limits.max_key_len)
-            .saturating_add(1 << 20);
-        FrameLimits {
-            max_frame_len: largest.clamp(Self::DEFAULT_MAX_FRAME_LEN, MAX_FRAME_LEN),
-        }
+        let largest = limits.max_value_len.saturating_mul(2).saturating_add(limits.max_key_len).saturating_add(1 << 20);
+        FrameLimits { max_frame_len: largest.clamp(Self::DEFAULT_MAX_FRAME_LEN, MAX_FRAME_LEN) }
     }
 
     /// Accepts every frame the format can express; for a client reading replies
     /// from a trusted server (an all-gather reply grows with the world size).
     pub fn unbounded() -> Self {
-        FrameLimits {
-            max_frame_len: MAX_FRAME_LEN,
-        }
+        FrameLimits { max_frame_len: MAX_FRAME_LEN }
     }
 }
 
 impl Default for FrameLimits {
     fn default() -> Self {
-        FrameLimits {
-            max_frame_len: Self::DEFAULT_MAX_FRAME_LEN,
-        }
+        FrameLimits { max_frame_len: Self::DEFAULT_MAX_FRAME_LEN }
     }
 }
 
@@ -251,7 +241,10 @@ pub(crate) fn write_frame(dst: &mut BytesMut, body: impl FnOnce(&mut BytesMut)) 
 
 /// Writes a length prefix and the start of the body `head` produces; the body ends
 /// with the tail `head` returns, which the caller writes (the prefix counts it).
-pub(crate) fn write_frame_shared(dst: &mut BytesMut, head: impl FnOnce(&mut BytesMut) -> Option<Bytes>) -> Option<Bytes> {
+pub(crate) fn write_frame_shared(
+    dst: &mut BytesMut,
+    head: impl FnOnce(&mut BytesMut) -> Option<Bytes>,
+) -> Option<Bytes> {
     let start = dst.len();
     dst.put_u32_le(0);
     let tail = head(dst);
@@ -275,33 +268,23 @@ pub fn pending_frame_len(src: &[u8]) -> Option<usize> {
 ///
 /// `Ok(None)`: `src` does not hold a whole frame yet; read more and call again.
 /// A non-fatal error consumed its frame, so decoding can continue after it.
-pub fn decode_client_frame(
-    src: &mut BytesMut,
-    limits: &FrameLimits,
-) -> Result<Option<ClientFrame>, ProtoError> {
+pub fn decode_client_frame(src: &mut BytesMut, limits: &FrameLimits) -> Result<Option<ClientFrame>, ProtoError> {
     let Some(body) = take_frame(src, limits)? else {
         return Ok(None);
     };
     let mut r = Reader::new(body);
     let mut id = None;
-    client_body(&mut r, &mut id)
-        .map(Some)
-        .map_err(|DecodeError(message)| ProtoError::BadRequest { id, message })
+    client_body(&mut r, &mut id).map(Some).map_err(|DecodeError(message)| ProtoError::BadRequest { id, message })
 }
 
 /// Decodes the next server frame from `src`; same contract as [`decode_client_frame`].
-pub fn decode_server_frame(
-    src: &mut BytesMut,
-    limits: &FrameLimits,
-) -> Result<Option<ServerFrame>, ProtoError> {
+pub fn decode_server_frame(src: &mut BytesMut, limits: &FrameLimits) -> Result<Option<ServerFrame>, ProtoError> {
     let Some(body) = take_frame(src, limits)? else {
         return Ok(None);
     };
     let mut r = Reader::new(body);
     let mut id = None;
-    server_body(&mut r, &mut id)
-        .map(Some)
-        .map_err(|DecodeError(message)| ProtoError::BadReply { id, message })
+    server_body(&mut r, &mut id).map(Some).map_err(|DecodeError(message)| ProtoError::BadReply { id, message })
 }
 
 /// Splits one whole frame body off `src`, or returns `Ok(None)` if it has not all arrived.
@@ -331,10 +314,7 @@ fn client_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ClientFrame
         kind::REQUEST => {
             let request_id = r.u64("request id")?;
             *id = Some(request_id);
-            ClientFrame::Request {
-                id: request_id,
-                request: decode_request(r)?,
-            }
+            ClientFrame::Request { id: request_id, request: decode_request(r)? }
         }
         kind::TAKE_SHARED_REPLIES => ClientFrame::TakeSharedReplies,
         kind::RELEASE_SHARED => ClientFrame::ReleaseShared { slab: r.u64("slab")? },
@@ -352,23 +332,14 @@ fn client_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ClientFrame
 fn server_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ServerFrame> {
     let (frame, what) = match r.u8("frame kind")? {
         kind::WELCOME => {
-            let welcome = Welcome {
-                session: SessionId(r.u64("session")?),
-                lease_ms: r.u64("lease_ms")?,
-            };
+            let welcome = Welcome { session: SessionId(r.u64("session")?), lease_ms: r.u64("lease_ms")? };
             (ServerFrame::Welcome(welcome), "welcome")
         }
         kind::REFUSED => (ServerFrame::Refused(decode_op_error(r)?), "refused"),
         kind::REPLY => {
             let request_id = r.u64("request id")?;
             *id = Some(request_id);
-            (
-                ServerFrame::Reply {
-                    id: request_id,
-                    reply: decode_reply_body(r)?,
-                },
-                "reply",
-            )
+            (ServerFrame::Reply { id: request_id, reply: decode_reply_body(r)? }, "reply")
         }
         kind::SHARED_REPLY => {
             let request_id = r.u64("request id")?;

@@ -22,8 +22,8 @@ pub use agent::{
 pub use error::ProtoError;
 pub use frame::{
     decode_client_frame, decode_server_frame, decode_shared_reply, encode_client_frame, encode_reply,
-    encode_reply_body_parts, encode_reply_shared, encode_server_frame, pending_frame_len, reply_payload_len, ClientFrame,
-    FrameLimits, ServerFrame, MAX_FRAME_LEN,
+    encode_reply_body_parts, encode_reply_shared, encode_server_frame, pending_frame_len, reply_payload_len,
+    ClientFrame, FrameLimits, ServerFrame, MAX_FRAME_LEN,
 };
 
 /// First bytes a native client sends. A PyTorch TCPStore client's first byte is
@@ -46,9 +46,7 @@ pub fn encode_preamble(dst: &mut BytesMut) {
 pub fn decode_preamble(src: &mut BytesMut) -> Result<Option<u16>, ProtoError> {
     let seen = &src[..src.len().min(MAGIC.len())];
     if !MAGIC.starts_with(seen) {
-        return Err(ProtoError::BadMagic {
-            got: Bytes::copy_from_slice(seen),
-        });
+        return Err(ProtoError::BadMagic { got: Bytes::copy_from_slice(seen) });
     }
     if src.len() < PREAMBLE_LEN {
         return Ok(None);

@@ -2,9 +2,7 @@
 //! exactly the typed error the engine produced (docs/PROTOCOL.md, "Errors").
 
 use bytes::{BufMut, BytesMut};
-use rallypoint_core::{
-    AbortInfo, CallShape, CollectiveKind, LossReason, OpError, OpRef, RankInfo, RankState,
-};
+use rallypoint_core::{AbortInfo, CallShape, CollectiveKind, LossReason, OpError, OpRef, RankInfo, RankState};
 
 use super::request::{blobs, decode_members, encode_members, put_blobs};
 use super::wire::{DecodeError, DecodeResult, Reader, WireWrite};
@@ -33,12 +31,7 @@ const MIN_RANK_INFO_LEN: usize = 4 + 1 + 1 + 1 + 1;
 
 pub(crate) fn encode_op_error(error: &OpError, dst: &mut BytesMut) {
     match error {
-        OpError::CollectiveTimeout {
-            op,
-            waited_ms,
-            members,
-            missing,
-        } => {
+        OpError::CollectiveTimeout { op, waited_ms, members, missing } => {
             dst.put_u8(tag::COLLECTIVE_TIMEOUT);
             encode_op_ref(op, dst);
             dst.put_u64_le(*waited_ms);
@@ -81,11 +74,7 @@ pub(crate) fn encode_op_error(error: &OpError, dst: &mut BytesMut) {
             dst.put_blob(key);
             dst.put_blob(value);
         }
-        OpError::Overflow {
-            key,
-            current,
-            delta,
-        } => {
+        OpError::Overflow { key, current, delta } => {
             dst.put_u8(tag::OVERFLOW);
             dst.put_blob(key);
             dst.put_i64_le(*current);
@@ -122,18 +111,9 @@ pub(crate) fn decode_op_error_fields(tag: u8, r: &mut Reader) -> DecodeResult<Op
             members: r.u32("members")?,
             missing: r.list("missing", MIN_RANK_INFO_LEN, decode_rank_info)?,
         },
-        tag::KEY_TIMEOUT => OpError::KeyTimeout {
-            waited_ms: r.u64("waited_ms")?,
-            missing: blobs(r, "missing")?,
-        },
-        tag::PEER_LOST => OpError::PeerLost {
-            op: decode_op_ref(r)?,
-            peer: decode_rank_info(r)?,
-        },
-        tag::ABORTED => OpError::Aborted {
-            job: r.string("job")?,
-            by: decode_abort_info(r)?,
-        },
+        tag::KEY_TIMEOUT => OpError::KeyTimeout { waited_ms: r.u64("waited_ms")?, missing: blobs(r, "missing")? },
+        tag::PEER_LOST => OpError::PeerLost { op: decode_op_ref(r)?, peer: decode_rank_info(r)? },
+        tag::ABORTED => OpError::Aborted { job: r.string("job")?, by: decode_abort_info(r)? },
         tag::MISMATCH => OpError::Mismatch {
             op: decode_op_ref(r)?,
             mine: Box::new(decode_call_shape(r)?),
@@ -144,23 +124,10 @@ pub(crate) fn decode_op_error_fields(tag: u8, r: &mut Reader) -> DecodeResult<Op
             name: r.string("name")?,
             reason: r.string("reason")?,
         },
-        tag::NO_RANK => OpError::NoRank {
-            op: r.string("op")?,
-        },
-        tag::NOT_A_NUMBER => OpError::NotANumber {
-            key: r.bytes("key")?,
-            value: r.bytes("value")?,
-        },
-        tag::OVERFLOW => OpError::Overflow {
-            key: r.bytes("key")?,
-            current: r.i64("current")?,
-            delta: r.i64("delta")?,
-        },
-        tag::TOO_LARGE => OpError::TooLarge {
-            what: r.string("what")?,
-            len: r.u64("len")?,
-            limit: r.u64("limit")?,
-        },
+        tag::NO_RANK => OpError::NoRank { op: r.string("op")? },
+        tag::NOT_A_NUMBER => OpError::NotANumber { key: r.bytes("key")?, value: r.bytes("value")? },
+        tag::OVERFLOW => OpError::Overflow { key: r.bytes("key")?, current: r.i64("current")?, delta: r.i64("delta")? },
+        tag::TOO_LARGE => OpError::TooLarge { what: r.string("what")?, len: r.u64("len")?, limit: r.u64("limit")? },
         tag::INVALID => OpError::Invalid(r.string("message")?),
         tag::CLOSED => OpError::Closed(r.string("message")?),
         other => return Err(DecodeError::unknown("error tag", other)),
@@ -191,11 +158,7 @@ fn encode_op_ref(op: &OpRef, dst: &mut BytesMut) {
 }
 
 fn decode_op_ref(r: &mut Reader) -> DecodeResult<OpRef> {
-    Ok(OpRef {
-        kind: decode_collective_kind(r)?,
-        name: r.string("op.name")?,
-        generation: r.u64("op.generation")?,
-    })
+    Ok(OpRef { kind: decode_collective_kind(r)?, name: r.string("op.name")?, generation: r.u64("op.generation")? })
 }
 
 fn encode_rank_info(info: &RankInfo, dst: &mut BytesMut) {
@@ -225,14 +188,10 @@ fn decode_rank_info(r: &mut Reader) -> DecodeResult<RankInfo> {
             1 => RankState::Connected,
             2 => RankState::Left,
             3 => RankState::Lost(LossReason::Disconnected),
-            4 => RankState::Lost(LossReason::LeaseExpired {
-                lease_ms: r.u64("rank_info.lease_ms")?,
-            }),
+            4 => RankState::Lost(LossReason::LeaseExpired { lease_ms: r.u64("rank_info.lease_ms")? }),
             other => return Err(DecodeError::unknown("rank state", other)),
         },
-        last_seen_ms_ago: r.option("rank_info.last_seen_ms_ago", |r| {
-            r.u64("rank_info.last_seen_ms_ago")
-        })?,
+        last_seen_ms_ago: r.option("rank_info.last_seen_ms_ago", |r| r.u64("rank_info.last_seen_ms_ago"))?,
     })
 }
 

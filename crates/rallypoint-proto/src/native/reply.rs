@@ -137,10 +137,9 @@ fn decode_response_fields(tag: u8, r: &mut Reader) -> DecodeResult<Response> {
             let (values, encoding) = r.spanned(|r| blobs(r, "gathered"))?;
             Response::Gathered(Gathered::with_encoding(values, encoding))
         }
-        tag::POPPED => Response::Popped {
-            len_before: r.i64("len_before")?,
-            value: r.option("value", |r| r.bytes("value"))?,
-        },
+        tag::POPPED => {
+            Response::Popped { len_before: r.i64("len_before")?, value: r.option("value", |r| r.bytes("value"))? }
+        }
         other => return Err(DecodeError::unknown("reply tag", other)),
     })
 }

@@ -59,11 +59,7 @@ pub(crate) fn encode_request(request: &Request, dst: &mut BytesMut) {
             dst.put_blob(key);
             dst.put_i64_le(*delta);
         }
-        Request::CompareSet {
-            key,
-            expected,
-            desired,
-        } => {
+        Request::CompareSet { key, expected, desired } => {
             dst.put_u8(op::COMPARE_SET);
             dst.put_blob(key);
             dst.put_blob(expected);
@@ -104,35 +100,20 @@ pub(crate) fn encode_request(request: &Request, dst: &mut BytesMut) {
             dst.put_u8(op::LIST_KEYS);
             dst.put_blob(prefix);
         }
-        Request::Barrier {
-            name,
-            members,
-            timeout_ms,
-        } => {
+        Request::Barrier { name, members, timeout_ms } => {
             dst.put_u8(op::BARRIER);
             dst.put_str(name);
             encode_members(members, dst);
             put_timeout(dst, *timeout_ms);
         }
-        Request::AllGather {
-            name,
-            members,
-            value,
-            timeout_ms,
-        } => {
+        Request::AllGather { name, members, value, timeout_ms } => {
             dst.put_u8(op::ALL_GATHER);
             dst.put_str(name);
             encode_members(members, dst);
             dst.put_blob(value);
             put_timeout(dst, *timeout_ms);
         }
-        Request::Broadcast {
-            name,
-            members,
-            root,
-            value,
-            timeout_ms,
-        } => {
+        Request::Broadcast { name, members, root, value, timeout_ms } => {
             dst.put_u8(op::BROADCAST);
             dst.put_str(name);
             encode_members(members, dst);
@@ -158,11 +139,7 @@ pub(crate) fn encode_request(request: &Request, dst: &mut BytesMut) {
             dst.put_blob(key);
         }
         Request::CancelWait => dst.put_u8(op::CANCEL_WAIT),
-        Request::StoreBarrier {
-            key,
-            world_size,
-            timeout_ms,
-        } => {
+        Request::StoreBarrier { key, world_size, timeout_ms } => {
             dst.put_u8(op::STORE_BARRIER);
             dst.put_blob(key);
             dst.put_i64_le(*world_size);
@@ -177,55 +154,25 @@ pub(crate) fn encode_request(request: &Request, dst: &mut BytesMut) {
 pub(crate) fn decode_request(r: &mut Reader) -> DecodeResult<Request> {
     // Struct literal fields are evaluated in source order, which is wire order.
     Ok(match r.u8("opcode")? {
-        op::SET => Request::Set {
-            key: r.bytes("key")?,
-            value: r.bytes("value")?,
-        },
-        op::GET => Request::Get {
-            key: r.bytes("key")?,
-            timeout_ms: timeout(r)?,
-        },
-        op::ADD => Request::Add {
-            key: r.bytes("key")?,
-            delta: r.i64("delta")?,
-        },
-        op::COMPARE_SET => Request::CompareSet {
-            key: r.bytes("key")?,
-            expected: r.bytes("expected")?,
-            desired: r.bytes("desired")?,
-        },
-        op::APPEND => Request::Append {
-            key: r.bytes("key")?,
-            value: r.bytes("value")?,
-        },
-        op::DELETE => Request::Delete {
-            key: r.bytes("key")?,
-        },
-        op::CHECK => Request::Check {
-            keys: blobs(r, "keys")?,
-        },
-        op::WAIT => Request::Wait {
-            keys: blobs(r, "keys")?,
-            timeout_ms: timeout(r)?,
-        },
-        op::MULTI_GET => Request::MultiGet {
-            keys: blobs(r, "keys")?,
-            timeout_ms: timeout(r)?,
-        },
+        op::SET => Request::Set { key: r.bytes("key")?, value: r.bytes("value")? },
+        op::GET => Request::Get { key: r.bytes("key")?, timeout_ms: timeout(r)? },
+        op::ADD => Request::Add { key: r.bytes("key")?, delta: r.i64("delta")? },
+        op::COMPARE_SET => {
+            Request::CompareSet { key: r.bytes("key")?, expected: r.bytes("expected")?, desired: r.bytes("desired")? }
+        }
+        op::APPEND => Request::Append { key: r.bytes("key")?, value: r.bytes("value")? },
+        op::DELETE => Request::Delete { key: r.bytes("key")? },
+        op::CHECK => Request::Check { keys: blobs(r, "keys")? },
+        op::WAIT => Request::Wait { keys: blobs(r, "keys")?, timeout_ms: timeout(r)? },
+        op::MULTI_GET => Request::MultiGet { keys: blobs(r, "keys")?, timeout_ms: timeout(r)? },
         op::MULTI_SET => Request::MultiSet {
-            entries: r.list("entries", 2 * MIN_BLOB_LEN, |r| {
-                Ok((r.bytes("key")?, r.bytes("value")?))
-            })?,
+            entries: r.list("entries", 2 * MIN_BLOB_LEN, |r| Ok((r.bytes("key")?, r.bytes("value")?)))?,
         },
         op::NUM_KEYS => Request::NumKeys,
-        op::LIST_KEYS => Request::ListKeys {
-            prefix: r.bytes("prefix")?,
-        },
-        op::BARRIER => Request::Barrier {
-            name: r.string("name")?,
-            members: decode_members(r)?,
-            timeout_ms: timeout(r)?,
-        },
+        op::LIST_KEYS => Request::ListKeys { prefix: r.bytes("prefix")? },
+        op::BARRIER => {
+            Request::Barrier { name: r.string("name")?, members: decode_members(r)?, timeout_ms: timeout(r)? }
+        }
         op::ALL_GATHER => Request::AllGather {
             name: r.string("name")?,
             members: decode_members(r)?,
@@ -239,25 +186,14 @@ pub(crate) fn decode_request(r: &mut Reader) -> DecodeResult<Request> {
             value: r.option("value", |r| r.bytes("value"))?,
             timeout_ms: timeout(r)?,
         },
-        op::ABORT => Request::Abort {
-            reason: r.string("reason")?,
-        },
-        op::QUEUE_PUSH => Request::QueuePush {
-            key: r.bytes("key")?,
-            value: r.bytes("value")?,
-        },
-        op::QUEUE_POP => Request::QueuePop {
-            key: r.bytes("key")?,
-        },
-        op::QUEUE_LEN => Request::QueueLen {
-            key: r.bytes("key")?,
-        },
+        op::ABORT => Request::Abort { reason: r.string("reason")? },
+        op::QUEUE_PUSH => Request::QueuePush { key: r.bytes("key")?, value: r.bytes("value")? },
+        op::QUEUE_POP => Request::QueuePop { key: r.bytes("key")? },
+        op::QUEUE_LEN => Request::QueueLen { key: r.bytes("key")? },
         op::CANCEL_WAIT => Request::CancelWait,
-        op::STORE_BARRIER => Request::StoreBarrier {
-            key: r.bytes("key")?,
-            world_size: r.i64("world_size")?,
-            timeout_ms: timeout(r)?,
-        },
+        op::STORE_BARRIER => {
+            Request::StoreBarrier { key: r.bytes("key")?, world_size: r.i64("world_size")?, timeout_ms: timeout(r)? }
+        }
         op::STATUS => Request::Status,
         op::HEARTBEAT => Request::Heartbeat,
         op::LEAVE => Request::Leave,

@@ -60,9 +60,7 @@ impl Reader {
         match self.u8(field)? {
             0 => Ok(false),
             1 => Ok(true),
-            b => Err(DecodeError(format!(
-                "field '{field}': invalid bool 0x{b:02x}"
-            ))),
+            b => Err(DecodeError(format!("field '{field}': invalid bool 0x{b:02x}"))),
         }
     }
 
@@ -88,9 +86,7 @@ impl Reader {
         match self.u8(field)? {
             0 => Ok(None),
             1 => read(self).map(Some),
-            b => Err(DecodeError(format!(
-                "field '{field}': invalid option flag 0x{b:02x}"
-            ))),
+            b => Err(DecodeError(format!("field '{field}': invalid option flag 0x{b:02x}"))),
         }
     }
 
@@ -106,9 +102,7 @@ impl Reader {
         let count = self.u32(field)? as usize;
         let left = self.buf.remaining();
         if count > left / min_item_len.max(1) {
-            return Err(DecodeError(format!(
-                "field '{field}': {count} items cannot fit in the {left} bytes left"
-            )));
+            return Err(DecodeError(format!("field '{field}': {count} items cannot fit in the {left} bytes left")));
         }
         let mut items = Vec::with_capacity(count);
         for _ in 0..count {
@@ -118,10 +112,7 @@ impl Reader {
     }
 
     /// What `read` returns, and the bytes it consumed (without copying them).
-    pub(crate) fn spanned<T>(
-        &mut self,
-        read: impl FnOnce(&mut Self) -> DecodeResult<T>,
-    ) -> DecodeResult<(T, Bytes)> {
+    pub(crate) fn spanned<T>(&mut self, read: impl FnOnce(&mut Self) -> DecodeResult<T>) -> DecodeResult<(T, Bytes)> {
         let mut span = self.buf.clone();
         let value = read(self)?;
         span.truncate(span.len() - self.buf.len());
@@ -132,9 +123,7 @@ impl Reader {
     pub(crate) fn finish(&self, what: &str) -> DecodeResult<()> {
         match self.buf.remaining() {
             0 => Ok(()),
-            n => Err(DecodeError(format!(
-                "{n} unexpected trailing bytes after {what}"
-            ))),
+            n => Err(DecodeError(format!("{n} unexpected trailing bytes after {what}"))),
         }
     }
 }

@@ -242,7 +242,9 @@ impl Cursor<'_> {
             query::VALIDATE => Parsed::Validate(need!(ready(self.u32()))),
             query::PING => Parsed::Ping(need!(ready(self.u32()))),
             query::GETNUMKEYS | query::CANCEL_WAIT | query::LIST_KEYS => Parsed::NoArgs(kind),
-            query::GET | query::DELETE_KEY | query::QUEUE_POP | query::QUEUE_LEN => Parsed::Key(kind, need!(self.key())),
+            query::GET | query::DELETE_KEY | query::QUEUE_POP | query::QUEUE_LEN => {
+                Parsed::Key(kind, need!(self.key()))
+            }
             query::SET | query::APPEND | query::QUEUE_PUSH => {
                 let key = need!(self.key());
                 Parsed::KeyValue(kind, key, need!(self.value()))

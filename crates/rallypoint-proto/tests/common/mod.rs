@@ -7,8 +7,8 @@ use proptest::collection::vec;
 use proptest::option;
 use proptest::prelude::*;
 use rallypoint_core::{
-    AbortInfo, CallShape, CollectiveKind, Gathered, Identity, LossReason, Members, OpError, OpRef, RankInfo,
-    RankState, Request, Response, SessionId, Welcome,
+    AbortInfo, CallShape, CollectiveKind, Gathered, Identity, LossReason, Members, OpError, OpRef, RankInfo, RankState,
+    Request, Response, SessionId, Welcome,
 };
 use rallypoint_proto::native::{ClientFrame, FrameLimits, ProtoError, ServerFrame};
 
@@ -34,22 +34,8 @@ pub fn members() -> impl Strategy<Value = Members> {
 }
 
 pub fn identity() -> impl Strategy<Value = Identity> {
-    (
-        string(),
-        any::<Option<u32>>(),
-        any::<Option<u32>>(),
-        string(),
-        any::<u32>(),
-        option::of(string()),
-    )
-        .prop_map(|(job, rank, world_size, host, pid, role)| Identity {
-            job,
-            rank,
-            world_size,
-            host,
-            pid,
-            role,
-        })
+    (string(), any::<Option<u32>>(), any::<Option<u32>>(), string(), any::<u32>(), option::of(string()))
+        .prop_map(|(job, rank, world_size, host, pid, role)| Identity { job, rank, world_size, host, pid, role })
 }
 
 pub fn request() -> impl Strategy<Value = Request> {
@@ -58,11 +44,7 @@ pub fn request() -> impl Strategy<Value = Request> {
         (bytes(), bytes()).prop_map(|(key, value)| Request::Set { key, value }),
         (bytes(), t()).prop_map(|(key, timeout_ms)| Request::Get { key, timeout_ms }),
         (bytes(), any::<i64>()).prop_map(|(key, delta)| Request::Add { key, delta }),
-        (bytes(), bytes(), bytes()).prop_map(|(key, expected, desired)| Request::CompareSet {
-            key,
-            expected,
-            desired
-        }),
+        (bytes(), bytes(), bytes()).prop_map(|(key, expected, desired)| Request::CompareSet { key, expected, desired }),
         (bytes(), bytes()).prop_map(|(key, value)| Request::Append { key, value }),
         bytes().prop_map(|key| Request::Delete { key }),
         keys().prop_map(|keys| Request::Check { keys }),
@@ -76,22 +58,10 @@ pub fn request() -> impl Strategy<Value = Request> {
             members,
             timeout_ms
         }),
-        (string(), members(), bytes(), t()).prop_map(|(name, members, value, timeout_ms)| {
-            Request::AllGather {
-                name,
-                members,
-                value,
-                timeout_ms,
-            }
-        }),
+        (string(), members(), bytes(), t())
+            .prop_map(|(name, members, value, timeout_ms)| { Request::AllGather { name, members, value, timeout_ms } }),
         (string(), members(), any::<u32>(), option::of(bytes()), t()).prop_map(
-            |(name, members, root, value, timeout_ms)| Request::Broadcast {
-                name,
-                members,
-                root,
-                value,
-                timeout_ms
-            }
+            |(name, members, root, value, timeout_ms)| Request::Broadcast { name, members, root, value, timeout_ms }
         ),
         string().prop_map(|reason| Request::Abort { reason }),
         Just(Request::Heartbeat),
@@ -100,7 +70,11 @@ pub fn request() -> impl Strategy<Value = Request> {
         bytes().prop_map(|key| Request::QueuePop { key }),
         bytes().prop_map(|key| Request::QueueLen { key }),
         Just(Request::CancelWait),
-        (bytes(), any::<i64>(), t()).prop_map(|(key, world_size, timeout_ms)| Request::StoreBarrier { key, world_size, timeout_ms }),
+        (bytes(), any::<i64>(), t()).prop_map(|(key, world_size, timeout_ms)| Request::StoreBarrier {
+            key,
+            world_size,
+            timeout_ms
+        }),
         Just(Request::Status),
     ]
 }
@@ -113,24 +87,17 @@ pub fn response() -> impl Strategy<Value = Response> {
         any::<bool>().prop_map(Response::Bool),
         keys().prop_map(Response::Values),
         keys().prop_map(|values| Response::Gathered(Gathered::new(values))),
-        (any::<i64>(), proptest::option::of(bytes())).prop_map(|(len_before, value)| Response::Popped { len_before, value }),
+        (any::<i64>(), proptest::option::of(bytes()))
+            .prop_map(|(len_before, value)| Response::Popped { len_before, value }),
     ]
 }
 
 fn collective_kind() -> impl Strategy<Value = CollectiveKind> {
-    prop_oneof![
-        Just(CollectiveKind::Barrier),
-        Just(CollectiveKind::AllGather),
-        Just(CollectiveKind::Broadcast)
-    ]
+    prop_oneof![Just(CollectiveKind::Barrier), Just(CollectiveKind::AllGather), Just(CollectiveKind::Broadcast)]
 }
 
 fn op_ref() -> impl Strategy<Value = OpRef> {
-    (collective_kind(), string(), any::<u64>()).prop_map(|(kind, name, generation)| OpRef {
-        kind,
-        name,
-        generation,
-    })
+    (collective_kind(), string(), any::<u64>()).prop_map(|(kind, name, generation)| OpRef { kind, name, generation })
 }
 
 fn rank_state() -> impl Strategy<Value = RankState> {
@@ -144,56 +111,30 @@ fn rank_state() -> impl Strategy<Value = RankState> {
 }
 
 fn rank_info() -> impl Strategy<Value = RankInfo> {
-    (
-        any::<u32>(),
-        option::of(string()),
-        any::<Option<u32>>(),
-        rank_state(),
-        any::<Option<u64>>(),
-    )
-        .prop_map(|(rank, host, pid, state, last_seen_ms_ago)| RankInfo {
-            rank,
-            host,
-            pid,
-            state,
-            last_seen_ms_ago,
-        })
+    (any::<u32>(), option::of(string()), any::<Option<u32>>(), rank_state(), any::<Option<u64>>())
+        .prop_map(|(rank, host, pid, state, last_seen_ms_ago)| RankInfo { rank, host, pid, state, last_seen_ms_ago })
 }
 
 fn call_shape() -> impl Strategy<Value = CallShape> {
-    (any::<u32>(), members(), any::<u32>(), any::<Option<u32>>()).prop_map(
-        |(rank, members, world_size, root)| CallShape {
-            rank,
-            members,
-            world_size,
-            root,
-        },
-    )
+    (any::<u32>(), members(), any::<u32>(), any::<Option<u32>>())
+        .prop_map(|(rank, members, world_size, root)| CallShape { rank, members, world_size, root })
 }
 
 fn abort_info() -> impl Strategy<Value = AbortInfo> {
-    (any::<Option<u32>>(), string(), any::<u32>(), string()).prop_map(
-        |(by_rank, host, pid, reason)| AbortInfo {
-            by_rank,
-            host,
-            pid,
-            reason,
-        },
-    )
+    (any::<Option<u32>>(), string(), any::<u32>(), string()).prop_map(|(by_rank, host, pid, reason)| AbortInfo {
+        by_rank,
+        host,
+        pid,
+        reason,
+    })
 }
 
 pub fn op_error() -> impl Strategy<Value = OpError> {
     prop_oneof![
-        (op_ref(), any::<u64>(), any::<u32>(), vec(rank_info(), 0..4)).prop_map(
-            |(op, waited_ms, members, missing)| OpError::CollectiveTimeout {
-                op,
-                waited_ms,
-                members,
-                missing
-            }
-        ),
-        (any::<u64>(), keys())
-            .prop_map(|(waited_ms, missing)| OpError::KeyTimeout { waited_ms, missing }),
+        (op_ref(), any::<u64>(), any::<u32>(), vec(rank_info(), 0..4)).prop_map(|(op, waited_ms, members, missing)| {
+            OpError::CollectiveTimeout { op, waited_ms, members, missing }
+        }),
+        (any::<u64>(), keys()).prop_map(|(waited_ms, missing)| OpError::KeyTimeout { waited_ms, missing }),
         (op_ref(), rank_info()).prop_map(|(op, peer)| OpError::PeerLost { op, peer }),
         (string(), abort_info()).prop_map(|(job, by)| OpError::Aborted { job, by }),
         (op_ref(), call_shape(), call_shape()).prop_map(|(op, mine, theirs)| OpError::Mismatch {
@@ -201,8 +142,11 @@ pub fn op_error() -> impl Strategy<Value = OpError> {
             mine: Box::new(mine),
             theirs: Box::new(theirs)
         }),
-        (collective_kind(), string(), string())
-            .prop_map(|(kind, name, reason)| OpError::BadMembers { kind, name, reason }),
+        (collective_kind(), string(), string()).prop_map(|(kind, name, reason)| OpError::BadMembers {
+            kind,
+            name,
+            reason
+        }),
         string().prop_map(|op| OpError::NoRank { op }),
         (bytes(), bytes()).prop_map(|(key, value)| OpError::NotANumber { key, value }),
         (bytes(), any::<i64>(), any::<i64>()).prop_map(|(key, current, delta)| OpError::Overflow {
@@ -210,11 +154,7 @@ pub fn op_error() -> impl Strategy<Value = OpError> {
             current,
             delta
         }),
-        (string(), any::<u64>(), any::<u64>()).prop_map(|(what, len, limit)| OpError::TooLarge {
-            what,
-            len,
-            limit
-        }),
+        (string(), any::<u64>(), any::<u64>()).prop_map(|(what, len, limit)| OpError::TooLarge { what, len, limit }),
         string().prop_map(OpError::Invalid),
         string().prop_map(OpError::Closed),
     ]
@@ -229,21 +169,11 @@ pub fn client_frame() -> impl Strategy<Value = ClientFrame> {
 
 pub fn server_frame() -> impl Strategy<Value = ServerFrame> {
     prop_oneof![
-        (any::<u64>(), any::<u64>()).prop_map(|(session, lease_ms)| ServerFrame::Welcome(
-            Welcome {
-                session: SessionId(session),
-                lease_ms
-            }
-        )),
+        (any::<u64>(), any::<u64>())
+            .prop_map(|(session, lease_ms)| ServerFrame::Welcome(Welcome { session: SessionId(session), lease_ms })),
         op_error().prop_map(ServerFrame::Refused),
-        (any::<u64>(), response()).prop_map(|(id, response)| ServerFrame::Reply {
-            id,
-            reply: Ok(response)
-        }),
-        (any::<u64>(), op_error()).prop_map(|(id, error)| ServerFrame::Reply {
-            id,
-            reply: Err(error)
-        }),
+        (any::<u64>(), response()).prop_map(|(id, response)| ServerFrame::Reply { id, reply: Ok(response) }),
+        (any::<u64>(), op_error()).prop_map(|(id, error)| ServerFrame::Reply { id, reply: Err(error) }),
     ]
 }
 
@@ -252,10 +182,7 @@ pub fn server_frame() -> impl Strategy<Value = ServerFrame> {
 pub fn samples<T: std::fmt::Debug>(strategy: impl Strategy<Value = T>, variants: usize) -> Vec<T> {
     use proptest::strategy::ValueTree;
     use proptest::test_runner::{Config, TestRng, TestRunner};
-    let mut runner = TestRunner::new_with_rng(
-        Config::default(),
-        TestRng::deterministic_rng(Default::default()),
-    );
+    let mut runner = TestRunner::new_with_rng(Config::default(), TestRng::deterministic_rng(Default::default()));
     let mut seen = std::collections::BTreeMap::new();
     for _ in 0..100_000 {
         let value = strategy.new_tree(&mut runner).expect("strategy").current();
@@ -266,11 +193,7 @@ pub fn samples<T: std::fmt::Debug>(strategy: impl Strategy<Value = T>, variants:
             return seen.into_values().collect();
         }
     }
-    panic!(
-        "only {} of {variants} variants generated: {:?}",
-        seen.len(),
-        seen.keys().collect::<Vec<_>>()
-    );
+    panic!("only {} of {variants} variants generated: {:?}", seen.len(), seen.keys().collect::<Vec<_>>());
 }
 
 /// Decodes every whole frame in `src`, stopping at the first `Ok(None)` or fatal error.

@@ -45,9 +45,14 @@ pub(crate) type ReplySlot = oneshot::Sender<Result<Response, Error>>;
 
 /// What a call sends to the connection task.
 pub(crate) enum Command {
-    Request { id: u64, request: Request },
+    Request {
+        id: u64,
+        request: Request,
+    },
     /// Nothing of this shared-memory slab's current contents is held any more.
-    Release { slab: u64 },
+    Release {
+        slab: u64,
+    },
     /// Shut the socket down (after everything queued before it was written) and
     /// tell the sender when done.
     Shutdown(oneshot::Sender<()>),
@@ -108,7 +113,9 @@ impl Link {
     /// The error for a call that finds the connection gone.
     pub(crate) fn disconnected(&self) -> Error {
         let why = self.lock().closed.clone();
-        Error::Disconnected(why.unwrap_or_else(|| format!("the connection to the coordinator at {} is closed", self.addr)))
+        Error::Disconnected(
+            why.unwrap_or_else(|| format!("the connection to the coordinator at {} is closed", self.addr)),
+        )
     }
 
     fn complete(&self, id: u64, result: Result<Response, Error>) {
@@ -304,7 +311,9 @@ async fn read_loop(
                             match crate::shm::map_slab(file) {
                                 Ok(map) => Arc::clone(new.insert(map)),
                                 // Later replies from it could not be read either.
-                                Err(error) => return link.lost(format!("cannot map shared-memory slab {slab}: {error}")),
+                                Err(error) => {
+                                    return link.lost(format!("cannot map shared-memory slab {slab}: {error}"))
+                                }
                             }
                         }
                     };

@@ -316,8 +316,13 @@ impl Client {
         timeout: Option<Duration>,
     ) -> Result<Bytes, Error> {
         let (timeout_ms, wait) = self.blocking_timeout(timeout);
-        let request =
-            Request::Broadcast { name: name.to_owned(), members, root, value: value.map(Bytes::copy_from_slice), timeout_ms };
+        let request = Request::Broadcast {
+            name: name.to_owned(),
+            members,
+            root,
+            value: value.map(Bytes::copy_from_slice),
+            timeout_ms,
+        };
         match self.call(request, wait).await? {
             Response::Value(value) => Ok(value),
             other => Err(unexpected("broadcast", other)),
@@ -358,4 +363,3 @@ impl Client {
         }
     }
 }
-

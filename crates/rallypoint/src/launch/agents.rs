@@ -46,7 +46,14 @@ pub struct Agents {
 }
 
 impl Agents {
-    pub async fn join(addr: &str, run_id: &str, node: u32, nnodes: u32, host: &str, timeout: Duration) -> Result<Self, Error> {
+    pub async fn join(
+        addr: &str,
+        run_id: &str,
+        node: u32,
+        nnodes: u32,
+        host: &str,
+        timeout: Duration,
+    ) -> Result<Self, Error> {
         let identity = Identity {
             job: format!("{run_id}/launch"),
             rank: Some(node),
@@ -77,9 +84,7 @@ impl Agents {
             if (node as u32) < self.node {
                 base += n;
             }
-            world = world
-                .checked_add(n)
-                .ok_or_else(|| Error::Config("the world size exceeds 2^32 ranks".into()))?;
+            world = world.checked_add(n).ok_or_else(|| Error::Config("the world size exceeds 2^32 ranks".into()))?;
         }
         Ok((base, world))
     }
@@ -120,7 +125,15 @@ impl Agents {
             let result = if node == 0 {
                 client.broadcast(&verdict_name(attempt), Members::World, 0, Some(&value), Some(FOREVER)).await
             } else {
-                client.broadcast(&report_name(attempt, node), Members::Ranks(vec![0, node]), node, Some(&value), Some(FOREVER)).await
+                client
+                    .broadcast(
+                        &report_name(attempt, node),
+                        Members::Ranks(vec![0, node]),
+                        node,
+                        Some(&value),
+                        Some(FOREVER),
+                    )
+                    .await
             };
             if let Err(e) = result {
                 tracing::debug!("publishing the outcome of attempt {attempt}: {e}");
@@ -130,7 +143,8 @@ impl Agents {
 
     /// Lets every node finish reading the verdict before node 0 stops the coordinator.
     pub async fn farewell(&self, attempt: u32) {
-        let _ = self.client.barrier(&format!("attempt{attempt}/bye"), Members::World, Some(Duration::from_secs(10))).await;
+        let _ =
+            self.client.barrier(&format!("attempt{attempt}/bye"), Members::World, Some(Duration::from_secs(10))).await;
     }
 
     pub async fn close(self) {
@@ -165,6 +179,8 @@ fn decode(got: Result<bytes::Bytes, Error>, from: u32) -> Result<Report, Failure
                 peer.host.as_deref().unwrap_or("?"),
             ))
         }
-        Err(e) => Err(Failure::now(FailureKind::NodeLost { detail: format!("no word from its launcher: {e}") }, from, "?")),
+        Err(e) => {
+            Err(Failure::now(FailureKind::NodeLost { detail: format!("no word from its launcher: {e}") }, from, "?"))
+        }
     }
 }

@@ -84,7 +84,8 @@ pub async fn launch(options: LaunchOptions) -> Result<i32, LaunchError> {
         Some(server) => server.local_addr(),
         None => resolve(&addr).await?,
     };
-    let agents = Agents::join(&addr, &options.job, options.node_rank, options.nnodes, &host, options.join_timeout).await?;
+    let agents =
+        Agents::join(&addr, &options.job, options.node_rank, options.nnodes, &host, options.join_timeout).await?;
     // After the join: the coordinator is known to be up, so the agent connects at once.
     let node_agent = if options.node_agent {
         Some(NodeAgent::start(&coordinator.to_string(), &host, options.join_timeout).await?)
@@ -170,7 +171,10 @@ fn validate(o: &LaunchOptions) -> Result<(), LaunchError> {
         return usage("--nnodes must be at least 1".into());
     }
     if o.node_rank >= o.nnodes {
-        return usage(format!("--node-rank {} is out of range for --nnodes {} (0..{})", o.node_rank, o.nnodes, o.nnodes));
+        return usage(format!(
+            "--node-rank {} is out of range for --nnodes {} (0..{})",
+            o.node_rank, o.nnodes, o.nnodes
+        ));
     }
     if o.nnodes > 1 && o.master.is_none() {
         return usage("--master HOST:PORT is required with --nnodes > 1".into());

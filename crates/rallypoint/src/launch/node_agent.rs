@@ -127,7 +127,8 @@ fn sweep_stale(parent: &Path) {
     let uid = unsafe { libc::geteuid() };
     for entry in entries.flatten() {
         let name = entry.file_name();
-        let Some(pid) = name.to_str().and_then(|name| name.strip_prefix(DIR_PREFIX)).and_then(|rest| rest.split('-').next())
+        let Some(pid) =
+            name.to_str().and_then(|name| name.strip_prefix(DIR_PREFIX)).and_then(|rest| rest.split('-').next())
         else {
             continue;
         };
@@ -197,4 +198,3 @@ mod tests {
         std::fs::remove_dir_all(&parent).expect("cleanup");
     }
 }
-

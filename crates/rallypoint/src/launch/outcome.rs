@@ -48,11 +48,21 @@ pub struct Failure {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum FailureKind {
-    Worker { rank: u32, local_rank: u32, pid: u32, exit: Exit, stderr_tail: Vec<String> },
+    Worker {
+        rank: u32,
+        local_rank: u32,
+        pid: u32,
+        exit: Exit,
+        stderr_tail: Vec<String>,
+    },
     /// A node's launcher vanished or could not be reached.
-    NodeLost { detail: String },
+    NodeLost {
+        detail: String,
+    },
     /// The launcher was told to stop.
-    Interrupted { signal: i32 },
+    Interrupted {
+        signal: i32,
+    },
 }
 
 impl Failure {
@@ -77,7 +87,9 @@ impl Failure {
         match &self.what {
             FailureKind::Worker { rank, exit, .. } => format!("rank {rank} {exit}"),
             FailureKind::NodeLost { detail } => format!("node {} ({}) was lost: {detail}", self.node, self.host),
-            FailureKind::Interrupted { signal } => format!("the launcher on node {} received {}", self.node, signal_name(*signal)),
+            FailureKind::Interrupted { signal } => {
+                format!("the launcher on node {} received {}", self.node, signal_name(*signal))
+            }
         }
     }
 
@@ -100,11 +112,23 @@ pub struct RankOutcome {
 /// The text printed to stderr when a job fails.
 pub fn summary(job: &str, restart: u32, max_restarts: u32, first: &Failure, local: &[RankOutcome]) -> String {
     let mut s = String::new();
-    let _ = writeln!(s, "rallypoint: job '{job}' FAILED (attempt {} of {}): {}", restart + 1, max_restarts + 1, first.headline());
+    let _ = writeln!(
+        s,
+        "rallypoint: job '{job}' FAILED (attempt {} of {}): {}",
+        restart + 1,
+        max_restarts + 1,
+        first.headline()
+    );
     let _ = writeln!(s, "first failure:");
     match &first.what {
         FailureKind::Worker { rank, local_rank, pid, exit, stderr_tail } => {
-            let _ = writeln!(s, "  rank {rank} (local rank {local_rank}, node {}, host {}, pid {pid}) {exit} at {}", first.node, first.host, first.time());
+            let _ = writeln!(
+                s,
+                "  rank {rank} (local rank {local_rank}, node {}, host {}, pid {pid}) {exit} at {}",
+                first.node,
+                first.host,
+                first.time()
+            );
             if stderr_tail.is_empty() {
                 let _ = writeln!(s, "  (it wrote nothing to stderr)");
             } else {
@@ -183,7 +207,12 @@ mod tests {
             at_unix_ms: 0,
         };
         let local = vec![
-            RankOutcome { rank: 0, exit: Exit::Signal(libc::SIGTERM), signalled_by_launcher: Some(libc::SIGTERM), after_failure: true },
+            RankOutcome {
+                rank: 0,
+                exit: Exit::Signal(libc::SIGTERM),
+                signalled_by_launcher: Some(libc::SIGTERM),
+                after_failure: true,
+            },
             RankOutcome { rank: 1, exit: Exit::Code(3), signalled_by_launcher: None, after_failure: false },
             RankOutcome { rank: 2, exit: Exit::Code(5), signalled_by_launcher: None, after_failure: true },
             RankOutcome { rank: 3, exit: Exit::Code(0), signalled_by_launcher: None, after_failure: false },
@@ -191,7 +220,9 @@ mod tests {
         let text = summary("train", 0, 0, &first, &local);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[0], "rallypoint: job 'train' FAILED (attempt 1 of 1): rank 1 exited with code 3");
-        assert!(lines[2].contains("rank 1 (local rank 1, node 0, host gpu7, pid 4242) exited with code 3 at 1970-01-01T00:00:00.000Z"));
+        assert!(lines[2].contains(
+            "rank 1 (local rank 1, node 0, host gpu7, pid 4242) exited with code 3 at 1970-01-01T00:00:00.000Z"
+        ));
         assert!(text.contains("    | ValueError: bad batch"));
         assert!(text.contains("  rank 0: killed by the launcher (SIGTERM) after rank 1 failed"));
         assert!(text.contains("  rank 2: exited with code 5 after rank 1 failed"));

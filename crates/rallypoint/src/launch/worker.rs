@@ -79,7 +79,9 @@ pub fn spawn(spec: Spec, done: mpsc::UnboundedSender<Exited>) -> io::Result<Runn
     let stderr = child.stderr.take().map(|err| {
         let dir = spec.log_dir.clone();
         let tail = tail.clone();
-        tokio::spawn(async move { pump(err, spec.rank, Stream::Stderr, spec.console, dir.as_deref(), Some(tail)).await })
+        tokio::spawn(
+            async move { pump(err, spec.rank, Stream::Stderr, spec.console, dir.as_deref(), Some(tail)).await },
+        )
     });
     let local_rank = spec.local_rank;
     tokio::spawn(async move {

@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex};
 use bytes::BytesMut;
 use rallypoint_core::{OpError, Reply, SessionId};
 use rallypoint_proto::native::{
-    decode_agent_frame, encode_root_frame, encode_sub_replies, encode_sub_replies_shared, encode_sub_reply,
-    AgentFrame, FrameLimits, ProtoError, RootFrame, MAX_CALLS_PER_FRAME, MAX_FRAME_LEN,
+    decode_agent_frame, encode_root_frame, encode_sub_replies, encode_sub_replies_shared, encode_sub_reply, AgentFrame,
+    FrameLimits, ProtoError, RootFrame, MAX_CALLS_PER_FRAME, MAX_FRAME_LEN,
 };
 use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
@@ -90,7 +90,13 @@ impl Drop for SubsGuard<'_> {
 
 /// Serves an agent connection whose preamble was read; `rbuf` starts with its agent
 /// hello. Never fails the server.
-pub(crate) async fn serve(mut stream: TcpStream, peer: SocketAddr, mut rbuf: BytesMut, shared: Arc<Shared>, limits: FrameLimits) {
+pub(crate) async fn serve(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    mut rbuf: BytesMut,
+    shared: Arc<Shared>,
+    limits: FrameLimits,
+) {
     // A sub-request is a client request (at most a client's frame) with a sub-session
     // id in place of its request id; a SubRequests frame has a call list in front of
     // it instead, of at most MAX_CALLS_PER_FRAME calls. A request a rank could send
@@ -110,7 +116,14 @@ pub(crate) async fn serve(mut stream: TcpStream, peer: SocketAddr, mut rbuf: Byt
     encode_root_frame(&RootFrame::Welcome { lease_ms: shared.lease_ms() }, &mut wbuf);
     info!(%peer, %host, pid, "node agent connected");
     let outbox = Arc::new(AgentOutbox::default());
-    let mut conn = AgentConn { peer, stream: &mut stream, limits, rbuf, wbuf, guard: SubsGuard { shared: &shared, subs: Subs::default() } };
+    let mut conn = AgentConn {
+        peer,
+        stream: &mut stream,
+        limits,
+        rbuf,
+        wbuf,
+        guard: SubsGuard { shared: &shared, subs: Subs::default() },
+    };
     let ended = conn.run(&outbox).await;
     let ranks = conn.guard.subs.by_sub.len();
     match ended {
@@ -182,7 +195,9 @@ impl AgentConn<'_> {
                     // per rank, so naming of missing or dead ranks stays exact.
                     for (sub, id) in calls {
                         match subs.by_sub.get(&sub) {
-                            Some(&session) => inputs.push(AgentInput::Request { session, id, request: request.clone() }),
+                            Some(&session) => {
+                                inputs.push(AgentInput::Request { session, id, request: request.clone() })
+                            }
                             None => debug!(peer = %self.peer, sub, id, "request of an unknown sub-session ignored"),
                         }
                     }

@@ -5,10 +5,10 @@
 use std::future::Future;
 use std::io;
 use std::mem::MaybeUninit;
-use std::pin::{pin, Pin};
-use std::task::{ready, Context, Poll};
 use std::net::SocketAddr;
+use std::pin::{pin, Pin};
 use std::sync::Arc;
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -56,7 +56,13 @@ pub(crate) fn serve(
 
 /// Handshake and admission. `None`: the connection is done here (refused, closed,
 /// served to its end as a node agent, or handed to the TCPStore reactor).
-async fn open(stream: TcpStream, peer: SocketAddr, shared: Arc<Shared>, limits: FrameLimits, reactor: Arc<Reactor>) -> Option<Session> {
+async fn open(
+    stream: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    limits: FrameLimits,
+    reactor: Arc<Reactor>,
+) -> Option<Session> {
     let mut conn = Connection { stream, peer, limits, rbuf: BytesMut::new(), wbuf: BytesMut::new() };
     let identity = match tokio::time::timeout(HANDSHAKE_TIMEOUT, conn.handshake()).await {
         Ok(Ok(Some(Hello::Native(identity)))) => identity,
@@ -111,7 +117,9 @@ impl Session {
             Ok(()) => debug!(%peer, %session, "session closed by the peer"),
             Err(End::Io(error)) => debug!(%peer, %session, %error, "session connection failed"),
             Err(End::Malformed(error)) => warn!(%peer, %session, %error, "malformed input; closing the connection"),
-            Err(End::SecondHello) => warn!(%peer, %session, "a second hello on an open session; closing the connection"),
+            Err(End::SecondHello) => {
+                warn!(%peer, %session, "a second hello on an open session; closing the connection")
+            }
         }
     }
 }
@@ -193,7 +201,8 @@ impl Connection {
                     Ok(Some(VERSION)) => break,
                     Ok(Some(version)) => {
                         warn!(%peer, version, "client speaks an unsupported protocol version; closing");
-                        let message = format!("protocol version {version} is not supported; this coordinator speaks {VERSION}");
+                        let message =
+                            format!("protocol version {version} is not supported; this coordinator speaks {VERSION}");
                         self.refuse(OpError::Invalid(message)).await;
                         return Ok(None);
                     }
@@ -276,7 +285,8 @@ impl Connection {
             // learns all it can before the connection closes.
             // Boxed: a flush's state (iterators, a shared tail, the vectored write) is
             // larger than the idle wait's, and would otherwise sit in every idle task.
-            Box::pin(self.flush(std::mem::take(&mut immediate).into_iter().chain(outbox.take()), session, shared)).await?;
+            Box::pin(self.flush(std::mem::take(&mut immediate).into_iter().chain(outbox.take()), session, shared))
+                .await?;
             if let Some(end) = broken.take() {
                 return Err(end);
             }
@@ -345,7 +355,12 @@ impl Connection {
     /// Writes what is buffered and `replies`, batched into as few writes as possible.
     /// A reply's large shared tail (an all-gather's values, encoded once for every
     /// member) is written from where it is, after the batch that ends with its head.
-    async fn flush(&mut self, mut replies: impl Iterator<Item = (u64, Reply)>, session: SessionId, shared: &Shared) -> io::Result<()> {
+    async fn flush(
+        &mut self,
+        mut replies: impl Iterator<Item = (u64, Reply)>,
+        session: SessionId,
+        shared: &Shared,
+    ) -> io::Result<()> {
         let this_session = || vec![session];
         let mut progress = WriteProgress::new(shared, &this_session);
         loop {

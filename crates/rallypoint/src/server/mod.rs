@@ -29,8 +29,8 @@ use tokio::sync::oneshot;
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, error, info, warn};
 
-use shared::Shared;
 use reactor::Reactor;
+use shared::Shared;
 use ticker::Ticker;
 
 pub use crate::fdlimit::raise_fd_limit;
@@ -179,10 +179,7 @@ fn listen(addr: SocketAddr) -> io::Result<TcpListener> {
 /// Keeps the accept loop alive through every accept error: one bad connection or a
 /// temporary shortage must not take the coordinator of a whole job down.
 async fn accept_failed(error: io::Error) {
-    let exhausted = matches!(
-        error.raw_os_error(),
-        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
-    );
+    let exhausted = matches!(error.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM));
     if exhausted {
         error!(%error, "cannot accept a connection (out of file descriptors or memory); retrying shortly");
         tokio::time::sleep(ACCEPT_BACKOFF).await;

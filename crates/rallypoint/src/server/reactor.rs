@@ -217,7 +217,9 @@ impl Loop {
             let mut stream = TcpStream::from_std(stream);
             let entry = self.conns.vacant_entry();
             let key = entry.key();
-            if let Err(error) = self.poll.registry().register(&mut stream, Token(key), Interest::READABLE | Interest::WRITABLE) {
+            if let Err(error) =
+                self.poll.registry().register(&mut stream, Token(key), Interest::READABLE | Interest::WRITABLE)
+            {
                 debug!(%peer, %error, "cannot watch a TCPStore connection; closing it");
                 continue;
             }

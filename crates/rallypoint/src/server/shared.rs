@@ -3,12 +3,12 @@
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::task::{Poll, Waker};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Poll, Waker};
 use std::time::Instant;
 
-use rallypoint_core::{Config, Engine, Identity, Millis, OpError, Reply, Request, SessionId, Welcome};
 use atomic_waker::AtomicWaker;
+use rallypoint_core::{Config, Engine, Identity, Millis, OpError, Reply, Request, SessionId, Welcome};
 
 use super::agent::AgentOutbox;
 use super::ticker::Alarm;
@@ -44,9 +44,18 @@ enum Sink {
 /// One thing a node agent's connection tells the engine (see [`Shared::agent_batch`]).
 pub(crate) enum AgentInput {
     /// A rank behind the agent said hello; `session` comes from [`Shared::new_session_id`].
-    Open { session: SessionId, identity: Identity },
-    Request { session: SessionId, id: u64, request: Request },
-    Close { session: SessionId },
+    Open {
+        session: SessionId,
+        identity: Identity,
+    },
+    Request {
+        session: SessionId,
+        id: u64,
+        request: Request,
+    },
+    Close {
+        session: SessionId,
+    },
 }
 
 /// Replies waiting to be written to one connection. The connection task swaps the
@@ -238,7 +247,12 @@ impl Shared {
     /// that session's own requests that are ready at once go to `immediate` (the
     /// caller writes them without a wake-up through its outbox); later replies, and
     /// replies to other sessions, go to outboxes.
-    pub(crate) fn handle(&self, session: SessionId, requests: impl Iterator<Item = (u64, Request)>, immediate: Immediate<'_>) {
+    pub(crate) fn handle(
+        &self,
+        session: SessionId,
+        requests: impl Iterator<Item = (u64, Request)>,
+        immediate: Immediate<'_>,
+    ) {
         let mut state = lock(&self.state);
         let now = self.now();
         for (id, request) in requests {

@@ -106,7 +106,13 @@ pub(crate) enum Progress {
 
 impl Conn {
     /// A connection whose first byte (0x00, VALIDATE) is in `rbuf`.
-    pub(crate) fn new(stream: mio::net::TcpStream, peer: SocketAddr, rbuf: BytesMut, shared: Arc<Shared>, limits: TcpLimits) -> Conn {
+    pub(crate) fn new(
+        stream: mio::net::TcpStream,
+        peer: SocketAddr,
+        rbuf: BytesMut,
+        shared: Arc<Shared>,
+        limits: TcpLimits,
+    ) -> Conn {
         Conn {
             stream,
             peer,
@@ -296,7 +302,8 @@ impl Conn {
             return Ok(());
         }
         let host = self.peer.ip().to_string();
-        let welcome = self.shared.open_tcpstore(&host, pid, Arc::clone(&self.outbox)).map_err(|e| End::Refused(Box::new(e)))?;
+        let welcome =
+            self.shared.open_tcpstore(&host, pid, Arc::clone(&self.outbox)).map_err(|e| End::Refused(Box::new(e)))?;
         let session = welcome.session;
         debug!(peer = %self.peer, %session, pid, "TCPStore session opened");
         self.session = Some((session, SessionGuard::new(Arc::clone(&self.shared), session)));
@@ -349,7 +356,9 @@ fn translate(command: Command) -> Option<(Request, Kind)> {
         Command::QueuePop { key } => (Request::QueuePop { key }, Kind::Popped),
         Command::QueueLen { key } => (Request::QueueLen { key }, Kind::Int),
         Command::ListKeys => (Request::ListKeys { prefix: Bytes::new() }, Kind::Keys),
-        Command::Barrier { key, world_size } => (Request::StoreBarrier { key, world_size, timeout_ms: None }, Kind::Wait),
+        Command::Barrier { key, world_size } => {
+            (Request::StoreBarrier { key, world_size, timeout_ms: None }, Kind::Wait)
+        }
         Command::CancelWait => (Request::CancelWait, Kind::CancelWait),
         Command::Validate { .. } | Command::Ping { .. } => return None,
     })

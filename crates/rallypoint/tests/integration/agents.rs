@@ -139,7 +139,8 @@ async fn large_results_reach_unix_ranks_as_shared_memory() {
     let agent = start_agent(&server, true).await;
     let mut clients = Vec::new();
     for r in 0..4 {
-        let mut options = ConnectOptions::new(agent.local_addr(), rank("shm", r, 4)).with_timeout(WAIT.unwrap_or_default());
+        let mut options =
+            ConnectOptions::new(agent.local_addr(), rank("shm", r, 4)).with_timeout(WAIT.unwrap_or_default());
         options.shared_replies = r != 3;
         clients.push(bounded("connect", Client::connect_with(options)).await.expect("connects"));
     }
@@ -172,7 +173,9 @@ async fn slabs_are_reused_once_released_and_never_while_held() {
     let value = |r: usize, round: usize| vec![(10 * round + r) as u8; 64 * 1024];
     let gather = |round: usize| all_gather_each(&clients, "s", move |r| value(r, round));
     let expected = |round: usize| (0..3).map(|r| value(r, round)).collect::<Vec<_>>();
-    let same = |gathered: &[Bytes], round: usize| gathered.iter().map(|v| v.as_ref()).eq(expected(round).iter().map(Vec::as_slice));
+    let same = |gathered: &[Bytes], round: usize| {
+        gathered.iter().map(|v| v.as_ref()).eq(expected(round).iter().map(Vec::as_slice))
+    };
 
     // Released at once: a later round reuses the slab. A release travels on the
     // rank's connection, so on a loaded machine it may miss the very next round.
@@ -284,7 +287,11 @@ async fn barrier_timeout_names_exactly_the_missing_ranks_behind_agents() {
         };
         assert_eq!((op.name.as_str(), members), ("epoch", 5));
         let states: Vec<(u32, RankState)> = missing.iter().map(|m: &RankInfo| (m.rank, m.state)).collect();
-        assert_eq!(states, [(2, RankState::Connected), (3, RankState::Left), (4, RankState::NeverConnected)], "rank {r}");
+        assert_eq!(
+            states,
+            [(2, RankState::Connected), (3, RankState::Left), (4, RankState::NeverConnected)],
+            "rank {r}"
+        );
         assert_eq!((missing[0].host.as_deref(), missing[0].pid), (Some("host-2"), Some(1002)));
         assert_eq!((missing[1].host.as_deref(), missing[1].pid), (Some("host-3"), Some(1003)));
         assert_eq!(missing[2].host, None);
@@ -302,8 +309,14 @@ async fn a_lost_agent_loses_all_its_ranks_by_name() {
     let r0 = connect_via(&a, rank("agentless", 0, 4)).await;
     let r1 = connect_via(&a, rank("agentless", 1, 4)).await;
     let r2 = connect(&server, rank("agentless", 2, 4)).await;
-    let w0 = { let c = r0.clone(); start_confirmed(&r0, async move { c.barrier("sync", Members::World, WAIT).await }).await };
-    let w2 = { let c = r2.clone(); start_confirmed(&r2, async move { c.barrier("sync", Members::World, WAIT).await }).await };
+    let w0 = {
+        let c = r0.clone();
+        start_confirmed(&r0, async move { c.barrier("sync", Members::World, WAIT).await }).await
+    };
+    let w2 = {
+        let c = r2.clone();
+        start_confirmed(&r2, async move { c.barrier("sync", Members::World, WAIT).await }).await
+    };
 
     bounded("agent shutdown", a.shutdown()).await.expect("the agent stops");
 
@@ -343,7 +356,10 @@ async fn losing_the_coordinator_fails_local_calls_with_a_clear_error() {
     let server = start_server().await;
     let a = start_agent(&server, false).await;
     let r0 = connect_via(&a, rank("orphan", 0, 2)).await;
-    let waiter = { let c = r0.clone(); start_confirmed(&r0, async move { c.barrier("sync", Members::World, WAIT).await }).await };
+    let waiter = {
+        let c = r0.clone();
+        start_confirmed(&r0, async move { c.barrier("sync", Members::World, WAIT).await }).await
+    };
     server.shutdown().await;
     match bounded("rank 0", waiter).await.expect("task") {
         Err(Error::Op(OpError::Closed(message))) => {
@@ -475,7 +491,8 @@ impl RawAgent {
 async fn aggregated_barrier_frames_keep_every_rank_its_own_session() {
     let server = start_server().await;
     let mut agent = RawAgent::connect(&server).await;
-    let barrier = |name: &str| Request::Barrier { name: name.into(), members: Members::World, timeout_ms: Some(50_000) };
+    let barrier =
+        |name: &str| Request::Barrier { name: name.into(), members: Members::World, timeout_ms: Some(50_000) };
     agent
         .send(&[
             AgentFrame::SubHello { sub: 1, identity: rank("agg", 0, 3) },

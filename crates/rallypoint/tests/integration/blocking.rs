@@ -24,7 +24,8 @@ fn blocking_clients_from_plain_threads() {
         let (addr, results) = (addr.clone(), results.clone());
         thread::spawn(move || {
             let run = || -> Result<Vec<String>, rallypoint::Error> {
-                let options = ConnectOptions::new(addr, rank("threads", r, WORLD)).with_timeout(Duration::from_secs(20));
+                let options =
+                    ConnectOptions::new(addr, rank("threads", r, WORLD)).with_timeout(Duration::from_secs(20));
                 let client = blocking::Client::connect_with(options)?;
                 client.set(format!("from-{r}"), format!("hello {r}"))?;
                 client.barrier("written", Members::World, None)?;

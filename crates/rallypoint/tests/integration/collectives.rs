@@ -95,10 +95,9 @@ async fn jobs_with_the_same_names_do_not_interfere() {
 
     // Job b's rank 0 waits first; job a's two ranks must not complete it.
     let b = b0.clone();
-    let b_wait = start_confirmed(&b0, async move {
-        b.barrier("sync", Members::World, Some(Duration::from_millis(1500))).await
-    })
-    .await;
+    let b_wait =
+        start_confirmed(&b0, async move { b.barrier("sync", Members::World, Some(Duration::from_millis(1500))).await })
+            .await;
     bounded("job a barrier", async {
         let (x, y) = tokio::join!(
             a0.barrier("sync", Members::World, Some(Duration::from_secs(20))),
@@ -239,7 +238,10 @@ async fn abort_reaches_waiting_peers() {
     match bounded("waiter", waiter).await.expect("task") {
         Err(Error::Op(OpError::Aborted { job, by })) => {
             assert_eq!(job, "abort");
-            assert_eq!((by.by_rank, by.host.as_str(), by.pid, by.reason.as_str()), (Some(1), "host-1", 1001, "out of memory"));
+            assert_eq!(
+                (by.by_rank, by.host.as_str(), by.pid, by.reason.as_str()),
+                (Some(1), "host-1", 1001, "out of memory")
+            );
         }
         other => panic!("expected Aborted, got {other:?}"),
     }

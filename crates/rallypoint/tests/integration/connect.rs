@@ -43,8 +43,8 @@ async fn connect_retries_until_the_coordinator_listens() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_gives_up_after_its_timeout_naming_the_address() {
     let addr = free_port().await;
-    let options = ConnectOptions::new(addr.to_string(), Identity::anonymous("j"))
-        .with_timeout(Duration::from_millis(300));
+    let options =
+        ConnectOptions::new(addr.to_string(), Identity::anonymous("j")).with_timeout(Duration::from_millis(300));
     let started = Instant::now();
     match bounded("connect", Client::connect_with(options)).await {
         Err(Error::Connect { addr: named, waited, source }) => {
@@ -92,7 +92,8 @@ async fn silent_coordinator_hits_the_client_safety_timeout() {
         let mut sink = [0u8; 1024];
         while stream.read(&mut sink).await.map(|n| n > 0).unwrap_or(false) {}
     });
-    let client = bounded("connect", Client::connect(&addr.to_string(), Identity::anonymous("j"))).await.expect("connect");
+    let client =
+        bounded("connect", Client::connect(&addr.to_string(), Identity::anonymous("j"))).await.expect("connect");
     let started = Instant::now();
     match bounded("get", client.get("k", Some(Duration::from_millis(200)))).await {
         Err(Error::Timeout(after)) => assert_eq!(after, Duration::from_millis(5200)),

@@ -16,7 +16,9 @@ async fn key_value_operations_end_to_end() {
         assert_eq!(c.add("a", 41).await.expect("add"), 42);
         assert_eq!(c.add("counter", -3).await.expect("add to missing"), -3);
         match c.set("text", "abc").await.and(c.add("text", 1).await) {
-            Err(Error::Op(OpError::NotANumber { key, value })) => assert_eq!((key, value), ("text".into(), "abc".into())),
+            Err(Error::Op(OpError::NotANumber { key, value })) => {
+                assert_eq!((key, value), ("text".into(), "abc".into()))
+            }
             other => panic!("expected NotANumber, got {other:?}"),
         }
 
@@ -63,7 +65,9 @@ async fn get_timeout_names_the_missing_key() {
     }
     assert!(started.elapsed() >= Duration::from_millis(300));
     match bounded("wait", c.wait(&["here", "gone"], Some(Duration::from_millis(100)))).await {
-        Err(Error::Op(OpError::KeyTimeout { missing, .. })) => assert_eq!(missing, vec![Bytes::from("here"), Bytes::from("gone")]),
+        Err(Error::Op(OpError::KeyTimeout { missing, .. })) => {
+            assert_eq!(missing, vec![Bytes::from("here"), Bytes::from("gone")])
+        }
         other => panic!("expected KeyTimeout, got {other:?}"),
     }
     server.shutdown().await;

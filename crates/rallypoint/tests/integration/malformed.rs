@@ -49,7 +49,8 @@ fn hello(identity: Identity) -> BytesMut {
 async fn read_frame(stream: &mut TcpStream, buf: &mut BytesMut) -> ServerFrame {
     bounded("a server frame", async {
         loop {
-            if let Some(frame) = decode_server_frame(buf, &FrameLimits::unbounded()).expect("well-formed server frame") {
+            if let Some(frame) = decode_server_frame(buf, &FrameLimits::unbounded()).expect("well-formed server frame")
+            {
                 return frame;
             }
             buf.reserve(4096);

@@ -19,7 +19,8 @@ async fn thousand_clients_reuse_one_barrier_ten_times() {
         let server_addr = server.local_addr();
         clients.spawn(async move {
             let client = rallypoint::Client::connect_with(
-                rallypoint::ConnectOptions::new(server_addr.to_string(), identity).with_timeout(Duration::from_secs(30)),
+                rallypoint::ConnectOptions::new(server_addr.to_string(), identity)
+                    .with_timeout(Duration::from_secs(30)),
             )
             .await
             .expect("connect");

@@ -33,7 +33,9 @@ async fn torch_client(addr: std::net::SocketAddr) -> TcpStream {
     let mut s = TcpStream::connect(addr).await.expect("connect");
     s.set_nodelay(true).expect("nodelay");
     let nonce = 4242;
-    s.write_all(&encode(&[Command::Validate { magic: VALIDATE_MAGIC }, Command::Ping { nonce }])).await.expect("handshake");
+    s.write_all(&encode(&[Command::Validate { magic: VALIDATE_MAGIC }, Command::Ping { nonce }]))
+        .await
+        .expect("handshake");
     assert_eq!(s.read_u32_le().await.expect("pong"), nonce);
     s
 }
