@@ -2,7 +2,7 @@
 //! coordinator.
 
 use clap::Args;
-use rallypoint::agent::{Agent, AgentConfig};
+use rallypoint_agent::{Agent, AgentConfig};
 
 use crate::parse;
 use crate::serve::{print_addr, shutdown_signal};

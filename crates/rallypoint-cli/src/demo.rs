@@ -8,9 +8,10 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use rallypoint::env::Settings;
-use rallypoint::server::{Server, ServerConfig};
-use rallypoint::{Client, Config, Error, Members, OpError};
+use rallypoint_client::env::Settings;
+use rallypoint_client::{Client, Error, Members, OpError};
+use rallypoint_core::Config;
+use rallypoint_server::{Server, ServerConfig};
 use tokio::process::Command;
 
 /// The job name the demo's workers use.

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use rallypoint::{Error, OpError};
+use rallypoint_client::{Error, OpError};
 
 /// Shown at the end of `rallypoint --help`; the README has the same table.
 pub const HELP: &str = "\

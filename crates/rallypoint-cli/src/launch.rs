@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-use rallypoint::launch::{launch, LaunchError, LaunchOptions};
+use rallypoint_launch::{launch, LaunchError, LaunchOptions};
 
 use crate::exit::UsageError;
 

@@ -1,4 +1,6 @@
-//! `rallypoint`: run a coordinator, call it from shell scripts, benchmark it, see a demo.
+//! `rallypoint`: run a coordinator, a node agent or a job; call the coordinator from
+//! shell scripts; see a demo. A thin binary over the library crates (see the
+//! `rallypoint` crate's docs for how they fit together).
 
 mod agent;
 mod bench;
@@ -38,9 +40,9 @@ enum Command {
     Launch(launch::LaunchArgs),
     #[command(flatten)]
     Verb(verbs::Verb),
-    /// Measure barrier and key-value latency.
-    #[command(subcommand)]
-    Bench(bench::BenchCommand),
+    /// Measure barrier, collective and key-value latency (runs `rallypoint-bench`,
+    /// built separately: `cargo build --release -p rallypoint-bench`).
+    Bench(bench::BenchArgs),
     /// Start a coordinator and a few worker processes, and show what they do.
     Demo(demo::DemoArgs),
     /// One worker of the demo job, configured by RANK, WORLD_SIZE, RALLYPOINT_ADDR and
@@ -74,6 +76,7 @@ fn run(command: Command) -> anyhow::Result<i32> {
     // A verb does one request: a single-threaded runtime starts fastest. The server,
     // benchmarks and demo do many things at once.
     let runtime = match command {
+        Command::Bench(args) => return bench::run(args),
         Command::Verb(_) | Command::DemoWorker(_) => tokio::runtime::Builder::new_current_thread(),
         _ => tokio::runtime::Builder::new_multi_thread(),
     }
@@ -85,7 +88,7 @@ fn run(command: Command) -> anyhow::Result<i32> {
             Command::Agent(args) => agent::run(args).await.map(|()| 0),
             Command::Launch(args) => launch::run(args).await,
             Command::Verb(verb) => verbs::run(verb).await.map(|()| 0),
-            Command::Bench(bench) => bench::run(bench).await.map(|()| 0),
+            Command::Bench(_) => unreachable!("run without a runtime above"),
             Command::Demo(args) => demo::run(args).await.map(|()| 0),
             Command::DemoWorker(args) => demo::worker(args).await.map(|()| 0),
         }

@@ -5,8 +5,8 @@ use std::net::SocketAddr;
 
 use anyhow::Context;
 use clap::Args;
-use rallypoint::server::{Server, ServerConfig};
-use rallypoint::Config;
+use rallypoint_core::Config;
+use rallypoint_server::{Server, ServerConfig};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::info;
 

@@ -5,8 +5,8 @@ use std::io::Write;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
-use rallypoint::env::{Overrides, Settings};
-use rallypoint::{Client, Error, Members};
+use rallypoint_client::env::{Overrides, Settings};
+use rallypoint_client::{Client, Error, Members};
 
 use crate::exit::usage;
 use crate::parse;

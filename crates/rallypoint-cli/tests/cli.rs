@@ -457,33 +457,28 @@ fn demo_exits_0() {
 }
 
 #[test]
-fn benches_report_json() {
-    let run = exec({
-        let mut command = rallypoint();
-        command.args(["bench", "barrier", "--clients", "4", "--rounds", "20", "--json"]);
-        command
-    });
-    assert_code(&run, 0);
-    let report: serde_json::Value = serde_json::from_str(&run.stdout).expect("one JSON object");
-    assert_eq!(report["clients"], 4);
-    assert_eq!(report["rounds"], 20);
-    for field in ["median_us", "p99_us", "mean_us", "min_us", "max_us", "connect_ms"] {
-        assert!(report[field].as_f64().is_some_and(|v| v > 0.0), "{field}: {report}");
-    }
-    assert!(report["p99_us"].as_f64() >= report["median_us"].as_f64());
-    assert!(report["server_rss_per_conn_bytes"].is_u64(), "{report}");
+fn bench_runs_the_benchmark_binary_next_to_rallypoint_or_says_how_to_build_it() {
+    // A copy of `rallypoint` alone in a directory: no `rallypoint-bench` beside it or on PATH.
+    let dir = std::env::temp_dir().join(format!("rallypoint-bench-dispatch-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("test directory");
+    let copy = dir.join("rallypoint");
+    std::fs::copy(BIN, &copy).expect("copy the binary");
+    let run_copy = |args: &[&str]| {
+        let mut command = Command::new(&copy);
+        command.args(args).env("PATH", "/nonexistent").stdin(Stdio::null());
+        exec(command)
+    };
+    let run = run_copy(&["bench", "barrier", "--clients", "4"]);
+    assert_code(&run, 1);
+    assert!(run.stderr.contains("cargo build --release -p rallypoint-bench"), "{}", run.stderr);
 
-    let run = exec({
-        let mut command = rallypoint();
-        command.args(["bench", "kv", "--clients", "2", "--ops", "20", "--adds", "40", "--json"]);
-        command
-    });
-    assert_code(&run, 0);
-    let report: serde_json::Value = serde_json::from_str(&run.stdout).expect("one JSON object");
-    for op in ["set", "get", "add", "check", "compare_set", "multi_get"] {
-        assert_eq!(report["latency"][op]["count"], 20, "{op}: {report}");
-    }
-    // One throughput run per `--clients` count.
-    assert_eq!(report["add_throughput"][0]["clients"], 2, "{report}");
-    assert_eq!(report["add_throughput"][0]["ops"], 40, "{report}");
+    // With one beside it, every argument after `bench` reaches it as given, flags included.
+    let fake = dir.join("rallypoint-bench");
+    std::fs::write(&fake, "#!/bin/sh\nprintf '%s|' \"$@\"\nexit 3\n").expect("write a fake benchmark binary");
+    std::fs::set_permissions(&fake, std::os::unix::fs::PermissionsExt::from_mode(0o755)).expect("chmod");
+    let run = run_copy(&["bench", "kv", "--clients", "1,8", "--help", "-x"]);
+    assert_code(&run, 3);
+    assert_eq!(run.stdout, "kv|--clients|1,8|--help|-x|");
+    std::fs::remove_dir_all(&dir).expect("cleanup");
 }

@@ -7,9 +7,9 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyString};
-use rallypoint::client::DEFAULT_TIMEOUT;
-use rallypoint::env::{Overrides, Settings};
-use rallypoint::{ConnectOptions, Error, Identity, Members};
+use rallypoint_client::env::{Overrides, Settings};
+use rallypoint_client::DEFAULT_TIMEOUT;
+use rallypoint_client::{ConnectOptions, Error, Identity, Members};
 use tokio::runtime::Runtime;
 
 use crate::errors;
@@ -25,7 +25,7 @@ pub struct Client {
     identity: Identity,
     timeout: Duration,
     /// `None` once closed.
-    client: Mutex<Option<rallypoint::Client>>,
+    client: Mutex<Option<rallypoint_client::Client>>,
     runtime: Runtime,
 }
 
@@ -86,15 +86,15 @@ impl Client {
             errors::to_py(py, Error::Connect { addr: addr.clone(), waited: Duration::ZERO, source })
         })?;
         let options = ConnectOptions::new(addr.clone(), identity).with_timeout(timeout);
-        let client =
-            crate::wait(py, &runtime, rallypoint::Client::connect_with(options))?.map_err(|e| errors::to_py(py, e))?;
+        let client = crate::wait(py, &runtime, rallypoint_client::Client::connect_with(options))?
+            .map_err(|e| errors::to_py(py, e))?;
         // The identity with the host and pid that connect filled in.
         let identity = client.identity().clone();
         Ok(Client { addr, identity, timeout, client: Mutex::new(Some(client)), runtime })
     }
 
     /// A handle on the connection, or an error once the client is closed.
-    fn handle(&self, py: Python<'_>) -> PyResult<rallypoint::Client> {
+    fn handle(&self, py: Python<'_>) -> PyResult<rallypoint_client::Client> {
         let client = self.client.lock().unwrap_or_else(PoisonError::into_inner).clone();
         client.ok_or_else(|| errors::to_py(py, Error::Disconnected(format!("the client for {} is closed", self.addr))))
     }
@@ -104,7 +104,7 @@ impl Client {
         crate::wait(py, &self.runtime, op)?.map_err(|e| errors::to_py(py, e))
     }
 
-    fn take(&self) -> Option<rallypoint::Client> {
+    fn take(&self) -> Option<rallypoint_client::Client> {
         self.client.lock().unwrap_or_else(PoisonError::into_inner).take()
     }
 }

@@ -1,4 +1,4 @@
-//! `_Coordinator`: a `rallypoint::Server` running inside the Python process, on a
+//! `_Coordinator`: a `rallypoint_server::Server` running inside the Python process, on a
 //! runtime of its own, for `rallypoint.spawn` and for tests.
 
 use std::net::SocketAddr;
@@ -6,8 +6,9 @@ use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use pyo3::prelude::*;
-use rallypoint::launch::env::{worker_env, JobEnv, Placement};
-use rallypoint::{Config, Server, ServerConfig, ServerHandle};
+use rallypoint_client::env::{worker_env, JobEnv, Placement};
+use rallypoint_core::Config;
+use rallypoint_server::{Server, ServerConfig, ServerHandle};
 use tokio::runtime::Runtime;
 
 use crate::errors;

@@ -1,4 +1,4 @@
-//! Every `rallypoint::Error` as a Python exception of `rallypoint._errors`, carrying
+//! Every `rallypoint_client::Error` as a Python exception of `rallypoint._errors`, carrying
 //! the facts of the Rust error as attributes so that Python code matches on them
 //! instead of parsing the message (which is the Rust error's Display).
 //!
@@ -10,7 +10,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use pyo3::IntoPyObjectExt;
-use rallypoint::{AbortInfo, CallShape, Error, OpError, OpRef, RankInfo, RankState};
+use rallypoint_client::{AbortInfo, CallShape, Error, OpError, OpRef, RankInfo, RankState};
 
 /// Python attributes of one exception, by name.
 type Attrs<'py> = Vec<(&'static str, Bound<'py, PyAny>)>;

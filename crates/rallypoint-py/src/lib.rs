@@ -1,7 +1,7 @@
 //! `rallypoint._native`: the Rust half of the `rallypoint` Python package.
 //!
-//! [`client::Client`] wraps the async `rallypoint::Client` on a small tokio runtime
-//! of its own; [`coordinator::Coordinator`] runs a `rallypoint::Server` in the
+//! [`client::Client`] wraps the async `rallypoint_client::Client` on a small tokio runtime
+//! of its own; [`coordinator::Coordinator`] runs a `rallypoint_client::Server` in the
 //! process (for `rallypoint.spawn` and tests). The public API, the exception
 //! classes and `spawn` are in the pure-Python part (`python/rallypoint`).
 

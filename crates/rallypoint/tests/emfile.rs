@@ -22,7 +22,7 @@ struct AcceptFailures(Arc<Notify>);
 impl<S: tracing::Subscriber> Layer<S> for AcceptFailures {
     fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
         let meta = event.metadata();
-        if *meta.level() == tracing::Level::ERROR && meta.target() == "rallypoint::server" {
+        if *meta.level() == tracing::Level::ERROR && meta.target() == "rallypoint_server" {
             self.0.notify_one();
         }
     }

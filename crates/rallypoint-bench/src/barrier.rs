@@ -1,0 +1,427 @@
+//! `rallypoint bench barrier`: N clients in one barrier, R rounds; or, with
+//! `--op ping`, the same rounds of plain round trips: the floor a barrier is
+//! measured against. Over the native protocol or torch's TCPStore protocol (its
+//! BARRIER request), from one process or spread over `--procs` child processes.
+
+use std::ops::Range;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context};
+use rallypoint_client::{Client, Identity, Members};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+use crate::tcpstore::{self, StoreConn};
+use crate::{
+    close_all, connect_many, ensure_fds, mono_ns, on_target, options, print_report, round_stats, run_rounds,
+    ClientFuture, Protocol, RoundOp, Sources, Target, Times,
+};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Clients, each with its own connection, all in the one barrier
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..))]
+    clients: u32,
+    /// Measured rounds
+    #[arg(long, default_value_t = 200, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
+    /// Unmeasured rounds before them
+    #[arg(long, default_value_t = 5)]
+    warmup: u32,
+    /// Seconds one round (and connecting one client) may take before the benchmark fails
+    #[arg(long, value_name = "SECS", default_value = "120", value_parser = crate::secs)]
+    timeout: f64,
+    /// Print one JSON object instead of text
+    #[arg(long)]
+    json: bool,
+    /// Benchmark the server at this address instead of starting a coordinator (then
+    /// no server memory is reported); with `--protocol tcpstore` it may be torch's
+    #[arg(long, value_name = "HOST:PORT")]
+    addr: Option<String>,
+    /// What each client does per round: `barrier`, or `ping` (one round trip each, not
+    /// held in step: the cost of N requests and N replies, the floor of a barrier)
+    #[arg(long, value_enum, default_value_t = Op::Barrier)]
+    op: Op,
+    /// Wire protocol: `native` (rallypoint's barrier), or `tcpstore` (torch's BARRIER
+    /// request, type 18, on a new key each round; `--op ping` sends PING)
+    #[arg(long, value_enum, default_value_t = Protocol::Native)]
+    protocol: Protocol,
+    /// Load-generator processes to spread the clients over (children of this one, each
+    /// with its own file-descriptor limit; keep clients / procs under about 19,000)
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
+    procs: u32,
+    /// Loopback source addresses to bind clients to (127.0.0.2, 127.0.0.3, ...), each
+    /// with its own ephemeral ports; default: as many as the clients need (none up to
+    /// ~25,000 clients), 0 = never bind. `--protocol tcpstore` only
+    #[arg(long, value_name = "K")]
+    src_addrs: Option<u32>,
+    /// Internal: run as child I of `--procs`, with the clients it owns
+    #[arg(long, value_name = "I", hide = true)]
+    shard: Option<u32>,
+    /// Internal: the job (native) or key prefix (tcpstore) that the children share
+    #[arg(long, hide = true)]
+    job: Option<String>,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+enum Op {
+    Barrier,
+    Ping,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    op: Op,
+    protocol: Protocol,
+    clients: u32,
+    procs: u32,
+    /// Loopback source addresses bound (0: the kernel's choice).
+    src_addrs: u32,
+    rounds: u32,
+    warmup_rounds: u32,
+    #[serde(flatten)]
+    round: Times,
+    connect_ms: f64,
+    /// The server's resident memory with one client connected (none connected with
+    /// `--procs` > 1).
+    server_rss_one_conn_bytes: Option<u64>,
+    /// ... and with all clients connected and idle.
+    server_rss_idle_bytes: Option<u64>,
+    /// The difference per connection after the first.
+    server_rss_per_conn_bytes: Option<u64>,
+}
+
+/// What a child load generator reports to its parent.
+#[derive(Debug, Serialize, Deserialize)]
+struct ShardReport {
+    start_ns: u64,
+    round_end_ns: Vec<u64>,
+    connect_ms: f64,
+}
+
+/// A shard's line on stdout once its clients are connected; it then waits for a
+/// line on stdin before starting, so that all shards start together.
+const READY: &str = "ready";
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let sources = Sources::plan(args.src_addrs, args.clients);
+    if args.protocol == Protocol::Native && sources.addrs > 0 {
+        bail!(
+            "{} clients need {} source addresses, which the native client library cannot bind; \
+             use --protocol tcpstore",
+            args.clients,
+            sources.addrs
+        );
+    }
+    // Each client is one socket; some slack for the runtime and stdio.
+    ensure_fds(u64::from(args.clients.div_ceil(args.procs)) + 64)?;
+    if let Some(shard) = args.shard {
+        return run_shard(&args, shard, sources).await;
+    }
+    let report = on_target(args.addr.clone(), async |target| {
+        if args.procs == 1 {
+            measure(&args, target, sources).await
+        } else {
+            measure_procs(&args, target, sources).await
+        }
+    })
+    .await?;
+    print_report(&report, args.json, print_text)
+}
+
+/// The clients of one load-generator process.
+enum Clients {
+    Native(Vec<Client>),
+    Store(Vec<StoreConn>),
+}
+
+impl Clients {
+    fn extend(&mut self, more: Clients) {
+        match (self, more) {
+            (Clients::Native(a), Clients::Native(b)) => a.extend(b),
+            (Clients::Store(a), Clients::Store(b)) => a.extend(b),
+            _ => unreachable!("one process speaks one protocol"),
+        }
+    }
+
+    async fn close(self) {
+        match self {
+            Clients::Native(clients) => close_all(clients).await,
+            // A TCPStore client just disconnects: torch's never says goodbye either.
+            Clients::Store(conns) => drop(conns),
+        }
+    }
+}
+
+/// What the clients of `args` share: the server, the job and the timeout.
+struct Setup<'a> {
+    args: &'a Args,
+    addr: &'a str,
+    job: &'a str,
+    sources: Sources,
+    timeout: Duration,
+}
+
+impl Setup<'_> {
+    async fn connect(&self, ranks: Range<u32>) -> anyhow::Result<Clients> {
+        let n = self.args.clients;
+        Ok(match self.args.protocol {
+            Protocol::Native => Clients::Native(
+                connect_many(ranks, |rank| options(self.addr, Identity::ranked(self.job, rank, n), self.timeout))
+                    .await?,
+            ),
+            Protocol::Tcpstore => Clients::Store(
+                tcpstore::connect_many(tcpstore::resolve(self.addr)?, ranks, self.sources, self.timeout).await?,
+            ),
+        })
+    }
+
+    /// Runs warm-up and measured rounds; returns when each round's last client was released.
+    async fn rounds(&self, clients: Clients) -> (Clients, anyhow::Result<Vec<u64>>) {
+        let total = (self.args.warmup + self.args.rounds) as usize;
+        let (op, n, timeout) = (self.args.op, self.args.clients, self.timeout);
+        match clients {
+            Clients::Native(clients) => {
+                let round: RoundOp<Client> = Arc::new(move |client: &mut Client, _| -> ClientFuture<'_> {
+                    Box::pin(async move {
+                        match op {
+                            Op::Barrier => client.barrier("bench", Members::World, Some(timeout)).await?,
+                            Op::Ping => client.ping().await?,
+                        }
+                        Ok(())
+                    })
+                });
+                let (clients, ends) = run_rounds(clients, total, round).await;
+                (Clients::Native(clients), ends)
+            }
+            Clients::Store(conns) => {
+                // BARRIER's counter never resets: every round needs its own key.
+                let prefix = format!("/rpbench/{}/", self.job);
+                let round: RoundOp<StoreConn> = Arc::new(move |conn: &mut StoreConn, r| -> ClientFuture<'_> {
+                    let key = format!("{prefix}{r}");
+                    Box::pin(async move {
+                        let done = async {
+                            match op {
+                                Op::Barrier => conn.barrier(&key, n).await,
+                                Op::Ping => conn.ping().await,
+                            }
+                        };
+                        tokio::time::timeout(timeout, done).await.context("timed out")?
+                    })
+                });
+                let (conns, ends) = run_rounds(conns, total, round).await;
+                (Clients::Store(conns), ends)
+            }
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1e4).round() / 10.0
+}
+
+async fn measure(args: &Args, target: &Target, sources: Sources) -> anyhow::Result<Report> {
+    let n = args.clients;
+    let job = format!("bench-barrier-{}", std::process::id());
+    let setup = Setup { args, addr: &target.addr, job: &job, sources, timeout: Duration::from_secs_f64(args.timeout) };
+    // Settles a moment, so the server has admitted everyone and is idle.
+    let settle = || tokio::time::sleep(Duration::from_millis(500));
+
+    if !args.json {
+        eprintln!("connecting {n} clients to {} ...", target.addr);
+    }
+    // The first connection also pays one-off costs (the job's state, the runtime's
+    // threads touching their stacks): weigh the server after it, not before.
+    let started = Instant::now();
+    let mut clients = setup.connect(0..1).await?;
+    let mut connecting = started.elapsed();
+    settle().await;
+    let rss_before = target.server_rss();
+    let started = Instant::now();
+    clients.extend(setup.connect(1..n).await?);
+    connecting += started.elapsed();
+    settle().await;
+    let rss_idle = target.server_rss();
+
+    if !args.json {
+        eprintln!("running {} rounds (+{} warm-up) ...", args.rounds, args.warmup);
+    }
+    let start = mono_ns();
+    let (clients, ends) = setup.rounds(clients).await;
+    clients.close().await;
+    let ends = ends.context("a barrier round failed")?;
+    let per_conn = match (rss_before, rss_idle) {
+        (Some(before), Some(idle)) if n > 1 => Some(idle.saturating_sub(before) / u64::from(n - 1)),
+        _ => None,
+    };
+    report(args, sources, start, &ends, ms(connecting), (rss_before, rss_idle, per_conn))
+}
+
+fn report(
+    args: &Args,
+    sources: Sources,
+    start_ns: u64,
+    round_end_ns: &[u64],
+    connect_ms: f64,
+    (one, idle, per_conn): (Option<u64>, Option<u64>, Option<u64>),
+) -> anyhow::Result<Report> {
+    // Pinging clients are not held in step, so a ping round is the throughput-bound
+    // floor of a barrier round: the same N requests and N replies, without the waiting.
+    let stats = round_stats(start_ns, round_end_ns, args.warmup as usize).context("no rounds measured")?;
+    Ok(Report {
+        op: args.op,
+        protocol: args.protocol,
+        clients: args.clients,
+        procs: args.procs,
+        src_addrs: sources.addrs,
+        rounds: args.rounds,
+        warmup_rounds: args.warmup,
+        round: stats.times,
+        connect_ms,
+        server_rss_one_conn_bytes: one,
+        server_rss_idle_bytes: idle,
+        server_rss_per_conn_bytes: per_conn,
+    })
+}
+
+/// Ranks `[lo, hi)` owned by shard `i` of `procs`.
+fn shard_ranks(n: u32, procs: u32, i: u32) -> Range<u32> {
+    let per = n.div_ceil(procs);
+    (i * per).min(n)..((i + 1) * per).min(n)
+}
+
+/// A child: connects its share of the clients, says it is ready, waits for the
+/// parent's go, runs the rounds and prints a [`ShardReport`].
+async fn run_shard(args: &Args, shard: u32, sources: Sources) -> anyhow::Result<()> {
+    let addr = args.addr.as_deref().context("a shard needs --addr")?;
+    let job = args.job.as_deref().context("a shard needs --job")?;
+    let timeout = Duration::from_secs_f64(args.timeout);
+    let setup = Setup { args, addr, job, sources, timeout };
+    let started = Instant::now();
+    let clients = setup.connect(shard_ranks(args.clients, args.procs, shard)).await?;
+    let connect_ms = ms(started.elapsed());
+    println!("{READY}");
+    let mut go = String::new();
+    let mut stdin = BufReader::new(tokio::io::stdin());
+    tokio::time::timeout(timeout, stdin.read_line(&mut go)).await.context("no go from the parent")??;
+    let start_ns = mono_ns();
+    let (clients, ends) = setup.rounds(clients).await;
+    clients.close().await;
+    let round_end_ns = ends?;
+    println!("{}", serde_json::to_string(&ShardReport { start_ns, round_end_ns, connect_ms })?);
+    Ok(())
+}
+
+/// The parent of `--procs` children: starts them, waits until all have connected,
+/// starts them together and merges their round ends (a round ends when its last
+/// client, in whichever process, is released).
+async fn measure_procs(args: &Args, target: &Target, sources: Sources) -> anyhow::Result<Report> {
+    let job = format!("bench-barrier-{}", std::process::id());
+    let timeout = Duration::from_secs_f64(args.timeout);
+    let rss_before = target.server_rss();
+    let started = Instant::now();
+    let mut children = Vec::new();
+    for shard in 0..args.procs {
+        let mut command = crate::bench_child(&["barrier", "--addr", &target.addr, "--job", &job, "--json"])?;
+        command
+            .args(["--clients", &args.clients.to_string(), "--procs", &args.procs.to_string()])
+            .args(["--shard", &shard.to_string(), "--rounds", &args.rounds.to_string()])
+            .args(["--warmup", &args.warmup.to_string(), "--timeout", &args.timeout.to_string()])
+            .args(["--src-addrs", &sources.addrs.to_string()])
+            .args(["--op", op_name(args.op), "--protocol", protocol_name(args.protocol)])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .kill_on_drop(true);
+        let mut child = command.spawn().context("starting a load-generator process")?;
+        let stdin = child.stdin.take().context("child stdin")?;
+        let stdout = BufReader::new(child.stdout.take().context("child stdout")?);
+        children.push((child, stdin, stdout));
+    }
+    let mut line = String::new();
+    for (i, (_, _, stdout)) in children.iter_mut().enumerate() {
+        line.clear();
+        tokio::time::timeout(timeout, stdout.read_line(&mut line))
+            .await
+            .with_context(|| format!("load generator {i} did not connect its clients in time"))??;
+        ensure!(line.trim() == READY, "load generator {i} failed while connecting");
+    }
+    let connect_ms = ms(started.elapsed());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let rss_idle = target.server_rss();
+    for (_, stdin, _) in &mut children {
+        stdin.write_all(b"go\n").await?;
+    }
+    let mut start_ns = u64::MAX;
+    let mut round_end_ns = vec![0u64; (args.warmup + args.rounds) as usize];
+    // Generous: all rounds, each bounded by --timeout inside the children.
+    let limit = timeout * (args.warmup + args.rounds + 1);
+    for (i, (mut child, _, mut stdout)) in children.into_iter().enumerate() {
+        line.clear();
+        tokio::time::timeout(limit, stdout.read_line(&mut line))
+            .await
+            .with_context(|| format!("load generator {i} did not finish in time"))??;
+        let shard: ShardReport = serde_json::from_str(line.trim())
+            .with_context(|| format!("load generator {i} failed (its error is above)"))?;
+        start_ns = start_ns.min(shard.start_ns);
+        for (end, at) in round_end_ns.iter_mut().zip(shard.round_end_ns) {
+            *end = (*end).max(at);
+        }
+        child.wait().await?;
+    }
+    let per_conn = match (rss_before, rss_idle) {
+        (Some(before), Some(idle)) => Some(idle.saturating_sub(before) / u64::from(args.clients)),
+        _ => None,
+    };
+    report(args, sources, start_ns, &round_end_ns, connect_ms, (None, rss_idle, per_conn))
+}
+
+fn op_name(op: Op) -> &'static str {
+    match op {
+        Op::Barrier => "barrier",
+        Op::Ping => "ping",
+    }
+}
+
+fn protocol_name(protocol: Protocol) -> &'static str {
+    match protocol {
+        Protocol::Native => "native",
+        Protocol::Tcpstore => "tcpstore",
+    }
+}
+
+fn print_text(r: &Report) {
+    println!(
+        "{} over {}, {} clients in {} process(es), {} rounds (+{} warm-up); connecting took {:.0} ms",
+        op_name(r.op),
+        protocol_name(r.protocol),
+        r.clients,
+        r.procs,
+        r.rounds,
+        r.warmup_rounds,
+        r.connect_ms
+    );
+    println!("round time: {}", r.round);
+    if let (Some(idle), Some(per_conn)) = (r.server_rss_idle_bytes, r.server_rss_per_conn_bytes) {
+        println!(
+            "server memory (RSS): {:.1} MiB with {} idle connections: {} bytes per connection",
+            idle as f64 / 1048576.0,
+            r.clients,
+            per_conn
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::shard_ranks;
+
+    #[test]
+    fn shards_cover_every_rank_once() {
+        let ranks: Vec<u32> = (0..3).flat_map(|i| shard_ranks(10, 3, i)).collect();
+        assert_eq!(ranks, (0..10).collect::<Vec<_>>());
+        assert!(shard_ranks(2, 3, 2).is_empty());
+    }
+}

@@ -1,0 +1,480 @@
+//! `rallypoint bench hierarchy`: N ranks in one barrier through K node agents.
+//!
+//! Starts a coordinator, K `rallypoint agent` processes and G load-generator
+//! processes (this command again, with `--generator`), each holding its share of
+//! the N rank connections (one connection per rank, spread over the agents), so
+//! that no process needs more file descriptors than the limit allows. Every rank
+//! loops `barrier("bench")` as fast as it is released. A round ends when the last
+//! rank of all generators is released: each generator stamps, per round, when its
+//! own last rank was released (CLOCK_MONOTONIC, the same clock in every process of
+//! the machine), and the parent takes the latest stamp per round.
+//!
+//! The generators speak the native protocol directly (a pre-encoded barrier
+//! request per rank, one task per connection), not through `rallypoint::Client`:
+//! at 100,000 ranks on two cores the load generator's own cost per rank would
+//! otherwise dominate what is measured. The coordinator and the agents are the
+//! real ones.
+
+use std::process::Stdio;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use bytes::BytesMut;
+use rallypoint_client::{Identity, Members};
+use rallypoint_core::{Request, Response};
+use rallypoint_proto::native::{
+    decode_server_frame, encode_client_frame, encode_preamble, ClientFrame, FrameLimits, ServerFrame,
+};
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpStream, UnixStream};
+use tokio::process::{Child, Command};
+use tokio::task::JoinSet;
+
+use crate::{mono_ns, print_report, Stats, Times};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Ranks in the one barrier, each with its own connection to an agent
+    #[arg(long, default_value_t = 4096, value_parser = clap::value_parser!(u32).range(1..))]
+    ranks: u32,
+    /// Node agents the ranks are spread over (round robin)
+    #[arg(long, default_value_t = 8, value_parser = clap::value_parser!(u32).range(1..))]
+    agents: u32,
+    /// Load-generator processes the rank connections are spread over
+    /// [default: enough for 16,000 connections each]
+    #[arg(long, value_parser = clap::value_parser!(u32).range(1..))]
+    generators: Option<u32>,
+    /// Measured rounds
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..))]
+    rounds: u32,
+    /// Unmeasured rounds before them
+    #[arg(long, default_value_t = 3)]
+    warmup: u32,
+    /// How the ranks reach their agent: `unix` (a Unix domain socket per agent) or `tcp` (loopback)
+    #[arg(long, value_enum, default_value_t = Transport::Unix)]
+    transport: Transport,
+    /// Seconds the whole run may take before the benchmark fails
+    #[arg(long, value_name = "SECS", default_value = "600", value_parser = crate::secs)]
+    timeout: f64,
+    /// Print one JSON object instead of text
+    #[arg(long)]
+    json: bool,
+    /// Internal: run as one load generator for ranks FIRST..FIRST+COUNT (the parent passes the rest)
+    #[arg(long, hide = true, num_args = 2, value_names = ["FIRST", "COUNT"])]
+    generator: Option<Vec<u32>>,
+    /// Internal: the agents' addresses, comma-separated (for `--generator`)
+    #[arg(long, hide = true)]
+    agent_addrs: Option<String>,
+}
+
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub(super) enum Transport {
+    Unix,
+    Tcp,
+}
+
+/// Connections one generator holds at most by default (below the 20,000-file limit).
+const PER_GENERATOR: u32 = 16_000;
+/// Connection attempts in flight per generator (the listen backlogs are finite).
+const CONNECTING: usize = 256;
+
+#[derive(Debug, Serialize)]
+struct Report {
+    op: &'static str,
+    ranks: u32,
+    agents: u32,
+    generators: u32,
+    transport: Transport,
+    rounds: u32,
+    warmup_rounds: u32,
+    #[serde(flatten)]
+    round: Times,
+    /// From starting the generators until every rank was welcomed.
+    connect_ms: f64,
+    /// CPU time (user + system) per rank per round, warm-up included, of the
+    /// coordinator, of all agents and of all generators: on a shared machine a
+    /// steadier figure than wall time. Their sum ÷ cores bounds the round from below.
+    cpu_us_per_rank_round: CpuSplit,
+}
+
+#[derive(Debug, Serialize)]
+struct CpuSplit {
+    coordinator: f64,
+    agents: f64,
+    generators: f64,
+}
+
+/// CPU ticks (user + system) a process has used so far; 0 if it cannot be read.
+fn cpu_ticks(child: &Child) -> u64 {
+    let Some(pid) = child.id() else { return 0 };
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { return 0 };
+    // Fields after the parenthesised command name: state is field 3, utime 14, stime 15.
+    let Some(rest) = stat.rsplit_once(')').map(|(_, rest)| rest) else { return 0 };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |n: usize| fields.get(n - 3).and_then(|f| f.parse::<u64>().ok()).unwrap_or(0);
+    field(14) + field(15)
+}
+
+fn cpu_of<'a>(children: impl Iterator<Item = &'a Child>) -> u64 {
+    children.map(cpu_ticks).sum()
+}
+
+/// What a generator reports on its last stdout line.
+#[derive(Debug, Serialize, Deserialize)]
+struct GeneratorReport {
+    /// Per round, when this generator's last rank was released (CLOCK_MONOTONIC ns).
+    round_end_ns: Vec<u64>,
+    /// When it started the first round.
+    start_ns: u64,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    if let Some(range) = &args.generator {
+        return generator(&args, range[0], range[1]).await;
+    }
+    let limit = Duration::from_secs_f64(args.timeout);
+    match tokio::time::timeout(limit, coordinate(&args)).await {
+        Ok(report) => print_report(&report?, args.json, |report| {
+            println!(
+                "{} ranks through {} agents ({:?}), {} rounds: median {:.2} ms, p99 {:.2} ms, mean {:.2} ms (connecting all: {:.0} ms)",
+                report.ranks,
+                report.agents,
+                report.transport,
+                report.rounds,
+                report.round.median_us / 1000.0,
+                report.round.p99_us / 1000.0,
+                report.round.mean_us / 1000.0,
+                report.connect_ms
+            );
+        }),
+        Err(_) => bail!("the benchmark did not finish within {limit:?}"),
+    }
+}
+
+/// A child process whose first stdout line is an address or a "ready" mark.
+struct Spawned {
+    child: Child,
+    lines: tokio::io::Lines<BufReader<tokio::process::ChildStdout>>,
+}
+
+/// Starts `program` with `args`: `rallypoint` (the coordinator, agents under test)
+/// or this benchmark binary (load generators).
+async fn spawn(program: &std::path::Path, args: &[String], what: &str) -> anyhow::Result<Spawned> {
+    let mut command = Command::new(program);
+    command.args(args).stdin(Stdio::piped()).stdout(Stdio::piped()).kill_on_drop(true);
+    if std::env::var_os("RUST_LOG").is_none() {
+        command.env("RUST_LOG", "warn");
+    }
+    let mut child = command.spawn().with_context(|| format!("starting {what}"))?;
+    let stdout = child.stdout.take().context("stdout is not piped")?;
+    Ok(Spawned { child, lines: BufReader::new(stdout).lines() })
+}
+
+/// Node agents started as child processes for a benchmark, and the directory of
+/// their Unix sockets, removed when this is dropped (the agents, spawned with
+/// `kill_on_drop`, are killed then too).
+pub(super) struct Agents {
+    children: Vec<Spawned>,
+    /// Where ranks connect, one per agent.
+    pub(super) addrs: Vec<String>,
+    dir: std::path::PathBuf,
+}
+
+impl Agents {
+    /// Starts `count` agents of the coordinator at `upstream`, each listening on a
+    /// Unix socket or on loopback TCP.
+    pub(super) async fn start(count: u32, upstream: &str, transport: Transport) -> anyhow::Result<Agents> {
+        let dir = std::env::temp_dir().join(format!("rallypoint-bench-agents-{}", std::process::id()));
+        if count > 0 && transport == Transport::Unix {
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        }
+        let mut agents = Agents { children: Vec::new(), addrs: Vec::new(), dir };
+        for i in 0..count {
+            let listen = match transport {
+                Transport::Unix => format!("unix:{}", agents.dir.join(format!("agent-{i}.sock")).display()),
+                Transport::Tcp => "127.0.0.1:0".to_owned(),
+            };
+            let argv = ["agent", "--upstream", upstream, "--listen", &listen, "--print-addr"].map(String::from);
+            let mut agent = spawn(&crate::rallypoint_exe()?, &argv, "a node agent").await?;
+            agents.addrs.push(agent.line("a node agent").await?);
+            agents.children.push(agent);
+        }
+        Ok(agents)
+    }
+
+    /// Kills the agents and waits for them to end.
+    pub(super) async fn stop(mut self) {
+        for mut agent in std::mem::take(&mut self.children) {
+            let _ = agent.child.kill().await;
+        }
+    }
+}
+
+impl Drop for Agents {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Spawned {
+    async fn line(&mut self, what: &str) -> anyhow::Result<String> {
+        match self.lines.next_line().await {
+            Ok(Some(line)) => Ok(line.trim().to_owned()),
+            _ => bail!("{what} exited without reporting"),
+        }
+    }
+}
+
+async fn coordinate(args: &Args) -> anyhow::Result<Report> {
+    let generators = args.generators.unwrap_or(args.ranks.div_ceil(PER_GENERATOR)).min(args.ranks);
+    let serve = ["serve", "--listen", "127.0.0.1:0", "--print-addr"].map(String::from);
+    let mut root = spawn(&crate::rallypoint_exe()?, &serve, "the coordinator").await?;
+    let root_addr = root.line("the coordinator").await?;
+
+    let agents = Agents::start(args.agents, &root_addr, args.transport).await?;
+
+    let started = Instant::now();
+    let mut gens = Vec::new();
+    let per = args.ranks.div_ceil(generators);
+    for g in 0..generators {
+        let first = g * per;
+        let count = per.min(args.ranks - first);
+        let argv = [
+            "hierarchy".to_owned(),
+            "--ranks".to_owned(),
+            args.ranks.to_string(),
+            "--rounds".to_owned(),
+            args.rounds.to_string(),
+            "--warmup".to_owned(),
+            args.warmup.to_string(),
+            "--generator".to_owned(),
+            first.to_string(),
+            count.to_string(),
+            "--agent-addrs".to_owned(),
+            agents.addrs.join(","),
+        ];
+        let me = std::env::current_exe().context("finding the rallypoint-bench executable")?;
+        gens.push(spawn(&me, &argv, "a load generator").await?);
+    }
+    for generator in &mut gens {
+        let ready = generator.line("a load generator").await?;
+        if ready != "ready" {
+            bail!("a load generator said {ready:?} instead of ready");
+        }
+    }
+    let connect_ms = started.elapsed().as_secs_f64() * 1000.0;
+    let cpu_before = [
+        cpu_ticks(&root.child),
+        cpu_of(agents.children.iter().map(|a| &a.child)),
+        cpu_of(gens.iter().map(|g| &g.child)),
+    ];
+    // Every rank is connected: start all generators at once.
+    for generator in &mut gens {
+        let stdin = generator.child.stdin.as_mut().context("stdin is not piped")?;
+        stdin.write_all(b"go\n").await?;
+        stdin.flush().await?;
+    }
+    let mut reports = Vec::new();
+    let mut gen_cpu_after = 0;
+    for generator in &mut gens {
+        let line = generator.line("a load generator").await?;
+        let report: GeneratorReport =
+            serde_json::from_str(&line).with_context(|| format!("a generator reported {line:?}"))?;
+        gen_cpu_after += cpu_ticks(&generator.child);
+        reports.push(report);
+    }
+    let total = (args.warmup + args.rounds) as usize;
+    let start_ns = reports.iter().map(|r| r.start_ns).max().unwrap_or(0);
+    let ends: Vec<u64> = (0..total)
+        .map(|k| reports.iter().map(|r| r.round_end_ns.get(k).copied().unwrap_or(0)).max().unwrap_or(0))
+        .collect();
+    let mut rounds: Vec<Duration> = Vec::new();
+    let mut previous = start_ns;
+    for (k, &end) in ends.iter().enumerate() {
+        if k >= args.warmup as usize {
+            rounds.push(Duration::from_nanos(end.saturating_sub(previous)));
+        }
+        previous = end;
+    }
+    // Generators exit after reporting: sample them before reading their last line.
+    let cpu_after = [cpu_ticks(&root.child), cpu_of(agents.children.iter().map(|a| &a.child)), gen_cpu_after];
+    // SAFETY: sysconf has no preconditions.
+    let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let per_rank_round = |i: usize| {
+        let us = (cpu_after[i].saturating_sub(cpu_before[i])) as f64 / ticks_per_s * 1e6;
+        (us / f64::from(args.ranks) / total as f64 * 10.0).round() / 10.0
+    };
+    let cpu = CpuSplit { coordinator: per_rank_round(0), agents: per_rank_round(1), generators: per_rank_round(2) };
+    for mut generator in gens {
+        let _ = generator.child.kill().await;
+    }
+    agents.stop().await;
+    let _ = root.child.kill().await;
+
+    let stats = Stats::of(&mut rounds).context("no round was measured")?;
+    Ok(Report {
+        op: "barrier",
+        ranks: args.ranks,
+        agents: args.agents,
+        generators,
+        transport: args.transport,
+        rounds: args.rounds,
+        warmup_rounds: args.warmup,
+        round: stats.times,
+        connect_ms: (connect_ms * 10.0).round() / 10.0,
+        cpu_us_per_rank_round: cpu,
+    })
+}
+
+/// One rank's connection to its agent.
+enum Conn {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Conn {
+    async fn open(addr: &str) -> std::io::Result<Conn> {
+        match rallypoint_net::unix_path(addr) {
+            Some(path) => Ok(Conn::Unix(UnixStream::connect(path).await?)),
+            None => {
+                let stream = TcpStream::connect(addr).await?;
+                stream.set_nodelay(true)?;
+                Ok(Conn::Tcp(stream))
+            }
+        }
+    }
+
+    async fn write_all(&mut self, buf: &[u8]) -> std::io::Result<()> {
+        match self {
+            Conn::Unix(s) => s.write_all(buf).await,
+            Conn::Tcp(s) => s.write_all(buf).await,
+        }
+    }
+
+    async fn read_buf(&mut self, buf: &mut BytesMut) -> std::io::Result<usize> {
+        match self {
+            Conn::Unix(s) => s.read_buf(buf).await,
+            Conn::Tcp(s) => s.read_buf(buf).await,
+        }
+    }
+
+    /// The next frame from the agent.
+    async fn frame(&mut self, buf: &mut BytesMut) -> anyhow::Result<ServerFrame> {
+        loop {
+            if let Some(frame) = decode_server_frame(buf, &FrameLimits::unbounded())? {
+                return Ok(frame);
+            }
+            buf.reserve(64);
+            if self.read_buf(buf).await? == 0 {
+                bail!("the agent closed the connection");
+            }
+        }
+    }
+}
+
+/// Runs ranks `first..first + count`: connects them, says "ready", waits for "go",
+/// runs the rounds and prints a [`GeneratorReport`].
+async fn generator(args: &Args, first: u32, count: u32) -> anyhow::Result<()> {
+    rallypoint_net::raise_fd_limit();
+    let addrs: Vec<String> = args.agent_addrs.as_deref().unwrap_or_default().split(',').map(str::to_owned).collect();
+    let total = (args.warmup + args.rounds) as usize;
+    let released: Arc<Vec<AtomicU32>> = Arc::new((0..total).map(|_| AtomicU32::new(0)).collect());
+    let round_end: Arc<Vec<AtomicU64>> = Arc::new((0..total).map(|_| AtomicU64::new(0)).collect());
+    let (go_tx, go_rx) = tokio::sync::watch::channel(false);
+    let slots = Arc::new(tokio::sync::Semaphore::new(CONNECTING));
+    let (ready_tx, mut ready_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let mut ranks = JoinSet::new();
+    for rank in first..first + count {
+        let addr = addrs[rank as usize % addrs.len()].clone();
+        let identity =
+            Identity { host: "bench".into(), pid: std::process::id(), ..Identity::ranked("bench", rank, args.ranks) };
+        let (released, round_end, slots, ready_tx, mut go_rx) =
+            (Arc::clone(&released), Arc::clone(&round_end), Arc::clone(&slots), ready_tx.clone(), go_rx.clone());
+        ranks.spawn(async move {
+            let mut buf = BytesMut::new();
+            let mut conn = {
+                let _slot = slots.acquire().await?;
+                let mut conn = connect_rank(&addr, &identity).await?;
+                match conn.frame(&mut buf).await? {
+                    ServerFrame::Welcome(_) => {}
+                    other => bail!("rank {rank}: expected a welcome, got {other:?}"),
+                }
+                conn
+            };
+            let _ = ready_tx.send(());
+            drop(ready_tx);
+            go_rx.wait_for(|go| *go).await?;
+            let mut request = BytesMut::new();
+            let barrier = Request::Barrier { name: "bench".into(), members: Members::World, timeout_ms: Some(120_000) };
+            encode_client_frame(&ClientFrame::Request { id: 1, request: barrier }, &mut request);
+            for k in 0..total {
+                conn.write_all(&request).await?;
+                match conn.frame(&mut buf).await? {
+                    ServerFrame::Reply { reply: Ok(Response::Done), .. } => {}
+                    other => bail!("rank {rank}: barrier round {k} failed: {other:?}"),
+                }
+                if released[k].fetch_add(1, Ordering::AcqRel) + 1 == count {
+                    round_end[k].store(mono_ns(), Ordering::Release);
+                }
+            }
+            Ok(conn)
+        });
+    }
+    drop(ready_tx);
+    for _ in 0..count {
+        if ready_rx.recv().await.is_none() {
+            break;
+        }
+        // A rank that failed to connect ends the run with its error below.
+        if let Some(failed) = ranks.try_join_next() {
+            failed??;
+        }
+    }
+    println!("ready");
+    let mut stdin = BufReader::new(tokio::io::stdin()).lines();
+    match stdin.next_line().await? {
+        Some(line) if line.trim() == "go" => {}
+        other => bail!("expected go on stdin, got {other:?}"),
+    }
+    let start_ns = mono_ns();
+    go_tx.send(true)?;
+    let mut conns = Vec::with_capacity(count as usize);
+    while let Some(done) = ranks.join_next().await {
+        conns.push(done??);
+    }
+    let report =
+        GeneratorReport { round_end_ns: round_end.iter().map(|t| t.load(Ordering::Acquire)).collect(), start_ns };
+    println!("{}", serde_json::to_string(&report)?);
+    // Stay (and keep the connections) until the parent has read this process's CPU
+    // time and kills it.
+    let _ = stdin.next_line().await;
+    drop(conns);
+    Ok(())
+}
+
+/// Connects and says hello, retrying while the agent's listen backlog is full.
+async fn connect_rank(addr: &str, identity: &Identity) -> anyhow::Result<Conn> {
+    let mut hello = BytesMut::new();
+    encode_preamble(&mut hello);
+    encode_client_frame(&ClientFrame::Hello(identity.clone()), &mut hello);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let mut pause = Duration::from_millis(1);
+    loop {
+        match Conn::open(addr).await {
+            Ok(mut conn) => {
+                conn.write_all(&hello).await?;
+                return Ok(conn);
+            }
+            Err(error) if Instant::now() < deadline => {
+                tracing::debug!(%error, addr, "connect failed; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(100));
+            }
+            Err(error) => return Err(error).with_context(|| format!("connecting to the agent at {addr}")),
+        }
+    }
+}

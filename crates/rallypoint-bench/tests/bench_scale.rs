@@ -1,0 +1,114 @@
+//! `rallypoint bench` reports JSON; and scale at a size CI affords: with 4,096 clients in one barrier
+//! (native; TCPStore's BARRIER with 1,024, spread over two load-generator processes) and a
+//! 4,096-client connection storm, which must admit everyone with zero resets. Each
+//! run is a separate process killed after a generous limit; nothing here asserts a
+//! time (the figures are in docs/BENCHMARKS.md).
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+const BIN: &str = env!("CARGO_BIN_EXE_rallypoint-bench");
+/// How long one benchmark process may run before the test kills it and fails.
+const LIMIT: Duration = Duration::from_secs(180);
+
+/// 4,096 clients, or fewer if this machine's open-file limit cannot hold them (the
+/// load generator and the coordinator each need one descriptor per client).
+fn clients() -> u32 {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit only writes the struct we pass.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) }, 0);
+    let fit = limit.rlim_max.saturating_sub(200).min(4096) as u32;
+    if fit < 4096 {
+        eprintln!("open-file limit {}: running with {fit} clients instead of 4,096", limit.rlim_max);
+    }
+    fit
+}
+
+/// Runs `rallypoint bench ARGS --json` and returns its JSON report.
+fn bench(args: &[&str]) -> Value {
+    let mut child = Command::new(BIN)
+        .args(args)
+        .arg("--json")
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start rallypoint bench");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for rallypoint bench") {
+            break status;
+        }
+        if started.elapsed() > LIMIT {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("rallypoint bench {args:?} did not finish within {LIMIT:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut out = String::new();
+    child.stdout.take().expect("piped stdout").read_to_string(&mut out).expect("read the report");
+    assert!(status.success(), "rallypoint bench {args:?} failed ({status}); stdout: {out}");
+    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("bad report {out:?}: {e}"))
+}
+
+#[test]
+fn barrier_of_4096_native_clients() {
+    let n = clients().to_string();
+    let report = bench(&["barrier", "--clients", &n, "--rounds", "3", "--warmup", "1"]);
+    assert_eq!(report["clients"].to_string(), n);
+    assert!(report["median_us"].as_f64().is_some_and(|us| us > 0.0), "{report}");
+}
+
+#[test]
+fn tcpstore_barrier_of_4096_clients_from_two_processes() {
+    let n = clients().to_string();
+    let report = bench(&[
+        "barrier",
+        "--protocol",
+        "tcpstore",
+        "--procs",
+        "2",
+        "--clients",
+        &n,
+        "--rounds",
+        "3",
+        "--warmup",
+        "1",
+    ]);
+    assert_eq!((report["procs"].as_u64(), report["clients"].to_string()), (Some(2), n));
+    assert!(report["median_us"].as_f64().is_some_and(|us| us > 0.0), "{report}");
+}
+
+#[test]
+fn storm_of_4096_clients_admits_all_without_resets() {
+    let n = clients();
+    let report = bench(&["storm", "--clients", &n.to_string(), "--timeout", "120"]);
+    assert_eq!(report["admitted"].as_u64(), Some(u64::from(n)), "{report}");
+    assert_eq!(report["failed"].as_u64(), Some(0), "{report}");
+    assert_eq!(report["resets"].as_u64(), Some(0), "{report}");
+    assert_eq!(report["refused"].as_u64(), Some(0), "{report}");
+}
+
+#[test]
+fn benches_report_json() {
+    let report = bench(&["barrier", "--clients", "4", "--rounds", "20"]);
+    assert_eq!(report["clients"], 4);
+    assert_eq!(report["rounds"], 20);
+    for field in ["median_us", "p99_us", "mean_us", "min_us", "max_us", "connect_ms"] {
+        assert!(report[field].as_f64().is_some_and(|v| v > 0.0), "{field}: {report}");
+    }
+    assert!(report["p99_us"].as_f64() >= report["median_us"].as_f64());
+    assert!(report["server_rss_per_conn_bytes"].is_u64(), "{report}");
+
+    let report = bench(&["kv", "--clients", "2", "--ops", "20", "--adds", "40"]);
+    for op in ["set", "get", "add", "check", "compare_set", "multi_get"] {
+        assert_eq!(report["latency"][op]["count"], 20, "{op}: {report}");
+    }
+    // One throughput run per `--clients` count.
+    assert_eq!(report["add_throughput"][0]["clients"], 2, "{report}");
+    assert_eq!(report["add_throughput"][0]["ops"], 40, "{report}");
+}

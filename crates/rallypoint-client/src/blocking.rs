@@ -1,0 +1,172 @@
+//! The blocking client: the same operations as [`crate::Client`], for code without
+//! an async runtime (plain threads, FFI bindings).
+//!
+//! Each client owns a small tokio runtime (one worker thread) that keeps the
+//! connection serviced, heartbeats included, between calls. Calls block the
+//! calling thread; many threads may share one client (it is `Clone`). Do not call
+//! it from inside an async runtime: that panics, as any `block_on` there does.
+//! Dropping the last clone without [`Client::close`] drops the connection
+//! abruptly, as for the async client.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use rallypoint_core::{Identity, Members};
+
+use crate::{client, ConnectOptions, Error};
+
+#[derive(Clone)]
+pub struct Client {
+    inner: client::Client,
+    runtime: Arc<Runtime>,
+}
+
+/// Owns the runtime and shuts it down without blocking if the last clone happens
+/// to be dropped inside an async context (where a normal drop would panic).
+struct Runtime(Option<tokio::runtime::Runtime>);
+
+impl Drop for Runtime {
+    fn drop(&mut self) {
+        if let Some(runtime) = self.0.take() {
+            if tokio::runtime::Handle::try_current().is_ok() {
+                runtime.shutdown_background();
+            }
+        }
+    }
+}
+
+impl Runtime {
+    fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
+        match &self.0 {
+            Some(runtime) => runtime.block_on(future),
+            // Taken only in drop.
+            None => unreachable!("the client runtime is gone"),
+        }
+    }
+}
+
+impl Client {
+    pub fn connect(addr: &str, identity: Identity) -> Result<Client, Error> {
+        Client::connect_with(ConnectOptions::new(addr, identity))
+    }
+
+    pub fn connect_with(options: ConnectOptions) -> Result<Client, Error> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("rallypoint-client")
+            .enable_io()
+            .enable_time()
+            .build()
+            .map_err(|source| Error::Connect { addr: options.addr.clone(), waited: Duration::ZERO, source })?;
+        let runtime = Runtime(Some(runtime));
+        let inner = runtime.block_on(client::Client::connect_with(options))?;
+        Ok(Client { inner, runtime: Arc::new(runtime) })
+    }
+
+    /// Connects with settings from the environment (see [`crate::env::Settings`]).
+    pub fn from_env() -> Result<Client, Error> {
+        let settings = crate::env::Settings::from_env()?;
+        Client::connect_with(settings.connect_options())
+    }
+
+    pub fn identity(&self) -> &Identity {
+        self.inner.identity()
+    }
+
+    pub fn timeout(&self) -> Duration {
+        self.inner.timeout()
+    }
+
+    pub fn set(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<(), Error> {
+        self.runtime.block_on(self.inner.set(key, value))
+    }
+
+    pub fn get(&self, key: impl AsRef<[u8]>, timeout: Option<Duration>) -> Result<Bytes, Error> {
+        self.runtime.block_on(self.inner.get(key, timeout))
+    }
+
+    pub fn add(&self, key: impl AsRef<[u8]>, delta: i64) -> Result<i64, Error> {
+        self.runtime.block_on(self.inner.add(key, delta))
+    }
+
+    pub fn compare_set(
+        &self,
+        key: impl AsRef<[u8]>,
+        expected: impl AsRef<[u8]>,
+        desired: impl AsRef<[u8]>,
+    ) -> Result<Bytes, Error> {
+        self.runtime.block_on(self.inner.compare_set(key, expected, desired))
+    }
+
+    pub fn append(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<(), Error> {
+        self.runtime.block_on(self.inner.append(key, value))
+    }
+
+    pub fn delete(&self, key: impl AsRef<[u8]>) -> Result<bool, Error> {
+        self.runtime.block_on(self.inner.delete(key))
+    }
+
+    pub fn check(&self, keys: &[impl AsRef<[u8]>]) -> Result<bool, Error> {
+        self.runtime.block_on(self.inner.check(keys))
+    }
+
+    pub fn wait(&self, keys: &[impl AsRef<[u8]>], timeout: Option<Duration>) -> Result<(), Error> {
+        self.runtime.block_on(self.inner.wait(keys, timeout))
+    }
+
+    pub fn multi_get(&self, keys: &[impl AsRef<[u8]>], timeout: Option<Duration>) -> Result<Vec<Bytes>, Error> {
+        self.runtime.block_on(self.inner.multi_get(keys, timeout))
+    }
+
+    pub fn multi_set(&self, entries: &[(impl AsRef<[u8]>, impl AsRef<[u8]>)]) -> Result<(), Error> {
+        self.runtime.block_on(self.inner.multi_set(entries))
+    }
+
+    pub fn num_keys(&self) -> Result<i64, Error> {
+        self.runtime.block_on(self.inner.num_keys())
+    }
+
+    pub fn list_keys(&self, prefix: impl AsRef<[u8]>) -> Result<Vec<Bytes>, Error> {
+        self.runtime.block_on(self.inner.list_keys(prefix))
+    }
+
+    pub fn barrier(&self, name: &str, members: Members, timeout: Option<Duration>) -> Result<(), Error> {
+        self.runtime.block_on(self.inner.barrier(name, members, timeout))
+    }
+
+    pub fn all_gather(
+        &self,
+        name: &str,
+        members: Members,
+        value: impl AsRef<[u8]>,
+        timeout: Option<Duration>,
+    ) -> Result<Arc<[Bytes]>, Error> {
+        self.runtime.block_on(self.inner.all_gather(name, members, value, timeout))
+    }
+
+    pub fn broadcast(
+        &self,
+        name: &str,
+        members: Members,
+        root: u32,
+        value: Option<&[u8]>,
+        timeout: Option<Duration>,
+    ) -> Result<Bytes, Error> {
+        self.runtime.block_on(self.inner.broadcast(name, members, root, value, timeout))
+    }
+
+    pub fn ping(&self) -> Result<(), Error> {
+        self.runtime.block_on(self.inner.ping())
+    }
+
+    pub fn abort(&self, reason: &str) -> Result<(), Error> {
+        self.runtime.block_on(self.inner.abort(reason))
+    }
+
+    /// Leaves cleanly, then closes the connection (see [`crate::Client::close`]).
+    pub fn close(self) -> Result<(), Error> {
+        let Client { inner, runtime } = self;
+        runtime.block_on(inner.close())
+    }
+}

@@ -1,0 +1,362 @@
+//! The async client.
+//!
+//! A [`Client`] is one connection to the coordinator, shared by all its clones:
+//! calls from many tasks pipeline over it, and a background task sends
+//! heartbeats between calls so that the coordinator knows the process is alive.
+//!
+//! Closing: [`Client::close`] tells the coordinator that this rank leaves cleanly.
+//! Dropping the last clone without `close` drops the connection abruptly, exactly
+//! as if the process had been killed: if it was the rank's last connection, the
+//! coordinator considers the rank lost and fails whatever its peers wait for with
+//! [`crate::OpError::PeerLost`].
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use rallypoint_core::{Identity, Members, Request, Response};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::connection::{self, Command, Link};
+use crate::error::Error;
+
+/// How long to keep retrying to connect, and how long blocking operations wait
+/// when the caller gives no timeout.
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Extra time the client waits beyond an operation's timeout before giving up on
+/// the coordinator's reply (the coordinator's own timeout error normally comes first).
+const SAFETY_MARGIN: Duration = Duration::from_secs(5);
+
+#[derive(Debug, Clone)]
+pub struct ConnectOptions {
+    /// `host:port` of the coordinator.
+    pub addr: String,
+    /// Who this client is. An empty `host` is filled with this machine's hostname
+    /// and a zero `pid` with this process's id.
+    pub identity: Identity,
+    /// How long connecting retries, and the default timeout of blocking operations.
+    pub timeout: Duration,
+    /// Over a Unix socket (to this node's agent), take large replies (all-gather
+    /// results, large values) as shared memory mapped read-only instead of copied
+    /// through the socket (docs/PROTOCOL.md, section 13). Ignored over TCP.
+    pub shared_replies: bool,
+}
+
+impl ConnectOptions {
+    /// Options with the default timeout of 300 s, taking shared replies.
+    pub fn new(addr: impl Into<String>, identity: Identity) -> Self {
+        ConnectOptions { addr: addr.into(), identity, timeout: DEFAULT_TIMEOUT, shared_replies: true }
+    }
+
+    /// These options with another connect (and default operation) timeout.
+    pub fn with_timeout(self, timeout: Duration) -> Self {
+        ConnectOptions { timeout, ..self }
+    }
+}
+
+/// A connection to the coordinator; cheap to clone and share between tasks.
+///
+/// Call [`Client::close`] when done. Dropping the last clone without it drops the
+/// connection as a crash would: the coordinator then reports this rank as lost
+/// (if it has no other connection) to everyone waiting for it. That is intended:
+/// it is what makes a killed process visible at once.
+#[derive(Clone)]
+pub struct Client {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    identity: Identity,
+    timeout: Duration,
+    link: Arc<Link>,
+    commands: mpsc::UnboundedSender<Command>,
+}
+
+/// Forgets a call's reply slot if the call stops waiting before its reply
+/// (timeout, or the caller's future dropped).
+struct Registered<'a> {
+    link: &'a Link,
+    id: u64,
+}
+
+impl Drop for Registered<'_> {
+    fn drop(&mut self) {
+        self.link.unregister(self.id);
+    }
+}
+
+fn bytes(b: impl AsRef<[u8]>) -> Bytes {
+    Bytes::copy_from_slice(b.as_ref())
+}
+
+fn key_list(keys: &[impl AsRef<[u8]>]) -> Vec<Bytes> {
+    keys.iter().map(bytes).collect()
+}
+
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
+fn unexpected(op: &str, response: Response) -> Error {
+    Error::Protocol(format!("unexpected reply to {op}: {response:?}"))
+}
+
+impl Client {
+    /// Connects with the default timeout (300 s), retrying until the coordinator listens.
+    pub async fn connect(addr: &str, identity: Identity) -> Result<Client, Error> {
+        Client::connect_with(ConnectOptions::new(addr, identity)).await
+    }
+
+    pub async fn connect_with(options: ConnectOptions) -> Result<Client, Error> {
+        let ConnectOptions { addr, mut identity, timeout, shared_replies } = options;
+        if identity.host.is_empty() {
+            identity.host = rallypoint_net::hostname();
+        }
+        if identity.pid == 0 {
+            identity.pid = std::process::id();
+        }
+        let connected = connection::connect(&addr, &identity, timeout, shared_replies).await?;
+        let (link, commands, _welcome) = connection::spawn(addr, connected);
+        Ok(Client { inner: Arc::new(Inner { identity, timeout, link, commands }) })
+    }
+
+    /// Connects with settings from the environment (see [`crate::env::Settings`]).
+    pub async fn from_env() -> Result<Client, Error> {
+        let settings = crate::env::Settings::from_env()?;
+        Client::connect_with(settings.connect_options()).await
+    }
+
+    pub fn identity(&self) -> &Identity {
+        &self.inner.identity
+    }
+
+    /// The connect timeout, which is also the default timeout of blocking operations.
+    pub fn timeout(&self) -> Duration {
+        self.inner.timeout
+    }
+
+    /// Sends one request and waits for its reply, at most `wait` plus a safety margin.
+    async fn call(&self, request: Request, wait: Duration) -> Result<Response, Error> {
+        let link = &*self.inner.link;
+        let (id, reply) = link.register()?;
+        let _registered = Registered { link, id };
+        if self.inner.commands.send(Command::Request { id, request }).is_err() {
+            return Err(link.disconnected());
+        }
+        let limit = wait.saturating_add(SAFETY_MARGIN);
+        match tokio::time::timeout(limit, reply).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(_)) => Err(link.disconnected()),
+            Err(_) => Err(Error::Timeout(limit)),
+        }
+    }
+
+    /// A request that does not block on the coordinator's side.
+    async fn call_now(&self, request: Request) -> Result<Response, Error> {
+        self.call(request, self.inner.timeout).await
+    }
+
+    /// The timeout sent with a blocking request, and how long to wait for its reply.
+    fn blocking_timeout(&self, timeout: Option<Duration>) -> (Option<u64>, Duration) {
+        let timeout = timeout.unwrap_or(self.inner.timeout);
+        (Some(millis(timeout)), timeout)
+    }
+
+    pub async fn set(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<(), Error> {
+        match self.call_now(Request::Set { key: bytes(key), value: bytes(value) }).await? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("set", other)),
+        }
+    }
+
+    /// Waits until the key exists (at most `timeout`, `None` = the client's default).
+    pub async fn get(&self, key: impl AsRef<[u8]>, timeout: Option<Duration>) -> Result<Bytes, Error> {
+        let (timeout_ms, wait) = self.blocking_timeout(timeout);
+        match self.call(Request::Get { key: bytes(key), timeout_ms }, wait).await? {
+            Response::Value(value) => Ok(value),
+            other => Err(unexpected("get", other)),
+        }
+    }
+
+    /// Adds `delta` to a decimal integer value (a missing key counts as 0); returns the new value.
+    pub async fn add(&self, key: impl AsRef<[u8]>, delta: i64) -> Result<i64, Error> {
+        match self.call_now(Request::Add { key: bytes(key), delta }).await? {
+            Response::Int(value) => Ok(value),
+            other => Err(unexpected("add", other)),
+        }
+    }
+
+    /// TCPStore's compare-and-set: sets `desired` if the current value is `expected`
+    /// (or the key is missing and `expected` is empty); returns the value now stored.
+    pub async fn compare_set(
+        &self,
+        key: impl AsRef<[u8]>,
+        expected: impl AsRef<[u8]>,
+        desired: impl AsRef<[u8]>,
+    ) -> Result<Bytes, Error> {
+        let request = Request::CompareSet { key: bytes(key), expected: bytes(expected), desired: bytes(desired) };
+        match self.call_now(request).await? {
+            Response::Value(value) => Ok(value),
+            other => Err(unexpected("compare_set", other)),
+        }
+    }
+
+    pub async fn append(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<(), Error> {
+        match self.call_now(Request::Append { key: bytes(key), value: bytes(value) }).await? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("append", other)),
+        }
+    }
+
+    /// Deletes a key; returns whether it existed.
+    pub async fn delete(&self, key: impl AsRef<[u8]>) -> Result<bool, Error> {
+        match self.call_now(Request::Delete { key: bytes(key) }).await? {
+            Response::Bool(existed) => Ok(existed),
+            other => Err(unexpected("delete", other)),
+        }
+    }
+
+    /// Whether every key exists, without waiting.
+    pub async fn check(&self, keys: &[impl AsRef<[u8]>]) -> Result<bool, Error> {
+        match self.call_now(Request::Check { keys: key_list(keys) }).await? {
+            Response::Bool(all) => Ok(all),
+            other => Err(unexpected("check", other)),
+        }
+    }
+
+    /// Waits until every key exists.
+    pub async fn wait(&self, keys: &[impl AsRef<[u8]>], timeout: Option<Duration>) -> Result<(), Error> {
+        let (timeout_ms, wait) = self.blocking_timeout(timeout);
+        match self.call(Request::Wait { keys: key_list(keys), timeout_ms }, wait).await? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("wait", other)),
+        }
+    }
+
+    /// Waits until every key exists; returns their values in the order asked.
+    pub async fn multi_get(&self, keys: &[impl AsRef<[u8]>], timeout: Option<Duration>) -> Result<Vec<Bytes>, Error> {
+        let (timeout_ms, wait) = self.blocking_timeout(timeout);
+        match self.call(Request::MultiGet { keys: key_list(keys), timeout_ms }, wait).await? {
+            Response::Values(values) => Ok(values),
+            other => Err(unexpected("multi_get", other)),
+        }
+    }
+
+    pub async fn multi_set(&self, entries: &[(impl AsRef<[u8]>, impl AsRef<[u8]>)]) -> Result<(), Error> {
+        let entries = entries.iter().map(|(k, v)| (bytes(k), bytes(v))).collect();
+        match self.call_now(Request::MultiSet { entries }).await? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("multi_set", other)),
+        }
+    }
+
+    /// Number of keys in this job's store.
+    pub async fn num_keys(&self) -> Result<i64, Error> {
+        match self.call_now(Request::NumKeys).await? {
+            Response::Int(n) => Ok(n),
+            other => Err(unexpected("num_keys", other)),
+        }
+    }
+
+    /// What the coordinator knows or infers about this job's PyTorch (TCPStore)
+    /// processes: ranks seen, ranks missing, waiting connections (docs/TCPSTORE.md).
+    pub async fn status(&self) -> Result<String, Error> {
+        match self.call_now(Request::Status).await? {
+            Response::Value(report) => Ok(String::from_utf8_lossy(&report).into_owned()),
+            other => Err(unexpected("status", other)),
+        }
+    }
+
+    /// Keys starting with `prefix`, sorted.
+    pub async fn list_keys(&self, prefix: impl AsRef<[u8]>) -> Result<Vec<Bytes>, Error> {
+        match self.call_now(Request::ListKeys { prefix: bytes(prefix) }).await? {
+            Response::Values(keys) => Ok(keys),
+            other => Err(unexpected("list_keys", other)),
+        }
+    }
+
+    /// Waits until every member has called the same barrier (the n-th call of a
+    /// name meets the other members' n-th call). On timeout the error lists
+    /// every member that had not arrived and why.
+    pub async fn barrier(&self, name: &str, members: Members, timeout: Option<Duration>) -> Result<(), Error> {
+        let (timeout_ms, wait) = self.blocking_timeout(timeout);
+        match self.call(Request::Barrier { name: name.to_owned(), members, timeout_ms }, wait).await? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("barrier", other)),
+        }
+    }
+
+    /// Every member contributes `value`; each gets all values in rank order.
+    pub async fn all_gather(
+        &self,
+        name: &str,
+        members: Members,
+        value: impl AsRef<[u8]>,
+        timeout: Option<Duration>,
+    ) -> Result<Arc<[Bytes]>, Error> {
+        let (timeout_ms, wait) = self.blocking_timeout(timeout);
+        let request = Request::AllGather { name: name.to_owned(), members, value: bytes(value), timeout_ms };
+        match self.call(request, wait).await? {
+            Response::Gathered(gathered) => Ok(gathered.into_values()),
+            other => Err(unexpected("all_gather", other)),
+        }
+    }
+
+    /// Every member gets the value of `root`, which must pass `Some(value)`.
+    pub async fn broadcast(
+        &self,
+        name: &str,
+        members: Members,
+        root: u32,
+        value: Option<&[u8]>,
+        timeout: Option<Duration>,
+    ) -> Result<Bytes, Error> {
+        let (timeout_ms, wait) = self.blocking_timeout(timeout);
+        let request = Request::Broadcast {
+            name: name.to_owned(),
+            members,
+            root,
+            value: value.map(Bytes::copy_from_slice),
+            timeout_ms,
+        };
+        match self.call(request, wait).await? {
+            Response::Value(value) => Ok(value),
+            other => Err(unexpected("broadcast", other)),
+        }
+    }
+
+    /// One round trip to the coordinator (it also counts as this rank's heartbeat):
+    /// checks that the coordinator is there and responsive.
+    pub async fn ping(&self) -> Result<(), Error> {
+        match self.call_now(Request::Heartbeat).await? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("ping", other)),
+        }
+    }
+
+    /// Aborts the job: every pending and later operation of every member fails
+    /// with [`crate::OpError::Aborted`] naming this client and `reason`.
+    pub async fn abort(&self, reason: &str) -> Result<(), Error> {
+        match self.call_now(Request::Abort { reason: reason.to_owned() }).await? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("abort", other)),
+        }
+    }
+
+    /// Leaves cleanly: the coordinator records that this rank left (it may come
+    /// back) rather than died. Then closes the connection; calls still waiting on
+    /// other clones fail with [`Error::Disconnected`].
+    pub async fn close(self) -> Result<(), Error> {
+        let left = self.call_now(Request::Leave).await;
+        let (done, closed) = oneshot::channel();
+        if self.inner.commands.send(Command::Shutdown(done)).is_ok() {
+            // Fails only if the connection task is already gone, which is closed too.
+            let _ = closed.await;
+        }
+        match left? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("leave", other)),
+        }
+    }
+}

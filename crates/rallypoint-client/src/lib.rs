@@ -1,0 +1,17 @@
+//! rallypoint's clients: [`Client`] (async, on tokio) and [`blocking::Client`], one
+//! connection to the coordinator (or to this node's agent) each, shared by all
+//! their clones; and [`env`], the contract between a launcher and its workers: the
+//! variables a launcher sets ([`env::worker_env`]) and how a client resolves them,
+//! with explicit values, into connection settings ([`env::Settings`]).
+
+pub mod blocking;
+mod client;
+mod connection;
+pub mod env;
+mod error;
+
+pub use client::{Client, ConnectOptions, DEFAULT_TIMEOUT};
+pub use error::Error;
+pub use rallypoint_core::{
+    AbortInfo, CallShape, CollectiveKind, Identity, LossReason, Members, OpError, OpRef, RankInfo, RankState,
+};

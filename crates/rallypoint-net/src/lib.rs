@@ -1,0 +1,41 @@
+//! The connection layer of rallypoint, shared by the coordinator
+//! (`rallypoint-server`), the node agent (`rallypoint-agent`) and the client
+//! (`rallypoint-client`):
+//!
+//! - [`stream`]: byte streams over TCP or a Unix domain socket, and listeners;
+//! - [`shm`]: large replies through shared memory, passed over Unix sockets;
+//! - [`sync`]: the poison-tolerant lock and the reconnect backoff everyone uses;
+//! - [`hostname`] and [`raise_fd_limit`]: facts about this process's machine.
+
+mod fdlimit;
+pub mod shm;
+pub mod stream;
+pub mod sync;
+
+pub use fdlimit::raise_fd_limit;
+pub use stream::{unix_path, Listener, ReadHalf, Stream, WriteHalf, UNIX_PREFIX};
+
+/// This machine's hostname, or "unknown" if it cannot be read.
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: gethostname writes at most `buf.len()` bytes into `buf`.
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "unknown".to_owned();
+    }
+    let len = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    match String::from_utf8_lossy(&buf[..len]) {
+        name if name.is_empty() => "unknown".to_owned(),
+        name => name.into_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn hostname_is_known() {
+        let name = super::hostname();
+        assert!(!name.is_empty());
+        assert!(!name.contains('\0'));
+    }
+}

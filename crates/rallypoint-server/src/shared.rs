@@ -1,0 +1,328 @@
+//! The state every connection task and the ticker share: the engine, where each
+//! session's replies go, and the server's clock.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Poll, Waker};
+use std::time::Instant;
+
+use atomic_waker::AtomicWaker;
+use rallypoint_core::{Config, Engine, Identity, Millis, OpError, Reply, Request, SessionId, Welcome};
+use rallypoint_net::sync::lock;
+
+use crate::agent_link::AgentOutbox;
+use crate::ticker::Alarm;
+
+/// The job of TCPStore connections unless the server is told otherwise.
+pub(crate) const DEFAULT_TCPSTORE_JOB: &str = "default";
+
+pub(crate) struct Shared {
+    state: Mutex<State>,
+    /// Time zero of the engine's clock.
+    start: Instant,
+    next_session: AtomicU64,
+    /// When the ticker plans to wake next (engine ms; `u64::MAX` = no deadline).
+    /// Written only under the state lock.
+    ticker_plan: AtomicU64,
+    /// Wakes the ticker when a deadline earlier than its plan appears.
+    ticker_alarm: Alarm,
+    /// The job TCPStore connections join.
+    tcpstore_job: Mutex<String>,
+}
+
+struct State {
+    engine: Engine,
+    outboxes: HashMap<SessionId, Sink>,
+}
+
+/// Where a session's replies go: its own connection, or the node agent carrying it.
+enum Sink {
+    Direct(Arc<Outbox>),
+    Agent(Arc<AgentOutbox>),
+}
+
+/// One thing a node agent's connection tells the engine (see [`Shared::agent_batch`]).
+pub(crate) enum AgentInput {
+    /// A rank behind the agent said hello; `session` comes from [`Shared::new_session_id`].
+    Open {
+        session: SessionId,
+        identity: Identity,
+    },
+    Request {
+        session: SessionId,
+        id: u64,
+        request: Request,
+    },
+    Close {
+        session: SessionId,
+    },
+}
+
+/// Replies waiting to be written to one connection. The connection task swaps the
+/// queue out and encodes outside of any lock, so a large reply (an all-gather to
+/// many ranks) never holds up the engine.
+#[derive(Default)]
+pub(crate) struct Outbox {
+    queue: Mutex<VecDeque<(u64, Reply)>>,
+    /// Whether `queue` may hold replies: lets `take` skip the lock after each request
+    /// when, as usual, every reply went back directly.
+    queued: AtomicBool,
+    pub(crate) ready: Ready,
+}
+
+impl Outbox {
+    fn push(&self, request_id: u64, reply: Reply) {
+        let mut queue = lock(&self.queue);
+        queue.push_back((request_id, reply));
+        self.queued.store(true, Ordering::Release);
+        drop(queue);
+        self.ready.notify();
+    }
+
+    /// Takes every queued reply, leaving the queue without an allocation.
+    pub(crate) fn take(&self) -> VecDeque<(u64, Reply)> {
+        if !self.queued.load(Ordering::Acquire) {
+            return VecDeque::new();
+        }
+        let mut queue = lock(&self.queue);
+        self.queued.store(false, Ordering::Relaxed);
+        std::mem::take(&mut *queue)
+    }
+}
+
+/// Tells whoever serves a connection (its task, or the TCPStore reactor) that
+/// something was queued for it. A flag and an atomic waker rather than `Notify`:
+/// with a single waiter, arming the wait costs an atomic operation instead of a
+/// lock on `Notify`'s wait list, on every request a connection reads.
+#[derive(Default)]
+pub(crate) struct Ready {
+    pending: AtomicBool,
+    waker: AtomicWaker,
+}
+
+impl Ready {
+    /// Wakes the task, or lets its next wait return at once (as `Notify::notify_one`).
+    pub(crate) fn notify(&self) {
+        self.pending.store(true, Ordering::Release);
+        self.waker.wake();
+    }
+
+    /// Completes once `notify` was called since the last wait completed.
+    pub(crate) async fn wait(&self) {
+        std::future::poll_fn(|cx| if self.poll_wait(cx.waker()) { Poll::Ready(()) } else { Poll::Pending }).await;
+    }
+
+    /// `wait` without a future: true if `notify` was called since the last wait
+    /// completed; otherwise `waker` is woken by the next `notify`.
+    pub(crate) fn poll_wait(&self, waker: &Waker) -> bool {
+        if self.pending.swap(false, Ordering::Acquire) {
+            return true;
+        }
+        self.waker.register(waker);
+        // A notify between the check and the registration must not be lost.
+        self.pending.swap(false, Ordering::Acquire)
+    }
+}
+
+impl Shared {
+    pub(crate) fn new(config: Config) -> Self {
+        Shared {
+            state: Mutex::new(State { engine: Engine::new(config), outboxes: HashMap::new() }),
+            start: Instant::now(),
+            next_session: AtomicU64::new(1),
+            ticker_plan: AtomicU64::new(u64::MAX),
+            ticker_alarm: Alarm::default(),
+            tcpstore_job: Mutex::new(DEFAULT_TCPSTORE_JOB.to_owned()),
+        }
+    }
+
+    /// Read only while holding the state lock, so that the engine never sees time go back.
+    fn now(&self) -> Millis {
+        u64::try_from(self.start.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    pub(crate) fn start(&self) -> Instant {
+        self.start
+    }
+
+    /// Admits a session; on success its replies go to `outbox` until [`Shared::close`].
+    pub(crate) fn open(&self, identity: Identity, outbox: Arc<Outbox>) -> Result<Welcome, OpError> {
+        let session = SessionId(self.next_session.fetch_add(1, Ordering::Relaxed));
+        let mut state = lock(&self.state);
+        let now = self.now();
+        let welcome = state.engine.open(session, identity, now)?;
+        state.outboxes.insert(session, Sink::Direct(outbox));
+        self.after_input(&mut state);
+        Ok(welcome)
+    }
+
+    /// A fresh session id, for a rank behind a node agent.
+    pub(crate) fn new_session_id(&self) -> SessionId {
+        SessionId(self.next_session.fetch_add(1, Ordering::Relaxed))
+    }
+
+    pub(crate) fn lease_ms(&self) -> Millis {
+        lock(&self.state).engine.config().lease_ms
+    }
+
+    /// Feeds what a node agent sent, in order, under a single lock; the replies of
+    /// its sessions go to `outbox`. Returns whether each `Open` was admitted.
+    pub(crate) fn agent_batch(
+        &self,
+        inputs: Vec<AgentInput>,
+        outbox: &Arc<AgentOutbox>,
+    ) -> Vec<(SessionId, Result<Welcome, OpError>)> {
+        let mut opened = Vec::new();
+        let mut state = lock(&self.state);
+        let now = self.now();
+        for input in inputs {
+            match input {
+                AgentInput::Open { session, identity } => {
+                    let welcome = state.engine.open(session, identity, now);
+                    if welcome.is_ok() {
+                        state.outboxes.insert(session, Sink::Agent(Arc::clone(outbox)));
+                    }
+                    opened.push((session, welcome));
+                }
+                AgentInput::Request { session, id, request } => state.engine.handle(session, id, request, now),
+                AgentInput::Close { session } => {
+                    state.outboxes.remove(&session);
+                    state.engine.close(session, now);
+                }
+            }
+        }
+        self.after_input(&mut state);
+        opened
+    }
+
+    /// The peers of `sessions` are taking in a long write: their ranks' leases count
+    /// that as a sign of life (see `Engine::alive`).
+    pub(crate) fn alive(&self, sessions: impl Iterator<Item = SessionId>) {
+        let mut state = lock(&self.state);
+        let now = self.now();
+        for session in sessions {
+            state.engine.alive(session, now);
+        }
+        self.after_input(&mut state);
+    }
+
+    /// Closes many sessions at once (a node agent's connection ended).
+    pub(crate) fn close_all(&self, sessions: &[SessionId]) {
+        let mut state = lock(&self.state);
+        let now = self.now();
+        for &session in sessions {
+            state.outboxes.remove(&session);
+            state.engine.close(session, now);
+        }
+        self.after_input(&mut state);
+    }
+
+    pub(crate) fn set_tcpstore_job(&self, job: &str) {
+        job.clone_into(&mut lock(&self.tcpstore_job));
+    }
+
+    /// Admits a PyTorch TCPStore connection into the TCPStore job.
+    pub(crate) fn open_tcpstore(&self, host: &str, pid: u32, outbox: Arc<Outbox>) -> Result<Welcome, OpError> {
+        let job = lock(&self.tcpstore_job).clone();
+        let session = SessionId(self.next_session.fetch_add(1, Ordering::Relaxed));
+        let mut state = lock(&self.state);
+        let now = self.now();
+        let welcome = state.engine.open_tcpstore(session, &job, host, pid, now)?;
+        state.outboxes.insert(session, Sink::Direct(outbox));
+        self.after_input(&mut state);
+        Ok(welcome)
+    }
+
+    /// Feeds a batch of requests of one session under a single lock. Replies to
+    /// that session's own requests that are ready at once go to `immediate` (the
+    /// caller writes them without a wake-up through its outbox); later replies, and
+    /// replies to other sessions, go to outboxes.
+    pub(crate) fn handle(
+        &self,
+        session: SessionId,
+        requests: impl Iterator<Item = (u64, Request)>,
+        immediate: Immediate<'_>,
+    ) {
+        let mut state = lock(&self.state);
+        let now = self.now();
+        for (id, request) in requests {
+            state.engine.handle(session, id, request, now);
+        }
+        dispatch(&mut state, Some((session, immediate)));
+        self.plan_ticker(&state);
+    }
+
+    /// The session's connection is gone; the engine decides whether that is a
+    /// clean leave or a loss.
+    pub(crate) fn close(&self, session: SessionId) {
+        let mut state = lock(&self.state);
+        let now = self.now();
+        state.outboxes.remove(&session);
+        state.engine.close(session, now);
+        self.after_input(&mut state);
+    }
+
+    /// Forgets the session's outbox without telling the engine: used when the engine
+    /// itself panicked, so calling it again could only panic again.
+    pub(crate) fn forget(&self, session: SessionId) {
+        lock(&self.state).outboxes.remove(&session);
+    }
+
+    /// Fires what is due and returns the next deadline (engine ms).
+    pub(crate) fn tick(&self) -> Option<Millis> {
+        let mut state = lock(&self.state);
+        let now = self.now();
+        state.engine.tick(now);
+        dispatch(&mut state, None);
+        let next = state.engine.next_deadline();
+        self.ticker_plan.store(next.unwrap_or(u64::MAX), Ordering::Relaxed);
+        next
+    }
+
+    pub(crate) fn ticker_alarm(&self) -> &Alarm {
+        &self.ticker_alarm
+    }
+
+    /// Routes the engine's replies and wakes the ticker if the engine now has a
+    /// deadline earlier than the one the ticker sleeps towards.
+    fn after_input(&self, state: &mut State) {
+        dispatch(state, None);
+        self.plan_ticker(state);
+    }
+
+    fn plan_ticker(&self, state: &State) {
+        if let Some(next) = state.engine.next_deadline() {
+            if next < self.ticker_plan.load(Ordering::Relaxed) {
+                self.ticker_plan.store(next, Ordering::Relaxed);
+                self.ticker_alarm.poke();
+            }
+        }
+    }
+}
+
+/// Where the replies to the session that made a request go at once: (request id, reply).
+type Immediate<'a> = &'a mut dyn FnMut(u64, Reply);
+
+/// Routes the engine's output: replies for `caller`'s session to its callback, the
+/// rest into outboxes.
+fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
+    let State { engine, outboxes } = state;
+    for notice in engine.drain_notices() {
+        tracing::warn!("{notice}");
+    }
+    for out in engine.drain_outgoing() {
+        if let Some((session, immediate)) = caller.as_mut() {
+            if out.session == *session {
+                immediate(out.request_id, out.reply);
+                continue;
+            }
+        }
+        // A reply for a session that closed meanwhile has nowhere to go.
+        match outboxes.get(&out.session) {
+            Some(Sink::Direct(outbox)) => outbox.push(out.request_id, out.reply),
+            Some(Sink::Agent(outbox)) => outbox.push(out.session, out.request_id, out.reply),
+            None => {}
+        }
+    }
+}
