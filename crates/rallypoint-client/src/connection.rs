@@ -18,25 +18,22 @@ use rallypoint_proto::native::{
     decode_server_frame, decode_shared_reply, encode_client_frame, encode_preamble, pending_frame_len, ClientFrame,
     FrameLimits, ProtoError, ServerFrame,
 };
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 use tracing::debug;
 
+use rallypoint_net::conn::{greet, Buffering};
 use rallypoint_net::shm;
 use rallypoint_net::sync::Backoff;
-use rallypoint_net::{ReadHalf, Stream, WriteHalf};
+use rallypoint_net::{unix_path, ReadHalf, Stream, WriteHalf};
 
 use crate::error::Error;
 
-/// Bytes reserved for each read of replies.
-const READ_CHUNK: usize = 8192;
 /// Most bytes reserved at once for the rest of a reply whose length prefix has
 /// arrived. Beyond it the buffer grows as the bytes arrive: a corrupt prefix must
 /// not make the client reserve gigabytes.
 const MAX_RESERVE: usize = 256 << 20;
-/// Buffers larger than this are freed once empty instead of kept.
-const KEEP_CAPACITY: usize = 64 * 1024;
 /// Stop gathering queued requests into one write past this size.
 const MAX_WRITE_BATCH: usize = 1 << 20;
 
@@ -214,34 +211,25 @@ impl From<io::Error> for Attempt {
 }
 
 async fn attempt(addr: &str, identity: &Identity, shared_replies: bool) -> Result<Connected, Attempt> {
-    let mut stream = Stream::connect(addr).await?;
-    let mut out = BytesMut::new();
-    encode_preamble(&mut out);
-    encode_client_frame(&ClientFrame::Hello(identity.clone()), &mut out);
-    if shared_replies && stream.is_unix() {
-        encode_client_frame(&ClientFrame::TakeSharedReplies, &mut out);
+    let mut hello = BytesMut::new();
+    encode_preamble(&mut hello);
+    encode_client_frame(&ClientFrame::Hello(identity.clone()), &mut hello);
+    // Only a node agent of this machine, over a Unix socket, can pass shared memory.
+    if shared_replies && unix_path(addr).is_some() {
+        encode_client_frame(&ClientFrame::TakeSharedReplies, &mut hello);
     }
-    stream.write_all(&out).await?;
-
-    let mut buffered = BytesMut::new();
-    loop {
-        match decode_server_frame(&mut buffered, &FrameLimits::unbounded()) {
-            Ok(Some(ServerFrame::Welcome(welcome))) => return Ok(Connected { stream, buffered, welcome }),
-            Ok(Some(ServerFrame::Refused(error))) => return Err(Attempt::Refused(error)),
+    let (stream, answer, buffered) =
+        greet(addr, &hello, |buf| match decode_server_frame(buf, &FrameLimits::unbounded()) {
+            Ok(None) => None,
+            Ok(Some(ServerFrame::Welcome(welcome))) => Some(Ok(welcome)),
+            Ok(Some(ServerFrame::Refused(error))) => Some(Err(Attempt::Refused(error))),
             Ok(Some(ServerFrame::Reply { id, .. } | ServerFrame::SharedReply { id, .. })) => {
-                return Err(Attempt::Protocol(format!("sent a reply (request id {id}) before its welcome")));
+                Some(Err(Attempt::Protocol(format!("sent a reply (request id {id}) before its welcome"))))
             }
-            Ok(None) => {}
-            Err(error) => return Err(Attempt::Protocol(error.to_string())),
-        }
-        buffered.reserve(READ_CHUNK);
-        if stream.read_buf(&mut buffered).await? == 0 {
-            return Err(Attempt::Io(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "the coordinator closed the connection before welcoming this client",
-            )));
-        }
-    }
+            Err(error) => Some(Err(Attempt::Protocol(error.to_string()))),
+        })
+        .await?;
+    answer.map(|welcome| Connected { stream, buffered, welcome })
 }
 
 /// Starts the task that owns the connection; returns the handle calls send through.
@@ -333,9 +321,7 @@ async fn read_loop(
                 Err(error) => return link.lost(format!("malformed data: {error}")),
             }
         }
-        if buf.is_empty() && buf.capacity() > KEEP_CAPACITY {
-            buf = BytesMut::new();
-        }
+        Buffering::CLIENT.release_idle(&mut buf);
         let room = read_room(&buf);
         match reader.read_with_files(&mut buf, room, &mut files).await {
             Ok(0) => return link.lost("the coordinator closed the connection"),
@@ -346,12 +332,12 @@ async fn read_loop(
 }
 
 /// Room to make in the read buffer before the next read: the rest of the reply
-/// being received when its length is known (up to [`MAX_RESERVE`]), at least
-/// [`READ_CHUNK`]. An all-gather reply is world size × value size: reserving a
+/// being received when its length is known (up to [`MAX_RESERVE`]), at least a
+/// client's read chunk. An all-gather reply is world size × value size: reserving a
 /// little per read would regrow the buffer, copying all it holds, again and again.
 fn read_room(buf: &[u8]) -> usize {
     let missing = pending_frame_len(buf).map_or(0, |len| len.saturating_sub(buf.len()));
-    missing.clamp(READ_CHUNK, MAX_RESERVE)
+    missing.clamp(Buffering::CLIENT.chunk, MAX_RESERVE)
 }
 
 /// Writes requests and heartbeats; returns why it stopped, and whom to tell once
@@ -400,9 +386,7 @@ async fn write_loop(
                 return (link.lost(error), shutdown);
             }
             buf.clear();
-            if buf.capacity() > KEEP_CAPACITY {
-                buf = BytesMut::new();
-            }
+            Buffering::CLIENT.release_idle(&mut buf);
         }
         if let Some(done) = shutdown {
             let _ = writer.shutdown().await;

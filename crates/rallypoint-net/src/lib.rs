@@ -3,10 +3,13 @@
 //! (`rallypoint-client`):
 //!
 //! - [`stream`]: byte streams over TCP or a Unix domain socket, and listeners;
+//! - [`conn`]: what every connection goes through: reading into its buffer, the
+//!   handshake, the frame loop, and how it ends ([`conn::End`]);
 //! - [`shm`]: large replies through shared memory, passed over Unix sockets;
 //! - [`sync`]: the poison-tolerant lock and the reconnect backoff everyone uses;
 //! - [`hostname`] and [`raise_fd_limit`]: facts about this process's machine.
 
+pub mod conn;
 mod fdlimit;
 pub mod shm;
 pub mod stream;

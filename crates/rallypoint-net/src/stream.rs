@@ -41,10 +41,6 @@ impl Stream {
         }
     }
 
-    pub fn is_unix(&self) -> bool {
-        matches!(self, Stream::Unix(_))
-    }
-
     pub fn into_split(self) -> (ReadHalf, WriteHalf) {
         match self {
             Stream::Tcp(s) => {

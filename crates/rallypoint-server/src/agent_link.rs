@@ -16,24 +16,19 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use bytes::BytesMut;
-use rallypoint_core::{OpError, Reply, SessionId};
+use rallypoint_core::{OpError, Reply, Request, SessionId, Welcome};
+use rallypoint_net::conn::{read_some, Buffering, End};
+use rallypoint_net::sync::lock;
 use rallypoint_proto::native::{
     decode_agent_frame, encode_root_frame, encode_sub_replies, encode_sub_replies_shared, encode_sub_reply, AgentFrame,
     FrameLimits, ProtoError, RootFrame, MAX_CALLS_PER_FRAME, MAX_FRAME_LEN,
 };
-use tokio::io::AsyncReadExt;
 use tokio::net::TcpStream;
 use tracing::{debug, info, trace, warn};
 
-use rallypoint_net::sync::lock;
-
 use crate::shared::{AgentInput, Ready, Shared};
-use crate::{write_with_tail, WriteProgress};
+use crate::write::{write_with_tail, WriteProgress};
 
-/// Bytes reserved per read: a batch of many ranks' requests.
-const READ_CHUNK: usize = 64 * 1024;
-/// Buffers larger than this are freed once empty instead of kept.
-const KEEP_CAPACITY: usize = 1 << 20;
 /// Stop gathering replies into one write past this size and send what we have.
 const MAX_WRITE_BATCH: usize = 4 << 20;
 
@@ -65,6 +60,36 @@ impl AgentOutbox {
 struct Subs {
     by_sub: HashMap<u64, SessionId>,
     by_session: HashMap<SessionId, u64>,
+}
+
+impl Subs {
+    /// Records a new sub-session as `session`. Known before the engine admits it, so
+    /// that the requests after the hello in the same batch find it; a refusal undoes it.
+    fn open(&mut self, sub: u64, session: SessionId) -> Result<(), End> {
+        if self.by_sub.contains_key(&sub) {
+            return Err(End::DuplicateSubSession { sub });
+        }
+        self.by_sub.insert(sub, session);
+        self.by_session.insert(session, sub);
+        Ok(())
+    }
+
+    /// Sub-session `sub`'s request, if the engine knows it (its hello may have been refused).
+    fn request(&self, peer: SocketAddr, sub: u64, id: u64, request: Request) -> Option<AgentInput> {
+        match self.by_sub.get(&sub) {
+            Some(&session) => Some(AgentInput::Request { session, id, request }),
+            None => {
+                debug!(%peer, sub, id, "request of an unknown sub-session ignored");
+                None
+            }
+        }
+    }
+
+    fn remove(&mut self, sub: u64) -> Option<SessionId> {
+        let session = self.by_sub.remove(&sub)?;
+        self.by_session.remove(&session);
+        Some(session)
+    }
 }
 
 /// Closes every sub-session still open, however the connection task ends.
@@ -126,11 +151,12 @@ pub(crate) async fn serve(
         wbuf,
         guard: SubsGuard { shared: &shared, subs: Subs::default() },
     };
-    let ended = conn.run(&outbox).await;
+    let end = conn.run(&outbox).await;
     let ranks = conn.guard.subs.by_sub.len();
-    match ended {
-        Ok(()) => info!(%peer, %host, pid, ranks, "node agent disconnected; its open ranks are lost"),
-        Err(error) => warn!(%peer, %host, pid, ranks, %error, "node agent connection failed; its open ranks are lost"),
+    if end.is_peer_fault() {
+        warn!(%peer, %host, pid, ranks, "closing a node agent's connection ({end}); its open ranks are lost");
+    } else {
+        info!(%peer, %host, pid, ranks, "node agent disconnected ({end}); its open ranks are lost");
     }
 }
 
@@ -144,114 +170,110 @@ struct AgentConn<'a> {
 }
 
 impl AgentConn<'_> {
-    /// Serves until the agent closes (`Ok`) or the connection fails.
-    async fn run(&mut self, outbox: &Arc<AgentOutbox>) -> io::Result<()> {
+    /// Serves until the connection ends; returns how.
+    async fn run(&mut self, outbox: &Arc<AgentOutbox>) -> End {
         // The hello may have arrived together with the first sub-session frames.
-        self.process(outbox)?;
+        let mut broken = self.process(outbox).err();
         loop {
-            self.flush(outbox).await?;
-            if self.rbuf.is_empty() && self.rbuf.capacity() > KEEP_CAPACITY {
-                self.rbuf = BytesMut::new();
+            if let Err(error) = self.flush(outbox).await {
+                return End::Io(error);
             }
-            self.rbuf.reserve(READ_CHUNK);
+            if let Some(end) = broken.take() {
+                return end;
+            }
+            Buffering::NODE_LINK.release_idle(&mut self.rbuf);
             tokio::select! {
                 // Replies first: they free waiting ranks, and reading more only adds work.
                 biased;
                 () = outbox.ready.wait() => {}
-                read = self.stream.read_buf(&mut self.rbuf) => match read? {
-                    0 => return Ok(()),
-                    _ => self.process(outbox)?,
+                read = std::future::poll_fn(|cx| read_some(self.stream, &mut self.rbuf, Buffering::NODE_LINK, cx)) => match read {
+                    Ok(0) if self.rbuf.is_empty() => return End::Closed,
+                    Ok(0) => return End::ClosedMidFrame { buffered: self.rbuf.len() },
+                    Ok(_) => broken = self.process(outbox).err(),
+                    Err(error) => return End::Io(error),
                 },
             }
         }
     }
 
-    /// Feeds every whole frame buffered to the engine, under one lock, in order.
-    fn process(&mut self, outbox: &Arc<AgentOutbox>) -> io::Result<()> {
-        let shared = self.guard.shared;
-        let subs = &mut self.guard.subs;
+    /// Feeds every whole frame buffered to the engine, under one lock, in order, and
+    /// answers each sub-session's hello. The frames before a broken one count.
+    fn process(&mut self, outbox: &Arc<AgentOutbox>) -> Result<(), End> {
         let mut inputs = Vec::new();
-        let mut broken = None;
-        loop {
+        let result = loop {
             match decode_agent_frame(&mut self.rbuf, &self.limits) {
-                Ok(None) => break,
-                Ok(Some(AgentFrame::SubHello { sub, identity })) => {
-                    if subs.by_sub.contains_key(&sub) {
-                        broken = Some(format!("sub-session {sub} said hello twice"));
-                        break;
-                    }
-                    // Known before the engine admits it, so that the requests after the
-                    // hello in this batch find it; a refusal undoes it.
-                    let session = shared.new_session_id();
-                    subs.by_sub.insert(sub, session);
-                    subs.by_session.insert(session, sub);
-                    inputs.push(AgentInput::Open { session, identity });
-                }
-                Ok(Some(AgentFrame::SubRequest { sub, id, request })) => match subs.by_sub.get(&sub) {
-                    Some(&session) => inputs.push(AgentInput::Request { session, id, request }),
-                    // Its hello was refused: the engine never knew it.
-                    None => debug!(peer = %self.peer, sub, id, "request of an unknown sub-session ignored"),
-                },
-                Ok(Some(AgentFrame::SubRequests { calls, request })) => {
-                    // Each rank's own call, in list order: the engine keeps one session
-                    // per rank, so naming of missing or dead ranks stays exact.
-                    for (sub, id) in calls {
-                        match subs.by_sub.get(&sub) {
-                            Some(&session) => {
-                                inputs.push(AgentInput::Request { session, id, request: request.clone() })
-                            }
-                            None => debug!(peer = %self.peer, sub, id, "request of an unknown sub-session ignored"),
-                        }
+                Ok(None) => break Ok(()),
+                Ok(Some(frame)) => {
+                    if let Err(end) = self.take(frame, &mut inputs) {
+                        break Err(end);
                     }
                 }
-                Ok(Some(AgentFrame::SubClose { sub })) => {
-                    if let Some(session) = subs.by_sub.remove(&sub) {
-                        subs.by_session.remove(&session);
-                        inputs.push(AgentInput::Close { session });
-                    }
-                }
-                Ok(Some(AgentFrame::Hello { .. })) => {
-                    broken = Some("a second agent hello".to_owned());
-                    break;
-                }
-                Err(error) if error.is_fatal() => {
-                    broken = Some(error.to_string());
-                    break;
-                }
-                Err(error) => {
-                    warn!(peer = %self.peer, %error, "bad frame from a node agent");
-                    match error {
-                        ProtoError::BadSubFrame { sub: Some(sub), id: Some(id), message } => {
-                            encode_sub_reply(sub, id, &Err(OpError::Invalid(message)), &mut self.wbuf);
-                        }
-                        ProtoError::BadSubCalls { calls, message } => {
-                            for calls in calls.chunks(MAX_CALLS_PER_FRAME) {
-                                encode_sub_replies(calls, &Err(OpError::Invalid(message.clone())), &mut self.wbuf);
-                            }
-                        }
-                        _ => {}
-                    }
-                }
+                Err(error) if error.is_fatal() => break Err(End::malformed(error)),
+                Err(error) => self.answer_bad_frame(error),
             }
-        }
+        };
         if !inputs.is_empty() {
-            for (session, outcome) in shared.agent_batch(inputs, outbox) {
-                let Some(&sub) = subs.by_session.get(&session) else { continue };
-                let frame = match outcome {
-                    Ok(welcome) => RootFrame::SubWelcome { sub, welcome },
-                    Err(error) => {
-                        debug!(peer = %self.peer, sub, %error, "refused a rank behind a node agent");
-                        subs.by_session.remove(&session);
-                        subs.by_sub.remove(&sub);
-                        RootFrame::SubRefused { sub, error }
-                    }
-                };
-                encode_root_frame(&frame, &mut self.wbuf);
-            }
+            let opened = self.guard.shared.agent_batch(inputs, outbox);
+            self.answer_hellos(opened);
         }
-        match broken {
-            None => Ok(()),
-            Some(why) => Err(io::Error::new(io::ErrorKind::InvalidData, why)),
+        result
+    }
+
+    /// One frame of the agent as inputs for the engine: each rank's own request, in
+    /// order (a SubRequests frame is expanded into its ranks' calls, so the engine
+    /// keeps one session per rank and names missing or dead ranks exactly).
+    fn take(&mut self, frame: AgentFrame, inputs: &mut Vec<AgentInput>) -> Result<(), End> {
+        let (peer, subs) = (self.peer, &mut self.guard.subs);
+        let request = |subs: &Subs, sub, id, request| subs.request(peer, sub, id, request);
+        match frame {
+            AgentFrame::SubHello { sub, identity } => {
+                let session = self.guard.shared.new_session_id();
+                subs.open(sub, session)?;
+                inputs.push(AgentInput::Open { session, identity });
+            }
+            AgentFrame::SubRequest { sub, id, request: r } => inputs.extend(request(subs, sub, id, r)),
+            AgentFrame::SubRequests { calls, request: r } => {
+                inputs.extend(calls.into_iter().filter_map(|(sub, id)| request(subs, sub, id, r.clone())));
+            }
+            AgentFrame::SubClose { sub } => {
+                inputs.extend(subs.remove(sub).map(|session| AgentInput::Close { session }))
+            }
+            AgentFrame::Hello { .. } => return Err(End::SecondHello),
+        }
+        Ok(())
+    }
+
+    /// A whole frame that did not decode: the calls it names get an `Invalid` reply,
+    /// so that no rank waits forever for an answer.
+    fn answer_bad_frame(&mut self, error: ProtoError) {
+        warn!(peer = %self.peer, %error, "bad frame from a node agent");
+        match error {
+            ProtoError::BadSubFrame { sub: Some(sub), id: Some(id), message } => {
+                encode_sub_reply(sub, id, &Err(OpError::Invalid(message)), &mut self.wbuf);
+            }
+            ProtoError::BadSubCalls { calls, message } => {
+                for calls in calls.chunks(MAX_CALLS_PER_FRAME) {
+                    encode_sub_replies(calls, &Err(OpError::Invalid(message.clone())), &mut self.wbuf);
+                }
+            }
+            _ => {}
+        }
+    }
+
+    /// Welcomes each sub-session the engine admitted and refuses the others.
+    fn answer_hellos(&mut self, opened: Vec<(SessionId, Result<Welcome, OpError>)>) {
+        let subs = &mut self.guard.subs;
+        for (session, outcome) in opened {
+            let Some(&sub) = subs.by_session.get(&session) else { continue };
+            let frame = match outcome {
+                Ok(welcome) => RootFrame::SubWelcome { sub, welcome },
+                Err(error) => {
+                    debug!(peer = %self.peer, sub, %error, "refused a rank behind a node agent");
+                    subs.remove(sub);
+                    RootFrame::SubRefused { sub, error }
+                }
+            };
+            encode_root_frame(&frame, &mut self.wbuf);
         }
     }
 
@@ -294,7 +316,7 @@ impl AgentConn<'_> {
         if replied > 0 {
             trace!(peer = %self.peer, replies = replied, frames, "replied to a node agent");
         }
-        if self.wbuf.capacity() > KEEP_CAPACITY {
+        if self.wbuf.capacity() > Buffering::NODE_LINK.keep {
             self.wbuf = BytesMut::new();
         }
         Ok(())

@@ -1,30 +1,60 @@
-//! The coordinator server: a TCP listener in front of the engine.
+//! The coordinator: a TCP listener in front of the engine.
 //!
 //! The [`rallypoint_core::Engine`] holds all coordination state and does no I/O;
-//! this module only moves bytes. Each native connection is one task that decodes
-//! requests, feeds them to the engine under a lock and writes the replies the
-//! engine addresses to it. PyTorch TCPStore connections are served by one reactor
-//! thread with a plain event loop, as torch's own server does; a ticker thread
-//! advances the engine's clock.
+//! this crate only moves bytes between sockets and it. Its parts:
+//!
+//! - [`Server`]: binds, accepts, and tells each new connection apart by its first
+//!   bytes (the handshake of [`rallypoint_net::conn`]);
+//! - `native`: a rank's connection (rallypoint's own protocol);
+//! - `agent_link`: a node agent's connection, carrying its node's ranks as
+//!   sub-sessions;
+//! - `tcpstore` and `reactor`: PyTorch TCPStore connections and the thread that
+//!   serves them;
+//! - `shared`: the one owner of the engine, and where each session's replies go;
+//! - `ticker`: the engine's clock;
+//! - `write`: how large replies are written (shared tails, liveness during long writes).
+//!
+//! # Threads, and why these
+//!
+//! Every input reaches the engine through [`shared`]'s one lock, so the engine needs
+//! no synchronisation of its own and sees every input in one order; the lock is held
+//! for a batch of requests, never across I/O. Around it, three kinds of thread, each
+//! picked for the traffic it serves:
+//!
+//! - **tokio tasks, one per native connection or node-agent link**, on a
+//!   multi-threaded runtime. Native clients pipeline many calls per connection, an
+//!   agent link carries a whole node, and replies can be large (an all-gather to
+//!   thousands of ranks): tasks let one connection write megabytes while the others
+//!   go on, and idle connections cost only their small task.
+//! - **one TCPStore reactor thread** (`mio`), for PyTorch clients, which send one
+//!   small request and wait for its answer: a round trip is all fixed costs, and the
+//!   thread that returns from `epoll_wait` answering directly costs less per round
+//!   trip than waking a task through a scheduler. torch's own server runs one libuv
+//!   loop the same way.
+//! - **one ticker thread** for the clock, so that the runtime holds no timer while
+//!   connections are idle (see `ticker`).
+//!
+//! A panic while serving one connection closes that connection only; the lock
+//! survives poisoning ([`rallypoint_net::sync::lock`]).
 
 mod agent_link;
-mod connection;
+mod native;
 mod reactor;
 mod shared;
 mod tcpstore;
 mod ticker;
+mod write;
 
 use std::future::Future;
-use std::io::{self, IoSlice};
+use std::io;
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-use rallypoint_core::{Config, SessionId};
+use rallypoint_core::Config;
 use rallypoint_proto::native::FrameLimits;
 use rallypoint_proto::tcpstore::TcpLimits;
-use tokio::io::AsyncWriteExt;
-use tokio::net::{TcpListener, TcpSocket, TcpStream};
+use tokio::net::{TcpListener, TcpSocket};
 use tokio::sync::oneshot;
 use tokio::task::{JoinHandle, JoinSet};
 use tracing::{debug, error, info, warn};
@@ -98,7 +128,7 @@ impl Server {
                         }
                         // Shutdown aborts these tasks (no per-task stop signal: an idle
                         // connection's memory is its task).
-                        connections.spawn(connection::serve(stream, peer, Arc::clone(&shared), limits, Arc::clone(&reactor)));
+                        connections.spawn(native::serve(stream, peer, Arc::clone(&shared), limits, Arc::clone(&reactor)));
                     }
                     Err(error) => accept_failed(error).await,
                 },
@@ -191,60 +221,5 @@ async fn accept_failed(error: io::Error) {
     } else {
         warn!(%error, "accept failed");
         tokio::time::sleep(ACCEPT_BACKOFF).await;
-    }
-}
-
-/// Writes `head`, then `tail`, as one stream of bytes: a batch of encoded replies
-/// ending with the start of a frame whose last bytes are `tail`, bytes shared with
-/// other replies (an all-gather's values, encoded once for every member). Writing
-/// them together (`writev`) sends them without copying `tail` into the batch.
-pub(crate) async fn write_with_tail(
-    stream: &mut TcpStream,
-    mut head: &[u8],
-    mut tail: &[u8],
-    progress: &mut WriteProgress<'_>,
-) -> io::Result<()> {
-    while !head.is_empty() || !tail.is_empty() {
-        let written = if head.is_empty() {
-            stream.write(tail).await?
-        } else {
-            stream.write_vectored(&[IoSlice::new(head), IoSlice::new(tail)]).await?
-        };
-        if written == 0 {
-            return Err(io::ErrorKind::WriteZero.into());
-        }
-        if written < head.len() {
-            head = &head[written..];
-        } else {
-            tail = &tail[written - head.len()..];
-            head = &[];
-        }
-        progress.made();
-    }
-    Ok(())
-}
-
-/// Tells the engine, at most once per [`ALIVE_EVERY`], that the peers of a connection
-/// take in a long write: a connection does not read (so sees no heartbeat) while it
-/// writes, and a rank receiving many MiB must not lose its lease meanwhile.
-pub(crate) struct WriteProgress<'a> {
-    shared: &'a Shared,
-    sessions: &'a (dyn Fn() -> Vec<SessionId> + Sync),
-    since: Instant,
-}
-
-/// How often a long write counts as a sign of life (well inside any sensible lease).
-const ALIVE_EVERY: Duration = Duration::from_secs(1);
-
-impl<'a> WriteProgress<'a> {
-    pub(crate) fn new(shared: &'a Shared, sessions: &'a (dyn Fn() -> Vec<SessionId> + Sync)) -> Self {
-        WriteProgress { shared, sessions, since: Instant::now() }
-    }
-
-    fn made(&mut self) {
-        if self.since.elapsed() >= ALIVE_EVERY {
-            self.shared.alive((self.sessions)().into_iter());
-            self.since = Instant::now();
-        }
     }
 }

@@ -7,10 +7,10 @@
 //! fixed costs. On a request, a tokio task is woken through the runtime's I/O
 //! driver and scheduler (readiness bookkeeping, the run queue, timing statistics);
 //! here the thread that returns from `epoll_wait` reads, answers and writes
-//! directly. Measured with real torch clients: about 1 µs less per round trip,
-//! which is what keeps rallypoint at least as fast as torch's own server
-//! (docs/BENCHMARKS.md). Native clients pipeline and batch, where a multi-threaded
-//! runtime pays off instead.
+//! directly. A torch round trip is mostly these fixed costs, so they decide whether
+//! rallypoint keeps up with torch's own server (figures: docs/BENCHMARKS.md, "The
+//! TCPStore reactor"). Native clients pipeline and batch, where a multi-threaded
+//! runtime pays off instead (the crate docs say how the threads fit together).
 //!
 //! Connections arrive from the tokio side once their first byte showed them to be
 //! TCPStore clients. Replies the engine produces later for a connection (a WAIT
@@ -31,6 +31,7 @@ use rallypoint_proto::tcpstore::TcpLimits;
 use slab::Slab;
 use tracing::{debug, error};
 
+use rallypoint_net::conn::Buffering;
 use rallypoint_net::sync::lock;
 
 use crate::shared::Shared;
@@ -41,8 +42,6 @@ const WAKE: Token = Token(usize::MAX);
 /// Reads per connection before others get their turn (a client that floods
 /// pipelined requests must not starve the rest).
 const MAX_READS_PER_TURN: usize = 16;
-/// Bytes per read, into one buffer the whole loop shares.
-const READ_BUF: usize = 64 * 1024;
 
 /// The handle the tokio side holds: hands connections over, stops the loop.
 pub(crate) struct Reactor {
@@ -165,7 +164,8 @@ struct Entry {
 impl Loop {
     fn run(mut self) {
         let mut events = Events::with_capacity(1024);
-        let mut read_buf = vec![0u8; READ_BUF];
+        // One read buffer for the whole loop.
+        let mut read_buf = vec![0u8; Buffering::TORCH.chunk];
         // Connections whose read budget ran out: serviced again without sleeping.
         let mut again = Vec::new();
         loop {

@@ -16,18 +16,15 @@ use std::task::Waker;
 
 use bytes::{Buf, Bytes, BytesMut};
 use rallypoint_core::{OpError, Reply, Request, Response, SessionId};
+use rallypoint_net::conn::Buffering;
 use rallypoint_proto::tcpstore::{decode_command, encode_answer, Answer, Command, TcpError, TcpLimits, VALIDATE_MAGIC};
 use tracing::{debug, warn};
 
-use crate::connection::SessionGuard;
+use crate::native::SessionGuard;
 use crate::shared::{Outbox, Shared};
 
 /// Requests handled between two writes of replies (see [`Conn::process`]).
 const MAX_BATCH: usize = 16;
-/// Buffer capacity an idle connection keeps: enough for torch's usual requests and
-/// replies, so a busy connection does not reallocate, while thousands of idle ones
-/// do not each hold a handshake's 4 KiB read buffer or a large value's.
-const KEEP_CAPACITY: usize = 1024;
 
 /// How an engine reply becomes torch's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -183,15 +180,12 @@ impl Conn {
         }
     }
 
-    /// Frees buffers grown past [`KEEP_CAPACITY`]: an idle connection must not keep
-    /// megabytes for good (a job of 1,000 ranks that each once read an 8 MiB value).
+    /// Frees buffers grown past what [`Buffering::TORCH`] keeps: an idle connection
+    /// must not keep megabytes for good (a job of 1,000 ranks that each once read an
+    /// 8 MiB value), nor each of thousands a handshake's read buffer.
     fn shrink_idle_buffers(&mut self) {
-        if self.rbuf.is_empty() && self.rbuf.capacity() > KEEP_CAPACITY {
-            self.rbuf = BytesMut::new();
-        }
-        if self.wbuf.is_empty() && self.wbuf.capacity() > KEEP_CAPACITY {
-            self.wbuf = BytesMut::new();
-        }
+        Buffering::TORCH.release_idle(&mut self.rbuf);
+        Buffering::TORCH.release_idle(&mut self.wbuf);
     }
 
     /// Writes as much of the write buffer as the socket takes; true once it is empty.

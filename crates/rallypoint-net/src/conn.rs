@@ -1,0 +1,395 @@
+//! What every native-protocol connection goes through, on whichever side: the
+//! coordinator serving a rank or a node agent, a node agent serving a rank of its
+//! node, a client or an agent greeting its coordinator.
+//!
+//! - reading: [`read_some`] takes what a socket has into a [`BytesMut`] sized by a
+//!   [`Buffering`], which also says when an idle buffer is given back;
+//! - the handshake: [`accept_hello`] on the serving side (the preamble, then a
+//!   rank's hello, or a TCPStore client or node agent told apart by their first
+//!   bytes), [`greet`] on the connecting side;
+//! - the frame loop: [`decode_requests`] turns the frames a rank sent into
+//!   [`Inbound`] inputs, answering nothing itself;
+//! - the end: [`End`], how and why a connection stopped, for the log and for
+//!   the callers still waiting on it.
+
+use std::future::Future;
+use std::io;
+use std::mem::MaybeUninit;
+use std::pin::{pin, Pin};
+use std::task::{ready, Context, Poll};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use rallypoint_core::{Identity, OpError, Request};
+use rallypoint_proto::native::{
+    decode_client_frame, decode_preamble, starts_with_agent_hello, ClientFrame, FrameLimits, ProtoError, VERSION,
+};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
+
+use crate::Stream;
+
+/// How a connection ended, or why it was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum End {
+    /// The peer closed the connection between frames.
+    #[error("closed by the peer")]
+    Closed,
+    /// The peer closed the connection with part of a frame sent.
+    #[error("closed by the peer in the middle of a frame ({buffered} bytes of it received)")]
+    ClosedMidFrame { buffered: usize },
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    /// The peer connected but did not finish its handshake in time.
+    #[error("no hello within {0:?}")]
+    HandshakeTimeout(Duration),
+    /// The first bytes are no protocol this side serves.
+    #[error("not a client this side serves: {0}")]
+    NotServed(&'static str),
+    /// The peer's handshake was refused; the error goes back to it before the close.
+    /// (Large variants are boxed: an `End` may be held in a waiting connection's state.)
+    #[error("refused: {0}")]
+    Refused(Box<OpError>),
+    /// Bytes that cannot be framed (a bad magic, an over-long frame): nothing after
+    /// them can be trusted.
+    #[error("malformed input: {0}")]
+    Malformed(Box<ProtoError>),
+    #[error("a second hello on an open session")]
+    SecondHello,
+    /// A node agent opened a sub-session whose id it already uses.
+    #[error("sub-session {sub} said hello twice")]
+    DuplicateSubSession { sub: u64 },
+    /// This side closed it: it is shutting down, or lost what the connection needed.
+    #[error("closed by this side: {0}")]
+    Shutdown(String),
+}
+
+impl End {
+    pub fn refused(error: OpError) -> End {
+        End::Refused(Box::new(error))
+    }
+
+    pub fn malformed(error: ProtoError) -> End {
+        End::Malformed(Box::new(error))
+    }
+
+    /// Whether the end says something is wrong with the peer (worth a warning),
+    /// rather than being how connections ordinarily end.
+    pub fn is_peer_fault(&self) -> bool {
+        match self {
+            End::Closed | End::ClosedMidFrame { .. } | End::Io(_) | End::Shutdown(_) => false,
+            End::HandshakeTimeout(_)
+            | End::NotServed(_)
+            | End::Refused(_)
+            | End::Malformed(_)
+            | End::SecondHello
+            | End::DuplicateSubSession { .. } => true,
+        }
+    }
+}
+
+/// What a new connection turned out to be.
+#[derive(Debug)]
+pub enum Hello {
+    /// A rank (or any native client) with its identity.
+    Native(Identity),
+    /// A PyTorch TCPStore client: its first byte (VALIDATE) is still in the read buffer.
+    TcpStore,
+    /// A node agent (docs/PROTOCOL.md, section 12): its agent hello is still in the read buffer.
+    Agent,
+}
+
+/// Which kinds of peer the serving side takes besides native clients.
+#[derive(Debug, Clone, Copy)]
+pub struct Accepts {
+    pub tcpstore: bool,
+    pub agents: bool,
+}
+
+impl Accepts {
+    /// The coordinator serves every kind.
+    pub const COORDINATOR: Accepts = Accepts { tcpstore: true, agents: true };
+    /// A node agent serves only its node's native clients.
+    pub const NODE_AGENT: Accepts = Accepts { tcpstore: false, agents: false };
+}
+
+/// Reads a new connection's preamble and hello (or recognises a TCPStore client
+/// or a node agent by its first bytes). The bytes after the hello stay in `rbuf`.
+///
+/// `Err(End::Refused(error))`: the peer should be told `error` (a Refused frame)
+/// before the connection closes; every other `Err` just closes it.
+pub async fn accept_hello<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    rbuf: &mut BytesMut,
+    limits: &FrameLimits,
+    accepts: Accepts,
+) -> Result<Hello, End> {
+    // The first byte tells the protocol apart: 'R' starts the native magic, 0x00 is
+    // the first byte of every PyTorch TCPStore connection.
+    loop {
+        match rbuf.first() {
+            None => {}
+            Some(b'R') => match decode_preamble(rbuf) {
+                Ok(None) => {}
+                Ok(Some(VERSION)) => break,
+                Ok(Some(version)) => {
+                    let message = format!("protocol version {version} is not supported; this side speaks {VERSION}");
+                    return Err(End::refused(OpError::Invalid(message)));
+                }
+                Err(error) => return Err(End::malformed(error)),
+            },
+            Some(0x00) if accepts.tcpstore => return Ok(Hello::TcpStore),
+            Some(0x00) => {
+                return Err(End::NotServed("a PyTorch TCPStore client (those connect to the coordinator itself)"));
+            }
+            Some(_) => return Err(End::NotServed("unknown protocol (not a rallypoint client)")),
+        }
+        read_more(reader, rbuf).await?;
+    }
+    loop {
+        if starts_with_agent_hello(rbuf) == Some(true) {
+            if accepts.agents {
+                return Ok(Hello::Agent);
+            }
+            return Err(End::NotServed("a node agent (agents connect to the coordinator, not to an agent)"));
+        }
+        match decode_client_frame(rbuf, limits) {
+            Ok(Some(ClientFrame::Hello(identity))) => return Ok(Hello::Native(identity)),
+            Ok(Some(_)) => return Err(End::refused(OpError::Invalid("the first frame must be a hello".to_owned()))),
+            Ok(None) => read_more(reader, rbuf).await?,
+            Err(error) if error.is_fatal() => return Err(End::malformed(error)),
+            Err(error) => return Err(End::refused(OpError::Invalid(error.to_string()))),
+        }
+    }
+}
+
+/// Reads once during the handshake; the end of the stream there is a close.
+async fn read_more<R: AsyncRead + Unpin>(reader: &mut R, rbuf: &mut BytesMut) -> Result<(), End> {
+    match std::future::poll_fn(|cx| read_some(reader, rbuf, Buffering::RANK, cx)).await? {
+        0 if rbuf.is_empty() => Err(End::Closed),
+        0 => Err(End::ClosedMidFrame { buffered: rbuf.len() }),
+        _ => Ok(()),
+    }
+}
+
+/// Connects to `addr`, sends `hello` (the preamble and the first frames) and reads
+/// until `answer` finds the peer's decisive reply in the bytes received (a welcome
+/// or a refusal, as the caller decodes them). Returns the stream, that answer, and
+/// the bytes received after it. An `Err` is worth retrying (nothing listening yet,
+/// a reset, a close before the answer).
+pub async fn greet<T>(
+    addr: &str,
+    hello: &[u8],
+    mut answer: impl FnMut(&mut BytesMut) -> Option<T>,
+) -> io::Result<(Stream, T, BytesMut)> {
+    let mut stream = Stream::connect(addr).await?;
+    stream.write_all(hello).await?;
+    let mut buf = BytesMut::new();
+    loop {
+        if let Some(answer) = answer(&mut buf) {
+            return Ok((stream, answer, buf));
+        }
+        buf.reserve(Buffering::RANK.chunk);
+        if stream.read_buf(&mut buf).await? == 0 {
+            return Err(io::Error::new(
+                io::ErrorKind::UnexpectedEof,
+                "the peer closed the connection before its welcome",
+            ));
+        }
+    }
+}
+
+/// One input from a rank's frames, as [`decode_requests`] found it.
+#[derive(Debug)]
+pub enum Inbound {
+    Request {
+        id: u64,
+        request: Request,
+    },
+    /// The rank takes large replies through shared memory (docs/PROTOCOL.md, section 13).
+    TakeSharedReplies,
+    /// The rank no longer holds anything of this shared-memory slab's contents.
+    ReleaseShared {
+        slab: u64,
+    },
+    /// A whole frame that does not decode (skipped): answer request `id`, if it
+    /// could be read, with an `Invalid` error saying `message`.
+    Invalid {
+        id: Option<u64>,
+        message: String,
+    },
+}
+
+/// Decodes every whole frame buffered after the hello, in order, into `on`. A frame
+/// that only fails to decode (its bytes were whole) becomes [`Inbound::Invalid`];
+/// the stream stays usable. A
+/// second hello or bytes that cannot be framed end the connection: the inputs
+/// before them were given to `on` first.
+pub fn decode_requests(rbuf: &mut BytesMut, limits: &FrameLimits, mut on: impl FnMut(Inbound)) -> Result<(), End> {
+    loop {
+        match decode_client_frame(rbuf, limits) {
+            Ok(None) => return Ok(()),
+            Ok(Some(ClientFrame::Request { id, request })) => on(Inbound::Request { id, request }),
+            Ok(Some(ClientFrame::TakeSharedReplies)) => on(Inbound::TakeSharedReplies),
+            Ok(Some(ClientFrame::ReleaseShared { slab })) => on(Inbound::ReleaseShared { slab }),
+            Ok(Some(ClientFrame::Hello(_))) => return Err(End::SecondHello),
+            Err(error) if error.is_fatal() => return Err(End::malformed(error)),
+            Err(ProtoError::BadRequest { id, message }) => on(Inbound::Invalid { id, message }),
+            Err(error) => on(Inbound::Invalid { id: None, message: error.to_string() }),
+        }
+    }
+}
+
+/// How a connection's read buffer is sized: how much room each read makes, and how
+/// large a buffer may stay once it is empty (a larger one is given back).
+#[derive(Debug, Clone, Copy)]
+pub struct Buffering {
+    pub chunk: usize,
+    pub keep: usize,
+}
+
+impl Buffering {
+    /// Serving one rank: small requests, and tens of thousands of idle connections
+    /// that must hold no buffer at all.
+    pub const RANK: Buffering = Buffering { chunk: 4096, keep: 0 };
+    /// A node agent's link to the coordinator: the batched traffic of a whole node.
+    pub const NODE_LINK: Buffering = Buffering { chunk: 256 * 1024, keep: 1 << 20 };
+    /// A client's replies: one connection per process, so a buffer may stay.
+    pub const CLIENT: Buffering = Buffering { chunk: 8192, keep: 64 * 1024 };
+    /// PyTorch TCPStore connections: read through one buffer their thread shares
+    /// (so reads may be large), while each of thousands of idle connections keeps
+    /// only enough for torch's usual requests and replies.
+    pub const TORCH: Buffering = Buffering { chunk: 64 * 1024, keep: 1024 };
+
+    /// Gives back `buf`'s memory if it is empty and larger than this keeps.
+    pub fn release_idle(self, buf: &mut BytesMut) {
+        if buf.is_empty() && buf.capacity() > self.keep {
+            *buf = BytesMut::new();
+        }
+    }
+}
+
+/// Reads what the socket has into `rbuf`: at most `buffering.chunk` bytes into an
+/// empty buffer, else at least that much room (more for a large frame underway).
+///
+/// Through `poll_read`, which learns from a short read that the socket is drained;
+/// `try_read` would spend a second, empty `recv` per request to learn that. Into an
+/// empty buffer the bytes land on the stack first and are appended, so the buffer
+/// is allocated at exactly the size received: decoded keys and values share that
+/// allocation (the codecs do not copy them), so a small `set` must not pin a whole
+/// read chunk. The stack chunk lives only within one poll and is not zeroed (only
+/// what the read fills is looked at). The rest of a frame already started is read
+/// straight into the buffer, which grows geometrically so that a large value takes
+/// few reads.
+pub fn read_some<R: AsyncRead + Unpin>(
+    reader: &mut R,
+    rbuf: &mut BytesMut,
+    buffering: Buffering,
+    cx: &mut Context<'_>,
+) -> Poll<io::Result<usize>> {
+    const STACK_CHUNK: usize = 4096;
+    if !rbuf.is_empty() || buffering.chunk > STACK_CHUNK {
+        rbuf.reserve(buffering.chunk.max(rbuf.len()));
+        return pin!(reader.read_buf(rbuf)).poll(cx);
+    }
+    let mut chunk = [MaybeUninit::<u8>::uninit(); STACK_CHUNK];
+    let mut filled = ReadBuf::uninit(&mut chunk[..buffering.chunk]);
+    ready!(Pin::new(reader).poll_read(cx, &mut filled))?;
+    rbuf.extend_from_slice(filled.filled());
+    Poll::Ready(Ok(filled.filled().len()))
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::BufMut;
+    use rallypoint_proto::native::{encode_client_frame, encode_preamble};
+
+    use super::*;
+
+    fn hello_bytes(identity: &Identity) -> BytesMut {
+        let mut out = BytesMut::new();
+        encode_preamble(&mut out);
+        encode_client_frame(&ClientFrame::Hello(identity.clone()), &mut out);
+        out
+    }
+
+    async fn accept(bytes: &[u8], accepts: Accepts) -> (Result<Hello, End>, BytesMut) {
+        let mut reader = bytes;
+        let mut rbuf = BytesMut::new();
+        let hello = accept_hello(&mut reader, &mut rbuf, &FrameLimits::default(), accepts).await;
+        (hello, rbuf)
+    }
+
+    #[tokio::test]
+    async fn a_hello_is_read_and_the_bytes_after_it_stay() {
+        let identity = Identity::ranked("job", 1, 4);
+        let mut bytes = hello_bytes(&identity);
+        let request = ClientFrame::Request { id: 7, request: Request::Heartbeat };
+        encode_client_frame(&request, &mut bytes);
+        let (hello, mut rest) = accept(&bytes, Accepts::NODE_AGENT).await;
+        assert!(matches!(hello, Ok(Hello::Native(got)) if got == identity));
+        let mut inputs = Vec::new();
+        decode_requests(&mut rest, &FrameLimits::default(), |input| inputs.push(input)).expect("well-formed");
+        assert!(matches!(&inputs[..], [Inbound::Request { id: 7, request: Request::Heartbeat }]), "{inputs:?}");
+    }
+
+    #[tokio::test]
+    async fn tcpstore_clients_and_agents_are_told_apart_and_served_only_where_accepted() {
+        let (hello, rbuf) = accept(&[0x00, 0x01, 0x02], Accepts::COORDINATOR).await;
+        assert!(matches!(hello, Ok(Hello::TcpStore)));
+        assert_eq!(&rbuf[..], &[0x00, 0x01, 0x02], "the TCPStore bytes stay for its codec");
+        let (hello, _) = accept(&[0x00], Accepts::NODE_AGENT).await;
+        assert!(matches!(hello, Err(End::NotServed(what)) if what.contains("TCPStore")));
+        let (hello, _) = accept(b"GET / HTTP/1.1\r\n", Accepts::COORDINATOR).await;
+        assert!(matches!(hello, Err(End::NotServed(_))));
+    }
+
+    #[tokio::test]
+    async fn a_wrong_version_or_a_request_first_is_refused_with_a_reason() {
+        let mut bytes = BytesMut::from(&b"RLLY"[..]);
+        bytes.put_u16_le(VERSION + 1);
+        let (hello, _) = accept(&bytes, Accepts::COORDINATOR).await;
+        assert!(
+            matches!(hello, Err(End::Refused(e)) if matches!(&*e, OpError::Invalid(m) if m.contains("not supported")))
+        );
+        let mut bytes = BytesMut::new();
+        encode_preamble(&mut bytes);
+        encode_client_frame(&ClientFrame::Request { id: 1, request: Request::Heartbeat }, &mut bytes);
+        let (hello, _) = accept(&bytes, Accepts::COORDINATOR).await;
+        assert!(
+            matches!(hello, Err(End::Refused(e)) if matches!(&*e, OpError::Invalid(m) if m.contains("first frame")))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_close_during_the_handshake_says_whether_a_frame_was_cut() {
+        let (hello, _) = accept(b"", Accepts::COORDINATOR).await;
+        assert!(matches!(hello, Err(End::Closed)));
+        let bytes = hello_bytes(&Identity::ranked("job", 0, 1));
+        let (hello, _) = accept(&bytes[..bytes.len() - 1], Accepts::COORDINATOR).await;
+        assert!(matches!(hello, Err(End::ClosedMidFrame { .. })), "{hello:?}");
+    }
+
+    #[test]
+    fn a_second_hello_ends_the_session_after_the_requests_before_it() {
+        let mut bytes = BytesMut::new();
+        encode_client_frame(&ClientFrame::Request { id: 1, request: Request::Heartbeat }, &mut bytes);
+        encode_client_frame(&ClientFrame::Hello(Identity::ranked("job", 0, 1)), &mut bytes);
+        let mut ids = Vec::new();
+        let end = decode_requests(&mut bytes, &FrameLimits::default(), |input| {
+            if let Inbound::Request { id, .. } = input {
+                ids.push(id);
+            }
+        });
+        assert!(matches!(end, Err(End::SecondHello)));
+        assert_eq!(ids, [1]);
+    }
+
+    #[test]
+    fn an_idle_buffer_is_given_back_only_past_what_is_kept() {
+        let mut buf = BytesMut::with_capacity(8192);
+        Buffering::CLIENT.release_idle(&mut buf);
+        assert!(buf.capacity() >= 8192, "kept: within CLIENT's keep");
+        Buffering::RANK.release_idle(&mut buf);
+        assert_eq!(buf.capacity(), 0);
+    }
+}

@@ -1,0 +1,255 @@
+//! One client connection: protocol preamble, hello, then requests in and replies
+//! out. One task per native connection; while idle it holds no read or write buffer.
+//! TCPStore connections are recognised here and handed to the TCPStore reactor.
+
+use std::future::Future;
+use std::io;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use rallypoint_core::{OpError, Reply, SessionId};
+use rallypoint_net::conn::{accept_hello, decode_requests, read_some, Accepts, Buffering, End, Hello, Inbound};
+use rallypoint_proto::native::{encode_reply, encode_reply_shared, encode_server_frame, FrameLimits, ServerFrame};
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+use tracing::{debug, warn};
+
+use crate::reactor::Reactor;
+use crate::shared::{Outbox, Shared};
+use crate::write::{write_with_tail, WriteProgress};
+
+/// Stop gathering replies into one write past this size and send what we have.
+const MAX_WRITE_BATCH: usize = 1 << 20;
+/// A peer that connects but does not finish the preamble and hello in this time is dropped.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Serves one accepted connection until it closes; never fails the server.
+///
+/// Memory per idle connection is what this task holds while a session waits, so
+/// the handshake (and a node agent's whole life) runs in a boxed future freed when
+/// it ends; the task itself keeps only the open [`Session`] and its loop. A TCPStore
+/// connection leaves for the [`Reactor`] thread once recognised.
+pub(crate) fn serve(
+    stream: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    limits: FrameLimits,
+    reactor: Arc<Reactor>,
+) -> impl Future<Output = ()> + Send {
+    let opening = Box::pin(open(stream, peer, shared, limits, reactor));
+    async move {
+        let Some(mut session) = opening.await else { return };
+        let Session { conn, outbox, guard } = &mut session;
+        let end = conn.run(guard.session, &guard.shared, outbox).await;
+        log_end(peer, Some(guard.session), &end);
+    }
+}
+
+/// Handshake and admission. `None`: the connection is done here (refused, closed,
+/// served to its end as a node agent, or handed to the TCPStore reactor).
+async fn open(
+    mut stream: TcpStream,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    limits: FrameLimits,
+    reactor: Arc<Reactor>,
+) -> Option<Session> {
+    let mut rbuf = BytesMut::new();
+    let hello = accept_hello(&mut stream, &mut rbuf, &limits, Accepts::COORDINATOR);
+    let hello =
+        tokio::time::timeout(HANDSHAKE_TIMEOUT, hello).await.unwrap_or(Err(End::HandshakeTimeout(HANDSHAKE_TIMEOUT)));
+    let mut conn = Connection { stream, peer, limits, rbuf, wbuf: BytesMut::new() };
+    let identity = match hello {
+        Ok(Hello::Native(identity)) => identity,
+        Ok(Hello::Agent) => {
+            Box::pin(crate::agent_link::serve(conn.stream, peer, conn.rbuf, shared, limits)).await;
+            return None;
+        }
+        Ok(Hello::TcpStore) => {
+            debug!(%peer, "PyTorch TCPStore client");
+            if let Err(error) = reactor.adopt(conn.stream, peer, conn.rbuf) {
+                debug!(%peer, %error, "cannot serve a TCPStore client; closing the connection");
+            }
+            return None;
+        }
+        Err(end) => {
+            if let End::Refused(error) = &end {
+                conn.refuse(error).await;
+            }
+            log_end(peer, None, &end);
+            return None;
+        }
+    };
+    let outbox = Arc::new(Outbox::default());
+    let welcome = match shared.open(identity.clone(), Arc::clone(&outbox)) {
+        Ok(welcome) => welcome,
+        Err(error) => {
+            warn!(%peer, job = %identity.job, rank = ?identity.rank, %error, "refused a client");
+            conn.refuse(&error).await;
+            return None;
+        }
+    };
+    let id = welcome.session;
+    debug!(%peer, session = %id, job = %identity.job, rank = ?identity.rank, host = %identity.host, pid = identity.pid, "session opened");
+    encode_server_frame(&ServerFrame::Welcome(welcome), &mut conn.wbuf);
+    Some(Session { conn, outbox, guard: SessionGuard::new(shared, id) })
+}
+
+/// An admitted native session: its connection, its outbox, and the guard that
+/// closes it in the engine when the task ends.
+struct Session {
+    conn: Connection,
+    outbox: Arc<Outbox>,
+    guard: SessionGuard,
+}
+
+/// Logs how a connection ended: a warning if the peer misbehaved, else at debug level.
+fn log_end(peer: SocketAddr, session: Option<SessionId>, end: &End) {
+    if end.is_peer_fault() {
+        warn!(%peer, ?session, "closing the connection: {end}");
+    } else {
+        debug!(%peer, ?session, "connection ended: {end}");
+    }
+}
+
+/// Tells the engine when the session ends, however the connection ends (error,
+/// peer close, server shutdown cancelling the task).
+pub(crate) struct SessionGuard {
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) session: SessionId,
+    /// The engine panicked: do not call it again on drop.
+    abandoned: bool,
+}
+
+impl SessionGuard {
+    pub(crate) fn new(shared: Arc<Shared>, session: SessionId) -> SessionGuard {
+        SessionGuard { shared, session, abandoned: false }
+    }
+
+    /// Drops the session's outbox without telling the engine (see [`Shared::forget`]).
+    pub(crate) fn forget(mut self) {
+        self.abandoned = true;
+    }
+}
+
+impl Drop for SessionGuard {
+    fn drop(&mut self) {
+        if self.abandoned || std::thread::panicking() {
+            // The engine may be what panicked; calling it again would abort the process.
+            self.shared.forget(self.session);
+        } else {
+            self.shared.close(self.session);
+        }
+    }
+}
+
+struct Connection {
+    stream: TcpStream,
+    peer: SocketAddr,
+    limits: FrameLimits,
+    rbuf: BytesMut,
+    wbuf: BytesMut,
+}
+
+impl Connection {
+    /// Sends `Refused` and closes; errors are moot since we close either way.
+    async fn refuse(&mut self, error: &OpError) {
+        self.wbuf.clear();
+        encode_server_frame(&ServerFrame::Refused(error.clone()), &mut self.wbuf);
+        if self.stream.write_all(&self.wbuf).await.is_ok() {
+            let _ = self.stream.shutdown().await;
+        }
+    }
+
+    /// Serves the open session until the connection ends; returns how.
+    async fn run(&mut self, session: SessionId, shared: &Shared, outbox: &Outbox) -> End {
+        // Replies to this session's requests that were ready at once; moved into
+        // each flush, so that an idle connection holds no allocation for them.
+        let mut immediate = Vec::new();
+        // The hello may have arrived together with the first requests.
+        let mut broken = self.process(session, shared, &mut immediate).err();
+        loop {
+            // Replies to the requests before a broken frame still go out, so the peer
+            // learns all it can before the connection closes.
+            // Boxed: a flush's state (iterators, a shared tail, the vectored write) is
+            // larger than the idle wait's, and would otherwise sit in every idle task.
+            let replies = std::mem::take(&mut immediate).into_iter().chain(outbox.take());
+            if let Err(error) = Box::pin(self.flush(replies, session, shared)).await {
+                return End::Io(error);
+            }
+            if let Some(end) = broken.take() {
+                return end;
+            }
+            // Idle connections keep no read buffer (bytes of a partial frame stay)
+            // and no write buffer (flush leaves it empty).
+            Buffering::RANK.release_idle(&mut self.rbuf);
+            self.wbuf = BytesMut::new();
+            tokio::select! {
+                // Replies first: they free waiting peers, and reading more only adds work.
+                biased;
+                () = outbox.ready.wait() => {}
+                read = std::future::poll_fn(|cx| read_some(&mut self.stream, &mut self.rbuf, Buffering::RANK, cx)) => {
+                    match read {
+                        Ok(0) if self.rbuf.is_empty() => return End::Closed,
+                        Ok(0) => return End::ClosedMidFrame { buffered: self.rbuf.len() },
+                        Ok(_) => broken = self.process(session, shared, &mut immediate).err(),
+                        Err(error) => return End::Io(error),
+                    }
+                }
+            }
+        }
+    }
+
+    /// Decodes every whole frame buffered and feeds the requests to the engine under
+    /// one lock; replies ready at once go to `immediate`. Bad requests get an
+    /// `Invalid` reply; a broken stream ends the session (after the requests before
+    /// it are handled).
+    fn process(&mut self, session: SessionId, shared: &Shared, immediate: &mut Vec<(u64, Reply)>) -> Result<(), End> {
+        let mut requests = Vec::new();
+        let (peer, wbuf) = (self.peer, &mut self.wbuf);
+        let result = decode_requests(&mut self.rbuf, &self.limits, |input| match input {
+            Inbound::Request { id, request } => requests.push((id, request)),
+            // Only node agents hand out shared replies: they serve the Unix sockets
+            // of their node, the coordinator only TCP. Replies stay plain frames.
+            Inbound::TakeSharedReplies | Inbound::ReleaseShared { .. } => {}
+            Inbound::Invalid { id, message } => {
+                warn!(%peer, %session, %message, "bad request");
+                if let Some(id) = id {
+                    encode_reply(id, &Err(OpError::Invalid(message)), wbuf);
+                }
+            }
+        });
+        if !requests.is_empty() {
+            shared.handle(session, requests.into_iter(), &mut |id, reply| immediate.push((id, reply)));
+        }
+        result
+    }
+
+    /// Writes what is buffered and `replies`, batched into as few writes as possible.
+    /// A reply's large shared tail (an all-gather's values, encoded once for every
+    /// member) is written from where it is, after the batch that ends with its head.
+    async fn flush(
+        &mut self,
+        mut replies: impl Iterator<Item = (u64, Reply)>,
+        session: SessionId,
+        shared: &Shared,
+    ) -> io::Result<()> {
+        let this_session = || vec![session];
+        let mut progress = WriteProgress::new(shared, &this_session);
+        loop {
+            let mut tail = None;
+            while tail.is_none() && self.wbuf.len() < MAX_WRITE_BATCH {
+                let Some((id, reply)) = replies.next() else { break };
+                tail = encode_reply_shared(id, &reply, &mut self.wbuf);
+            }
+            if self.wbuf.is_empty() {
+                break;
+            }
+            write_with_tail(&mut self.stream, &self.wbuf, tail.as_deref().unwrap_or_default(), &mut progress).await?;
+            self.wbuf.clear();
+        }
+        Ok(())
+    }
+}
