@@ -49,12 +49,13 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = Protocol::Native)]
     protocol: Protocol,
     /// Load-generator processes to spread the clients over (children of this one, each
-    /// with its own file-descriptor limit; keep clients / procs under about 19,000)
+    /// with its own file-descriptor limit; keep clients / procs below that limit, with
+    /// some to spare)
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
     procs: u32,
     /// Loopback source addresses to bind clients to (127.0.0.2, 127.0.0.3, ...), each
-    /// with its own ephemeral ports; default: as many as the clients need (none up to
-    /// ~25,000 clients), 0 = never bind. `--protocol tcpstore` only
+    /// with its own ephemeral ports; default: as many as the clients need (none while
+    /// they fit in 90 % of the ephemeral port range), 0 = never bind. `--protocol tcpstore` only
     #[arg(long, value_name = "K")]
     src_addrs: Option<u32>,
     /// Internal: run as child I of `--procs`, with the clients it owns

@@ -11,7 +11,7 @@
 //!
 //! The generators speak the native protocol directly (a pre-encoded barrier
 //! request per rank, one task per connection), not through `rallypoint::Client`:
-//! at 100,000 ranks on two cores the load generator's own cost per rank would
+//! at 100,000 ranks on one machine the load generator's own cost per rank would
 //! otherwise dominate what is measured. The coordinator and the agents are the
 //! real ones.
 
@@ -77,7 +77,8 @@ pub(super) enum Transport {
     Tcp,
 }
 
-/// Connections one generator holds at most by default (below the 20,000-file limit).
+/// Connections one generator holds at most by default (one descriptor each: below a
+/// raised open-file limit).
 const PER_GENERATOR: u32 = 16_000;
 /// Connection attempts in flight per generator (the listen backlogs are finite).
 const CONNECTING: usize = 256;

@@ -228,8 +228,8 @@ async fn connect_tcp(addr: SocketAddr, source: Option<IpAddr>) -> io::Result<Tcp
 }
 
 /// Source addresses of a load generator's connections. Towards one server address,
-/// one source address has only the ephemeral ports of `ip_local_port_range` (28,232
-/// here); past that, clients bind the loopback aliases 127.0.0.2, 127.0.0.3, ...
+/// one source address has only the ephemeral ports of `ip_local_port_range`; past
+/// that, clients bind the loopback aliases 127.0.0.2, 127.0.0.3, ...
 #[derive(Debug, Clone, Copy)]
 struct Sources {
     /// 0: no binding, the kernel picks the source (127.0.0.1 on loopback).

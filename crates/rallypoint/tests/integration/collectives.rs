@@ -131,8 +131,8 @@ async fn jobs_with_the_same_names_do_not_interfere() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heartbeats_keep_idle_ranks_alive() {
     // Long enough that heartbeats (every third of a lease) delayed by a loaded machine
-    // do not end a lease: 600 ms did, with the suite and two busy loops on two cores
-    // (last seen 805 ms before). Short enough to pass three leases in a few seconds.
+    // do not end a lease (a sub-second lease has ended under load); short enough to
+    // pass three leases in a few seconds.
     let config = rallypoint::Config { lease_ms: 2_000, ..rallypoint::Config::default() };
     let server = start_server_with(config).await;
     let r0 = connect(&server, rank("idle", 0, 2)).await;
