@@ -5,6 +5,7 @@
 use std::collections::VecDeque;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -173,24 +174,34 @@ impl AsyncWrite for WriteHalf {
     }
 }
 
-/// A listening socket: TCP, or Unix (whose path is removed when it is dropped).
+/// A listening socket: TCP, or Unix (whose path is removed when it is dropped, if it
+/// is still this listener's socket).
 pub enum Listener {
     Tcp(TcpListener),
-    Unix(UnixListener, PathBuf),
+    Unix(UnixListener, BoundPath),
+}
+
+/// The path of a bound Unix socket and the file it was bound as, so that dropping
+/// the listener removes that socket and never another one since bound there.
+pub struct BoundPath {
+    path: PathBuf,
+    dev: u64,
+    ino: u64,
 }
 
 impl Listener {
-    /// Binds `host:port` or `unix:PATH`. A stale socket file at PATH (left by an
-    /// agent that was killed) is replaced.
+    /// Binds `host:port` or `unix:PATH`. At PATH, only a stale socket of this user
+    /// (one nothing listens on, left by an agent that was killed) is replaced: a
+    /// file that is not a socket, another user's socket, or a socket something still
+    /// listens on is refused with an error saying which.
     pub async fn bind(addr: &str) -> io::Result<Listener> {
         match unix_path(addr) {
             Some(path) => {
-                match std::fs::remove_file(path) {
-                    Ok(()) => {}
-                    Err(error) if error.kind() == io::ErrorKind::NotFound => {}
-                    Err(error) => return Err(error),
-                }
-                Ok(Listener::Unix(UnixListener::bind(path)?, path.to_owned()))
+                clear_stale_socket(path)?;
+                let listener = UnixListener::bind(path)?;
+                let meta = std::fs::symlink_metadata(path)?;
+                let bound = BoundPath { path: path.to_owned(), dev: meta.dev(), ino: meta.ino() };
+                Ok(Listener::Unix(listener, bound))
             }
             None => Ok(Listener::Tcp(TcpListener::bind(addr).await?)),
         }
@@ -200,7 +211,7 @@ impl Listener {
     pub fn local_addr(&self) -> io::Result<String> {
         match self {
             Listener::Tcp(l) => Ok(l.local_addr()?.to_string()),
-            Listener::Unix(_, path) => Ok(format!("{UNIX_PREFIX}{}", path.display())),
+            Listener::Unix(_, bound) => Ok(format!("{UNIX_PREFIX}{}", bound.path.display())),
         }
     }
 
@@ -217,11 +228,121 @@ impl Listener {
     }
 }
 
+/// Makes way at `path` for a new socket: nothing there, or a stale socket of this
+/// user, which is removed. Anything else is an error naming what is there.
+fn clear_stale_socket(path: &Path) -> io::Result<()> {
+    let refuse =
+        |what: String| Err(io::Error::new(io::ErrorKind::AlreadyExists, format!("{}: {what}", path.display())));
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(meta) => meta,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(error) => return Err(error),
+    };
+    if !meta.file_type().is_socket() {
+        return refuse("exists and is not a socket; refusing to replace it".to_owned());
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
+    if meta.uid() != uid {
+        return refuse(format!("is a socket of another user (uid {}); refusing to replace it", meta.uid()));
+    }
+    match std::os::unix::net::UnixStream::connect(path) {
+        Ok(_) => refuse("another process is listening on this socket".to_owned()),
+        Err(error) if error.kind() == io::ErrorKind::ConnectionRefused => std::fs::remove_file(path),
+        Err(error) => refuse(format!("cannot tell whether this socket is in use ({error}); refusing to replace it")),
+    }
+}
+
 impl Drop for Listener {
     fn drop(&mut self) {
-        if let Listener::Unix(_, path) = self {
-            // Best effort: a leftover file is replaced by the next bind anyway.
-            let _ = std::fs::remove_file(path);
+        if let Listener::Unix(_, bound) = self {
+            // Only our own socket: another agent may have bound this path since.
+            let ours =
+                std::fs::symlink_metadata(&bound.path).is_ok_and(|m| m.dev() == bound.dev && m.ino() == bound.ino);
+            if ours {
+                let _ = std::fs::remove_file(&bound.path);
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn temp_dir(name: &str) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("rallypoint-net-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("test directory");
+        dir
+    }
+
+    #[tokio::test]
+    async fn a_file_that_is_not_a_socket_is_never_replaced() {
+        let dir = temp_dir("file");
+        let path = dir.join("notes.txt");
+        std::fs::write(&path, "keep me").expect("write");
+        let error = Listener::bind(&format!("unix:{}", path.display())).await.err().expect("refused");
+        assert!(error.to_string().contains("not a socket"), "{error}");
+        assert_eq!(std::fs::read_to_string(&path).expect("still there"), "keep me");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[tokio::test]
+    async fn a_live_socket_is_refused_and_a_stale_one_replaced() {
+        let dir = temp_dir("live");
+        let addr = format!("unix:{}", dir.join("agent.sock").display());
+        let first = Listener::bind(&addr).await.expect("first bind");
+        let error = Listener::bind(&addr).await.err().expect("second bind refused");
+        assert!(error.to_string().contains("another process is listening"), "{error}");
+        // The first still serves.
+        let client = tokio::spawn({
+            let addr = addr.clone();
+            async move { Stream::connect(&addr).await }
+        });
+        first.accept().await.expect("accepts");
+        client.await.expect("joined").expect("connects");
+
+        // A socket left behind by a listener that died (std's does not unlink) is replaced.
+        drop(first);
+        let stale = std::os::unix::net::UnixListener::bind(dir.join("agent.sock")).expect("stale bind");
+        drop(stale);
+        let replaced = Listener::bind(&addr).await.expect("stale socket replaced");
+        drop(replaced);
+        assert!(!dir.join("agent.sock").exists(), "removed when dropped");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[tokio::test]
+    async fn another_users_socket_is_never_replaced() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            eprintln!("skipped: making a socket of another user needs root (CI runs as root)");
+            return;
+        }
+        let dir = temp_dir("other");
+        let path = dir.join("agent.sock");
+        drop(std::os::unix::net::UnixListener::bind(&path).expect("bind"));
+        std::os::unix::fs::lchown(&path, Some(65534), Some(65534)).expect("chown to nobody");
+        let error = Listener::bind(&format!("unix:{}", path.display())).await.err().expect("refused");
+        assert!(error.to_string().contains("another user (uid 65534)"), "{error}");
+        assert!(path.exists());
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[tokio::test]
+    async fn dropping_a_listener_leaves_a_socket_bound_there_since() {
+        let dir = temp_dir("since");
+        let path = dir.join("agent.sock");
+        let addr = format!("unix:{}", path.display());
+        let old = Listener::bind(&addr).await.expect("bind");
+        // Someone removed our socket and bound a new one at the same path.
+        std::fs::remove_file(&path).expect("remove");
+        let new = Listener::bind(&addr).await.expect("bind again");
+        drop(old);
+        assert!(path.exists(), "the old listener removed the new one's socket");
+        drop(new);
+        assert!(!path.exists());
+        std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 }
