@@ -12,6 +12,7 @@ use rallypoint_core::OpError;
 use rallypoint_net::conn::{accept_hello, decode_requests, read_some, Accepts, Buffering, End, Hello, Inbound};
 use rallypoint_net::shm::MAX_FDS_PER_WRITE;
 use rallypoint_net::sync::lock;
+use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
 use rallypoint_net::{ReadHalf, Stream, WriteHalf};
 use rallypoint_proto::native::{encode_agent_frame, encode_reply, encode_server_frame, AgentFrame, ServerFrame};
 use tokio::sync::Notify;
@@ -20,6 +21,10 @@ use tracing::{debug, warn};
 use crate::hub::Hub;
 use crate::slabs::Placed;
 use crate::HANDSHAKE_TIMEOUT;
+
+/// Warnings about local connections closed for what their peer did: shared, since a
+/// client that reconnects in a loop makes a new connection each time.
+static END_WARNINGS: Mutex<WarnLimit> = Mutex::new(WarnLimit::new());
 
 /// A rank's write buffer stays allocated up to this size once empty: replies come
 /// steadily, and a rank's buffer is rarely larger.
@@ -204,7 +209,9 @@ pub(crate) async fn serve(stream: Stream, hub: Arc<Hub>) {
 
     let end = serve_session(sub, &mut reader, rbuf, &hub, &local).await;
     if end.is_peer_fault() {
-        warn!(sub, "closing a local rank's connection: {end}");
+        if let Some(held_back) = admit_shared(&END_WARNINGS) {
+            warn!(sub, held_back, "closing a local rank's connection: {end}");
+        }
     } else {
         debug!(sub, "local rank connection ended: {end}");
     }
@@ -219,7 +226,9 @@ pub(crate) async fn serve(stream: Stream, hub: Arc<Hub>) {
 /// Ends a connection whose handshake failed, telling the peer why when it can be told.
 async fn refuse(local: &Local, end: End) {
     if end.is_peer_fault() {
-        warn!("closing a local connection: {end}");
+        if let Some(held_back) = admit_shared(&END_WARNINGS) {
+            warn!(held_back, "closing a local connection: {end}");
+        }
     } else {
         debug!("local connection ended during its handshake: {end}");
     }
@@ -232,8 +241,9 @@ async fn refuse(local: &Local, end: End) {
 /// Forwards the rank's requests and writes what the upstream reader could not;
 /// returns how the connection ended.
 async fn serve_session(sub: u64, reader: &mut ReadHalf, mut rbuf: BytesMut, hub: &Hub, local: &Local) -> End {
+    let mut warnings = WarnLimit::new();
     // The hello may have arrived together with the first requests.
-    if let Err(end) = forward(sub, &mut rbuf, hub, local) {
+    if let Err(end) = forward(sub, &mut rbuf, hub, local, &mut warnings) {
         return end;
     }
     loop {
@@ -249,7 +259,7 @@ async fn serve_session(sub: u64, reader: &mut ReadHalf, mut rbuf: BytesMut, hub:
                 Ok(0) if rbuf.is_empty() => return End::Closed,
                 Ok(0) => return End::ClosedMidFrame { buffered: rbuf.len() },
                 Ok(_) => {
-                    if let Err(end) = forward(sub, &mut rbuf, hub, local) {
+                    if let Err(end) = forward(sub, &mut rbuf, hub, local, &mut warnings) {
                         return end;
                     }
                 }
@@ -261,7 +271,7 @@ async fn serve_session(sub: u64, reader: &mut ReadHalf, mut rbuf: BytesMut, hub:
 
 /// Sends every whole request buffered upstream as sub-session requests, in one
 /// append. Malformed requests are answered here exactly as the coordinator would.
-fn forward(sub: u64, rbuf: &mut BytesMut, hub: &Hub, local: &Local) -> Result<(), End> {
+fn forward(sub: u64, rbuf: &mut BytesMut, hub: &Hub, local: &Local, warnings: &mut WarnLimit) -> Result<(), End> {
     let mut requests = Vec::new();
     let result = decode_requests(rbuf, &hub.limits, |input| match input {
         Inbound::Request { id, request } => requests.push((id, request)),
@@ -269,7 +279,9 @@ fn forward(sub: u64, rbuf: &mut BytesMut, hub: &Hub, local: &Local) -> Result<()
         Inbound::TakeSharedReplies => local.takes_shared.store(local.writer.is_unix(), Ordering::Relaxed),
         Inbound::ReleaseShared { slab } => hub.slabs.release(Some(slab), sub),
         Inbound::Invalid { id, message } => {
-            warn!(sub, %message, "bad request from a local rank");
+            if let Some(held_back) = warnings.admit() {
+                warn!(sub, %message, held_back, "bad request from a local rank");
+            }
             if let Some(id) = id {
                 local.send(|out| encode_reply(id, &Err(OpError::Invalid(message)), out));
             }

@@ -11,6 +11,7 @@ use rallypoint_core::{OpError, Reply};
 use rallypoint_net::conn::{greet, read_some, Buffering, End};
 use rallypoint_net::shm::SHARED_REPLY_MIN;
 use rallypoint_net::sync::{lock, Backoff};
+use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
 use rallypoint_net::{ReadHalf, Stream, WriteHalf};
 use rallypoint_proto::native::{
     decode_root_frame, encode_agent_frame, encode_preamble, encode_reply, encode_server_frame, reply_payload_len,
@@ -112,10 +113,15 @@ fn take(hub: &Hub, frame: RootFrame) -> Result<(), End> {
     Ok(())
 }
 
+/// Warnings about malformed frames from the coordinator.
+static BAD_FRAME_WARNINGS: std::sync::Mutex<WarnLimit> = std::sync::Mutex::new(WarnLimit::new());
+
 /// A reply that did not decode: the calls it names get an `Invalid` error, so that
 /// they do not wait forever for a reply that will not come.
 fn answer_bad_frame(hub: &Hub, error: ProtoError) {
-    warn!(%error, "malformed frame from the coordinator");
+    if let Some(held_back) = admit_shared(&BAD_FRAME_WARNINGS) {
+        warn!(%error, held_back, "malformed frame from the coordinator");
+    }
     let (calls, message) = match error {
         ProtoError::BadSubFrame { sub: Some(sub), id: Some(id), message } => (vec![(sub, id)], message),
         ProtoError::BadSubCalls { calls, message } => (calls, message),

@@ -7,6 +7,7 @@
 //!   handshake, the frame loop, and how it ends ([`conn::End`]);
 //! - [`shm`]: large replies through shared memory, passed over Unix sockets;
 //! - [`sync`]: the poison-tolerant lock and the reconnect backoff everyone uses;
+//! - [`warn_limit`]: warnings a peer can cause, limited so that it cannot flood the log;
 //! - [`hostname`] and [`raise_fd_limit`]: facts about this process's machine.
 
 pub mod conn;
@@ -14,6 +15,7 @@ mod fdlimit;
 pub mod shm;
 pub mod stream;
 pub mod sync;
+pub mod warn_limit;
 
 pub use fdlimit::raise_fd_limit;
 pub use stream::{unix_path, Listener, ReadHalf, Stream, WriteHalf, UNIX_PREFIX};

@@ -19,6 +19,7 @@ use bytes::BytesMut;
 use rallypoint_core::{OpError, Reply, Request, SessionId, Welcome};
 use rallypoint_net::conn::{read_some, Buffering, End};
 use rallypoint_net::sync::lock;
+use rallypoint_net::warn_limit::WarnLimit;
 use rallypoint_proto::native::{
     decode_agent_frame, encode_root_frame, encode_sub_replies, encode_sub_replies_shared, encode_sub_reply, AgentFrame,
     FrameLimits, ProtoError, RootFrame, MAX_CALLS_PER_FRAME, MAX_FRAME_LEN,
@@ -150,6 +151,7 @@ pub(crate) async fn serve(
         rbuf,
         wbuf,
         guard: SubsGuard { shared: &shared, subs: Subs::default() },
+        warnings: WarnLimit::new(),
     };
     let end = conn.run(&outbox).await;
     let ranks = conn.guard.subs.by_sub.len();
@@ -167,6 +169,8 @@ struct AgentConn<'a> {
     rbuf: BytesMut,
     wbuf: BytesMut,
     guard: SubsGuard<'a>,
+    /// Warnings about this agent's bad frames.
+    warnings: WarnLimit,
 }
 
 impl AgentConn<'_> {
@@ -246,7 +250,9 @@ impl AgentConn<'_> {
     /// A whole frame that did not decode: the calls it names get an `Invalid` reply,
     /// so that no rank waits forever for an answer.
     fn answer_bad_frame(&mut self, error: ProtoError) {
-        warn!(peer = %self.peer, %error, "bad frame from a node agent");
+        if let Some(held_back) = self.warnings.admit() {
+            warn!(peer = %self.peer, %error, held_back, "bad frame from a node agent");
+        }
         match error {
             ProtoError::BadSubFrame { sub: Some(sub), id: Some(id), message } => {
                 encode_sub_reply(sub, id, &Err(OpError::Invalid(message)), &mut self.wbuf);

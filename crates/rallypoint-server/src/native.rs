@@ -5,12 +5,13 @@
 use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::{OpError, Reply, SessionId};
 use rallypoint_net::conn::{accept_hello, decode_requests, read_some, Accepts, Buffering, End, Hello, Inbound};
+use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
 use rallypoint_proto::native::{encode_reply, encode_reply_shared, encode_server_frame, FrameLimits, ServerFrame};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
@@ -60,7 +61,7 @@ async fn open(
     let hello = accept_hello(&mut stream, &mut rbuf, &limits, Accepts::COORDINATOR);
     let hello =
         tokio::time::timeout(HANDSHAKE_TIMEOUT, hello).await.unwrap_or(Err(End::HandshakeTimeout(HANDSHAKE_TIMEOUT)));
-    let mut conn = Connection { stream, peer, limits, rbuf, wbuf: BytesMut::new() };
+    let mut conn = Connection { stream, peer, limits, rbuf, wbuf: BytesMut::new(), warnings: WarnLimit::new() };
     let identity = match hello {
         Ok(Hello::Native(identity)) => identity,
         Ok(Hello::Agent) => {
@@ -86,7 +87,9 @@ async fn open(
     let welcome = match shared.open(identity.clone(), Arc::clone(&outbox)) {
         Ok(welcome) => welcome,
         Err(error) => {
-            warn!(%peer, job = %identity.job, rank = ?identity.rank, %error, "refused a client");
+            if let Some(held_back) = admit_shared(&END_WARNINGS) {
+                warn!(%peer, job = %identity.job, rank = ?identity.rank, %error, held_back, "refused a client");
+            }
             conn.refuse(&error).await;
             return None;
         }
@@ -105,10 +108,17 @@ struct Session {
     guard: SessionGuard,
 }
 
-/// Logs how a connection ended: a warning if the peer misbehaved, else at debug level.
+/// Warnings about how connections ended, or were refused: shared by every
+/// connection, since a client connecting in a loop makes a new one each time.
+static END_WARNINGS: Mutex<WarnLimit> = Mutex::new(WarnLimit::new());
+
+/// Logs how a connection ended: a warning if the peer misbehaved (limited), else at
+/// debug level.
 fn log_end(peer: SocketAddr, session: Option<SessionId>, end: &End) {
     if end.is_peer_fault() {
-        warn!(%peer, ?session, "closing the connection: {end}");
+        if let Some(held_back) = admit_shared(&END_WARNINGS) {
+            warn!(%peer, ?session, held_back, "closing the connection: {end}");
+        }
     } else {
         debug!(%peer, ?session, "connection ended: {end}");
     }
@@ -151,6 +161,8 @@ struct Connection {
     limits: FrameLimits,
     rbuf: BytesMut,
     wbuf: BytesMut,
+    /// Warnings about this peer's bad requests.
+    warnings: WarnLimit,
 }
 
 impl Connection {
@@ -208,14 +220,16 @@ impl Connection {
     /// it are handled).
     fn process(&mut self, session: SessionId, shared: &Shared, immediate: &mut Vec<(u64, Reply)>) -> Result<(), End> {
         let mut requests = Vec::new();
-        let (peer, wbuf) = (self.peer, &mut self.wbuf);
+        let (peer, wbuf, warnings) = (self.peer, &mut self.wbuf, &mut self.warnings);
         let result = decode_requests(&mut self.rbuf, &self.limits, |input| match input {
             Inbound::Request { id, request } => requests.push((id, request)),
             // Only node agents hand out shared replies: they serve the Unix sockets
             // of their node, the coordinator only TCP. Replies stay plain frames.
             Inbound::TakeSharedReplies | Inbound::ReleaseShared { .. } => {}
             Inbound::Invalid { id, message } => {
-                warn!(%peer, %session, %message, "bad request");
+                if let Some(held_back) = warnings.admit() {
+                    warn!(%peer, %session, %message, held_back, "bad request");
+                }
                 if let Some(id) = id {
                     encode_reply(id, &Err(OpError::Invalid(message)), wbuf);
                 }

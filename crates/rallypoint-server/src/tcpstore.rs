@@ -17,6 +17,7 @@ use std::task::Waker;
 use bytes::{Buf, Bytes, BytesMut};
 use rallypoint_core::{OpError, Reply, Request, Response, SessionId};
 use rallypoint_net::conn::Buffering;
+use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
 use rallypoint_proto::tcpstore::{decode_command, encode_answer, Answer, Command, TcpError, TcpLimits, VALIDATE_MAGIC};
 use tracing::{debug, warn};
 
@@ -25,6 +26,10 @@ use crate::shared::{Outbox, Shared};
 
 /// Requests handled between two writes of replies (see [`Conn::process`]).
 const MAX_BATCH: usize = 16;
+
+/// Warnings about TCPStore connections closed for what their peer did: shared, since
+/// a client that reconnects in a loop makes a new connection each time.
+static END_WARNINGS: std::sync::Mutex<WarnLimit> = std::sync::Mutex::new(WarnLimit::new());
 
 /// How an engine reply becomes torch's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -208,7 +213,11 @@ impl Conn {
         match end {
             Ok(()) => debug!(%peer, ?session, "TCPStore connection closed by the peer"),
             Err(End::Io(error)) => debug!(%peer, ?session, %error, "TCPStore connection failed"),
-            Err(error) => warn!(%peer, ?session, %error, "closing the TCPStore connection"),
+            Err(error) => {
+                if let Some(held_back) = admit_shared(&END_WARNINGS) {
+                    warn!(%peer, ?session, %error, held_back, "closing the TCPStore connection");
+                }
+            }
         }
     }
 
