@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::Request;
@@ -20,6 +21,7 @@ pub(crate) struct Hub {
     /// The coordinator's address, for messages.
     pub(crate) addr: String,
     pub(crate) limits: FrameLimits,
+    pub(crate) read_timeout: Duration,
     pub(crate) up: Mutex<Up>,
     /// Wakes the upstream writer: `up.buf` has bytes.
     pub(crate) up_ready: Notify,

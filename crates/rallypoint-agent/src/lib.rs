@@ -69,6 +69,9 @@ pub struct AgentConfig {
     pub host: String,
     /// Largest frame a local rank may send; should match the coordinator's.
     pub limits: FrameLimits,
+    /// A local rank that stops sending in the middle of a frame for this long is
+    /// disconnected (as the coordinator does with its direct connections).
+    pub read_timeout: Duration,
 }
 
 impl AgentConfig {
@@ -79,6 +82,7 @@ impl AgentConfig {
             connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             host: rallypoint_net::hostname(),
             limits: FrameLimits::default(),
+            read_timeout: Duration::from_secs(30),
         }
     }
 }
@@ -127,6 +131,7 @@ impl Agent {
         let hub = Arc::new(Hub {
             addr: config.upstream,
             limits: config.limits,
+            read_timeout: config.read_timeout,
             up: Mutex::new(Up::default()),
             up_ready: Notify::new(),
             routes: Mutex::new(HashMap::new()),

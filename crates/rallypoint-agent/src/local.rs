@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::{Buf, BytesMut};
 use rallypoint_core::OpError;
-use rallypoint_net::conn::{accept_hello, decode_requests, read_some, Accepts, Buffering, End, Hello, Inbound};
+use rallypoint_net::conn::{accept_hello, decode_requests, read_some, stall, Accepts, Buffering, End, Hello, Inbound};
 use rallypoint_net::shm::MAX_FDS_PER_WRITE;
 use rallypoint_net::sync::lock;
 use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
@@ -248,6 +248,7 @@ async fn serve_session(sub: u64, reader: &mut ReadHalf, mut rbuf: BytesMut, hub:
     }
     loop {
         Buffering::RANK.release_idle(&mut rbuf);
+        let buffered = rbuf.len();
         tokio::select! {
             biased;
             () = local.wake.notified() => match local.drain().await {
@@ -265,6 +266,7 @@ async fn serve_session(sub: u64, reader: &mut ReadHalf, mut rbuf: BytesMut, hub:
                 }
                 Err(error) => return End::Io(error),
             },
+            end = stall(buffered, hub.read_timeout) => return end,
         }
     }
 }

@@ -19,6 +19,10 @@ pub struct AgentArgs {
     /// Seconds to keep trying to reach the coordinator at start
     #[arg(long, value_name = "SECS", default_value = "300", value_parser = parse::secs)]
     connect_timeout: f64,
+    /// Seconds a local rank may stop sending in the middle of a request before it is
+    /// disconnected
+    #[arg(long, value_name = "SECS", default_value = "30", value_parser = parse::secs)]
+    read_timeout: f64,
     /// Print the local address as the first line on stdout (for scripts using port 0)
     #[arg(long)]
     print_addr: bool,
@@ -27,6 +31,7 @@ pub struct AgentArgs {
 pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let mut config = AgentConfig::new(args.upstream, args.listen);
     config.connect_timeout = std::time::Duration::from_secs_f64(args.connect_timeout);
+    config.read_timeout = std::time::Duration::from_secs_f64(args.read_timeout);
     let stop = shutdown_signal()?;
     let agent = Agent::bind(config).await?;
     if args.print_addr {

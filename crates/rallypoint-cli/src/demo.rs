@@ -47,10 +47,8 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     // Workers killing one of their own needs someone left to notice.
     let kill_last = !args.no_kill && n >= 2;
     let listen = "127.0.0.1:0".parse().context("loopback address")?;
-    let server = Server::bind(ServerConfig { listen, engine: Config::default() })
-        .await
-        .context("starting the coordinator")?
-        .spawn();
+    let server =
+        Server::bind(ServerConfig::new(listen, Config::default())).await.context("starting the coordinator")?.spawn();
     let addr = server.local_addr();
     println!("coordinator listening on {addr}; starting {n} worker processes (job '{JOB}')\n");
 

@@ -2,6 +2,7 @@
 
 use std::io::Write;
 use std::net::SocketAddr;
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
@@ -34,6 +35,10 @@ pub struct ServeArgs {
     /// [default: 1073741824]
     #[arg(long, value_name = "BYTES")]
     max_gather_bytes: Option<usize>,
+    /// Seconds a connection may stop sending in the middle of a request before it is
+    /// closed (a hung or hostile peer must not hold a partial request for good)
+    #[arg(long, value_name = "SECS", default_value = "30", value_parser = parse::secs)]
+    read_timeout: f64,
     /// Job that PyTorch TCPStore clients (which cannot name one) join
     #[arg(long, value_name = "NAME", default_value = "default")]
     tcpstore_job: String,
@@ -62,7 +67,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Installed before the address is announced: whoever reads it may signal at once.
     let stop = shutdown_signal()?;
     // Binding raises the open-file limit and logs the bound address.
-    let server = Server::bind(ServerConfig { listen: args.listen, engine }).await?;
+    let mut config = ServerConfig::new(args.listen, engine);
+    config.read_timeout = Duration::from_secs_f64(args.read_timeout);
+    let server = Server::bind(config).await?;
     server.set_tcpstore_job(&args.tcpstore_job);
     if args.print_addr {
         print_addr(server.local_addr())?;

@@ -190,7 +190,7 @@ async fn host_coordinator(options: &LaunchOptions) -> Result<ServerHandle, Launc
         Some(master) => resolve(master).await?,
         None => SocketAddr::from(([127, 0, 0, 1], 0)),
     };
-    let server = Server::bind(ServerConfig { listen, engine: Config::default() })
+    let server = Server::bind(ServerConfig::new(listen, Config::default()))
         .await
         .map_err(|source| LaunchError::Bind { addr: listen.to_string(), source })?;
     Ok(server.spawn())

@@ -39,6 +39,10 @@ pub enum End {
     ClosedMidFrame { buffered: usize },
     #[error("{0}")]
     Io(#[from] io::Error),
+    /// The peer stopped sending in the middle of a frame for longer than the read
+    /// timeout (a hung or hostile peer holding a partial frame in our memory).
+    #[error("stopped sending in the middle of a frame ({buffered} bytes of it received, nothing for {waited:?})")]
+    Stalled { buffered: usize, waited: Duration },
     /// The peer connected but did not finish its handshake in time.
     #[error("no hello within {0:?}")]
     HandshakeTimeout(Duration),
@@ -78,6 +82,7 @@ impl End {
         match self {
             End::Closed | End::ClosedMidFrame { .. } | End::Io(_) | End::Shutdown(_) => false,
             End::HandshakeTimeout(_)
+            | End::Stalled { .. }
             | End::NotServed(_)
             | End::Refused(_)
             | End::Malformed(_)
@@ -160,6 +165,18 @@ pub async fn accept_hello<R: AsyncRead + Unpin>(
             Err(error) => return Err(End::refused(OpError::Invalid(error.to_string()))),
         }
     }
+}
+
+/// Completes once a partial frame (`buffered` bytes of it) has waited `timeout` for
+/// more bytes: never while nothing is buffered, so that an idle connection holds no
+/// timer. Raced against each
+/// read, and made anew after it, so the time counts from the last progress.
+pub async fn stall(buffered: usize, timeout: Duration) -> End {
+    if buffered == 0 {
+        std::future::pending::<()>().await;
+    }
+    tokio::time::sleep(timeout).await;
+    End::Stalled { buffered, waited: timeout }
 }
 
 /// Reads once during the handshake; the end of the stream there is a close.

@@ -9,6 +9,7 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use bytes::BytesMut;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, Interest, ReadBuf};
@@ -18,6 +19,23 @@ use crate::shm;
 
 /// Prefix of an address naming a Unix domain socket: `unix:/run/rallypoint.sock`.
 pub const UNIX_PREFIX: &str = "unix:";
+
+/// TCP keepalive of every accepted connection: a peer whose host vanished (powered
+/// off, cut from the network) sends no FIN or RST, and without probes its connection
+/// would stay open for good. Probes start after this much silence...
+pub const KEEPALIVE_IDLE: Duration = Duration::from_secs(30);
+/// ...and the connection is dropped after this many unanswered ones, this far apart.
+pub const KEEPALIVE_PROBES: u32 = 3;
+pub const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(10);
+
+/// Turns TCP keepalive on for `socket` (see [`KEEPALIVE_IDLE`]).
+pub fn set_keepalive(socket: &impl AsFd) -> io::Result<()> {
+    let keepalive = socket2::TcpKeepalive::new()
+        .with_time(KEEPALIVE_IDLE)
+        .with_interval(KEEPALIVE_INTERVAL)
+        .with_retries(KEEPALIVE_PROBES);
+    socket2::SockRef::from(socket).set_tcp_keepalive(&keepalive)
+}
 
 /// The socket path of a `unix:PATH` address, `None` for `host:port`.
 pub fn unix_path(addr: &str) -> Option<&Path> {
@@ -221,6 +239,7 @@ impl Listener {
                 let (stream, _) = l.accept().await?;
                 // Replies are small and latency-bound.
                 stream.set_nodelay(true)?;
+                set_keepalive(&stream)?;
                 Ok(Stream::Tcp(stream))
             }
             Listener::Unix(l, _) => Ok(Stream::Unix(l.accept().await?.0)),

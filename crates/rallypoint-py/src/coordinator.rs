@@ -38,7 +38,8 @@ impl Coordinator {
         }
         // Two workers: the coordinator of a spawned job serves every rank's requests.
         let runtime = crate::runtime("rallypoint-coordinator", 2).map_err(PyErr::from)?;
-        let server = crate::wait(py, &runtime, Server::bind(ServerConfig { listen, engine }))?.map_err(PyErr::from)?;
+        let server =
+            crate::wait(py, &runtime, Server::bind(ServerConfig::new(listen, engine)))?.map_err(PyErr::from)?;
         let addr = server.local_addr();
         let handle = {
             let _context = runtime.enter();

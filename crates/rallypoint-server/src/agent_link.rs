@@ -14,10 +14,11 @@ use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::{OpError, Reply, Request, SessionId, Welcome};
-use rallypoint_net::conn::{read_some, Buffering, End};
+use rallypoint_net::conn::{read_some, stall, Buffering, End};
 use rallypoint_net::sync::lock;
 use rallypoint_net::warn_limit::WarnLimit;
 use rallypoint_proto::native::{
@@ -29,6 +30,7 @@ use tracing::{debug, info, trace, warn};
 
 use crate::shared::{AgentInput, Ready, Shared};
 use crate::write::{write_with_tail, WriteProgress};
+use crate::ConnSettings;
 
 /// Stop gathering replies into one write past this size and send what we have.
 const MAX_WRITE_BATCH: usize = 4 << 20;
@@ -123,7 +125,7 @@ pub(crate) async fn serve(
     peer: SocketAddr,
     mut rbuf: BytesMut,
     shared: Arc<Shared>,
-    limits: FrameLimits,
+    settings: ConnSettings,
 ) {
     // A sub-request is a client request (at most a client's frame) with a sub-session
     // id in place of its request id; a SubRequests frame has a call list in front of
@@ -132,7 +134,7 @@ pub(crate) async fn serve(
     // connection, losing all its ranks), so the agent's frames may exceed a direct
     // client's limit by the largest call list.
     let slack = 4 + 16 * MAX_CALLS_PER_FRAME;
-    let limits = FrameLimits { max_frame_len: limits.max_frame_len.saturating_add(slack).min(MAX_FRAME_LEN) };
+    let limits = FrameLimits { max_frame_len: settings.limits.max_frame_len.saturating_add(slack).min(MAX_FRAME_LEN) };
     let (host, pid) = match decode_agent_frame(&mut rbuf, &limits) {
         Ok(Some(AgentFrame::Hello { host, pid })) => (host, pid),
         other => {
@@ -148,6 +150,7 @@ pub(crate) async fn serve(
         peer,
         stream: &mut stream,
         limits,
+        read_timeout: settings.read_timeout,
         rbuf,
         wbuf,
         guard: SubsGuard { shared: &shared, subs: Subs::default() },
@@ -166,6 +169,7 @@ struct AgentConn<'a> {
     peer: SocketAddr,
     stream: &'a mut TcpStream,
     limits: FrameLimits,
+    read_timeout: Duration,
     rbuf: BytesMut,
     wbuf: BytesMut,
     guard: SubsGuard<'a>,
@@ -186,6 +190,7 @@ impl AgentConn<'_> {
                 return end;
             }
             Buffering::NODE_LINK.release_idle(&mut self.rbuf);
+            let buffered = self.rbuf.len();
             tokio::select! {
                 // Replies first: they free waiting ranks, and reading more only adds work.
                 biased;
@@ -196,6 +201,7 @@ impl AgentConn<'_> {
                     Ok(_) => broken = self.process(outbox).err(),
                     Err(error) => return End::Io(error),
                 },
+                end = stall(buffered, self.read_timeout) => return end,
             }
         }
     }

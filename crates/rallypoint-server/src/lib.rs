@@ -64,6 +64,7 @@ use shared::Shared;
 use ticker::Ticker;
 
 pub use rallypoint_net::raise_fd_limit;
+use rallypoint_net::set_keepalive;
 
 /// Pending connections the kernel may queue: large jobs connect all at once.
 const LISTEN_BACKLOG: u32 = 4096;
@@ -76,6 +77,27 @@ pub struct ServerConfig {
     /// Address to listen on, bound exactly as given.
     pub listen: SocketAddr,
     pub engine: Config,
+    /// A connection that stops sending in the middle of a frame (or of a TCPStore
+    /// request) for this long is closed: a hung or hostile peer must not hold a
+    /// partial frame, and the memory it takes, for good.
+    pub read_timeout: Duration,
+}
+
+impl ServerConfig {
+    /// The default read timeout.
+    pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(30);
+
+    /// Listens on `listen` with the engine's `engine` settings and default I/O settings.
+    pub fn new(listen: SocketAddr, engine: Config) -> ServerConfig {
+        ServerConfig { listen, engine, read_timeout: Self::DEFAULT_READ_TIMEOUT }
+    }
+}
+
+/// What every connection of a server is served with.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConnSettings {
+    pub(crate) limits: FrameLimits,
+    pub(crate) read_timeout: Duration,
 }
 
 /// A bound, not yet running coordinator.
@@ -83,7 +105,7 @@ pub struct Server {
     listener: TcpListener,
     local_addr: SocketAddr,
     shared: Arc<Shared>,
-    limits: FrameLimits,
+    settings: ConnSettings,
     tcp_limits: TcpLimits,
 }
 
@@ -95,9 +117,10 @@ impl Server {
             .map_err(|e| io::Error::new(e.kind(), format!("cannot listen on {}: {e}", config.listen)))?;
         let local_addr = listener.local_addr()?;
         info!(%local_addr, fd_limit, lease_ms = config.engine.lease_ms, "rallypoint coordinator listening");
-        let limits = FrameLimits::from_limits(&config.engine.limits);
+        let settings =
+            ConnSettings { limits: FrameLimits::from_limits(&config.engine.limits), read_timeout: config.read_timeout };
         let tcp_limits = TcpLimits::from_limits(&config.engine.limits);
-        Ok(Server { listener, local_addr, shared: Arc::new(Shared::new(config.engine)), limits, tcp_limits })
+        Ok(Server { listener, local_addr, shared: Arc::new(Shared::new(config.engine)), settings, tcp_limits })
     }
 
     /// The job PyTorch TCPStore connections join (they cannot name one); "default"
@@ -113,7 +136,7 @@ impl Server {
     /// Serves until `shutdown` completes, then stops accepting, closes every
     /// connection (their ranks count as lost, not left) and returns.
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> io::Result<()> {
-        let Server { listener, local_addr, shared, limits, tcp_limits } = self;
+        let Server { listener, local_addr, shared, settings, tcp_limits } = self;
         let ticker = Ticker::start(Arc::clone(&shared))?;
         let reactor = Arc::new(Reactor::start(Arc::clone(&shared), tcp_limits)?);
         let mut connections = JoinSet::new();
@@ -126,9 +149,12 @@ impl Server {
                         if let Err(error) = stream.set_nodelay(true) {
                             debug!(%peer, %error, "cannot set TCP_NODELAY");
                         }
+                        if let Err(error) = set_keepalive(&stream) {
+                            debug!(%peer, %error, "cannot set TCP keepalive");
+                        }
                         // Shutdown aborts these tasks (no per-task stop signal: an idle
                         // connection's memory is its task).
-                        connections.spawn(native::serve(stream, peer, Arc::clone(&shared), limits, Arc::clone(&reactor)));
+                        connections.spawn(native::serve(stream, peer, Arc::clone(&shared), settings, Arc::clone(&reactor)));
                     }
                     Err(error) => accept_failed(error).await,
                 },

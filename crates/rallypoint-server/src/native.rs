@@ -10,9 +10,9 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::{OpError, Reply, SessionId};
-use rallypoint_net::conn::{accept_hello, decode_requests, read_some, Accepts, Buffering, End, Hello, Inbound};
+use rallypoint_net::conn::{accept_hello, decode_requests, read_some, stall, Accepts, Buffering, End, Hello, Inbound};
 use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
-use rallypoint_proto::native::{encode_reply, encode_reply_shared, encode_server_frame, FrameLimits, ServerFrame};
+use rallypoint_proto::native::{encode_reply, encode_reply_shared, encode_server_frame, ServerFrame};
 use tokio::io::AsyncWriteExt;
 use tokio::net::TcpStream;
 use tracing::{debug, warn};
@@ -20,6 +20,7 @@ use tracing::{debug, warn};
 use crate::reactor::Reactor;
 use crate::shared::{Outbox, Shared};
 use crate::write::{write_with_tail, WriteProgress};
+use crate::ConnSettings;
 
 /// Stop gathering replies into one write past this size and send what we have.
 const MAX_WRITE_BATCH: usize = 1 << 20;
@@ -36,10 +37,10 @@ pub(crate) fn serve(
     stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
-    limits: FrameLimits,
+    settings: ConnSettings,
     reactor: Arc<Reactor>,
 ) -> impl Future<Output = ()> + Send {
-    let opening = Box::pin(open(stream, peer, shared, limits, reactor));
+    let opening = Box::pin(open(stream, peer, shared, settings, reactor));
     async move {
         let Some(mut session) = opening.await else { return };
         let Session { conn, outbox, guard } = &mut session;
@@ -54,18 +55,18 @@ async fn open(
     mut stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
-    limits: FrameLimits,
+    settings: ConnSettings,
     reactor: Arc<Reactor>,
 ) -> Option<Session> {
     let mut rbuf = BytesMut::new();
-    let hello = accept_hello(&mut stream, &mut rbuf, &limits, Accepts::COORDINATOR);
+    let hello = accept_hello(&mut stream, &mut rbuf, &settings.limits, Accepts::COORDINATOR);
     let hello =
         tokio::time::timeout(HANDSHAKE_TIMEOUT, hello).await.unwrap_or(Err(End::HandshakeTimeout(HANDSHAKE_TIMEOUT)));
-    let mut conn = Connection { stream, peer, limits, rbuf, wbuf: BytesMut::new(), warnings: WarnLimit::new() };
+    let mut conn = Connection { stream, peer, settings, rbuf, wbuf: BytesMut::new(), warnings: WarnLimit::new() };
     let identity = match hello {
         Ok(Hello::Native(identity)) => identity,
         Ok(Hello::Agent) => {
-            Box::pin(crate::agent_link::serve(conn.stream, peer, conn.rbuf, shared, limits)).await;
+            Box::pin(crate::agent_link::serve(conn.stream, peer, conn.rbuf, shared, settings)).await;
             return None;
         }
         Ok(Hello::TcpStore) => {
@@ -158,7 +159,7 @@ impl Drop for SessionGuard {
 struct Connection {
     stream: TcpStream,
     peer: SocketAddr,
-    limits: FrameLimits,
+    settings: ConnSettings,
     rbuf: BytesMut,
     wbuf: BytesMut,
     /// Warnings about this peer's bad requests.
@@ -198,6 +199,7 @@ impl Connection {
             // and no write buffer (flush leaves it empty).
             Buffering::RANK.release_idle(&mut self.rbuf);
             self.wbuf = BytesMut::new();
+            let buffered = self.rbuf.len();
             tokio::select! {
                 // Replies first: they free waiting peers, and reading more only adds work.
                 biased;
@@ -210,6 +212,7 @@ impl Connection {
                         Err(error) => return End::Io(error),
                     }
                 }
+                end = stall(buffered, self.settings.read_timeout) => return end,
             }
         }
     }
@@ -221,7 +224,7 @@ impl Connection {
     fn process(&mut self, session: SessionId, shared: &Shared, immediate: &mut Vec<(u64, Reply)>) -> Result<(), End> {
         let mut requests = Vec::new();
         let (peer, wbuf, warnings) = (self.peer, &mut self.wbuf, &mut self.warnings);
-        let result = decode_requests(&mut self.rbuf, &self.limits, |input| match input {
+        let result = decode_requests(&mut self.rbuf, &self.settings.limits, |input| match input {
             Inbound::Request { id, request } => requests.push((id, request)),
             // Only node agents hand out shared replies: they serve the Unix sockets
             // of their node, the coordinator only TCP. Replies stay plain frames.

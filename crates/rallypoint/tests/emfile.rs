@@ -52,7 +52,7 @@ async fn accept_loop_survives_running_out_of_file_descriptors() {
     tracing::subscriber::set_global_default(subscriber).expect("subscriber");
 
     let test = async {
-        let config = ServerConfig { listen: "127.0.0.1:0".parse().expect("addr"), engine: Config::default() };
+        let config = ServerConfig::new("127.0.0.1:0".parse().expect("addr"), Config::default());
         let server = Server::bind(config).await.expect("bind").spawn();
         let addr = server.local_addr();
         let options =

@@ -46,7 +46,7 @@ async fn malformed_floods_cost_a_few_log_lines() {
     tracing::subscriber::set_global_default(subscriber).expect("subscriber");
 
     let test = async {
-        let config = ServerConfig { listen: "127.0.0.1:0".parse().expect("addr"), engine: Config::default() };
+        let config = ServerConfig::new("127.0.0.1:0".parse().expect("addr"), Config::default());
         let server = Server::bind(config).await.expect("bind").spawn();
         let addr = server.local_addr();
 

@@ -13,7 +13,7 @@ fn blocking_clients_from_plain_threads() {
     init_tracing();
     let runtime = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().expect("runtime");
     let server = runtime.block_on(async {
-        let config = ServerConfig { listen: "127.0.0.1:0".parse().expect("addr"), engine: Config::default() };
+        let config = ServerConfig::new("127.0.0.1:0".parse().expect("addr"), Config::default());
         Server::bind(config).await.expect("bind").spawn()
     });
     let addr = server.local_addr().to_string();

@@ -30,8 +30,11 @@ pub async fn start_server() -> ServerHandle {
 }
 
 pub async fn start_server_with(engine: Config) -> ServerHandle {
+    start_server_configured(ServerConfig::new("127.0.0.1:0".parse().expect("loopback address"), engine)).await
+}
+
+pub async fn start_server_configured(config: ServerConfig) -> ServerHandle {
     init_tracing();
-    let config = ServerConfig { listen: "127.0.0.1:0".parse().expect("loopback address"), engine };
     Server::bind(config).await.expect("bind on loopback").spawn()
 }
 

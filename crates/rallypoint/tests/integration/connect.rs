@@ -31,7 +31,7 @@ async fn connect_retries_until_the_coordinator_listens() {
     }
     drop(impostor);
 
-    let config = ServerConfig { listen: addr, engine: Config::default() };
+    let config = ServerConfig::new(addr, Config::default());
     let server = Server::bind(config).await.expect("bind the real coordinator").spawn();
     let client = bounded("connect", connecting).await.expect("task").expect("connected after retrying");
     client.set("k", "v").await.expect("set");

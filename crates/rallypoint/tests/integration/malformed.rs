@@ -2,17 +2,20 @@
 //! its own connection; the coordinator and its other clients carry on.
 
 use bytes::{BufMut, BytesMut};
-use rallypoint::server::ServerHandle;
+use rallypoint::server::{ServerConfig, ServerHandle};
 use rallypoint::{Error, Identity, Members, OpError};
 use rallypoint_core::{LossReason, RankState, Request, Response};
 use rallypoint_proto::native::{
-    decode_server_frame, encode_client_frame, encode_preamble, ClientFrame, FrameLimits, ServerFrame,
+    decode_server_frame, encode_agent_frame, encode_client_frame, encode_preamble, AgentFrame, ClientFrame,
+    FrameLimits, ServerFrame,
 };
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::common::{bounded, connect, rank, start_confirmed, start_server, start_server_with};
+use crate::common::{
+    bounded, connect, rank, start_confirmed, start_server, start_server_configured, start_server_with,
+};
 
 async fn raw(server: &ServerHandle) -> TcpStream {
     TcpStream::connect(server.local_addr()).await.expect("raw connect")
@@ -168,5 +171,67 @@ async fn silent_rank_is_lost_when_its_lease_expires() {
         }
         other => panic!("expected PeerLost by lease expiry, got {other:?}"),
     }
+    server.shutdown().await;
+}
+
+/// A peer that stops in the middle of a frame, after its hello or after a node
+/// agent's hello, is disconnected once the read timeout passes without a byte; the
+/// others carry on. (Without the timeout it held the connection, and the partial
+/// frame's memory, for good.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_stalled_mid_frame_is_disconnected_after_the_read_timeout() {
+    let mut config = ServerConfig::new("127.0.0.1:0".parse().expect("addr"), rallypoint::Config::default());
+    config.read_timeout = Duration::from_millis(300);
+    let server = start_server_configured(config).await;
+    let good = connect(&server, Identity::anonymous("stall")).await;
+
+    // A rank: its hello, then the first 5 bytes of a 100-byte frame.
+    let mut rank_conn = raw(&server).await;
+    let mut out = hello(Identity::anonymous("stall"));
+    out.put_u32_le(100);
+    out.put_u8(0x02);
+    send(&mut rank_conn, &out).await;
+
+    // A node agent: its hello, then half a frame.
+    let mut agent_conn = raw(&server).await;
+    let mut out = BytesMut::new();
+    encode_preamble(&mut out);
+    encode_agent_frame(&AgentFrame::Hello { host: "node".into(), pid: 1 }, &mut out);
+    out.put_u32_le(100);
+    send(&mut agent_conn, &out).await;
+
+    let got = expect_closed(&mut rank_conn, "the stalled rank's connection").await;
+    let mut got = got;
+    assert!(matches!(decode_server_frame(&mut got, &FrameLimits::unbounded()), Ok(Some(ServerFrame::Welcome(_)))));
+    let got = expect_closed(&mut agent_conn, "the stalled agent's connection").await;
+    assert!(!got.is_empty(), "the agent was welcomed before it stalled");
+
+    // An idle connection between frames is not touched, however long it waits.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    good.set("k", "v").await.expect("an idle client is still served");
+    good.close().await.expect("close");
+    server.shutdown().await;
+}
+
+/// Every accepted connection has TCP keepalive on, so that a peer whose host
+/// vanished (no FIN, no RST) is found: the kernel shows its keepalive timer (timer
+/// kind 2 in /proc/net/tcp) on the server's side of an idle connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn accepted_connections_have_keepalive() {
+    let server = start_server().await;
+    let mut idle = raw(&server).await;
+    send(&mut idle, &hello(Identity::anonymous("ka"))).await;
+    let mut buf = BytesMut::new();
+    assert!(matches!(read_frame(&mut idle, &mut buf).await, ServerFrame::Welcome(_)));
+    let (server_port, client_port) = (server.local_addr().port(), idle.local_addr().expect("local addr").port());
+    let table = std::fs::read_to_string("/proc/net/tcp").expect("/proc/net/tcp");
+    // Columns: sl local_address rem_address st tx_queue:rx_queue tr:tm->when ...
+    let timer = table.lines().skip(1).find_map(|line| {
+        let cols: Vec<&str> = line.split_whitespace().collect();
+        let port = |col: &str| u16::from_str_radix(col.rsplit(':').next()?, 16).ok();
+        (port(cols[1]) == Some(server_port) && port(cols[2]) == Some(client_port))
+            .then(|| cols[5].split(':').next().unwrap_or("").to_owned())
+    });
+    assert_eq!(timer.as_deref(), Some("02"), "the server's side of the connection has no keepalive timer");
     server.shutdown().await;
 }
