@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::Request;
+use rallypoint_net::budget::PendingBudget;
 use rallypoint_net::sync::lock;
 use rallypoint_proto::native::{encode_agent_frame, AgentFrame, FrameLimits};
 use tokio::sync::Notify;
@@ -22,6 +23,8 @@ pub(crate) struct Hub {
     pub(crate) addr: String,
     pub(crate) limits: FrameLimits,
     pub(crate) read_timeout: Duration,
+    /// Bytes of unfinished requests the local connections hold together.
+    pub(crate) budget: Arc<PendingBudget>,
     pub(crate) up: Mutex<Up>,
     /// Wakes the upstream writer: `up.buf` has bytes.
     pub(crate) up_ready: Notify,

@@ -40,6 +40,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::OpError;
+use rallypoint_net::budget::PendingBudget;
 use rallypoint_net::conn::End;
 use rallypoint_net::{Listener, Stream};
 use rallypoint_proto::native::FrameLimits;
@@ -72,6 +73,9 @@ pub struct AgentConfig {
     /// A local rank that stops sending in the middle of a frame for this long is
     /// disconnected (as the coordinator does with its direct connections).
     pub read_timeout: Duration,
+    /// Bytes of unfinished requests all local ranks together may hold; past it, the
+    /// connection holding the most is closed.
+    pub max_pending_bytes: usize,
 }
 
 impl AgentConfig {
@@ -83,6 +87,7 @@ impl AgentConfig {
             host: rallypoint_net::hostname(),
             limits: FrameLimits::default(),
             read_timeout: Duration::from_secs(30),
+            max_pending_bytes: 256 << 20,
         }
     }
 }
@@ -132,6 +137,7 @@ impl Agent {
             addr: config.upstream,
             limits: config.limits,
             read_timeout: config.read_timeout,
+            budget: PendingBudget::new(config.max_pending_bytes),
             up: Mutex::new(Up::default()),
             up_ready: Notify::new(),
             routes: Mutex::new(HashMap::new()),

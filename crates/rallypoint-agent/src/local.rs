@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::{Buf, BytesMut};
 use rallypoint_core::OpError;
+use rallypoint_net::budget::Charge;
 use rallypoint_net::conn::{accept_hello, decode_requests, read_some, stall, Accepts, Buffering, End, Hello, Inbound};
 use rallypoint_net::shm::MAX_FDS_PER_WRITE;
 use rallypoint_net::sync::lock;
@@ -187,7 +188,8 @@ pub(crate) async fn serve(stream: Stream, hub: Arc<Hub>) {
         takes_shared: AtomicBool::new(false),
     });
     let mut rbuf = BytesMut::new();
-    let hello = accept_hello(&mut reader, &mut rbuf, &hub.limits, Accepts::NODE_AGENT);
+    let mut charge = hub.budget.charge();
+    let hello = accept_hello(&mut reader, &mut rbuf, &hub.limits, Accepts::NODE_AGENT, &mut charge);
     let identity = match tokio::time::timeout(HANDSHAKE_TIMEOUT, hello).await {
         Ok(Ok(Hello::Native(identity))) => identity,
         Ok(Ok(Hello::TcpStore | Hello::Agent)) => unreachable!("a node agent accepts only native clients"),
@@ -207,7 +209,7 @@ pub(crate) async fn serve(stream: Stream, hub: Arc<Hub>) {
         return;
     }
 
-    let end = serve_session(sub, &mut reader, rbuf, &hub, &local).await;
+    let end = serve_session(sub, &mut reader, rbuf, &hub, &local, &mut charge).await;
     if end.is_peer_fault() {
         if let Some(held_back) = admit_shared(&END_WARNINGS) {
             warn!(sub, held_back, "closing a local rank's connection: {end}");
@@ -240,13 +242,23 @@ async fn refuse(local: &Local, end: End) {
 
 /// Forwards the rank's requests and writes what the upstream reader could not;
 /// returns how the connection ended.
-async fn serve_session(sub: u64, reader: &mut ReadHalf, mut rbuf: BytesMut, hub: &Hub, local: &Local) -> End {
+async fn serve_session(
+    sub: u64,
+    reader: &mut ReadHalf,
+    mut rbuf: BytesMut,
+    hub: &Hub,
+    local: &Local,
+    charge: &mut Charge,
+) -> End {
     let mut warnings = WarnLimit::new();
     // The hello may have arrived together with the first requests.
     if let Err(end) = forward(sub, &mut rbuf, hub, local, &mut warnings) {
         return end;
     }
     loop {
+        if let Err(over) = charge.hold(rbuf.len()) {
+            return End::OverBudget(over);
+        }
         Buffering::RANK.release_idle(&mut rbuf);
         let buffered = rbuf.len();
         tokio::select! {
@@ -267,6 +279,7 @@ async fn serve_session(sub: u64, reader: &mut ReadHalf, mut rbuf: BytesMut, hub:
                 Err(error) => return End::Io(error),
             },
             end = stall(buffered, hub.read_timeout) => return end,
+            () = charge.evicted() => return End::Evicted,
         }
     }
 }

@@ -23,6 +23,10 @@ pub struct AgentArgs {
     /// disconnected
     #[arg(long, value_name = "SECS", default_value = "30", value_parser = parse::secs)]
     read_timeout: f64,
+    /// Bytes of unfinished requests all local ranks together may hold; past it, the
+    /// connection holding the most is closed
+    #[arg(long, value_name = "BYTES", default_value_t = 256 << 20)]
+    max_pending_bytes: usize,
     /// Print the local address as the first line on stdout (for scripts using port 0)
     #[arg(long)]
     print_addr: bool,
@@ -32,6 +36,7 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     let mut config = AgentConfig::new(args.upstream, args.listen);
     config.connect_timeout = std::time::Duration::from_secs_f64(args.connect_timeout);
     config.read_timeout = std::time::Duration::from_secs_f64(args.read_timeout);
+    config.max_pending_bytes = args.max_pending_bytes;
     let stop = shutdown_signal()?;
     let agent = Agent::bind(config).await?;
     if args.print_addr {

@@ -39,6 +39,10 @@ pub struct ServeArgs {
     /// closed (a hung or hostile peer must not hold a partial request for good)
     #[arg(long, value_name = "SECS", default_value = "30", value_parser = parse::secs)]
     read_timeout: f64,
+    /// Bytes of unfinished requests all connections together may hold; past it, the
+    /// connection holding the most is closed [default: 268435456]
+    #[arg(long, value_name = "BYTES")]
+    max_pending_bytes: Option<usize>,
     /// Job that PyTorch TCPStore clients (which cannot name one) join
     #[arg(long, value_name = "NAME", default_value = "default")]
     tcpstore_job: String,
@@ -69,6 +73,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // Binding raises the open-file limit and logs the bound address.
     let mut config = ServerConfig::new(args.listen, engine);
     config.read_timeout = Duration::from_secs_f64(args.read_timeout);
+    if let Some(bytes) = args.max_pending_bytes {
+        config.max_pending_bytes = bytes;
+    }
     let server = Server::bind(config).await?;
     server.set_tcpstore_job(&args.tcpstore_job);
     if args.print_addr {

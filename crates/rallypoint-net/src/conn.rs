@@ -26,6 +26,7 @@ use rallypoint_proto::native::{
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
 
+use crate::budget::Charge;
 use crate::Stream;
 
 /// How a connection ended, or why it was refused.
@@ -43,6 +44,13 @@ pub enum End {
     /// timeout (a hung or hostile peer holding a partial frame in our memory).
     #[error("stopped sending in the middle of a frame ({buffered} bytes of it received, nothing for {waited:?})")]
     Stalled { buffered: usize, waited: Duration },
+    /// The connection held the most bytes of unfinished requests when all together
+    /// went past the budget ([`crate::budget`]).
+    #[error("closed to keep within the memory budget of unfinished requests: {0}")]
+    OverBudget(#[from] crate::budget::OverBudget),
+    /// Another connection went past the budget while this one held the most.
+    #[error("closed to keep within the memory budget of unfinished requests: it held the most")]
+    Evicted,
     /// The peer connected but did not finish its handshake in time.
     #[error("no hello within {0:?}")]
     HandshakeTimeout(Duration),
@@ -83,6 +91,8 @@ impl End {
             End::Closed | End::ClosedMidFrame { .. } | End::Io(_) | End::Shutdown(_) => false,
             End::HandshakeTimeout(_)
             | End::Stalled { .. }
+            | End::OverBudget(_)
+            | End::Evicted
             | End::NotServed(_)
             | End::Refused(_)
             | End::Malformed(_)
@@ -122,11 +132,14 @@ impl Accepts {
 ///
 /// `Err(End::Refused(error))`: the peer should be told `error` (a Refused frame)
 /// before the connection closes; every other `Err` just closes it.
+///
+/// What the peer sent so far counts against `charge` (see [`crate::budget`]).
 pub async fn accept_hello<R: AsyncRead + Unpin>(
     reader: &mut R,
     rbuf: &mut BytesMut,
     limits: &FrameLimits,
     accepts: Accepts,
+    charge: &mut Charge,
 ) -> Result<Hello, End> {
     // The first byte tells the protocol apart: 'R' starts the native magic, 0x00 is
     // the first byte of every PyTorch TCPStore connection.
@@ -148,7 +161,7 @@ pub async fn accept_hello<R: AsyncRead + Unpin>(
             }
             Some(_) => return Err(End::NotServed("unknown protocol (not a rallypoint client)")),
         }
-        read_more(reader, rbuf).await?;
+        read_more(reader, rbuf, charge).await?;
     }
     loop {
         if starts_with_agent_hello(rbuf) == Some(true) {
@@ -160,7 +173,7 @@ pub async fn accept_hello<R: AsyncRead + Unpin>(
         match decode_client_frame(rbuf, limits) {
             Ok(Some(ClientFrame::Hello(identity))) => return Ok(Hello::Native(identity)),
             Ok(Some(_)) => return Err(End::refused(OpError::Invalid("the first frame must be a hello".to_owned()))),
-            Ok(None) => read_more(reader, rbuf).await?,
+            Ok(None) => read_more(reader, rbuf, charge).await?,
             Err(error) if error.is_fatal() => return Err(End::malformed(error)),
             Err(error) => return Err(End::refused(OpError::Invalid(error.to_string()))),
         }
@@ -169,8 +182,8 @@ pub async fn accept_hello<R: AsyncRead + Unpin>(
 
 /// Completes once a partial frame (`buffered` bytes of it) has waited `timeout` for
 /// more bytes: never while nothing is buffered, so that an idle connection holds no
-/// timer. Raced against each
-/// read, and made anew after it, so the time counts from the last progress.
+/// timer. Raced against each read, and made anew after it, so the time counts from
+/// the last progress.
 pub async fn stall(buffered: usize, timeout: Duration) -> End {
     if buffered == 0 {
         std::future::pending::<()>().await;
@@ -180,11 +193,15 @@ pub async fn stall(buffered: usize, timeout: Duration) -> End {
 }
 
 /// Reads once during the handshake; the end of the stream there is a close.
-async fn read_more<R: AsyncRead + Unpin>(reader: &mut R, rbuf: &mut BytesMut) -> Result<(), End> {
-    match std::future::poll_fn(|cx| read_some(reader, rbuf, Buffering::RANK, cx)).await? {
+async fn read_more<R: AsyncRead + Unpin>(reader: &mut R, rbuf: &mut BytesMut, charge: &mut Charge) -> Result<(), End> {
+    let read = tokio::select! {
+        read = std::future::poll_fn(|cx| read_some(reader, rbuf, Buffering::RANK, cx)) => read?,
+        () = charge.evicted() => return Err(End::Evicted),
+    };
+    match read {
         0 if rbuf.is_empty() => Err(End::Closed),
         0 => Err(End::ClosedMidFrame { buffered: rbuf.len() }),
-        _ => Ok(()),
+        _ => Ok(charge.hold(rbuf.len())?),
     }
 }
 
@@ -332,7 +349,8 @@ mod tests {
     async fn accept(bytes: &[u8], accepts: Accepts) -> (Result<Hello, End>, BytesMut) {
         let mut reader = bytes;
         let mut rbuf = BytesMut::new();
-        let hello = accept_hello(&mut reader, &mut rbuf, &FrameLimits::default(), accepts).await;
+        let mut charge = crate::budget::PendingBudget::new(1 << 20).charge();
+        let hello = accept_hello(&mut reader, &mut rbuf, &FrameLimits::default(), accepts, &mut charge).await;
         (hello, rbuf)
     }
 

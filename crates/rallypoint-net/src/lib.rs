@@ -3,6 +3,7 @@
 //! (`rallypoint-client`):
 //!
 //! - [`stream`]: byte streams over TCP or a Unix domain socket, and listeners;
+//! - [`budget`]: the bytes of unfinished requests all connections may hold together;
 //! - [`conn`]: what every connection goes through: reading into its buffer, the
 //!   handshake, the frame loop, and how it ends ([`conn::End`]);
 //! - [`shm`]: large replies through shared memory, passed over Unix sockets;
@@ -10,6 +11,7 @@
 //! - [`warn_limit`]: warnings a peer can cause, limited so that it cannot flood the log;
 //! - [`hostname`] and [`raise_fd_limit`]: facts about this process's machine.
 
+pub mod budget;
 pub mod conn;
 mod fdlimit;
 pub mod shm;

@@ -18,6 +18,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::{OpError, Reply, Request, SessionId, Welcome};
+use rallypoint_net::budget::Charge;
 use rallypoint_net::conn::{read_some, stall, Buffering, End};
 use rallypoint_net::sync::lock;
 use rallypoint_net::warn_limit::WarnLimit;
@@ -126,6 +127,7 @@ pub(crate) async fn serve(
     mut rbuf: BytesMut,
     shared: Arc<Shared>,
     settings: ConnSettings,
+    charge: Charge,
 ) {
     // A sub-request is a client request (at most a client's frame) with a sub-session
     // id in place of its request id; a SubRequests frame has a call list in front of
@@ -155,6 +157,7 @@ pub(crate) async fn serve(
         wbuf,
         guard: SubsGuard { shared: &shared, subs: Subs::default() },
         warnings: WarnLimit::new(),
+        charge,
     };
     let end = conn.run(&outbox).await;
     let ranks = conn.guard.subs.by_sub.len();
@@ -175,6 +178,8 @@ struct AgentConn<'a> {
     guard: SubsGuard<'a>,
     /// Warnings about this agent's bad frames.
     warnings: WarnLimit,
+    /// The bytes of unfinished frames this connection holds.
+    charge: Charge,
 }
 
 impl AgentConn<'_> {
@@ -189,6 +194,9 @@ impl AgentConn<'_> {
             if let Some(end) = broken.take() {
                 return end;
             }
+            if let Err(over) = self.charge.hold(self.rbuf.len()) {
+                return End::OverBudget(over);
+            }
             Buffering::NODE_LINK.release_idle(&mut self.rbuf);
             let buffered = self.rbuf.len();
             tokio::select! {
@@ -202,6 +210,7 @@ impl AgentConn<'_> {
                     Err(error) => return End::Io(error),
                 },
                 end = stall(buffered, self.read_timeout) => return end,
+                () = self.charge.evicted() => return End::Evicted,
             }
         }
     }

@@ -63,6 +63,7 @@ use reactor::Reactor;
 use shared::Shared;
 use ticker::Ticker;
 
+use rallypoint_net::budget::PendingBudget;
 pub use rallypoint_net::raise_fd_limit;
 use rallypoint_net::set_keepalive;
 
@@ -81,23 +82,32 @@ pub struct ServerConfig {
     /// request) for this long is closed: a hung or hostile peer must not hold a
     /// partial frame, and the memory it takes, for good.
     pub read_timeout: Duration,
+    /// Bytes of unfinished requests all connections together may hold; past it, the
+    /// connection holding the most is closed ([`rallypoint_net::budget`]).
+    pub max_pending_bytes: usize,
 }
 
 impl ServerConfig {
-    /// The default read timeout.
     pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(30);
+    pub const DEFAULT_MAX_PENDING_BYTES: usize = 256 << 20;
 
     /// Listens on `listen` with the engine's `engine` settings and default I/O settings.
     pub fn new(listen: SocketAddr, engine: Config) -> ServerConfig {
-        ServerConfig { listen, engine, read_timeout: Self::DEFAULT_READ_TIMEOUT }
+        ServerConfig {
+            listen,
+            engine,
+            read_timeout: Self::DEFAULT_READ_TIMEOUT,
+            max_pending_bytes: Self::DEFAULT_MAX_PENDING_BYTES,
+        }
     }
 }
 
 /// What every connection of a server is served with.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub(crate) struct ConnSettings {
     pub(crate) limits: FrameLimits,
     pub(crate) read_timeout: Duration,
+    pub(crate) budget: Arc<PendingBudget>,
 }
 
 /// A bound, not yet running coordinator.
@@ -117,8 +127,11 @@ impl Server {
             .map_err(|e| io::Error::new(e.kind(), format!("cannot listen on {}: {e}", config.listen)))?;
         let local_addr = listener.local_addr()?;
         info!(%local_addr, fd_limit, lease_ms = config.engine.lease_ms, "rallypoint coordinator listening");
-        let settings =
-            ConnSettings { limits: FrameLimits::from_limits(&config.engine.limits), read_timeout: config.read_timeout };
+        let settings = ConnSettings {
+            limits: FrameLimits::from_limits(&config.engine.limits),
+            read_timeout: config.read_timeout,
+            budget: PendingBudget::new(config.max_pending_bytes),
+        };
         let tcp_limits = TcpLimits::from_limits(&config.engine.limits);
         Ok(Server { listener, local_addr, shared: Arc::new(Shared::new(config.engine)), settings, tcp_limits })
     }
@@ -154,7 +167,7 @@ impl Server {
                         }
                         // Shutdown aborts these tasks (no per-task stop signal: an idle
                         // connection's memory is its task).
-                        connections.spawn(native::serve(stream, peer, Arc::clone(&shared), settings, Arc::clone(&reactor)));
+                        connections.spawn(native::serve(stream, peer, Arc::clone(&shared), settings.clone(), Arc::clone(&reactor)));
                     }
                     Err(error) => accept_failed(error).await,
                 },
@@ -183,12 +196,13 @@ impl Server {
     pub fn spawn(self) -> ServerHandle {
         let local_addr = self.local_addr;
         let shared = Arc::clone(&self.shared);
+        let budget = Arc::clone(&self.settings.budget);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(self.run_until(async move {
             // Completes when the handle sends or is dropped.
             let _ = stopped.await;
         }));
-        ServerHandle { local_addr, shared, stop, task }
+        ServerHandle { local_addr, shared, budget, stop, task }
     }
 }
 
@@ -196,6 +210,7 @@ impl Server {
 pub struct ServerHandle {
     local_addr: SocketAddr,
     shared: Arc<Shared>,
+    budget: Arc<PendingBudget>,
     /// Never sent: dropping it is the shutdown signal.
     stop: oneshot::Sender<()>,
     task: JoinHandle<io::Result<()>>,
@@ -204,6 +219,12 @@ pub struct ServerHandle {
 impl ServerHandle {
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Bytes of unfinished requests all connections hold now (see
+    /// [`ServerConfig::max_pending_bytes`]).
+    pub fn pending_bytes(&self) -> usize {
+        self.budget.total()
     }
 
     /// See [`Server::set_tcpstore_job`]. The launcher points TCPStore clients at the

@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::{OpError, Reply, SessionId};
+use rallypoint_net::budget::Charge;
 use rallypoint_net::conn::{accept_hello, decode_requests, read_some, stall, Accepts, Buffering, End, Hello, Inbound};
 use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
 use rallypoint_proto::native::{encode_reply, encode_reply_shared, encode_server_frame, ServerFrame};
@@ -59,14 +60,16 @@ async fn open(
     reactor: Arc<Reactor>,
 ) -> Option<Session> {
     let mut rbuf = BytesMut::new();
-    let hello = accept_hello(&mut stream, &mut rbuf, &settings.limits, Accepts::COORDINATOR);
+    let mut charge = settings.budget.charge();
+    let hello = accept_hello(&mut stream, &mut rbuf, &settings.limits, Accepts::COORDINATOR, &mut charge);
     let hello =
         tokio::time::timeout(HANDSHAKE_TIMEOUT, hello).await.unwrap_or(Err(End::HandshakeTimeout(HANDSHAKE_TIMEOUT)));
-    let mut conn = Connection { stream, peer, settings, rbuf, wbuf: BytesMut::new(), warnings: WarnLimit::new() };
+    let mut conn =
+        Connection { stream, peer, settings, rbuf, wbuf: BytesMut::new(), warnings: WarnLimit::new(), charge };
     let identity = match hello {
         Ok(Hello::Native(identity)) => identity,
         Ok(Hello::Agent) => {
-            Box::pin(crate::agent_link::serve(conn.stream, peer, conn.rbuf, shared, settings)).await;
+            Box::pin(crate::agent_link::serve(conn.stream, peer, conn.rbuf, shared, conn.settings, conn.charge)).await;
             return None;
         }
         Ok(Hello::TcpStore) => {
@@ -164,6 +167,8 @@ struct Connection {
     wbuf: BytesMut,
     /// Warnings about this peer's bad requests.
     warnings: WarnLimit,
+    /// The bytes of unfinished requests this connection holds.
+    charge: Charge,
 }
 
 impl Connection {
@@ -195,6 +200,9 @@ impl Connection {
             if let Some(end) = broken.take() {
                 return end;
             }
+            if let Err(over) = self.charge.hold(self.rbuf.len()) {
+                return End::OverBudget(over);
+            }
             // Idle connections keep no read buffer (bytes of a partial frame stay)
             // and no write buffer (flush leaves it empty).
             Buffering::RANK.release_idle(&mut self.rbuf);
@@ -213,6 +221,7 @@ impl Connection {
                     }
                 }
                 end = stall(buffered, self.settings.read_timeout) => return end,
+                () = self.charge.evicted() => return End::Evicted,
             }
         }
     }

@@ -235,3 +235,62 @@ async fn accepted_connections_have_keepalive() {
     assert_eq!(timer.as_deref(), Some("02"), "the server's side of the connection has no keepalive timer");
     server.shutdown().await;
 }
+
+/// Connections holding parts of large frames cannot together hold more than the
+/// server's budget: past it, the one holding the most is closed (another one, or
+/// the one going over), and a client of another job goes on being served.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partial_frames_are_held_within_the_pending_budget() {
+    const BUDGET: usize = 1 << 20;
+    let mut config = ServerConfig::new("127.0.0.1:0".parse().expect("addr"), rallypoint::Config::default());
+    config.max_pending_bytes = BUDGET;
+    // Not the read timeout (another defence) but the budget must close them here.
+    config.read_timeout = Duration::from_secs(600);
+    let server = start_server_configured(config).await;
+    let healthy = connect(&server, Identity::anonymous("healthy")).await;
+    // The first `sent` bytes of a set of 1 MiB, after a hello.
+    let partial = |sent: usize| {
+        let mut frame = BytesMut::new();
+        let request = Request::Set { key: "big".into(), value: vec![7u8; 1 << 20].into() };
+        encode_client_frame(&ClientFrame::Request { id: 1, request }, &mut frame);
+        let mut out = hello(Identity::anonymous("attack"));
+        out.extend_from_slice(&frame[..sent]);
+        out
+    };
+    let held_at_least = |bytes: usize| {
+        let server = &server;
+        bounded("the server to hold the partial frame", async move {
+            while server.pending_bytes() < bytes {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+    };
+
+    let mut a = raw(&server).await;
+    send(&mut a, &partial(700_000)).await;
+    held_at_least(700_000).await;
+    // B takes the total past the budget: A holds the most and is closed; B goes on.
+    let mut b = raw(&server).await;
+    send(&mut b, &partial(500_000)).await;
+    let mut got = expect_closed(&mut a, "the largest holder").await;
+    assert!(matches!(decode_server_frame(&mut got, &FrameLimits::unbounded()), Ok(Some(ServerFrame::Welcome(_)))));
+    held_at_least(500_000).await;
+    // C goes past it holding more than B: C itself is closed.
+    let mut c = raw(&server).await;
+    send(&mut c, &partial(600_000)).await;
+    expect_closed(&mut c, "the connection going over with the most").await;
+    assert!(server.pending_bytes() <= BUDGET, "{} bytes held", server.pending_bytes());
+
+    // B was never closed: it finishes its request and is answered.
+    let mut frame = BytesMut::new();
+    let request = Request::Set { key: "big".into(), value: vec![7u8; 1 << 20].into() };
+    encode_client_frame(&ClientFrame::Request { id: 1, request }, &mut frame);
+    send(&mut b, &frame[500_000..]).await;
+    let mut buf = BytesMut::new();
+    assert!(matches!(read_frame(&mut b, &mut buf).await, ServerFrame::Welcome(_)));
+    assert!(matches!(read_frame(&mut b, &mut buf).await, ServerFrame::Reply { id: 1, reply: Ok(Response::Done) }));
+    assert_eq!(server.pending_bytes(), 0);
+    healthy.set("still", "served").await.expect("another job is served throughout");
+    healthy.close().await.expect("close");
+    server.shutdown().await;
+}
