@@ -44,7 +44,7 @@ pub(crate) struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn reply(&mut self, (session, request_id): (SessionId, u64), reply: Result<Response, OpError>) {
+    pub fn reply(&mut self, (session, request_id): (SessionId, u64), reply: Result<Response, OpError>) {
         self.out.push(Outgoing { session, request_id, reply });
     }
 }
