@@ -3,7 +3,9 @@
 //! never the world size a client claimed: the ranks of a world missing from a
 //! barrier are the gaps between those that arrived.
 
-use crate::RankRanges;
+use std::fmt;
+
+use crate::{Missing, RankRanges};
 
 /// Ranges `(first, last)` of consecutive ranks of `ranks`, which come in rank order.
 pub(crate) fn runs(ranks: impl IntoIterator<Item = u32>) -> impl Iterator<Item = (u32, u32)> {
@@ -71,6 +73,36 @@ pub(crate) fn split(ranges: impl IntoIterator<Item = (u32, u32)>, named: usize) 
     (first, RankRanges::collect(partial.into_iter().chain(ranges)))
 }
 
+/// Ranks given as ranges in rank order, as text: the first [`Missing::NAMED`] one
+/// by one joined by `sep`, then the rest as ranges ("0, 1, 2 and 997 more: 3-999").
+pub(crate) struct RankList {
+    named: Vec<u32>,
+    rest: RankRanges,
+    sep: &'static str,
+}
+
+impl RankList {
+    pub fn new(ranges: impl IntoIterator<Item = (u32, u32)>, sep: &'static str) -> Self {
+        let (named, rest) = split(ranges, Missing::NAMED);
+        RankList { named, rest, sep }
+    }
+}
+
+impl fmt::Display for RankList {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, rank) in self.named.iter().enumerate() {
+            if i > 0 {
+                f.write_str(self.sep)?;
+            }
+            write!(f, "{rank}")?;
+        }
+        if !self.rest.is_empty() {
+            write!(f, " and {} more: {}", self.rest.count, self.rest)?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::collections::BTreeSet;
@@ -126,5 +158,19 @@ mod tests {
         assert_eq!(gaps(3, [0, 1, 2, 7]).count(), 0);
         assert_eq!(gaps(0, []).count(), 0);
         assert_eq!(runs([u32::MAX - 1, u32::MAX]).collect::<Vec<_>>(), vec![(u32::MAX - 1, u32::MAX)]);
+    }
+
+    #[test]
+    fn rank_lists_name_the_first_and_range_the_rest() {
+        let short = BTreeSet::from([0, 1, 2, 5]);
+        assert_eq!(RankList::new(runs(short.iter().copied()), ", ").to_string(), "0, 1, 2, 5");
+        let text = RankList::new([(0, 999)], ",").to_string();
+        let first: Vec<String> = (0..64).map(|r| r.to_string()).collect();
+        assert_eq!(text, format!("{} and 936 more: 64-999", first.join(",")));
+        let many_gaps: Vec<(u32, u32)> = (0..200).map(|i| (10 * i, 10 * i + 1)).collect();
+        let text = RankList::new(many_gaps, ", ").to_string();
+        // 64 ranks named (32 pairs), 64 more pairs listed, 104 pairs only counted.
+        assert!(text.contains(", 311 and 336 more: 320-321, 330-331,"), "{text}");
+        assert!(text.ends_with(", 950-951 and 208 more above 951"), "{text}");
     }
 }

@@ -99,6 +99,65 @@ fn a_role_barrier_in_a_large_world_excludes_the_ranks_seen_with_another_role() {
     assert_eq!(missing.count(), u64::from(MILLION) - 2);
 }
 
+#[test]
+fn member_lists_in_errors_are_bounded() {
+    let mut h = Harness::new();
+    let r0 = h.rank("j", 0, MILLION);
+    let r1 = h.rank("j", 1, MILLION);
+    let everyone: Vec<u32> = (0..MILLION).collect();
+    h.send(r0, barrier_of("x", Members::Ranks(everyone), None));
+    let e = h.call(r1, barrier_of("x", Members::World, None)).unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, OpError::Mismatch { .. }), "{e:?}");
+    assert!(text.len() < 2048, "{} bytes: {text}", text.len());
+    assert!(text.contains(",62,63 and 1048512 more: 64-1048575] of world size 1048576"), "{text}");
+}
+
+#[test]
+fn a_torch_store_barrier_of_a_large_world_names_the_missing_as_ranges() {
+    let mut h = Harness::new();
+    for (i, rank) in [0u32, 2].into_iter().enumerate() {
+        let session = SessionId(100 + i as u64);
+        h.engine.open_tcpstore(session, "t", "node", 4000 + rank, h.now).expect("torch session");
+        let address = Request::Set { key: b(&format!("/default_pg/0//cpu//0/{rank}")), value: b("addr") };
+        h.engine.handle(session, 1, address, h.now);
+        let key = b("/default_pg/0//cpu//0/store_barrier");
+        h.engine.handle(
+            session,
+            2,
+            Request::StoreBarrier { key, world_size: i64::from(MILLION), timeout_ms: None },
+            h.now,
+        );
+    }
+    h.advance(5_000);
+    let notices: Vec<String> = h.engine.drain_notices().collect();
+    assert_eq!(notices.len(), 1, "{notices:?}");
+    assert!(notices[0].len() < 2048, "{}", notices[0]);
+    assert!(
+        notices[0].contains("(counter 2 of world size 1048576); ranks not waiting there: [1, 3, 4, "),
+        "{notices:?}"
+    );
+    assert!(notices[0].ends_with(", 64, 65 and 1048510 more: 66-1048575]"), "{}", notices[0]);
+    let report = status(&mut h, "t");
+    let line = report.lines().find(|l| l.starts_with("store barrier ")).expect(&report);
+    assert!(line.len() < 2048, "{line}");
+    assert!(line.ends_with(", 64, 65 and 1048510 more: 66-1048575]"), "{line}");
+}
+
+#[test]
+fn the_lost_ranks_in_a_status_report_are_bounded() {
+    let mut h = Harness::new();
+    let sessions: Vec<SessionId> = (0..100).map(|r| h.rank("j", r, MILLION)).collect();
+    for s in sessions {
+        h.kill(s);
+    }
+    let report = status(&mut h, "j");
+    let lost: Vec<&str> = report.lines().filter(|l| l.starts_with("lost: ")).collect();
+    assert_eq!(lost.len(), Missing::NAMED + 1, "{report}");
+    assert!(lost[63].starts_with("lost: rank 63 (host node63, pid 1063, lost: "), "{report}");
+    assert_eq!(lost[64], "lost: and 36 more: ranks 64-99");
+}
+
 /// The missing ranks as the engine must state them, worked out one rank at a time.
 struct Expected {
     named: Vec<u32>,

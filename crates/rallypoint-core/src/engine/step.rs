@@ -8,8 +8,10 @@
 use bytes::Bytes;
 
 use crate::{
-    AbortInfo, CollectiveKind, Config, Identity, Members, Millis, OpError, Reply, Request, Response, SessionId,
+    AbortInfo, CollectiveKind, Config, Identity, Members, Millis, Missing, OpError, Reply, Request, Response, SessionId,
 };
+
+use crate::ranges::{runs, split};
 
 use super::collective::{Call, Ctx};
 use super::job::{send_key_replies, Job};
@@ -264,8 +266,12 @@ impl<'a> Step<'a> {
             out.push_str(&line);
             out.push('\n');
         }
-        for rank in job.ranks.lost() {
+        let (named, rest) = split(runs(job.ranks.lost()), Missing::NAMED);
+        for rank in named {
             out.push_str(&format!("lost: {}\n", job.ranks.info(rank, now)));
+        }
+        if !rest.is_empty() {
+            out.push_str(&format!("lost: and {} more: ranks {rest}\n", rest.count));
         }
         out
     }
