@@ -10,6 +10,11 @@ pub struct Limits {
     pub max_value_len: usize,
     /// Most keys in one check/wait/multi-get/multi-set.
     pub max_keys_per_op: usize,
+    /// Largest world size a session may state (also a torch store barrier's), and most
+    /// ranks in one member list. The engine's memory and work grow with the ranks that
+    /// actually connect, never with a claimed world size; this bounds what one client
+    /// may claim (`rallypoint serve --max-world-size`).
+    pub max_world_size: u32,
     /// Longest job, barrier, role or host name, and abort reason, in bytes.
     pub max_name_len: usize,
     /// Largest sum of one all-gather generation's values: the reply every member gets.
@@ -22,6 +27,7 @@ impl Default for Limits {
             max_key_len: 8192,
             max_value_len: 8 << 20,
             max_keys_per_op: 131_072,
+            max_world_size: 1 << 20,
             max_name_len: 1024,
             max_gather_bytes: 1 << 30,
         }

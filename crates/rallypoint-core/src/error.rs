@@ -2,6 +2,8 @@
 //! which barrier, which host, and why.
 
 use std::fmt;
+use std::ops::Deref;
+use std::sync::Arc;
 
 use bytes::Bytes;
 
@@ -159,9 +161,10 @@ impl fmt::Display for AbortInfo {
 /// Why an operation failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OpError {
-    /// A barrier or collective reached its deadline; `missing` lists every member that had not arrived.
-    #[error("{op} timed out after {}: {} of {members} ranks missing: {}", Secs(*waited_ms), missing.len(), RankList(missing))]
-    CollectiveTimeout { op: OpRef, waited_ms: u64, members: u32, missing: Vec<RankInfo> },
+    /// A barrier or collective reached its deadline; `missing` says which members had
+    /// not arrived (the first ones in full, the rest as ranges).
+    #[error("{op} timed out after {}: {} of {members} ranks missing: {missing}", Secs(*waited_ms), missing.count())]
+    CollectiveTimeout { op: OpRef, waited_ms: u64, members: u32, missing: Missing },
 
     /// A get/wait/multi-get timed out; `missing` lists the keys that still did not exist.
     #[error("timed out after {} waiting for {} key(s): {}", Secs(*waited_ms), missing.len(), KeyList(missing))]
@@ -217,27 +220,138 @@ impl fmt::Display for Secs {
     }
 }
 
-/// Ranks shown one after another; long lists are cut after [`RankList::SHOWN`]
-/// entries with a count.
-pub(crate) struct RankList<'a>(pub &'a [RankInfo]);
-
-impl RankList<'_> {
-    pub const SHOWN: usize = 64;
+/// Ranks too many to name one by one, as ranges in rank order: the first
+/// [`RankRanges::SHOWN`] ranges, and how many ranks the whole set holds. Its size
+/// is bounded whatever the set's.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct RankRanges {
+    /// `(first, last)`, both included, in rank order, at most [`RankRanges::SHOWN`].
+    pub ranges: Vec<(u32, u32)>,
+    /// Ranks in the whole set, those past the last range listed included.
+    pub count: u64,
 }
 
-impl fmt::Display for RankList<'_> {
+impl RankRanges {
+    /// Most ranges listed; the ranks past them are only counted.
+    pub const SHOWN: usize = 64;
+
+    /// Keeps the first [`RankRanges::SHOWN`] of `ranges` (disjoint, in rank order)
+    /// and counts the ranks of all of them.
+    pub fn collect(ranges: impl IntoIterator<Item = (u32, u32)>) -> Self {
+        let mut set = RankRanges::default();
+        for (first, last) in ranges {
+            if set.ranges.len() < Self::SHOWN {
+                set.ranges.push((first, last));
+            }
+            set.count += span((first, last));
+        }
+        set
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.count == 0
+    }
+
+    /// Ranks of the set past the ranges listed.
+    pub fn unlisted(&self) -> u64 {
+        self.count.saturating_sub(self.ranges.iter().map(|&r| span(r)).sum())
+    }
+}
+
+/// Ranks in the range `(first, last)`; none if it is reversed.
+fn span((first, last): (u32, u32)) -> u64 {
+    (u64::from(last) + 1).saturating_sub(u64::from(first))
+}
+
+/// "5-9999", "3, 7-9, 12", or with ranks past the listed ranges "3, 7-9 and 120 more above 9".
+impl fmt::Display for RankRanges {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        const SHOWN: usize = RankList::SHOWN;
-        for (i, r) in self.0.iter().take(SHOWN).enumerate() {
+        for (i, &(first, last)) in self.ranges.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            if first == last {
+                write!(f, "{first}")?;
+            } else {
+                write!(f, "{first}-{last}")?;
+            }
+        }
+        let unlisted = self.unlisted();
+        match self.ranges.last() {
+            Some((_, last)) if unlisted > 0 => write!(f, " and {unlisted} more above {last}"),
+            None if unlisted > 0 => write!(f, "({unlisted} not listed)"),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// The members a collective still waited for: the first [`Missing::NAMED`] in rank
+/// order with what the coordinator knows of each, the rest as rank ranges, so that
+/// the error's size never depends on the world size. Every waiter's copy of the
+/// error shares one list.
+///
+/// Dereferences to the members named in full; [`Missing::count`] is how many are missing.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Missing(Arc<(Vec<RankInfo>, RankRanges)>);
+
+impl Missing {
+    /// Most missing ranks named in full, in errors and status reports alike.
+    pub const NAMED: usize = 64;
+
+    /// `named` in full (in rank order), then the missing ranks after them.
+    pub fn new(named: Vec<RankInfo>, rest: RankRanges) -> Self {
+        Missing(Arc::new((named, rest)))
+    }
+
+    /// The missing members named in full.
+    pub fn named(&self) -> &[RankInfo] {
+        &self.0 .0
+    }
+
+    /// The missing members after those named.
+    pub fn rest(&self) -> &RankRanges {
+        &self.0 .1
+    }
+
+    /// How many members are missing.
+    pub fn count(&self) -> u64 {
+        self.named().len() as u64 + self.rest().count
+    }
+}
+
+impl Deref for Missing {
+    type Target = [RankInfo];
+
+    fn deref(&self) -> &[RankInfo] {
+        self.named()
+    }
+}
+
+/// Every member named in full.
+impl From<Vec<RankInfo>> for Missing {
+    fn from(named: Vec<RankInfo>) -> Self {
+        Missing::new(named, RankRanges::default())
+    }
+}
+
+impl fmt::Display for Missing {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, r) in self.named().iter().enumerate() {
             if i > 0 {
                 f.write_str("; ")?;
             }
             write!(f, "{r}")?;
         }
-        if self.0.len() > SHOWN {
-            write!(f, "; and {} more", self.0.len() - SHOWN)?;
+        let rest = self.rest();
+        if rest.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        let ranks = if rest.count == 1 { "rank" } else { "ranks" };
+        if self.named().is_empty() {
+            write!(f, "{ranks} {rest}")
+        } else {
+            write!(f, "; and {} more: {ranks} {rest}", rest.count)
+        }
     }
 }
 

@@ -11,10 +11,13 @@ mod config;
 mod engine;
 mod error;
 mod identity;
+mod ranges;
 mod request;
 
 pub use config::{Config, Limits};
 pub use engine::Engine;
-pub use error::{AbortInfo, CallShape, CollectiveKind, LossReason, OpError, OpRef, RankInfo, RankState};
+pub use error::{
+    AbortInfo, CallShape, CollectiveKind, LossReason, Missing, OpError, OpRef, RankInfo, RankRanges, RankState,
+};
 pub use identity::{Identity, SessionId};
 pub use request::{Gathered, Members, Millis, Outgoing, Reply, Request, Response, Welcome};

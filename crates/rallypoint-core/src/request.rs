@@ -7,6 +7,7 @@ use bytes::Bytes;
 
 use crate::error::OpError;
 use crate::identity::SessionId;
+use crate::ranges::{runs, RankList};
 
 /// Milliseconds on the caller's monotonic clock. The engine never reads a clock.
 pub type Millis = u64;
@@ -26,16 +27,8 @@ impl fmt::Display for Members {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Members::World => write!(f, "all ranks"),
-            Members::Ranks(ranks) => {
-                write!(f, "ranks [")?;
-                for (i, r) in ranks.iter().enumerate() {
-                    if i > 0 {
-                        write!(f, ",")?;
-                    }
-                    write!(f, "{r}")?;
-                }
-                write!(f, "]")
-            }
+            // Bounded, as a list may hold a million ranks (see `RankList`).
+            Members::Ranks(ranks) => write!(f, "ranks [{}]", RankList::new(runs(ranks.iter().copied()), ",")),
             Members::Role(role) => write!(f, "role '{role}'"),
         }
     }

@@ -12,8 +12,11 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
-use crate::error::{RankList, Secs};
-use crate::{CallShape, CollectiveKind, Gathered, Members, Millis, OpError, OpRef, Outgoing, Response, SessionId};
+use crate::error::Secs;
+use crate::ranges::split;
+use crate::{
+    CallShape, CollectiveKind, Gathered, Members, Millis, Missing, OpError, OpRef, Outgoing, Response, SessionId,
+};
 
 use super::members::{Arrivals, MemberSet};
 use super::ranks::Ranks;
@@ -44,7 +47,7 @@ pub(crate) struct Ctx<'a> {
 }
 
 impl Ctx<'_> {
-    fn reply(&mut self, (session, request_id): (SessionId, u64), reply: Result<Response, OpError>) {
+    pub fn reply(&mut self, (session, request_id): (SessionId, u64), reply: Result<Response, OpError>) {
         self.out.push(Outgoing { session, request_id, reply });
     }
 }
@@ -125,7 +128,7 @@ impl Collectives {
                     coll.remember_failure(op.generation, error, failed_kept);
                     return;
                 }
-                let arrivals = Arrivals::for_members(&members);
+                let arrivals = Arrivals::for_members(&members, ranks);
                 coll.pending.entry(op.generation).or_insert(Generation {
                     shape,
                     members,
@@ -227,23 +230,19 @@ impl Collectives {
         if g.deadline != Some(at) || g.released {
             return;
         }
-        let missing: Vec<u32> = match (kind, g.shape.root) {
-            (CollectiveKind::Broadcast, Some(root)) => vec![root],
-            _ => g.members.missing(&g.arrivals, ranks),
-        };
         let members = g.members.count().unwrap_or(g.shape.world_size as usize);
         let error = OpError::CollectiveTimeout {
             op: OpRef { kind, name: name.to_owned(), generation },
             waited_ms: ctx.now.saturating_sub(g.started),
             members: u32::try_from(members).unwrap_or(u32::MAX),
-            missing: missing.into_iter().map(|r| ranks.info(r, ctx.now)).collect(),
+            missing: g.missing(kind, ranks, ctx.now),
         };
         coll.fail(generation, error, failed_kept, ctx);
     }
 
     /// For `rallypoint status`: a line per generation that somebody is blocked in,
     /// saying how long, how many arrived, and who is missing (what is known of each,
-    /// the first [`RankList::SHOWN`] by name), ordered by name and generation.
+    /// the first [`Missing::NAMED`] by name), ordered by name and generation.
     pub fn report(&self, ranks: &Ranks, now: Millis) -> Vec<String> {
         let mut blocked: Vec<(&str, CollectiveKind, u64, &Generation)> = Vec::new();
         for ((kind, name), coll) in &self.by_name {
@@ -261,19 +260,16 @@ impl Collectives {
                     || "? (a role's members are known once every rank connected)".to_owned(),
                     |n| n.to_string(),
                 );
-                let (what, missing) = match (kind, g.shape.root) {
-                    (CollectiveKind::Broadcast, Some(root)) => ("the root has not arrived", vec![root]),
-                    _ => ("missing", g.members.missing(&g.arrivals, ranks)),
+                let what = match (kind, g.shape.root) {
+                    (CollectiveKind::Broadcast, Some(_)) => "the root has not arrived",
+                    _ => "missing",
                 };
-                let shown: Vec<_> = missing.iter().take(RankList::SHOWN).map(|&r| ranks.info(r, now)).collect();
-                let more = missing.len() - shown.len();
+                let missing = g.missing(kind, ranks, now);
                 format!(
-                    "waiting: {op} for {}: {} of {members} arrived; {what} ({}): {}{}",
+                    "waiting: {op} for {}: {} of {members} arrived; {what} ({}): {missing}",
                     Secs(now.saturating_sub(g.started)),
                     g.arrivals.count(),
-                    missing.len(),
-                    RankList(&shown),
-                    if more > 0 { format!("; and {more} more") } else { String::new() }
+                    missing.count(),
                 )
             })
             .collect()
@@ -288,6 +284,18 @@ impl Collectives {
                 }
             }
         }
+    }
+}
+
+impl Generation {
+    /// Who the generation still waits for: a broadcast, only its root.
+    fn missing(&self, kind: CollectiveKind, ranks: &Ranks, now: Millis) -> Missing {
+        let ranges = match (kind, self.shape.root) {
+            (CollectiveKind::Broadcast, Some(root)) => Box::new(std::iter::once((root, root))),
+            _ => self.members.missing(&self.arrivals, ranks),
+        };
+        let (named, rest) = split(ranges, Missing::NAMED);
+        Missing::new(named.into_iter().map(|r| ranks.info(r, now)).collect(), rest)
     }
 }
 

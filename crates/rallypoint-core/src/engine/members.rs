@@ -1,10 +1,11 @@
 //! The member set of one generation, and which of them have arrived.
 
-use std::collections::BTreeMap;
-
 use bytes::Bytes;
 
+use crate::ranges::{gaps, runs};
+
 use super::ranks::Ranks;
+use super::HashMap;
 
 /// Who a generation waits for.
 #[derive(Debug)]
@@ -45,24 +46,30 @@ impl MemberSet {
         if resolved.is_some() {
             return true;
         }
-        if !(0..*world_size).all(|r| ranks.has_connected(r)) {
+        // Fewer ranks ever connected than the world holds: some never did. Checked
+        // first, so that this costs nothing at each connection while a world fills.
+        if ranks.ever_connected() < *world_size as usize || !(0..*world_size).all(|r| ranks.has_connected(r)) {
             return false;
         }
         *resolved = Some((0..*world_size).filter(|&r| ranks.role(r) == Some(name.as_str())).collect());
         true
     }
 
-    /// Members that have not arrived, in rank order. For a role not yet resolved: the
-    /// ranks known to hold it plus every rank never seen (its role is unknown).
-    pub fn missing(&self, arrivals: &Arrivals, ranks: &Ranks) -> Vec<u32> {
-        let absent = |r: &u32| !arrivals.contains(*r);
+    /// Members that have not arrived, as ranges in rank order. For a role not yet
+    /// resolved: the ranks known to hold it plus every rank never seen (its role is
+    /// unknown). Costs what arrived, connected or was listed, never the world size.
+    pub fn missing<'a>(&'a self, arrivals: &'a Arrivals, ranks: &Ranks) -> Box<dyn Iterator<Item = (u32, u32)> + 'a> {
         match self {
-            MemberSet::World(w) => (0..*w).filter(absent).collect(),
+            MemberSet::World(w) => Box::new(gaps(*w, arrivals.ranks())),
             MemberSet::Listed(list) | MemberSet::Role { resolved: Some(list), .. } => {
-                list.iter().copied().filter(absent).collect()
+                Box::new(runs(list.iter().copied().filter(|&r| !arrivals.contains(r))))
             }
-            MemberSet::Role { world_size, .. } => {
-                (0..*world_size).filter(|r| absent(r) && self.contains(*r, ranks)).collect()
+            MemberSet::Role { name, world_size, resolved: None } => {
+                // Not members: the ranks seen with another role (or none); not missing:
+                // the members that arrived.
+                let mut excluded: Vec<u32> = ranks.with_other_role(name).chain(arrivals.ranks()).collect();
+                excluded.sort_unstable();
+                Box::new(gaps(*world_size, excluded))
             }
         }
     }
@@ -77,19 +84,27 @@ impl MemberSet {
     }
 }
 
-/// Values of the members that arrived. Dense for whole-world generations (the large
-/// ones), sparse for subgroups so that a 2-rank group in a 100,000-rank world stays small.
+/// Values of the members that arrived. Its size follows the ranks that connected,
+/// never a claimed world size: a whole world no larger than the ranks that ever
+/// connected is a vector indexed by rank (the fast case of a job whose ranks all
+/// came); anything else is a map of the ranks that arrive.
 #[derive(Debug)]
 pub(crate) enum Arrivals {
     Dense { values: Vec<Option<Bytes>>, count: usize },
-    Sparse(BTreeMap<u32, Bytes>),
+    Sparse(HashMap<u32, Bytes>),
 }
 
 impl Arrivals {
-    pub fn for_members(members: &MemberSet) -> Self {
+    pub fn for_members(members: &MemberSet, ranks: &Ranks) -> Self {
+        let connected = ranks.ever_connected();
         match members {
-            MemberSet::World(w) => Arrivals::Dense { values: vec![None; *w as usize], count: 0 },
-            _ => Arrivals::Sparse(BTreeMap::new()),
+            MemberSet::World(w) if *w as usize <= connected => {
+                Arrivals::Dense { values: vec![None; *w as usize], count: 0 }
+            }
+            _ => {
+                let expected = members.count().unwrap_or(connected).min(connected);
+                Arrivals::Sparse(HashMap::with_capacity_and_hasher(expected, Default::default()))
+            }
         }
     }
 
@@ -122,6 +137,20 @@ impl Arrivals {
             }
             Arrivals::Sparse(map) => {
                 map.insert(rank, value);
+            }
+        }
+    }
+
+    /// The ranks that arrived, in rank order.
+    pub fn ranks(&self) -> Vec<u32> {
+        match self {
+            Arrivals::Dense { values, .. } => {
+                (0..).zip(values).filter(|(_, v)| v.is_some()).map(|(rank, _)| rank).collect()
+            }
+            Arrivals::Sparse(map) => {
+                let mut ranks: Vec<u32> = map.keys().copied().collect();
+                ranks.sort_unstable();
+                ranks
             }
         }
     }

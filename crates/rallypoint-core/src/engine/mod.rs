@@ -5,6 +5,7 @@ mod collective;
 mod job;
 mod members;
 mod ranks;
+mod step;
 mod store;
 mod timers;
 mod torch;
@@ -12,15 +13,12 @@ mod validate;
 
 use std::collections::BTreeSet;
 
-use crate::{
-    AbortInfo, CollectiveKind, Config, Identity, Members, Millis, OpError, Outgoing, Reply, Request, Response,
-    SessionId, Welcome,
-};
+use crate::{Config, Identity, Millis, OpError, Outgoing, Request, SessionId, Welcome};
 
-use collective::{Call, Ctx};
-use job::{send_key_replies, Job};
-use store::WaitKind;
-use timers::{Timer, Timers};
+use collective::Ctx;
+use job::Job;
+use step::{Caller, Step};
+use timers::Timers;
 
 /// Jobs are numbered so that timers never point at a newer job of the same name.
 pub(crate) type JobId = u64;
@@ -93,31 +91,34 @@ impl Engine {
         if self.sessions.contains_key(&session) {
             return Err(OpError::Invalid(format!("{session} is already open")));
         }
-        let job_id = match self.job_ids.get(&identity.job) {
-            Some(id) => *id,
-            None => {
-                let id = self.next_job;
-                self.next_job += 1;
-                self.job_ids.insert(identity.job.clone(), id);
-                self.jobs.insert(id, Job::new(id, identity.job.clone(), &self.config, now));
-                id
-            }
-        };
-        let lease_ms = self.config.lease_ms;
-        if let Some(job) = self.jobs.get_mut(&job_id) {
-            job.sessions += 1;
-            if let Some(rank) = identity.rank {
-                let mut ctx = Ctx { job: job_id, now, out: &mut self.outgoing, timers: &mut self.timers };
-                let change =
-                    job.ranks.connect(rank, &identity.host, identity.pid, identity.role.as_deref(), now, lease_ms);
-                job.apply(rank, change, &mut ctx);
-                job.collectives.rank_connected(&job.ranks, &mut ctx);
-            }
+        let job_id = self.job_named(&identity.job, now);
+        if let Some(mut step) = self.step(job_id, now) {
+            step.open(&identity);
         }
         // The job keeps the name; a copy per session would only cost memory.
         identity.job = String::new();
         self.sessions.insert(session, Box::new(Session { job: job_id, identity, leaving: false, torch: false }));
-        Ok(Welcome { session, lease_ms })
+        Ok(Welcome { session, lease_ms: self.config.lease_ms })
+    }
+
+    /// The id of the job called `name`, made now if there is none.
+    fn job_named(&mut self, name: &str, now: Millis) -> JobId {
+        if let Some(id) = self.job_ids.get(name) {
+            return *id;
+        }
+        let id = self.next_job;
+        self.next_job += 1;
+        self.job_ids.insert(name.to_owned(), id);
+        self.jobs.insert(id, Job::new(id, name.to_owned(), &self.config, now));
+        id
+    }
+
+    /// Lends job `id` with the rest of the engine's state to one step of it: the one
+    /// place where the engine is split into those borrows.
+    fn step(&mut self, id: JobId, now: Millis) -> Option<Step<'_>> {
+        let job = self.jobs.get_mut(&id)?;
+        let ctx = Ctx { job: id, now, out: &mut self.outgoing, timers: &mut self.timers };
+        Some(Step::new(job, ctx, &mut self.sessions, &self.config, &mut self.notices))
     }
 
     /// Admits a PyTorch TCPStore connection of process `pid` on `host`: a session
@@ -163,17 +164,14 @@ impl Engine {
             }
             None => vec![session],
         };
-        let Some(job) = self.jobs.get_mut(&job_id) else { return };
-        let mut ctx = Ctx { job: job_id, now, out: &mut self.outgoing, timers: &mut self.timers };
+        let Some(mut step) = self.step(job_id, now) else { return };
         for id in targets {
-            let Some(s) = self.sessions.get_mut(&id) else { continue };
+            let Some(s) = step.sessions.get_mut(&id) else { continue };
             if !s.torch || s.identity.rank.is_some() {
                 continue;
             }
             s.identity.rank = Some(rank);
-            let change = job.ranks.connect(rank, &host, pid, None, now, 0);
-            job.apply(rank, change, &mut ctx);
-            job.collectives.rank_connected(&job.ranks, &mut ctx);
+            step.connect(rank, &host, pid, None, 0);
         }
     }
 
@@ -199,10 +197,10 @@ impl Engine {
     pub fn alive(&mut self, session: SessionId, now: Millis) {
         let Some(sess) = self.sessions.get(&session) else { return };
         let (Some(rank), false) = (sess.identity.rank, sess.torch) else { return };
-        let Some(job) = self.jobs.get_mut(&sess.job) else { return };
-        let mut ctx = Ctx { job: job.id, now, out: &mut self.outgoing, timers: &mut self.timers };
-        let change = job.ranks.touch(rank, now, self.config.lease_ms);
-        job.apply(rank, change, &mut ctx);
+        let lease_ms = self.config.lease_ms;
+        if let Some(mut step) = self.step(sess.job, now) {
+            step.touch(rank, lease_ms);
+        }
     }
 
     /// Feeds one request. Its reply (now or later) appears in [`Engine::drain_outgoing`]
@@ -211,166 +209,10 @@ impl Engine {
         if let Some(rank) = self.revealed_rank(session, &request) {
             self.attribute(session, rank, now);
         }
-        if matches!(request, Request::Status) {
-            let report = self.report(session, now);
-            self.outgoing.push(Outgoing { session, request_id, reply: Ok(Response::Value(report.into())) });
-            return;
-        }
-        let Some(sess) = self.sessions.get_mut(&session) else { return };
-        let Some(job) = self.jobs.get_mut(&sess.job) else { return };
-        let mut ctx = Ctx { job: job.id, now, out: &mut self.outgoing, timers: &mut self.timers };
-        if let Some(rank) = sess.identity.rank {
-            let lease_ms = if sess.torch { 0 } else { self.config.lease_ms };
-            let change = job.ranks.touch(rank, now, lease_ms);
-            job.apply(rank, change, &mut ctx);
-        }
-        let reply = |ctx: &mut Ctx<'_>, reply: Reply| ctx.out.push(Outgoing { session, request_id, reply });
-
-        match request {
-            Request::Heartbeat => return reply(&mut ctx, Ok(Response::Done)),
-            Request::Leave => {
-                sess.leaving = true;
-                return reply(&mut ctx, Ok(Response::Done));
-            }
-            _ => {}
-        }
-        if let Some(error) = job.abort_error() {
-            return reply(&mut ctx, Err(error));
-        }
-        if let Err(error) = validate::request(&request, &self.config.limits) {
-            return reply(&mut ctx, Err(error));
-        }
-
-        let mut woken = Vec::new();
-        let id = (session, request_id);
-        let torch = sess.torch;
-        let result: Option<Reply> = match request {
-            Request::Heartbeat | Request::Leave | Request::Status => None,
-            Request::QueuePush { key, value } => {
-                job.store.queue_push(key, value, &mut woken);
-                Some(Ok(Response::Done))
-            }
-            Request::QueuePop { key } => {
-                let (len_before, value) = job.store.queue_pop(&key);
-                Some(Ok(Response::Popped { len_before, value }))
-            }
-            Request::QueueLen { key } => Some(Ok(Response::Int(job.store.queue_len(&key)))),
-            Request::CancelWait => {
-                job.store.cancel_session(session, &mut woken);
-                Some(Ok(Response::Done))
-            }
-            Request::StoreBarrier { key, world_size, timeout_ms } => {
-                match job.store.barrier(id, key, world_size, now, &mut woken) {
-                    Err(error) => Some(Err(error)),
-                    Ok(Some(reply)) => Some(reply),
-                    Ok(None) => {
-                        schedule_wait_timers(job, &mut ctx, id, timeout_ms, torch);
-                        None
-                    }
-                }
-            }
-            Request::Set { key, value } => {
-                job.store.set(key, value, &mut woken);
-                Some(Ok(Response::Done))
-            }
-            Request::Append { key, value } => {
-                job.store.append(key, &value, &mut woken);
-                Some(Ok(Response::Done))
-            }
-            Request::Add { key, delta } => Some(job.store.add(key, delta, &mut woken).map(Response::Int)),
-            Request::CompareSet { key, expected, desired } => {
-                Some(Ok(Response::Value(job.store.compare_set(key, expected, desired, &mut woken))))
-            }
-            Request::Delete { key } => Some(Ok(Response::Bool(job.store.delete(&key)))),
-            Request::Check { keys } => Some(Ok(Response::Bool(keys.iter().all(|k| job.store.exists(k))))),
-            Request::MultiSet { entries } => {
-                for (key, value) in entries {
-                    job.store.set(key, value, &mut woken);
-                }
-                Some(Ok(Response::Done))
-            }
-            Request::NumKeys => Some(Ok(Response::Int(i64::try_from(job.store.len()).unwrap_or(i64::MAX)))),
-            Request::ListKeys { prefix } => Some(Ok(Response::Values(job.store.list(&prefix)))),
-            Request::Get { key, timeout_ms } => {
-                key_wait(job, &mut ctx, id, WaitKind::Get, vec![key], timeout_ms, torch)
-            }
-            Request::Wait { keys, timeout_ms } => key_wait(job, &mut ctx, id, WaitKind::Wait, keys, timeout_ms, torch),
-            Request::MultiGet { keys, timeout_ms } => {
-                key_wait(job, &mut ctx, id, WaitKind::MultiGet, keys, timeout_ms, torch)
-            }
-            Request::Barrier { name, members, timeout_ms } => {
-                let call = collective_call(
-                    &sess.identity,
-                    id,
-                    &job.ranks,
-                    CollectiveKind::Barrier,
-                    &name,
-                    members,
-                    None,
-                    bytes::Bytes::new(),
-                    timeout_ms,
-                );
-                call.map(|call| job.collectives.arrive(CollectiveKind::Barrier, &name, call, &job.ranks, &mut ctx))
-                    .err()
-                    .map(Err)
-            }
-            Request::AllGather { name, members, value, timeout_ms } => {
-                let call = collective_call(
-                    &sess.identity,
-                    id,
-                    &job.ranks,
-                    CollectiveKind::AllGather,
-                    &name,
-                    members,
-                    None,
-                    value,
-                    timeout_ms,
-                );
-                call.map(|call| job.collectives.arrive(CollectiveKind::AllGather, &name, call, &job.ranks, &mut ctx))
-                    .err()
-                    .map(Err)
-            }
-            Request::Broadcast { name, members, root, value, timeout_ms } => {
-                let is_root = sess.identity.rank == Some(root);
-                match (is_root, value) {
-                    (true, None) => Some(Err(OpError::Invalid(format!(
-                        "broadcast '{name}': the root (rank {root}) must provide a value"
-                    )))),
-                    (_, value) => {
-                        let value = if is_root { value.unwrap_or_default() } else { bytes::Bytes::new() };
-                        let call = collective_call(
-                            &sess.identity,
-                            id,
-                            &job.ranks,
-                            CollectiveKind::Broadcast,
-                            &name,
-                            members,
-                            Some(root),
-                            value,
-                            timeout_ms,
-                        );
-                        call.map(|call| {
-                            job.collectives.arrive(CollectiveKind::Broadcast, &name, call, &job.ranks, &mut ctx)
-                        })
-                        .err()
-                        .map(Err)
-                    }
-                }
-            }
-            Request::Abort { reason } => {
-                let by = AbortInfo {
-                    by_rank: sess.identity.rank,
-                    host: sess.identity.host.clone(),
-                    pid: sess.identity.pid,
-                    reason,
-                };
-                job.abort(by, &mut ctx);
-                Some(Ok(Response::Done))
-            }
-        };
-        send_key_replies(woken, ctx.out);
-        if let Some(result) = result {
-            reply(&mut ctx, result);
+        let Some(sess) = self.sessions.get(&session) else { return };
+        let caller = Caller { session, request_id, rank: sess.identity.rank, torch: sess.torch };
+        if let Some(mut step) = self.step(sess.job, now) {
+            step.request(caller, request);
         }
     }
 
@@ -387,50 +229,21 @@ impl Engine {
                 }
             }
         }
-        let Some(job) = self.jobs.get_mut(&sess.job) else { return };
-        job.store.drop_session(session);
-        job.sessions = job.sessions.saturating_sub(1);
-        let mut ctx = Ctx { job: job.id, now, out: &mut self.outgoing, timers: &mut self.timers };
-        if let Some(rank) = sess.identity.rank {
-            let change = job.ranks.disconnect(rank, sess.leaving, now);
-            job.apply(rank, change, &mut ctx);
-        }
-        if job.sessions == 0 && self.config.job_idle_ttl_ms > 0 {
-            job.idle_since = now;
-            self.timers.schedule(now.saturating_add(self.config.job_idle_ttl_ms), Timer::JobIdle { job: job.id });
+        if let Some(mut step) = self.step(sess.job, now) {
+            step.close(session, &sess);
         }
         // Replies for the closed session have nowhere to go.
         self.outgoing.retain(|o| o.session != session);
     }
 
-    /// The status report of the session's job (see `Request::Status`).
-    fn report(&self, session: SessionId, now: Millis) -> String {
-        let Some(job_id) = self.sessions.get(&session).map(|s| s.job) else { return String::new() };
-        let Some(job) = self.jobs.get(&job_id) else { return String::new() };
-        let mut sessions: Vec<(SessionId, &Identity, bool)> = self
-            .sessions
-            .iter()
-            .filter(|(id, s)| s.job == job_id && **id != session)
-            .map(|(id, s)| (*id, &s.identity, s.torch))
-            .collect();
-        sessions.sort_by_key(|(id, _, _)| *id);
-        let mut out = torch::report(job, &sessions, now);
-        let (connected, left, lost) = job.ranks.tally();
-        out.push_str(&format!("ranks: {connected} connected, {left} left cleanly, {lost} lost\n"));
-        for line in job.collectives.report(&job.ranks, now) {
-            out.push_str(&line);
-            out.push('\n');
-        }
-        for rank in job.ranks.lost() {
-            out.push_str(&format!("lost: {}\n", job.ranks.info(rank, now)));
-        }
-        out
-    }
-
     /// Advances time: fires timeouts and lease expiries due at or before `now`.
     pub fn tick(&mut self, now: Millis) {
         while let Some((at, timer)) = self.timers.pop_due(now) {
-            self.fire(at, timer, now);
+            let job = timer.job();
+            let expired = self.step(job, now).is_some_and(|mut step| step.fire(at, timer));
+            if expired {
+                self.forget(job);
+            }
         }
     }
 
@@ -444,101 +257,10 @@ impl Engine {
         self.outgoing.drain(..)
     }
 
-    fn fire(&mut self, at: Millis, timer: Timer, now: Millis) {
-        let job_id = match &timer {
-            Timer::KeyWait { job, .. }
-            | Timer::StallSweep { job }
-            | Timer::Collective { job, .. }
-            | Timer::Lease { job, .. }
-            | Timer::JobIdle { job } => *job,
-        };
-        let Some(job) = self.jobs.get_mut(&job_id) else { return };
-        let mut ctx = Ctx { job: job_id, now, out: &mut self.outgoing, timers: &mut self.timers };
-        match timer {
-            Timer::KeyWait { session, request_id, .. } => {
-                if let Some(reply) = job.store.expire((session, request_id), now) {
-                    ctx.out.push(Outgoing { session, request_id, reply });
-                }
-            }
-            Timer::StallSweep { .. } => {
-                if job.stall_sweep_at != Some(at) {
-                    return;
-                }
-                job.stall_sweep_at = torch::sweep_stalls(job, &self.sessions, now, &mut self.notices);
-                if let Some(next) = job.stall_sweep_at {
-                    self.timers.schedule(next, Timer::StallSweep { job: job_id });
-                }
-            }
-            Timer::Collective { kind, name, generation, .. } => {
-                job.collectives.deadline(kind, &name, generation, at, &job.ranks, &mut ctx);
-            }
-            Timer::Lease { rank, .. } => {
-                let change = job.ranks.lease_check(rank, now, self.config.lease_ms);
-                job.apply(rank, change, &mut ctx);
-            }
-            Timer::JobIdle { .. } => {
-                let expires = job.idle_since.saturating_add(self.config.job_idle_ttl_ms);
-                if job.sessions == 0 && expires <= now {
-                    let name = job.name.clone();
-                    self.jobs.remove(&job_id);
-                    self.job_ids.remove(&name);
-                }
-            }
+    /// Drops an idle job: its keys, barriers and ranks.
+    fn forget(&mut self, id: JobId) {
+        if let Some(job) = self.jobs.remove(&id) {
+            self.job_ids.remove(&job.name);
         }
     }
-}
-
-/// Answers a get/wait/multi-get now, or blocks it with a deadline. A timeout of 0
-/// fails at once if the keys are missing.
-fn key_wait(
-    job: &mut Job,
-    ctx: &mut Ctx<'_>,
-    id: (SessionId, u64),
-    kind: WaitKind,
-    keys: Vec<bytes::Bytes>,
-    timeout_ms: Option<u64>,
-    torch: bool,
-) -> Option<Reply> {
-    match job.store.wait_or_reply(id, kind, keys, ctx.now) {
-        Err(error) => Some(Err(error)),
-        Ok(Some(reply)) => Some(reply),
-        Ok(None) if timeout_ms == Some(0) => job.store.expire(id, ctx.now),
-        Ok(None) => {
-            schedule_wait_timers(job, ctx, id, timeout_ms, torch);
-            None
-        }
-    }
-}
-
-/// A blocked wait's deadline, and for a torch session the job's stall sweep.
-fn schedule_wait_timers(job: &mut Job, ctx: &mut Ctx<'_>, id: (SessionId, u64), timeout_ms: Option<u64>, torch: bool) {
-    let (session, request_id) = id;
-    if let Some(timeout) = timeout_ms {
-        ctx.timers.schedule(ctx.now.saturating_add(timeout), Timer::KeyWait { job: job.id, session, request_id });
-    }
-    let report_at = ctx.now.saturating_add(torch::STALL_REPORT_MS);
-    if torch && job.stall_sweep_at.is_none_or(|at| at > report_at) {
-        ctx.timers.schedule(report_at, Timer::StallSweep { job: job.id });
-        job.stall_sweep_at = Some(report_at);
-    }
-}
-
-/// Checks that the caller may take part as it asks, and normalises its member set.
-#[allow(clippy::too_many_arguments)]
-fn collective_call(
-    identity: &Identity,
-    (session, request_id): (SessionId, u64),
-    ranks: &ranks::Ranks,
-    kind: CollectiveKind,
-    name: &str,
-    members: Members,
-    root: Option<u32>,
-    value: bytes::Bytes,
-    timeout_ms: Option<u64>,
-) -> Result<Call, OpError> {
-    let (Some(rank), Some(world_size)) = (identity.rank, identity.world_size) else {
-        return Err(OpError::NoRank { op: format!("{kind} '{name}'") });
-    };
-    let members = validate::members(kind, name, rank, world_size, &identity.role, members, root, ranks)?;
-    Ok(Call { session, request_id, rank, world_size, members, value, root, timeout_ms })
 }

@@ -145,6 +145,16 @@ impl Ranks {
         self.entries.contains_key(&rank)
     }
 
+    /// How many ranks ever connected.
+    pub fn ever_connected(&self) -> usize {
+        self.entries.len()
+    }
+
+    /// Ranks that connected with a role other than `role`, or with none, in no order.
+    pub fn with_other_role<'a>(&'a self, role: &'a str) -> impl Iterator<Item = u32> + 'a {
+        self.entries.iter().filter(move |(_, e)| e.role.as_deref() != Some(role)).map(|(rank, _)| *rank)
+    }
+
     /// Everything known about `rank`, for an error message.
     pub fn info(&self, rank: u32, now: Millis) -> RankInfo {
         match self.entries.get(&rank) {

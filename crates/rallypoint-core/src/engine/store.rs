@@ -56,6 +56,11 @@ impl Store {
         self.data.contains_key(key) || self.queues.get(key).is_some_and(|q| !q.is_empty())
     }
 
+    /// Whether a wait on all of `keys` would be satisfied now (TCPStore's CHECK).
+    pub fn all_exist(&self, keys: &[Bytes]) -> bool {
+        keys.iter().all(|k| self.exists(k))
+    }
+
     pub fn get(&self, key: &[u8]) -> Option<&Bytes> {
         self.data.get(key)
     }

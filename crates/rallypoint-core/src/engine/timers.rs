@@ -34,6 +34,19 @@ pub(crate) enum Timer {
     },
 }
 
+impl Timer {
+    /// The job the timer belongs to.
+    pub fn job(&self) -> JobId {
+        match self {
+            Timer::KeyWait { job, .. }
+            | Timer::StallSweep { job }
+            | Timer::Collective { job, .. }
+            | Timer::Lease { job, .. }
+            | Timer::JobIdle { job } => *job,
+        }
+    }
+}
+
 #[derive(Debug)]
 struct Entry {
     at: Millis,

@@ -9,6 +9,7 @@ use std::fmt::Write;
 use bytes::Bytes;
 
 use crate::error::{Secs, Show};
+use crate::ranges::{gaps, runs, RankList};
 use crate::{Identity, Millis, SessionId};
 
 use super::job::Job;
@@ -86,9 +87,16 @@ fn who(session: SessionId, identity: &Identity) -> String {
     s
 }
 
+/// Ranks as text, bounded however many there are (see `RankList`).
 fn ranks(set: &BTreeSet<u32>) -> String {
-    let list: Vec<String> = set.iter().map(u32::to_string).collect();
-    format!("[{}]", list.join(", "))
+    format!("[{}]", RankList::new(runs(set.iter().copied()), ", "))
+}
+
+/// The ranks of a world of `world_size` (as torch states it) not among `arrived`,
+/// as text; computed from those that arrived, whatever the world size.
+fn ranks_not_in(world_size: i64, arrived: &BTreeSet<u32>) -> String {
+    let world = u32::try_from(world_size).unwrap_or(0);
+    format!("[{}]", RankList::new(gaps(world, arrived.iter().copied()), ", "))
 }
 
 /// Ranks that wait at store barrier `key`, and the ranks of the world not among them,
@@ -189,9 +197,7 @@ pub(crate) fn stall_notice(
         let _ = write!(text, " at store barrier {} (counter {counter} of world size {world_size})", Show(key));
         let (_, _, arrived, all_known) = barrier_arrivals(job, key, rank_of);
         if all_known {
-            let world = u32::try_from(world_size).unwrap_or(0);
-            let missing: BTreeSet<u32> = (0..world).filter(|r| !arrived.contains(r)).collect();
-            let _ = write!(text, "; ranks not waiting there: {}", ranks(&missing));
+            let _ = write!(text, "; ranks not waiting there: {}", ranks_not_in(world_size, &arrived));
         }
         return Some(text);
     }
@@ -279,9 +285,7 @@ pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: 
         if let Some(world) = world {
             let _ = write!(out, ", {waiting} waiting for world size {world} (ranks {})", ranks(&arrived));
             if all_known {
-                let world = u32::try_from(world).unwrap_or(0);
-                let missing: BTreeSet<u32> = (0..world).filter(|r| !arrived.contains(r)).collect();
-                let _ = write!(out, "; MISSING ranks {}", ranks(&missing));
+                let _ = write!(out, "; MISSING ranks {}", ranks_not_in(world, &arrived));
             }
         }
         out.push('\n');

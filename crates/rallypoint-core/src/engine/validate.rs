@@ -16,6 +16,9 @@ pub(crate) fn identity(identity: &Identity, limits: &Limits) -> Result<(), OpErr
     if let Some(role) = &identity.role {
         name("role name", role, limits)?;
     }
+    if let Some(world) = identity.world_size {
+        world_size(u64::from(world), limits)?;
+    }
     match (identity.rank, identity.world_size) {
         (_, Some(0)) => Err(OpError::Invalid("world size 0: a world needs at least one rank".into())),
         (Some(rank), Some(world)) if rank >= world => {
@@ -36,8 +39,12 @@ pub(crate) fn request(request: &Request, limits: &Limits) -> Result<(), OpError>
         | Request::Add { key, .. }
         | Request::Delete { key }
         | Request::QueuePop { key }
-        | Request::QueueLen { key }
-        | Request::StoreBarrier { key, .. } => self::key(key, limits),
+        | Request::QueueLen { key } => self::key(key, limits),
+        Request::StoreBarrier { key, world_size, .. } => {
+            self::key(key, limits)?;
+            // A world size of 0 or less releases at once: nothing to bound.
+            self::world_size(u64::try_from(*world_size).unwrap_or(0), limits)
+        }
         Request::CompareSet { key, expected, desired } => {
             self::key(key, limits)?;
             self::value(expected, limits)?;
@@ -55,13 +62,18 @@ pub(crate) fn request(request: &Request, limits: &Limits) -> Result<(), OpError>
             })
         }
         Request::ListKeys { prefix } => self::key(prefix, limits),
-        Request::Barrier { name, .. } => collective_name(name, limits),
-        Request::AllGather { name, value, .. } => {
+        Request::Barrier { name, members, .. } => {
             collective_name(name, limits)?;
+            member_list(members, limits)
+        }
+        Request::AllGather { name, members, value, .. } => {
+            collective_name(name, limits)?;
+            member_list(members, limits)?;
             self::value(value, limits)
         }
-        Request::Broadcast { name, value, .. } => {
+        Request::Broadcast { name, members, value, .. } => {
             collective_name(name, limits)?;
+            member_list(members, limits)?;
             value.as_ref().map_or(Ok(()), |v| self::value(v, limits))
         }
         Request::Abort { reason } => self::name("abort reason", reason, limits),
@@ -129,6 +141,25 @@ pub(crate) fn members(
             Ok(Members::Role(wanted))
         }
     }
+}
+
+/// A world size a client states: the engine never allocates by it, but it bounds
+/// what one client may make the engine consider.
+fn world_size(world: u64, limits: &Limits) -> Result<(), OpError> {
+    if world > u64::from(limits.max_world_size) {
+        return Err(OpError::TooLarge { what: "world size".into(), len: world, limit: limits.max_world_size.into() });
+    }
+    Ok(())
+}
+
+/// A member list longer than any world may be is refused before it is sorted.
+fn member_list(members: &Members, limits: &Limits) -> Result<(), OpError> {
+    let Members::Ranks(list) = members else { return Ok(()) };
+    if list.len() as u64 > u64::from(limits.max_world_size) {
+        let limit = limits.max_world_size.into();
+        return Err(OpError::TooLarge { what: "member list length".into(), len: list.len() as u64, limit });
+    }
+    Ok(())
 }
 
 fn collective_name(name: &str, limits: &Limits) -> Result<(), OpError> {

@@ -2,7 +2,9 @@
 //! exactly the typed error the engine produced (docs/PROTOCOL.md, "Errors").
 
 use bytes::{BufMut, BytesMut};
-use rallypoint_core::{AbortInfo, CallShape, CollectiveKind, LossReason, OpError, OpRef, RankInfo, RankState};
+use rallypoint_core::{
+    AbortInfo, CallShape, CollectiveKind, LossReason, Missing, OpError, OpRef, RankInfo, RankRanges, RankState,
+};
 
 use super::request::{blobs, decode_members, encode_members, put_blobs};
 use super::wire::{DecodeError, DecodeResult, Reader, WireWrite};
@@ -28,6 +30,8 @@ mod tag {
 
 /// Fewest bytes of one encoded [`RankInfo`]: rank + three absent options + state tag.
 const MIN_RANK_INFO_LEN: usize = 4 + 1 + 1 + 1 + 1;
+/// Bytes of one encoded range of ranks: first and last.
+const RANK_RANGE_LEN: usize = 4 + 4;
 
 pub(crate) fn encode_op_error(error: &OpError, dst: &mut BytesMut) {
     match error {
@@ -36,7 +40,8 @@ pub(crate) fn encode_op_error(error: &OpError, dst: &mut BytesMut) {
             encode_op_ref(op, dst);
             dst.put_u64_le(*waited_ms);
             dst.put_u32_le(*members);
-            dst.put_list(missing, |dst, info| encode_rank_info(info, dst));
+            dst.put_list(missing.named(), |dst, info| encode_rank_info(info, dst));
+            encode_rank_ranges(missing.rest(), dst);
         }
         OpError::KeyTimeout { waited_ms, missing } => {
             dst.put_u8(tag::KEY_TIMEOUT);
@@ -109,7 +114,7 @@ pub(crate) fn decode_op_error_fields(tag: u8, r: &mut Reader) -> DecodeResult<Op
             op: decode_op_ref(r)?,
             waited_ms: r.u64("waited_ms")?,
             members: r.u32("members")?,
-            missing: r.list("missing", MIN_RANK_INFO_LEN, decode_rank_info)?,
+            missing: Missing::new(r.list("missing", MIN_RANK_INFO_LEN, decode_rank_info)?, decode_rank_ranges(r)?),
         },
         tag::KEY_TIMEOUT => OpError::KeyTimeout { waited_ms: r.u64("waited_ms")?, missing: blobs(r, "missing")? },
         tag::PEER_LOST => OpError::PeerLost { op: decode_op_ref(r)?, peer: decode_rank_info(r)? },
@@ -193,6 +198,20 @@ fn decode_rank_info(r: &mut Reader) -> DecodeResult<RankInfo> {
         },
         last_seen_ms_ago: r.option("rank_info.last_seen_ms_ago", |r| r.u64("rank_info.last_seen_ms_ago"))?,
     })
+}
+
+fn encode_rank_ranges(ranks: &RankRanges, dst: &mut BytesMut) {
+    dst.put_u64_le(ranks.count);
+    dst.put_list(&ranks.ranges, |dst, &(first, last)| {
+        dst.put_u32_le(first);
+        dst.put_u32_le(last);
+    });
+}
+
+fn decode_rank_ranges(r: &mut Reader) -> DecodeResult<RankRanges> {
+    let count = r.u64("more.count")?;
+    let ranges = r.list("more.ranges", RANK_RANGE_LEN, |r| Ok((r.u32("more.first")?, r.u32("more.last")?)))?;
+    Ok(RankRanges { ranges, count })
 }
 
 fn encode_call_shape(shape: &CallShape, dst: &mut BytesMut) {

@@ -7,8 +7,8 @@ use proptest::collection::vec;
 use proptest::option;
 use proptest::prelude::*;
 use rallypoint_core::{
-    AbortInfo, CallShape, CollectiveKind, Gathered, Identity, LossReason, Members, OpError, OpRef, RankInfo, RankState,
-    Request, Response, SessionId, Welcome,
+    AbortInfo, CallShape, CollectiveKind, Gathered, Identity, LossReason, Members, Missing, OpError, OpRef, RankInfo,
+    RankRanges, RankState, Request, Response, SessionId, Welcome,
 };
 use rallypoint_proto::native::{ClientFrame, FrameLimits, ProtoError, ServerFrame};
 
@@ -110,6 +110,10 @@ fn rank_state() -> impl Strategy<Value = RankState> {
     ]
 }
 
+fn rank_ranges() -> impl Strategy<Value = RankRanges> {
+    (vec((any::<u32>(), any::<u32>()), 0..4), any::<u64>()).prop_map(|(ranges, count)| RankRanges { ranges, count })
+}
+
 fn rank_info() -> impl Strategy<Value = RankInfo> {
     (any::<u32>(), option::of(string()), any::<Option<u32>>(), rank_state(), any::<Option<u64>>())
         .prop_map(|(rank, host, pid, state, last_seen_ms_ago)| RankInfo { rank, host, pid, state, last_seen_ms_ago })
@@ -131,9 +135,11 @@ fn abort_info() -> impl Strategy<Value = AbortInfo> {
 
 pub fn op_error() -> impl Strategy<Value = OpError> {
     prop_oneof![
-        (op_ref(), any::<u64>(), any::<u32>(), vec(rank_info(), 0..4)).prop_map(|(op, waited_ms, members, missing)| {
-            OpError::CollectiveTimeout { op, waited_ms, members, missing }
-        }),
+        (op_ref(), any::<u64>(), any::<u32>(), vec(rank_info(), 0..4), rank_ranges()).prop_map(
+            |(op, waited_ms, members, named, rest)| {
+                OpError::CollectiveTimeout { op, waited_ms, members, missing: Missing::new(named, rest) }
+            }
+        ),
         (any::<u64>(), keys()).prop_map(|(waited_ms, missing)| OpError::KeyTimeout { waited_ms, missing }),
         (op_ref(), rank_info()).prop_map(|(op, peer)| OpError::PeerLost { op, peer }),
         (string(), abort_info()).prop_map(|(job, by)| OpError::Aborted { job, by }),

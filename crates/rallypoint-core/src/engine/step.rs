@@ -1,0 +1,415 @@
+//! One step of one job: what a session opening or closing, a request, or a timer
+//! does to it.
+//!
+//! The engine finds the job and lends it here with the rest of its state
+//! (`Engine::step` is the one place that splits the engine into these borrows);
+//! a request is then dispatched by `Step::apply`, a table with one call per request.
+
+use bytes::Bytes;
+
+use crate::{
+    AbortInfo, CollectiveKind, Config, Identity, Members, Millis, Missing, OpError, Reply, Request, Response, SessionId,
+};
+
+use crate::ranges::{runs, split};
+
+use super::collective::{Call, Ctx};
+use super::job::{send_key_replies, Job};
+use super::store::{WaitId, WaitKind};
+use super::timers::Timer;
+use super::{torch, validate, HashMap, Session};
+
+/// A job and everything a change of it may touch, borrowed apart from the engine.
+pub(crate) struct Step<'a> {
+    pub job: &'a mut Job,
+    /// Where the job's replies and timers go, and the time.
+    pub ctx: Ctx<'a>,
+    pub sessions: &'a mut HashMap<SessionId, Box<Session>>,
+    pub config: &'a Config,
+    pub notices: &'a mut Vec<String>,
+    /// Key waits a request completed, answered before its own reply.
+    woken: Vec<(WaitId, Reply)>,
+}
+
+/// Who sent the request being handled.
+pub(crate) struct Caller {
+    pub session: SessionId,
+    pub request_id: u64,
+    pub rank: Option<u32>,
+    /// A PyTorch TCPStore session (module `torch`).
+    pub torch: bool,
+}
+
+impl Caller {
+    fn wait_id(&self) -> WaitId {
+        (self.session, self.request_id)
+    }
+}
+
+/// A collective call as the request states it, before it is checked.
+struct Joining {
+    kind: CollectiveKind,
+    name: String,
+    members: Members,
+    root: Option<u32>,
+    value: Bytes,
+    timeout_ms: Option<u64>,
+}
+
+impl<'a> Step<'a> {
+    pub fn new(
+        job: &'a mut Job,
+        ctx: Ctx<'a>,
+        sessions: &'a mut HashMap<SessionId, Box<Session>>,
+        config: &'a Config,
+        notices: &'a mut Vec<String>,
+    ) -> Self {
+        Step { job, ctx, sessions, config, notices, woken: Vec::new() }
+    }
+
+    /// A session of the job opened with `identity`.
+    pub fn open(&mut self, identity: &Identity) {
+        self.job.sessions += 1;
+        if let Some(rank) = identity.rank {
+            let lease_ms = self.config.lease_ms;
+            self.connect(rank, &identity.host, identity.pid, identity.role.as_deref(), lease_ms);
+        }
+    }
+
+    /// A session of `rank` connected (or was attributed that rank).
+    pub fn connect(&mut self, rank: u32, host: &str, pid: u32, role: Option<&str>, lease_ms: u64) {
+        let change = self.job.ranks.connect(rank, host, pid, role, self.ctx.now, lease_ms);
+        self.job.apply(rank, change, &mut self.ctx);
+        self.job.collectives.rank_connected(&self.job.ranks, &mut self.ctx);
+    }
+
+    /// `rank` showed a sign of life.
+    pub fn touch(&mut self, rank: u32, lease_ms: u64) {
+        let change = self.job.ranks.touch(rank, self.ctx.now, lease_ms);
+        self.job.apply(rank, change, &mut self.ctx);
+    }
+
+    /// The session `id` closed; `session` is what it was.
+    pub fn close(&mut self, id: SessionId, session: &Session) {
+        self.job.store.drop_session(id);
+        self.job.sessions = self.job.sessions.saturating_sub(1);
+        if let Some(rank) = session.identity.rank {
+            let change = self.job.ranks.disconnect(rank, session.leaving, self.ctx.now);
+            self.job.apply(rank, change, &mut self.ctx);
+        }
+        let ttl = self.config.job_idle_ttl_ms;
+        if self.job.sessions == 0 && ttl > 0 {
+            self.job.idle_since = self.ctx.now;
+            self.ctx.timers.schedule(self.ctx.now.saturating_add(ttl), Timer::JobIdle { job: self.job.id });
+        }
+    }
+
+    /// A timer of the job came due (it was set for `at`). Returns whether the job has
+    /// been idle for its whole time to live, so that the engine forgets it.
+    pub fn fire(&mut self, at: Millis, timer: Timer) -> bool {
+        match timer {
+            Timer::KeyWait { session, request_id, .. } => self.expire_wait((session, request_id)),
+            Timer::StallSweep { .. } => self.sweep_stalls(at),
+            Timer::Collective { kind, name, generation, .. } => {
+                self.job.collectives.deadline(kind, &name, generation, at, &self.job.ranks, &mut self.ctx)
+            }
+            Timer::Lease { rank, .. } => self.lease_check(rank),
+            Timer::JobIdle { .. } => return self.idle_expired(),
+        }
+        false
+    }
+
+    fn lease_check(&mut self, rank: u32) {
+        let change = self.job.ranks.lease_check(rank, self.ctx.now, self.config.lease_ms);
+        self.job.apply(rank, change, &mut self.ctx);
+    }
+
+    fn idle_expired(&self) -> bool {
+        let expires = self.job.idle_since.saturating_add(self.config.job_idle_ttl_ms);
+        self.job.sessions == 0 && expires <= self.ctx.now
+    }
+
+    fn expire_wait(&mut self, id: WaitId) {
+        if let Some(reply) = self.job.store.expire(id, self.ctx.now) {
+            self.ctx.reply(id, reply);
+        }
+    }
+
+    /// The job's stall sweep came due, if `at` is still when it is due.
+    fn sweep_stalls(&mut self, at: Millis) {
+        if self.job.stall_sweep_at != Some(at) {
+            return;
+        }
+        self.job.stall_sweep_at = torch::sweep_stalls(self.job, self.sessions, self.ctx.now, self.notices);
+        if let Some(next) = self.job.stall_sweep_at {
+            self.ctx.timers.schedule(next, Timer::StallSweep { job: self.job.id });
+        }
+    }
+
+    /// Handles one request; its reply, now or later, goes to the context.
+    pub fn request(&mut self, caller: Caller, request: Request) {
+        if let Some(rank) = caller.rank {
+            // Torch clients never heartbeat: their ranks live by their connections alone.
+            let lease_ms = if caller.torch { 0 } else { self.config.lease_ms };
+            self.touch(rank, lease_ms);
+        }
+        let reply = match self.admit(&request) {
+            Ok(()) => self.apply(&caller, request),
+            Err(error) => Some(Err(error)),
+        };
+        send_key_replies(std::mem::take(&mut self.woken), self.ctx.out);
+        if let Some(reply) = reply {
+            self.ctx.reply(caller.wait_id(), reply);
+        }
+    }
+
+    /// Whether the job takes the request: an aborted job fails everything but the
+    /// requests about the session itself, and nothing invalid gets through.
+    fn admit(&self, request: &Request) -> Result<(), OpError> {
+        if matches!(request, Request::Heartbeat | Request::Leave | Request::Status) {
+            return Ok(());
+        }
+        if let Some(error) = self.job.abort_error() {
+            return Err(error);
+        }
+        validate::request(request, &self.config.limits)
+    }
+
+    /// Runs an admitted request. Returns its reply, or None if it waits (its reply
+    /// comes when it is released or times out).
+    fn apply(&mut self, caller: &Caller, request: Request) -> Option<Reply> {
+        let (store, woken) = (&mut self.job.store, &mut self.woken);
+        match request {
+            Request::Heartbeat => DONE,
+            Request::Leave => self.leave(caller),
+            Request::Status => value(self.status(caller).into()),
+            Request::Set { key, value } => self.set(key, value),
+            Request::Append { key, value } => self.append(key, value),
+            Request::MultiSet { entries } => self.multi_set(entries),
+            Request::Add { key, delta } => Some(store.add(key, delta, woken).map(Response::Int)),
+            Request::CompareSet { key, expected, desired } => value(store.compare_set(key, expected, desired, woken)),
+            Request::Delete { key } => boolean(store.delete(&key)),
+            Request::Check { keys } => boolean(store.all_exist(&keys)),
+            Request::NumKeys => int(i64::try_from(store.len()).unwrap_or(i64::MAX)),
+            Request::ListKeys { prefix } => Some(Ok(Response::Values(store.list(&prefix)))),
+            Request::QueuePush { key, value } => self.queue_push(key, value),
+            Request::QueuePop { key } => popped(store.queue_pop(&key)),
+            Request::QueueLen { key } => int(store.queue_len(&key)),
+            Request::CancelWait => self.cancel_wait(caller),
+            Request::Get { key, timeout_ms } => self.key_wait(caller, WaitKind::Get, vec![key], timeout_ms),
+            Request::Wait { keys, timeout_ms } => self.key_wait(caller, WaitKind::Wait, keys, timeout_ms),
+            Request::MultiGet { keys, timeout_ms } => self.key_wait(caller, WaitKind::MultiGet, keys, timeout_ms),
+            Request::StoreBarrier { key, world_size, timeout_ms } => {
+                self.store_barrier(caller, key, world_size, timeout_ms)
+            }
+            Request::Barrier { name, members, timeout_ms } => self.barrier(caller, name, members, timeout_ms),
+            Request::AllGather { name, members, value, timeout_ms } => {
+                self.all_gather(caller, name, members, value, timeout_ms)
+            }
+            Request::Broadcast { name, members, root, value, timeout_ms } => {
+                self.broadcast(caller, name, members, root, value, timeout_ms)
+            }
+            Request::Abort { reason } => self.abort(caller, reason),
+        }
+    }
+
+    /// The session is about to close cleanly: its rank will have left, not died.
+    fn leave(&mut self, caller: &Caller) -> Option<Reply> {
+        if let Some(session) = self.sessions.get_mut(&caller.session) {
+            session.leaving = true;
+        }
+        DONE
+    }
+
+    fn set(&mut self, key: Bytes, value: Bytes) -> Option<Reply> {
+        self.job.store.set(key, value, &mut self.woken);
+        DONE
+    }
+
+    fn append(&mut self, key: Bytes, value: Bytes) -> Option<Reply> {
+        self.job.store.append(key, &value, &mut self.woken);
+        DONE
+    }
+
+    fn multi_set(&mut self, entries: Vec<(Bytes, Bytes)>) -> Option<Reply> {
+        for (key, value) in entries {
+            self.job.store.set(key, value, &mut self.woken);
+        }
+        DONE
+    }
+
+    fn queue_push(&mut self, key: Bytes, value: Bytes) -> Option<Reply> {
+        self.job.store.queue_push(key, value, &mut self.woken);
+        DONE
+    }
+
+    fn cancel_wait(&mut self, caller: &Caller) -> Option<Reply> {
+        self.job.store.cancel_session(caller.session, &mut self.woken);
+        DONE
+    }
+
+    /// The job's status report (see `Request::Status`): its torch processes, ranks,
+    /// blocked collectives and lost ranks, as seen by everyone but the caller.
+    fn status(&self, caller: &Caller) -> String {
+        let (job, now) = (&*self.job, self.ctx.now);
+        let mut others: Vec<(SessionId, &Identity, bool)> = self
+            .sessions
+            .iter()
+            .filter(|(id, s)| s.job == job.id && **id != caller.session)
+            .map(|(id, s)| (*id, &s.identity, s.torch))
+            .collect();
+        others.sort_by_key(|(id, _, _)| *id);
+        let mut out = torch::report(job, &others, now);
+        let (connected, left, lost) = job.ranks.tally();
+        out.push_str(&format!("ranks: {connected} connected, {left} left cleanly, {lost} lost\n"));
+        for line in job.collectives.report(&job.ranks, now) {
+            out.push_str(&line);
+            out.push('\n');
+        }
+        let (named, rest) = split(runs(job.ranks.lost()), Missing::NAMED);
+        for rank in named {
+            out.push_str(&format!("lost: {}\n", job.ranks.info(rank, now)));
+        }
+        if !rest.is_empty() {
+            out.push_str(&format!("lost: and {} more: ranks {rest}\n", rest.count));
+        }
+        out
+    }
+
+    fn abort(&mut self, caller: &Caller, reason: String) -> Option<Reply> {
+        let identity = &self.sessions.get(&caller.session)?.identity;
+        let by = AbortInfo { by_rank: identity.rank, host: identity.host.clone(), pid: identity.pid, reason };
+        self.job.abort(by, &mut self.ctx);
+        DONE
+    }
+
+    /// Answers a get/wait/multi-get now, or blocks it with a deadline. A timeout of 0
+    /// fails at once if the keys are missing.
+    fn key_wait(
+        &mut self,
+        caller: &Caller,
+        kind: WaitKind,
+        keys: Vec<Bytes>,
+        timeout_ms: Option<u64>,
+    ) -> Option<Reply> {
+        let id = caller.wait_id();
+        match self.job.store.wait_or_reply(id, kind, keys, self.ctx.now) {
+            Err(error) => Some(Err(error)),
+            Ok(Some(reply)) => Some(reply),
+            Ok(None) if timeout_ms == Some(0) => self.job.store.expire(id, self.ctx.now),
+            Ok(None) => {
+                self.schedule_wait_timers(caller, timeout_ms);
+                None
+            }
+        }
+    }
+
+    fn store_barrier(
+        &mut self,
+        caller: &Caller,
+        key: Bytes,
+        world_size: i64,
+        timeout_ms: Option<u64>,
+    ) -> Option<Reply> {
+        match self.job.store.barrier(caller.wait_id(), key, world_size, self.ctx.now, &mut self.woken) {
+            Err(error) => Some(Err(error)),
+            Ok(Some(reply)) => Some(reply),
+            Ok(None) => {
+                self.schedule_wait_timers(caller, timeout_ms);
+                None
+            }
+        }
+    }
+
+    /// A blocked wait's deadline, and for a torch session the job's stall sweep.
+    fn schedule_wait_timers(&mut self, caller: &Caller, timeout_ms: Option<u64>) {
+        let (job, now) = (self.job.id, self.ctx.now);
+        if let Some(timeout) = timeout_ms {
+            let (session, request_id) = caller.wait_id();
+            self.ctx.timers.schedule(now.saturating_add(timeout), Timer::KeyWait { job, session, request_id });
+        }
+        let report_at = now.saturating_add(torch::STALL_REPORT_MS);
+        if caller.torch && self.job.stall_sweep_at.is_none_or(|at| at > report_at) {
+            self.ctx.timers.schedule(report_at, Timer::StallSweep { job });
+            self.job.stall_sweep_at = Some(report_at);
+        }
+    }
+
+    fn barrier(&mut self, caller: &Caller, name: String, members: Members, timeout_ms: Option<u64>) -> Option<Reply> {
+        let kind = CollectiveKind::Barrier;
+        self.join(caller, Joining { kind, name, members, root: None, value: Bytes::new(), timeout_ms })
+    }
+
+    fn all_gather(
+        &mut self,
+        caller: &Caller,
+        name: String,
+        members: Members,
+        value: Bytes,
+        timeout_ms: Option<u64>,
+    ) -> Option<Reply> {
+        let kind = CollectiveKind::AllGather;
+        self.join(caller, Joining { kind, name, members, root: None, value, timeout_ms })
+    }
+
+    /// A broadcast: the root must bring the value, which the others' calls do not carry.
+    fn broadcast(
+        &mut self,
+        caller: &Caller,
+        name: String,
+        members: Members,
+        root: u32,
+        value: Option<Bytes>,
+        timeout_ms: Option<u64>,
+    ) -> Option<Reply> {
+        let is_root = caller.rank == Some(root);
+        let value = match (is_root, value) {
+            (true, None) => {
+                return Some(Err(OpError::Invalid(format!(
+                    "broadcast '{name}': the root (rank {root}) must provide a value"
+                ))))
+            }
+            (true, Some(value)) => value,
+            (false, _) => Bytes::new(),
+        };
+        let kind = CollectiveKind::Broadcast;
+        self.join(caller, Joining { kind, name, members, root: Some(root), value, timeout_ms })
+    }
+
+    /// Checks that the caller may take part as it asks, then has it arrive.
+    fn join(&mut self, caller: &Caller, joining: Joining) -> Option<Reply> {
+        let Joining { kind, name, members, root, value, timeout_ms } = joining;
+        let identity = &self.sessions.get(&caller.session)?.identity;
+        let (Some(rank), Some(world_size)) = (identity.rank, identity.world_size) else {
+            return Some(Err(OpError::NoRank { op: format!("{kind} '{name}'") }));
+        };
+        let ranks = &self.job.ranks;
+        let members = match validate::members(kind, &name, rank, world_size, &identity.role, members, root, ranks) {
+            Ok(members) => members,
+            Err(error) => return Some(Err(error)),
+        };
+        let (session, request_id) = caller.wait_id();
+        let call = Call { session, request_id, rank, world_size, members, value, root, timeout_ms };
+        self.job.collectives.arrive(kind, &name, call, &self.job.ranks, &mut self.ctx);
+        None
+    }
+}
+
+/// The reply of a request that has nothing to return.
+const DONE: Option<Reply> = Some(Ok(Response::Done));
+
+fn value(value: Bytes) -> Option<Reply> {
+    Some(Ok(Response::Value(value)))
+}
+
+fn int(n: i64) -> Option<Reply> {
+    Some(Ok(Response::Int(n)))
+}
+
+fn boolean(b: bool) -> Option<Reply> {
+    Some(Ok(Response::Bool(b)))
+}
+
+fn popped((len_before, value): (i64, Option<Bytes>)) -> Option<Reply> {
+    Some(Ok(Response::Popped { len_before, value }))
+}
