@@ -31,6 +31,10 @@ pub struct ServeArgs {
     /// Most keys in one check/wait/multi-get/multi-set [default: 131072]
     #[arg(long, value_name = "N")]
     max_keys_per_op: Option<usize>,
+    /// Largest world size a client may claim (memory follows the ranks that connect,
+    /// never the number claimed) [default: 1048576]
+    #[arg(long, value_name = "N")]
+    max_world_size: Option<u32>,
     /// Largest sum of one all-gather's values (the reply every member gets), in bytes
     /// [default: 1073741824]
     #[arg(long, value_name = "BYTES")]
@@ -64,6 +68,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(n) = args.max_keys_per_op {
         engine.limits.max_keys_per_op = n;
+    }
+    if let Some(n) = args.max_world_size {
+        engine.limits.max_world_size = n;
     }
     if let Some(n) = args.max_gather_bytes {
         engine.limits.max_gather_bytes = n;

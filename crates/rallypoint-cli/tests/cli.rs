@@ -376,6 +376,25 @@ fn timeout_exits_3_and_names_the_missing_rank() {
     }
 }
 
+/// One client claiming a huge world cannot take the coordinator down (issue #13,
+/// defect 1: a world size of 2^32 - 1 made it abort on a 137 GB allocation), and the
+/// timeout of a world of a million names a bounded number of ranks.
+#[test]
+fn a_huge_world_size_is_refused_and_a_million_costs_a_short_error() {
+    let server = Server::start();
+    let run = exec(server.ranked("huge", 0, u32::MAX, &["barrier", "x", "--timeout", "1"]));
+    assert_code(&run, 2);
+    assert!(run.stderr.contains("limit of 1048576"), "{run:#?}");
+
+    let run = exec(server.ranked("million", 0, 1_000_000, &["barrier", "x", "--timeout", "1"]));
+    assert_code(&run, 3);
+    assert!(run.stderr.contains("999935 more: ranks 65-999999"), "{run:#?}");
+    assert!(run.stderr.len() < 8192, "{} bytes of error", run.stderr.len());
+
+    let run = exec(server.cmd("other", &["set", "k", "v"]));
+    assert_code(&run, 0);
+}
+
 #[test]
 fn abort_fails_waiting_ranks_with_code_5() {
     let server = Server::start();

@@ -76,6 +76,8 @@ fn op_error(py: Python<'_>, message: String, error: OpError) -> PyResult<PyErr> 
                 ("member_count", obj(py, members)?),
                 ("missing_ranks", obj(py, missing_ranks)?),
                 ("missing", obj(py, details)?),
+                ("missing_count", obj(py, missing.count())?),
+                ("more_ranges", obj(py, missing.rest().ranges.clone())?),
             ]);
             exception(py, "BarrierTimeout", message, attrs)
         }

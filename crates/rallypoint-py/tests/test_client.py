@@ -157,6 +157,7 @@ def test_barrier_timeout_names_exactly_the_missing_ranks(coordinator, job):
     for e in errors:
         assert isinstance(e, TimeoutError) and isinstance(e, rp.RallypointError)
         assert e.missing_ranks == [1, 3]
+        assert (e.missing_count, e.more_ranges) == (2, [])
         assert (e.op, e.name, e.generation, e.member_count) == ("barrier", "sync", 1, 4)
         assert 0.45 <= e.waited < 2.0
         one, three = e.missing

@@ -24,7 +24,7 @@ pub(crate) struct Job {
     /// When a torch stall notice last named each stalled key (first key waited on).
     pub stall_noted: HashMap<Bytes, Millis>,
     /// When the job's `StallSweep` timer is due, if one is: a timer per job, not per
-    /// blocked torch wait (16,384 waiting torch ranks put one each in the heap every
+    /// blocked torch wait (otherwise every waiting torch rank puts one in the heap each
     /// round). A sweep timer due at another time is stale.
     pub stall_sweep_at: Option<Millis>,
 }

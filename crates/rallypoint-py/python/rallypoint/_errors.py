@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import builtins
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 __all__ = [
     "RallypointError",
@@ -67,8 +67,11 @@ class BarrierTimeout(RallypointError, TimeoutError):
 
     Attributes: ``op`` ("barrier", "all-gather", "broadcast"), ``name``, ``generation``
     (1 for a rank's first call of that name), ``waited`` (seconds), ``member_count``,
-    ``missing_ranks`` (sorted ranks that had not arrived) and ``missing`` (a
-    :class:`RankInfo` for each: host, pid, state, last seen).
+    ``missing_ranks`` (sorted ranks that had not arrived, the first 64 of them) and
+    ``missing`` (a :class:`RankInfo` for each: host, pid, state, last seen),
+    ``missing_count`` (every rank that had not arrived) and ``more_ranges`` (the
+    ranks missing after those named, as ``(first, last)`` ranges, the first 64 of
+    them): a world of a million ranks gives an error of bounded size.
     """
 
     op: str
@@ -78,6 +81,8 @@ class BarrierTimeout(RallypointError, TimeoutError):
     member_count: int
     missing_ranks: List[int]
     missing: List[RankInfo]
+    missing_count: int
+    more_ranges: List[Tuple[int, int]]
 
 
 class KeyTimeout(RallypointError, TimeoutError):
