@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::{Buf, BytesMut};
 use rallypoint_core::OpError;
-use rallypoint_net::budget::Charge;
+use rallypoint_net::budget::{buffered, Charge};
 use rallypoint_net::conn::{accept_hello, decode_requests, read_some, stall, Accepts, Buffering, End, Hello, Inbound};
 use rallypoint_net::shm::MAX_FDS_PER_WRITE;
 use rallypoint_net::sync::lock;
@@ -256,7 +256,7 @@ async fn serve_session(
         return end;
     }
     loop {
-        if let Err(over) = charge.hold(rbuf.len()) {
+        if let Err(over) = charge.hold(buffered(&rbuf)) {
             return End::OverBudget(over);
         }
         Buffering::RANK.release_idle(&mut rbuf);

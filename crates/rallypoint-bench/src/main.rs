@@ -7,6 +7,7 @@
 //! and `rallypoint agent` child processes ([`rallypoint_exe`]).
 
 mod all_gather;
+mod attack;
 mod barrier;
 mod hierarchy;
 mod kv;
@@ -55,6 +56,9 @@ enum BenchCommand {
     /// N clients connect and join at once, as at a job's start: time until all are
     /// admitted, and how many connects were refused, reset or retried.
     Storm(storm::Args),
+    /// A healthy job's barrier round time with and without hostile clients of another
+    /// job hammering the coordinator (issue #13's attacks), and the coordinator's memory.
+    Attack(attack::Args),
     /// Draws barrier round time against N, one line per system, from JSON lines to a PNG.
     Plot(plot::Args),
     /// N ranks in one barrier through K node agents (`rallypoint agent`), their
@@ -69,6 +73,7 @@ async fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::AllGather(args) => all_gather::run(args).await,
         BenchCommand::Storm(args) => storm::run(args).await,
         BenchCommand::Plot(args) => plot::run(args).await,
+        BenchCommand::Attack(args) => attack::run(args).await,
         BenchCommand::Hierarchy(args) => hierarchy::run(args).await,
     }
 }
@@ -125,10 +130,12 @@ impl Target {
 
     /// Resident memory of the child coordinator; `None` for one given by `--addr`.
     fn server_rss(&self) -> Option<u64> {
-        let status = std::fs::read_to_string(format!("/proc/{}/status", self.server.as_ref()?.pid)).ok()?;
-        let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
-        let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
-        Some(kib * 1024)
+        rss_of(self.server_pid()?)
+    }
+
+    /// The child coordinator's pid; `None` for one given by `--addr`.
+    fn server_pid(&self) -> Option<u32> {
+        self.server.as_ref().map(|server| server.pid)
     }
 
     async fn stop(self) {
@@ -137,6 +144,14 @@ impl Target {
             let _ = server.child.kill().await;
         }
     }
+}
+
+/// Resident memory of process `pid`, from /proc.
+fn rss_of(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib * 1024)
 }
 
 /// Runs `measure` against the coordinator at `addr`, or against one started for it

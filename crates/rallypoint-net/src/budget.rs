@@ -21,6 +21,16 @@ use atomic_waker::AtomicWaker;
 
 use crate::sync::lock;
 
+/// What a read buffer holding part of a request costs: its whole allocation (it
+/// grows ahead of the bytes), nothing once it holds no request.
+pub fn buffered(buf: &bytes::BytesMut) -> usize {
+    if buf.is_empty() {
+        0
+    } else {
+        buf.capacity()
+    }
+}
+
 /// The budget shared by every connection of one server or agent.
 #[derive(Debug)]
 pub struct PendingBudget {
@@ -92,7 +102,9 @@ impl Charge {
     /// is chosen to close: `Err` if that is this one; another one is told through
     /// [`Charge::evicted`], and this one goes on.
     pub fn hold(&mut self, bytes: usize) -> Result<(), OverBudget> {
-        if bytes == self.held {
+        // Once chosen to close, a connection was counted out: nothing more is counted,
+        // and it ends as soon as it looks ([`Charge::evicted`]).
+        if bytes == self.held || self.is_evicted() {
             return Ok(());
         }
         let mut state = lock(&self.budget.state);
@@ -167,7 +179,7 @@ impl Charge {
 
 impl Drop for Charge {
     fn drop(&mut self) {
-        if self.held == 0 {
+        if self.held == 0 || self.is_evicted() {
             return;
         }
         let mut state = lock(&self.budget.state);
@@ -204,6 +216,9 @@ mod tests {
         assert_eq!(small.hold(30), Ok(()));
         assert!(big.is_evicted() && !small.is_evicted());
         assert_eq!(budget.total(), 30, "the evicted connection's bytes are counted out");
+        // Before it looks, it may read more: nothing is counted for it any more.
+        big.hold(90).expect("an evicted connection is not charged");
+        assert_eq!(budget.total(), 30);
         drop(big);
         assert_eq!(budget.total(), 30);
         // Now the small one is the largest: growing past the budget closes itself.

@@ -201,7 +201,7 @@ async fn read_more<R: AsyncRead + Unpin>(reader: &mut R, rbuf: &mut BytesMut, ch
     match read {
         0 if rbuf.is_empty() => Err(End::Closed),
         0 => Err(End::ClosedMidFrame { buffered: rbuf.len() }),
-        _ => Ok(charge.hold(rbuf.len())?),
+        _ => Ok(charge.hold(crate::budget::buffered(rbuf))?),
     }
 }
 

@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::{OpError, Reply, Request, SessionId, Welcome};
-use rallypoint_net::budget::Charge;
+use rallypoint_net::budget::{buffered, Charge};
 use rallypoint_net::conn::{read_some, stall, Buffering, End};
 use rallypoint_net::sync::lock;
 use rallypoint_net::warn_limit::WarnLimit;
@@ -194,7 +194,7 @@ impl AgentConn<'_> {
             if let Some(end) = broken.take() {
                 return end;
             }
-            if let Err(over) = self.charge.hold(self.rbuf.len()) {
+            if let Err(over) = self.charge.hold(buffered(&self.rbuf)) {
                 return End::OverBudget(over);
             }
             Buffering::NODE_LINK.release_idle(&mut self.rbuf);

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::{OpError, Reply, SessionId};
-use rallypoint_net::budget::Charge;
+use rallypoint_net::budget::{buffered, Charge};
 use rallypoint_net::conn::{accept_hello, decode_requests, read_some, stall, Accepts, Buffering, End, Hello, Inbound};
 use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
 use rallypoint_proto::native::{encode_reply, encode_reply_shared, encode_server_frame, ServerFrame};
@@ -200,7 +200,7 @@ impl Connection {
             if let Some(end) = broken.take() {
                 return end;
             }
-            if let Err(over) = self.charge.hold(self.rbuf.len()) {
+            if let Err(over) = self.charge.hold(buffered(&self.rbuf)) {
                 return End::OverBudget(over);
             }
             // Idle connections keep no read buffer (bytes of a partial frame stay)
