@@ -13,8 +13,8 @@ mod validate;
 use std::collections::BTreeSet;
 
 use crate::{
-    AbortInfo, CollectiveKind, Config, Identity, Members, Millis, OpError, Outgoing, Reply, Request, Response,
-    SessionId, Welcome,
+    AbortInfo, CollectiveKind, Config, Identity, Members, Millis, OpError, Outgoing, RankInfo, Reply, Request,
+    Response, SessionId, Welcome,
 };
 
 use collective::{Call, Ctx};
@@ -401,6 +401,14 @@ impl Engine {
         }
         // Replies for the closed session have nowhere to go.
         self.outgoing.retain(|o| o.session != session);
+    }
+
+    /// The ranks of job `job` counted as lost, in rank order, with how and when they
+    /// were last heard from: the fact a launcher needs to blame the rank its peers
+    /// lost rather than a peer that failed because of it.
+    pub fn lost_ranks(&self, job: &str, now: Millis) -> Vec<RankInfo> {
+        let Some(job) = self.job_ids.get(job).and_then(|id| self.jobs.get(id)) else { return Vec::new() };
+        job.ranks.lost().map(|rank| job.ranks.info(rank, now)).collect()
     }
 
     /// The status report of the session's job (see `Request::Status`).
