@@ -4,7 +4,9 @@
 use std::io::Read;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
+use std::process::ChildStdout;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -466,4 +468,241 @@ fn a_worker_killed_behind_a_node_agent_is_named_on_the_other_node() {
             });
         assert!(why.contains("rank 3") && why.contains("host "), "rank {r} must name rank 3 and a host: {why:?}");
     }
+}
+
+/// A launcher whose stdout the test reads as it comes, or never (a console that does
+/// not read); killed if the test fails before it ends.
+struct Watched {
+    child: Child,
+    stdout: Arc<Mutex<Vec<u8>>>,
+    /// The read end of an stdout nobody reads, kept open until the launcher ends.
+    unread: Option<ChildStdout>,
+    stderr: Option<thread::JoinHandle<String>>,
+}
+
+fn start(args: &[&str], script: &str, dir: &Path, env: &[(&str, &str)], read_stdout: bool) -> Watched {
+    let mut cmd = Command::new(BIN);
+    for var in SCRUB {
+        cmd.env_remove(var);
+    }
+    cmd.env_remove("PYTHONUNBUFFERED");
+    cmd.arg("launch").args(args).arg("--").args(["sh", "-c", script]);
+    cmd.env("RP", BIN).env("DIR", dir).envs(env.iter().copied());
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("start the launcher");
+    let mut out = child.stdout.take().expect("piped");
+    let mut err = child.stderr.take().expect("piped");
+    let stdout = Arc::new(Mutex::new(Vec::new()));
+    let unread = if read_stdout {
+        let sink = Arc::clone(&stdout);
+        thread::spawn(move || {
+            let mut buf = [0u8; 8192];
+            while let Ok(n @ 1..) = out.read(&mut buf) {
+                sink.lock().expect("stdout buffer").extend_from_slice(&buf[..n]);
+            }
+        });
+        None
+    } else {
+        Some(out)
+    };
+    let stderr = thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    Watched { child, stdout, unread, stderr: Some(stderr) }
+}
+
+impl Watched {
+    fn stdout_text(&self) -> String {
+        String::from_utf8_lossy(&self.stdout.lock().expect("stdout buffer")).into_owned()
+    }
+
+    /// Waits (bounded) until the console shows `needle`.
+    fn wait_stdout(&self, needle: &str) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.stdout_text().contains(needle) {
+            assert!(Instant::now() < deadline, "{needle:?} never appeared on the console:\n{:?}", self.stdout_text());
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn finish(mut self) -> Finished {
+        let deadline = Instant::now() + LIMIT;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                break Some(status);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                break None;
+            }
+            thread::sleep(Duration::from_millis(20));
+        };
+        self.unread = None;
+        let stderr = self.stderr.take().map(|h| h.join().unwrap_or_default()).unwrap_or_default();
+        // The reader thread ends at EOF, soon after the launcher.
+        thread::sleep(Duration::from_millis(50));
+        let stdout = self.stdout_text();
+        let status =
+            status.unwrap_or_else(|| panic!("the launcher ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"));
+        Finished { code: status.code(), stdout, stderr }
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Waits (bounded) until none of `pids` is alive.
+fn wait_gone(pids: &[String], what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while let Some(pid) = pids.iter().find(|p| alive(p)) {
+        if Instant::now() > deadline {
+            for p in pids {
+                signal(p.parse().unwrap_or(0), libc::SIGKILL);
+            }
+            panic!("{what}: process {pid} survived (all of {pids:?} killed now)");
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_console_that_does_not_read_stalls_neither_the_coordinator_nor_the_teardown() {
+    let dir = temp_dir("stuckconsole");
+    // More output than the pipe and the launcher's console buffer hold, from more ranks
+    // than the launcher has runtime threads; then the workers need the coordinator.
+    let script = r#"
+        seq 1 300000
+        "$RP" barrier flooded --timeout 30 || exit 9
+        echo $$ > "$DIR/p$RANK.tmp" && mv "$DIR/p$RANK.tmp" "$DIR/passed$RANK"
+        exec sleep 60
+    "#;
+    let launched = start(&["--nproc-per-node", "4", "--grace", "2"], script, &dir, &[], false);
+    let names: Vec<String> = (0..4).map(|r| format!("passed{r}")).collect();
+    let pids = wait_for_files(&dir, &names);
+    signal(launched.child.id() as i32, libc::SIGTERM);
+    let done = launched.finish();
+    assert_eq!(done.code, Some(128 + libc::SIGTERM), "stderr:\n{}", done.stderr);
+    assert!(done.stderr.contains("received SIGTERM"), "{}", done.stderr);
+    let dropped = done.stderr.lines().find(|l| l.contains("dropped: console not reading")).unwrap_or_default();
+    assert!(dropped.starts_with("rallypoint: ") && dropped.contains(" lines of rank "), "{}", done.stderr);
+    wait_gone(&pids, "a worker of a launcher stopped with SIGTERM");
+}
+
+#[test]
+fn log_files_are_byte_exact_copies_of_what_workers_wrote() {
+    let dir = temp_dir("exactlogs");
+    // Binary noise (NULs, lone carriage returns, invalid UTF-8), a 200 kB line, and no
+    // newline at the end.
+    let script = r#"
+        { head -c 100000 /dev/urandom; head -c 200000 /dev/zero | tr '\0' x; printf '\nprogress\rend'; } > "$DIR/expect$RANK"
+        cat "$DIR/expect$RANK"
+        cat "$DIR/expect$RANK" >&2
+    "#;
+    for tee in [false, true] {
+        let logs = dir.join(format!("logs-tee-{tee}"));
+        let logs_arg = logs.to_str().expect("utf-8 path");
+        let mut args = vec!["--nproc-per-node", "2", "--log-dir", logs_arg];
+        if tee {
+            args.push("--tee");
+        }
+        let done = start(&args, script, &dir, &[], true).finish();
+        assert_eq!(done.code, Some(0), "stderr:\n{}", done.stderr);
+        for rank in 0..2 {
+            let expected = std::fs::read(dir.join(format!("expect{rank}"))).expect("the worker's own copy");
+            for stream in ["stdout", "stderr"] {
+                let path = logs.join("attempt0").join(format!("rank{rank}.{stream}"));
+                let got = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                assert!(
+                    got == expected,
+                    "{} differs from what rank {rank} wrote ({} bytes, expected {})",
+                    path.display(),
+                    got.len(),
+                    expected.len()
+                );
+            }
+        }
+        if tee {
+            assert!(done.stdout.contains("[rank1]: progress\r"), "the console shows the output too");
+        }
+    }
+}
+
+#[test]
+fn output_is_shown_as_written_python_unbuffered_and_progress_lines_as_they_change() {
+    let dir = temp_dir("live");
+    let have_python = Command::new("python3").arg("--version").output().is_ok_and(|o| o.status.success());
+    // Each step waits until the test saw the previous one on the console.
+    let script = r#"
+        seen() { i=0; while [ ! -f "$DIR/seen$1" ]; do i=$((i+1)); [ $i -gt 400 ] && exit 8; sleep 0.05; done; }
+        printf 'loading 1/2\r'; seen 1
+        printf 'loading 2/2\r'; seen 2
+        if [ "$HAVE_PYTHON" = 1 ]; then
+            python3 -c 'print("python says hi")
+import os, time
+for _ in range(400):
+    if os.path.exists(os.environ["DIR"] + "/seen3"): break
+    time.sleep(0.05)
+else:
+    raise SystemExit(8)'
+        fi
+        echo "done, PYTHONUNBUFFERED=$PYTHONUNBUFFERED"
+    "#;
+    let env = [("HAVE_PYTHON", if have_python { "1" } else { "0" })];
+    let launched = start(&[], script, &dir, &env, true);
+    launched.wait_stdout("[rank0]: loading 1/2\r");
+    std::fs::write(dir.join("seen1"), "").expect("seen1");
+    launched.wait_stdout("[rank0]: loading 2/2\r");
+    std::fs::write(dir.join("seen2"), "").expect("seen2");
+    if have_python {
+        launched.wait_stdout("[rank0]: python says hi\n");
+        std::fs::write(dir.join("seen3"), "").expect("seen3");
+    } else {
+        eprintln!("python3 not found: the Python part of this test did not run");
+    }
+    let done = launched.finish();
+    assert_eq!(done.code, Some(0), "stderr:\n{}", done.stderr);
+    assert!(done.stdout.contains("[rank0]: done, PYTHONUNBUFFERED=1\n"), "{:?}", done.stdout);
+
+    // A user's own setting is kept.
+    let done = start(&[], r#"echo "u=$PYTHONUNBUFFERED""#, &dir, &[("PYTHONUNBUFFERED", "")], true).finish();
+    assert_eq!(done.stdout, "[rank0]: u=\n", "stderr:\n{}", done.stderr);
+}
+
+#[test]
+fn progress_lines_of_one_rank_never_split_another_ranks_lines() {
+    let dir = temp_dir("interleave");
+    let script = r#"
+        k=1
+        while [ $k -le 30 ]; do
+            if [ "$RANK" = 0 ]; then printf '\rstep %d of 30' $k; else echo "line $k of 30"; fi
+            k=$((k+1)); sleep 0.01
+        done
+        [ "$RANK" = 0 ] && echo
+        true
+    "#;
+    let done = start(&["--nproc-per-node", "2"], script, &dir, &[], true).finish();
+    assert_eq!(done.code, Some(0), "stderr:\n{}", done.stderr);
+    let mut steps = 0;
+    let mut lines = 0;
+    for piece in done.stdout.split(['\n', '\r']).filter(|p| !p.is_empty()) {
+        let body = piece.strip_prefix("[rank0]: step ").or_else(|| piece.strip_prefix("[rank1]: line "));
+        let whole = body.is_some_and(|b| b.ends_with(" of 30") && b.trim_end_matches(" of 30").parse::<u32>().is_ok());
+        assert!(whole, "a piece of the console mixes ranks or lacks its prefix: {piece:?}\n{:?}", done.stdout);
+        if piece.starts_with("[rank0]") {
+            steps += 1;
+        } else {
+            lines += 1;
+        }
+    }
+    assert_eq!(lines, 30, "{:?}", done.stdout);
+    assert!(steps >= 1 && done.stdout.contains("[rank0]: step 30 of 30"), "{:?}", done.stdout);
 }

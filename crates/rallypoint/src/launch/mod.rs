@@ -1,8 +1,12 @@
 //! `rallypoint launch`: hosts the coordinator (node 0), spawns the workers with
 //! torchrun-compatible environments, and takes the whole job down, on every node,
 //! as soon as one worker fails; then says which one, and why.
+//!
+//! Nothing it does waits on its console ([`console`]: output goes through a bounded
+//! queue to threads of its own).
 
 mod agents;
+mod console;
 pub mod env;
 mod node_agent;
 mod outcome;
@@ -14,6 +18,7 @@ use std::ffi::OsString;
 use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::signal::unix::{signal, SignalKind};
@@ -25,9 +30,14 @@ use crate::Config;
 pub use outcome::{Exit, Failure, FailureKind};
 
 use agents::Agents;
+use console::Console;
 use env::JobEnv;
 use node_agent::NodeAgent;
 use supervise::{Attempt, AttemptResult};
+
+/// How long the launcher, done, lets its console show what is queued: a console
+/// that does not read is not waited for.
+const CONSOLE_CLOSE: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Clone)]
 pub struct LaunchOptions {
@@ -73,8 +83,15 @@ pub enum LaunchError {
 /// Runs the job to its end; returns the launcher's exit code (0, or the first failure's).
 pub async fn launch(options: LaunchOptions) -> Result<i32, LaunchError> {
     validate(&options)?;
+    let console = Console::start();
+    let result = supervised(&options, &console).await;
+    console.close(CONSOLE_CLOSE);
+    result
+}
+
+async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i32, LaunchError> {
     let host = crate::env::hostname();
-    let server = if options.node_rank == 0 { Some(host_coordinator(&options).await?) } else { None };
+    let server = if options.node_rank == 0 { Some(host_coordinator(options).await?) } else { None };
     let addr = match (&server, &options.master) {
         (Some(server), _) => server.local_addr().to_string(),
         (None, Some(master)) => master.clone(),
@@ -93,8 +110,16 @@ pub async fn launch(options: LaunchOptions) -> Result<i32, LaunchError> {
         None
     };
     let signals = forward_signals()?;
-    let worker_addr = node_agent.as_ref().map(|a| a.addr().to_owned());
-    let result = run_attempts(&options, &agents, server.as_ref(), coordinator, worker_addr, &host, signals).await;
+    let run = Run {
+        options,
+        agents: &agents,
+        server: server.as_ref(),
+        coordinator,
+        node_agent: node_agent.as_ref().map(|a| a.addr().to_owned()),
+        host: &host,
+        console,
+    };
+    let result = run_attempts(&run, signals).await;
     // Every worker has exited: no rank is left behind the agent.
     if let Some(node_agent) = node_agent {
         node_agent.stop().await;
@@ -106,21 +131,26 @@ pub async fn launch(options: LaunchOptions) -> Result<i32, LaunchError> {
     result
 }
 
-async fn run_attempts(
-    options: &LaunchOptions,
-    agents: &Agents,
-    server: Option<&ServerHandle>,
+/// What every attempt of a launch shares.
+struct Run<'a> {
+    options: &'a LaunchOptions,
+    agents: &'a Agents,
+    server: Option<&'a ServerHandle>,
     coordinator: SocketAddr,
     node_agent: Option<String>,
-    host: &str,
-    mut signals: mpsc::UnboundedReceiver<i32>,
-) -> Result<i32, LaunchError> {
+    host: &'a str,
+    console: &'a Arc<Console>,
+}
+
+async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) -> Result<i32, LaunchError> {
+    let options = run.options;
     let mut attempt = 0;
     loop {
-        let (base_rank, world_size) = agents.rendezvous(attempt, options.nproc_per_node, options.join_timeout).await?;
+        let (base_rank, world_size) =
+            run.agents.rendezvous(attempt, options.nproc_per_node, options.join_timeout).await?;
         let job = JobEnv {
-            coordinator,
-            node_agent: node_agent.clone(),
+            coordinator: run.coordinator,
+            node_agent: run.node_agent.clone(),
             run_id: options.job.clone(),
             attempt_job: if attempt == 0 { options.job.clone() } else { format!("{}.restart{attempt}", options.job) },
             restart_count: attempt,
@@ -128,31 +158,40 @@ async fn run_attempts(
         };
         // torch's TCPStore clients (MASTER_ADDR/MASTER_PORT point here) cannot name a
         // job: they join the attempt's, so their keys and ranks are the workers'.
-        if let Some(server) = server {
+        if let Some(server) = run.server {
             server.set_tcpstore_job(&job.attempt_job);
         }
-        let run = Attempt { options, agents, job: &job, host, base_rank, world_size, attempt };
-        let result = run.run(&mut signals).await?;
+        let attempt_run = Attempt {
+            options,
+            agents: run.agents,
+            job: &job,
+            host: run.host,
+            base_rank,
+            world_size,
+            attempt,
+            console: run.console,
+        };
+        let result = attempt_run.run(&mut signals).await?;
         match result {
             AttemptResult::Succeeded => {
-                agents.farewell(attempt).await;
+                run.agents.farewell(attempt).await;
                 return Ok(0);
             }
-            AttemptResult::Failed { first, .. } => {
+            AttemptResult::Failed { first } => {
                 let interrupted = matches!(first.what, FailureKind::Interrupted { .. });
                 if attempt < options.max_restarts && !interrupted {
-                    eprintln!(
+                    run.console.message(format!(
                         "rallypoint: attempt {} of job '{}' failed ({}); restarting ({} of {} restarts)",
                         attempt + 1,
                         options.job,
                         first.headline(),
                         attempt + 1,
                         options.max_restarts
-                    );
+                    ));
                     attempt += 1;
                     continue;
                 }
-                agents.farewell(attempt).await;
+                run.agents.farewell(attempt).await;
                 return Ok(first.exit_code());
             }
         }

@@ -2,6 +2,7 @@
 //! nodes, and on the first failure take everything down within the grace period.
 
 use std::collections::HashSet;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::mpsc;
@@ -15,7 +16,8 @@ use crate::{Client, ConnectOptions, Identity};
 const NOTICE: Duration = Duration::from_millis(100);
 
 use super::agents::{Agents, Remote, Report};
-use super::env::{worker_env, JobEnv, Placement};
+use super::console::Console;
+use super::env::{live_output_env, worker_env, JobEnv, Placement};
 use super::outcome::{summary, Failure, FailureKind, RankOutcome};
 use super::worker::{self, Exited, Running, Spec};
 use super::{LaunchError, LaunchOptions};
@@ -33,6 +35,7 @@ pub struct Attempt<'a> {
     pub base_rank: u32,
     pub world_size: u32,
     pub attempt: u32,
+    pub console: &'a Arc<Console>,
 }
 
 impl Attempt<'_> {
@@ -53,6 +56,7 @@ impl Attempt<'_> {
             self.agents.watch(self.attempt, remote_tx);
         }
         let inherited_omp = std::env::var_os("OMP_NUM_THREADS").is_some();
+        let inherited_unbuffered = std::env::var_os("PYTHONUNBUFFERED").is_some();
         let mut running: Vec<Option<Running>> = Vec::new();
         let mut pids = Vec::new();
         let mut state = State::default();
@@ -65,13 +69,15 @@ impl Attempt<'_> {
                 node_rank: self.agents.node,
                 nnodes: self.agents.nnodes,
             };
+            let mut env = worker_env(self.job, &placement, inherited_omp);
+            env.extend(live_output_env(inherited_unbuffered));
             let spec = Spec {
                 rank: placement.rank,
                 local_rank,
                 program: o.command[0].clone(),
                 args: o.command[1..].to_vec(),
-                env: worker_env(self.job, &placement, inherited_omp),
-                console: log_dir.is_none() || o.tee,
+                env,
+                console: (log_dir.is_none() || o.tee).then(|| Arc::clone(self.console)),
                 log_dir: log_dir.clone(),
             };
             match worker::spawn(spec, exits_tx.clone()) {
@@ -175,7 +181,7 @@ impl Attempt<'_> {
         match state.first {
             None => Ok(AttemptResult::Succeeded),
             Some(first) => {
-                eprint!("{}", summary(&o.job, self.attempt, o.max_restarts, &first, &state.outcomes));
+                self.console.message(summary(&o.job, self.attempt, o.max_restarts, &first, &state.outcomes));
                 Ok(AttemptResult::Failed { first })
             }
         }
