@@ -706,3 +706,38 @@ fn progress_lines_of_one_rank_never_split_another_ranks_lines() {
     assert_eq!(lines, 30, "{:?}", done.stdout);
     assert!(steps >= 1 && done.stdout.contains("[rank0]: step 30 of 30"), "{:?}", done.stdout);
 }
+
+/// A worker as a wrapper script: a grandchild in its group, one in a session of its
+/// own (setsid), and an orphan whose parent exited; their pids in files.
+const FAMILY: &str = r#"
+    sleep 300 & echo $! > "$DIR/child$RANK.tmp"; mv "$DIR/child$RANK.tmp" "$DIR/child$RANK"
+    setsid sleep 300 & echo $! > "$DIR/setsid$RANK.tmp"; mv "$DIR/setsid$RANK.tmp" "$DIR/setsid$RANK"
+    sh -c 'sleep 300 & echo $! > "$DIR/orphan$RANK.tmp"; mv "$DIR/orphan$RANK.tmp" "$DIR/orphan$RANK"'
+    echo $$ > "$DIR/worker$RANK.tmp"; mv "$DIR/worker$RANK.tmp" "$DIR/worker$RANK"
+"#;
+
+fn family_pids(dir: &Path, ranks: u32) -> Vec<String> {
+    let names: Vec<String> =
+        (0..ranks).flat_map(|r| ["child", "setsid", "orphan", "worker"].map(|n| format!("{n}{r}"))).collect();
+    wait_for_files(dir, &names)
+}
+
+#[test]
+fn nothing_a_worker_started_outlives_a_launcher_killed_with_sigkill() {
+    let dir = temp_dir("sigkillfamily");
+    let script = format!("{FAMILY}\nwait");
+    let launched = start(&["--nproc-per-node", "2"], &script, &dir, &[], true);
+    let pids = family_pids(&dir, 2);
+    signal(launched.child.id() as i32, libc::SIGKILL);
+    let _ = launched.finish();
+    wait_gone(&pids, "after the launcher was killed with SIGKILL");
+}
+
+#[test]
+fn processes_that_left_their_workers_group_end_with_the_job() {
+    let dir = temp_dir("escapees");
+    // The workers succeed, leaving their family behind.
+    let done = start(&["--nproc-per-node", "2"], FAMILY, &dir, &[], true).finish();
+    assert_eq!(done.code, Some(0), "stderr:\n{}", done.stderr);
+    wait_gone(&family_pids(&dir, 2), "after the job ended");
+}

@@ -3,7 +3,9 @@
 //! as soon as one worker fails; then says which one, and why.
 //!
 //! Nothing it does waits on its console ([`console`]: output goes through a bounded
-//! queue to threads of its own).
+//! queue to threads of its own), and nothing it starts outlives it ([`procs`]: a
+//! subreaper that kills whole process groups and what left them; [`watchdog`]: a
+//! process that does so when the launcher itself is killed with SIGKILL).
 
 mod agents;
 mod console;
@@ -11,7 +13,9 @@ pub mod env;
 mod node_agent;
 mod outcome;
 mod output;
+mod procs;
 mod supervise;
+mod watchdog;
 mod worker;
 
 use std::ffi::OsString;
@@ -33,7 +37,9 @@ use agents::Agents;
 use console::Console;
 use env::JobEnv;
 use node_agent::NodeAgent;
+use procs::Family;
 use supervise::{Attempt, AttemptResult};
+use watchdog::Watchdog;
 
 /// How long the launcher, done, lets its console show what is queued: a console
 /// that does not read is not waited for.
@@ -90,6 +96,22 @@ pub async fn launch(options: LaunchOptions) -> Result<i32, LaunchError> {
 }
 
 async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i32, LaunchError> {
+    let family = Arc::new(Family::new());
+    if let Err(error) = procs::become_subreaper() {
+        tracing::warn!(%error, "cannot become the subreaper of the workers' processes; orphans they leave go to init");
+    }
+    procs::spawn_reaper(Arc::clone(&family))?;
+    // Forked before any socket or pipe of the job exists, so it holds none of them.
+    let watchdog = match Watchdog::start(family.entry()) {
+        Ok(watchdog) => {
+            family.set_watchdog(watchdog.pid());
+            Some(watchdog)
+        }
+        Err(error) => {
+            tracing::warn!(%error, "cannot start the watchdog; if the launcher is killed with SIGKILL, what the workers started may survive");
+            None
+        }
+    };
     let host = crate::env::hostname();
     let server = if options.node_rank == 0 { Some(host_coordinator(options).await?) } else { None };
     let addr = match (&server, &options.master) {
@@ -118,6 +140,8 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
         node_agent: node_agent.as_ref().map(|a| a.addr().to_owned()),
         host: &host,
         console,
+        family: &family,
+        watchdog: watchdog.as_ref(),
     };
     let result = run_attempts(&run, signals).await;
     // Every worker has exited: no rank is left behind the agent.
@@ -127,6 +151,10 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
     agents.close().await;
     if let Some(server) = server {
         server.shutdown().await;
+    }
+    // Everything the job started is gone: the watchdog has nothing left to do.
+    if let Some(watchdog) = watchdog {
+        watchdog.disarm();
     }
     result
 }
@@ -140,6 +168,8 @@ struct Run<'a> {
     node_agent: Option<String>,
     host: &'a str,
     console: &'a Arc<Console>,
+    family: &'a Arc<Family>,
+    watchdog: Option<&'a Watchdog>,
 }
 
 async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) -> Result<i32, LaunchError> {
@@ -170,6 +200,8 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
             world_size,
             attempt,
             console: run.console,
+            family: run.family,
+            watchdog: run.watchdog,
         };
         let result = attempt_run.run(&mut signals).await?;
         match result {

@@ -19,6 +19,8 @@ use super::agents::{Agents, Remote, Report};
 use super::console::Console;
 use super::env::{live_output_env, worker_env, JobEnv, Placement};
 use super::outcome::{summary, Failure, FailureKind, RankOutcome};
+use super::procs::{Family, LAUNCH_ID_VAR};
+use super::watchdog::Watchdog;
 use super::worker::{self, Exited, Running, Spec};
 use super::{LaunchError, LaunchOptions};
 
@@ -36,6 +38,8 @@ pub struct Attempt<'a> {
     pub world_size: u32,
     pub attempt: u32,
     pub console: &'a Arc<Console>,
+    pub family: &'a Arc<Family>,
+    pub watchdog: Option<&'a Watchdog>,
 }
 
 impl Attempt<'_> {
@@ -71,6 +75,7 @@ impl Attempt<'_> {
             };
             let mut env = worker_env(self.job, &placement, inherited_omp);
             env.extend(live_output_env(inherited_unbuffered));
+            env.push((LAUNCH_ID_VAR, self.family.id().into()));
             let spec = Spec {
                 rank: placement.rank,
                 local_rank,
@@ -80,8 +85,11 @@ impl Attempt<'_> {
                 console: (log_dir.is_none() || o.tee).then(|| Arc::clone(self.console)),
                 log_dir: log_dir.clone(),
             };
-            match worker::spawn(spec, exits_tx.clone()) {
+            match worker::spawn(spec, self.family, exits_tx.clone()) {
                 Ok(r) => {
+                    if let Some(watchdog) = self.watchdog {
+                        watchdog.watch_group(r.pid);
+                    }
                     pids.push(r.pid);
                     running.push(Some(r));
                 }
@@ -168,14 +176,22 @@ impl Attempt<'_> {
                         for r in running.iter().flatten() {
                             worker::signal_group(r.pid, libc::SIGKILL);
                         }
+                        self.family.signal_strays(libc::SIGKILL, &[]);
                         state.kill_at = None;
                     }
                 }
             }
         }
-        // Whatever the workers started in their groups goes too: no worker survives its job.
+        // Whatever the workers started goes too, in their groups or not: no worker
+        // survives its job.
         for &pid in &pids {
             worker::signal_group(pid, libc::SIGKILL);
+        }
+        self.family.kill_strays().await;
+        if let Some(watchdog) = self.watchdog {
+            for &pid in &pids {
+                watchdog.forget_group(pid);
+            }
         }
         state.outcomes.sort_by_key(|o| o.rank);
         match state.first {
@@ -211,11 +227,14 @@ impl Attempt<'_> {
         }
     }
 
-    /// Sends `sig` to every running worker's group; SIGKILL follows after the grace period.
+    /// Sends `sig` to every running worker's group and to what left those groups;
+    /// SIGKILL follows after the grace period.
     fn signal_all(&self, state: &mut State, running: &[Option<Running>], sig: i32) {
-        for r in running.iter().flatten() {
-            worker::signal_group(r.pid, sig);
+        let groups: Vec<u32> = running.iter().flatten().map(|r| r.pid).collect();
+        for &group in &groups {
+            worker::signal_group(group, sig);
         }
+        self.family.signal_strays(sig, &groups);
         state.signal_sent = Some(sig);
         state.kill_at = Some(Instant::now() + self.options.grace);
     }

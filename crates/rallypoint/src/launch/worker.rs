@@ -18,6 +18,7 @@ use tokio::time::Instant;
 use super::console::{Console, STALL};
 use super::outcome::Exit;
 use super::output::{pump, tail_lines, Stream, Tail};
+use super::procs::Family;
 
 /// After a worker exited, its pipes are read on as long as output keeps coming, but
 /// a pipe that stays silent this long is given up: a process the worker started may
@@ -52,7 +53,7 @@ pub struct Exited {
 }
 
 /// Starts the worker and a task that reports its exit on `done`.
-pub fn spawn(spec: Spec, done: mpsc::UnboundedSender<Exited>) -> io::Result<Running> {
+pub fn spawn(spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exited>) -> io::Result<Running> {
     let mut cmd = Command::new(&spec.program);
     cmd.args(&spec.args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
@@ -66,7 +67,8 @@ pub fn spawn(spec: Spec, done: mpsc::UnboundedSender<Exited>) -> io::Result<Runn
     // SAFETY: only async-signal-safe calls (prctl, getppid, raise) between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
-            // A worker must not outlive its launcher, even one killed with SIGKILL.
+            // A worker must not outlive its launcher, even one killed with SIGKILL (what
+            // the worker starts is the watchdog's: this signal is not inherited).
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
                 return Err(io::Error::last_os_error());
             }
@@ -77,9 +79,15 @@ pub fn spawn(spec: Spec, done: mpsc::UnboundedSender<Exited>) -> io::Result<Runn
             Ok(())
         });
     }
-    let mut child = cmd.spawn().map_err(|e| {
-        io::Error::new(e.kind(), format!("cannot start {:?} for rank {}: {e}", spec.program, spec.rank))
-    })?;
+    let mut child = family
+        .spawn_worker(|| {
+            let child = cmd.spawn()?;
+            let pid = child.id().unwrap_or(0);
+            Ok((child, pid))
+        })
+        .map_err(|e| {
+            io::Error::new(e.kind(), format!("cannot start {:?} for rank {}: {e}", spec.program, spec.rank))
+        })?;
     let pid = child.id().unwrap_or(0);
     let tail: Tail = Tail::default();
     let activity = Arc::new(AtomicU64::new(0));
@@ -93,6 +101,7 @@ pub fn spawn(spec: Spec, done: mpsc::UnboundedSender<Exited>) -> io::Result<Runn
     let stdout = child.stdout.take().map(|out| start_pump(Stream::Stdout, Box::new(out) as Source, None));
     let stderr = child.stderr.take().map(|err| start_pump(Stream::Stderr, Box::new(err) as Source, Some(tail.clone())));
     let local_rank = spec.local_rank;
+    let family = Arc::clone(family);
     tokio::spawn(async move {
         let exit = match child.wait().await {
             Ok(status) => match (status.code(), status.signal()) {
@@ -105,6 +114,7 @@ pub fn spawn(spec: Spec, done: mpsc::UnboundedSender<Exited>) -> io::Result<Runn
                 Exit::Code(1)
             }
         };
+        family.worker_reaped(pid);
         drain([stdout, stderr].into_iter().flatten(), &activity).await;
         let _ = done.send(Exited { local_rank, exit, stderr_tail: tail_lines(&tail) });
     });
