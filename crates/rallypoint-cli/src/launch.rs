@@ -52,6 +52,12 @@ pub struct LaunchArgs {
     /// Seconds to wait for the coordinator and for every node to join.
     #[arg(long, default_value_t = 300.0)]
     join_timeout: f64,
+    /// Seconds a worker may stay silent (no request, no heartbeat: stopped, hung, cut
+    /// off) before the coordinator hosted on node 0 counts it lost; its peers then fail
+    /// at once, naming it, and so does the summary. Clients heartbeat at a third of it;
+    /// 0 turns leases off [default: 15]
+    #[arg(long)]
+    lease: Option<f64>,
     /// Host a node agent in this launcher: the workers' RALLYPOINT_ADDR becomes its Unix
     /// socket (unix:PATH, in a private temporary directory removed at exit) and it carries
     /// all of this node's worker connections to the coordinator over one connection.
@@ -79,6 +85,7 @@ pub async fn run(args: LaunchArgs) -> anyhow::Result<i32> {
         tee: args.tee,
         max_restarts: args.max_restarts,
         join_timeout: seconds("join-timeout", args.join_timeout)?,
+        lease: args.lease.map(|lease| seconds("lease", lease)).transpose()?,
         node_agent: args.node_agent,
         command: args.command,
     };

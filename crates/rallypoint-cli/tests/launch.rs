@@ -741,3 +741,88 @@ fn processes_that_left_their_workers_group_end_with_the_job() {
     assert_eq!(done.code, Some(0), "stderr:\n{}", done.stderr);
     wait_gone(&family_pids(&dir, 2), "after the job ended");
 }
+
+/// Waits (bounded) until rank `rank`'s process `pid` is connected to the coordinator
+/// at `addr`, asking the coordinator itself: a barrier of this rank and `prober`
+/// names it, with its pid, as connected but not arrived when it times out.
+fn wait_connected(addr: &str, world: u32, prober: u32, rank: u32, pid: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let ranks = format!("{prober},{rank}");
+    let world = world.to_string();
+    let prober = prober.to_string();
+    for probe in 0.. {
+        let out = Command::new(BIN)
+            .args(["barrier", &format!("probe{probe}"), "--ranks", &ranks, "--timeout", "0.3", "--addr", addr])
+            .args(["--job", "default", "--rank", &prober, "--world-size", &world])
+            .output()
+            .expect("run the probe");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if stderr.contains(&format!("pid {pid}, connected")) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "rank {rank} (pid {pid}) never connected: {stderr}");
+    }
+}
+
+#[test]
+fn a_stopped_rank_is_named_as_the_root_cause_not_the_peers_that_failed_for_it() {
+    let dir = temp_dir("stopped");
+    let script = r#"
+        if [ "$RANK" = 1 ]; then
+            echo "$RALLYPOINT_ADDR" > "$DIR/addr.tmp" && mv "$DIR/addr.tmp" "$DIR/addr"
+            echo $$ > "$DIR/pid.tmp" && mv "$DIR/pid.tmp" "$DIR/pid1"
+            exec "$RP" get never-set --timeout 60
+        fi
+        i=0; while [ ! -f "$DIR/stopped" ]; do i=$((i+1)); [ $i -gt 400 ] && exit 8; sleep 0.05; done
+        "$RP" barrier step --timeout 60 || exit $?
+    "#;
+    let launched = start(&["--nproc-per-node", "3", "--lease", "2", "--grace", "1"], script, &dir, &[], true);
+    let found = wait_for_files(&dir, &["addr".into(), "pid1".into()]);
+    let (addr, pid) = (&found[0], &found[1]);
+    wait_connected(addr, 3, 0, 1, pid);
+    signal(pid.parse().expect("pid"), libc::SIGSTOP);
+    std::fs::write(dir.join("stopped"), "").expect("stopped");
+    let done = launched.finish();
+    assert_eq!(done.code, Some(4), "the peers' code (peer lost); stderr:\n{}", done.stderr);
+    let first = done.stderr.lines().find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
+    assert!(first.contains("FAILED (attempt 1 of 1): rank 1 stopped heartbeating at "), "{}", done.stderr);
+    assert!(first.contains("(process alive, state T (stopped))"), "{}", done.stderr);
+    assert!(done.stderr.contains("  rank 1 (local rank 1, node 0, host "), "{}", done.stderr);
+    assert!(done.stderr.contains(&format!(", pid {pid}) stopped heartbeating at ")), "{}", done.stderr);
+    for r in [0, 2] {
+        let line = format!("  rank {r}: exited with code 4 after rank 1 was lost");
+        assert!(done.stderr.lines().any(|l| l == line), "missing {line:?}:\n{}", done.stderr);
+    }
+    assert!(!done.stderr.contains("after rank 0 failed") && !done.stderr.contains("after rank 2 failed"));
+}
+
+#[test]
+fn a_stopped_rank_on_another_node_is_named_on_both_nodes() {
+    let dir = temp_dir("stoppedremote");
+    let master = format!("127.0.0.1:{}", free_port());
+    let script = r#"
+        if [ "$RANK" = 3 ]; then
+            echo $$ > "$DIR/pid.tmp" && mv "$DIR/pid.tmp" "$DIR/pid3"
+            exec "$RP" get never-set --timeout 60
+        fi
+        i=0; while [ ! -f "$DIR/stopped" ]; do i=$((i+1)); [ $i -gt 400 ] && exit 8; sleep 0.05; done
+        "$RP" barrier step --timeout 60 || exit $?
+    "#;
+    let common =
+        ["--nnodes", "2", "--nproc-per-node", "2", "--master", master.as_str(), "--lease", "2", "--grace", "1"];
+    let node0 = start(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir, &[], true);
+    let node1 = start(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir, &[], true);
+    let pid = wait_for_files(&dir, &["pid3".into()]).remove(0);
+    wait_connected(&master, 4, 0, 3, &pid);
+    signal(pid.parse().expect("pid"), libc::SIGSTOP);
+    std::fs::write(dir.join("stopped"), "").expect("stopped");
+    let (n0, n1) = (node0.finish(), node1.finish());
+    for (node, done) in [(0, &n0), (1, &n1)] {
+        assert_eq!(done.code, Some(4), "node {node} stderr:\n{}", done.stderr);
+        let first = done.stderr.lines().find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
+        assert!(first.contains("rank 3 stopped heartbeating at "), "node {node}:\n{}", done.stderr);
+        assert!(done.stderr.contains(&format!("pid {pid}) stopped heartbeating")), "node {node}:\n{}", done.stderr);
+    }
+    assert!(n1.stderr.contains("(process alive, state T (stopped))"), "node 1 sees the process:\n{}", n1.stderr);
+    assert!(n0.stderr.contains("  rank 3 (local rank 1, node 1, host "), "{}", n0.stderr);
+}

@@ -31,7 +31,7 @@ use tokio::sync::mpsc;
 use crate::server::{Server, ServerConfig, ServerHandle};
 use crate::Config;
 
-pub use outcome::{Exit, Failure, FailureKind};
+pub use outcome::{Exit, Failure, FailureKind, Loss};
 
 use agents::Agents;
 use console::Console;
@@ -63,6 +63,9 @@ pub struct LaunchOptions {
     pub max_restarts: u32,
     /// How long to wait for the coordinator and the other nodes.
     pub join_timeout: Duration,
+    /// The hosted coordinator's lease: a rank silent this long is lost (its peers
+    /// fail at once, naming it). `None`: the coordinator's default.
+    pub lease: Option<Duration>,
     /// Host a node agent for this node's workers (their `RALLYPOINT_ADDR`), so the
     /// coordinator holds one connection for the node instead of one per worker.
     pub node_agent: bool,
@@ -176,8 +179,7 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
     let options = run.options;
     let mut attempt = 0;
     loop {
-        let (base_rank, world_size) =
-            run.agents.rendezvous(attempt, options.nproc_per_node, options.join_timeout).await?;
+        let layout = run.agents.rendezvous(attempt, options.nproc_per_node, options.join_timeout).await?;
         let job = JobEnv {
             coordinator: run.coordinator,
             node_agent: run.node_agent.clone(),
@@ -196,9 +198,11 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
             agents: run.agents,
             job: &job,
             host: run.host,
-            base_rank,
-            world_size,
+            base_rank: layout.base_rank,
+            world_size: layout.world_size,
+            counts: &layout.counts,
             attempt,
+            server: run.server,
             console: run.console,
             family: run.family,
             watchdog: run.watchdog,
@@ -261,7 +265,11 @@ async fn host_coordinator(options: &LaunchOptions) -> Result<ServerHandle, Launc
         Some(master) => resolve(master).await?,
         None => SocketAddr::from(([127, 0, 0, 1], 0)),
     };
-    let server = Server::bind(ServerConfig { listen, engine: Config::default() })
+    let mut engine = Config::default();
+    if let Some(lease) = options.lease {
+        engine.lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
+    }
+    let server = Server::bind(ServerConfig { listen, engine })
         .await
         .map_err(|source| LaunchError::Bind { addr: listen.to_string(), source })?;
     Ok(server.spawn())

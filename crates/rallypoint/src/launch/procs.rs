@@ -54,6 +54,42 @@ fn parse_stat(text: &[u8]) -> Option<Stat> {
     Some(Stat { pid, state, ppid, pgrp })
 }
 
+/// How a process is, for a person: "alive, state T (stopped)", "exited, not yet
+/// reaped", "gone".
+pub fn describe(pid: u32) -> String {
+    let Some(stat) = i32::try_from(pid).ok().and_then(stat) else { return "gone".into() };
+    let what = match stat.state {
+        b'R' => "running",
+        b'S' => "sleeping",
+        b'D' => "in uninterruptible sleep (usually I/O)",
+        b'T' => "stopped",
+        b't' => "stopped by a debugger",
+        b'Z' => return "exited, not yet reaped".into(),
+        b'X' => return "gone".into(),
+        b'I' => "idle",
+        b'P' => "parked",
+        b'W' => "paging",
+        _ => "in an unknown state",
+    };
+    format!("alive, state {} ({what})", char::from(stat.state))
+}
+
+/// Whether `pid` is a descendant of this process (so a pid a coordinator reported
+/// is ours, not a stranger's that reused the number).
+pub fn is_descendant(pid: u32) -> bool {
+    let me = std::process::id() as i32;
+    let Ok(mut pid) = i32::try_from(pid) else { return false };
+    // Bounded: a loop in the (racy) chain must not hang us.
+    for _ in 0..256 {
+        match stat(pid) {
+            Some(s) if s.ppid == me => return true,
+            Some(s) if s.ppid > 1 => pid = s.ppid,
+            _ => return false,
+        }
+    }
+    false
+}
+
 fn all_pids() -> Vec<i32> {
     let Ok(dir) = std::fs::read_dir("/proc") else { return Vec::new() };
     dir.flatten().filter_map(|e| e.file_name().to_str().and_then(|n| n.parse().ok())).collect()
@@ -237,6 +273,24 @@ mod tests {
         assert_eq!(parse_stat(b"garbage"), None);
         let me = stat(std::process::id() as i32).expect("our own stat");
         assert_eq!((me.pid, me.ppid), (std::process::id() as i32, std::os::unix::process::parent_id() as i32));
+    }
+
+    #[test]
+    fn a_stopped_child_is_described_as_such_and_a_reaped_one_as_gone() {
+        let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
+        let pid = child.id();
+        assert!(is_descendant(pid));
+        // SAFETY: signals a child of this test.
+        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while describe(pid) != "alive, state T (stopped)" {
+            assert!(std::time::Instant::now() < deadline, "{}", describe(pid));
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        child.kill().expect("kill");
+        child.wait().expect("wait");
+        assert_eq!(describe(pid), "gone");
+        assert!(!is_descendant(pid));
     }
 
     #[test]

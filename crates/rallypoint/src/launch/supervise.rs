@@ -1,28 +1,41 @@
 //! One attempt of a job on this node: spawn the workers, watch them and the other
 //! nodes, and on the first failure take everything down within the grace period.
+//!
+//! The summary blames the root cause. When a worker fails, node 0 (which hosts the
+//! coordinator) asks it which ranks of the attempt it counts as lost: a rank its
+//! peers lost (it stopped heartbeating, or dropped its connection before the
+//! failure) is the cause, and the failed peer only what revealed it. The other
+//! nodes learn that verdict from node 0 and wait briefly for it before their own
+//! summary, so every node names the same rank; the node running that rank adds its
+//! process's state from `/proc`.
 
 use std::collections::HashSet;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use crate::{Client, ConnectOptions, Identity};
+use crate::server::ServerHandle;
+use crate::{Client, ConnectOptions, Identity, LossReason, RankInfo, RankState};
 
 /// Between aborting the job on the coordinator and signalling the workers: long enough
 /// for a worker blocked in a barrier to receive the reason and report it itself, short
 /// enough not to matter to a person waiting.
 const NOTICE: Duration = Duration::from_millis(100);
+/// How long a node other than 0 waits, its workers gone, for node 0's verdict on a
+/// failure it saw first (node 0 may know a rank was lost before it): an upper bound,
+/// the verdict takes a round trip.
+const VERDICT_WAIT: Duration = Duration::from_secs(5);
 
 use super::agents::{Agents, Remote, Report};
 use super::console::Console;
 use super::env::{live_output_env, worker_env, JobEnv, Placement};
-use super::outcome::{summary, Failure, FailureKind, RankOutcome};
-use super::procs::{Family, LAUNCH_ID_VAR};
+use super::outcome::{summary, unix_ms, Failure, FailureKind, Loss, RankOutcome};
+use super::procs::{self, Family, LAUNCH_ID_VAR};
 use super::watchdog::Watchdog;
 use super::worker::{self, Exited, Running, Spec};
-use super::{LaunchError, LaunchOptions};
+use super::{Exit, LaunchError, LaunchOptions};
 
 pub enum AttemptResult {
     Succeeded,
@@ -36,10 +49,22 @@ pub struct Attempt<'a> {
     pub host: &'a str,
     pub base_rank: u32,
     pub world_size: u32,
+    /// Workers per node, by node.
+    pub counts: &'a [u32],
     pub attempt: u32,
+    /// The coordinator, when this launcher hosts it (node 0).
+    pub server: Option<&'a ServerHandle>,
     pub console: &'a Arc<Console>,
     pub family: &'a Arc<Family>,
     pub watchdog: Option<&'a Watchdog>,
+}
+
+/// Where a failure was seen.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    Here,
+    /// Another node's report, or node 0's verdict.
+    Remote,
 }
 
 impl Attempt<'_> {
@@ -96,14 +121,14 @@ impl Attempt<'_> {
                 Err(e) => {
                     // Could not even start: a failure like any other (exit 127, as a shell
                     // reports a missing command), with the reason as its stderr; start no more.
-                    let failure = self.worker_failure(local_rank, 0, super::Exit::Code(127), vec![e.to_string()]);
+                    let failure = self.worker_failure(local_rank, 0, Exit::Code(127), vec![e.to_string()]);
                     state.outcomes.push(RankOutcome {
                         rank: placement.rank,
-                        exit: super::Exit::Code(127),
+                        exit: Exit::Code(127),
                         signalled_by_launcher: None,
                         after_failure: false,
                     });
-                    self.fail(&mut state, failure, &running);
+                    self.fail(&mut state, failure, &running, Origin::Here);
                     break;
                 }
             }
@@ -115,51 +140,66 @@ impl Attempt<'_> {
         let mut published_success = false;
         loop {
             let all_exited = running.iter().all(Option::is_none);
+            let mut verdict_by = None;
             if all_exited {
                 if state.first.is_some() {
-                    break;
-                }
-                let nnodes = self.agents.nnodes;
-                if nnodes == 1 || verdict_ok {
-                    break;
-                }
-                if self.agents.node == 0 && reports_ok.len() as u32 == nnodes - 1 {
-                    self.agents.publish(self.attempt, &Report::Succeeded);
-                    break;
-                }
-                if self.agents.node != 0 && !published_success {
-                    self.agents.publish(self.attempt, &Report::Succeeded);
-                    published_success = true;
+                    match state.verdict_by {
+                        Some(by) if !state.verdict_seen && Instant::now() < by => verdict_by = Some(by),
+                        _ => break,
+                    }
+                } else {
+                    let nnodes = self.agents.nnodes;
+                    if nnodes == 1 || verdict_ok {
+                        break;
+                    }
+                    if self.agents.node == 0 && reports_ok.len() as u32 == nnodes - 1 {
+                        self.agents.publish(self.attempt, &Report::Succeeded);
+                        break;
+                    }
+                    if self.agents.node != 0 && !published_success {
+                        self.agents.publish(self.attempt, &Report::Succeeded);
+                        published_success = true;
+                    }
                 }
             }
-            let next_step = state.term_at.or(state.kill_at).map(tokio::time::sleep_until);
+            let next_step = [state.term_at, state.kill_at, verdict_by].into_iter().flatten().min();
             tokio::select! {
                 Some(exited) = exits.recv() => {
                     let Some(r) = running.get_mut(exited.local_rank as usize).and_then(Option::take) else { continue };
+                    let rank = self.base_rank + exited.local_rank;
                     state.outcomes.push(RankOutcome {
-                        rank: self.base_rank + exited.local_rank,
+                        rank,
                         exit: exited.exit,
                         signalled_by_launcher: state.signal_sent,
                         after_failure: state.first.is_some(),
                     });
-                    if !exited.exit.success() && state.first.is_none() {
+                    if !exited.exit.success() {
                         let failure = self.worker_failure(r.local_rank, r.pid, exited.exit, exited.stderr_tail);
-                        self.fail(&mut state, failure, &running);
+                        if state.first.is_none() {
+                            self.fail(&mut state, failure, &running, Origin::Here);
+                        } else if state.signal_sent.is_none() {
+                            // Ended by itself before the teardown: may be the lost rank's own end.
+                            self.reconsider(&mut state, failure, &running);
+                        }
                     }
                 }
                 Some(event) = remote.recv() => match event {
                     Remote::NodeSucceeded(node) => { reports_ok.insert(node); }
                     Remote::VerdictSucceeded => verdict_ok = true,
                     Remote::Failed(failure) => {
+                        // Off node 0, this is node 0's verdict.
+                        state.verdict_seen |= self.agents.node != 0;
                         if state.first.is_none() {
-                            self.fail(&mut state, failure, &running);
+                            self.fail(&mut state, failure, &running, Origin::Remote);
+                        } else {
+                            self.reconsider(&mut state, failure, &running);
                         }
                     }
                 },
                 Some(sig) = signals.recv() => {
                     if state.first.is_none() {
                         let failure = Failure::now(FailureKind::Interrupted { signal: sig }, self.agents.node, self.host);
-                        self.fail(&mut state, failure, &running);
+                        self.fail(&mut state, failure, &running, Origin::Here);
                         // The user asked: pass their signal on at once, no notice period.
                         state.term_at = None;
                         self.signal_all(&mut state, &running, sig);
@@ -169,15 +209,21 @@ impl Attempt<'_> {
                         state.kill_at = Some(Instant::now());
                     }
                 }
-                _ = async { if let Some(t) = next_step { t.await } else { std::future::pending().await } } => {
-                    if state.term_at.take().is_some() {
+                _ = async { if let Some(t) = next_step { tokio::time::sleep_until(t).await } else { std::future::pending().await } } => {
+                    let now = Instant::now();
+                    if state.term_at.is_some_and(|t| t <= now) {
+                        state.term_at = None;
                         self.signal_all(&mut state, &running, libc::SIGTERM);
-                    } else {
+                    } else if state.kill_at.is_some_and(|t| t <= now) {
                         for r in running.iter().flatten() {
                             worker::signal_group(r.pid, libc::SIGKILL);
                         }
                         self.family.signal_strays(libc::SIGKILL, &[]);
+                        state.signal_sent = Some(libc::SIGKILL);
                         state.kill_at = None;
+                    } else if verdict_by.is_some_and(|t| t <= now) {
+                        tracing::debug!("no verdict from node 0; the summary says what this node saw");
+                        state.verdict_seen = true;
                     }
                 }
             }
@@ -203,7 +249,7 @@ impl Attempt<'_> {
         }
     }
 
-    fn worker_failure(&self, local_rank: u32, pid: u32, exit: super::Exit, stderr_tail: Vec<String>) -> Failure {
+    fn worker_failure(&self, local_rank: u32, pid: u32, exit: Exit, stderr_tail: Vec<String>) -> Failure {
         Failure::now(
             FailureKind::Worker { rank: self.base_rank + local_rank, local_rank, pid, exit, stderr_tail },
             self.agents.node,
@@ -211,19 +257,132 @@ impl Attempt<'_> {
         )
     }
 
-    /// The first failure: tell the other nodes, and abort the job on the coordinator so
-    /// peers blocked in barriers fail at once with the reason; after a short notice,
-    /// SIGTERM whoever is still running.
-    fn fail(&self, state: &mut State, failure: Failure, running: &[Option<Running>]) {
+    /// The first failure: judge its root cause, tell the other nodes, and abort the
+    /// job on the coordinator so peers blocked in barriers fail at once with the
+    /// reason; after a short notice, SIGTERM whoever is still running.
+    fn fail(&self, state: &mut State, failure: Failure, running: &[Option<Running>], origin: Origin) {
+        let failure = self.localize(self.judge(failure, state, running), running);
         let nnodes = self.agents.nnodes;
-        let seen_here = failure.node == self.agents.node;
-        if nnodes > 1 && (self.agents.node == 0 || seen_here) {
+        if nnodes > 1 && (self.agents.node == 0 || origin == Origin::Here) {
             self.agents.publish(self.attempt, &Report::Failed(failure.clone()));
+        }
+        if nnodes > 1 && self.agents.node != 0 {
+            // Node 0 may know better (a rank it counts as lost): its verdict is awaited.
+            state.verdict_by = Some(Instant::now() + VERDICT_WAIT);
         }
         abort_job(self.job, self.host, format!("launcher: {}", failure.headline()));
         state.first = Some(failure);
         if running.iter().any(Option::is_some) {
             state.term_at = Some(Instant::now() + NOTICE.min(self.options.grace));
+        }
+    }
+
+    /// A later failure may say more about the root cause than the first one did:
+    /// node 0's verdict naming a lost rank, or the lost rank's own exit.
+    fn reconsider(&self, state: &mut State, later: Failure, running: &[Option<Running>]) {
+        let Some(first) = &state.first else { return };
+        let better = match (&first.what, &later.what) {
+            (FailureKind::Worker { .. }, FailureKind::RankLost { .. }) => true,
+            (FailureKind::RankLost { rank: lost, .. }, FailureKind::Worker { rank, .. }) => lost == rank,
+            _ => false,
+        };
+        if better {
+            state.first = Some(self.localize(later, running));
+        }
+    }
+
+    /// On node 0: a worker failure whose peers had lost another rank first becomes
+    /// that rank's loss. Ranks lost by lease are never a consequence of the failure
+    /// (killing a worker drops its connection); a dropped connection counts only if
+    /// it came first and was not a worker that had finished.
+    fn judge(&self, failure: Failure, state: &State, running: &[Option<Running>]) -> Failure {
+        let FailureKind::Worker { rank: failed, .. } = &failure.what else { return failure };
+        let Some(server) = self.server else { return failure };
+        let now_ms = unix_ms(SystemTime::now());
+        let mut cause: Option<(u64, u64, Loss, RankInfo)> = None;
+        for info in server.lost_ranks(&self.job.attempt_job) {
+            if info.rank == *failed || info.rank >= self.world_size {
+                continue;
+            }
+            let RankState::Lost(reason) = info.state else { continue };
+            let last_seen = now_ms.saturating_sub(info.last_seen_ms_ago.unwrap_or(0));
+            let (loss, lost_at) = match reason {
+                LossReason::LeaseExpired { lease_ms } => {
+                    (Loss::Silent { lease_ms }, last_seen.saturating_add(lease_ms))
+                }
+                LossReason::Disconnected => (Loss::Disconnected, last_seen),
+            };
+            if loss == Loss::Disconnected {
+                let finished = state.outcomes.iter().any(|o| o.rank == info.rank && o.exit.success());
+                if lost_at > failure.at_unix_ms || finished {
+                    continue;
+                }
+            }
+            let earlier = match &cause {
+                Some((at, ..)) => lost_at < *at,
+                None => true,
+            };
+            if earlier {
+                cause = Some((lost_at, last_seen, loss, info));
+            }
+        }
+        let Some((_, last_seen, loss, info)) = cause else { return failure };
+        let (node, local_rank) = self.place(info.rank).map_or((failure.node, None), |(n, l)| (n, Some(l)));
+        let process = self.process_of(info.rank, info.pid, info.host.as_deref(), running);
+        Failure {
+            what: FailureKind::RankLost {
+                rank: info.rank,
+                local_rank,
+                pid: info.pid,
+                loss,
+                last_seen_unix_ms: last_seen,
+                process,
+                revealed_by: Box::new(failure),
+            },
+            node,
+            host: info.host.unwrap_or_else(|| "?".into()),
+            at_unix_ms: now_ms,
+        }
+    }
+
+    /// A lost rank of this node, judged elsewhere: add its process's state.
+    fn localize(&self, mut failure: Failure, running: &[Option<Running>]) -> Failure {
+        if let FailureKind::RankLost { rank, pid, process: process @ None, .. } = &mut failure.what {
+            *process = self.process_of(*rank, *pid, Some(&failure.host), running);
+        }
+        failure
+    }
+
+    /// The node and local rank of `rank`.
+    fn place(&self, rank: u32) -> Option<(u32, u32)> {
+        let mut first = 0u32;
+        for (node, &count) in self.counts.iter().enumerate() {
+            if rank < first.saturating_add(count) {
+                return Some((u32::try_from(node).ok()?, rank - first));
+            }
+            first = first.saturating_add(count);
+        }
+        None
+    }
+
+    /// The state of `rank`'s process, if it runs on this node: the process the
+    /// coordinator names (a wrapper's child, say), when it is one of ours, else the
+    /// worker itself.
+    fn process_of(
+        &self,
+        rank: u32,
+        pid: Option<u32>,
+        host: Option<&str>,
+        running: &[Option<Running>],
+    ) -> Option<String> {
+        let local = rank.checked_sub(self.base_rank).filter(|&l| l < self.options.nproc_per_node)?;
+        if let Some(pid) = pid.filter(|&p| host == Some(self.host) && procs::is_descendant(p)) {
+            return Some(procs::describe(pid));
+        }
+        match running.get(local as usize) {
+            Some(Some(worker)) => Some(procs::describe(worker.pid)),
+            // Its worker exited already.
+            _ => Some("gone".into()),
         }
     }
 
@@ -244,12 +403,15 @@ impl Attempt<'_> {
 struct State {
     first: Option<Failure>,
     outcomes: Vec<RankOutcome>,
-    /// The signal sent to the workers at teardown.
+    /// The last signal sent to the workers at teardown.
     signal_sent: Option<i32>,
     /// When the workers still alive get SIGTERM (the end of the notice period).
     term_at: Option<Instant>,
     /// When the workers still alive get SIGKILL.
     kill_at: Option<Instant>,
+    /// Off node 0: until when to wait for node 0's verdict on a failure seen here.
+    verdict_by: Option<Instant>,
+    verdict_seen: bool,
 }
 
 /// Aborts the attempt's coordinator job in the background: workers blocked in a
