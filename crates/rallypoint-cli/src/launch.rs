@@ -17,8 +17,11 @@ RALLYPOINT_JOB, so `rallypoint barrier ...` and Client::from_env() work inside i
 --node-agent, RALLYPOINT_ADDR is this node's agent; a rank dying behind it is still named, with
 its host, by every peer).
 When a worker fails, every worker on every node gets SIGTERM (SIGKILL after --grace), a summary
-names the first failure on stderr, and the launcher exits with that worker's exit code
-(128 + signal for a signal).")]
+names the root cause on stderr (the first failure, or a rank its peers lost: stopped, hung or
+disconnected), and the launcher exits with the failed worker's exit code (128 + signal for a
+signal). Whatever the workers started goes with them, even if the launcher is killed with SIGKILL.
+Output is shown live (PYTHONUNBUFFERED=1 unless set); a console that does not read costs
+lines (counted, with a notice), never the job.")]
 pub struct LaunchArgs {
     /// Workers to start on this node.
     #[arg(long, default_value_t = 1)]
