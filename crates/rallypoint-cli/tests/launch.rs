@@ -790,8 +790,9 @@ fn a_stopped_rank_is_named_as_the_root_cause_not_the_peers_that_failed_for_it() 
     assert!(done.stderr.contains("  rank 1 (local rank 1, node 0, host "), "{}", done.stderr);
     assert!(done.stderr.contains(&format!(", pid {pid}) stopped heartbeating at ")), "{}", done.stderr);
     for r in [0, 2] {
-        let line = format!("  rank {r}: exited with code 4 after rank 1 was lost");
-        assert!(done.stderr.lines().any(|l| l == line), "missing {line:?}:\n{}", done.stderr);
+        // Peer lost (4), or aborted by the launcher (5) if it got there later.
+        let line = [4, 5].map(|code| format!("  rank {r}: exited with code {code} after rank 1 was lost"));
+        assert!(done.stderr.lines().any(|l| line.contains(&l.to_owned())), "missing {line:?}:\n{}", done.stderr);
     }
     assert!(!done.stderr.contains("after rank 0 failed") && !done.stderr.contains("after rank 2 failed"));
 }
@@ -825,4 +826,37 @@ fn a_stopped_rank_on_another_node_is_named_on_both_nodes() {
     }
     assert!(n1.stderr.contains("(process alive, state T (stopped))"), "node 1 sees the process:\n{}", n1.stderr);
     assert!(n0.stderr.contains("  rank 3 (local rank 1, node 1, host "), "{}", n0.stderr);
+}
+
+#[test]
+fn a_rank_whose_connection_dropped_while_its_worker_lives_is_named() {
+    let dir = temp_dir("dropped");
+    // Rank 1's worker is a wrapper whose client process dies; the wrapper lives on.
+    let script = r#"
+        if [ "$RANK" = 1 ]; then
+            echo "$RALLYPOINT_ADDR" > "$DIR/addr.tmp" && mv "$DIR/addr.tmp" "$DIR/addr"
+            "$RP" get never-set --timeout 60 &
+            echo $! > "$DIR/pid.tmp" && mv "$DIR/pid.tmp" "$DIR/client1"
+            wait
+            exec sleep 30
+        fi
+        i=0; while [ ! -f "$DIR/killed" ]; do i=$((i+1)); [ $i -gt 400 ] && exit 8; sleep 0.05; done
+        "$RP" barrier step --timeout 60 || exit $?
+    "#;
+    let launched = start(&["--nproc-per-node", "3", "--grace", "1"], script, &dir, &[], true);
+    let found = wait_for_files(&dir, &["addr".into(), "client1".into()]);
+    let (addr, client) = (&found[0], &found[1]);
+    wait_connected(addr, 3, 0, 1, client);
+    signal(client.parse().expect("pid"), libc::SIGKILL);
+    std::fs::write(dir.join("killed"), "").expect("killed");
+    let done = launched.finish();
+    assert_eq!(done.code, Some(4), "stderr:\n{}", done.stderr);
+    let first = done.stderr.lines().find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
+    assert!(first.contains("): rank 1 dropped its connection without a clean leave at "), "{}", done.stderr);
+    assert!(first.contains("(process alive, state "), "the wrapper still ran:\n{}", done.stderr);
+    for r in [0, 2] {
+        // Peer lost (4), or aborted by the launcher (5) if it got there later.
+        let line = [4, 5].map(|code| format!("  rank {r}: exited with code {code} after rank 1 was lost"));
+        assert!(done.stderr.lines().any(|l| line.contains(&l.to_owned())), "missing {line:?}:\n{}", done.stderr);
+    }
 }

@@ -278,12 +278,17 @@ impl Attempt<'_> {
     }
 
     /// A later failure may say more about the root cause than the first one did:
-    /// node 0's verdict naming a lost rank, or the lost rank's own exit.
+    /// node 0's verdict naming a lost rank, the lost rank's own exit, or (on node 0)
+    /// the failure of a rank the coordinator had lost before the first failure (a
+    /// crash on another node, reported after a peer here failed for it).
     fn reconsider(&self, state: &mut State, later: Failure, running: &[Option<Running>]) {
         let Some(first) = &state.first else { return };
         let better = match (&first.what, &later.what) {
-            (FailureKind::Worker { .. }, FailureKind::RankLost { .. }) => true,
+            (FailureKind::Worker { rank: failed, .. }, FailureKind::RankLost { rank, .. }) => failed != rank,
             (FailureKind::RankLost { rank: lost, .. }, FailureKind::Worker { rank, .. }) => lost == rank,
+            (FailureKind::Worker { rank: failed, .. }, FailureKind::Worker { rank, .. }) => {
+                failed != rank && self.lost(*rank).is_some_and(|(lost_at, ..)| lost_at <= first.at_unix_ms)
+            }
             _ => false,
         };
         if better {
@@ -292,9 +297,12 @@ impl Attempt<'_> {
     }
 
     /// On node 0: a worker failure whose peers had lost another rank first becomes
-    /// that rank's loss. Ranks lost by lease are never a consequence of the failure
-    /// (killing a worker drops its connection); a dropped connection counts only if
-    /// it came first and was not a worker that had finished.
+    /// that rank's loss. A rank lost by lease is never a consequence of the failure
+    /// (killing a worker drops its connection, it does not silence it). A dropped
+    /// connection counts only on this node, before the failure, and not from a worker
+    /// seen to finish: torch's processes and clients that never close leave that way
+    /// when they are done, and a rank elsewhere that crashed is reported by its own
+    /// node (see `reconsider`).
     fn judge(&self, failure: Failure, state: &State, running: &[Option<Running>]) -> Failure {
         let FailureKind::Worker { rank: failed, .. } = &failure.what else { return failure };
         let Some(server) = self.server else { return failure };
@@ -304,17 +312,10 @@ impl Attempt<'_> {
             if info.rank == *failed || info.rank >= self.world_size {
                 continue;
             }
-            let RankState::Lost(reason) = info.state else { continue };
-            let last_seen = now_ms.saturating_sub(info.last_seen_ms_ago.unwrap_or(0));
-            let (loss, lost_at) = match reason {
-                LossReason::LeaseExpired { lease_ms } => {
-                    (Loss::Silent { lease_ms }, last_seen.saturating_add(lease_ms))
-                }
-                LossReason::Disconnected => (Loss::Disconnected, last_seen),
-            };
+            let Some((lost_at, last_seen, loss)) = loss_of(&info, now_ms) else { continue };
             if loss == Loss::Disconnected {
                 let finished = state.outcomes.iter().any(|o| o.rank == info.rank && o.exit.success());
-                if lost_at > failure.at_unix_ms || finished {
+                if !self.is_local(info.rank) || finished || lost_at > failure.at_unix_ms {
                     continue;
                 }
             }
@@ -343,6 +344,17 @@ impl Attempt<'_> {
             host: info.host.unwrap_or_else(|| "?".into()),
             at_unix_ms: now_ms,
         }
+    }
+
+    /// When (ms since the epoch) and how the hosted coordinator lost `rank`, if it did.
+    fn lost(&self, rank: u32) -> Option<(u64, u64, Loss)> {
+        let now_ms = unix_ms(SystemTime::now());
+        let lost = self.server?.lost_ranks(&self.job.attempt_job);
+        lost.iter().find(|info| info.rank == rank).and_then(|info| loss_of(info, now_ms))
+    }
+
+    fn is_local(&self, rank: u32) -> bool {
+        rank.checked_sub(self.base_rank).is_some_and(|l| l < self.options.nproc_per_node)
     }
 
     /// A lost rank of this node, judged elsewhere: add its process's state.
@@ -375,7 +387,7 @@ impl Attempt<'_> {
         host: Option<&str>,
         running: &[Option<Running>],
     ) -> Option<String> {
-        let local = rank.checked_sub(self.base_rank).filter(|&l| l < self.options.nproc_per_node)?;
+        let local = rank.checked_sub(self.base_rank).filter(|_| self.is_local(rank))?;
         if let Some(pid) = pid.filter(|&p| host == Some(self.host) && procs::is_descendant(p)) {
             return Some(procs::describe(pid));
         }
@@ -412,6 +424,19 @@ struct State {
     /// Off node 0: until when to wait for node 0's verdict on a failure seen here.
     verdict_by: Option<Instant>,
     verdict_seen: bool,
+}
+
+/// When a lost rank was lost, when it was last heard from (ms since the epoch, from
+/// the coordinator's "ago" and `now_ms`), and how.
+fn loss_of(info: &RankInfo, now_ms: u64) -> Option<(u64, u64, Loss)> {
+    let RankState::Lost(reason) = info.state else { return None };
+    let last_seen = now_ms.saturating_sub(info.last_seen_ms_ago.unwrap_or(0));
+    Some(match reason {
+        LossReason::LeaseExpired { lease_ms } => {
+            (last_seen.saturating_add(lease_ms), last_seen, Loss::Silent { lease_ms })
+        }
+        LossReason::Disconnected => (last_seen, last_seen, Loss::Disconnected),
+    })
 }
 
 /// Aborts the attempt's coordinator job in the background: workers blocked in a
