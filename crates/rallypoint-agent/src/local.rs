@@ -10,7 +10,9 @@ use std::sync::{Arc, Mutex};
 use bytes::{Buf, BytesMut};
 use rallypoint_core::OpError;
 use rallypoint_net::budget::{buffered, Charge};
-use rallypoint_net::conn::{accept_hello, decode_requests, read_some, stall, Accepts, Buffering, End, Hello, Inbound};
+use rallypoint_net::conn::{
+    accept_hello, after_read, decode_requests, read_some, stall, Accepts, Buffering, End, Hello, Inbound,
+};
 use rallypoint_net::shm::MAX_FDS_PER_WRITE;
 use rallypoint_net::sync::lock;
 use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
@@ -252,13 +254,10 @@ async fn serve_session(
 ) -> End {
     let mut warnings = WarnLimit::new();
     // The hello may have arrived together with the first requests.
-    if let Err(end) = forward(sub, &mut rbuf, hub, local, &mut warnings) {
+    if let Err(end) = forward(sub, &mut rbuf, hub, local, &mut warnings, charge) {
         return end;
     }
     loop {
-        if let Err(over) = charge.hold(buffered(&rbuf)) {
-            return End::OverBudget(over);
-        }
         Buffering::RANK.release_idle(&mut rbuf);
         let buffered = rbuf.len();
         tokio::select! {
@@ -271,10 +270,11 @@ async fn serve_session(
             read = std::future::poll_fn(|cx| read_some(reader, &mut rbuf, Buffering::RANK, cx)) => match read {
                 Ok(0) if rbuf.is_empty() => return End::Closed,
                 Ok(0) => return End::ClosedMidFrame { buffered: rbuf.len() },
-                Ok(_) => {
-                    if let Err(end) = forward(sub, &mut rbuf, hub, local, &mut warnings) {
+                Ok(read) => {
+                    if let Err(end) = forward(sub, &mut rbuf, hub, local, &mut warnings, charge) {
                         return end;
                     }
+                    after_read(read).await;
                 }
                 Err(error) => return End::Io(error),
             },
@@ -286,7 +286,14 @@ async fn serve_session(
 
 /// Sends every whole request buffered upstream as sub-session requests, in one
 /// append. Malformed requests are answered here exactly as the coordinator would.
-fn forward(sub: u64, rbuf: &mut BytesMut, hub: &Hub, local: &Local, warnings: &mut WarnLimit) -> Result<(), End> {
+fn forward(
+    sub: u64,
+    rbuf: &mut BytesMut,
+    hub: &Hub,
+    local: &Local,
+    warnings: &mut WarnLimit,
+    charge: &mut Charge,
+) -> Result<(), End> {
     let mut requests = Vec::new();
     let result = decode_requests(rbuf, &hub.limits, |input| match input {
         Inbound::Request { id, request } => requests.push((id, request)),
@@ -311,7 +318,8 @@ fn forward(sub: u64, rbuf: &mut BytesMut, hub: &Hub, local: &Local, warnings: &m
             }
         }
     }
-    result
+    result?;
+    Ok(charge.hold(buffered(rbuf))?)
 }
 
 #[cfg(test)]

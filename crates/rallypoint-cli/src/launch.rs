@@ -17,8 +17,11 @@ RALLYPOINT_JOB, so `rallypoint barrier ...` and Client::from_env() work inside i
 --node-agent, RALLYPOINT_ADDR is this node's agent; a rank dying behind it is still named, with
 its host, by every peer).
 When a worker fails, every worker on every node gets SIGTERM (SIGKILL after --grace), a summary
-names the first failure on stderr, and the launcher exits with that worker's exit code
-(128 + signal for a signal).")]
+names the root cause on stderr (the first failure, or a rank its peers lost: stopped, hung or
+disconnected), and the launcher exits with the failed worker's exit code (128 + signal for a
+signal). Whatever the workers started goes with them, even if the launcher is killed with SIGKILL.
+Output is shown live (PYTHONUNBUFFERED=1 unless set); a console that does not read costs
+lines (counted, with a notice), never the job.")]
 pub struct LaunchArgs {
     /// Workers to start on this node.
     #[arg(long, default_value_t = 1)]
@@ -52,6 +55,12 @@ pub struct LaunchArgs {
     /// Seconds to wait for the coordinator and for every node to join.
     #[arg(long, default_value_t = 300.0)]
     join_timeout: f64,
+    /// Seconds a worker may stay silent (no request, no heartbeat: stopped, hung, cut
+    /// off) before the coordinator hosted on node 0 counts it lost; its peers then fail
+    /// at once, naming it, and so does the summary. Clients heartbeat at a third of it;
+    /// 0 turns leases off [default: 15]
+    #[arg(long)]
+    lease: Option<f64>,
     /// Host a node agent in this launcher: the workers' RALLYPOINT_ADDR becomes its Unix
     /// socket (unix:PATH, in a private temporary directory removed at exit) and it carries
     /// all of this node's worker connections to the coordinator over one connection.
@@ -79,6 +88,7 @@ pub async fn run(args: LaunchArgs) -> anyhow::Result<i32> {
         tee: args.tee,
         max_restarts: args.max_restarts,
         join_timeout: seconds("join-timeout", args.join_timeout)?,
+        lease: args.lease.map(|lease| seconds("lease", lease)).transpose()?,
         node_agent: args.node_agent,
         command: args.command,
     };

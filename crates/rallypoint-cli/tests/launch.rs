@@ -4,7 +4,9 @@
 use std::io::Read;
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
+use std::process::ChildStdout;
 use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
@@ -465,5 +467,396 @@ fn a_worker_killed_behind_a_node_agent_is_named_on_the_other_node() {
                 panic!("rank {r} never reported the failure\nstdout:\n{}\nstderr:\n{}", n0.stdout, n0.stderr)
             });
         assert!(why.contains("rank 3") && why.contains("host "), "rank {r} must name rank 3 and a host: {why:?}");
+    }
+}
+
+/// A launcher whose stdout the test reads as it comes, or never (a console that does
+/// not read); killed if the test fails before it ends.
+struct Watched {
+    child: Child,
+    stdout: Arc<Mutex<Vec<u8>>>,
+    /// The read end of an stdout nobody reads, kept open until the launcher ends.
+    unread: Option<ChildStdout>,
+    stderr: Option<thread::JoinHandle<String>>,
+}
+
+fn start(args: &[&str], script: &str, dir: &Path, env: &[(&str, &str)], read_stdout: bool) -> Watched {
+    let mut cmd = Command::new(BIN);
+    for var in SCRUB {
+        cmd.env_remove(var);
+    }
+    cmd.env_remove("PYTHONUNBUFFERED");
+    cmd.arg("launch").args(args).arg("--").args(["sh", "-c", script]);
+    cmd.env("RP", BIN).env("DIR", dir).envs(env.iter().copied());
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("start the launcher");
+    let mut out = child.stdout.take().expect("piped");
+    let mut err = child.stderr.take().expect("piped");
+    let stdout = Arc::new(Mutex::new(Vec::new()));
+    let unread = if read_stdout {
+        let sink = Arc::clone(&stdout);
+        thread::spawn(move || {
+            let mut buf = [0u8; 8192];
+            while let Ok(n @ 1..) = out.read(&mut buf) {
+                sink.lock().expect("stdout buffer").extend_from_slice(&buf[..n]);
+            }
+        });
+        None
+    } else {
+        Some(out)
+    };
+    let stderr = thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    Watched { child, stdout, unread, stderr: Some(stderr) }
+}
+
+impl Watched {
+    fn stdout_text(&self) -> String {
+        String::from_utf8_lossy(&self.stdout.lock().expect("stdout buffer")).into_owned()
+    }
+
+    /// Waits (bounded) until the console shows `needle`.
+    fn wait_stdout(&self, needle: &str) {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while !self.stdout_text().contains(needle) {
+            assert!(Instant::now() < deadline, "{needle:?} never appeared on the console:\n{:?}", self.stdout_text());
+            thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn finish(mut self) -> Finished {
+        let deadline = Instant::now() + LIMIT;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                break Some(status);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                break None;
+            }
+            thread::sleep(Duration::from_millis(20));
+        };
+        self.unread = None;
+        let stderr = self.stderr.take().map(|h| h.join().unwrap_or_default()).unwrap_or_default();
+        // The reader thread ends at EOF, soon after the launcher.
+        thread::sleep(Duration::from_millis(50));
+        let stdout = self.stdout_text();
+        let status =
+            status.unwrap_or_else(|| panic!("the launcher ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"));
+        Finished { code: status.code(), stdout, stderr }
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// Waits (bounded) until none of `pids` is alive.
+fn wait_gone(pids: &[String], what: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while let Some(pid) = pids.iter().find(|p| alive(p)) {
+        if Instant::now() > deadline {
+            for p in pids {
+                signal(p.parse().unwrap_or(0), libc::SIGKILL);
+            }
+            panic!("{what}: process {pid} survived (all of {pids:?} killed now)");
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn a_console_that_does_not_read_stalls_neither_the_coordinator_nor_the_teardown() {
+    let dir = temp_dir("stuckconsole");
+    // More output than the pipe and the launcher's console buffer hold, from more ranks
+    // than the launcher has runtime threads; then the workers need the coordinator.
+    let script = r#"
+        seq 1 300000
+        "$RP" barrier flooded --timeout 30 || exit 9
+        echo $$ > "$DIR/p$RANK.tmp" && mv "$DIR/p$RANK.tmp" "$DIR/passed$RANK"
+        exec sleep 60
+    "#;
+    let launched = start(&["--nproc-per-node", "4", "--grace", "2"], script, &dir, &[], false);
+    let names: Vec<String> = (0..4).map(|r| format!("passed{r}")).collect();
+    let pids = wait_for_files(&dir, &names);
+    signal(launched.child.id() as i32, libc::SIGTERM);
+    let done = launched.finish();
+    assert_eq!(done.code, Some(128 + libc::SIGTERM), "stderr:\n{}", done.stderr);
+    assert!(done.stderr.contains("received SIGTERM"), "{}", done.stderr);
+    let dropped = done.stderr.lines().find(|l| l.contains("dropped: console not reading")).unwrap_or_default();
+    assert!(dropped.starts_with("rallypoint: ") && dropped.contains(" lines of rank "), "{}", done.stderr);
+    wait_gone(&pids, "a worker of a launcher stopped with SIGTERM");
+}
+
+#[test]
+fn log_files_are_byte_exact_copies_of_what_workers_wrote() {
+    let dir = temp_dir("exactlogs");
+    // Binary noise (NULs, lone carriage returns, invalid UTF-8), a 200 kB line, and no
+    // newline at the end.
+    let script = r#"
+        { head -c 100000 /dev/urandom; head -c 200000 /dev/zero | tr '\0' x; printf '\nprogress\rend'; } > "$DIR/expect$RANK"
+        cat "$DIR/expect$RANK"
+        cat "$DIR/expect$RANK" >&2
+    "#;
+    for tee in [false, true] {
+        let logs = dir.join(format!("logs-tee-{tee}"));
+        let logs_arg = logs.to_str().expect("utf-8 path");
+        let mut args = vec!["--nproc-per-node", "2", "--log-dir", logs_arg];
+        if tee {
+            args.push("--tee");
+        }
+        let done = start(&args, script, &dir, &[], true).finish();
+        assert_eq!(done.code, Some(0), "stderr:\n{}", done.stderr);
+        for rank in 0..2 {
+            let expected = std::fs::read(dir.join(format!("expect{rank}"))).expect("the worker's own copy");
+            for stream in ["stdout", "stderr"] {
+                let path = logs.join("attempt0").join(format!("rank{rank}.{stream}"));
+                let got = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                assert!(
+                    got == expected,
+                    "{} differs from what rank {rank} wrote ({} bytes, expected {})",
+                    path.display(),
+                    got.len(),
+                    expected.len()
+                );
+            }
+        }
+        if tee {
+            assert!(done.stdout.contains("[rank1]: progress\r"), "the console shows the output too");
+        }
+    }
+}
+
+#[test]
+fn output_is_shown_as_written_python_unbuffered_and_progress_lines_as_they_change() {
+    let dir = temp_dir("live");
+    let have_python = Command::new("python3").arg("--version").output().is_ok_and(|o| o.status.success());
+    // Each step waits until the test saw the previous one on the console.
+    let script = r#"
+        seen() { i=0; while [ ! -f "$DIR/seen$1" ]; do i=$((i+1)); [ $i -gt 400 ] && exit 8; sleep 0.05; done; }
+        printf 'loading 1/2\r'; seen 1
+        printf 'loading 2/2\r'; seen 2
+        if [ "$HAVE_PYTHON" = 1 ]; then
+            python3 -c 'print("python says hi")
+import os, time
+for _ in range(400):
+    if os.path.exists(os.environ["DIR"] + "/seen3"): break
+    time.sleep(0.05)
+else:
+    raise SystemExit(8)'
+        fi
+        echo "done, PYTHONUNBUFFERED=$PYTHONUNBUFFERED"
+    "#;
+    let env = [("HAVE_PYTHON", if have_python { "1" } else { "0" })];
+    let launched = start(&[], script, &dir, &env, true);
+    launched.wait_stdout("[rank0]: loading 1/2\r");
+    std::fs::write(dir.join("seen1"), "").expect("seen1");
+    launched.wait_stdout("[rank0]: loading 2/2\r");
+    std::fs::write(dir.join("seen2"), "").expect("seen2");
+    if have_python {
+        launched.wait_stdout("[rank0]: python says hi\n");
+        std::fs::write(dir.join("seen3"), "").expect("seen3");
+    } else {
+        eprintln!("python3 not found: the Python part of this test did not run");
+    }
+    let done = launched.finish();
+    assert_eq!(done.code, Some(0), "stderr:\n{}", done.stderr);
+    assert!(done.stdout.contains("[rank0]: done, PYTHONUNBUFFERED=1\n"), "{:?}", done.stdout);
+
+    // A user's own setting is kept.
+    let done = start(&[], r#"echo "u=$PYTHONUNBUFFERED""#, &dir, &[("PYTHONUNBUFFERED", "")], true).finish();
+    assert_eq!(done.stdout, "[rank0]: u=\n", "stderr:\n{}", done.stderr);
+}
+
+#[test]
+fn progress_lines_of_one_rank_never_split_another_ranks_lines() {
+    let dir = temp_dir("interleave");
+    let script = r#"
+        k=1
+        while [ $k -le 30 ]; do
+            if [ "$RANK" = 0 ]; then printf '\rstep %d of 30' $k; else echo "line $k of 30"; fi
+            k=$((k+1)); sleep 0.01
+        done
+        [ "$RANK" = 0 ] && echo
+        true
+    "#;
+    let done = start(&["--nproc-per-node", "2"], script, &dir, &[], true).finish();
+    assert_eq!(done.code, Some(0), "stderr:\n{}", done.stderr);
+    let mut steps = 0;
+    let mut lines = 0;
+    for piece in done.stdout.split(['\n', '\r']).filter(|p| !p.is_empty()) {
+        let body = piece.strip_prefix("[rank0]: step ").or_else(|| piece.strip_prefix("[rank1]: line "));
+        let whole = body.is_some_and(|b| b.ends_with(" of 30") && b.trim_end_matches(" of 30").parse::<u32>().is_ok());
+        assert!(whole, "a piece of the console mixes ranks or lacks its prefix: {piece:?}\n{:?}", done.stdout);
+        if piece.starts_with("[rank0]") {
+            steps += 1;
+        } else {
+            lines += 1;
+        }
+    }
+    assert_eq!(lines, 30, "{:?}", done.stdout);
+    assert!(steps >= 1 && done.stdout.contains("[rank0]: step 30 of 30"), "{:?}", done.stdout);
+}
+
+/// A worker as a wrapper script: a grandchild in its group, one in a session of its
+/// own (setsid), and an orphan whose parent exited; their pids in files.
+const FAMILY: &str = r#"
+    sleep 300 & echo $! > "$DIR/child$RANK.tmp"; mv "$DIR/child$RANK.tmp" "$DIR/child$RANK"
+    setsid sleep 300 & echo $! > "$DIR/setsid$RANK.tmp"; mv "$DIR/setsid$RANK.tmp" "$DIR/setsid$RANK"
+    sh -c 'sleep 300 & echo $! > "$DIR/orphan$RANK.tmp"; mv "$DIR/orphan$RANK.tmp" "$DIR/orphan$RANK"'
+    echo $$ > "$DIR/worker$RANK.tmp"; mv "$DIR/worker$RANK.tmp" "$DIR/worker$RANK"
+"#;
+
+fn family_pids(dir: &Path, ranks: u32) -> Vec<String> {
+    let names: Vec<String> =
+        (0..ranks).flat_map(|r| ["child", "setsid", "orphan", "worker"].map(|n| format!("{n}{r}"))).collect();
+    wait_for_files(dir, &names)
+}
+
+#[test]
+fn nothing_a_worker_started_outlives_a_launcher_killed_with_sigkill() {
+    let dir = temp_dir("sigkillfamily");
+    let script = format!("{FAMILY}\nwait");
+    let launched = start(&["--nproc-per-node", "2"], &script, &dir, &[], true);
+    let pids = family_pids(&dir, 2);
+    signal(launched.child.id() as i32, libc::SIGKILL);
+    let _ = launched.finish();
+    wait_gone(&pids, "after the launcher was killed with SIGKILL");
+}
+
+#[test]
+fn processes_that_left_their_workers_group_end_with_the_job() {
+    let dir = temp_dir("escapees");
+    // The workers succeed, leaving their family behind.
+    let done = start(&["--nproc-per-node", "2"], FAMILY, &dir, &[], true).finish();
+    assert_eq!(done.code, Some(0), "stderr:\n{}", done.stderr);
+    wait_gone(&family_pids(&dir, 2), "after the job ended");
+}
+
+/// Waits (bounded) until rank `rank`'s process `pid` is connected to the coordinator
+/// at `addr`, asking the coordinator itself: a barrier of this rank and `prober`
+/// names it, with its pid, as connected but not arrived when it times out.
+fn wait_connected(addr: &str, world: u32, prober: u32, rank: u32, pid: &str) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let ranks = format!("{prober},{rank}");
+    let world = world.to_string();
+    let prober = prober.to_string();
+    for probe in 0.. {
+        let out = Command::new(BIN)
+            .args(["barrier", &format!("probe{probe}"), "--ranks", &ranks, "--timeout", "0.3", "--addr", addr])
+            .args(["--job", "default", "--rank", &prober, "--world-size", &world])
+            .output()
+            .expect("run the probe");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if stderr.contains(&format!("pid {pid}, connected")) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "rank {rank} (pid {pid}) never connected: {stderr}");
+    }
+}
+
+#[test]
+fn a_stopped_rank_is_named_as_the_root_cause_not_the_peers_that_failed_for_it() {
+    let dir = temp_dir("stopped");
+    let script = r#"
+        if [ "$RANK" = 1 ]; then
+            echo "$RALLYPOINT_ADDR" > "$DIR/addr.tmp" && mv "$DIR/addr.tmp" "$DIR/addr"
+            echo $$ > "$DIR/pid.tmp" && mv "$DIR/pid.tmp" "$DIR/pid1"
+            exec "$RP" get never-set --timeout 60
+        fi
+        i=0; while [ ! -f "$DIR/stopped" ]; do i=$((i+1)); [ $i -gt 400 ] && exit 8; sleep 0.05; done
+        "$RP" barrier step --timeout 60 || exit $?
+    "#;
+    let launched = start(&["--nproc-per-node", "3", "--lease", "2", "--grace", "1"], script, &dir, &[], true);
+    let found = wait_for_files(&dir, &["addr".into(), "pid1".into()]);
+    let (addr, pid) = (&found[0], &found[1]);
+    wait_connected(addr, 3, 0, 1, pid);
+    signal(pid.parse().expect("pid"), libc::SIGSTOP);
+    std::fs::write(dir.join("stopped"), "").expect("stopped");
+    let done = launched.finish();
+    assert_eq!(done.code, Some(4), "the peers' code (peer lost); stderr:\n{}", done.stderr);
+    let first = done.stderr.lines().find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
+    assert!(first.contains("FAILED (attempt 1 of 1): rank 1 stopped heartbeating at "), "{}", done.stderr);
+    assert!(first.contains("(process alive, state T (stopped))"), "{}", done.stderr);
+    assert!(done.stderr.contains("  rank 1 (local rank 1, node 0, host "), "{}", done.stderr);
+    assert!(done.stderr.contains(&format!(", pid {pid}) stopped heartbeating at ")), "{}", done.stderr);
+    for r in [0, 2] {
+        // Peer lost (4), or aborted by the launcher (5) if it got there later.
+        let line = [4, 5].map(|code| format!("  rank {r}: exited with code {code} after rank 1 was lost"));
+        assert!(done.stderr.lines().any(|l| line.contains(&l.to_owned())), "missing {line:?}:\n{}", done.stderr);
+    }
+    assert!(!done.stderr.contains("after rank 0 failed") && !done.stderr.contains("after rank 2 failed"));
+}
+
+#[test]
+fn a_stopped_rank_on_another_node_is_named_on_both_nodes() {
+    let dir = temp_dir("stoppedremote");
+    let master = format!("127.0.0.1:{}", free_port());
+    let script = r#"
+        if [ "$RANK" = 3 ]; then
+            echo $$ > "$DIR/pid.tmp" && mv "$DIR/pid.tmp" "$DIR/pid3"
+            exec "$RP" get never-set --timeout 60
+        fi
+        i=0; while [ ! -f "$DIR/stopped" ]; do i=$((i+1)); [ $i -gt 400 ] && exit 8; sleep 0.05; done
+        "$RP" barrier step --timeout 60 || exit $?
+    "#;
+    let common =
+        ["--nnodes", "2", "--nproc-per-node", "2", "--master", master.as_str(), "--lease", "2", "--grace", "1"];
+    let node0 = start(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir, &[], true);
+    let node1 = start(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir, &[], true);
+    let pid = wait_for_files(&dir, &["pid3".into()]).remove(0);
+    wait_connected(&master, 4, 0, 3, &pid);
+    signal(pid.parse().expect("pid"), libc::SIGSTOP);
+    std::fs::write(dir.join("stopped"), "").expect("stopped");
+    let (n0, n1) = (node0.finish(), node1.finish());
+    for (node, done) in [(0, &n0), (1, &n1)] {
+        assert_eq!(done.code, Some(4), "node {node} stderr:\n{}", done.stderr);
+        let first = done.stderr.lines().find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
+        assert!(first.contains("rank 3 stopped heartbeating at "), "node {node}:\n{}", done.stderr);
+        assert!(done.stderr.contains(&format!("pid {pid}) stopped heartbeating")), "node {node}:\n{}", done.stderr);
+    }
+    assert!(n1.stderr.contains("(process alive, state T (stopped))"), "node 1 sees the process:\n{}", n1.stderr);
+    assert!(n0.stderr.contains("  rank 3 (local rank 1, node 1, host "), "{}", n0.stderr);
+}
+
+#[test]
+fn a_rank_whose_connection_dropped_while_its_worker_lives_is_named() {
+    let dir = temp_dir("dropped");
+    // Rank 1's worker is a wrapper whose client process dies; the wrapper lives on.
+    let script = r#"
+        if [ "$RANK" = 1 ]; then
+            echo "$RALLYPOINT_ADDR" > "$DIR/addr.tmp" && mv "$DIR/addr.tmp" "$DIR/addr"
+            "$RP" get never-set --timeout 60 &
+            echo $! > "$DIR/pid.tmp" && mv "$DIR/pid.tmp" "$DIR/client1"
+            wait
+            exec sleep 30
+        fi
+        i=0; while [ ! -f "$DIR/killed" ]; do i=$((i+1)); [ $i -gt 400 ] && exit 8; sleep 0.05; done
+        "$RP" barrier step --timeout 60 || exit $?
+    "#;
+    let launched = start(&["--nproc-per-node", "3", "--grace", "1"], script, &dir, &[], true);
+    let found = wait_for_files(&dir, &["addr".into(), "client1".into()]);
+    let (addr, client) = (&found[0], &found[1]);
+    wait_connected(addr, 3, 0, 1, client);
+    signal(client.parse().expect("pid"), libc::SIGKILL);
+    std::fs::write(dir.join("killed"), "").expect("killed");
+    let done = launched.finish();
+    assert_eq!(done.code, Some(4), "stderr:\n{}", done.stderr);
+    let first = done.stderr.lines().find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
+    assert!(first.contains("): rank 1 dropped its connection without a clean leave at "), "{}", done.stderr);
+    assert!(first.contains("(process alive, state "), "the wrapper still ran:\n{}", done.stderr);
+    for r in [0, 2] {
+        // Peer lost (4), or aborted by the launcher (5) if it got there later.
+        let line = [4, 5].map(|code| format!("  rank {r}: exited with code {code} after rank 1 was lost"));
+        assert!(done.stderr.lines().any(|l| line.contains(&l.to_owned())), "missing {line:?}:\n{}", done.stderr);
     }
 }

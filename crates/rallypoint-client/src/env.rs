@@ -18,7 +18,7 @@ use rallypoint_core::Identity;
 
 use crate::{Error, DEFAULT_TIMEOUT};
 
-pub use workers::{worker_env, JobEnv, Placement};
+pub use workers::{live_output_env, worker_env, JobEnv, Placement};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {

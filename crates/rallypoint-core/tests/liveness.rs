@@ -150,3 +150,22 @@ fn a_rank_taking_in_a_long_write_keeps_its_lease() {
     let OpError::PeerLost { peer, .. } = err(h.take(s0, a)) else { panic!("rank 1 lost") };
     assert_eq!(peer.state, RankState::Lost(LossReason::LeaseExpired { lease_ms: 1_000 }));
 }
+
+#[test]
+fn lost_ranks_lists_who_was_lost_how_and_when_last_heard_from() {
+    let (mut h, s0, _s1, _) = rank_0_waiting_under_a_1s_lease();
+    let other = h.rank("other", 0, 1);
+    assert!(h.engine.lost_ranks("j", h.now).is_empty());
+    h.kill(other);
+    // Rank 1 goes silent while rank 0 heartbeats: its lease expires.
+    steps_of_400ms(&mut h, s0, 3, |_| {});
+    let lost = h.engine.lost_ranks("j", h.now);
+    assert_eq!(lost.len(), 1, "{lost:?}");
+    assert_eq!((lost[0].rank, lost[0].state), (1, RankState::Lost(LossReason::LeaseExpired { lease_ms: 1_000 })));
+    assert_eq!(lost[0].last_seen_ms_ago, Some(1_200), "last heard from when it connected");
+    assert_eq!((lost[0].host.as_deref(), lost[0].pid), (Some("node1"), Some(1001)));
+    // Another job's loss is its own, and says how it happened.
+    let other: Vec<_> = h.engine.lost_ranks("other", h.now).into_iter().map(|i| (i.rank, i.state)).collect();
+    assert_eq!(other, [(0, RankState::Lost(LossReason::Disconnected))]);
+    assert!(h.engine.lost_ranks("no such job", h.now).is_empty());
+}

@@ -1,18 +1,27 @@
 //! `rallypoint launch`: hosts the coordinator (node 0), spawns the workers with
 //! torchrun-compatible environments, and takes the whole job down, on every node,
 //! as soon as one worker fails; then says which one, and why.
+//!
+//! Nothing it does waits on its console ([`console`]: output goes through a bounded
+//! queue to threads of its own), and nothing it starts outlives it ([`procs`]: a
+//! subreaper that kills whole process groups and what left them; [`watchdog`]: a
+//! process that does so when the launcher itself is killed with SIGKILL).
 
+mod console;
 mod node_agent;
 mod outcome;
 mod output;
+mod procs;
 mod rendezvous;
 mod supervise;
+mod watchdog;
 mod worker;
 
 use std::ffi::OsString;
 use std::io;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::signal::unix::{signal, SignalKind};
@@ -21,12 +30,19 @@ use tokio::sync::mpsc;
 use rallypoint_core::Config;
 use rallypoint_server::{Server, ServerConfig, ServerHandle};
 
-pub use outcome::{Exit, Failure, FailureKind};
+pub use outcome::{Exit, Failure, FailureKind, Loss};
 
+use console::Console;
 use node_agent::NodeAgent;
+use procs::Family;
 use rallypoint_client::env::JobEnv;
 use rendezvous::Launchers;
 use supervise::{Attempt, AttemptResult};
+use watchdog::Watchdog;
+
+/// How long the launcher, done, lets its console show what is queued: a console
+/// that does not read is not waited for.
+const CONSOLE_CLOSE: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Clone)]
 pub struct LaunchOptions {
@@ -46,6 +62,9 @@ pub struct LaunchOptions {
     pub max_restarts: u32,
     /// How long to wait for the coordinator and the other nodes.
     pub join_timeout: Duration,
+    /// The hosted coordinator's lease: a rank silent this long is lost (its peers
+    /// fail at once, naming it). `None`: the coordinator's default.
+    pub lease: Option<Duration>,
     /// Host a node agent for this node's workers (their `RALLYPOINT_ADDR`), so the
     /// coordinator holds one connection for the node instead of one per worker.
     pub node_agent: bool,
@@ -72,8 +91,31 @@ pub enum LaunchError {
 /// Runs the job to its end; returns the launcher's exit code (0, or the first failure's).
 pub async fn launch(options: LaunchOptions) -> Result<i32, LaunchError> {
     validate(&options)?;
+    let console = Console::start();
+    let result = supervised(&options, &console).await;
+    console.close(CONSOLE_CLOSE);
+    result
+}
+
+async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i32, LaunchError> {
+    let family = Arc::new(Family::new());
+    if let Err(error) = procs::become_subreaper() {
+        tracing::warn!(%error, "cannot become the subreaper of the workers' processes; orphans they leave go to init");
+    }
+    procs::spawn_reaper(Arc::clone(&family))?;
+    // Forked before any socket or pipe of the job exists, so it holds none of them.
+    let watchdog = match Watchdog::start(family.entry()) {
+        Ok(watchdog) => {
+            family.set_watchdog(watchdog.pid());
+            Some(watchdog)
+        }
+        Err(error) => {
+            tracing::warn!(%error, "cannot start the watchdog; if the launcher is killed with SIGKILL, what the workers started may survive");
+            None
+        }
+    };
     let host = rallypoint_net::hostname();
-    let server = if options.node_rank == 0 { Some(host_coordinator(&options).await?) } else { None };
+    let server = if options.node_rank == 0 { Some(host_coordinator(options).await?) } else { None };
     let addr = match (&server, &options.master) {
         (Some(server), _) => server.local_addr().to_string(),
         (None, Some(master)) => master.clone(),
@@ -92,8 +134,18 @@ pub async fn launch(options: LaunchOptions) -> Result<i32, LaunchError> {
         None
     };
     let signals = forward_signals()?;
-    let worker_addr = node_agent.as_ref().map(|a| a.addr().to_owned());
-    let result = run_attempts(&options, &launchers, server.as_ref(), coordinator, worker_addr, &host, signals).await;
+    let run = Run {
+        options,
+        launchers: &launchers,
+        server: server.as_ref(),
+        coordinator,
+        node_agent: node_agent.as_ref().map(|a| a.addr().to_owned()),
+        host: &host,
+        console,
+        family: &family,
+        watchdog: watchdog.as_ref(),
+    };
+    let result = run_attempts(&run, signals).await;
     // Every worker has exited: no rank is left behind the agent.
     if let Some(node_agent) = node_agent {
         node_agent.stop().await;
@@ -102,25 +154,34 @@ pub async fn launch(options: LaunchOptions) -> Result<i32, LaunchError> {
     if let Some(server) = server {
         server.shutdown().await;
     }
+    // Everything the job started is gone: the watchdog has nothing left to do.
+    if let Some(watchdog) = watchdog {
+        watchdog.disarm();
+    }
     result
 }
 
-async fn run_attempts(
-    options: &LaunchOptions,
-    launchers: &Launchers,
-    server: Option<&ServerHandle>,
+/// What every attempt of a launch shares.
+struct Run<'a> {
+    options: &'a LaunchOptions,
+    launchers: &'a Launchers,
+    server: Option<&'a ServerHandle>,
     coordinator: SocketAddr,
     node_agent: Option<String>,
-    host: &str,
-    mut signals: mpsc::UnboundedReceiver<i32>,
-) -> Result<i32, LaunchError> {
+    host: &'a str,
+    console: &'a Arc<Console>,
+    family: &'a Arc<Family>,
+    watchdog: Option<&'a Watchdog>,
+}
+
+async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) -> Result<i32, LaunchError> {
+    let options = run.options;
     let mut attempt = 0;
     loop {
-        let (base_rank, world_size) =
-            launchers.rendezvous(attempt, options.nproc_per_node, options.join_timeout).await?;
+        let layout = run.launchers.rendezvous(attempt, options.nproc_per_node, options.join_timeout).await?;
         let job = JobEnv {
-            coordinator,
-            node_agent: node_agent.clone(),
+            coordinator: run.coordinator,
+            node_agent: run.node_agent.clone(),
             run_id: options.job.clone(),
             attempt_job: if attempt == 0 { options.job.clone() } else { format!("{}.restart{attempt}", options.job) },
             restart_count: attempt,
@@ -128,31 +189,44 @@ async fn run_attempts(
         };
         // torch's TCPStore clients (MASTER_ADDR/MASTER_PORT point here) cannot name a
         // job: they join the attempt's, so their keys and ranks are the workers'.
-        if let Some(server) = server {
+        if let Some(server) = run.server {
             server.set_tcpstore_job(&job.attempt_job);
         }
-        let run = Attempt { options, agents: launchers, job: &job, host, base_rank, world_size, attempt };
-        let result = run.run(&mut signals).await?;
+        let attempt_run = Attempt {
+            options,
+            launchers: run.launchers,
+            job: &job,
+            host: run.host,
+            base_rank: layout.base_rank,
+            world_size: layout.world_size,
+            counts: &layout.counts,
+            attempt,
+            server: run.server,
+            console: run.console,
+            family: run.family,
+            watchdog: run.watchdog,
+        };
+        let result = attempt_run.run(&mut signals).await?;
         match result {
             AttemptResult::Succeeded => {
-                launchers.farewell(attempt).await;
+                run.launchers.farewell(attempt).await;
                 return Ok(0);
             }
-            AttemptResult::Failed { first, .. } => {
+            AttemptResult::Failed { first } => {
                 let interrupted = matches!(first.what, FailureKind::Interrupted { .. });
                 if attempt < options.max_restarts && !interrupted {
-                    eprintln!(
+                    run.console.message(format!(
                         "rallypoint: attempt {} of job '{}' failed ({}); restarting ({} of {} restarts)",
                         attempt + 1,
                         options.job,
                         first.headline(),
                         attempt + 1,
                         options.max_restarts
-                    );
+                    ));
                     attempt += 1;
                     continue;
                 }
-                launchers.farewell(attempt).await;
+                run.launchers.farewell(attempt).await;
                 return Ok(first.exit_code());
             }
         }
@@ -190,7 +264,11 @@ async fn host_coordinator(options: &LaunchOptions) -> Result<ServerHandle, Launc
         Some(master) => resolve(master).await?,
         None => SocketAddr::from(([127, 0, 0, 1], 0)),
     };
-    let server = Server::bind(ServerConfig::new(listen, Config::default()))
+    let mut engine = Config::default();
+    if let Some(lease) = options.lease {
+        engine.lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
+    }
+    let server = Server::bind(ServerConfig::new(listen, engine))
         .await
         .map_err(|source| LaunchError::Bind { addr: listen.to_string(), source })?;
     Ok(server.spawn())

@@ -15,7 +15,7 @@ use tracing::{debug, info, warn};
 
 use rallypoint_agent::{Agent, AgentConfig, AgentError, AgentHandle};
 
-use super::LaunchError;
+use crate::LaunchError;
 
 /// `sun_path` holds 108 bytes on Linux, the terminating NUL included.
 const MAX_SOCKET_PATH: usize = 107;

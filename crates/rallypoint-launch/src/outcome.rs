@@ -55,6 +55,23 @@ pub enum FailureKind {
         exit: Exit,
         stderr_tail: Vec<String>,
     },
+    /// The coordinator lost a rank (it stopped heartbeating, or its connection
+    /// dropped) and its peers failed because of it: the rank is the root cause, not
+    /// the peer whose exit revealed it. `Failure::node` and `host` are the rank's.
+    RankLost {
+        rank: u32,
+        /// Its index on its node, when the node is known.
+        local_rank: Option<u32>,
+        pid: Option<u32>,
+        loss: Loss,
+        /// When the coordinator last heard from it, ms since the Unix epoch.
+        last_seen_unix_ms: u64,
+        /// Its process as `/proc` showed it when the failure was judged, on its own
+        /// node ("alive, state T (stopped)").
+        process: Option<String>,
+        /// The failure that brought it to light: usually a peer that failed for it.
+        revealed_by: Box<Failure>,
+    },
     /// A node's launcher vanished or could not be reached.
     NodeLost {
         detail: String,
@@ -65,18 +82,28 @@ pub enum FailureKind {
     },
 }
 
+/// How the coordinator lost a rank.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Loss {
+    /// Its connection stayed open but it sent nothing for a whole lease: stopped,
+    /// hung, or cut off.
+    Silent { lease_ms: u64 },
+    /// Its connection dropped without a clean leave.
+    Disconnected,
+}
+
 impl Failure {
     pub fn now(what: FailureKind, node: u32, host: &str) -> Self {
-        let at_unix_ms = SystemTime::now()
-            .duration_since(SystemTime::UNIX_EPOCH)
-            .map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
-        Failure { what, node, host: host.to_owned(), at_unix_ms }
+        Failure { what, node, host: host.to_owned(), at_unix_ms: unix_ms(SystemTime::now()) }
     }
 
     /// The launcher's exit code for this failure.
     pub fn exit_code(&self) -> i32 {
         match &self.what {
             FailureKind::Worker { exit, .. } => exit.shell_code(),
+            // What the peers' failure says (a peer lost, usually): the lost rank
+            // itself was still running, or was killed by the launcher.
+            FailureKind::RankLost { revealed_by, .. } => revealed_by.exit_code(),
             FailureKind::NodeLost { .. } => 1,
             FailureKind::Interrupted { signal } => 128 + signal,
         }
@@ -86,6 +113,16 @@ impl Failure {
     pub fn headline(&self) -> String {
         match &self.what {
             FailureKind::Worker { rank, exit, .. } => format!("rank {rank} {exit}"),
+            FailureKind::RankLost { rank, loss, last_seen_unix_ms, process, .. } => {
+                let at = time(*last_seen_unix_ms);
+                let process = process.as_ref().map_or(String::new(), |p| format!(" (process {p})"));
+                match loss {
+                    Loss::Silent { .. } => format!("rank {rank} stopped heartbeating at {at}{process}"),
+                    Loss::Disconnected => {
+                        format!("rank {rank} dropped its connection without a clean leave at {at}{process}")
+                    }
+                }
+            }
             FailureKind::NodeLost { detail } => format!("node {} ({}) was lost: {detail}", self.node, self.host),
             FailureKind::Interrupted { signal } => {
                 format!("the launcher on node {} received {}", self.node, signal_name(*signal))
@@ -94,8 +131,24 @@ impl Failure {
     }
 
     fn time(&self) -> String {
-        humantime::format_rfc3339_millis(SystemTime::UNIX_EPOCH + Duration::from_millis(self.at_unix_ms)).to_string()
+        time(self.at_unix_ms)
     }
+
+    /// The rank this failure blames, if it blames one.
+    pub fn rank(&self) -> Option<u32> {
+        match &self.what {
+            FailureKind::Worker { rank, .. } | FailureKind::RankLost { rank, .. } => Some(*rank),
+            FailureKind::NodeLost { .. } | FailureKind::Interrupted { .. } => None,
+        }
+    }
+}
+
+fn time(unix_ms: u64) -> String {
+    humantime::format_rfc3339_millis(SystemTime::UNIX_EPOCH + Duration::from_millis(unix_ms)).to_string()
+}
+
+pub fn unix_ms(at: SystemTime) -> u64 {
+    at.duration_since(SystemTime::UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
 }
 
 /// How one local rank ended, relative to the first failure.
@@ -120,6 +173,7 @@ pub fn summary(job: &str, restart: u32, max_restarts: u32, first: &Failure, loca
         first.headline()
     );
     let _ = writeln!(s, "first failure:");
+    let root = first.rank();
     match &first.what {
         FailureKind::Worker { rank, local_rank, pid, exit, stderr_tail } => {
             let _ = writeln!(
@@ -129,13 +183,42 @@ pub fn summary(job: &str, restart: u32, max_restarts: u32, first: &Failure, loca
                 first.host,
                 first.time()
             );
-            if stderr_tail.is_empty() {
-                let _ = writeln!(s, "  (it wrote nothing to stderr)");
-            } else {
-                let _ = writeln!(s, "  last {} line(s) of its stderr:", stderr_tail.len());
-                for line in stderr_tail {
-                    let _ = writeln!(s, "    | {line}");
+            write_tail(&mut s, "it", "its", stderr_tail);
+        }
+        FailureKind::RankLost { rank, local_rank, pid, loss, last_seen_unix_ms, process, revealed_by } => {
+            let index = local_rank.map_or(String::new(), |l| format!("local rank {l}, "));
+            let pid = pid.map_or(String::new(), |p| format!(", pid {p}"));
+            let who = format!("rank {rank} ({index}node {}, host {}{pid})", first.node, first.host);
+            let at = time(*last_seen_unix_ms);
+            match loss {
+                Loss::Silent { lease_ms } => {
+                    let lost_at = time(last_seen_unix_ms.saturating_add(*lease_ms));
+                    let lease = *lease_ms as f64 / 1000.0;
+                    let _ = writeln!(
+                        s,
+                        "  {who} stopped heartbeating at {at}; the coordinator counted it lost at {lost_at} (no heartbeat for {lease:.1} s)"
+                    );
                 }
+                Loss::Disconnected => {
+                    let _ =
+                        writeln!(s, "  {who} dropped its connection to the coordinator without a clean leave at {at}");
+                }
+            }
+            match process {
+                Some(process) => {
+                    let _ = writeln!(s, "  its process was {process} when its peers failed");
+                }
+                None => {
+                    let _ =
+                        writeln!(s, "  (its process is on node {}: that node's launcher tells its state)", first.node);
+                }
+            }
+            if let Some(own) = local.iter().find(|o| Some(o.rank) == root) {
+                let _ = writeln!(s, "  then it {}", own_end(own));
+            }
+            let _ = writeln!(s, "  {} at {}, the first to fail for it", revealed_by.headline(), revealed_by.time());
+            if let FailureKind::Worker { rank, stderr_tail, .. } = &revealed_by.what {
+                write_tail(&mut s, &format!("rank {rank}"), &format!("rank {rank}'s"), stderr_tail);
             }
         }
         FailureKind::NodeLost { .. } | FailureKind::Interrupted { .. } => {
@@ -144,14 +227,14 @@ pub fn summary(job: &str, restart: u32, max_restarts: u32, first: &Failure, loca
     }
     let cause = match &first.what {
         FailureKind::Worker { rank, .. } => format!("rank {rank} failed"),
+        FailureKind::RankLost { rank, .. } => format!("rank {rank} was lost"),
         FailureKind::NodeLost { .. } => format!("node {} was lost", first.node),
         FailureKind::Interrupted { signal } => format!("the launcher received {}", signal_name(*signal)),
     };
-    let first_rank = match &first.what {
-        FailureKind::Worker { rank, .. } => Some(*rank),
-        _ => None,
-    };
-    let others: Vec<&RankOutcome> = local.iter().filter(|o| Some(o.rank) != first_rank).collect();
+    // A lost rank was lost before any failure it is blamed for: the peer that revealed
+    // it failed after it too.
+    let lost_first = matches!(first.what, FailureKind::RankLost { .. });
+    let others: Vec<&RankOutcome> = local.iter().filter(|o| Some(o.rank) != root).collect();
     if !others.is_empty() {
         let _ = writeln!(s, "other ranks on this node:");
         for o in others {
@@ -160,13 +243,32 @@ pub fn summary(job: &str, restart: u32, max_restarts: u32, first: &Failure, loca
                 (Some(sig), Exit::Signal(got)) if sig == got => {
                     format!("killed by the launcher ({}) after {cause}", signal_name(sig))
                 }
-                (_, exit) if o.after_failure => format!("{exit} after {cause}"),
+                (_, exit) if o.after_failure || lost_first => format!("{exit} after {cause}"),
                 (_, exit) => format!("{exit}"),
             };
             let _ = writeln!(s, "  rank {}: {line}", o.rank);
         }
     }
     s
+}
+
+/// How the root-cause rank itself ended, e.g. "was killed by the launcher (SIGKILL)".
+fn own_end(o: &RankOutcome) -> String {
+    match (o.signalled_by_launcher, o.exit) {
+        (Some(sig), Exit::Signal(got)) if sig == got => format!("was killed by the launcher ({})", signal_name(sig)),
+        (_, exit) => exit.to_string(),
+    }
+}
+
+fn write_tail(s: &mut String, who: &str, whose: &str, tail: &[String]) {
+    if tail.is_empty() {
+        let _ = writeln!(s, "  ({who} wrote nothing to stderr)");
+    } else {
+        let _ = writeln!(s, "  last {} line(s) of {whose} stderr:", tail.len());
+        for line in tail {
+            let _ = writeln!(s, "    | {line}");
+        }
+    }
 }
 
 pub fn signal_name(sig: i32) -> String {
@@ -230,5 +332,68 @@ mod tests {
         assert!(!text.contains("  rank 1:"));
         assert_eq!(first.exit_code(), 3);
         assert_eq!(Exit::Signal(9).shell_code(), 137);
+    }
+
+    #[test]
+    fn a_lost_rank_is_the_root_cause_and_its_peers_failed_after_it() {
+        let revealed = Failure {
+            what: FailureKind::Worker {
+                rank: 2,
+                local_rank: 2,
+                pid: 4244,
+                exit: Exit::Code(4),
+                stderr_tail: vec!["rallypoint: barrier 'step' (generation 1) failed: rank 1 (...) is lost".into()],
+            },
+            node: 0,
+            host: "gpu7".into(),
+            at_unix_ms: 17_500,
+        };
+        let lost = |process: Option<&str>| Failure {
+            what: FailureKind::RankLost {
+                rank: 1,
+                local_rank: Some(1),
+                pid: Some(4243),
+                loss: Loss::Silent { lease_ms: 15_000 },
+                last_seen_unix_ms: 2_000,
+                process: process.map(str::to_owned),
+                revealed_by: Box::new(revealed.clone()),
+            },
+            node: 0,
+            host: "gpu7".into(),
+            at_unix_ms: 17_501,
+        };
+        let local = vec![
+            RankOutcome { rank: 0, exit: Exit::Code(4), signalled_by_launcher: None, after_failure: true },
+            RankOutcome {
+                rank: 1,
+                exit: Exit::Signal(libc::SIGKILL),
+                signalled_by_launcher: Some(libc::SIGKILL),
+                after_failure: true,
+            },
+            RankOutcome { rank: 2, exit: Exit::Code(4), signalled_by_launcher: None, after_failure: false },
+        ];
+        let first = lost(Some("alive, state T (stopped)"));
+        let text = summary("train", 0, 0, &first, &local);
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines[0],
+            "rallypoint: job 'train' FAILED (attempt 1 of 1): rank 1 stopped heartbeating at \
+             1970-01-01T00:00:02.000Z (process alive, state T (stopped))"
+        );
+        assert_eq!(
+            lines[2],
+            "  rank 1 (local rank 1, node 0, host gpu7, pid 4243) stopped heartbeating at 1970-01-01T00:00:02.000Z; \
+             the coordinator counted it lost at 1970-01-01T00:00:17.000Z (no heartbeat for 15.0 s)"
+        );
+        assert!(text.contains("  then it was killed by the launcher (SIGKILL)\n"), "{text}");
+        assert!(text.contains("  rank 2 exited with code 4 at 1970-01-01T00:00:17.500Z, the first to fail for it\n"));
+        assert!(text.contains("    | rallypoint: barrier 'step' (generation 1) failed: rank 1 (...) is lost"));
+        assert!(text.contains("  rank 0: exited with code 4 after rank 1 was lost\n"), "{text}");
+        assert!(text.contains("  rank 2: exited with code 4 after rank 1 was lost\n"), "{text}");
+        assert!(!text.contains("  rank 1: "), "the root cause is not among the others: {text}");
+        assert_eq!(first.exit_code(), 4, "the code its peers' failure gave");
+        // Judged on another node: that node's launcher tells the process's state.
+        let text = summary("train", 0, 0, &lost(None), &[]);
+        assert!(text.contains("(its process is on node 0: that node's launcher tells its state)"), "{text}");
     }
 }

@@ -37,6 +37,15 @@ pub enum Remote {
     VerdictSucceeded,
 }
 
+/// Where the ranks of an attempt are.
+pub struct Layout {
+    /// This node's first rank.
+    pub base_rank: u32,
+    pub world_size: u32,
+    /// Workers per node, by node.
+    pub counts: Vec<u32>,
+}
+
 /// This node's launcher as a member of the launchers' job.
 #[derive(Clone)]
 pub struct Launchers {
@@ -68,25 +77,28 @@ impl Launchers {
         Ok(Launchers { client, node, nnodes })
     }
 
-    /// Waits for every node of attempt `attempt`; returns this node's first rank and the world size.
-    pub async fn rendezvous(&self, attempt: u32, nproc: u32, timeout: Duration) -> Result<(u32, u32), Error> {
+    /// Waits for every node of attempt `attempt`; returns where the ranks are.
+    pub async fn rendezvous(&self, attempt: u32, nproc: u32, timeout: Duration) -> Result<Layout, Error> {
         let counts = self
             .client
             .all_gather(&format!("attempt{attempt}/nproc"), Members::World, nproc.to_string(), Some(timeout))
             .await?;
-        let mut base = 0u32;
-        let mut world = 0u32;
+        let mut layout = Layout { base_rank: 0, world_size: 0, counts: Vec::with_capacity(counts.len()) };
         for (node, count) in counts.iter().enumerate() {
             let n: u32 = std::str::from_utf8(count)
                 .ok()
                 .and_then(|s| s.parse().ok())
                 .ok_or_else(|| Error::Protocol(format!("node {node} announced a bad worker count {count:?}")))?;
             if (node as u32) < self.node {
-                base += n;
+                layout.base_rank += n;
             }
-            world = world.checked_add(n).ok_or_else(|| Error::Config("the world size exceeds 2^32 ranks".into()))?;
+            layout.world_size = layout
+                .world_size
+                .checked_add(n)
+                .ok_or_else(|| Error::Config("the world size exceeds 2^32 ranks".into()))?;
+            layout.counts.push(n);
         }
-        Ok((base, world))
+        Ok(layout)
     }
 
     /// Starts listening to the other nodes for this attempt.

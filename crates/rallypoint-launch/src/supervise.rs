@@ -1,24 +1,41 @@
 //! One attempt of a job on this node: spawn the workers, watch them and the other
 //! nodes, and on the first failure take everything down within the grace period.
+//!
+//! The summary blames the root cause. When a worker fails, node 0 (which hosts the
+//! coordinator) asks it which ranks of the attempt it counts as lost: a rank its
+//! peers lost (it stopped heartbeating, or dropped its connection before the
+//! failure) is the cause, and the failed peer only what revealed it. The other
+//! nodes learn that verdict from node 0 and wait briefly for it before their own
+//! summary, so every node names the same rank; the node running that rank adds its
+//! process's state from `/proc`.
 
 use std::collections::HashSet;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
 
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
-use rallypoint_client::{Client, ConnectOptions, Identity};
+use rallypoint_client::{Client, ConnectOptions, Identity, LossReason, RankInfo, RankState};
+use rallypoint_server::ServerHandle;
 
 /// Between aborting the job on the coordinator and signalling the workers: long enough
 /// for a worker blocked in a barrier to receive the reason and report it itself, short
 /// enough not to matter to a person waiting.
 const NOTICE: Duration = Duration::from_millis(100);
+/// How long a node other than 0 waits, its workers gone, for node 0's verdict on a
+/// failure it saw first (node 0 may know a rank was lost before it): an upper bound,
+/// the verdict takes a round trip.
+const VERDICT_WAIT: Duration = Duration::from_secs(5);
 
-use crate::outcome::{summary, Failure, FailureKind, RankOutcome};
+use crate::console::Console;
+use crate::outcome::{summary, unix_ms, Failure, FailureKind, Loss, RankOutcome};
+use crate::procs::{self, Family, LAUNCH_ID_VAR};
 use crate::rendezvous::{Launchers, Remote, Report};
+use crate::watchdog::Watchdog;
 use crate::worker::{self, Exited, Running, Spec};
-use crate::{LaunchError, LaunchOptions};
-use rallypoint_client::env::{worker_env, JobEnv, Placement};
+use crate::{Exit, LaunchError, LaunchOptions};
+use rallypoint_client::env::{live_output_env, worker_env, JobEnv, Placement};
 
 pub enum AttemptResult {
     Succeeded,
@@ -27,12 +44,27 @@ pub enum AttemptResult {
 
 pub struct Attempt<'a> {
     pub options: &'a LaunchOptions,
-    pub agents: &'a Launchers,
+    pub launchers: &'a Launchers,
     pub job: &'a JobEnv,
     pub host: &'a str,
     pub base_rank: u32,
     pub world_size: u32,
+    /// Workers per node, by node.
+    pub counts: &'a [u32],
     pub attempt: u32,
+    /// The coordinator, when this launcher hosts it (node 0).
+    pub server: Option<&'a ServerHandle>,
+    pub console: &'a Arc<Console>,
+    pub family: &'a Arc<Family>,
+    pub watchdog: Option<&'a Watchdog>,
+}
+
+/// Where a failure was seen.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Origin {
+    Here,
+    /// Another node's report, or node 0's verdict.
+    Remote,
 }
 
 impl Attempt<'_> {
@@ -49,10 +81,11 @@ impl Attempt<'_> {
         };
         let (exits_tx, mut exits) = mpsc::unbounded_channel::<Exited>();
         let (remote_tx, mut remote) = mpsc::unbounded_channel::<Remote>();
-        if self.agents.nnodes > 1 {
-            self.agents.watch(self.attempt, remote_tx);
+        if self.launchers.nnodes > 1 {
+            self.launchers.watch(self.attempt, remote_tx);
         }
         let inherited_omp = std::env::var_os("OMP_NUM_THREADS").is_some();
+        let inherited_unbuffered = std::env::var_os("PYTHONUNBUFFERED").is_some();
         let mut running: Vec<Option<Running>> = Vec::new();
         let mut pids = Vec::new();
         let mut state = State::default();
@@ -62,34 +95,40 @@ impl Attempt<'_> {
                 local_rank,
                 world_size: self.world_size,
                 local_world_size: nproc,
-                node_rank: self.agents.node,
-                nnodes: self.agents.nnodes,
+                node_rank: self.launchers.node,
+                nnodes: self.launchers.nnodes,
             };
+            let mut env = worker_env(self.job, &placement, inherited_omp);
+            env.extend(live_output_env(inherited_unbuffered));
+            env.push((LAUNCH_ID_VAR, self.family.id().into()));
             let spec = Spec {
                 rank: placement.rank,
                 local_rank,
                 program: o.command[0].clone(),
                 args: o.command[1..].to_vec(),
-                env: worker_env(self.job, &placement, inherited_omp),
-                console: log_dir.is_none() || o.tee,
+                env,
+                console: (log_dir.is_none() || o.tee).then(|| Arc::clone(self.console)),
                 log_dir: log_dir.clone(),
             };
-            match worker::spawn(spec, exits_tx.clone()) {
+            match worker::spawn(spec, self.family, exits_tx.clone()) {
                 Ok(r) => {
+                    if let Some(watchdog) = self.watchdog {
+                        watchdog.watch_group(r.pid);
+                    }
                     pids.push(r.pid);
                     running.push(Some(r));
                 }
                 Err(e) => {
                     // Could not even start: a failure like any other (exit 127, as a shell
                     // reports a missing command), with the reason as its stderr; start no more.
-                    let failure = self.worker_failure(local_rank, 0, super::Exit::Code(127), vec![e.to_string()]);
+                    let failure = self.worker_failure(local_rank, 0, Exit::Code(127), vec![e.to_string()]);
                     state.outcomes.push(RankOutcome {
                         rank: placement.rank,
-                        exit: super::Exit::Code(127),
+                        exit: Exit::Code(127),
                         signalled_by_launcher: None,
                         after_failure: false,
                     });
-                    self.fail(&mut state, failure, &running);
+                    self.fail(&mut state, failure, &running, Origin::Here);
                     break;
                 }
             }
@@ -101,51 +140,66 @@ impl Attempt<'_> {
         let mut published_success = false;
         loop {
             let all_exited = running.iter().all(Option::is_none);
+            let mut verdict_by = None;
             if all_exited {
                 if state.first.is_some() {
-                    break;
-                }
-                let nnodes = self.agents.nnodes;
-                if nnodes == 1 || verdict_ok {
-                    break;
-                }
-                if self.agents.node == 0 && reports_ok.len() as u32 == nnodes - 1 {
-                    self.agents.publish(self.attempt, &Report::Succeeded);
-                    break;
-                }
-                if self.agents.node != 0 && !published_success {
-                    self.agents.publish(self.attempt, &Report::Succeeded);
-                    published_success = true;
+                    match state.verdict_by {
+                        Some(by) if !state.verdict_seen && Instant::now() < by => verdict_by = Some(by),
+                        _ => break,
+                    }
+                } else {
+                    let nnodes = self.launchers.nnodes;
+                    if nnodes == 1 || verdict_ok {
+                        break;
+                    }
+                    if self.launchers.node == 0 && reports_ok.len() as u32 == nnodes - 1 {
+                        self.launchers.publish(self.attempt, &Report::Succeeded);
+                        break;
+                    }
+                    if self.launchers.node != 0 && !published_success {
+                        self.launchers.publish(self.attempt, &Report::Succeeded);
+                        published_success = true;
+                    }
                 }
             }
-            let next_step = state.term_at.or(state.kill_at).map(tokio::time::sleep_until);
+            let next_step = [state.term_at, state.kill_at, verdict_by].into_iter().flatten().min();
             tokio::select! {
                 Some(exited) = exits.recv() => {
                     let Some(r) = running.get_mut(exited.local_rank as usize).and_then(Option::take) else { continue };
+                    let rank = self.base_rank + exited.local_rank;
                     state.outcomes.push(RankOutcome {
-                        rank: self.base_rank + exited.local_rank,
+                        rank,
                         exit: exited.exit,
                         signalled_by_launcher: state.signal_sent,
                         after_failure: state.first.is_some(),
                     });
-                    if !exited.exit.success() && state.first.is_none() {
+                    if !exited.exit.success() {
                         let failure = self.worker_failure(r.local_rank, r.pid, exited.exit, exited.stderr_tail);
-                        self.fail(&mut state, failure, &running);
+                        if state.first.is_none() {
+                            self.fail(&mut state, failure, &running, Origin::Here);
+                        } else if state.signal_sent.is_none() {
+                            // Ended by itself before the teardown: may be the lost rank's own end.
+                            self.reconsider(&mut state, failure, &running);
+                        }
                     }
                 }
                 Some(event) = remote.recv() => match event {
                     Remote::NodeSucceeded(node) => { reports_ok.insert(node); }
                     Remote::VerdictSucceeded => verdict_ok = true,
                     Remote::Failed(failure) => {
+                        // Off node 0, this is node 0's verdict.
+                        state.verdict_seen |= self.launchers.node != 0;
                         if state.first.is_none() {
-                            self.fail(&mut state, failure, &running);
+                            self.fail(&mut state, failure, &running, Origin::Remote);
+                        } else {
+                            self.reconsider(&mut state, failure, &running);
                         }
                     }
                 },
                 Some(sig) = signals.recv() => {
                     if state.first.is_none() {
-                        let failure = Failure::now(FailureKind::Interrupted { signal: sig }, self.agents.node, self.host);
-                        self.fail(&mut state, failure, &running);
+                        let failure = Failure::now(FailureKind::Interrupted { signal: sig }, self.launchers.node, self.host);
+                        self.fail(&mut state, failure, &running, Origin::Here);
                         // The user asked: pass their signal on at once, no notice period.
                         state.term_at = None;
                         self.signal_all(&mut state, &running, sig);
@@ -155,48 +209,66 @@ impl Attempt<'_> {
                         state.kill_at = Some(Instant::now());
                     }
                 }
-                _ = async { if let Some(t) = next_step { t.await } else { std::future::pending().await } } => {
-                    if state.term_at.take().is_some() {
+                _ = async { if let Some(t) = next_step { tokio::time::sleep_until(t).await } else { std::future::pending().await } } => {
+                    let now = Instant::now();
+                    if state.term_at.is_some_and(|t| t <= now) {
+                        state.term_at = None;
                         self.signal_all(&mut state, &running, libc::SIGTERM);
-                    } else {
+                    } else if state.kill_at.is_some_and(|t| t <= now) {
                         for r in running.iter().flatten() {
                             worker::signal_group(r.pid, libc::SIGKILL);
                         }
+                        self.family.signal_strays(libc::SIGKILL, &[]);
+                        state.signal_sent = Some(libc::SIGKILL);
                         state.kill_at = None;
+                    } else if verdict_by.is_some_and(|t| t <= now) {
+                        tracing::debug!("no verdict from node 0; the summary says what this node saw");
+                        state.verdict_seen = true;
                     }
                 }
             }
         }
-        // Whatever the workers started in their groups goes too: no worker survives its job.
+        // Whatever the workers started goes too, in their groups or not: no worker
+        // survives its job.
         for &pid in &pids {
             worker::signal_group(pid, libc::SIGKILL);
+        }
+        self.family.kill_strays().await;
+        if let Some(watchdog) = self.watchdog {
+            for &pid in &pids {
+                watchdog.forget_group(pid);
+            }
         }
         state.outcomes.sort_by_key(|o| o.rank);
         match state.first {
             None => Ok(AttemptResult::Succeeded),
             Some(first) => {
-                eprint!("{}", summary(&o.job, self.attempt, o.max_restarts, &first, &state.outcomes));
+                self.console.message(summary(&o.job, self.attempt, o.max_restarts, &first, &state.outcomes));
                 Ok(AttemptResult::Failed { first })
             }
         }
     }
 
-    fn worker_failure(&self, local_rank: u32, pid: u32, exit: super::Exit, stderr_tail: Vec<String>) -> Failure {
+    fn worker_failure(&self, local_rank: u32, pid: u32, exit: Exit, stderr_tail: Vec<String>) -> Failure {
         Failure::now(
             FailureKind::Worker { rank: self.base_rank + local_rank, local_rank, pid, exit, stderr_tail },
-            self.agents.node,
+            self.launchers.node,
             self.host,
         )
     }
 
-    /// The first failure: tell the other nodes, and abort the job on the coordinator so
-    /// peers blocked in barriers fail at once with the reason; after a short notice,
-    /// SIGTERM whoever is still running.
-    fn fail(&self, state: &mut State, failure: Failure, running: &[Option<Running>]) {
-        let nnodes = self.agents.nnodes;
-        let seen_here = failure.node == self.agents.node;
-        if nnodes > 1 && (self.agents.node == 0 || seen_here) {
-            self.agents.publish(self.attempt, &Report::Failed(failure.clone()));
+    /// The first failure: judge its root cause, tell the other nodes, and abort the
+    /// job on the coordinator so peers blocked in barriers fail at once with the
+    /// reason; after a short notice, SIGTERM whoever is still running.
+    fn fail(&self, state: &mut State, failure: Failure, running: &[Option<Running>], origin: Origin) {
+        let failure = self.localize(self.judge(failure, state, running), running);
+        let nnodes = self.launchers.nnodes;
+        if nnodes > 1 && (self.launchers.node == 0 || origin == Origin::Here) {
+            self.launchers.publish(self.attempt, &Report::Failed(failure.clone()));
+        }
+        if nnodes > 1 && self.launchers.node != 0 {
+            // Node 0 may know better (a rank it counts as lost): its verdict is awaited.
+            state.verdict_by = Some(Instant::now() + VERDICT_WAIT);
         }
         abort_job(self.job, self.host, format!("launcher: {}", failure.headline()));
         state.first = Some(failure);
@@ -205,11 +277,135 @@ impl Attempt<'_> {
         }
     }
 
-    /// Sends `sig` to every running worker's group; SIGKILL follows after the grace period.
-    fn signal_all(&self, state: &mut State, running: &[Option<Running>], sig: i32) {
-        for r in running.iter().flatten() {
-            worker::signal_group(r.pid, sig);
+    /// A later failure may say more about the root cause than the first one did:
+    /// node 0's verdict naming a lost rank, the lost rank's own exit, or (on node 0)
+    /// the failure of a rank the coordinator had lost before the first failure (a
+    /// crash on another node, reported after a peer here failed for it).
+    fn reconsider(&self, state: &mut State, later: Failure, running: &[Option<Running>]) {
+        let Some(first) = &state.first else { return };
+        let better = match (&first.what, &later.what) {
+            (FailureKind::Worker { rank: failed, .. }, FailureKind::RankLost { rank, .. }) => failed != rank,
+            (FailureKind::RankLost { rank: lost, .. }, FailureKind::Worker { rank, .. }) => lost == rank,
+            (FailureKind::Worker { rank: failed, .. }, FailureKind::Worker { rank, .. }) => {
+                failed != rank && self.lost(*rank).is_some_and(|(lost_at, ..)| lost_at <= first.at_unix_ms)
+            }
+            _ => false,
+        };
+        if better {
+            state.first = Some(self.localize(later, running));
         }
+    }
+
+    /// On node 0: a worker failure whose peers had lost another rank first becomes
+    /// that rank's loss. A rank lost by lease is never a consequence of the failure
+    /// (killing a worker drops its connection, it does not silence it). A dropped
+    /// connection counts only on this node, before the failure, and not from a worker
+    /// seen to finish: torch's processes and clients that never close leave that way
+    /// when they are done, and a rank elsewhere that crashed is reported by its own
+    /// node (see `reconsider`).
+    fn judge(&self, failure: Failure, state: &State, running: &[Option<Running>]) -> Failure {
+        let FailureKind::Worker { rank: failed, .. } = &failure.what else { return failure };
+        let Some(server) = self.server else { return failure };
+        let now_ms = unix_ms(SystemTime::now());
+        let mut cause: Option<(u64, u64, Loss, RankInfo)> = None;
+        for info in server.lost_ranks(&self.job.attempt_job) {
+            if info.rank == *failed || info.rank >= self.world_size {
+                continue;
+            }
+            let Some((lost_at, last_seen, loss)) = loss_of(&info, now_ms) else { continue };
+            if loss == Loss::Disconnected {
+                let finished = state.outcomes.iter().any(|o| o.rank == info.rank && o.exit.success());
+                if !self.is_local(info.rank) || finished || lost_at > failure.at_unix_ms {
+                    continue;
+                }
+            }
+            let earlier = match &cause {
+                Some((at, ..)) => lost_at < *at,
+                None => true,
+            };
+            if earlier {
+                cause = Some((lost_at, last_seen, loss, info));
+            }
+        }
+        let Some((_, last_seen, loss, info)) = cause else { return failure };
+        let (node, local_rank) = self.place(info.rank).map_or((failure.node, None), |(n, l)| (n, Some(l)));
+        let process = self.process_of(info.rank, info.pid, info.host.as_deref(), running);
+        Failure {
+            what: FailureKind::RankLost {
+                rank: info.rank,
+                local_rank,
+                pid: info.pid,
+                loss,
+                last_seen_unix_ms: last_seen,
+                process,
+                revealed_by: Box::new(failure),
+            },
+            node,
+            host: info.host.unwrap_or_else(|| "?".into()),
+            at_unix_ms: now_ms,
+        }
+    }
+
+    /// When (ms since the epoch) and how the hosted coordinator lost `rank`, if it did.
+    fn lost(&self, rank: u32) -> Option<(u64, u64, Loss)> {
+        let now_ms = unix_ms(SystemTime::now());
+        let lost = self.server?.lost_ranks(&self.job.attempt_job);
+        lost.iter().find(|info| info.rank == rank).and_then(|info| loss_of(info, now_ms))
+    }
+
+    fn is_local(&self, rank: u32) -> bool {
+        rank.checked_sub(self.base_rank).is_some_and(|l| l < self.options.nproc_per_node)
+    }
+
+    /// A lost rank of this node, judged elsewhere: add its process's state.
+    fn localize(&self, mut failure: Failure, running: &[Option<Running>]) -> Failure {
+        if let FailureKind::RankLost { rank, pid, process: process @ None, .. } = &mut failure.what {
+            *process = self.process_of(*rank, *pid, Some(&failure.host), running);
+        }
+        failure
+    }
+
+    /// The node and local rank of `rank`.
+    fn place(&self, rank: u32) -> Option<(u32, u32)> {
+        let mut first = 0u32;
+        for (node, &count) in self.counts.iter().enumerate() {
+            if rank < first.saturating_add(count) {
+                return Some((u32::try_from(node).ok()?, rank - first));
+            }
+            first = first.saturating_add(count);
+        }
+        None
+    }
+
+    /// The state of `rank`'s process, if it runs on this node: the process the
+    /// coordinator names (a wrapper's child, say), when it is one of ours, else the
+    /// worker itself.
+    fn process_of(
+        &self,
+        rank: u32,
+        pid: Option<u32>,
+        host: Option<&str>,
+        running: &[Option<Running>],
+    ) -> Option<String> {
+        let local = rank.checked_sub(self.base_rank).filter(|_| self.is_local(rank))?;
+        if let Some(pid) = pid.filter(|&p| host == Some(self.host) && procs::is_descendant(p)) {
+            return Some(procs::describe(pid));
+        }
+        match running.get(local as usize) {
+            Some(Some(worker)) => Some(procs::describe(worker.pid)),
+            // Its worker exited already.
+            _ => Some("gone".into()),
+        }
+    }
+
+    /// Sends `sig` to every running worker's group and to what left those groups;
+    /// SIGKILL follows after the grace period.
+    fn signal_all(&self, state: &mut State, running: &[Option<Running>], sig: i32) {
+        let groups: Vec<u32> = running.iter().flatten().map(|r| r.pid).collect();
+        for &group in &groups {
+            worker::signal_group(group, sig);
+        }
+        self.family.signal_strays(sig, &groups);
         state.signal_sent = Some(sig);
         state.kill_at = Some(Instant::now() + self.options.grace);
     }
@@ -219,12 +415,28 @@ impl Attempt<'_> {
 struct State {
     first: Option<Failure>,
     outcomes: Vec<RankOutcome>,
-    /// The signal sent to the workers at teardown.
+    /// The last signal sent to the workers at teardown.
     signal_sent: Option<i32>,
     /// When the workers still alive get SIGTERM (the end of the notice period).
     term_at: Option<Instant>,
     /// When the workers still alive get SIGKILL.
     kill_at: Option<Instant>,
+    /// Off node 0: until when to wait for node 0's verdict on a failure seen here.
+    verdict_by: Option<Instant>,
+    verdict_seen: bool,
+}
+
+/// When a lost rank was lost, when it was last heard from (ms since the epoch, from
+/// the coordinator's "ago" and `now_ms`), and how.
+fn loss_of(info: &RankInfo, now_ms: u64) -> Option<(u64, u64, Loss)> {
+    let RankState::Lost(reason) = info.state else { return None };
+    let last_seen = now_ms.saturating_sub(info.last_seen_ms_ago.unwrap_or(0));
+    Some(match reason {
+        LossReason::LeaseExpired { lease_ms } => {
+            (last_seen.saturating_add(lease_ms), last_seen, Loss::Silent { lease_ms })
+        }
+        LossReason::Disconnected => (last_seen, last_seen, Loss::Disconnected),
+    })
 }
 
 /// Aborts the attempt's coordinator job in the background: workers blocked in a

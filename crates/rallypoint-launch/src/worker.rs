@@ -6,17 +6,27 @@ use std::io;
 use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::process::Stdio;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::process::Command;
 use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
 
-use super::outcome::Exit;
-use super::output::{pump, tail_lines, Stream, Tail};
+use crate::console::{Console, STALL};
+use crate::outcome::Exit;
+use crate::output::{pump, tail_lines, Stream, Tail};
+use crate::procs::Family;
 
-/// How long to keep reading a dead worker's pipes: a grandchild that inherited them
-/// may keep them open, and the summary must not wait for it.
-const DRAIN_AFTER_EXIT: Duration = Duration::from_millis(500);
+/// After a worker exited, its pipes are read on as long as output keeps coming, but
+/// a pipe that stays silent this long is given up: a process the worker started may
+/// hold it open, and the summary must not wait for it. Longer than the console's
+/// stall, so that a pump waiting for the console is not taken for an idle one.
+const DRAIN_IDLE: Duration = Duration::from_millis(500).saturating_add(STALL);
+/// And no longer than this in all.
+const DRAIN_MAX: Duration = Duration::from_secs(10);
 
 pub struct Spec {
     pub rank: u32,
@@ -24,7 +34,8 @@ pub struct Spec {
     pub program: OsString,
     pub args: Vec<OsString>,
     pub env: Vec<(&'static str, OsString)>,
-    pub console: bool,
+    /// Where its output is shown; `None` with `--log-dir` and no `--tee`.
+    pub console: Option<Arc<Console>>,
     pub log_dir: Option<PathBuf>,
 }
 
@@ -42,7 +53,7 @@ pub struct Exited {
 }
 
 /// Starts the worker and a task that reports its exit on `done`.
-pub fn spawn(spec: Spec, done: mpsc::UnboundedSender<Exited>) -> io::Result<Running> {
+pub fn spawn(spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exited>) -> io::Result<Running> {
     let mut cmd = Command::new(&spec.program);
     cmd.args(&spec.args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
@@ -56,7 +67,8 @@ pub fn spawn(spec: Spec, done: mpsc::UnboundedSender<Exited>) -> io::Result<Runn
     // SAFETY: only async-signal-safe calls (prctl, getppid, raise) between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
-            // A worker must not outlive its launcher, even one killed with SIGKILL.
+            // A worker must not outlive its launcher, even one killed with SIGKILL (what
+            // the worker starts is the watchdog's: this signal is not inherited).
             if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong, 0, 0, 0) != 0 {
                 return Err(io::Error::last_os_error());
             }
@@ -67,23 +79,29 @@ pub fn spawn(spec: Spec, done: mpsc::UnboundedSender<Exited>) -> io::Result<Runn
             Ok(())
         });
     }
-    let mut child = cmd.spawn().map_err(|e| {
-        io::Error::new(e.kind(), format!("cannot start {:?} for rank {}: {e}", spec.program, spec.rank))
-    })?;
+    let mut child = family
+        .spawn_worker(|| {
+            let child = cmd.spawn()?;
+            let pid = child.id().unwrap_or(0);
+            Ok((child, pid))
+        })
+        .map_err(|e| {
+            io::Error::new(e.kind(), format!("cannot start {:?} for rank {}: {e}", spec.program, spec.rank))
+        })?;
     let pid = child.id().unwrap_or(0);
     let tail: Tail = Tail::default();
-    let stdout = child.stdout.take().map(|out| {
+    let activity = Arc::new(AtomicU64::new(0));
+    let start_pump = |stream: Stream, source, tail: Option<Tail>| -> JoinHandle<()> {
+        let console = spec.console.as_ref().map(|c| c.for_rank(spec.rank, stream));
         let dir = spec.log_dir.clone();
-        tokio::spawn(async move { pump(out, spec.rank, Stream::Stdout, spec.console, dir.as_deref(), None).await })
-    });
-    let stderr = child.stderr.take().map(|err| {
-        let dir = spec.log_dir.clone();
-        let tail = tail.clone();
-        tokio::spawn(
-            async move { pump(err, spec.rank, Stream::Stderr, spec.console, dir.as_deref(), Some(tail)).await },
-        )
-    });
+        let activity = Arc::clone(&activity);
+        let rank = spec.rank;
+        tokio::spawn(async move { pump(source, rank, stream, console, dir.as_deref(), tail, activity).await })
+    };
+    let stdout = child.stdout.take().map(|out| start_pump(Stream::Stdout, Box::new(out) as Source, None));
+    let stderr = child.stderr.take().map(|err| start_pump(Stream::Stderr, Box::new(err) as Source, Some(tail.clone())));
     let local_rank = spec.local_rank;
+    let family = Arc::clone(family);
     tokio::spawn(async move {
         let exit = match child.wait().await {
             Ok(status) => match (status.code(), status.signal()) {
@@ -96,12 +114,33 @@ pub fn spawn(spec: Spec, done: mpsc::UnboundedSender<Exited>) -> io::Result<Runn
                 Exit::Code(1)
             }
         };
-        for pump in [stdout, stderr].into_iter().flatten() {
-            let _ = tokio::time::timeout(DRAIN_AFTER_EXIT, pump).await;
-        }
+        family.worker_reaped(pid);
+        drain([stdout, stderr].into_iter().flatten(), &activity).await;
         let _ = done.send(Exited { local_rank, exit, stderr_tail: tail_lines(&tail) });
     });
     Ok(Running { local_rank, pid })
+}
+
+type Source = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
+
+/// Waits for the pumps of an exited worker while they make progress (see DRAIN_IDLE).
+async fn drain(pumps: impl Iterator<Item = JoinHandle<()>>, activity: &AtomicU64) {
+    let deadline = Instant::now() + DRAIN_MAX;
+    for mut pump in pumps {
+        let mut seen = activity.load(Ordering::Relaxed);
+        loop {
+            match tokio::time::timeout(DRAIN_IDLE, &mut pump).await {
+                Ok(_) => break,
+                Err(_) => {
+                    let now = activity.load(Ordering::Relaxed);
+                    if now == seen || Instant::now() >= deadline {
+                        break;
+                    }
+                    seen = now;
+                }
+            }
+        }
+    }
 }
 
 /// Sends `signal` to the worker's whole process group.

@@ -21,14 +21,12 @@ use atomic_waker::AtomicWaker;
 
 use crate::sync::lock;
 
-/// What a read buffer holding part of a request costs: its whole allocation (it
-/// grows ahead of the bytes), nothing once it holds no request.
+/// What a read buffer holding part of a request is charged: the bytes received.
+/// Its allocation grows ahead of them, by doubling, so a process holds at most
+/// about twice the budget in such buffers; counting the bytes keeps the choice of
+/// whom to close independent of how reads happened to fall.
 pub fn buffered(buf: &bytes::BytesMut) -> usize {
-    if buf.is_empty() {
-        0
-    } else {
-        buf.capacity()
-    }
+    buf.len()
 }
 
 /// The budget shared by every connection of one server or agent.

@@ -19,7 +19,7 @@ use std::pin::{pin, Pin};
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{BufMut, BytesMut};
 use rallypoint_core::{Identity, OpError, Request};
 use rallypoint_proto::native::{
     decode_client_frame, decode_preamble, starts_with_agent_hello, ClientFrame, FrameLimits, ProtoError, VERSION,
@@ -273,6 +273,20 @@ pub fn decode_requests(rbuf: &mut BytesMut, limits: &FrameLimits, mut on: impl F
     }
 }
 
+/// Most bytes one read takes: a peer streaming a large frame as fast as it can is
+/// read in slices, between which the others are served (see [`after_read`]).
+pub const MAX_READ: usize = 256 * 1024;
+
+/// Lets the other connections run after a read that filled a whole slice: a
+/// connection flooding the server (a large frame, or a hostile peer) then takes one
+/// slice per turn, instead of holding a thread of the runtime while it copies
+/// megabytes.
+pub async fn after_read(read: usize) {
+    if read >= MAX_READ {
+        tokio::task::yield_now().await;
+    }
+}
+
 /// How a connection's read buffer is sized: how much room each read makes, and how
 /// large a buffer may stay once it is empty (a larger one is given back).
 #[derive(Debug, Clone, Copy)]
@@ -313,7 +327,7 @@ impl Buffering {
 /// read chunk. The stack chunk lives only within one poll and is not zeroed (only
 /// what the read fills is looked at). The rest of a frame already started is read
 /// straight into the buffer, which grows geometrically so that a large value takes
-/// few reads.
+/// few reads, each of at most [`MAX_READ`] bytes.
 pub fn read_some<R: AsyncRead + Unpin>(
     reader: &mut R,
     rbuf: &mut BytesMut,
@@ -323,7 +337,8 @@ pub fn read_some<R: AsyncRead + Unpin>(
     const STACK_CHUNK: usize = 4096;
     if !rbuf.is_empty() || buffering.chunk > STACK_CHUNK {
         rbuf.reserve(buffering.chunk.max(rbuf.len()));
-        return pin!(reader.read_buf(rbuf)).poll(cx);
+        let mut room = BufMut::limit(&mut *rbuf, MAX_READ);
+        return pin!(reader.read_buf(&mut room)).poll(cx);
     }
     let mut chunk = [MaybeUninit::<u8>::uninit(); STACK_CHUNK];
     let mut filled = ReadBuf::uninit(&mut chunk[..buffering.chunk]);

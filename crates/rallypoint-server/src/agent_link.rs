@@ -19,7 +19,7 @@ use std::time::Duration;
 use bytes::BytesMut;
 use rallypoint_core::{OpError, Reply, Request, SessionId, Welcome};
 use rallypoint_net::budget::{buffered, Charge};
-use rallypoint_net::conn::{read_some, stall, Buffering, End};
+use rallypoint_net::conn::{after_read, read_some, stall, Buffering, End};
 use rallypoint_net::sync::lock;
 use rallypoint_net::warn_limit::WarnLimit;
 use rallypoint_proto::native::{
@@ -194,9 +194,6 @@ impl AgentConn<'_> {
             if let Some(end) = broken.take() {
                 return end;
             }
-            if let Err(over) = self.charge.hold(buffered(&self.rbuf)) {
-                return End::OverBudget(over);
-            }
             Buffering::NODE_LINK.release_idle(&mut self.rbuf);
             let buffered = self.rbuf.len();
             tokio::select! {
@@ -206,7 +203,10 @@ impl AgentConn<'_> {
                 read = std::future::poll_fn(|cx| read_some(self.stream, &mut self.rbuf, Buffering::NODE_LINK, cx)) => match read {
                     Ok(0) if self.rbuf.is_empty() => return End::Closed,
                     Ok(0) => return End::ClosedMidFrame { buffered: self.rbuf.len() },
-                    Ok(_) => broken = self.process(outbox).err(),
+                    Ok(read) => {
+                        broken = self.process(outbox).err();
+                        after_read(read).await;
+                    }
                     Err(error) => return End::Io(error),
                 },
                 end = stall(buffered, self.read_timeout) => return end,
@@ -235,7 +235,8 @@ impl AgentConn<'_> {
             let opened = self.guard.shared.agent_batch(inputs, outbox);
             self.answer_hellos(opened);
         }
-        result
+        result?;
+        Ok(self.charge.hold(buffered(&self.rbuf))?)
     }
 
     /// One frame of the agent as inputs for the engine: each rank's own request, in

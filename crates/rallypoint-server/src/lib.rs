@@ -51,7 +51,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rallypoint_core::Config;
+use rallypoint_core::{Config, RankInfo};
 use rallypoint_proto::native::FrameLimits;
 use rallypoint_proto::tcpstore::TcpLimits;
 use tokio::net::{TcpListener, TcpSocket};
@@ -231,6 +231,13 @@ impl ServerHandle {
     /// job of each attempt.
     pub fn set_tcpstore_job(&self, job: &str) {
         self.shared.set_tcpstore_job(job);
+    }
+
+    /// The ranks of `job` this coordinator counts as lost, and how and when each was
+    /// last heard from. The launcher hosting it asks when a worker fails: a rank its
+    /// peers lost is the root cause, not the peer that failed because of it.
+    pub fn lost_ranks(&self, job: &str) -> Vec<RankInfo> {
+        self.shared.lost_ranks(job)
     }
 
     /// Stops accepting, closes every connection and waits until the server is done.

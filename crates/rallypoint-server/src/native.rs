@@ -11,7 +11,9 @@ use std::time::Duration;
 use bytes::BytesMut;
 use rallypoint_core::{OpError, Reply, SessionId};
 use rallypoint_net::budget::{buffered, Charge};
-use rallypoint_net::conn::{accept_hello, decode_requests, read_some, stall, Accepts, Buffering, End, Hello, Inbound};
+use rallypoint_net::conn::{
+    accept_hello, after_read, decode_requests, read_some, stall, Accepts, Buffering, End, Hello, Inbound,
+};
 use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
 use rallypoint_proto::native::{encode_reply, encode_reply_shared, encode_server_frame, ServerFrame};
 use tokio::io::AsyncWriteExt;
@@ -160,6 +162,9 @@ impl Drop for SessionGuard {
 }
 
 struct Connection {
+    /// The bytes of unfinished requests this connection holds. Declared first, so
+    /// dropped first: they are given back before the peer sees the close.
+    charge: Charge,
     stream: TcpStream,
     peer: SocketAddr,
     settings: ConnSettings,
@@ -167,8 +172,6 @@ struct Connection {
     wbuf: BytesMut,
     /// Warnings about this peer's bad requests.
     warnings: WarnLimit,
-    /// The bytes of unfinished requests this connection holds.
-    charge: Charge,
 }
 
 impl Connection {
@@ -200,9 +203,6 @@ impl Connection {
             if let Some(end) = broken.take() {
                 return end;
             }
-            if let Err(over) = self.charge.hold(buffered(&self.rbuf)) {
-                return End::OverBudget(over);
-            }
             // Idle connections keep no read buffer (bytes of a partial frame stay)
             // and no write buffer (flush leaves it empty).
             Buffering::RANK.release_idle(&mut self.rbuf);
@@ -216,7 +216,10 @@ impl Connection {
                     match read {
                         Ok(0) if self.rbuf.is_empty() => return End::Closed,
                         Ok(0) => return End::ClosedMidFrame { buffered: self.rbuf.len() },
-                        Ok(_) => broken = self.process(session, shared, &mut immediate).err(),
+                        Ok(read) => {
+                            broken = self.process(session, shared, &mut immediate).err();
+                            after_read(read).await;
+                        }
                         Err(error) => return End::Io(error),
                     }
                 }
@@ -250,7 +253,10 @@ impl Connection {
         if !requests.is_empty() {
             shared.handle(session, requests.into_iter(), &mut |id, reply| immediate.push((id, reply)));
         }
-        result
+        // Counted as soon as it is known, so that what a peer sees happen after this
+        // (its replies) never comes before the count.
+        result?;
+        Ok(self.charge.hold(buffered(&self.rbuf))?)
     }
 
     /// Writes what is buffered and `replies`, batched into as few writes as possible.

@@ -8,7 +8,7 @@ use std::task::{Poll, Waker};
 use std::time::Instant;
 
 use atomic_waker::AtomicWaker;
-use rallypoint_core::{Config, Engine, Identity, Millis, OpError, Reply, Request, SessionId, Welcome};
+use rallypoint_core::{Config, Engine, Identity, Millis, OpError, RankInfo, Reply, Request, SessionId, Welcome};
 use rallypoint_net::sync::lock;
 
 use crate::agent_link::AgentOutbox;
@@ -160,6 +160,13 @@ impl Shared {
     /// A fresh session id, for a rank behind a node agent.
     pub(crate) fn new_session_id(&self) -> SessionId {
         SessionId(self.next_session.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// See [`super::ServerHandle::lost_ranks`].
+    pub(crate) fn lost_ranks(&self, job: &str) -> Vec<RankInfo> {
+        let state = lock(&self.state);
+        let now = self.now();
+        state.engine.lost_ranks(job, now)
     }
 
     pub(crate) fn lease_ms(&self) -> Millis {

@@ -61,6 +61,18 @@ pub fn worker_env(job: &JobEnv, p: &Placement, inherited_omp: bool) -> Vec<(&'st
     env
 }
 
+/// What makes workers' output live although it goes to a pipe: Python buffers
+/// stdout that is not a terminal, so without `PYTHONUNBUFFERED` a script's prints
+/// would show only at its end, or never if it is killed. A user's own setting
+/// (`user_set`) is kept.
+pub fn live_output_env(user_set: bool) -> Vec<(&'static str, OsString)> {
+    if user_set {
+        Vec::new()
+    } else {
+        vec![("PYTHONUNBUFFERED", OsString::from("1"))]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -98,5 +110,11 @@ mod tests {
         assert_eq!(get("RALLYPOINT_ADDR"), "unix:/tmp/rp/agent.sock");
         assert_eq!(get("MASTER_ADDR"), "127.0.0.1");
         assert_eq!(get("MASTER_PORT"), "29500");
+    }
+
+    #[test]
+    fn python_output_is_unbuffered_unless_the_user_said_otherwise() {
+        assert_eq!(live_output_env(false), [("PYTHONUNBUFFERED", OsString::from("1"))]);
+        assert!(live_output_env(true).is_empty());
     }
 }

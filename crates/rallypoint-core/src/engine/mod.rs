@@ -13,7 +13,7 @@ mod validate;
 
 use std::collections::BTreeSet;
 
-use crate::{Config, Identity, Millis, OpError, Outgoing, Request, SessionId, Welcome};
+use crate::{Config, Identity, Millis, OpError, Outgoing, RankInfo, Request, SessionId, Welcome};
 
 use collective::Ctx;
 use job::Job;
@@ -234,6 +234,14 @@ impl Engine {
         }
         // Replies for the closed session have nowhere to go.
         self.outgoing.retain(|o| o.session != session);
+    }
+
+    /// The ranks of job `job` counted as lost, in rank order, with how and when they
+    /// were last heard from: the fact a launcher needs to blame the rank its peers
+    /// lost rather than a peer that failed because of it.
+    pub fn lost_ranks(&self, job: &str, now: Millis) -> Vec<RankInfo> {
+        let Some(job) = self.job_ids.get(job).and_then(|id| self.jobs.get(id)) else { return Vec::new() };
+        job.ranks.lost().map(|rank| job.ranks.info(rank, now)).collect()
     }
 
     /// Advances time: fires timeouts and lease expiries due at or before `now`.

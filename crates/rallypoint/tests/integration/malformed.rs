@@ -248,13 +248,17 @@ async fn partial_frames_are_held_within_the_pending_budget() {
     config.read_timeout = Duration::from_secs(600);
     let server = start_server_configured(config).await;
     let healthy = connect(&server, Identity::anonymous("healthy")).await;
-    // The first `sent` bytes of a set of 1 MiB, after a hello.
-    let partial = |sent: usize| {
+    // A set of a `value`-byte value, whole.
+    let set_frame = |value: usize| {
         let mut frame = BytesMut::new();
-        let request = Request::Set { key: "big".into(), value: vec![7u8; 1 << 20].into() };
+        let request = Request::Set { key: "big".into(), value: vec![7u8; value].into() };
         encode_client_frame(&ClientFrame::Request { id: 1, request }, &mut frame);
+        frame
+    };
+    // A hello, then the first `sent` bytes of such a set.
+    let partial = |sent: usize, value: usize| {
         let mut out = hello(Identity::anonymous("attack"));
-        out.extend_from_slice(&frame[..sent]);
+        out.extend_from_slice(&set_frame(value)[..sent]);
         out
     };
     let held_at_least = |bytes: usize| {
@@ -267,25 +271,22 @@ async fn partial_frames_are_held_within_the_pending_budget() {
     };
 
     let mut a = raw(&server).await;
-    send(&mut a, &partial(700_000)).await;
-    held_at_least(700_000).await;
+    send(&mut a, &partial(800_000, 1 << 20)).await;
+    held_at_least(800_000).await;
     // B takes the total past the budget: A holds the most and is closed; B goes on.
     let mut b = raw(&server).await;
-    send(&mut b, &partial(500_000)).await;
+    send(&mut b, &partial(500_000, 1 << 20)).await;
     let mut got = expect_closed(&mut a, "the largest holder").await;
     assert!(matches!(decode_server_frame(&mut got, &FrameLimits::unbounded()), Ok(Some(ServerFrame::Welcome(_)))));
     held_at_least(500_000).await;
-    // C goes past it holding more than B: C itself is closed.
+    // C goes past it, holding more than B by then: C itself is closed.
     let mut c = raw(&server).await;
-    send(&mut c, &partial(600_000)).await;
+    send(&mut c, &partial(1_200_000, 2 << 20)).await;
     expect_closed(&mut c, "the connection going over with the most").await;
     assert!(server.pending_bytes() <= BUDGET, "{} bytes held", server.pending_bytes());
 
     // B was never closed: it finishes its request and is answered.
-    let mut frame = BytesMut::new();
-    let request = Request::Set { key: "big".into(), value: vec![7u8; 1 << 20].into() };
-    encode_client_frame(&ClientFrame::Request { id: 1, request }, &mut frame);
-    send(&mut b, &frame[500_000..]).await;
+    send(&mut b, &set_frame(1 << 20)[500_000..]).await;
     let mut buf = BytesMut::new();
     assert!(matches!(read_frame(&mut b, &mut buf).await, ServerFrame::Welcome(_)));
     assert!(matches!(read_frame(&mut b, &mut buf).await, ServerFrame::Reply { id: 1, reply: Ok(Response::Done) }));
