@@ -10,6 +10,7 @@
 //! process's state from `/proc`.
 
 use std::collections::HashSet;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -68,33 +69,61 @@ enum Origin {
 }
 
 impl Attempt<'_> {
+    /// Runs the attempt to its end: its workers all exited (or were taken down),
+    /// and every node agreed on how it went.
     pub async fn run(&self, signals: &mut mpsc::UnboundedReceiver<i32>) -> Result<AttemptResult, LaunchError> {
-        let o = self.options;
-        let nproc = o.nproc_per_node;
-        let log_dir = match &o.log_dir {
-            Some(dir) => {
-                let dir = dir.join(format!("attempt{}", self.attempt));
-                std::fs::create_dir_all(&dir)?;
-                Some(dir)
-            }
-            None => None,
-        };
         let (exits_tx, mut exits) = mpsc::unbounded_channel::<Exited>();
         let (remote_tx, mut remote) = mpsc::unbounded_channel::<Remote>();
         if self.launchers.nnodes > 1 {
             self.launchers.watch(self.attempt, remote_tx);
         }
+        let mut state = State::default();
+        let mut workers = Workers::default();
+        self.spawn_workers(&mut state, &mut workers, self.log_dir()?, exits_tx);
+        while let Some(verdict_by) = self.waits_for_more(&mut state, &workers) {
+            let next_step = [state.term_at, state.kill_at, verdict_by].into_iter().flatten().min();
+            let step = async {
+                match next_step {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            tokio::select! {
+                Some(exited) = exits.recv() => self.on_exit(&mut state, &mut workers, exited),
+                Some(event) = remote.recv() => self.on_remote(&mut state, &workers, event),
+                Some(sig) = signals.recv() => self.on_signal(&mut state, &workers, sig),
+                () = step => self.on_step(&mut state, &workers, verdict_by),
+            }
+        }
+        Ok(self.finish(state, &workers).await)
+    }
+
+    /// `<log_dir>/attempt<K>`, made, if output goes to files.
+    fn log_dir(&self) -> Result<Option<PathBuf>, LaunchError> {
+        let Some(dir) = &self.options.log_dir else { return Ok(None) };
+        let dir = dir.join(format!("attempt{}", self.attempt));
+        std::fs::create_dir_all(&dir)?;
+        Ok(Some(dir))
+    }
+
+    /// Starts this node's workers; a worker that cannot start fails the attempt (and
+    /// no more are started).
+    fn spawn_workers(
+        &self,
+        state: &mut State,
+        workers: &mut Workers,
+        log_dir: Option<PathBuf>,
+        exits: mpsc::UnboundedSender<Exited>,
+    ) {
+        let o = self.options;
         let inherited_omp = std::env::var_os("OMP_NUM_THREADS").is_some();
         let inherited_unbuffered = std::env::var_os("PYTHONUNBUFFERED").is_some();
-        let mut running: Vec<Option<Running>> = Vec::new();
-        let mut pids = Vec::new();
-        let mut state = State::default();
-        for local_rank in 0..nproc {
+        for local_rank in 0..o.nproc_per_node {
             let placement = Placement {
                 rank: self.base_rank + local_rank,
                 local_rank,
                 world_size: self.world_size,
-                local_world_size: nproc,
+                local_world_size: o.nproc_per_node,
                 node_rank: self.launchers.node,
                 nnodes: self.launchers.nnodes,
             };
@@ -110,17 +139,17 @@ impl Attempt<'_> {
                 console: (log_dir.is_none() || o.tee).then(|| Arc::clone(self.console)),
                 log_dir: log_dir.clone(),
             };
-            match worker::spawn(spec, self.family, exits_tx.clone()) {
+            match worker::spawn(spec, self.family, exits.clone()) {
                 Ok(r) => {
                     if let Some(watchdog) = self.watchdog {
                         watchdog.watch_group(r.pid);
                     }
-                    pids.push(r.pid);
-                    running.push(Some(r));
+                    workers.pids.push(r.pid);
+                    workers.running.push(Some(r));
                 }
                 Err(e) => {
                     // Could not even start: a failure like any other (exit 127, as a shell
-                    // reports a missing command), with the reason as its stderr; start no more.
+                    // reports a missing command), with the reason as its stderr.
                     let failure = self.worker_failure(local_rank, 0, Exit::Code(127), vec![e.to_string()]);
                     state.outcomes.push(RankOutcome {
                         rank: placement.rank,
@@ -128,123 +157,135 @@ impl Attempt<'_> {
                         signalled_by_launcher: None,
                         after_failure: false,
                     });
-                    self.fail(&mut state, failure, &running, Origin::Here);
+                    self.fail(state, failure, &workers.running, Origin::Here);
                     break;
                 }
             }
         }
-        drop(exits_tx);
+    }
 
-        let mut reports_ok = HashSet::new();
-        let mut verdict_ok = false;
-        let mut published_success = false;
-        loop {
-            let all_exited = running.iter().all(Option::is_none);
-            let mut verdict_by = None;
-            if all_exited {
-                if state.first.is_some() {
-                    match state.verdict_by {
-                        Some(by) if !state.verdict_seen && Instant::now() < by => verdict_by = Some(by),
-                        _ => break,
-                    }
-                } else {
-                    let nnodes = self.launchers.nnodes;
-                    if nnodes == 1 || verdict_ok {
-                        break;
-                    }
-                    if self.launchers.node == 0 && reports_ok.len() as u32 == nnodes - 1 {
-                        self.launchers.publish(self.attempt, &Report::Succeeded);
-                        break;
-                    }
-                    if self.launchers.node != 0 && !published_success {
-                        self.launchers.publish(self.attempt, &Report::Succeeded);
-                        published_success = true;
-                    }
-                }
+    /// Whether the attempt goes on; `Some(verdict_by)`: yes, and until when node 0's
+    /// verdict is awaited, if it is. Once every local worker exited, a successful
+    /// node still reports to node 0 (or node 0 waits for every node's report).
+    fn waits_for_more(&self, state: &mut State, workers: &Workers) -> Option<Option<Instant>> {
+        if workers.running.iter().any(Option::is_some) {
+            return Some(None);
+        }
+        if state.first.is_some() {
+            return match state.verdict_by {
+                Some(by) if !state.verdict_seen && Instant::now() < by => Some(Some(by)),
+                _ => None,
+            };
+        }
+        let nnodes = self.launchers.nnodes;
+        if nnodes == 1 || state.verdict_ok {
+            return None;
+        }
+        if self.launchers.node == 0 && state.reports_ok.len() as u32 == nnodes - 1 {
+            self.launchers.publish(self.attempt, &Report::Succeeded);
+            return None;
+        }
+        if self.launchers.node != 0 && !state.published_success {
+            self.launchers.publish(self.attempt, &Report::Succeeded);
+            state.published_success = true;
+        }
+        Some(None)
+    }
+
+    /// A worker exited.
+    fn on_exit(&self, state: &mut State, workers: &mut Workers, exited: Exited) {
+        let Some(r) = workers.running.get_mut(exited.local_rank as usize).and_then(Option::take) else { return };
+        state.outcomes.push(RankOutcome {
+            rank: self.base_rank + exited.local_rank,
+            exit: exited.exit,
+            signalled_by_launcher: state.signal_sent,
+            after_failure: state.first.is_some(),
+        });
+        if exited.exit.success() {
+            return;
+        }
+        let failure = self.worker_failure(r.local_rank, r.pid, exited.exit, exited.stderr_tail);
+        if state.first.is_none() {
+            self.fail(state, failure, &workers.running, Origin::Here);
+        } else if state.signal_sent.is_none() {
+            // Ended by itself before the teardown: may be the lost rank's own end.
+            self.reconsider(state, failure, &workers.running);
+        }
+    }
+
+    /// Another node said how its attempt went (node 0), or node 0 gave its verdict.
+    fn on_remote(&self, state: &mut State, workers: &Workers, event: Remote) {
+        match event {
+            Remote::NodeSucceeded(node) => {
+                state.reports_ok.insert(node);
             }
-            let next_step = [state.term_at, state.kill_at, verdict_by].into_iter().flatten().min();
-            tokio::select! {
-                Some(exited) = exits.recv() => {
-                    let Some(r) = running.get_mut(exited.local_rank as usize).and_then(Option::take) else { continue };
-                    let rank = self.base_rank + exited.local_rank;
-                    state.outcomes.push(RankOutcome {
-                        rank,
-                        exit: exited.exit,
-                        signalled_by_launcher: state.signal_sent,
-                        after_failure: state.first.is_some(),
-                    });
-                    if !exited.exit.success() {
-                        let failure = self.worker_failure(r.local_rank, r.pid, exited.exit, exited.stderr_tail);
-                        if state.first.is_none() {
-                            self.fail(&mut state, failure, &running, Origin::Here);
-                        } else if state.signal_sent.is_none() {
-                            // Ended by itself before the teardown: may be the lost rank's own end.
-                            self.reconsider(&mut state, failure, &running);
-                        }
-                    }
-                }
-                Some(event) = remote.recv() => match event {
-                    Remote::NodeSucceeded(node) => { reports_ok.insert(node); }
-                    Remote::VerdictSucceeded => verdict_ok = true,
-                    Remote::Failed(failure) => {
-                        // Off node 0, this is node 0's verdict.
-                        state.verdict_seen |= self.launchers.node != 0;
-                        if state.first.is_none() {
-                            self.fail(&mut state, failure, &running, Origin::Remote);
-                        } else {
-                            self.reconsider(&mut state, failure, &running);
-                        }
-                    }
-                },
-                Some(sig) = signals.recv() => {
-                    if state.first.is_none() {
-                        let failure = Failure::now(FailureKind::Interrupted { signal: sig }, self.launchers.node, self.host);
-                        self.fail(&mut state, failure, &running, Origin::Here);
-                        // The user asked: pass their signal on at once, no notice period.
-                        state.term_at = None;
-                        self.signal_all(&mut state, &running, sig);
-                    } else {
-                        // A second signal while tearing down: no more grace.
-                        state.term_at = None;
-                        state.kill_at = Some(Instant::now());
-                    }
-                }
-                _ = async { if let Some(t) = next_step { tokio::time::sleep_until(t).await } else { std::future::pending().await } } => {
-                    let now = Instant::now();
-                    if state.term_at.is_some_and(|t| t <= now) {
-                        state.term_at = None;
-                        self.signal_all(&mut state, &running, libc::SIGTERM);
-                    } else if state.kill_at.is_some_and(|t| t <= now) {
-                        for r in running.iter().flatten() {
-                            worker::signal_group(r.pid, libc::SIGKILL);
-                        }
-                        self.family.signal_strays(libc::SIGKILL, &[]);
-                        state.signal_sent = Some(libc::SIGKILL);
-                        state.kill_at = None;
-                    } else if verdict_by.is_some_and(|t| t <= now) {
-                        tracing::debug!("no verdict from node 0; the summary says what this node saw");
-                        state.verdict_seen = true;
-                    }
+            Remote::VerdictSucceeded => state.verdict_ok = true,
+            Remote::Failed(failure) => {
+                // Off node 0, this is node 0's verdict.
+                state.verdict_seen |= self.launchers.node != 0;
+                if state.first.is_none() {
+                    self.fail(state, failure, &workers.running, Origin::Remote);
+                } else {
+                    self.reconsider(state, failure, &workers.running);
                 }
             }
         }
-        // Whatever the workers started goes too, in their groups or not: no worker
-        // survives its job.
-        for &pid in &pids {
+    }
+
+    /// The launcher received SIGINT, SIGTERM or SIGHUP.
+    fn on_signal(&self, state: &mut State, workers: &Workers, sig: i32) {
+        if state.first.is_none() {
+            let failure = Failure::now(FailureKind::Interrupted { signal: sig }, self.launchers.node, self.host);
+            self.fail(state, failure, &workers.running, Origin::Here);
+            // The user asked: pass their signal on at once, no notice period.
+            state.term_at = None;
+            self.signal_all(state, &workers.running, sig);
+        } else {
+            // A second signal while tearing down: no more grace.
+            state.term_at = None;
+            state.kill_at = Some(Instant::now());
+        }
+    }
+
+    /// The next step of a teardown is due: SIGTERM after the notice, SIGKILL after
+    /// the grace, or the end of the wait for node 0's verdict.
+    fn on_step(&self, state: &mut State, workers: &Workers, verdict_by: Option<Instant>) {
+        let now = Instant::now();
+        if state.term_at.is_some_and(|t| t <= now) {
+            state.term_at = None;
+            self.signal_all(state, &workers.running, libc::SIGTERM);
+        } else if state.kill_at.is_some_and(|t| t <= now) {
+            for r in workers.running.iter().flatten() {
+                worker::signal_group(r.pid, libc::SIGKILL);
+            }
+            self.family.signal_strays(libc::SIGKILL, &[]);
+            state.signal_sent = Some(libc::SIGKILL);
+            state.kill_at = None;
+        } else if verdict_by.is_some_and(|t| t <= now) {
+            tracing::debug!("no verdict from node 0; the summary says what this node saw");
+            state.verdict_seen = true;
+        }
+    }
+
+    /// Every worker exited: whatever they started goes too, in their groups or not
+    /// (no worker survives its job), and a failed attempt is summed up.
+    async fn finish(&self, mut state: State, workers: &Workers) -> AttemptResult {
+        for &pid in &workers.pids {
             worker::signal_group(pid, libc::SIGKILL);
         }
         self.family.kill_strays().await;
         if let Some(watchdog) = self.watchdog {
-            for &pid in &pids {
+            for &pid in &workers.pids {
                 watchdog.forget_group(pid);
             }
         }
         state.outcomes.sort_by_key(|o| o.rank);
         match state.first {
-            None => Ok(AttemptResult::Succeeded),
+            None => AttemptResult::Succeeded,
             Some(first) => {
+                let o = self.options;
                 self.console.message(summary(&o.job, self.attempt, o.max_restarts, &first, &state.outcomes));
-                Ok(AttemptResult::Failed { first })
+                AttemptResult::Failed { first }
             }
         }
     }
@@ -411,6 +452,13 @@ impl Attempt<'_> {
     }
 }
 
+/// This node's workers: those still running, by local rank, and every group started.
+#[derive(Default)]
+struct Workers {
+    running: Vec<Option<Running>>,
+    pids: Vec<u32>,
+}
+
 #[derive(Default)]
 struct State {
     first: Option<Failure>,
@@ -424,6 +472,12 @@ struct State {
     /// Off node 0: until when to wait for node 0's verdict on a failure seen here.
     verdict_by: Option<Instant>,
     verdict_seen: bool,
+    /// Node 0: the nodes that reported success.
+    reports_ok: HashSet<u32>,
+    /// Not node 0: node 0 said every node succeeded.
+    verdict_ok: bool,
+    /// Not node 0: this node told node 0 it succeeded.
+    published_success: bool,
 }
 
 /// When a lost rank was lost, when it was last heard from (ms since the epoch, from
