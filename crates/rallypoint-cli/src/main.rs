@@ -11,6 +11,7 @@ mod parse;
 mod serve;
 mod verbs;
 
+use std::io::IsTerminal;
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
@@ -59,7 +60,23 @@ fn main() -> ExitCode {
         _ => "warn",
     };
     let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_level));
-    tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    // Colour only for a person at a terminal, not in a log file or a pipe.
+    let ansi = std::io::stderr().is_terminal();
+    // A process serving others never waits on its log: with stderr a pipe nobody
+    // reads, a blocking write would stop the thread serving connections. Its log
+    // goes through a queue to a thread of its own, dropping lines when the queue is
+    // full; the guard flushes what is queued at exit.
+    let _log = match cli.command {
+        Command::Serve(_) | Command::Agent(_) | Command::Launch(_) => {
+            let (writer, guard) = tracing_appender::non_blocking(std::io::stderr());
+            tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(writer).init();
+            Some(guard)
+        }
+        _ => {
+            tracing_subscriber::fmt().with_env_filter(filter).with_ansi(ansi).with_writer(std::io::stderr).init();
+            None
+        }
+    };
 
     match run(cli.command) {
         Ok(0) => ExitCode::SUCCESS,

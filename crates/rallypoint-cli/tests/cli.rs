@@ -395,6 +395,29 @@ fn a_huge_world_size_is_refused_and_a_million_costs_a_short_error() {
     assert_code(&run, 0);
 }
 
+/// A coordinator whose stderr is a pipe nobody reads keeps serving: its log never
+/// blocks the threads that serve connections (lines are dropped instead).
+#[test]
+fn serve_keeps_serving_when_nobody_reads_its_log() {
+    let mut child = rallypoint()
+        .args(["serve", "--listen", "127.0.0.1:0", "--print-addr"])
+        .env("RUST_LOG", "debug")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn rallypoint serve");
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().expect("piped stdout")).read_line(&mut line).expect("the address");
+    let _unread_stderr = child.stderr.take();
+    let server = Server { addr: line.trim().to_owned(), process: Guard(child) };
+    // Each verb's connection logs a few hundred bytes at debug level: far more than
+    // a pipe holds, in all.
+    for i in 0..400 {
+        let run = exec(server.cmd("log", &["set", "k", &i.to_string(), "--timeout", "10"]));
+        assert_code(&run, 0);
+    }
+}
+
 #[test]
 fn abort_fails_waiting_ranks_with_code_5() {
     let server = Server::start();
