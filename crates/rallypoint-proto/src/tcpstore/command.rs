@@ -94,11 +94,35 @@ pub enum TcpError {
 /// Decodes one whole request from the front of `src` and consumes it; `Ok(None)`
 /// (nothing consumed) while the request is incomplete.
 pub fn decode_command(src: &mut BytesMut, limits: &TcpLimits) -> Result<Option<Command>, TcpError> {
-    let mut cur = Cursor { buf: src, pos: 0, limits };
-    let Some(parsed) = cur.command()? else { return Ok(None) };
-    let used = cur.pos;
-    let frozen = src.split_to(used).freeze();
-    Ok(Some(parsed.resolve(&frozen)))
+    CommandDecoder::new(*limits).decode(src)
+}
+
+/// The decoder of one connection's requests.
+#[derive(Debug)]
+pub struct CommandDecoder {
+    limits: TcpLimits,
+    examined: u64,
+}
+
+impl CommandDecoder {
+    pub fn new(limits: TcpLimits) -> Self {
+        CommandDecoder { limits, examined: 0 }
+    }
+
+    /// Decodes one whole request from the front of `src` and consumes it; `Ok(None)`
+    /// (nothing consumed) while the request is incomplete.
+    pub fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Command>, TcpError> {
+        let mut cur = Cursor { buf: src, pos: 0, limits: &self.limits, examined: &mut self.examined };
+        let Some(parsed) = cur.command()? else { return Ok(None) };
+        let used = cur.pos;
+        let frozen = src.split_to(used).freeze();
+        Ok(Some(parsed.resolve(&frozen)))
+    }
+
+    /// Bytes of input this decoder has read so far, re-reads included.
+    pub fn bytes_examined(&self) -> u64 {
+        self.examined
+    }
 }
 
 /// A byte range of the request being parsed; turned into `Bytes` once it is whole.
@@ -153,6 +177,7 @@ struct Cursor<'a> {
     buf: &'a [u8],
     pos: usize,
     limits: &'a TcpLimits,
+    examined: &'a mut u64,
 }
 
 /// `Ok(None)` = need more bytes.
@@ -181,7 +206,9 @@ impl Cursor<'_> {
         Some(slice)
     }
 
+    /// The only bytes a decoder reads: lengths, counts and integers (keys and values are sliced, not read).
     fn array<const N: usize>(&mut self) -> Option<[u8; N]> {
+        *self.examined += N as u64;
         self.take(N).and_then(|s| s.try_into().ok())
     }
 

@@ -13,7 +13,7 @@
 mod command;
 mod reply;
 
-pub use command::{decode_command, encode_command, Command, TcpError, TcpLimits};
+pub use command::{decode_command, encode_command, Command, CommandDecoder, TcpError, TcpLimits};
 pub use reply::{encode_answer, Answer};
 
 /// The u32 a client sends with VALIDATE, right after it connects.
