@@ -148,8 +148,14 @@ fn jobs_do_not_share_keys() {
 
 #[test]
 fn limits_are_enforced_before_anything_changes() {
-    let limits =
-        Limits { max_key_len: 4, max_value_len: 8, max_keys_per_op: 2, max_name_len: 16, max_gather_bytes: 64 };
+    let limits = Limits {
+        max_key_len: 4,
+        max_value_len: 8,
+        max_keys_per_op: 2,
+        max_name_len: 16,
+        max_gather_bytes: 64,
+        ..Limits::default()
+    };
     let mut h = Harness::with_config(Config { limits, ..Config::default() });
     let s = tool(&mut h, "j");
     let e = h.call(s, Request::Set { key: b("12345"), value: b("v") }).unwrap_err();

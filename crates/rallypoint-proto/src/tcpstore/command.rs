@@ -18,13 +18,17 @@ use rallypoint_core::Limits;
 
 use super::query;
 
-/// Size limits enforced while decoding. Defaults are those of torch's libuv server.
+/// Size limits enforced while decoding. Defaults are those of torch's libuv server,
+/// plus [`TcpLimits::max_request_len`], which torch does not have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TcpLimits {
     pub max_key_len: usize,
     pub max_value_len: usize,
     /// Most keys in one CHECK, WAIT, MULTI_GET or MULTI_SET.
     pub max_keys: usize,
+    /// Largest sum of the keys and values of one request (a MULTI_SET's entries, a
+    /// WAIT's keys), checked against the running total as each length arrives.
+    pub max_request_len: usize,
 }
 
 impl Default for TcpLimits {
@@ -40,6 +44,7 @@ impl TcpLimits {
             max_key_len: limits.max_key_len,
             max_value_len: limits.max_value_len,
             max_keys: limits.max_keys_per_op,
+            max_request_len: crate::max_request_len(limits),
         }
     }
 }
@@ -107,6 +112,12 @@ pub enum TcpError {
     UnknownType(u8),
     #[error("TCPStore {what} of {len} exceeds the limit of {limit}")]
     TooLarge { what: &'static str, len: u64, limit: u64 },
+    /// The keys and values a request announced so far add up to more than
+    /// [`TcpLimits::max_request_len`]; refused before the rest of it is buffered.
+    #[error(
+        "TCPStore {query} request carries at least {len} bytes of keys and values, over max_request_len ({limit})"
+    )]
+    RequestTooLarge { query: &'static str, len: u64, limit: u64 },
 }
 
 /// Decodes one whole request from the front of `src` and consumes it; `Ok(None)`
@@ -152,6 +163,8 @@ pub struct CommandDecoder {
     fields: Vec<Span>,
     /// Where the next field starts: the end of the last announced one.
     end: usize,
+    /// Sum of the key and value lengths announced so far.
+    carried: u64,
     /// The buffer's length when the last call returned.
     seen: usize,
     examined: u64,
@@ -163,7 +176,7 @@ const KEEP_FIELDS: usize = 64;
 
 impl CommandDecoder {
     pub fn new(limits: TcpLimits) -> Self {
-        CommandDecoder { limits, kind: None, fields: Vec::new(), end: 0, seen: 0, examined: 0 }
+        CommandDecoder { limits, kind: None, fields: Vec::new(), end: 0, carried: 0, seen: 0, examined: 0 }
     }
 
     pub fn limits(&self) -> &TcpLimits {
@@ -213,6 +226,7 @@ impl CommandDecoder {
     fn reset(&mut self) {
         self.kind = None;
         self.end = 0;
+        self.carried = 0;
         self.seen = 0;
         if self.fields.capacity() > KEEP_FIELDS {
             self.fields = Vec::new();
@@ -300,10 +314,21 @@ impl Pass<'_> {
             Shape::Int(n) => (start, n),
             Shape::Blob { what, limit } => {
                 let Some(len) = self.int::<8>(start).map(u64::from_le_bytes) else { return Ok(None) };
-                let limit = limit(&self.dec.limits) as u64;
+                let limits = &self.dec.limits;
+                let limit = limit(limits) as u64;
                 if len > limit {
                     return Err(TcpError::TooLarge { what, len, limit });
                 }
+                let carried = self.dec.carried.saturating_add(len);
+                if carried > limits.max_request_len as u64 {
+                    let query = query::name(self.dec.kind.unwrap_or_default());
+                    return Err(TcpError::RequestTooLarge {
+                        query,
+                        len: carried,
+                        limit: limits.max_request_len as u64,
+                    });
+                }
+                self.dec.carried = carried;
                 // Fits in usize: at most `limit`.
                 (start + 8, len as usize)
             }
