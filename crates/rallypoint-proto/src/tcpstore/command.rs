@@ -141,6 +141,7 @@ macro_rules! need {
         }
     };
 }
+
 /// A byte range of the caller's buffer, from the start of the request in progress.
 type Span = (usize, usize);
 
@@ -152,6 +153,10 @@ type Span = (usize, usize);
 /// where it stopped in the bytes before. (If the buffer shrank anyway, the decoder
 /// starts over from its front.) After an error the stream cannot be trusted; every
 /// later call returns the same error.
+///
+/// The bytes of a request in progress stay in the caller's buffer (its length is
+/// what an unfinished request holds); the decoder keeps 16 bytes per field announced,
+/// at most two per key a request may carry, plus three.
 #[derive(Debug)]
 pub struct CommandDecoder {
     limits: TcpLimits,
@@ -184,8 +189,9 @@ impl CommandDecoder {
     }
 
     /// Decodes the next whole request at the front of `src` and consumes it; `Ok(None)`
-    /// (nothing consumed) while it is incomplete. Each call costs work in proportion to
-    /// the bytes appended since the last one, not to the bytes buffered.
+    /// (nothing consumed) while it is incomplete. A call costs a constant plus work in
+    /// proportion to the lengths and integers that arrived since the last one, never
+    /// in proportion to what is buffered; the call that completes a request builds it.
     pub fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Command>, TcpError> {
         if src.len() < self.seen {
             self.reset();
