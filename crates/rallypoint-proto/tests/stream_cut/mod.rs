@@ -129,6 +129,12 @@ fn tcpstore(stream: &[u8], cuts: &Cuts) {
     round_trips(&whole, encode_command);
 }
 
+thread_local! {
+    /// True while a decoder runs (not this module's own bookkeeping): a test's
+    /// allocator reads it to bound what decoders allocate.
+    pub static IN_DECODER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
 /// What decoding yielded: each value with the bytes it was decoded from, or an error.
 type Outcomes<T, E> = Vec<Result<(T, Vec<u8>), E>>;
 
@@ -155,7 +161,9 @@ fn feed<T: Debug, E>(
         fed += n;
         loop {
             let before = src.len();
+            IN_DECODER.with(|flag| flag.set(true));
             let result = decode(&mut src);
+            IN_DECODER.with(|flag| flag.set(false));
             let used = before - src.len();
             let bytes = stream[consumed..consumed + used].to_vec();
             consumed += used;
