@@ -19,6 +19,15 @@ pub struct Limits {
     pub max_name_len: usize,
     /// Largest sum of one all-gather generation's values: the reply every member gets.
     pub max_gather_bytes: usize,
+    /// Largest sum of the keys and values one request carries (a multi-set's entries, a
+    /// wait's keys): the limits above alone let one request announce `max_keys_per_op`
+    /// values of `max_value_len` each. The codecs check it as lengths arrive, before
+    /// buffering the rest. A request of one key and at most two values within the
+    /// limits above is accepted whatever this says, so raising `max_value_len` alone
+    /// keeps set and compare_set working. torch's server has no such limit; the
+    /// default, 64 MiB (eight values of the largest size), is far above what torch
+    /// and torchelastic put in one request (rank assignments, addresses, ids).
+    pub max_request_len: usize,
 }
 
 impl Default for Limits {
@@ -30,6 +39,7 @@ impl Default for Limits {
             max_world_size: 1 << 20,
             max_name_len: 1024,
             max_gather_bytes: 1 << 30,
+            max_request_len: 64 << 20,
         }
     }
 }

@@ -155,6 +155,7 @@ fn limits_are_enforced_before_anything_changes() {
         max_world_size: 4,
         max_name_len: 16,
         max_gather_bytes: 64,
+        ..Limits::default()
     };
     let mut h = Harness::with_config(Config { limits, ..Config::default() });
     let s = tool(&mut h, "j");

@@ -159,12 +159,31 @@ fn preamble() {
 
 #[test]
 fn frame_limits() {
-    assert_eq!(FrameLimits::default().max_frame_len, 64 << 20);
+    // 64 MiB of keys and values, 8 bytes of lengths for each of 131,072 entries, 1 MiB of headers.
+    assert_eq!(FrameLimits::default().max_frame_len, 66 << 20);
     assert_eq!(FrameLimits::from_limits(&Limits::default()), FrameLimits::default());
+    // One key and two values always fit, above max_request_len...
     let big = Limits { max_value_len: 100 << 20, ..Limits::default() };
-    assert_eq!(FrameLimits::from_limits(&big).max_frame_len, (200 << 20) + 8192 + (1 << 20));
+    assert_eq!(FrameLimits::from_limits(&big).max_frame_len, (200 << 20) + 8192 + (2 << 20));
+    // ...and a lower max_request_len lowers the frame limit to them.
+    let small = Limits { max_request_len: 1 << 20, ..Limits::default() };
+    assert_eq!(FrameLimits::from_limits(&small).max_frame_len, (16 << 20) + 8192 + (2 << 20));
     let absurd = Limits { max_value_len: usize::MAX, ..Limits::default() };
     assert_eq!(FrameLimits::from_limits(&absurd).max_frame_len, MAX_FRAME_LEN);
+}
+
+/// The largest multi-set `max_request_len` allows, with the most entries, is one frame.
+#[test]
+fn a_multi_set_of_max_request_len_fits_in_a_frame() {
+    let limits = Limits::default();
+    let n = limits.max_keys_per_op;
+    let value = Bytes::from(vec![7u8; limits.max_request_len / n - 8]);
+    let entries: Vec<(Bytes, Bytes)> = (0..n).map(|i| (Bytes::from(format!("{i:08}")), value.clone())).collect();
+    assert_eq!(entries.iter().map(|(k, v)| k.len() + v.len()).sum::<usize>(), limits.max_request_len);
+    let frame = ClientFrame::Request { id: u64::MAX, request: Request::MultiSet { entries } };
+    let mut src = BytesMut::new();
+    encode_client_frame(&frame, &mut src);
+    assert_eq!(decode_client_frame(&mut src, &FrameLimits::from_limits(&limits)), Ok(Some(frame)));
 }
 
 #[test]

@@ -4,7 +4,7 @@
 use bytes::{Bytes, BytesMut};
 use proptest::prelude::*;
 use rallypoint_proto::tcpstore::{
-    decode_command, encode_answer, encode_command, Answer, Command, TcpError, TcpLimits, VALIDATE_MAGIC,
+    decode_command, encode_answer, encode_command, Answer, Command, CommandDecoder, TcpError, TcpLimits, VALIDATE_MAGIC,
 };
 
 fn hex(s: &str) -> Vec<u8> {
@@ -182,7 +182,7 @@ fn replies_of_every_shape() {
 proptest! {
     #[test]
     fn random_bytes_never_panic(data in proptest::collection::vec(any::<u8>(), 0..256), chunk in 1usize..32) {
-        let limits = TcpLimits { max_key_len: 64, max_value_len: 64, max_keys: 8 };
+        let limits = TcpLimits { max_key_len: 64, max_value_len: 64, max_keys: 8, max_request_len: 192 };
         let mut buf = BytesMut::new();
         'outer: for piece in data.chunks(chunk) {
             buf.extend_from_slice(piece);
@@ -208,4 +208,62 @@ proptest! {
         encode_command(&command, &mut stream);
         prop_assert_eq!(decode_all(&stream, chunk).expect("valid"), vec![command]);
     }
+}
+
+/// The attack of issue 13: a MULTI_SET announcing torch's maximum of entries, each
+/// with a value of the largest size. Every value is within its own limit; the sum is
+/// refused as soon as an entry's length takes it over `max_request_len`, with that
+/// entry's bytes not yet sent.
+#[test]
+fn a_request_whose_keys_and_values_add_up_past_max_request_len_is_refused_as_it_arrives() {
+    let limits = TcpLimits::default();
+    assert_eq!(limits.max_request_len, 64 << 20);
+    let mut decoder = CommandDecoder::new(limits);
+    let mut buf = BytesMut::new();
+    buf.extend_from_slice(&[11]);
+    buf.extend_from_slice(&131_072u64.to_le_bytes());
+    let value = vec![0u8; 8 << 20];
+    let mut carried = 0u64;
+    for i in 0u32..16 {
+        let key = format!("/k{i}");
+        buf.extend_from_slice(&(key.len() as u64).to_le_bytes());
+        buf.extend_from_slice(key.as_bytes());
+        buf.extend_from_slice(&(value.len() as u64).to_le_bytes());
+        carried += (key.len() + value.len()) as u64;
+        match decoder.decode(&mut buf) {
+            Ok(None) => buf.extend_from_slice(&value),
+            Err(error) => {
+                assert_eq!(error, TcpError::RequestTooLarge { query: "MULTI_SET", len: carried, limit: 64 << 20 });
+                assert!(error.to_string().contains("max_request_len"), "{error}");
+                assert_eq!(i, 7, "the eighth 8 MiB value crosses 64 MiB with its key");
+                // The request's bytes so far: seven values, not the one announced last.
+                assert!(buf.len() < (7 * (8 << 20) + 1024), "{} bytes buffered", buf.len());
+                return;
+            }
+            Ok(Some(command)) => panic!("decoded {}", command.name()),
+        }
+    }
+    panic!("{} bytes of one request buffered, not refused", buf.len());
+}
+
+/// One key and two values of the largest sizes always fit, whatever
+/// `max_request_len` says: raising the value limit alone keeps them working.
+#[test]
+fn single_value_requests_are_never_refused_by_max_request_len() {
+    let limits =
+        rallypoint_core::Limits { max_value_len: 100, max_key_len: 10, max_request_len: 1, ..Default::default() };
+    let tcp = TcpLimits::from_limits(&limits);
+    assert_eq!(tcp.max_request_len, 210);
+    let command =
+        Command::CompareSet { key: b("0123456789"), expected: b(&"e".repeat(100)), desired: b(&"d".repeat(100)) };
+    let mut stream = BytesMut::new();
+    encode_command(&command, &mut stream);
+    assert_eq!(CommandDecoder::new(tcp).decode(&mut stream), Ok(Some(command)));
+    // Keys of a WAIT count too.
+    let mut wait = BytesMut::new();
+    encode_command(&Command::Wait { keys: vec![b("0123456789"); 22] }, &mut wait);
+    assert_eq!(
+        CommandDecoder::new(tcp).decode(&mut wait),
+        Err(TcpError::RequestTooLarge { query: "WAIT", len: 220, limit: 210 })
+    );
 }

@@ -82,16 +82,18 @@ pub struct FrameLimits {
 }
 
 impl FrameLimits {
-    /// The floor of [`FrameLimits::from_limits`], and the default.
-    pub const DEFAULT_MAX_FRAME_LEN: usize = 64 << 20;
+    /// [`FrameLimits::from_limits`] of the default limits, and the default.
+    pub const DEFAULT_MAX_FRAME_LEN: usize = 66 << 20;
 
-    /// Room for the largest single-value request the engine accepts: compare_set
-    /// carries a key and two values; 1 MiB covers names, member lists and headers.
-    /// Never below 64 MiB, so that batches of ordinary keys fit. Key and value
-    /// limits are the engine's to enforce (with a typed `TooLarge`), not the codec's.
+    /// Room for the largest request the engine accepts: keys and values up to
+    /// [`crate::max_request_len`] (which always fits one key and two values), plus
+    /// the lengths of as many entries as one request may carry and 1 MiB for names,
+    /// member lists and headers. The frame length is what bounds a native request
+    /// before it is buffered, so it follows the request limit, down as well as up.
     pub fn from_limits(limits: &Limits) -> Self {
-        let largest = limits.max_value_len.saturating_mul(2).saturating_add(limits.max_key_len).saturating_add(1 << 20);
-        FrameLimits { max_frame_len: largest.clamp(Self::DEFAULT_MAX_FRAME_LEN, MAX_FRAME_LEN) }
+        let lengths = limits.max_keys_per_op.saturating_mul(2 * super::request::MIN_BLOB_LEN);
+        let largest = crate::max_request_len(limits).saturating_add(lengths).saturating_add(1 << 20);
+        FrameLimits { max_frame_len: largest.min(MAX_FRAME_LEN) }
     }
 
     /// Accepts every frame the format can express; for a client reading replies

@@ -42,113 +42,100 @@ mod members {
 /// Fewest bytes a byte string takes on the wire (its u32 length).
 pub(crate) const MIN_BLOB_LEN: usize = 4;
 
+/// Appends the fields of a request after its opcode, chained in wire order.
+struct Fields<'a>(&'a mut BytesMut);
+
+impl Fields<'_> {
+    fn op(self, opcode: u8) -> Self {
+        self.0.put_u8(opcode);
+        self
+    }
+
+    fn blob(self, b: &[u8]) -> Self {
+        self.0.put_blob(b);
+        self
+    }
+
+    fn str(self, s: &str) -> Self {
+        self.0.put_str(s);
+        self
+    }
+
+    fn i64(self, n: i64) -> Self {
+        self.0.put_i64_le(n);
+        self
+    }
+
+    fn u32(self, n: u32) -> Self {
+        self.0.put_u32_le(n);
+        self
+    }
+
+    fn blobs(self, items: &[Bytes]) -> Self {
+        put_blobs(self.0, items);
+        self
+    }
+
+    fn entries(self, entries: &[(Bytes, Bytes)]) -> Self {
+        self.0.put_list(entries, |dst, (key, value)| {
+            dst.put_blob(key);
+            dst.put_blob(value);
+        });
+        self
+    }
+
+    fn members(self, members: &Members) -> Self {
+        encode_members(members, self.0);
+        self
+    }
+
+    fn option_blob(self, value: Option<&[u8]>) -> Self {
+        self.0.put_option(value, BytesMut::put_blob);
+        self
+    }
+
+    fn timeout(self, timeout_ms: Option<u64>) -> Self {
+        put_timeout(self.0, timeout_ms);
+        self
+    }
+}
+
 pub(crate) fn encode_request(request: &Request, dst: &mut BytesMut) {
+    let w = Fields(dst);
     match request {
-        Request::Set { key, value } => {
-            dst.put_u8(op::SET);
-            dst.put_blob(key);
-            dst.put_blob(value);
-        }
-        Request::Get { key, timeout_ms } => {
-            dst.put_u8(op::GET);
-            dst.put_blob(key);
-            put_timeout(dst, *timeout_ms);
-        }
-        Request::Add { key, delta } => {
-            dst.put_u8(op::ADD);
-            dst.put_blob(key);
-            dst.put_i64_le(*delta);
-        }
-        Request::CompareSet { key, expected, desired } => {
-            dst.put_u8(op::COMPARE_SET);
-            dst.put_blob(key);
-            dst.put_blob(expected);
-            dst.put_blob(desired);
-        }
-        Request::Append { key, value } => {
-            dst.put_u8(op::APPEND);
-            dst.put_blob(key);
-            dst.put_blob(value);
-        }
-        Request::Delete { key } => {
-            dst.put_u8(op::DELETE);
-            dst.put_blob(key);
-        }
-        Request::Check { keys } => {
-            dst.put_u8(op::CHECK);
-            put_blobs(dst, keys);
-        }
-        Request::Wait { keys, timeout_ms } => {
-            dst.put_u8(op::WAIT);
-            put_blobs(dst, keys);
-            put_timeout(dst, *timeout_ms);
-        }
-        Request::MultiGet { keys, timeout_ms } => {
-            dst.put_u8(op::MULTI_GET);
-            put_blobs(dst, keys);
-            put_timeout(dst, *timeout_ms);
-        }
-        Request::MultiSet { entries } => {
-            dst.put_u8(op::MULTI_SET);
-            dst.put_list(entries, |dst, (key, value)| {
-                dst.put_blob(key);
-                dst.put_blob(value);
-            });
-        }
-        Request::NumKeys => dst.put_u8(op::NUM_KEYS),
-        Request::ListKeys { prefix } => {
-            dst.put_u8(op::LIST_KEYS);
-            dst.put_blob(prefix);
-        }
+        Request::Set { key, value } => w.op(op::SET).blob(key).blob(value),
+        Request::Get { key, timeout_ms } => w.op(op::GET).blob(key).timeout(*timeout_ms),
+        Request::Add { key, delta } => w.op(op::ADD).blob(key).i64(*delta),
+        Request::CompareSet { key, expected, desired } => w.op(op::COMPARE_SET).blob(key).blob(expected).blob(desired),
+        Request::Append { key, value } => w.op(op::APPEND).blob(key).blob(value),
+        Request::Delete { key } => w.op(op::DELETE).blob(key),
+        Request::Check { keys } => w.op(op::CHECK).blobs(keys),
+        Request::Wait { keys, timeout_ms } => w.op(op::WAIT).blobs(keys).timeout(*timeout_ms),
+        Request::MultiGet { keys, timeout_ms } => w.op(op::MULTI_GET).blobs(keys).timeout(*timeout_ms),
+        Request::MultiSet { entries } => w.op(op::MULTI_SET).entries(entries),
+        Request::NumKeys => w.op(op::NUM_KEYS),
+        Request::ListKeys { prefix } => w.op(op::LIST_KEYS).blob(prefix),
         Request::Barrier { name, members, timeout_ms } => {
-            dst.put_u8(op::BARRIER);
-            dst.put_str(name);
-            encode_members(members, dst);
-            put_timeout(dst, *timeout_ms);
+            w.op(op::BARRIER).str(name).members(members).timeout(*timeout_ms)
         }
         Request::AllGather { name, members, value, timeout_ms } => {
-            dst.put_u8(op::ALL_GATHER);
-            dst.put_str(name);
-            encode_members(members, dst);
-            dst.put_blob(value);
-            put_timeout(dst, *timeout_ms);
+            w.op(op::ALL_GATHER).str(name).members(members).blob(value).timeout(*timeout_ms)
         }
         Request::Broadcast { name, members, root, value, timeout_ms } => {
-            dst.put_u8(op::BROADCAST);
-            dst.put_str(name);
-            encode_members(members, dst);
-            dst.put_u32_le(*root);
-            dst.put_option(value.as_deref(), BytesMut::put_blob);
-            put_timeout(dst, *timeout_ms);
+            w.op(op::BROADCAST).str(name).members(members).u32(*root).option_blob(value.as_deref()).timeout(*timeout_ms)
         }
-        Request::Abort { reason } => {
-            dst.put_u8(op::ABORT);
-            dst.put_str(reason);
-        }
-        Request::QueuePush { key, value } => {
-            dst.put_u8(op::QUEUE_PUSH);
-            dst.put_blob(key);
-            dst.put_blob(value);
-        }
-        Request::QueuePop { key } => {
-            dst.put_u8(op::QUEUE_POP);
-            dst.put_blob(key);
-        }
-        Request::QueueLen { key } => {
-            dst.put_u8(op::QUEUE_LEN);
-            dst.put_blob(key);
-        }
-        Request::CancelWait => dst.put_u8(op::CANCEL_WAIT),
+        Request::Abort { reason } => w.op(op::ABORT).str(reason),
+        Request::QueuePush { key, value } => w.op(op::QUEUE_PUSH).blob(key).blob(value),
+        Request::QueuePop { key } => w.op(op::QUEUE_POP).blob(key),
+        Request::QueueLen { key } => w.op(op::QUEUE_LEN).blob(key),
+        Request::CancelWait => w.op(op::CANCEL_WAIT),
         Request::StoreBarrier { key, world_size, timeout_ms } => {
-            dst.put_u8(op::STORE_BARRIER);
-            dst.put_blob(key);
-            dst.put_i64_le(*world_size);
-            put_timeout(dst, *timeout_ms);
+            w.op(op::STORE_BARRIER).blob(key).i64(*world_size).timeout(*timeout_ms)
         }
-        Request::Status => dst.put_u8(op::STATUS),
-        Request::Heartbeat => dst.put_u8(op::HEARTBEAT),
-        Request::Leave => dst.put_u8(op::LEAVE),
-    }
+        Request::Status => w.op(op::STATUS),
+        Request::Heartbeat => w.op(op::HEARTBEAT),
+        Request::Leave => w.op(op::LEAVE),
+    };
 }
 
 pub(crate) fn decode_request(r: &mut Reader) -> DecodeResult<Request> {

@@ -1,22 +1,39 @@
 //! Client requests: the incremental decoder and (for tests and tools) the encoder.
+//!
+//! A request has no length prefix, so whether it is whole is only known by parsing it
+//! field by field. [`CommandDecoder`] remembers how far it got: each field is
+//! *announced* once (an integer by its position, a key or value by its length
+//! prefix), checked against the limits at that moment, and recorded as the span of
+//! its bytes in the caller's buffer. A later call replays the few fixed fields
+//! (at most three) from those spans and resumes a list where it stopped, so a
+//! request fed in pieces costs work proportional to its length, however small the
+//! pieces; the bytes of keys and values are never read, only sliced.
+//!
+//! [`command`] is the one table of query types and their fields in wire order. It
+//! runs over the buffer to find where the request ends (keys and values come out
+//! empty) and, once it is whole, over the frozen request to build it.
 
 use bytes::{BufMut, Bytes, BytesMut};
 use rallypoint_core::Limits;
 
 use super::query;
 
-/// Size limits enforced while decoding. Defaults are those of torch's libuv server.
+/// Size limits enforced while decoding. Defaults are those of torch's libuv server,
+/// plus [`TcpLimits::max_request_len`], which torch does not have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TcpLimits {
     pub max_key_len: usize,
     pub max_value_len: usize,
     /// Most keys in one CHECK, WAIT, MULTI_GET or MULTI_SET.
     pub max_keys: usize,
+    /// Largest sum of the keys and values of one request (a MULTI_SET's entries, a
+    /// WAIT's keys), checked against the running total as each length arrives.
+    pub max_request_len: usize,
 }
 
 impl Default for TcpLimits {
     fn default() -> Self {
-        TcpLimits { max_key_len: 8192, max_value_len: 8 << 20, max_keys: 131_072 }
+        TcpLimits::from_limits(&Limits::default())
     }
 }
 
@@ -27,6 +44,7 @@ impl TcpLimits {
             max_key_len: limits.max_key_len,
             max_value_len: limits.max_value_len,
             max_keys: limits.max_keys_per_op,
+            max_request_len: crate::max_request_len(limits),
         }
     }
 }
@@ -56,29 +74,34 @@ pub enum Command {
 }
 
 impl Command {
+    /// The query type: the first byte of the request on the wire.
+    pub fn query_type(&self) -> u8 {
+        match self {
+            Command::Validate { .. } => query::VALIDATE,
+            Command::Set { .. } => query::SET,
+            Command::CompareSet { .. } => query::COMPARE_SET,
+            Command::Get { .. } => query::GET,
+            Command::Add { .. } => query::ADD,
+            Command::Check { .. } => query::CHECK,
+            Command::Wait { .. } => query::WAIT,
+            Command::NumKeys => query::GETNUMKEYS,
+            Command::DeleteKey { .. } => query::DELETE_KEY,
+            Command::Append { .. } => query::APPEND,
+            Command::MultiGet { .. } => query::MULTI_GET,
+            Command::MultiSet { .. } => query::MULTI_SET,
+            Command::CancelWait => query::CANCEL_WAIT,
+            Command::Ping { .. } => query::PING,
+            Command::QueuePush { .. } => query::QUEUE_PUSH,
+            Command::QueuePop { .. } => query::QUEUE_POP,
+            Command::QueueLen { .. } => query::QUEUE_LEN,
+            Command::ListKeys => query::LIST_KEYS,
+            Command::Barrier { .. } => query::BARRIER,
+        }
+    }
+
     /// torch's name of the query type, for logs.
     pub fn name(&self) -> &'static str {
-        match self {
-            Command::Validate { .. } => "VALIDATE",
-            Command::Set { .. } => "SET",
-            Command::CompareSet { .. } => "COMPARE_SET",
-            Command::Get { .. } => "GET",
-            Command::Add { .. } => "ADD",
-            Command::Check { .. } => "CHECK",
-            Command::Wait { .. } => "WAIT",
-            Command::NumKeys => "GETNUMKEYS",
-            Command::DeleteKey { .. } => "DELETE_KEY",
-            Command::Append { .. } => "APPEND",
-            Command::MultiGet { .. } => "MULTI_GET",
-            Command::MultiSet { .. } => "MULTI_SET",
-            Command::CancelWait => "CANCEL_WAIT",
-            Command::Ping { .. } => "PING",
-            Command::QueuePush { .. } => "QUEUE_PUSH",
-            Command::QueuePop { .. } => "QUEUE_POP",
-            Command::QueueLen { .. } => "QUEUE_LEN",
-            Command::ListKeys => "LIST_KEYS",
-            Command::Barrier { .. } => "BARRIER",
-        }
+        query::name(self.query_type())
     }
 }
 
@@ -89,79 +112,25 @@ pub enum TcpError {
     UnknownType(u8),
     #[error("TCPStore {what} of {len} exceeds the limit of {limit}")]
     TooLarge { what: &'static str, len: u64, limit: u64 },
+    /// The keys and values a request announced so far add up to more than
+    /// [`TcpLimits::max_request_len`]; refused before the rest of it is buffered.
+    #[error(
+        "TCPStore {query} request carries at least {len} bytes of keys and values, over max_request_len ({limit})"
+    )]
+    RequestTooLarge { query: &'static str, len: u64, limit: u64 },
 }
 
 /// Decodes one whole request from the front of `src` and consumes it; `Ok(None)`
 /// (nothing consumed) while the request is incomplete.
+///
+/// Starts from scratch on every call, so a request that arrives in many pieces is
+/// parsed again from its start each time: a connection uses a [`CommandDecoder`].
 pub fn decode_command(src: &mut BytesMut, limits: &TcpLimits) -> Result<Option<Command>, TcpError> {
-    let mut cur = Cursor { buf: src, pos: 0, limits };
-    let Some(parsed) = cur.command()? else { return Ok(None) };
-    let used = cur.pos;
-    let frozen = src.split_to(used).freeze();
-    Ok(Some(parsed.resolve(&frozen)))
-}
-
-/// A byte range of the request being parsed; turned into `Bytes` once it is whole.
-type Span = (usize, usize);
-
-/// A request parsed as spans, so that an incomplete one costs no copy and no `Bytes`.
-enum Parsed {
-    Validate(u32),
-    Ping(u32),
-    NoArgs(u8),
-    Key(u8, Span),
-    KeyValue(u8, Span, Span),
-    CompareSet(Span, Span, Span),
-    KeyInt(u8, Span, i64),
-    Keys(u8, Vec<Span>),
-    MultiSet(Vec<(Span, Span)>),
-}
-
-impl Parsed {
-    fn resolve(self, buf: &Bytes) -> Command {
-        let b = |(start, end): Span| buf.slice(start..end);
-        let keys = |spans: Vec<Span>| spans.into_iter().map(b).collect::<Vec<_>>();
-        match self {
-            Parsed::Validate(magic) => Command::Validate { magic },
-            Parsed::Ping(nonce) => Command::Ping { nonce },
-            Parsed::NoArgs(query::GETNUMKEYS) => Command::NumKeys,
-            Parsed::NoArgs(query::CANCEL_WAIT) => Command::CancelWait,
-            Parsed::NoArgs(_) => Command::ListKeys,
-            Parsed::Key(query::GET, key) => Command::Get { key: b(key) },
-            Parsed::Key(query::DELETE_KEY, key) => Command::DeleteKey { key: b(key) },
-            Parsed::Key(query::QUEUE_POP, key) => Command::QueuePop { key: b(key) },
-            Parsed::Key(_, key) => Command::QueueLen { key: b(key) },
-            Parsed::KeyValue(query::SET, key, value) => Command::Set { key: b(key), value: b(value) },
-            Parsed::KeyValue(query::APPEND, key, value) => Command::Append { key: b(key), value: b(value) },
-            Parsed::KeyValue(_, key, value) => Command::QueuePush { key: b(key), value: b(value) },
-            Parsed::CompareSet(key, expected, desired) => {
-                Command::CompareSet { key: b(key), expected: b(expected), desired: b(desired) }
-            }
-            Parsed::KeyInt(query::ADD, key, delta) => Command::Add { key: b(key), delta },
-            Parsed::KeyInt(_, key, world_size) => Command::Barrier { key: b(key), world_size },
-            Parsed::Keys(query::CHECK, spans) => Command::Check { keys: keys(spans) },
-            Parsed::Keys(query::WAIT, spans) => Command::Wait { keys: keys(spans) },
-            Parsed::Keys(_, spans) => Command::MultiGet { keys: keys(spans) },
-            Parsed::MultiSet(spans) => {
-                Command::MultiSet { entries: spans.into_iter().map(|(k, v)| (b(k), b(v))).collect() }
-            }
-        }
-    }
-}
-
-struct Cursor<'a> {
-    buf: &'a [u8],
-    pos: usize,
-    limits: &'a TcpLimits,
+    CommandDecoder::new(*limits).decode(src)
 }
 
 /// `Ok(None)` = need more bytes.
 type Step<T> = Result<Option<T>, TcpError>;
-
-/// A read that cannot fail, only be incomplete.
-fn ready<T>(value: Option<T>) -> Step<T> {
-    Ok(value)
-}
 
 /// Unwraps a step: returns `Ok(None)` from the caller when bytes are missing.
 macro_rules! need {
@@ -173,177 +142,338 @@ macro_rules! need {
     };
 }
 
-impl Cursor<'_> {
-    fn take(&mut self, n: usize) -> Option<&[u8]> {
-        let end = self.pos.checked_add(n)?;
-        let slice = self.buf.get(self.pos..end)?;
-        self.pos = end;
-        Some(slice)
+/// A byte range of the caller's buffer, from the start of the request in progress.
+type Span = (usize, usize);
+
+/// The incremental decoder of one connection's requests (sans-I/O).
+///
+/// The caller appends what it reads to its buffer and calls [`CommandDecoder::decode`]
+/// until it returns `Ok(None)`. Between calls the caller only appends to the buffer:
+/// the decoder consumes a request from its front when it returns it, and remembers
+/// where it stopped in the bytes before. (If the buffer shrank anyway, the decoder
+/// starts over from its front.) After an error the stream cannot be trusted; every
+/// later call returns the same error.
+///
+/// The bytes of a request in progress stay in the caller's buffer (its length is
+/// what an unfinished request holds); the decoder keeps 16 bytes per field announced,
+/// at most two per key a request may carry, plus three.
+#[derive(Debug)]
+pub struct CommandDecoder {
+    limits: TcpLimits,
+    /// The query type of the request in progress, once its first byte has arrived.
+    kind: Option<u8>,
+    /// Every field of the request in progress announced so far, in wire order (the
+    /// contents of a key or value, without its length). Only the last one may
+    /// still be incomplete.
+    fields: Vec<Span>,
+    /// Where the next field starts: the end of the last announced one.
+    end: usize,
+    /// Sum of the key and value lengths announced so far.
+    carried: u64,
+    /// The buffer's length when the last call returned.
+    seen: usize,
+    examined: u64,
+}
+
+/// Spans kept between requests; a list longer than this is freed once decoded, so
+/// that one large request does not pin its bookkeeping for the connection's life.
+const KEEP_FIELDS: usize = 64;
+
+impl CommandDecoder {
+    pub fn new(limits: TcpLimits) -> Self {
+        CommandDecoder { limits, kind: None, fields: Vec::new(), end: 0, carried: 0, seen: 0, examined: 0 }
     }
 
-    fn array<const N: usize>(&mut self) -> Option<[u8; N]> {
-        self.take(N).and_then(|s| s.try_into().ok())
+    pub fn limits(&self) -> &TcpLimits {
+        &self.limits
     }
 
-    fn u8(&mut self) -> Option<u8> {
-        self.array::<1>().map(|[b]| b)
-    }
-
-    fn u32(&mut self) -> Option<u32> {
-        self.array().map(u32::from_le_bytes)
-    }
-
-    fn u64(&mut self) -> Option<u64> {
-        self.array().map(u64::from_le_bytes)
-    }
-
-    fn i64(&mut self) -> Option<i64> {
-        self.array().map(i64::from_le_bytes)
-    }
-
-    /// A u64 length (checked against `limit` before waiting for the bytes) and the bytes.
-    fn blob(&mut self, what: &'static str, limit: usize) -> Step<Span> {
-        let Some(len) = self.u64() else { return Ok(None) };
-        if len > limit as u64 {
-            return Err(TcpError::TooLarge { what, len, limit: limit as u64 });
+    /// Decodes the next whole request at the front of `src` and consumes it; `Ok(None)`
+    /// (nothing consumed) while it is incomplete. A call costs a constant plus work in
+    /// proportion to the lengths and integers that arrived since the last one, never
+    /// in proportion to what is buffered; the call that completes a request builds it.
+    pub fn decode(&mut self, src: &mut BytesMut) -> Result<Option<Command>, TcpError> {
+        if src.len() < self.seen {
+            self.reset();
         }
-        // Fits in usize: it is at most `limit`.
-        let len = len as usize;
-        let start = self.pos;
-        Ok(self.take(len).map(|_| (start, start + len)))
-    }
-
-    fn key(&mut self) -> Step<Span> {
-        self.blob("key length", self.limits.max_key_len)
-    }
-
-    fn value(&mut self) -> Step<Span> {
-        self.blob("value length", self.limits.max_value_len)
-    }
-
-    fn count(&mut self) -> Step<usize> {
-        let Some(n) = self.u64() else { return Ok(None) };
-        let limit = self.limits.max_keys;
-        if n > limit as u64 {
-            return Err(TcpError::TooLarge { what: "number of keys", len: n, limit: limit as u64 });
+        self.seen = src.len();
+        let kind = match self.kind {
+            Some(kind) => kind,
+            None => {
+                let Some(&kind) = src.first() else { return Ok(None) };
+                self.examined += 1;
+                self.kind = Some(kind);
+                self.end = 1;
+                kind
+            }
+        };
+        if command(kind, &mut Pass { dec: self, buf: src, whole: None, next: 0 })?.is_none() {
+            return Ok(None);
         }
-        Ok(Some(n as usize))
+        let whole = src.split_to(self.end).freeze();
+        let built = command(kind, &mut Pass { dec: self, buf: &whole, whole: Some(&whole), next: 0 });
+        self.reset();
+        self.seen = src.len();
+        built
     }
 
-    /// Room for `n` items of at least `min_len` bytes each, but never more than the
-    /// bytes buffered can hold: the count is the peer's word until the items arrive.
-    fn capacity(&self, n: usize, min_len: usize) -> usize {
-        n.min(self.buf.len().saturating_sub(self.pos) / min_len)
+    /// True while part of a request has been decoded and the rest is awaited.
+    pub fn is_mid_request(&self) -> bool {
+        self.kind.is_some()
     }
 
-    fn command(&mut self) -> Step<Parsed> {
-        let Some(kind) = self.u8() else { return Ok(None) };
-        Ok(Some(match kind {
-            query::VALIDATE => Parsed::Validate(need!(ready(self.u32()))),
-            query::PING => Parsed::Ping(need!(ready(self.u32()))),
-            query::GETNUMKEYS | query::CANCEL_WAIT | query::LIST_KEYS => Parsed::NoArgs(kind),
-            query::GET | query::DELETE_KEY | query::QUEUE_POP | query::QUEUE_LEN => {
-                Parsed::Key(kind, need!(self.key()))
+    /// Bytes of input this decoder has read so far (query types, lengths, counts and
+    /// integers; keys and values are sliced, never read), re-reads included: a
+    /// measure of its work, which stays proportional to the bytes decoded.
+    pub fn bytes_examined(&self) -> u64 {
+        self.examined
+    }
+
+    fn reset(&mut self) {
+        self.kind = None;
+        self.end = 0;
+        self.carried = 0;
+        self.seen = 0;
+        if self.fields.capacity() > KEEP_FIELDS {
+            self.fields = Vec::new();
+        } else {
+            self.fields.clear();
+        }
+    }
+}
+
+/// Every query type and its fields, in wire order (struct literal fields are
+/// evaluated in source order). `Ok(None)`: the request is not whole yet.
+fn command(kind: u8, r: &mut Pass<'_>) -> Step<Command> {
+    Ok(Some(match kind {
+        query::VALIDATE => Command::Validate { magic: need!(r.u32()) },
+        query::SET => Command::Set { key: need!(r.key()), value: need!(r.value()) },
+        query::COMPARE_SET => {
+            Command::CompareSet { key: need!(r.key()), expected: need!(r.value()), desired: need!(r.value()) }
+        }
+        query::GET => Command::Get { key: need!(r.key()) },
+        query::ADD => Command::Add { key: need!(r.key()), delta: need!(r.i64()) },
+        query::CHECK => Command::Check { keys: need!(r.keys()) },
+        query::WAIT => Command::Wait { keys: need!(r.keys()) },
+        query::GETNUMKEYS => Command::NumKeys,
+        query::DELETE_KEY => Command::DeleteKey { key: need!(r.key()) },
+        query::APPEND => Command::Append { key: need!(r.key()), value: need!(r.value()) },
+        query::MULTI_GET => Command::MultiGet { keys: need!(r.keys()) },
+        query::MULTI_SET => Command::MultiSet { entries: need!(r.entries()) },
+        query::CANCEL_WAIT => Command::CancelWait,
+        query::PING => Command::Ping { nonce: need!(r.u32()) },
+        query::QUEUE_PUSH => Command::QueuePush { key: need!(r.key()), value: need!(r.value()) },
+        query::QUEUE_POP => Command::QueuePop { key: need!(r.key()) },
+        query::QUEUE_LEN => Command::QueueLen { key: need!(r.key()) },
+        query::LIST_KEYS => Command::ListKeys,
+        query::BARRIER => Command::Barrier { key: need!(r.key()), world_size: need!(r.i64()) },
+        other => return Err(TcpError::UnknownType(other)),
+    }))
+}
+
+/// What announces a field, and what it is checked against.
+#[derive(Clone, Copy)]
+enum Shape {
+    /// A fixed-size integer.
+    Int(usize),
+    /// A u64 length, then that many bytes.
+    Blob { what: &'static str, limit: fn(&TcpLimits) -> usize },
+}
+
+const KEY: Shape = Shape::Blob { what: "key length", limit: |l| l.max_key_len };
+const VALUE: Shape = Shape::Blob { what: "value length", limit: |l| l.max_value_len };
+
+/// One run of [`command`] over the request in progress: over the caller's buffer to
+/// learn whether it is whole (`whole` is `None`: keys and values come out empty),
+/// or over the whole request, frozen, to build it.
+struct Pass<'a> {
+    dec: &'a mut CommandDecoder,
+    buf: &'a [u8],
+    whole: Option<&'a Bytes>,
+    /// Index in `dec.fields` of the next field the arm reads.
+    next: usize,
+}
+
+impl Pass<'_> {
+    /// The next field's span once all its bytes are here. A field announced by an
+    /// earlier call is replayed; a new one is announced (and checked) first.
+    fn field(&mut self, shape: Shape) -> Step<Span> {
+        if self.next == self.dec.fields.len() {
+            let span = need!(self.announce(shape));
+            self.dec.fields.push(span);
+            self.dec.end = span.1;
+        }
+        match self.dec.fields.get(self.next) {
+            Some(&span) if span.1 <= self.buf.len() => {
+                self.next += 1;
+                Ok(Some(span))
             }
-            query::SET | query::APPEND | query::QUEUE_PUSH => {
-                let key = need!(self.key());
-                Parsed::KeyValue(kind, key, need!(self.value()))
-            }
-            query::COMPARE_SET => {
-                let key = need!(self.key());
-                let expected = need!(self.value());
-                Parsed::CompareSet(key, expected, need!(self.value()))
-            }
-            query::ADD | query::BARRIER => {
-                let key = need!(self.key());
-                Parsed::KeyInt(kind, key, need!(ready(self.i64())))
-            }
-            query::CHECK | query::WAIT | query::MULTI_GET => {
-                let n = need!(self.count());
-                let mut keys = Vec::with_capacity(self.capacity(n, 8));
-                for _ in 0..n {
-                    keys.push(need!(self.key()));
+            _ => Ok(None),
+        }
+    }
+
+    /// Reads what announces a field starting at `dec.end`: nothing for an integer,
+    /// the length (checked at once) for a key or value.
+    fn announce(&mut self, shape: Shape) -> Step<Span> {
+        let start = self.dec.end;
+        let (start, len) = match shape {
+            Shape::Int(n) => (start, n),
+            Shape::Blob { what, limit } => {
+                let Some(len) = self.int::<8>(start).map(u64::from_le_bytes) else { return Ok(None) };
+                let limits = &self.dec.limits;
+                let limit = limit(limits) as u64;
+                if len > limit {
+                    return Err(TcpError::TooLarge { what, len, limit });
                 }
-                Parsed::Keys(kind, keys)
-            }
-            query::MULTI_SET => {
-                let n = need!(self.count());
-                let mut entries = Vec::with_capacity(self.capacity(n, 16));
-                for _ in 0..n {
-                    let key = need!(self.key());
-                    entries.push((key, need!(self.value())));
+                let carried = self.dec.carried.saturating_add(len);
+                if carried > limits.max_request_len as u64 {
+                    let query = query::name(self.dec.kind.unwrap_or_default());
+                    return Err(TcpError::RequestTooLarge {
+                        query,
+                        len: carried,
+                        limit: limits.max_request_len as u64,
+                    });
                 }
-                Parsed::MultiSet(entries)
+                self.dec.carried = carried;
+                // Fits in usize: at most `limit`.
+                (start + 8, len as usize)
             }
-            other => return Err(TcpError::UnknownType(other)),
-        }))
+        };
+        // Saturates only under limits near usize::MAX: such a field never arrives.
+        Ok(Some((start, start.saturating_add(len))))
+    }
+
+    /// The `N` bytes at `at`, if they have arrived.
+    fn int<const N: usize>(&mut self, at: usize) -> Option<[u8; N]> {
+        self.dec.examined += N as u64;
+        self.buf.get(at..at.checked_add(N)?)?.try_into().ok()
+    }
+
+    fn fixed<const N: usize>(&mut self) -> Step<[u8; N]> {
+        let (start, _) = need!(self.field(Shape::Int(N)));
+        Ok(self.int(start))
+    }
+
+    fn u32(&mut self) -> Step<u32> {
+        Ok(Some(u32::from_le_bytes(need!(self.fixed()))))
+    }
+
+    fn i64(&mut self) -> Step<i64> {
+        Ok(Some(i64::from_le_bytes(need!(self.fixed()))))
+    }
+
+    fn bytes(&self, (start, end): Span) -> Bytes {
+        self.whole.map_or_else(Bytes::new, |whole| whole.slice(start..end))
+    }
+
+    fn blob(&mut self, shape: Shape) -> Step<Bytes> {
+        let span = need!(self.field(shape));
+        Ok(Some(self.bytes(span)))
+    }
+
+    fn key(&mut self) -> Step<Bytes> {
+        self.blob(KEY)
+    }
+
+    fn value(&mut self) -> Step<Bytes> {
+        self.blob(VALUE)
+    }
+
+    /// A u64 count (checked against `max_keys`), then that many items, each of the
+    /// fields `item`. Resumes at the list's last announced field: the ones before it
+    /// are whole. Returns the indices in `dec.fields` of the items' fields.
+    fn list(&mut self, item: &[Shape]) -> Step<std::ops::Range<usize>> {
+        let count = u64::from_le_bytes(need!(self.fixed()));
+        let limit = self.dec.limits.max_keys as u64;
+        if count > limit {
+            return Err(TcpError::TooLarge { what: "number of keys", len: count, limit });
+        }
+        // Fits in usize: at most `max_keys`.
+        let first = self.next;
+        let end = first.saturating_add((count as usize).saturating_mul(item.len()));
+        self.next = first.max(self.dec.fields.len().saturating_sub(1));
+        while self.next < end {
+            need!(self.field(item[(self.next - first) % item.len()]));
+        }
+        Ok(Some(first..end))
+    }
+
+    /// Keys and values come out only when the request is whole (see [`Pass`]).
+    fn keys(&mut self) -> Step<Vec<Bytes>> {
+        let items = need!(self.list(&[KEY]));
+        if self.whole.is_none() {
+            return Ok(Some(Vec::new()));
+        }
+        Ok(Some(self.dec.fields.get(items).unwrap_or_default().iter().map(|&span| self.bytes(span)).collect()))
+    }
+
+    fn entries(&mut self) -> Step<Vec<(Bytes, Bytes)>> {
+        let items = need!(self.list(&[KEY, VALUE]));
+        if self.whole.is_none() {
+            return Ok(Some(Vec::new()));
+        }
+        let entries = self.dec.fields.get(items).unwrap_or_default().chunks_exact(2);
+        Ok(Some(entries.map(|pair| (self.bytes(pair[0]), self.bytes(pair[1]))).collect()))
+    }
+}
+
+/// Appends fields after the query type, chained in wire order.
+struct Fields<'a>(&'a mut BytesMut);
+
+impl Fields<'_> {
+    fn u32(self, n: u32) -> Self {
+        self.0.put_u32_le(n);
+        self
+    }
+
+    fn i64(self, n: i64) -> Self {
+        self.0.put_i64_le(n);
+        self
+    }
+
+    fn blob(self, b: &[u8]) -> Self {
+        self.0.put_u64_le(b.len() as u64);
+        self.0.put_slice(b);
+        self
+    }
+
+    fn count(self, n: usize) -> Self {
+        self.0.put_u64_le(n as u64);
+        self
+    }
+
+    fn keys(self, keys: &[Bytes]) -> Self {
+        keys.iter().fold(self.count(keys.len()), |w, key| w.blob(key))
+    }
+
+    fn entries(self, entries: &[(Bytes, Bytes)]) -> Self {
+        entries.iter().fold(self.count(entries.len()), |w, (key, value)| w.blob(key).blob(value))
     }
 }
 
 /// Appends `command` as a torch client sends it.
 pub fn encode_command(command: &Command, dst: &mut BytesMut) {
-    let blob = |dst: &mut BytesMut, b: &[u8]| {
-        dst.put_u64_le(b.len() as u64);
-        dst.put_slice(b);
-    };
-    let keys = |dst: &mut BytesMut, kind: u8, keys: &[Bytes]| {
-        dst.put_u8(kind);
-        dst.put_u64_le(keys.len() as u64);
-        for key in keys {
-            blob(dst, key);
-        }
-    };
+    dst.put_u8(command.query_type());
+    let w = Fields(dst);
     match command {
-        Command::Validate { magic } => {
-            dst.put_u8(query::VALIDATE);
-            dst.put_u32_le(*magic);
-        }
-        Command::Ping { nonce } => {
-            dst.put_u8(query::PING);
-            dst.put_u32_le(*nonce);
-        }
-        Command::Set { key, value } | Command::Append { key, value } | Command::QueuePush { key, value } => {
-            dst.put_u8(match command {
-                Command::Set { .. } => query::SET,
-                Command::Append { .. } => query::APPEND,
-                _ => query::QUEUE_PUSH,
-            });
-            blob(dst, key);
-            blob(dst, value);
-        }
-        Command::CompareSet { key, expected, desired } => {
-            dst.put_u8(query::COMPARE_SET);
-            blob(dst, key);
-            blob(dst, expected);
-            blob(dst, desired);
-        }
-        Command::Get { key } | Command::DeleteKey { key } | Command::QueuePop { key } | Command::QueueLen { key } => {
-            dst.put_u8(match command {
-                Command::Get { .. } => query::GET,
-                Command::DeleteKey { .. } => query::DELETE_KEY,
-                Command::QueuePop { .. } => query::QUEUE_POP,
-                _ => query::QUEUE_LEN,
-            });
-            blob(dst, key);
-        }
-        Command::Add { key, delta: n } | Command::Barrier { key, world_size: n } => {
-            dst.put_u8(if matches!(command, Command::Add { .. }) { query::ADD } else { query::BARRIER });
-            blob(dst, key);
-            dst.put_i64_le(*n);
-        }
-        Command::Check { keys: k } => keys(dst, query::CHECK, k),
-        Command::Wait { keys: k } => keys(dst, query::WAIT, k),
-        Command::MultiGet { keys: k } => keys(dst, query::MULTI_GET, k),
-        Command::MultiSet { entries } => {
-            dst.put_u8(query::MULTI_SET);
-            dst.put_u64_le(entries.len() as u64);
-            for (key, value) in entries {
-                blob(dst, key);
-                blob(dst, value);
-            }
-        }
-        Command::NumKeys => dst.put_u8(query::GETNUMKEYS),
-        Command::CancelWait => dst.put_u8(query::CANCEL_WAIT),
-        Command::ListKeys => dst.put_u8(query::LIST_KEYS),
-    }
+        Command::Validate { magic } => w.u32(*magic),
+        Command::Set { key, value } => w.blob(key).blob(value),
+        Command::CompareSet { key, expected, desired } => w.blob(key).blob(expected).blob(desired),
+        Command::Get { key } => w.blob(key),
+        Command::Add { key, delta } => w.blob(key).i64(*delta),
+        Command::Check { keys } => w.keys(keys),
+        Command::Wait { keys } => w.keys(keys),
+        Command::NumKeys => w,
+        Command::DeleteKey { key } => w.blob(key),
+        Command::Append { key, value } => w.blob(key).blob(value),
+        Command::MultiGet { keys } => w.keys(keys),
+        Command::MultiSet { entries } => w.entries(entries),
+        Command::CancelWait => w,
+        Command::Ping { nonce } => w.u32(*nonce),
+        Command::QueuePush { key, value } => w.blob(key).blob(value),
+        Command::QueuePop { key } => w.blob(key),
+        Command::QueueLen { key } => w.blob(key),
+        Command::ListKeys => w,
+        Command::Barrier { key, world_size } => w.blob(key).i64(*world_size),
+    };
 }
