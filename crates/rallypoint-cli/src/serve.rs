@@ -31,6 +31,9 @@ pub struct ServeArgs {
     /// Most keys in one check/wait/multi-get/multi-set [default: 131072]
     #[arg(long, value_name = "N")]
     max_keys_per_op: Option<usize>,
+    /// Largest sum of the keys and values of one request, in bytes [default: 67108864]
+    #[arg(long, value_name = "BYTES")]
+    max_request_len: Option<usize>,
     /// Largest world size a client may claim (memory follows the ranks that connect,
     /// never the number claimed) [default: 1048576]
     #[arg(long, value_name = "N")]
@@ -68,6 +71,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(n) = args.max_keys_per_op {
         engine.limits.max_keys_per_op = n;
+    }
+    if let Some(n) = args.max_request_len {
+        engine.limits.max_request_len = n;
     }
     if let Some(n) = args.max_world_size {
         engine.limits.max_world_size = n;

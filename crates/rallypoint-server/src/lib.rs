@@ -151,7 +151,7 @@ impl Server {
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> io::Result<()> {
         let Server { listener, local_addr, shared, settings, tcp_limits } = self;
         let ticker = Ticker::start(Arc::clone(&shared))?;
-        let reactor = Arc::new(Reactor::start(Arc::clone(&shared), tcp_limits)?);
+        let reactor = Arc::new(Reactor::start(Arc::clone(&shared), tcp_limits, settings.read_timeout)?);
         let mut connections = JoinSet::new();
         tokio::pin!(shutdown);
         loop {

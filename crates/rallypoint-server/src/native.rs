@@ -76,7 +76,7 @@ async fn open(
         }
         Ok(Hello::TcpStore) => {
             debug!(%peer, "PyTorch TCPStore client");
-            if let Err(error) = reactor.adopt(conn.stream, peer, conn.rbuf) {
+            if let Err(error) = reactor.adopt(conn.stream, peer, conn.rbuf, conn.charge) {
                 debug!(%peer, %error, "cannot serve a TCPStore client; closing the connection");
             }
             return None;

@@ -17,12 +17,14 @@
 //! released by another client's SET) are signalled through the connection's
 //! outbox, whose waker puts it on the reactor's to-do list.
 
+use std::collections::HashSet;
 use std::io;
 use std::net::SocketAddr;
 use std::panic::{self, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Wake, Waker};
 use std::thread::{self, JoinHandle};
+use std::time::Duration;
 
 use bytes::BytesMut;
 use mio::net::TcpStream;
@@ -31,11 +33,12 @@ use rallypoint_proto::tcpstore::TcpLimits;
 use slab::Slab;
 use tracing::{debug, error};
 
+use rallypoint_net::budget::Charge;
 use rallypoint_net::conn::Buffering;
 use rallypoint_net::sync::lock;
 
 use crate::shared::Shared;
-use crate::tcpstore::{Conn, Progress};
+use crate::tcpstore::{Conn, End, Progress};
 
 /// The token of the reactor's own waker; connections use their slab index.
 const WAKE: Token = Token(usize::MAX);
@@ -57,7 +60,7 @@ struct Mailbox {
 
 #[derive(Default)]
 struct Inbox {
-    adopt: Vec<(std::net::TcpStream, SocketAddr, BytesMut)>,
+    adopt: Vec<(std::net::TcpStream, SocketAddr, BytesMut, Charge)>,
     /// Connections whose outbox received replies.
     dirty: Vec<usize>,
     stop: bool,
@@ -99,26 +102,36 @@ impl Wake for ConnWaker {
 }
 
 impl Reactor {
-    pub(crate) fn start(shared: Arc<Shared>, limits: TcpLimits) -> io::Result<Reactor> {
+    pub(crate) fn start(shared: Arc<Shared>, limits: TcpLimits, read_timeout: Duration) -> io::Result<Reactor> {
         let poll = Poll::new()?;
         let waker = mio::Waker::new(poll.registry(), WAKE)?;
         let mailbox = Arc::new(Mailbox { inbox: Mutex::default(), waker });
         let thread = thread::Builder::new().name("rallypoint-tcpstore".into()).spawn({
             let mailbox = Arc::clone(&mailbox);
-            move || Loop { poll, mailbox, shared, limits, conns: Slab::new(), runnable: Vec::new() }.run()
+            move || {
+                let stalls = Stalls { timeout: read_timeout, mid_request: HashSet::new(), next_check: None };
+                Loop { poll, mailbox, shared, limits, conns: Slab::new(), runnable: Vec::new(), stalls }.run()
+            }
         })?;
         Ok(Reactor { mailbox, thread: Mutex::new(Some(thread)) })
     }
 
-    /// Serves `stream` from now on; `rbuf` holds the bytes already read from it.
-    pub(crate) fn adopt(&self, stream: tokio::net::TcpStream, peer: SocketAddr, rbuf: BytesMut) -> io::Result<()> {
+    /// Serves `stream` from now on; `rbuf` holds the bytes already read from it,
+    /// counted in `charge`.
+    pub(crate) fn adopt(
+        &self,
+        stream: tokio::net::TcpStream,
+        peer: SocketAddr,
+        rbuf: BytesMut,
+        charge: Charge,
+    ) -> io::Result<()> {
         // Leaves tokio's driver; stays non-blocking.
         let stream = stream.into_std()?;
         let mut inbox = self.mailbox.lock();
         if inbox.stop {
             return Err(io::Error::other("the server is shutting down"));
         }
-        inbox.adopt.push((stream, peer, rbuf));
+        inbox.adopt.push((stream, peer, rbuf, charge));
         drop(inbox);
         self.mailbox.wake();
         Ok(())
@@ -154,6 +167,23 @@ struct Loop {
     conns: Slab<Entry>,
     /// Connections to service in this turn.
     runnable: Vec<usize>,
+    stalls: Stalls,
+}
+
+/// Connections holding part of a request, checked for the read timeout. The loop
+/// has no timer of its own while none does: it wakes for these checks only.
+struct Stalls {
+    timeout: Duration,
+    mid_request: HashSet<usize>,
+    next_check: Option<std::time::Instant>,
+}
+
+impl Stalls {
+    /// How often the connections mid-request are checked: a fraction of the timeout,
+    /// so that one is closed at most that much late.
+    fn interval(&self) -> Duration {
+        (self.timeout / 4).clamp(Duration::from_millis(10), Duration::from_secs(1))
+    }
 }
 
 struct Entry {
@@ -169,7 +199,11 @@ impl Loop {
         // Connections whose read budget ran out: serviced again without sleeping.
         let mut again = Vec::new();
         loop {
-            let timeout = if again.is_empty() { None } else { Some(std::time::Duration::ZERO) };
+            let timeout = if again.is_empty() {
+                self.stalls.next_check.map(|at| at.saturating_duration_since(std::time::Instant::now()))
+            } else {
+                Some(Duration::ZERO)
+            };
             if let Err(error) = self.poll.poll(&mut events, timeout) {
                 if error.kind() == io::ErrorKind::Interrupted {
                     continue;
@@ -203,7 +237,27 @@ impl Loop {
                     again.push(key);
                 }
             }
+            self.close_stalled();
         }
+    }
+
+    /// Closes the connections that stopped in the middle of a request for longer
+    /// than the read timeout, when a check is due.
+    fn close_stalled(&mut self) {
+        let now = std::time::Instant::now();
+        if self.stalls.next_check.is_some_and(|at| at > now) {
+            return;
+        }
+        let stalled: Vec<(usize, End)> = self
+            .stalls
+            .mid_request
+            .iter()
+            .filter_map(|&key| Some((key, self.conns.get(key)?.conn.stalled(now, self.stalls.timeout)?)))
+            .collect();
+        for (key, end) in stalled {
+            self.close(key, Some(Err(end)));
+        }
+        self.stalls.next_check = (!self.stalls.mid_request.is_empty()).then(|| now + self.stalls.interval());
     }
 
     /// Adopts new connections and queues the dirty ones; false once told to stop.
@@ -215,7 +269,7 @@ impl Loop {
             return false;
         }
         self.runnable.extend(dirty);
-        for (stream, peer, rbuf) in adopt {
+        for (stream, peer, rbuf, charge) in adopt {
             let mut stream = TcpStream::from_std(stream);
             let entry = self.conns.vacant_entry();
             let key = entry.key();
@@ -226,7 +280,7 @@ impl Loop {
                 continue;
             }
             let waker = Waker::from(Arc::new(ConnWaker { mailbox: Arc::clone(&self.mailbox), key }));
-            let conn = Conn::new(stream, peer, rbuf, Arc::clone(&self.shared), self.limits);
+            let conn = Conn::new(stream, peer, rbuf, charge, Arc::clone(&self.shared), self.limits);
             entry.insert(Entry { conn, waker });
             self.runnable.push(key);
         }
@@ -239,8 +293,16 @@ impl Loop {
         // A panic (a bug in the engine) costs only this connection, as a panicking
         // tokio task would.
         let end = match panic::catch_unwind(AssertUnwindSafe(|| conn.service(read_buf, MAX_READS_PER_TURN, waker))) {
-            Ok(Ok(Progress::Idle)) => return false,
-            Ok(Ok(Progress::More)) => return true,
+            Ok(Ok(progress @ (Progress::Idle | Progress::More))) => {
+                if conn.is_mid_request() {
+                    if self.stalls.mid_request.insert(key) && self.stalls.next_check.is_none() {
+                        self.stalls.next_check = Some(std::time::Instant::now() + self.stalls.interval());
+                    }
+                } else {
+                    self.stalls.mid_request.remove(&key);
+                }
+                return matches!(progress, Progress::More);
+            }
             Ok(Ok(Progress::Closed)) => Some(Ok(())),
             Ok(Err(end)) => Some(Err(end)),
             Err(_) => {
@@ -249,11 +311,17 @@ impl Loop {
                 None
             }
         };
-        let mut entry = self.conns.remove(key);
+        self.close(key, end);
+        false
+    }
+
+    /// Closes connection `key`, logging how it ended (`None`: it panicked, logged).
+    fn close(&mut self, key: usize, end: Option<Result<(), End>>) {
+        self.stalls.mid_request.remove(&key);
+        let Some(mut entry) = self.conns.try_remove(key) else { return };
         if let Some(end) = end {
             entry.conn.log_end(end);
         }
         let _ = self.poll.registry().deregister(entry.conn.stream());
-        false
     }
 }

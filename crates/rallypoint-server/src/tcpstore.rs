@@ -13,12 +13,14 @@ use std::io::{self, Read, Write};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::task::Waker;
+use std::time::{Duration, Instant};
 
 use bytes::{Buf, Bytes, BytesMut};
 use rallypoint_core::{OpError, Reply, Request, Response, SessionId};
+use rallypoint_net::budget::{Charge, OverBudget};
 use rallypoint_net::conn::Buffering;
 use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
-use rallypoint_proto::tcpstore::{decode_command, encode_answer, Answer, Command, TcpError, TcpLimits, VALIDATE_MAGIC};
+use rallypoint_proto::tcpstore::{encode_answer, Answer, Command, CommandDecoder, TcpError, TcpLimits, VALIDATE_MAGIC};
 use tracing::{debug, warn};
 
 use crate::native::SessionGuard;
@@ -74,16 +76,28 @@ pub(crate) enum End {
     Failed { op: &'static str, error: Box<OpError> },
     #[error("refused: {0}")]
     Refused(Box<OpError>),
+    #[error("closed to keep within the memory budget of unfinished requests: {0}")]
+    OverBudget(#[from] OverBudget),
+    #[error("closed to keep within the memory budget of unfinished requests: it held the most")]
+    Evicted,
+    #[error("stopped sending in the middle of a request ({buffered} bytes of it received, nothing for {waited:?})")]
+    Stalled { buffered: usize, waited: Duration },
 }
 
 /// One TCPStore connection, owned and driven by the [`crate::reactor`] thread.
 pub(crate) struct Conn {
+    /// The bytes of the unfinished request this connection holds; dropped first, so
+    /// given back before the peer sees the close.
+    charge: Charge,
     stream: mio::net::TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
     outbox: Arc<Outbox>,
-    limits: TcpLimits,
+    /// Resumes a request that arrives in pieces where it stopped.
+    decoder: CommandDecoder,
     rbuf: BytesMut,
+    /// When the last bytes of the unfinished request in `rbuf` arrived.
+    progress_at: Instant,
     wbuf: BytesMut,
     session: Option<(SessionId, SessionGuard)>,
     next_id: u64,
@@ -112,16 +126,19 @@ impl Conn {
         stream: mio::net::TcpStream,
         peer: SocketAddr,
         rbuf: BytesMut,
+        charge: Charge,
         shared: Arc<Shared>,
         limits: TcpLimits,
     ) -> Conn {
         Conn {
+            charge,
             stream,
             peer,
             shared,
             outbox: Arc::new(Outbox::default()),
-            limits,
+            decoder: CommandDecoder::new(limits),
             rbuf,
+            progress_at: Instant::now(),
             wbuf: BytesMut::new(),
             session: None,
             next_id: 1,
@@ -146,6 +163,9 @@ impl Conn {
     /// engine queued for this session (a WAIT released by another client) are
     /// written too; `waker` is woken when more are queued.
     pub(crate) fn service(&mut self, read_buf: &mut [u8], max_reads: usize, waker: &Waker) -> Result<Progress, End> {
+        if self.charge.is_evicted() {
+            return Err(End::Evicted);
+        }
         let mut reads = 0;
         loop {
             self.write_ready()?;
@@ -157,6 +177,13 @@ impl Conn {
             }
             if self.buffered {
                 self.broken = self.process().err();
+                // Counted as soon as it is known, before any reply goes out.
+                if let Err(over) = self.charge.hold(self.rbuf.len()) {
+                    self.broken.get_or_insert(End::OverBudget(over));
+                }
+                if self.charge.notify_eviction(waker) {
+                    return Err(End::Evicted);
+                }
                 continue;
             }
             if !self.readable {
@@ -173,6 +200,7 @@ impl Conn {
             match self.stream.read(read_buf) {
                 Ok(0) => return Ok(Progress::Closed),
                 Ok(n) => {
+                    self.progress_at = Instant::now();
                     // A short read drained the socket; new bytes raise a new edge.
                     self.readable = n == read_buf.len();
                     self.rbuf.extend_from_slice(&read_buf[..n]);
@@ -183,6 +211,17 @@ impl Conn {
                 Err(error) => return Err(error.into()),
             }
         }
+    }
+
+    /// Whether part of a request is buffered, waiting for the rest.
+    pub(crate) fn is_mid_request(&self) -> bool {
+        !self.rbuf.is_empty()
+    }
+
+    /// The end of a connection that stopped in the middle of a request for `timeout`.
+    pub(crate) fn stalled(&self, now: Instant, timeout: Duration) -> Option<End> {
+        let waited = now.saturating_duration_since(self.progress_at);
+        (self.is_mid_request() && waited >= timeout).then(|| End::Stalled { buffered: self.rbuf.len(), waited })
     }
 
     /// Frees buffers grown past what [`Buffering::TORCH`] keeps: an idle connection
@@ -246,7 +285,7 @@ impl Conn {
                 break;
             }
             decoded += 1;
-            let command = match decode_command(&mut self.rbuf, &self.limits) {
+            let command = match self.decoder.decode(&mut self.rbuf) {
                 Ok(Some(command)) => command,
                 Ok(None) => break,
                 Err(error) => {

@@ -11,7 +11,9 @@ use rallypoint_proto::tcpstore::{encode_command, Command, VALIDATE_MAGIC};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use crate::common::{bounded, connect, start_server};
+use rallypoint::server::ServerConfig;
+
+use crate::common::{bounded, connect, start_server, start_server_configured};
 
 /// The job TCPStore connections join unless the server is told otherwise.
 const TCPSTORE_JOB: &str = "default";
@@ -130,4 +132,101 @@ async fn shutdown_closes_tcpstore_connections() {
     let mut rest = Vec::new();
     let read = bounded("end of stream", client.read_to_end(&mut rest)).await;
     assert!(matches!(read, Ok(0)) || read.is_err(), "expected the connection closed, got {read:?} {rest:?}");
+}
+
+/// Reads until the server closes `s`; returns how many bytes came first.
+async fn until_closed(s: &mut TcpStream, what: &str) -> usize {
+    let mut sink = vec![0u8; 64 << 10];
+    let mut got = 0;
+    bounded(what, async {
+        loop {
+            match s.read(&mut sink).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => got += n,
+            }
+        }
+    })
+    .await;
+    got
+}
+
+/// A torch client that stops in the middle of a request is closed once the read
+/// timeout passes without a byte (it held the partial request for good before);
+/// one idle between requests is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tcpstore_client_stalled_mid_request_is_closed_after_the_read_timeout() {
+    let mut config = ServerConfig::new("127.0.0.1:0".parse().expect("addr"), rallypoint::Config::default());
+    config.read_timeout = Duration::from_millis(300);
+    let server = start_server_configured(config).await;
+    let mut idle = torch_client(server.local_addr()).await;
+    let mut stalled = torch_client(server.local_addr()).await;
+    let set = encode(&[Command::Set { key: key("k"), value: Bytes::from(vec![1u8; 1000]) }]);
+    stalled.write_all(&set[..set.len() / 2]).await.expect("half a SET");
+    until_closed(&mut stalled, "the stalled TCPStore client").await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(add(&mut idle, "n", 1).await, 1, "an idle client is still served");
+    server.shutdown().await;
+}
+
+/// A MULTI_SET announcing 131,072 entries of 8 MiB values is refused when its keys
+/// and values pass max_request_len, before the rest is buffered: the server never
+/// holds more than about that much of it (it grew to gigabytes before).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_multi_set_over_the_request_cap_is_closed_before_it_is_buffered() {
+    let server = start_server().await;
+    let cap = rallypoint_proto::max_request_len(&rallypoint::Limits::default());
+    let mut attacker = torch_client(server.local_addr()).await;
+    let mut header = BytesMut::new();
+    encode_command(&Command::MultiSet { entries: Vec::new() }, &mut header);
+    let mut out = BytesMut::from(&header[..1]);
+    out.extend_from_slice(&131_072u64.to_le_bytes());
+    let value = vec![0x5au8; 8 << 20];
+    let (mut sent, mut most_held) = (0usize, 0usize);
+    for i in 0..64u64 {
+        let k = format!("k{i}");
+        out.extend_from_slice(&(k.len() as u64).to_le_bytes());
+        out.extend_from_slice(k.as_bytes());
+        out.extend_from_slice(&(value.len() as u64).to_le_bytes());
+        out.extend_from_slice(&value);
+        if attacker.write_all(&out).await.is_err() {
+            break;
+        }
+        sent += out.len();
+        out.clear();
+        most_held = most_held.max(server.pending_bytes());
+    }
+    until_closed(&mut attacker, "the oversized MULTI_SET").await;
+    assert!(sent <= 2 * cap, "{sent} bytes were taken before the close");
+    assert!(most_held <= cap + (1 << 20), "the server held {most_held} bytes of it");
+    assert_eq!(server.pending_bytes(), 0);
+    let mut other = torch_client(server.local_addr()).await;
+    assert_eq!(add(&mut other, "n", 1).await, 1);
+    server.shutdown().await;
+}
+
+/// A torch client's partial request counts against the budget of unfinished
+/// requests like any connection's: past it, the connection holding the most goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn partial_tcpstore_requests_count_against_the_pending_budget() {
+    let mut config = ServerConfig::new("127.0.0.1:0".parse().expect("addr"), rallypoint::Config::default());
+    config.max_pending_bytes = 1 << 20;
+    config.read_timeout = Duration::from_secs(600);
+    let server = start_server_configured(config).await;
+    let set = |n: usize| encode(&[Command::Set { key: key("big"), value: Bytes::from(vec![1u8; n]) }]);
+    let mut big = torch_client(server.local_addr()).await;
+    // Requests that fit the budget whole, sent in part.
+    big.write_all(&set(1_000_000)[..800_000]).await.expect("part of a SET");
+    bounded("the server to hold it", async {
+        while server.pending_bytes() < 800_000 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
+    let mut other = torch_client(server.local_addr()).await;
+    other.write_all(&set(1_000_000)[..500_000]).await.expect("part of another SET");
+    until_closed(&mut big, "the largest holder").await;
+    let whole = set(1_000_000);
+    other.write_all(&whole[500_000..]).await.expect("the rest");
+    assert_eq!(add(&mut other, "n", 1).await, 1, "the other finished its SET and is served");
+    server.shutdown().await;
 }
