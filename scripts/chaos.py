@@ -99,11 +99,14 @@ while [ $r -lt ${#ops} ]; do
         wait $! || exit $?
         continue
     fi
+    # In the background only to learn its pid, which errors naming this rank show.
     if [ "$op" = b ]; then
-        "$bin" barrier step > "$dir/$RANK.$r.out" 2> "$dir/$RANK.$r.err"
+        "$bin" barrier step > "$dir/$RANK.$r.out" 2> "$dir/$RANK.$r.err" &
     else
-        "$bin" all-gather --name vals "v$RANK.$r" > "$dir/$RANK.$r.out" 2> "$dir/$RANK.$r.err"
+        "$bin" all-gather --name vals "v$RANK.$r" > "$dir/$RANK.$r.out" 2> "$dir/$RANK.$r.err" &
     fi
+    echo "verb $r $!" >> "$log"
+    wait $!
     rc=$?
     case $mutate in
         codes) [ $rc != 4 ] || rc=3 ;;
@@ -561,6 +564,7 @@ class RankLog:
     leave: Optional[Tuple[int, float]] = None  # round, t
     done: Optional[float] = None
     closed: Optional[float] = None  # Python ranks: when close() returned
+    pids: set = field(default_factory=set)  # its process (Python) or its verbs' (CLI)
 
 
 def read_log(path: str) -> RankLog:
@@ -574,6 +578,8 @@ def read_log(path: str) -> RankLog:
         try:
             if f[0] == "start":
                 log.start, log.pid = float(f[1]), int(f[2])
+            elif f[0] == "verb":
+                log.pids.add(int(f[2]))
             elif f[0] == "enter":
                 log.enter[int(f[1])] = float(f[2])
             elif f[0] == "exit":
@@ -603,6 +609,7 @@ class Parsed:
     waited: Optional[float] = None
     members: Optional[int] = None
     missing: Dict[int, str] = field(default_factory=dict)  # timeout: rank -> state
+    missing_pids: Dict[int, Optional[int]] = field(default_factory=dict)
     text: str = ""
 
 
@@ -641,18 +648,18 @@ def parse_error(text: str) -> Parsed:
         return Parsed("lost", m.group(1), m.group(2), int(m.group(3)), int(m.group(4)), pid, reason, text=msg)
     m = TIMEOUT_RE.match(msg)
     if m:
-        missing = {}
+        missing, pids = {}, {}
         for item in m.group(7).split("; "):
             rm = RANK_RE.match(item)
             if rm:
-                missing[int(rm.group(1))] = state_of(rm.group(2))[0]
+                missing[int(rm.group(1))], pids[int(rm.group(1))], _ = state_of(rm.group(2))
             else:
                 missing[-1] = item  # unparsable: shows up as a wrong name
         if len(missing) != int(m.group(5)):
             missing[-2] = f"count says {m.group(5)}"
         return Parsed(
             "timeout", m.group(1), m.group(2), int(m.group(3)), waited=float(m.group(4)),
-            members=int(m.group(6)), missing=missing, text=msg,
+            members=int(m.group(6)), missing=missing, missing_pids=pids, text=msg,
         )
     if "was aborted by" in msg:
         return Parsed("aborted", text=msg)
@@ -809,8 +816,22 @@ class Checker:
         if p.reason not in allowed:
             out.add("wrong names", f"{where} (rank {k} was {'/'.join(sorted(kinds))}: expected "
                     f"{' or '.join(sorted(allowed))})")
-        if plan.kinds[k] == "py" and self.logs[k].pid is not None and p.pid != self.logs[k].pid:
-            out.add("wrong names", f"{where} (rank {k}'s pid is {self.logs[k].pid})")
+        self.check_pid(k, p.pid, where)
+
+    def check_pid(self, k: int, pid: Optional[int], where: str) -> None:
+        """The pid an error shows for rank `k` is its process's (Python) or one of its
+        verbs' (CLI; a verb killed before the shell logged its pid is let pass)."""
+        log = self.logs[k]
+        if self.plan.kinds[k] == "py":
+            ok = log.pid is None or pid == log.pid
+        else:
+            unlogged = any(rnd not in log.exits for rnd in log.enter) and not any(
+                pid in lg.pids for lg in self.logs
+            )
+            ok = pid is None or pid in log.pids or unlogged
+        if not ok:
+            own = log.pid if self.plan.kinds[k] == "py" else sorted(log.pids)
+            self.out.add("wrong names", f"{where} (pid {pid} is not rank {k}'s: {own})")
 
     def check_timeout(self, p: Parsed, r: int, rnd: int, t: float, where: str) -> None:
         plan, out, T, L = self.plan, self.out, self.plan.timeout, self.plan.lease
@@ -844,6 +865,8 @@ class Checker:
                 # Frozen with a connection: not lost before its lease runs out.
                 if kind in FREEZES and t < ft + L + LEASE_SLACK:
                     allowed |= {"connected"}
+            if state != "never_connected":
+                self.check_pid(k, p.missing_pids.get(k), where)
             if state not in allowed:
                 kinds = "/".join(sorted({kind for _, kind in why}))
                 out.add("wrong codes", f"{where} (rank {k} was {kinds} ({plan.kinds[k]}): it is {state}, expected "
