@@ -4,14 +4,18 @@ Each run starts a coordinator (`rallypoint serve` with a short lease), optionall
 1-3 node agents, and 3-12 rank processes, each either a shell loop of CLI verbs
 (`rallypoint barrier`, `rallypoint all-gather`) or a Python client (one
 `rallypoint.Client` for all rounds), connected directly or through an agent. Every
-rank does the same sequence of barrier and all-gather rounds while a controller
-kills, stops, delays or removes ranks and kills agents at random times. Every rank
-process records each round's enter and exit (CLOCK_BOOTTIME, which every process of
-the machine shares; a shell reads it from /proc/uptime, so its records have 10 ms
-resolution), its exit code and error text. From those records each run checks:
+rank does the same sequence of barrier and all-gather rounds while a controller, at
+random times, kills a rank (SIGKILL), stops it (SIGSTOP: its lease must catch it),
+pauses it for under a third of its lease or delays a round by under half the
+timeout (neither may fail anyone), makes it leave cleanly, or kills or freezes an
+agent (SIGKILL, SIGSTOP: every rank behind it is lost). Every rank process records
+each round's enter and exit (CLOCK_BOOTTIME, which every process of the machine
+shares; a shell reads it from /proc/uptime, so its records have 10 ms resolution),
+its exit code and error text. From those records each run checks:
 
   hangs           no operation of a rank that is not stopped outlives its timeout
-                  plus a margin (the run's deadline kills what is left)
+                  plus a margin (behind a frozen agent: plus the client's 5 s reply
+                  margin), nor a Python close(); the run's deadline kills what is left
   wrong names     every PeerLost names a rank that really died, with the right cause
                   (killed or agent killed: "connection dropped"; stopped: "no
                   heartbeat"), never a healthy rank or one that left cleanly; every
@@ -24,7 +28,8 @@ resolution), its exit code and error text. From those records each run checks:
   early releases  no rank leaves round r successfully before every rank entered it
   wrong gathers   all-gather results are every rank's "v<rank>.<round>", in order
 
-Usage: scripts/chaos --runs N [--seed S] [--max-seconds T] [--jobs J] [--keep]
+Usage: scripts/chaos --runs N [--seed S] [--max-seconds T] [--jobs J] [--faults K,...]
+                     [--keep] [--mutate WHAT]
 Run i uses seed S+i: `scripts/chaos --runs 1 --seed S+i` replays its plan (the
 scheduling of the processes is not replayed, only the choices).
 """
@@ -338,6 +343,8 @@ class Procs:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+            if p.stdout is not None:
+                p.stdout.close()
             with self.lock:
                 self.live.pop(p.pid, None)
 
@@ -498,7 +505,6 @@ def execute(plan: Plan, binary: str, python: str, d: str, procs: list, out: Outc
         if now() > deadline:
             break
         time.sleep(0.005)
-    t_end = now()
     running = [r for r, p in enumerate(ranks) if p.poll() is None and r not in stopped]
     alive = {"coordinator": serve.poll() is None}
     killed_agents = {i.fault.target for i in injected if i.fault.kind == "agent"}
