@@ -956,7 +956,7 @@ def percentile(values: List[float], q: float) -> float:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    ap = argparse.ArgumentParser(prog="scripts/chaos", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, required=True, help="how many runs")
     ap.add_argument("--seed", type=int, help="seed of the first run (run i: seed+i) [default: random, printed]")
