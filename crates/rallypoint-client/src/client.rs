@@ -10,6 +10,7 @@
 //! coordinator considers the rank lost and fails whatever its peers wait for with
 //! [`crate::OpError::PeerLost`].
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -27,6 +28,9 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// Extra time the client waits beyond an operation's timeout before giving up on
 /// the coordinator's reply (the coordinator's own timeout error normally comes first).
 const SAFETY_MARGIN: Duration = Duration::from_secs(5);
+
+/// How long [`Client::close`] waits for the coordinator to confirm the leave.
+pub const LEAVE_WAIT: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Clone)]
 pub struct ConnectOptions {
@@ -71,6 +75,8 @@ struct Inner {
     timeout: Duration,
     link: Arc<Link>,
     commands: mpsc::UnboundedSender<Command>,
+    /// A call found the coordinator silent (no reply within its timeout).
+    silent: AtomicBool,
 }
 
 /// Forgets a call's reply slot if the call stops waiting before its reply
@@ -118,7 +124,7 @@ impl Client {
         }
         let connected = connection::connect(&addr, &identity, timeout, shared_replies).await?;
         let (link, commands, _welcome) = connection::spawn(addr, connected);
-        Ok(Client { inner: Arc::new(Inner { identity, timeout, link, commands }) })
+        Ok(Client { inner: Arc::new(Inner { identity, timeout, link, commands, silent: AtomicBool::new(false) }) })
     }
 
     /// Connects with settings from the environment (see [`crate::env::Settings`]).
@@ -138,17 +144,24 @@ impl Client {
 
     /// Sends one request and waits for its reply, at most `wait` plus a safety margin.
     async fn call(&self, request: Request, wait: Duration) -> Result<Response, Error> {
+        self.call_within(request, wait.saturating_add(SAFETY_MARGIN)).await
+    }
+
+    /// Sends one request and waits for its reply at most `limit`.
+    async fn call_within(&self, request: Request, limit: Duration) -> Result<Response, Error> {
         let link = &*self.inner.link;
         let (id, reply) = link.register()?;
         let _registered = Registered { link, id };
         if self.inner.commands.send(Command::Request { id, request }).is_err() {
             return Err(link.disconnected());
         }
-        let limit = wait.saturating_add(SAFETY_MARGIN);
         match tokio::time::timeout(limit, reply).await {
             Ok(Ok(result)) => result,
             Ok(Err(_)) => Err(link.disconnected()),
-            Err(_) => Err(Error::Timeout(limit)),
+            Err(_) => {
+                self.inner.silent.store(true, Ordering::Relaxed);
+                Err(Error::Timeout(limit))
+            }
         }
     }
 
@@ -347,8 +360,21 @@ impl Client {
     /// Leaves cleanly: the coordinator records that this rank left (it may come
     /// back) rather than died. Then closes the connection; calls still waiting on
     /// other clones fail with [`Error::Disconnected`].
+    ///
+    /// The leave is waited for at most [`LEAVE_WAIT`] (a coordinator answers it at
+    /// once), and not at all after a call of this client found the coordinator silent:
+    /// that call already waited its whole timeout, and a process closing must not wait
+    /// as long again. The leave still goes out before the connection is shut, so a
+    /// coordinator that reads it counts the rank as left.
     pub async fn close(self) -> Result<(), Error> {
-        let left = self.call_now(Request::Leave).await;
+        let left = if self.inner.silent.load(Ordering::Relaxed) {
+            tracing::debug!("closing without waiting for the leave: the coordinator was silent");
+            let _ =
+                self.inner.commands.send(Command::Request { id: self.inner.link.next_id(), request: Request::Leave });
+            Ok(Response::Done)
+        } else {
+            self.call_within(Request::Leave, LEAVE_WAIT).await
+        };
         let (done, closed) = oneshot::channel();
         if self.inner.commands.send(Command::Shutdown(done)).is_ok() {
             // Fails only if the connection task is already gone, which is closed too.

@@ -85,7 +85,7 @@ impl Link {
         self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
-    fn next_id(&self) -> u64 {
+    pub(crate) fn next_id(&self) -> u64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 

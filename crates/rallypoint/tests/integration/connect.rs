@@ -103,3 +103,37 @@ async fn silent_coordinator_hits_the_client_safety_timeout() {
     drop(client);
     bounded("mute server", server).await.expect("mute server task");
 }
+
+/// A coordinator that welcomes a client and then goes silent (frozen, say by
+/// SIGSTOP): the client's call gives up after its timeout and safety margin, and
+/// its close then returns at once instead of waiting as long again for the leave
+/// (found by scripts/chaos: a CLI verb took twice the bound its --timeout states).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_after_a_silent_coordinator_does_not_wait_again() {
+    use bytes::BytesMut;
+    use rallypoint_proto::native::{encode_server_frame, ServerFrame};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    init_tracing();
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let silent = tokio::spawn(async move {
+        let (mut stream, _) = listener.accept().await.expect("accept");
+        let mut welcome = BytesMut::new();
+        let welcome_frame = rallypoint_core::Welcome { session: rallypoint_core::SessionId(1), lease_ms: 0 };
+        encode_server_frame(&ServerFrame::Welcome(welcome_frame), &mut welcome);
+        stream.write_all(&welcome).await.expect("welcome");
+        // Reads everything and answers nothing, until the client hangs up.
+        let mut sink = vec![0u8; 4096];
+        while matches!(stream.read(&mut sink).await, Ok(n) if n > 0) {}
+    });
+    let options = ConnectOptions::new(addr.to_string(), rank("silent", 0, 2)).with_timeout(Duration::from_secs(10));
+    let client = bounded("connect", Client::connect_with(options)).await.expect("connected");
+    let waited =
+        bounded("the barrier", client.barrier("b", rallypoint::Members::World, Some(Duration::from_millis(500)))).await;
+    assert!(matches!(waited, Err(Error::Timeout(_))), "{waited:?}");
+    // It already waited its timeout: a close waiting for the leave would take 5.5 s more.
+    let closed = tokio::time::timeout(Duration::from_secs(3), client.close()).await;
+    assert!(matches!(closed, Ok(Ok(()))), "{closed:?}");
+    bounded("the silent server to see the close", silent).await.expect("server task");
+}
