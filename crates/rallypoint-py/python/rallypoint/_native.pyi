@@ -7,6 +7,9 @@ from ._scope import Scope
 
 __all__ = ["Client", "_Coordinator"]
 
+#: The version of the crate this module was built from (the package's version).
+__version__: str
+
 #: A key or value: str is sent as UTF-8.
 _Data = Union[str, bytes, bytearray]
 #: One key, or several.
