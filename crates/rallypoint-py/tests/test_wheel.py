@@ -169,3 +169,43 @@ def test_python_dash_m_without_the_command_says_so(installed):
     assert out.returncode == 2, out
     assert "the rallypoint command is not installed with this package" in out.stderr, out.stderr
     assert str(command) in out.stderr, out.stderr
+
+
+def test_verbs_as_slurm_tasks(installed):
+    """docs/DEPLOY.md's Slurm recipe without a launcher: `rallypoint serve`, and tasks
+    that only Slurm's variables tell who they are."""
+    venv, _ = installed
+    command = str(venv.bin / "rallypoint")
+    serve = subprocess.Popen(
+        [command, "serve", "--listen", "127.0.0.1:0", "--print-addr"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=venv.env,
+    )
+    try:
+        addr = serve.stdout.readline().strip()
+        assert addr, "rallypoint serve printed no address"
+        task_env = {"RALLYPOINT_ADDR": addr, "RALLYPOINT_TIMEOUT": "60", "SLURM_NTASKS": "3", "SLURM_JOB_ID": "4242"}
+        tasks = [
+            subprocess.Popen(
+                [command, "all-gather", f"from-{i}"],
+                env={**venv.env, **task_env, "SLURM_PROCID": str(i), "SLURM_LOCALID": str(i)},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for i in range(3)
+        ]
+        for task in tasks:
+            out, err = task.communicate(timeout=90)
+            assert task.returncode == 0, err
+            assert out.split() == ["from-0", "from-1", "from-2"]
+        # The job was SLURM_JOB_ID's: a key set by a task is in job 4242.
+        out = venv.run([command, "set", "k", "v"], env={**task_env, "SLURM_PROCID": "0"})
+        assert out.returncode == 0, out.stderr
+        out = venv.run([command, "get", "k", "--addr", addr, "--job", "4242", "--timeout", "10"])
+        assert (out.returncode, out.stdout.strip()) == (0, "v"), out
+    finally:
+        serve.terminate()
+        serve.wait(10)
