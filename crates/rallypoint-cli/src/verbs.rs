@@ -127,14 +127,14 @@ pub struct Conn {
     #[arg(long, value_name = "HOST:PORT")]
     addr: Option<String>,
     /// Job name; jobs on one coordinator are independent [default: $RALLYPOINT_JOB,
-    /// else $TORCHELASTIC_RUN_ID, else "default"]
+    /// else $TORCHELASTIC_RUN_ID, else $SLURM_JOB_ID, else "default"]
     #[arg(long, value_name = "NAME")]
     job: Option<String>,
-    /// This process's rank [default: $RANK]
+    /// This process's rank [default: $RANK, else (no launcher) $SLURM_PROCID]
     #[arg(long, value_name = "N", allow_negative_numbers = true,
           value_parser = clap::value_parser!(i64).range(0..=i64::from(u32::MAX)))]
     rank: Option<i64>,
-    /// Number of ranks [default: $WORLD_SIZE]
+    /// Number of ranks [default: $WORLD_SIZE, else (no launcher) $SLURM_NTASKS]
     #[arg(long, value_name = "N", allow_negative_numbers = true,
           value_parser = clap::value_parser!(i64).range(1..=i64::from(u32::MAX)))]
     world_size: Option<i64>,

@@ -1,14 +1,23 @@
 //! The contract between a launcher and its workers, from both sides: the variables
 //! a launcher sets for each worker ([`worker_env`]: torchrun's, so that torch and
 //! tools reading them work unchanged, plus rallypoint's own), and how a client
-//! resolves them, and those that other launchers such as SLURM wrappers set, into
-//! connection settings ([`Settings`]).
+//! resolves them, and those that Slurm sets for each task, into connection
+//! settings ([`Settings`]).
 //!
 //! Each setting is taken from the first of these that is present: an explicit
 //! value ([`Overrides`]), then the variables in the order listed on the field.
 //! An empty variable counts as unset. Invalid values are errors naming the
 //! variable and the value, never silently ignored.
+//!
+//! Slurm's variables count only outside a launcher: a process started by
+//! `rallypoint launch` or torchrun under `srun` also inherits the `SLURM_*` of the
+//! launcher's task, which describe that task, not this worker. So rank, world size
+//! and local rank come from Slurm only when neither `RANK` nor `WORLD_SIZE` is set
+//! (every launcher sets both), and the job from `SLURM_JOB_ID` only when no
+//! launcher named one. [`expand_nodelist`] reads Slurm's compressed host lists
+//! (`SLURM_JOB_NODELIST`).
 
+mod slurm;
 mod workers;
 
 use std::ffi::OsString;
@@ -18,18 +27,23 @@ use rallypoint_core::Identity;
 
 use crate::{Error, DEFAULT_TIMEOUT};
 
+pub use slurm::{expand_nodelist, NodelistError, NodelistProblem, MAX_NODELIST_HOSTS};
 pub use workers::{live_output_env, worker_env, JobEnv, Placement};
 
 #[derive(Debug, Clone, PartialEq)]
 pub struct Settings {
     /// Explicit, else `RALLYPOINT_ADDR`, else `MASTER_ADDR:MASTER_PORT`.
     pub addr: String,
-    /// Explicit, else `RALLYPOINT_JOB`, else `TORCHELASTIC_RUN_ID`, else `"default"`.
+    /// Explicit, else `RALLYPOINT_JOB`, else `TORCHELASTIC_RUN_ID`, else
+    /// `SLURM_JOB_ID`, else `"default"`.
     pub job: String,
-    /// Explicit, else `RANK`.
+    /// Explicit, else `RANK`, else `SLURM_PROCID` (outside a launcher: see the module doc).
     pub rank: Option<u32>,
-    /// Explicit, else `WORLD_SIZE`.
+    /// Explicit, else `WORLD_SIZE`, else `SLURM_NTASKS` (outside a launcher).
     pub world_size: Option<u32>,
+    /// This process's index among those of the job on its node (which device to
+    /// use): `LOCAL_RANK`, else `SLURM_LOCALID` (outside a launcher).
+    pub local_rank: Option<u32>,
     /// Explicit, else `RALLYPOINT_ROLE`, else `ROLE_NAME`.
     pub role: Option<String>,
     /// Explicit, else `RALLYPOINT_TIMEOUT` (seconds, may be fractional), else 300 s.
@@ -96,48 +110,63 @@ fn resolve_with(overrides: Overrides, lookup: impl Fn(&str) -> Option<OsString>)
         Some(addr) => addr,
         None => match var("RALLYPOINT_ADDR")? {
             Some(addr) => addr,
-            None => master_addr(var("MASTER_ADDR")?, var("MASTER_PORT")?)?,
+            None => master_addr(var("MASTER_ADDR")?, var("MASTER_PORT")?, var("SLURM_JOB_ID")?.is_some())?,
         },
     };
 
     let job = match overrides.job {
         Some(job) => job,
-        None => match var("RALLYPOINT_JOB")? {
-            Some(job) => job,
-            None => var("TORCHELASTIC_RUN_ID")?.unwrap_or_else(|| "default".to_owned()),
-        },
+        None => first_var(var, &["RALLYPOINT_JOB", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID"])?
+            .unwrap_or_else(|| "default".to_owned()),
+    };
+
+    // Slurm describes this process only if no launcher stands between (module doc).
+    let launched = var("RANK")?.is_some() || var("WORLD_SIZE")?.is_some();
+    let from_env = |names: [&'static str; 2], min: u32| -> Result<Option<(u32, &'static str)>, Error> {
+        let names = if launched { &names[..1] } else { &names[..] };
+        for &name in names {
+            if let Some(value) = var(name)? {
+                return Ok(Some((env_int(&value, name, min)?, name)));
+            }
+        }
+        Ok(None)
     };
 
     let rank = match overrides.rank {
-        Some(rank) => {
-            Some(u32::try_from(rank).map_err(|_| config(format!("rank={rank} is not a non-negative integer")))?)
-        }
-        None => var("RANK")?.map(|v| env_int(&v, "RANK", 0)).transpose()?,
+        Some(rank) => Some((
+            u32::try_from(rank).map_err(|_| config(format!("rank={rank} is not a non-negative integer")))?,
+            "rank",
+        )),
+        None => from_env(["RANK", "SLURM_PROCID"], 0)?,
     };
     let world_size = match overrides.world_size {
-        Some(n) => Some(
+        Some(n) => Some((
             u32::try_from(n)
                 .ok()
                 .filter(|&n| n > 0)
                 .ok_or_else(|| config(format!("world_size={n} is not a positive integer")))?,
-        ),
-        None => var("WORLD_SIZE")?.map(|v| env_int(&v, "WORLD_SIZE", 1)).transpose()?,
+            "world_size",
+        )),
+        None => from_env(["WORLD_SIZE", "SLURM_NTASKS"], 1)?,
     };
-    if let (Some(rank), Some(world_size)) = (rank, world_size) {
+    if let (Some((rank, rank_from)), Some((world_size, world_from))) = (rank, world_size) {
         if rank >= world_size {
+            // Where the numbers came from, when that is not the obvious RANK and WORLD_SIZE.
+            let from =
+                [rank_from, world_from].into_iter().filter(|name| name.starts_with("SLURM_")).collect::<Vec<_>>();
+            let from = if from.is_empty() { String::new() } else { format!("; from {}", from.join(" and ")) };
             return Err(config(format!(
-                "rank {rank} is not below the world size {world_size} (ranks are 0 to {})",
+                "rank {rank} is not below the world size {world_size} (ranks are 0 to {}{from})",
                 world_size - 1
             )));
         }
     }
+    let (rank, world_size) = (rank.map(|(n, _)| n), world_size.map(|(n, _)| n));
+    let local_rank = from_env(["LOCAL_RANK", "SLURM_LOCALID"], 0)?.map(|(n, _)| n);
 
     let role = match overrides.role {
         Some(role) => Some(role),
-        None => match var("RALLYPOINT_ROLE")? {
-            Some(role) => Some(role),
-            None => var("ROLE_NAME")?,
-        },
+        None => first_var(var, &["RALLYPOINT_ROLE", "ROLE_NAME"])?,
     };
 
     let timeout = match overrides.timeout_secs {
@@ -152,18 +181,35 @@ fn resolve_with(overrides: Overrides, lookup: impl Fn(&str) -> Option<OsString>)
         },
     };
 
-    Ok(Settings { addr, job, rank, world_size, role, timeout })
+    Ok(Settings { addr, job, rank, world_size, local_rank, role, timeout })
 }
 
-/// `MASTER_ADDR:MASTER_PORT`, bracketing an IPv6 address.
-fn master_addr(host: Option<String>, port: Option<String>) -> Result<String, Error> {
+/// The value of the first of `names` that is set.
+fn first_var(var: impl Fn(&str) -> Result<Option<String>, Error>, names: &[&str]) -> Result<Option<String>, Error> {
+    for name in names {
+        if let Some(value) = var(name)? {
+            return Ok(Some(value));
+        }
+    }
+    Ok(None)
+}
+
+/// `MASTER_ADDR:MASTER_PORT`, bracketing an IPv6 address. Slurm gives no coordinator
+/// address, so under Slurm (`slurm`) the error says where one usually runs.
+fn master_addr(host: Option<String>, port: Option<String>, slurm: bool) -> Result<String, Error> {
     let (host, port) = match (host, port) {
         (Some(host), Some(port)) => (host, port),
         (Some(_), None) => return Err(config("MASTER_ADDR is set but MASTER_PORT is not".to_owned())),
         (None, _) => {
-            return Err(config(
-                "no coordinator address: set RALLYPOINT_ADDR (host:port), or MASTER_ADDR and MASTER_PORT".to_owned(),
-            ))
+            let hint = if slurm {
+                " (under Slurm: the address of a `rallypoint serve` started by the batch script, \
+                 usually on the first host of SLURM_JOB_NODELIST)"
+            } else {
+                ""
+            };
+            return Err(config(format!(
+                "no coordinator address: set RALLYPOINT_ADDR (host:port), or MASTER_ADDR and MASTER_PORT{hint}"
+            )));
         }
     };
     let port: u16 = port
@@ -234,6 +280,7 @@ mod tests {
                 job: "run-17".into(),
                 rank: Some(3),
                 world_size: Some(8),
+                local_rank: None,
                 role: Some("trainer".into()),
                 timeout: DEFAULT_TIMEOUT,
             }
@@ -336,6 +383,96 @@ mod tests {
             &[("RALLYPOINT_ADDR", "c:1"), ("RANK", "4"), ("WORLD_SIZE", "4")],
         ));
         assert_eq!(e, "rank 4 is not below the world size 4 (ranks are 0 to 3)");
+    }
+
+    /// What `srun` sets for task 5 of 8, the second on its node, in job 4242.
+    const SLURM: [(&str, &str); 5] = [
+        ("SLURM_PROCID", "5"),
+        ("SLURM_NTASKS", "8"),
+        ("SLURM_LOCALID", "1"),
+        ("SLURM_JOB_ID", "4242"),
+        ("SLURM_JOB_NODELIST", "node[01-04]"),
+    ];
+
+    fn with_slurm(vars: &[(&'static str, &'static str)]) -> Vec<(&'static str, &'static str)> {
+        let mut all = SLURM.to_vec();
+        all.extend_from_slice(vars);
+        all
+    }
+
+    #[test]
+    fn slurm_variables_outside_a_launcher() {
+        let s = resolve(Overrides::default(), &with_slurm(&[("RALLYPOINT_ADDR", "node01:29500")])).unwrap();
+        assert_eq!((s.rank, s.world_size, s.local_rank), (Some(5), Some(8), Some(1)));
+        assert_eq!(s.job, "4242");
+        assert_eq!(s.addr, "node01:29500");
+    }
+
+    #[test]
+    fn a_launchers_variables_hide_slurms() {
+        // A worker of `rallypoint launch` (or torchrun) run by srun: the SLURM_* it
+        // inherits describe the launcher's task, not this worker.
+        let s = resolve(
+            Overrides::default(),
+            &with_slurm(&[
+                ("RALLYPOINT_ADDR", "node01:29500"),
+                ("RANK", "2"),
+                ("WORLD_SIZE", "16"),
+                ("LOCAL_RANK", "2"),
+                ("RALLYPOINT_JOB", "run42"),
+            ]),
+        )
+        .unwrap();
+        assert_eq!((s.rank, s.world_size, s.local_rank, s.job.as_str()), (Some(2), Some(16), Some(2), "run42"));
+        let s = resolve(
+            Overrides::default(),
+            &with_slurm(&[("MASTER_ADDR", "node01"), ("MASTER_PORT", "29500"), ("TORCHELASTIC_RUN_ID", "t")]),
+        )
+        .unwrap();
+        assert_eq!(s.job, "t");
+        // Either of RANK and WORLD_SIZE marks a launcher: never half from each.
+        let s = resolve(Overrides::default(), &with_slurm(&[("RALLYPOINT_ADDR", "c:1"), ("WORLD_SIZE", "2")])).unwrap();
+        assert_eq!((s.rank, s.world_size, s.local_rank), (None, Some(2), None));
+        let s = resolve(Overrides::default(), &with_slurm(&[("RALLYPOINT_ADDR", "c:1"), ("RANK", "1")])).unwrap();
+        assert_eq!((s.rank, s.world_size, s.local_rank), (Some(1), None, None));
+    }
+
+    #[test]
+    fn explicit_values_win_over_slurms() {
+        let overrides =
+            Overrides { addr: Some("c:1".into()), rank: Some(0), job: Some("mine".into()), ..Overrides::default() };
+        let s = resolve(overrides, &SLURM).unwrap();
+        assert_eq!((s.rank, s.world_size, s.local_rank, s.job.as_str()), (Some(0), Some(8), Some(1), "mine"));
+    }
+
+    #[test]
+    fn bad_slurm_values_name_the_variable() {
+        let with = |extra: (&'static str, &'static str)| {
+            let mut vars = vec![("RALLYPOINT_ADDR", "c:1")];
+            vars.extend(SLURM.iter().filter(|(name, _)| *name != extra.0));
+            vars.push(extra);
+            config_error(resolve(Overrides::default(), &vars))
+        };
+        assert_eq!(with(("SLURM_PROCID", "x")), "SLURM_PROCID='x' is not a non-negative integer");
+        assert_eq!(with(("SLURM_NTASKS", "0")), "SLURM_NTASKS='0' is not a positive integer");
+        assert_eq!(with(("SLURM_LOCALID", "-1")), "SLURM_LOCALID='-1' is not a non-negative integer");
+        assert_eq!(with(("LOCAL_RANK", "one")), "LOCAL_RANK='one' is not a non-negative integer");
+        assert_eq!(
+            with(("SLURM_PROCID", "8")),
+            "rank 8 is not below the world size 8 (ranks are 0 to 7; from SLURM_PROCID and SLURM_NTASKS)"
+        );
+        let e = config_error(resolve(
+            Overrides { rank: Some(9), addr: Some("c:1".into()), ..Overrides::default() },
+            &SLURM,
+        ));
+        assert_eq!(e, "rank 9 is not below the world size 8 (ranks are 0 to 7; from SLURM_NTASKS)");
+    }
+
+    #[test]
+    fn missing_address_under_slurm_says_where_one_runs() {
+        let e = config_error(resolve(Overrides::default(), &SLURM));
+        assert!(e.starts_with("no coordinator address: set RALLYPOINT_ADDR"), "{e}");
+        assert!(e.contains("rallypoint serve") && e.contains("SLURM_JOB_NODELIST"), "{e}");
     }
 
     #[test]

@@ -23,6 +23,8 @@ use crate::errors;
 pub struct Client {
     addr: String,
     identity: Identity,
+    /// From the environment (`from_env`), for choosing a device; not sent to the coordinator.
+    local_rank: Option<u32>,
     timeout: Duration,
     /// `None` once closed.
     client: Mutex<Option<rallypoint_client::Client>>,
@@ -81,7 +83,13 @@ fn list<'py>(py: Python<'py>, values: &[bytes::Bytes]) -> Vec<Bound<'py, PyBytes
 }
 
 impl Client {
-    fn connect(py: Python<'_>, addr: String, identity: Identity, timeout: Duration) -> PyResult<Client> {
+    fn connect(
+        py: Python<'_>,
+        addr: String,
+        identity: Identity,
+        local_rank: Option<u32>,
+        timeout: Duration,
+    ) -> PyResult<Client> {
         let runtime = crate::runtime("rallypoint-client", 1).map_err(|source| {
             errors::to_py(py, Error::Connect { addr: addr.clone(), waited: Duration::ZERO, source })
         })?;
@@ -90,7 +98,7 @@ impl Client {
             .map_err(|e| errors::to_py(py, e))?;
         // The identity with the host and pid that connect filled in.
         let identity = client.identity().clone();
-        Ok(Client { addr, identity, timeout, client: Mutex::new(Some(client)), runtime })
+        Ok(Client { addr, identity, local_rank, timeout, client: Mutex::new(Some(client)), runtime })
     }
 
     /// A handle on the connection, or an error once the client is closed.
@@ -140,14 +148,16 @@ impl Client {
         }
         let timeout = crate::client::timeout(py, timeout)?.unwrap_or(DEFAULT_TIMEOUT);
         let identity = Identity { rank, world_size, role, ..Identity::anonymous(job) };
-        Client::connect(py, addr, identity, timeout)
+        Client::connect(py, addr, identity, None, timeout)
     }
 
     /// Connects with the settings a launcher gives (`rallypoint launch`, torchrun,
     /// `rallypoint.spawn`): address from RALLYPOINT_ADDR, else MASTER_ADDR and
-    /// MASTER_PORT; job from RALLYPOINT_JOB, else TORCHELASTIC_RUN_ID, else "default";
-    /// RANK, WORLD_SIZE; role from RALLYPOINT_ROLE, else ROLE_NAME; timeout from
-    /// RALLYPOINT_TIMEOUT, else 300 s. Arguments given here win over the environment.
+    /// MASTER_PORT; job from RALLYPOINT_JOB, else TORCHELASTIC_RUN_ID, else
+    /// SLURM_JOB_ID, else "default"; RANK, WORLD_SIZE and LOCAL_RANK, else (outside a
+    /// launcher) SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID; role from
+    /// RALLYPOINT_ROLE, else ROLE_NAME; timeout from RALLYPOINT_TIMEOUT, else 300 s.
+    /// Arguments given here win over the environment.
     #[staticmethod]
     #[pyo3(signature = (*, addr = None, rank = None, world_size = None, job = None, role = None, timeout = None))]
     fn from_env(
@@ -162,7 +172,7 @@ impl Client {
         let overrides = Overrides { addr, job, rank, world_size, role, timeout_secs: timeout };
         let settings = Settings::resolve(overrides).map_err(|e| errors::to_py(py, e))?;
         let identity = settings.identity();
-        Client::connect(py, settings.addr, identity, settings.timeout)
+        Client::connect(py, settings.addr, identity, settings.local_rank, settings.timeout)
     }
 
     /// This client's rank, or None for a rank-less client.
@@ -174,6 +184,14 @@ impl Client {
     #[getter]
     fn world_size(&self) -> Option<u32> {
         self.identity.world_size
+    }
+
+    /// This process's index on its node (LOCAL_RANK, or SLURM_LOCALID under srun),
+    /// for choosing a device; None for a client made with `Client(...)` or when no
+    /// launcher set it.
+    #[getter]
+    fn local_rank(&self) -> Option<u32> {
+        self.local_rank
     }
 
     #[getter]

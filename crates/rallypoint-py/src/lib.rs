@@ -48,5 +48,8 @@ fn runtime(name: &str, threads: usize) -> std::io::Result<Runtime> {
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<client::Client>()?;
     m.add_class::<coordinator::Coordinator>()?;
+    // The crate's version is the package's (maturin takes it from Cargo.toml), and the
+    // `rallypoint` command of the same wheel reports it too.
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

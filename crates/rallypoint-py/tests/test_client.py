@@ -334,6 +334,39 @@ def test_from_env(coordinator, job, monkeypatch):
         rp.Client.from_env()
 
 
+def test_from_env_under_slurm(coordinator, job, monkeypatch):
+    """A task started by srun, no launcher: rank, world size, local rank and job from Slurm."""
+    for name in ("MASTER_ADDR", "MASTER_PORT", "RALLYPOINT_JOB", "TORCHELASTIC_RUN_ID", "RANK", "WORLD_SIZE",
+                 "LOCAL_RANK", "RALLYPOINT_ROLE", "ROLE_NAME", "RALLYPOINT_TIMEOUT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("RALLYPOINT_ADDR", coordinator.addr)
+    for name, value in (("SLURM_PROCID", "1"), ("SLURM_NTASKS", "2"), ("SLURM_LOCALID", "1"), ("SLURM_JOB_ID", job)):
+        monkeypatch.setenv(name, value)
+    c = rp.Client.from_env(timeout=10)
+    assert (c.job, c.rank, c.world_size, c.local_rank) == (job, 1, 2, 1)
+    # It is rank 1 of 2 on the coordinator too: a barrier with rank 0 passes.
+    peer = rp.Client(coordinator.addr, rank=0, world_size=2, job=job, timeout=10)
+    waiter = threading.Thread(target=peer.barrier, args=("slurm",))
+    waiter.start()
+    c.barrier("slurm")
+    waiter.join(10)
+    assert not waiter.is_alive()
+    c.close()
+    peer.close()
+    with rp.Client(coordinator.addr, job=job) as tool:
+        assert tool.local_rank is None
+    # Under a launcher (RANK/WORLD_SIZE set), the inherited SLURM_* are not this process's.
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    with rp.Client.from_env(timeout=10) as c:
+        assert (c.rank, c.world_size, c.local_rank) == (0, 1, None)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    monkeypatch.setenv("SLURM_NTASKS", "0")
+    with pytest.raises(rp.InvalidArgument, match="SLURM_NTASKS='0' is not a positive integer"):
+        rp.Client.from_env()
+
+
 def test_exceptions_pickle_with_their_facts(coordinator, job):
     c = client(coordinator, job, rank=0, world_size=2)
     with pytest.raises(rp.BarrierTimeout) as info:

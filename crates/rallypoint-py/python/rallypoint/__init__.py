@@ -11,6 +11,7 @@ coordinator, with dead or missing ranks named at once::
     c.close()
 
 See ``help(rallypoint.Client)`` and the exceptions in ``rallypoint._errors``.
+The wheel also installs the ``rallypoint`` command (``python -m rallypoint`` runs it).
 """
 
 from ._errors import (
@@ -27,7 +28,7 @@ from ._errors import (
     ReplyTimeout,
     WorkerError,
 )
-from ._native import Client, _Coordinator
+from ._native import Client, _Coordinator, __version__
 from ._scope import Scope
 from .spawn import spawn
 

@@ -7,6 +7,9 @@ from ._scope import Scope
 
 __all__ = ["Client", "_Coordinator"]
 
+#: The version of the crate this module was built from (the package's version).
+__version__: str
+
 #: A key or value: str is sent as UTF-8.
 _Data = Union[str, bytes, bytearray]
 #: One key, or several.
@@ -56,8 +59,10 @@ class Client:
     ) -> "Client":
         """Connects with the settings a launcher gives (``rallypoint launch``, torchrun,
         :func:`rallypoint.spawn`): address from RALLYPOINT_ADDR, else MASTER_ADDR and
-        MASTER_PORT; job from RALLYPOINT_JOB, else TORCHELASTIC_RUN_ID, else "default";
-        RANK; WORLD_SIZE; role from RALLYPOINT_ROLE, else ROLE_NAME; timeout from
+        MASTER_PORT; job from RALLYPOINT_JOB, else TORCHELASTIC_RUN_ID, else
+        SLURM_JOB_ID, else "default"; RANK, WORLD_SIZE and LOCAL_RANK, else (outside a
+        launcher, e.g. a task started by ``srun``) SLURM_PROCID, SLURM_NTASKS and
+        SLURM_LOCALID; role from RALLYPOINT_ROLE, else ROLE_NAME; timeout from
         RALLYPOINT_TIMEOUT, else 300 s. Arguments given here win over the environment.
         A bad variable raises :class:`rallypoint.InvalidArgument` naming it.
         """
@@ -68,6 +73,10 @@ class Client:
     @property
     def world_size(self) -> Optional[int]:
         """The number of ranks of the job, or None for a rank-less client."""
+    @property
+    def local_rank(self) -> Optional[int]:
+        """This process's index on its node (LOCAL_RANK, or SLURM_LOCALID under srun),
+        for choosing a device; None for ``Client(...)`` or when nothing set it."""
     @property
     def job(self) -> str:
         """The job: ranks, keys and barriers of different jobs never meet."""
