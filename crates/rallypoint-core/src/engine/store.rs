@@ -121,6 +121,15 @@ impl Store {
         Ok(None)
     }
 
+    /// Fails every wait of `session` with `error`.
+    pub fn fail_session(&mut self, session: SessionId, error: &OpError, done: &mut Vec<(WaitId, Reply)>) {
+        for id in self.session_waits(session) {
+            if self.remove_wait(id).is_some() {
+                done.push((id, Err(error.clone())));
+            }
+        }
+    }
+
     /// Ends every wait of `session` (torch's CANCEL_WAIT); each fails with `Closed`,
     /// so that every request still gets exactly one reply.
     pub fn cancel_session(&mut self, session: SessionId, done: &mut Vec<(WaitId, Reply)>) {
