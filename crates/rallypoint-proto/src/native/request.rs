@@ -31,6 +31,7 @@ mod op {
     pub const CANCEL_WAIT: u8 = 0x16;
     pub const STORE_BARRIER: u8 = 0x17;
     pub const STATUS: u8 = 0x18;
+    pub const RESET: u8 = 0x19;
 }
 
 mod members {
@@ -146,6 +147,10 @@ pub(crate) fn encode_request(request: &Request, dst: &mut BytesMut) {
             put_timeout(dst, *timeout_ms);
         }
         Request::Status => dst.put_u8(op::STATUS),
+        Request::Reset { incarnation } => {
+            dst.put_u8(op::RESET);
+            dst.put_u64_le(*incarnation);
+        }
         Request::Heartbeat => dst.put_u8(op::HEARTBEAT),
         Request::Leave => dst.put_u8(op::LEAVE),
     }
@@ -195,6 +200,7 @@ pub(crate) fn decode_request(r: &mut Reader) -> DecodeResult<Request> {
             Request::StoreBarrier { key: r.bytes("key")?, world_size: r.i64("world_size")?, timeout_ms: timeout(r)? }
         }
         op::STATUS => Request::Status,
+        op::RESET => Request::Reset { incarnation: r.u64("incarnation")? },
         op::HEARTBEAT => Request::Heartbeat,
         op::LEAVE => Request::Leave,
         other => return Err(DecodeError::unknown("request opcode", other)),
