@@ -78,6 +78,16 @@ impl Client {
         self.inner.timeout()
     }
 
+    /// See [`crate::Client::session`].
+    pub fn session(&self) -> rallypoint_core::SessionId {
+        self.inner.session()
+    }
+
+    /// See [`crate::Client::job_incarnation`].
+    pub fn job_incarnation(&self) -> Option<u64> {
+        self.inner.job_incarnation()
+    }
+
     pub fn set(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<(), Error> {
         self.runtime.block_on(self.inner.set(key, value))
     }
@@ -162,6 +172,11 @@ impl Client {
 
     pub fn abort(&self, reason: &str) -> Result<(), Error> {
         self.runtime.block_on(self.inner.abort(reason))
+    }
+
+    /// See [`crate::Client::reset`].
+    pub fn reset(&self, incarnation: u64) -> Result<(), Error> {
+        self.runtime.block_on(self.inner.reset(incarnation))
     }
 
     /// Leaves cleanly, then closes the connection (see [`crate::Client::close`]).

@@ -125,6 +125,7 @@ async fn run_attempts(
             attempt_job: if attempt == 0 { options.job.clone() } else { format!("{}.restart{attempt}", options.job) },
             restart_count: attempt,
             max_restarts: options.max_restarts,
+            job_incarnation: None,
         };
         // torch's TCPStore clients (MASTER_ADDR/MASTER_PORT point here) cannot name a
         // job: they join the attempt's, so their keys and ranks are the workers'.

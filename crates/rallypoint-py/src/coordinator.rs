@@ -77,6 +77,8 @@ impl Coordinator {
             attempt_job: job.to_owned(),
             restart_count: 0,
             max_restarts: 0,
+            // A coordinator of its own per spawn: no earlier run to tell apart.
+            job_incarnation: None,
         };
         let placement =
             Placement { rank, local_rank: rank, world_size: nprocs, local_world_size: nprocs, node_rank: 0, nnodes: 1 };
