@@ -142,18 +142,19 @@ async fn cut_one(
                     coordinator.write_all(&up.split_to(preamble)).await.expect("forward the preamble");
                     preamble = 0;
                 }
-                while preamble == 0 {
-                    let Some(frame) = frame(&mut up) else { break };
-                    let target = matches!(id_and_op(&frame), Some((0x02, _, op)) if op == opcode) && awaited.is_none();
-                    if target && cut == Cut::BeforeRequest {
-                        break 'pump;
-                    }
-                    coordinator.write_all(&frame).await.expect("forward a request");
-                    if target {
-                        if cut == Cut::AfterRequest {
+                if preamble == 0 {
+                    while let Some(frame) = frame(&mut up) {
+                        let target = matches!(id_and_op(&frame), Some((0x02, _, op)) if op == opcode) && awaited.is_none();
+                        if target && cut == Cut::BeforeRequest {
                             break 'pump;
                         }
-                        awaited = id_and_op(&frame).map(|(_, id, _)| id);
+                        coordinator.write_all(&frame).await.expect("forward a request");
+                        if target {
+                            if cut == Cut::AfterRequest {
+                                break 'pump;
+                            }
+                            awaited = id_and_op(&frame).map(|(_, id, _)| id);
+                        }
                     }
                 }
             }
