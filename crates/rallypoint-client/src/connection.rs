@@ -557,8 +557,12 @@ async fn write_loop(
             tokio::select! {
                 command = queue.recv() => {
                     let Some(command) = command else {
-                        // Every client handle is gone without close(): drop the connection
-                        // abruptly, as a killed process would.
+                        // Every client handle is gone without close(): the session ends as a
+                        // killed process's would. Said first, so that the coordinator does
+                        // not hold the rank for a resume that will not come.
+                        let request = Request::Abandon;
+                        encode_client_frame(&ClientFrame::Request { id: link.next_id(), request }, &mut buf);
+                        let _ = writer.write_all(&buf).await;
                         return Ended::Done(format!("the client for the coordinator at {} was dropped", link.addr), None);
                     };
                     let mut gathered = 0;

@@ -146,6 +146,10 @@ pub enum Request {
     Heartbeat,
     /// The session is about to close cleanly: its rank has left, not died.
     Leave,
+    /// The client gives the session up as a crash would (it was dropped without a
+    /// clean leave): its close is a loss at once, without the reconnect grace that a
+    /// cut connection gets.
+    Abandon,
 }
 
 impl Request {
@@ -177,6 +181,7 @@ impl Request {
             Request::Reset { .. } => "reset",
             Request::Heartbeat => "heartbeat",
             Request::Leave => "leave",
+            Request::Abandon => "abandon",
         }
     }
 
@@ -209,7 +214,8 @@ impl Request {
             | Request::QueueLen { .. }
             | Request::Status
             | Request::Heartbeat
-            | Request::Leave => false,
+            | Request::Leave
+            | Request::Abandon => false,
         }
     }
 

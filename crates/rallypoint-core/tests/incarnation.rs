@@ -250,6 +250,19 @@ fn a_process_known_gone_is_lost_at_once_and_so_is_one_found_gone_during_its_grac
     assert!(d.resume(r2, &process("j", 2, 3, 322, "a", 0x3)).is_err());
 }
 
+/// A client dropped without a clean leave says so: its session gets no grace.
+#[test]
+fn an_abandoned_session_is_lost_at_once() {
+    let mut d = Driver::new();
+    let r0 = d.session(process("j", 0, 2, 300, "a", 0x1));
+    let r1 = d.session(process("j", 1, 2, 311, "b", 0x2));
+    d.send(r0, 1, barrier("b"));
+    assert_eq!(d.call(r1, 1, Request::Abandon), Ok(Response::Done));
+    assert!(d.replies_to(r0, 1).is_empty(), "abandoning is not leaving yet");
+    d.cut(r1);
+    assert!(matches!(d.last(r0, 1), Some(Err(OpError::PeerLost { ref peer, .. })) if peer.rank == 1));
+}
+
 #[test]
 fn without_a_grace_or_an_incarnation_a_dropped_connection_is_a_loss_at_once() {
     let mut d = Driver::with(Config { reconnect_grace_ms: 0, ..Config::default() });

@@ -18,7 +18,7 @@ fn agent_frames() -> Vec<AgentFrame> {
         AgentFrame::Hello { host: "node-7".into(), pid: 4242 },
         AgentFrame::SubHello { sub: 1, identity: Identity::ranked("job", 3, 8) },
     ];
-    frames.extend(samples(request(), 25).into_iter().enumerate().map(|(id, request)| AgentFrame::SubRequest {
+    frames.extend(samples(request(), 26).into_iter().enumerate().map(|(id, request)| AgentFrame::SubRequest {
         sub: id as u64 % 3,
         id: id as u64,
         request,

@@ -29,7 +29,7 @@ fn server_round_trip(frame: &ServerFrame) -> ServerFrame {
 
 #[test]
 fn every_request_variant_round_trips() {
-    let all: Vec<Request> = samples(request(), 25);
+    let all: Vec<Request> = samples(request(), 26);
     for (id, request) in all.into_iter().enumerate() {
         let frame = ClientFrame::Request { id: id as u64, request };
         assert_eq!(client_round_trip(&frame), frame);

@@ -14,7 +14,7 @@ use rallypoint_proto::native::{
 fn client_stream_splits_at_every_byte() {
     let mut frames = vec![ClientFrame::Hello(Identity::ranked("job", 3, 8))];
     frames.extend(
-        samples(request(), 25)
+        samples(request(), 26)
             .into_iter()
             .enumerate()
             .map(|(id, request)| ClientFrame::Request { id: id as u64, request }),

@@ -40,6 +40,8 @@ struct Session {
     identity: Identity,
     /// Said `Leave`: its close is clean, not a loss.
     leaving: bool,
+    /// Said `Abandon`: its close is a loss at once, without the reconnect grace.
+    abandoned: bool,
     /// A PyTorch TCPStore connection: its rank, if any, was inferred (module `torch`).
     torch: bool,
     /// A session that stated an incarnation can resume after a cut (module `resume`).
@@ -145,7 +147,8 @@ impl Engine {
         // The job keeps the name; a copy per session would only cost memory.
         identity.job = String::new();
         let resume = identity.incarnation.map(|_| Box::default());
-        let sess = Session { job: job_id, identity, leaving: false, torch: false, resume, taken_over: None };
+        let sess =
+            Session { job: job_id, identity, leaving: false, abandoned: false, torch: false, resume, taken_over: None };
         self.sessions.insert(session, Box::new(sess));
         Ok(self.welcome(session, job_id))
     }
@@ -418,7 +421,11 @@ impl Engine {
         self.now = now;
         let grace = self.config.grace_ms();
         let Some(sess) = self.sessions.get_mut(&session) else { return };
-        let waits = departure == Departure::Unknown && grace > 0 && !sess.leaving && sess.taken_over.is_none();
+        let waits = departure == Departure::Unknown
+            && grace > 0
+            && !sess.leaving
+            && !sess.abandoned
+            && sess.taken_over.is_none();
         if let (true, Some(resume)) = (waits, sess.resume.as_deref_mut()) {
             if resume.detached_until.is_none() {
                 let until = now.saturating_add(grace);

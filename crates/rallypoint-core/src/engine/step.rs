@@ -181,7 +181,7 @@ impl<'a> Step<'a> {
     /// requests that end the session, an aborted job everything but the requests
     /// about the session itself, and nothing invalid gets through.
     fn admit(&self, request: &Request) -> Result<(), OpError> {
-        if matches!(request, Request::Heartbeat | Request::Leave) {
+        if matches!(request, Request::Heartbeat | Request::Leave | Request::Abandon) {
             return Ok(());
         }
         if let Some(error) = self.job.reset_error() {
@@ -203,6 +203,7 @@ impl<'a> Step<'a> {
         match request {
             Request::Heartbeat => DONE,
             Request::Leave => self.leave(caller),
+            Request::Abandon => self.abandon(caller),
             Request::Status => value(self.status(caller).into()),
             Request::Set { key, value } => self.set(key, value),
             Request::Append { key, value } => self.append(key, value),
@@ -240,6 +241,14 @@ impl<'a> Step<'a> {
     fn leave(&mut self, caller: &Caller) -> Option<Reply> {
         if let Some(session) = self.sessions.get_mut(&caller.session) {
             session.leaving = true;
+        }
+        DONE
+    }
+
+    /// The client gave the session up: its close will be a loss at once.
+    fn abandon(&mut self, caller: &Caller) -> Option<Reply> {
+        if let Some(session) = self.sessions.get_mut(&caller.session) {
+            session.abandoned = true;
         }
         DONE
     }

@@ -82,6 +82,7 @@ pub(crate) fn request(request: &Request, limits: &Limits) -> Result<(), OpError>
         | Request::Status
         | Request::Heartbeat
         | Request::Leave
+        | Request::Abandon
         | Request::Reset { .. } => Ok(()),
     }
 }

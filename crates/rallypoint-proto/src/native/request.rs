@@ -32,6 +32,7 @@ mod op {
     pub const STORE_BARRIER: u8 = 0x17;
     pub const STATUS: u8 = 0x18;
     pub const RESET: u8 = 0x19;
+    pub const ABANDON: u8 = 0x1a;
 }
 
 mod members {
@@ -153,6 +154,7 @@ pub(crate) fn encode_request(request: &Request, dst: &mut BytesMut) {
         }
         Request::Heartbeat => dst.put_u8(op::HEARTBEAT),
         Request::Leave => dst.put_u8(op::LEAVE),
+        Request::Abandon => dst.put_u8(op::ABANDON),
     }
 }
 
@@ -203,6 +205,7 @@ pub(crate) fn decode_request(r: &mut Reader) -> DecodeResult<Request> {
         op::RESET => Request::Reset { incarnation: r.u64("incarnation")? },
         op::HEARTBEAT => Request::Heartbeat,
         op::LEAVE => Request::Leave,
+        op::ABANDON => Request::Abandon,
         other => return Err(DecodeError::unknown("request opcode", other)),
     })
 }

@@ -79,6 +79,7 @@ pub fn request() -> impl Strategy<Value = Request> {
         string().prop_map(|reason| Request::Abort { reason }),
         Just(Request::Heartbeat),
         Just(Request::Leave),
+        Just(Request::Abandon),
         (bytes(), bytes()).prop_map(|(key, value)| Request::QueuePush { key, value }),
         bytes().prop_map(|key| Request::QueuePop { key }),
         bytes().prop_map(|key| Request::QueueLen { key }),
