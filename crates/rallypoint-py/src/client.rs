@@ -392,6 +392,22 @@ impl Client {
         self.run(py, client.abort(reason))
     }
 
+    /// Starts job incarnation `incarnation` afresh (what `rallypoint reset` does): the
+    /// job's keys, barrier generations, abort and lost ranks are gone, and every
+    /// pending and later operation of its processes (this client's too) raises
+    /// JobReset. Nothing if the job is at that incarnation already.
+    fn reset(&self, py: Python<'_>, incarnation: u64) -> PyResult<()> {
+        let client = self.handle(py)?;
+        self.run(py, client.reset(incarnation))
+    }
+
+    /// The incarnation the job was at when this client (last) connected, or None if
+    /// it was never reset nor named (RALLYPOINT_JOB_INCARNATION).
+    #[getter]
+    fn job_incarnation(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        Ok(self.handle(py)?.job_incarnation())
+    }
+
     /// Leaves cleanly: the coordinator records that this rank left (it may come
     /// back) rather than died. Does nothing the second time.
     fn close(&self, py: Python<'_>) -> PyResult<()> {

@@ -163,6 +163,15 @@ class Client:
     def abort(self, reason: str) -> None:
         """Fails every pending and later operation of the job, on every rank, with
         :class:`rallypoint.Aborted` naming this client and ``reason``."""
+    def reset(self, incarnation: int) -> None:
+        """Starts job incarnation ``incarnation`` afresh (what ``rallypoint reset`` does):
+        the job's keys, barrier generations, abort and lost ranks are gone, and every
+        pending and later operation of its processes (this client's too) raises
+        :class:`rallypoint.JobReset`. Nothing if the job is at that incarnation already."""
+    @property
+    def job_incarnation(self) -> Optional[int]:
+        """The incarnation the job was at when this client (last) connected, or None
+        if it was never reset nor named (``RALLYPOINT_JOB_INCARNATION``)."""
     def close(self) -> None:
         """Leaves cleanly: the coordinator records that this rank left (it may come
         back) rather than died. Calls still waiting in other threads fail with
