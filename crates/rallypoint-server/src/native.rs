@@ -187,12 +187,16 @@ impl Drop for SessionGuard {
             return;
         }
         let Some(Process { pid, local: true }) = self.process else {
-            return self.shared.close(self.session, &self.outbox, Departure::Unknown);
+            self.shared.close(self.session, &self.outbox, Departure::Unknown);
+            return;
         };
         if rallypoint_net::process::process_gone(pid) {
-            return self.shared.close(self.session, &self.outbox, Departure::ProcessGone);
+            self.shared.close(self.session, &self.outbox, Departure::ProcessGone);
+            return;
         }
-        self.shared.close(self.session, &self.outbox, Departure::Unknown);
+        if !self.shared.close(self.session, &self.outbox, Departure::Unknown) {
+            return; // resumed on another connection
+        }
         let grace = std::time::Duration::from_millis(self.shared.grace_ms());
         // Dropped outside a runtime only at shutdown, when nobody waits for peers.
         if let (false, Ok(runtime)) = (grace.is_zero(), tokio::runtime::Handle::try_current()) {

@@ -365,15 +365,17 @@ impl Shared {
     /// The session's connection (whose replies went to `outbox`) is gone; the engine
     /// decides whether that is a clean leave, a wait for a resume or a loss. Nothing
     /// if the session was resumed on another connection meanwhile.
-    pub(crate) fn close(&self, session: SessionId, outbox: &Arc<Outbox>, departure: Departure) {
+    /// Returns whether the session was closed (it was still this connection's).
+    pub(crate) fn close(&self, session: SessionId, outbox: &Arc<Outbox>, departure: Departure) -> bool {
         let mut state = lock(&self.state);
         if !state.outboxes.get(&session).is_some_and(|s| s.is_direct(outbox)) {
-            return;
+            return false;
         }
         let now = self.now();
         state.outboxes.remove(&session);
         state.engine.close_with(session, departure, now);
         self.after_input(&mut state);
+        true
     }
 
     /// The process of a session waiting for a resume is gone: it is lost now.
