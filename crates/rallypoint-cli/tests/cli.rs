@@ -108,8 +108,14 @@ struct Server {
 
 impl Server {
     fn start() -> Server {
+        Server::start_with(&[])
+    }
+
+    /// A server with these `serve` flags besides its address.
+    fn start_with(flags: &[&str]) -> Server {
         let mut child = rallypoint()
             .args(["serve", "--listen", "127.0.0.1:0", "--print-addr"])
+            .args(flags)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -700,4 +706,70 @@ fn a_barrier_retried_after_a_half_open_cut_counts_once() {
     );
     assert_code(&exec(server.ranked("cut", 1, 2, &["barrier", "step"])), 0);
     assert_code(&finish(&mut zero), 0);
+}
+
+/// A node agent on `unix:PATH` carrying its ranks to `server`; the agent's process
+/// is killed when the guard goes.
+fn agent(server: &Server, path: &std::path::Path) -> Guard {
+    let listen = format!("unix:{}", path.display());
+    let mut child = spawn({
+        let mut command = rallypoint();
+        command.args(["agent", "--upstream", &server.addr, "--listen", &listen, "--print-addr"]);
+        command
+    });
+    let stdout = child.0.stdout.take().expect("piped stdout");
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("the agent printed its address");
+    assert_eq!(line.trim(), listen);
+    child
+}
+
+/// With a reconnect grace far longer than the test may run, a SIGKILLed rank is
+/// still lost at once: the coordinator sees that the process, on its own host, is
+/// gone; behind a node agent, the agent sees it and says so in its SubClose.
+#[test]
+fn a_killed_process_is_lost_at_once_whatever_the_reconnect_grace() {
+    let server = Server::start_with(&["--reconnect-grace", "120", "--lease", "300"]);
+    let dir = std::env::temp_dir().join(format!("rp-grace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let _agent = agent(&server, &dir.join("agent.sock"));
+    let via_agent = |r: u32| {
+        let mut command = rallypoint();
+        let addr = format!("unix:{}", dir.join("agent.sock").display());
+        command.args(["barrier", "b", "--addr", &addr, "--job", "agented", "--rank", &r.to_string()]);
+        command.args(["--world-size", "3", "--timeout", "300"]);
+        command
+    };
+    for (job, direct) in [("direct", true), ("agented", false)] {
+        let command = |r: u32| {
+            if direct {
+                server.ranked(job, r, 3, &["barrier", "b", "--timeout", "300"])
+            } else {
+                via_agent(r)
+            }
+        };
+        let mut zero = spawn(command(0));
+        let mut victim = spawn(command(1));
+        wait_for_status(&server, job, "2 connected");
+        victim.0.kill().expect("SIGKILL rank 1");
+        let killed_at = Instant::now();
+        let run = finish(&mut zero);
+        assert_code(&run, 4);
+        assert!(run.stderr.contains(&format!("pid {}, lost: connection dropped", victim.pid())), "{job}: {run:#?}");
+        assert!(killed_at.elapsed() < Duration::from_secs(60), "{job}: took {:?}", killed_at.elapsed());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Waits until `rallypoint status` of `job` says `ranks: WHAT` (e.g. "2 connected"), at most [`LIMIT`].
+fn wait_for_status(server: &Server, job: &str, what: &str) {
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        let run = exec(server.cmd(job, &["status"]));
+        if run.stdout.contains(&format!("ranks: {what}")) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "job {job} never had ranks: {what}: {run:#?}");
+        thread::sleep(Duration::from_millis(50));
+    }
 }
