@@ -39,7 +39,8 @@ impl Default for Limits {
 /// something (an arrival, an `add`, a `set`...) are kept: a read is answered again.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReplyCache {
-    /// Most replies kept per session: more than a client has in flight at once.
+    /// Most replies kept per session: more than a client has in flight at once (a
+    /// reply lost with a connection was in flight). 32 bytes each, but for values.
     pub max_replies: usize,
     /// A reply older than this is dropped: a client resumes within a lease or not at all.
     pub max_age_ms: u64,
@@ -50,7 +51,7 @@ pub struct ReplyCache {
 
 impl Default for ReplyCache {
     fn default() -> Self {
-        ReplyCache { max_replies: 1024, max_age_ms: 60_000, max_bytes: 16 << 20 }
+        ReplyCache { max_replies: 256, max_age_ms: 60_000, max_bytes: 16 << 20 }
     }
 }
 

@@ -340,6 +340,22 @@ fn an_add_resent_after_its_reply_was_lost_adds_once() {
     assert_eq!(d.call(s, 2, Request::Get { key: b("n"), timeout_ms: None }), Ok(Response::Value(b("6"))));
 }
 
+/// A `get` still waiting when its connection was cut is not kept (a read runs again),
+/// but a copy re-sent while it waits does not wait a second time.
+#[test]
+fn a_waiting_get_resent_after_a_cut_gets_one_reply() {
+    let mut d = Driver::new();
+    let who = tool("j", 50, 0x5);
+    let s = d.session(who.clone());
+    d.send(s, 1, Request::Get { key: b("k"), timeout_ms: None });
+    d.cut(s);
+    assert_eq!(d.resume(s, &who), Ok(s));
+    d.send(s, 1, Request::Get { key: b("k"), timeout_ms: None });
+    let setter = d.session(tool("j", 51, 0x6));
+    assert_eq!(d.call(setter, 1, Request::Set { key: b("k"), value: b("v") }), Ok(Response::Done));
+    assert_eq!(d.replies_to(s, 1), [&Ok(Response::Value(b("v")))]);
+}
+
 #[test]
 fn all_gather_and_broadcast_resent_after_a_cut_count_once() {
     let mut d = Driver::new();

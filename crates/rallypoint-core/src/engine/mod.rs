@@ -95,8 +95,8 @@ pub struct Engine {
     notices: Vec<String>,
     /// The time of the latest input: when replies leaving the engine are kept.
     now: Millis,
-    /// Requests waiting for a reply in every session's `inflight`: while none are,
-    /// replies leave without being looked at.
+    /// State-changing requests of resumable sessions waiting for their reply (module
+    /// `resume`): while there are none, replies leave without being looked at.
     tracked: usize,
 }
 
@@ -353,10 +353,22 @@ impl Engine {
         let Some(sess) = self.sessions.get_mut(&session) else { return };
         if let Some(resume) = sess.resume.as_deref_mut() {
             let limits = &self.config.reply_cache;
-            resume.cache.expire(now, limits);
             let changes_state = request.changes_state();
             if resume.may_be_resent(now, limits) {
-                match resume.resent(request_id, changes_state) {
+                let resent = match resume.kept.resent(request_id, changes_state, now, limits) {
+                    // A read that waits (a `get`) is not kept: the store knows it.
+                    Resent::Run if request.may_block() => {
+                        let waiting =
+                            self.jobs.get(&sess.job).is_some_and(|j| j.store.is_waiting((session, request_id)));
+                        if waiting {
+                            Resent::Waiting
+                        } else {
+                            Resent::Run
+                        }
+                    }
+                    resent => resent,
+                };
+                match resent {
                     Resent::Run => {}
                     Resent::Waiting => return,
                     Resent::Replay(reply) => return self.outgoing.push(Outgoing { session, request_id, reply }),
@@ -368,7 +380,8 @@ impl Engine {
                     return self.outgoing.push(Outgoing { session, request_id, reply });
                 }
             }
-            if (changes_state || request.may_block()) && resume.inflight.insert(request_id, changes_state).is_none() {
+            if changes_state {
+                resume.kept.arrived(request_id);
                 self.tracked += 1;
             }
         }
@@ -450,7 +463,7 @@ impl Engine {
     fn finish(&mut self, session: SessionId, now: Millis) {
         let Some(sess) = self.sessions.remove(&session) else { return };
         if let Some(resume) = &sess.resume {
-            self.tracked = self.tracked.saturating_sub(resume.inflight.len());
+            self.tracked = self.tracked.saturating_sub(resume.kept.waiting());
         }
         if sess.torch && sess.identity.pid != 0 {
             let process = (sess.job, sess.identity.host.clone(), sess.identity.pid);
@@ -504,19 +517,16 @@ impl Engine {
         self.outgoing.drain(..)
     }
 
-    /// The replies leaving the engine answer requests of resumable sessions: those
-    /// are no longer waiting, and the replies of state-changing ones are kept.
+    /// The replies leaving the engine answer requests of resumable sessions: those of
+    /// state-changing requests are kept (module `resume`).
     fn settle(&mut self) {
         let limits = &self.config.reply_cache;
         for out in &self.outgoing {
             let Some(resume) = self.sessions.get_mut(&out.session).and_then(|s| s.resume.as_deref_mut()) else {
                 continue;
             };
-            if let Some(keep) = resume.inflight.remove(&out.request_id) {
+            if resume.kept.answered(out.request_id, &out.reply, self.now, limits) {
                 self.tracked = self.tracked.saturating_sub(1);
-                if keep {
-                    resume.cache.insert(out.request_id, &out.reply, self.now, limits);
-                }
             }
         }
     }

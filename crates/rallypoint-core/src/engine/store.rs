@@ -65,6 +65,11 @@ impl Store {
         self.data.get(key)
     }
 
+    /// Whether request `id` waits for keys.
+    pub fn is_waiting(&self, id: WaitId) -> bool {
+        self.waits.contains_key(&id)
+    }
+
     pub fn waits(&self) -> impl Iterator<Item = (&WaitId, &KeyWait)> {
         self.waits.iter()
     }
