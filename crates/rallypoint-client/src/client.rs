@@ -375,6 +375,18 @@ impl Client {
         }
     }
 
+    /// Gives the session up as a crash would, without a clean leave: the coordinator
+    /// counts this rank lost at once (if this was its last session), as it does when
+    /// the last clone of a client is dropped without [`Client::close`]. For a client
+    /// whose runtime goes away with it (the blocking client, the Python package's), so
+    /// that the coordinator learns it before the connection task is gone.
+    pub async fn abandon(self) {
+        let (done, closed) = oneshot::channel();
+        if self.inner.commands.send(Command::Abandon(done)).is_ok() {
+            let _ = closed.await;
+        }
+    }
+
     /// Leaves cleanly: the coordinator records that this rank left (it may come
     /// back) rather than died. Then closes the connection; calls still waiting on
     /// other clones fail with [`Error::Disconnected`].

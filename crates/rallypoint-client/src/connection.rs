@@ -70,6 +70,8 @@ pub(crate) enum Command {
     /// Shut the socket down (after everything queued before it was written) and
     /// tell the sender when done.
     Shutdown(oneshot::Sender<()>),
+    /// Give the session up as a crash would (Abandon), then as `Shutdown`.
+    Abandon(oneshot::Sender<()>),
 }
 
 /// State shared by every clone of a client and its connection task.
@@ -560,11 +562,14 @@ async fn write_loop(
                         // Every client handle is gone without close(): the session ends as a
                         // killed process's would. Said first, so that the coordinator does
                         // not hold the rank for a resume that will not come.
-                        let request = Request::Abandon;
-                        encode_client_frame(&ClientFrame::Request { id: link.next_id(), request }, &mut buf);
-                        let _ = writer.write_all(&buf).await;
+                        abandon(&mut writer, link, &mut buf).await;
                         return Ended::Done(format!("the client for the coordinator at {} was dropped", link.addr), None);
                     };
+                    if let Command::Abandon(done) = command {
+                        abandon(&mut writer, link, &mut buf).await;
+                        let _ = writer.shutdown().await;
+                        return Ended::Done(format!("the client for the coordinator at {} was dropped", link.addr), Some(done));
+                    }
                     let mut gathered = 0;
                     shutdown = gather(command, queue, &mut buf, &mut written, &mut gathered, epoch);
                     // Callers woken by the last replies that have not sent their next
@@ -605,6 +610,13 @@ async fn write_loop(
     }
 }
 
+/// Writes an Abandon request (whatever `buf` holds is written with it).
+async fn abandon(writer: &mut WriteHalf, link: &Link, buf: &mut BytesMut) {
+    encode_client_frame(&ClientFrame::Request { id: link.next_id(), request: Request::Abandon }, buf);
+    let _ = writer.write_all(buf).await;
+    buf.clear();
+}
+
 /// Encodes `first` and whatever else is queued (up to [`MAX_WRITE_BATCH`]) into
 /// `buf`, counting requests in `gathered` and keeping them in `written`; stops at a
 /// shutdown and returns it. Releases of another connection's slabs are dropped.
@@ -632,6 +644,8 @@ fn gather(
             }
             Command::Release { .. } => {}
             Command::Shutdown(done) => return Some(done),
+            // Dropping a client while another of its clones is mid-call: the call fails.
+            Command::Abandon(done) => return Some(done),
         }
         if buf.len() < MAX_WRITE_BATCH {
             next = queue.try_recv().ok();

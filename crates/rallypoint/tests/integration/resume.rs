@@ -318,3 +318,34 @@ async fn a_second_process_claiming_a_held_rank_is_refused() {
     holder.close().await.expect("close");
     server.shutdown().await;
 }
+
+/// A client dropped without `close()` counts as a death at once (it says Abandon),
+/// however long the reconnect grace, async or blocking (whose runtime goes with it).
+/// The process (this test) lives on, so only the Abandon can tell the coordinator.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_client_is_lost_at_once_whatever_the_grace() {
+    let server =
+        start_server_with(Config { reconnect_grace_ms: 600_000, lease_ms: 600_000, ..Config::default() }).await;
+    let addr = server.local_addr().to_string();
+    for blocking in [false, true] {
+        let job = format!("dropped-{blocking}");
+        let r0 = connect(&server, Identity::ranked(&job, 0, 2)).await;
+        let c0 = r0.clone();
+        let waiting = start_confirmed(&r0, async move { c0.barrier("b", Members::World, None).await }).await;
+        let options = ConnectOptions::new(addr.clone(), Identity::ranked(&job, 1, 2));
+        if blocking {
+            let dropped = tokio::task::spawn_blocking(move || {
+                let client = rallypoint::blocking::Client::connect_with(options).expect("connect");
+                drop(client);
+            });
+            bounded("the blocking client", dropped).await.expect("task");
+        } else {
+            drop(Client::connect_with(options).await.expect("connect"));
+        }
+        match bounded("rank 0's barrier", waiting).await.expect("task") {
+            Err(Error::Op(OpError::PeerLost { peer, .. })) => assert_eq!(peer.rank, 1, "{job}"),
+            other => panic!("{job}: expected PeerLost naming rank 1, got {other:?}"),
+        }
+    }
+    server.shutdown().await;
+}
