@@ -107,6 +107,35 @@ impl Client {
     fn take(&self) -> Option<rallypoint_client::Client> {
         self.client.lock().unwrap_or_else(PoisonError::into_inner).take()
     }
+
+    /// Drops the connection as a crash would, telling the coordinator first (see
+    /// `rallypoint_client::Client::abandon`): the runtime goes with this object.
+    fn abandon(&self, py: Python<'_>) {
+        if let Some(client) = self.take() {
+            let _ = crate::wait(py, &self.runtime, async move {
+                let _ = tokio::time::timeout(ABANDON_WAIT, client.abandon()).await;
+            });
+        }
+    }
+}
+
+/// How long dropping a client waits for the coordinator to be told.
+const ABANDON_WAIT: Duration = Duration::from_secs(1);
+
+/// A client garbage-collected without `close()` counts as a crash, told to the
+/// coordinator before its runtime goes. Waits on a channel rather than `block_on`,
+/// which cannot run where a runtime is current.
+impl Drop for Client {
+    fn drop(&mut self) {
+        if let Some(client) = self.take() {
+            let (said, told) = std::sync::mpsc::channel();
+            self.runtime.spawn(async move {
+                client.abandon().await;
+                let _ = said.send(());
+            });
+            let _ = told.recv_timeout(ABANDON_WAIT);
+        }
+    }
 }
 
 #[pymethods]
@@ -435,7 +464,7 @@ impl Client {
         match exc_type {
             None => self.close(py),
             Some(_) => {
-                drop(self.take());
+                self.abandon(py);
                 Ok(())
             }
         }

@@ -93,3 +93,17 @@ def test_a_reset_fails_the_old_incarnation_with_job_reset(coordinator, job):
     assert not fresh.check(["k"])
     for c in (old, resetter, fresh):
         c.close()
+
+
+def test_a_client_garbage_collected_without_close_is_lost_at_once(job):
+    """Its process lives on, so only the client telling the coordinator, as it goes,
+    makes the loss immediate, not a reconnect grace (here longer than the barrier's
+    timeout, which would then expire instead) later."""
+    with rp._Coordinator(lease=600, reconnect_grace=600) as coordinator:
+        waiter = rp.Client(coordinator.addr, rank=0, world_size=2, job=job, timeout=5)
+        dropped = rp.Client(coordinator.addr, rank=1, world_size=2, job=job, timeout=5)
+        del dropped  # the last reference: the object goes now
+        with pytest.raises(rp.PeerLost) as info:
+            waiter.barrier("b", timeout=30)
+        assert info.value.rank == 1 and info.value.reason == "connection dropped without a clean leave"
+        waiter.close()

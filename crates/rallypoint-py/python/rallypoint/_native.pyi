@@ -194,9 +194,13 @@ class _Coordinator:
 
     ``listen`` ("IP:PORT") is bound exactly; port 0 picks a free port. ``lease``:
     seconds of silence after which a rank counts as lost (default 15; 0 disables).
+    ``reconnect_grace``: seconds a rank whose connection dropped is held for its
+    process to resume, when its death cannot be seen (default 1, at most the lease).
     """
 
-    def __new__(cls, listen: str = "127.0.0.1:0", lease: Optional[float] = None) -> "_Coordinator": ...
+    def __new__(
+        cls, listen: str = "127.0.0.1:0", lease: Optional[float] = None, reconnect_grace: Optional[float] = None
+    ) -> "_Coordinator": ...
     @property
     def addr(self) -> str:
         """"host:port" it listens on (the real port when 0 was asked)."""
