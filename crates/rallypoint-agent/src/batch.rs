@@ -122,17 +122,17 @@ mod tests {
         up.merge(2, 20, barrier("a"));
         // Another rank's frame may pass the held-back calls...
         up.order_before(3);
-        encode_agent_frame(&AgentFrame::SubClose { sub: 3 }, &mut up.buf);
+        encode_agent_frame(&AgentFrame::SubClose { sub: 3, gone: false }, &mut up.buf);
         // ...but rank 1's next frame goes after its call, and so does its next barrier.
         up.order_before(1);
-        encode_agent_frame(&AgentFrame::SubClose { sub: 1 }, &mut up.buf);
+        encode_agent_frame(&AgentFrame::SubClose { sub: 1, gone: true }, &mut up.buf);
         up.merge(2, 21, barrier("a"));
         assert_eq!(
             sealed(&mut up),
             [
-                AgentFrame::SubClose { sub: 3 },
+                AgentFrame::SubClose { sub: 3, gone: false },
                 AgentFrame::SubRequests { calls: vec![(1, 10), (2, 20)], request: barrier("a") },
-                AgentFrame::SubClose { sub: 1 },
+                AgentFrame::SubClose { sub: 1, gone: true },
                 AgentFrame::SubRequest { sub: 2, id: 21, request: barrier("a") },
             ]
         );

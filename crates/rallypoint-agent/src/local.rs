@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::{Buf, BytesMut};
-use rallypoint_core::OpError;
+use rallypoint_core::{OpError, Request};
 use rallypoint_net::budget::{buffered, Charge};
 use rallypoint_net::conn::{
     accept_hello, after_read, decode_requests, read_some, stall, Accepts, Buffering, End, Hello, Inbound,
@@ -42,6 +42,8 @@ pub(crate) struct Local {
     wake: Notify,
     /// The rank asked for large replies as shared memory (it is on a Unix socket).
     pub(crate) takes_shared: AtomicBool,
+    /// The rank said Leave: its connection's end is a clean leave, not a death.
+    left: AtomicBool,
 }
 
 #[derive(Default)]
@@ -188,6 +190,7 @@ pub(crate) async fn serve(stream: Stream, hub: Arc<Hub>) {
         out: Mutex::new(LocalOut::default()),
         wake: Notify::new(),
         takes_shared: AtomicBool::new(false),
+        left: AtomicBool::new(false),
     });
     let mut rbuf = BytesMut::new();
     let mut charge = hub.budget.charge();
@@ -199,6 +202,9 @@ pub(crate) async fn serve(stream: Stream, hub: Arc<Hub>) {
         Err(_) => return refuse(&local, End::HandshakeTimeout(HANDSHAKE_TIMEOUT)).await,
     };
     let sub = hub.next_sub.fetch_add(1, Ordering::Relaxed);
+    // On a Unix socket the rank is on this machine whatever host name it states.
+    let process = (identity.pid != 0 && (local.writer.is_unix() || identity.host == rallypoint_net::hostname()))
+        .then_some(identity.pid);
     debug!(sub, job = %identity.job, rank = ?identity.rank, host = %identity.host, pid = identity.pid, "local rank connected");
     // Routed before its hello goes up: a reply can only follow the hello, and a
     // `Hub::lose` after the hello went up finds the route.
@@ -223,9 +229,21 @@ pub(crate) async fn serve(stream: Stream, hub: Arc<Hub>) {
     hub.slabs.release(None, sub);
     // Still routed: the rank's connection ended on its side (or failed), not ours.
     if lock(&hub.routes).remove(&sub).is_some() {
-        hub.send_up(sub, |up| encode_agent_frame(&AgentFrame::SubClose { sub }, up));
+        // The agent is on the rank's host: it can tell the coordinator that the
+        // process died, so that its peers learn it at once, rather than wait out the
+        // reconnect grace meant for a cut connection. A killed process's socket closes
+        // while it exits: it is given a moment to be gone.
+        let gone = match process {
+            Some(pid) if !local.left.load(Ordering::Relaxed) => rallypoint_net::process::watch(pid, EXIT_WATCH).await,
+            _ => false,
+        };
+        hub.send_up(sub, |up| encode_agent_frame(&AgentFrame::SubClose { sub, gone }, up));
     }
 }
+
+/// How long a rank's process, whose connection ended without Leave, is watched for
+/// its exit before the agent reports the end as possibly a cut connection.
+const EXIT_WATCH: std::time::Duration = std::time::Duration::from_millis(200);
 
 /// Ends a connection whose handshake failed, telling the peer why when it can be told.
 async fn refuse(local: &Local, end: End) {
@@ -296,7 +314,12 @@ fn forward(
 ) -> Result<(), End> {
     let mut requests = Vec::new();
     let result = decode_requests(rbuf, &hub.limits, |input| match input {
-        Inbound::Request { id, request } => requests.push((id, request)),
+        Inbound::Request { id, request } => {
+            if matches!(request, Request::Leave) {
+                local.left.store(true, Ordering::Relaxed);
+            }
+            requests.push((id, request));
+        }
         // Files only pass over Unix sockets; over TCP the rank gets plain replies.
         Inbound::TakeSharedReplies => local.takes_shared.store(local.writer.is_unix(), Ordering::Relaxed),
         Inbound::ReleaseShared { slab } => hub.slabs.release(Some(slab), sub),
@@ -343,6 +366,7 @@ mod tests {
             out: Mutex::new(LocalOut::default()),
             wake: Notify::new(),
             takes_shared: AtomicBool::new(true),
+            left: AtomicBool::new(false),
         };
         // Replies from more slabs than one write passes files for, then one more
         // reply from each of the first two slabs, which must come without a file.

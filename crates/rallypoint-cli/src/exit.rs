@@ -16,6 +16,8 @@ Exit codes:
   6  mismatch / bad members (ranks called the same barrier differently,
      or the caller is not among the members it named)
   7  cannot connect to the coordinator, or lost the connection to it
+  8  refused incarnation: another live process holds this rank, another process
+     took it over, or the job was reset (this process belongs to an older run)
 
 Errors go to stderr, starting with 'rallypoint: '.";
 
@@ -28,6 +30,7 @@ pub enum Exit {
     Aborted = 5,
     Mismatch = 6,
     Connect = 7,
+    Refused = 8,
 }
 
 /// A bad argument that clap cannot see alone (a rank outside the world size
@@ -89,6 +92,11 @@ fn of_op_error(err: &OpError) -> Exit {
         // The server is shutting down or closed this session.
         OpError::Closed(_) => Exit::Connect,
         OpError::NotANumber { .. } | OpError::Overflow { .. } => Exit::Other,
+        // Retrying cannot help: this process no longer speaks for its rank or job.
+        OpError::RankHeld { .. }
+        | OpError::TakenOver { .. }
+        | OpError::JobReset { .. }
+        | OpError::StaleIncarnation { .. } => Exit::Refused,
     }
 }
 

@@ -48,6 +48,11 @@ fn rank(text: &str, list: &str) -> Result<u32, String> {
     text.trim().parse().map_err(|_| format!("'{text}' in rank list '{list}' is not a rank (a number from 0)"))
 }
 
+/// An incarnation: up to 16 hex digits, with or without `0x`.
+pub fn incarnation(s: &str) -> Result<u64, String> {
+    s.parse::<rallypoint_client::Incarnation>().map(|i| i.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -22,6 +22,12 @@ pub struct ServeArgs {
     /// lost; 0 turns leases off [default: 15]
     #[arg(long, value_name = "SECS", value_parser = parse::secs)]
     lease: Option<f64>,
+    /// Seconds a rank whose connection dropped without a clean leave stays held for
+    /// its process to reconnect and resume, when the coordinator cannot see whether
+    /// the process is gone (it runs on another host); then it is lost. At most the
+    /// lease; 0 = lost at once [default: 1]
+    #[arg(long, value_name = "SECS", value_parser = parse::secs)]
+    reconnect_grace: Option<f64>,
     /// Longest key, in bytes [default: 8192]
     #[arg(long, value_name = "BYTES")]
     max_key_len: Option<usize>,
@@ -62,6 +68,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut engine = Config::default();
     if let Some(lease) = args.lease {
         engine.lease_ms = (lease * 1000.0).round() as u64;
+    }
+    if let Some(grace) = args.reconnect_grace {
+        engine.reconnect_grace_ms = (grace * 1000.0).round() as u64;
     }
     if let Some(len) = args.max_key_len {
         engine.limits.max_key_len = len;

@@ -1,12 +1,17 @@
 //! One-shot verbs for shell scripts: each connects, does one operation, leaves
 //! cleanly, and prints its result on stdout.
+//!
+//! Only barriers and collectives connect as a rank. The other verbs are tools: they
+//! connect without one, so that a `rallypoint set` run by a worker does not claim
+//! the worker's rank, which the worker's own process holds (docs/PROTOCOL.md,
+//! section 14).
 
 use std::io::Write;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use rallypoint_client::env::{Overrides, Settings};
-use rallypoint_client::{Client, Error, Members};
+use rallypoint_client::{Client, Error, Incarnation, Members};
 
 use crate::exit::usage;
 use crate::parse;
@@ -107,6 +112,21 @@ pub enum Verb {
         #[command(flatten)]
         conn: Conn,
     },
+    /// Start the job afresh as a new incarnation; print the incarnation.
+    ///
+    /// The job's keys, barrier generations, abort and lost ranks are gone, and so is
+    /// every process's hold on its rank; every pending operation of the job fails,
+    /// naming who reset it, and its processes are refused from then on (exit code 8).
+    /// Processes started with RALLYPOINT_JOB_INCARNATION set to the printed value
+    /// belong to the new incarnation; processes naming none join whatever is current.
+    /// Other jobs are untouched. `rallypoint launch` does this before each attempt.
+    Reset {
+        /// The incarnation to start (up to 16 hex digits) [default: a random one]
+        #[arg(long, value_name = "HEX", value_parser = parse::incarnation)]
+        incarnation: Option<u64>,
+        #[command(flatten)]
+        conn: Conn,
+    },
     /// Abort the job: its waiting and later operations fail (exit code 5).
     ///
     /// Every pending and later barrier, collective and wait of the job fails with
@@ -189,44 +209,54 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
             print_line(&finish(client, result).await?)?;
         }
         Verb::Set { key, value, conn } => {
-            let client = connect(&conn.settings(None)?).await?;
+            let client = connect(&conn.tool()?).await?;
             let result = client.set(key, value).await;
             finish(client, result).await?;
         }
         Verb::Get { key, conn } => {
-            let client = connect(&conn.settings(None)?).await?;
+            let client = connect(&conn.tool()?).await?;
             let result = client.get(key, None).await;
             print_line(&finish(client, result).await?)?;
         }
         Verb::Add { key, n, conn } => {
-            let client = connect(&conn.settings(None)?).await?;
+            let client = connect(&conn.tool()?).await?;
             let result = client.add(key, n).await;
             print_line(finish(client, result).await?.to_string().as_bytes())?;
         }
         Verb::Wait { keys, conn } => {
-            let client = connect(&conn.settings(None)?).await?;
+            let client = connect(&conn.tool()?).await?;
             let result = client.wait(&keys, None).await;
             finish(client, result).await?;
         }
         Verb::Delete { key, conn } => {
-            let client = connect(&conn.settings(None)?).await?;
+            let client = connect(&conn.tool()?).await?;
             let result = client.delete(key).await;
             print_line(finish(client, result).await?.to_string().as_bytes())?;
         }
         Verb::Check { keys, conn } => {
-            let client = connect(&conn.settings(None)?).await?;
+            let client = connect(&conn.tool()?).await?;
             let result = client.check(&keys).await;
             print_line(finish(client, result).await?.to_string().as_bytes())?;
         }
         Verb::Status { conn } => {
-            let client = connect(&conn.settings(None)?).await?;
+            let client = connect(&conn.tool()?).await?;
             let result = client.status().await;
             let report = finish(client, result).await?;
             let mut out = std::io::stdout().lock();
             out.write_all(report.as_bytes()).and_then(|()| out.flush()).context("writing to stdout")?;
         }
+        Verb::Reset { incarnation, conn } => {
+            // The reset is about the job as it is now, whatever incarnation this
+            // process's environment names.
+            let settings = Settings { job_incarnation: None, ..conn.tool()? };
+            let incarnation = incarnation.unwrap_or_else(rallypoint_client::new_job_incarnation);
+            let client = connect(&settings).await?;
+            let result = client.reset(incarnation).await;
+            finish(client, result).await?;
+            print_line(Incarnation(incarnation).to_string().as_bytes())?;
+        }
         Verb::Abort { reason, conn } => {
-            let client = connect(&conn.settings(None)?).await?;
+            let client = connect(&conn.tool()?).await?;
             let result = client.abort(&reason).await;
             finish(client, result).await?;
         }
@@ -246,6 +276,13 @@ impl Conn {
             role: role.map(str::to_owned),
             timeout_secs: self.timeout,
         })?)
+    }
+}
+
+impl Conn {
+    /// Settings of a verb that is a tool, not a rank: without rank and world size.
+    fn tool(&self) -> anyhow::Result<Settings> {
+        Ok(Settings { rank: None, world_size: None, role: None, ..self.settings(None)? })
     }
 }
 

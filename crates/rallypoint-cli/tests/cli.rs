@@ -22,6 +22,7 @@ const ENV: &[&str] = &[
     "RALLYPOINT_ROLE",
     "ROLE_NAME",
     "RALLYPOINT_TIMEOUT",
+    "RALLYPOINT_JOB_INCARNATION",
     "RUST_LOG",
 ];
 
@@ -107,8 +108,14 @@ struct Server {
 
 impl Server {
     fn start() -> Server {
+        Server::start_with(&[])
+    }
+
+    /// A server with these `serve` flags besides its address.
+    fn start_with(flags: &[&str]) -> Server {
         let mut child = rallypoint()
             .args(["serve", "--listen", "127.0.0.1:0", "--print-addr"])
+            .args(flags)
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -480,7 +487,7 @@ fn help_lists_exit_codes() {
         command
     });
     assert_code(&run, 0);
-    for line in ["3  timeout", "4  peer lost", "7  cannot connect"] {
+    for line in ["3  timeout", "4  peer lost", "7  cannot connect", "8  refused incarnation"] {
         assert!(run.stdout.contains(line), "--help should list {line:?}");
     }
 }
@@ -507,9 +514,20 @@ fn bench_runs_the_benchmark_binary_next_to_rallypoint_or_says_how_to_build_it() 
     let copy = dir.join("rallypoint");
     std::fs::copy(BIN, &copy).expect("copy the binary");
     let run_copy = |args: &[&str]| {
-        let mut command = Command::new(&copy);
-        command.args(args).env("PATH", "/nonexistent").stdin(Stdio::null());
-        exec(command)
+        // Another test's child forked while the copy was open for writing may hold it
+        // for a moment ("text file busy"): try again then.
+        for _ in 0..100 {
+            let mut command = Command::new(&copy);
+            command.args(args).env("PATH", "/nonexistent").stdin(Stdio::null());
+            match command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn() {
+                Ok(child) => return finish(&mut Guard(child)),
+                Err(error) if error.raw_os_error() == Some(libc::ETXTBSY) => {
+                    thread::sleep(Duration::from_millis(20));
+                }
+                Err(error) => panic!("spawn the copy: {error}"),
+            }
+        }
+        panic!("the copy stayed busy");
     };
     let run = run_copy(&["bench", "barrier", "--clients", "4"]);
     assert_code(&run, 1);
@@ -523,4 +541,269 @@ fn bench_runs_the_benchmark_binary_next_to_rallypoint_or_says_how_to_build_it() 
     assert_code(&run, 3);
     assert_eq!(run.stdout, "kv|--clients|1,8|--help|-x|");
     std::fs::remove_dir_all(&dir).expect("cleanup");
+}
+
+/// Issue 14, story 1: a second process claiming a live rank is refused (exit code 8)
+/// naming both processes, and releases nothing: rank 0 waits for the real rank 1.
+#[test]
+fn a_second_claimant_of_a_live_rank_is_refused_with_code_8() {
+    let server = Server::start();
+    let mut holder = spawn(server.ranked("claim", 1, 2, &["barrier", "b"]));
+    wait_connected(holder.pid());
+    let second = exec(server.ranked("claim", 1, 2, &["barrier", "b"]));
+    assert_code(&second, 8);
+    let held = format!("rallypoint: rank 1 is held by pid {} on host ", holder.pid());
+    assert!(second.stderr.starts_with(&held), "{second:#?}");
+    assert!(second.stderr.contains("; this process is pid "), "{second:#?}");
+    assert!(holder.still_running(), "the refused claimant released the barrier");
+    assert_code(&exec(server.ranked("claim", 0, 2, &["barrier", "b"])), 0);
+    assert_code(&finish(&mut holder), 0);
+}
+
+/// Issue 14, story 1: a second claimant of rank 1 no longer hides the SIGKILL of
+/// the real rank 1: rank 0 is told at once that rank 1 (its pid) is lost. (A world
+/// of 3 whose rank 2 is late: ranks 0 and 1 wait in the barrier.)
+#[test]
+fn a_sigkill_is_not_hidden_by_a_second_claimant() {
+    let server = Server::start();
+    let mut zero = spawn(server.ranked("hidden", 0, 3, &["barrier", "b"]));
+    let mut real = spawn(server.ranked("hidden", 1, 3, &["barrier", "b"]));
+    wait_connected(zero.pid());
+    wait_connected(real.pid());
+    assert_code(&exec(server.ranked("hidden", 1, 3, &["barrier", "b"])), 8);
+    let real_pid = real.pid();
+    real.0.kill().expect("SIGKILL the real rank 1");
+    let killed_at = Instant::now();
+    let run = finish(&mut zero);
+    assert_code(&run, 4);
+    assert!(run.stderr.contains("rank 1 (host ") && run.stderr.contains(&format!("pid {real_pid}, lost")), "{run:#?}");
+    assert!(killed_at.elapsed() < Duration::from_secs(10), "rank 0 took {:?}", killed_at.elapsed());
+}
+
+/// Issue 14, story 2: a job name re-run on a long-lived coordinator inherits
+/// nothing of the old run once reset: not its lost rank, not its abort. What the old
+/// run still waits for fails naming the reset (exit code 8), and a process naming an
+/// old incarnation is refused by name.
+#[test]
+fn a_rerun_after_a_reset_starts_fresh() {
+    let server = Server::start();
+    // The old run: rank 2 dies while ranks 0 and 1 wait; a tool still waits for a key.
+    let mut waiting: Vec<Guard> = (0..2).map(|r| spawn(server.ranked("rerun", r, 3, &["barrier", "b"]))).collect();
+    let mut two = spawn(server.ranked("rerun", 2, 3, &["barrier", "late", "--ranks", "0,2"]));
+    for guard in waiting.iter().chain([&two]) {
+        wait_connected(guard.pid());
+    }
+    two.0.kill().expect("SIGKILL rank 2");
+    for rank in &mut waiting {
+        assert_code(&finish(rank), 4);
+    }
+    let mut old = spawn(server.cmd("rerun", &["get", "never", "--timeout", "30"]));
+    wait_connected(old.pid());
+
+    let reset = |server: &Server| {
+        let reset = exec(server.cmd("rerun", &["reset"]));
+        assert_code(&reset, 0);
+        let incarnation = reset.stdout.trim().to_owned();
+        assert!(incarnation.len() == 16 && incarnation.chars().all(|c| c.is_ascii_hexdigit()), "{reset:#?}");
+        incarnation
+    };
+    let first = reset(&server);
+    let old = finish(&mut old);
+    assert_code(&old, 8);
+    assert!(old.stderr.contains("job 'rerun' was reset by pid "), "{old:#?}");
+
+    // A new run: every rank of the new incarnation passes; the lost rank 2 is gone.
+    let run = |incarnation: &str, expected: i32| {
+        let mut ranks: Vec<Guard> = (0..3)
+            .map(|r| {
+                let mut command = server.ranked("rerun", r, 3, &["barrier", "b"]);
+                command.env("RALLYPOINT_JOB_INCARNATION", incarnation);
+                spawn(command)
+            })
+            .collect();
+        for rank in &mut ranks {
+            assert_code(&finish(rank), expected);
+        }
+    };
+    run(&first, 0);
+    // That run is aborted: everything of it fails, until the next reset.
+    assert_code(&exec(server.cmd("rerun", &["abort", "bad run"])), 0);
+    run(&first, 5);
+    let second = reset(&server);
+    run(&second, 0);
+
+    let mut stale = server.ranked("rerun", 0, 3, &["barrier", "b"]);
+    stale.env("RALLYPOINT_JOB_INCARNATION", &first);
+    let stale = exec(stale);
+    assert_code(&stale, 8);
+    let expected = format!(
+        "this process belongs to incarnation {first} of job 'rerun'; the job is at incarnation {second} since "
+    );
+    assert!(stale.stderr.contains(&expected) && stale.stderr.contains("(reset by pid "), "{stale:#?}");
+    // Plain use without an incarnation joins the current one.
+    assert_code(&exec(server.cmd("rerun", &["set", "k", "v"])), 0);
+}
+
+/// A TCP proxy that forwards its first connection until a barrier request has gone
+/// through, then cuts the client's side and keeps the coordinator's open (a half-open
+/// connection); every later connection passes.
+struct CutProxy {
+    addr: String,
+}
+
+impl CutProxy {
+    fn start(upstream: &str) -> CutProxy {
+        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
+        let addr = listener.local_addr().expect("proxy address").to_string();
+        let upstream = upstream.to_owned();
+        thread::spawn(move || {
+            for (n, client) in listener.incoming().enumerate() {
+                let Ok(client) = client else { return };
+                let Ok(server) = std::net::TcpStream::connect(&upstream) else { return };
+                if n == 0 {
+                    thread::spawn(move || cut_after_barrier(client, server));
+                } else {
+                    pass(client, server);
+                }
+            }
+        });
+        CutProxy { addr }
+    }
+}
+
+fn pass(client: std::net::TcpStream, server: std::net::TcpStream) {
+    let pump = |mut from: std::net::TcpStream, mut to: std::net::TcpStream| {
+        thread::spawn(move || {
+            let _ = std::io::copy(&mut from, &mut to);
+            let _ = to.shutdown(std::net::Shutdown::Write);
+        })
+    };
+    let (c, s) = (client.try_clone().expect("clone"), server.try_clone().expect("clone"));
+    pump(client, server);
+    pump(s, c);
+}
+
+fn cut_after_barrier(mut client: std::net::TcpStream, mut server: std::net::TcpStream) {
+    use std::io::Write;
+    let (mut from_server, mut to_client) = (server.try_clone().expect("clone"), client.try_clone().expect("clone"));
+    thread::spawn(move || std::io::copy(&mut from_server, &mut to_client));
+    let mut preamble = [0u8; 6];
+    if client.read_exact(&mut preamble).is_err() || server.write_all(&preamble).is_err() {
+        return;
+    }
+    loop {
+        let mut len = [0u8; 4];
+        if client.read_exact(&mut len).is_err() {
+            return;
+        }
+        let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+        if client.read_exact(&mut body).is_err() || server.write_all(&len).is_err() || server.write_all(&body).is_err()
+        {
+            return;
+        }
+        // A Request (0x02) frame: id (8 bytes), then the opcode; 0x0d is barrier.
+        if body.first() == Some(&0x02) && body.get(9) == Some(&0x0d) {
+            break;
+        }
+    }
+    let _ = client.shutdown(std::net::Shutdown::Both);
+    // The coordinator's end stays open until the test process ends.
+    std::mem::forget(server);
+}
+
+/// Issue 14, story 3: rank 1's connection is cut right after its barrier request
+/// and the coordinator's end stays open. Rank 1 reconnects and retries: its step 1
+/// is one arrival (released with rank 0's step 1, not its step 2), and its step 2 is
+/// generation 2.
+#[test]
+fn a_barrier_retried_after_a_half_open_cut_counts_once() {
+    let server = Server::start();
+    let proxy = CutProxy::start(&server.addr);
+    let via_proxy = |r: u32| {
+        let mut command = rallypoint();
+        command.args(["barrier", "step", "--addr", &proxy.addr, "--job", "cut", "--rank", &r.to_string()]);
+        command.args(["--world-size", "2", "--timeout", "30"]);
+        command
+    };
+    let mut one = spawn(via_proxy(1));
+    wait_connected(one.pid());
+    assert_code(&exec(server.ranked("cut", 0, 2, &["barrier", "step"])), 0);
+    assert_code(&finish(&mut one), 0);
+
+    let mut zero = spawn(server.ranked("cut", 0, 2, &["barrier", "step"]));
+    wait_connected(zero.pid());
+    let status = exec(server.cmd("cut", &["status"]));
+    assert!(
+        status.stdout.contains("waiting: barrier 'step' (generation 2)")
+            && status.stdout.contains("missing (1): rank 1"),
+        "rank 1's retry was counted twice: {status:#?}"
+    );
+    assert_code(&exec(server.ranked("cut", 1, 2, &["barrier", "step"])), 0);
+    assert_code(&finish(&mut zero), 0);
+}
+
+/// A node agent on `unix:PATH` carrying its ranks to `server`; the agent's process
+/// is killed when the guard goes.
+fn agent(server: &Server, path: &std::path::Path) -> Guard {
+    let listen = format!("unix:{}", path.display());
+    let mut child = spawn({
+        let mut command = rallypoint();
+        command.args(["agent", "--upstream", &server.addr, "--listen", &listen, "--print-addr"]);
+        command
+    });
+    let stdout = child.0.stdout.take().expect("piped stdout");
+    let mut line = String::new();
+    BufReader::new(stdout).read_line(&mut line).expect("the agent printed its address");
+    assert_eq!(line.trim(), listen);
+    child
+}
+
+/// With a reconnect grace far longer than the test may run, a SIGKILLed rank is
+/// still lost at once: the coordinator sees that the process, on its own host, is
+/// gone; behind a node agent, the agent sees it and says so in its SubClose.
+#[test]
+fn a_killed_process_is_lost_at_once_whatever_the_reconnect_grace() {
+    let server = Server::start_with(&["--reconnect-grace", "120", "--lease", "300"]);
+    let dir = std::env::temp_dir().join(format!("rp-grace-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let _agent = agent(&server, &dir.join("agent.sock"));
+    let via_agent = |r: u32| {
+        let mut command = rallypoint();
+        let addr = format!("unix:{}", dir.join("agent.sock").display());
+        command.args(["barrier", "b", "--addr", &addr, "--job", "agented", "--rank", &r.to_string()]);
+        command.args(["--world-size", "3", "--timeout", "300"]);
+        command
+    };
+    for (job, direct) in [("direct", true), ("agented", false)] {
+        let command = |r: u32| {
+            if direct {
+                server.ranked(job, r, 3, &["barrier", "b", "--timeout", "300"])
+            } else {
+                via_agent(r)
+            }
+        };
+        let mut zero = spawn(command(0));
+        let mut victim = spawn(command(1));
+        wait_for_status(&server, job, "2 connected");
+        victim.0.kill().expect("SIGKILL rank 1");
+        let killed_at = Instant::now();
+        let run = finish(&mut zero);
+        assert_code(&run, 4);
+        assert!(run.stderr.contains(&format!("pid {}, lost: connection dropped", victim.pid())), "{job}: {run:#?}");
+        assert!(killed_at.elapsed() < Duration::from_secs(60), "{job}: took {:?}", killed_at.elapsed());
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Waits until `rallypoint status` of `job` says `ranks: WHAT` (e.g. "2 connected"), at most [`LIMIT`].
+fn wait_for_status(server: &Server, job: &str, what: &str) {
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        let run = exec(server.cmd(job, &["status"]));
+        if run.stdout.contains(&format!("ranks: {what}")) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "job {job} never had ranks: {what}: {run:#?}");
+        thread::sleep(Duration::from_millis(50));
+    }
 }

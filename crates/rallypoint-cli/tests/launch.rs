@@ -182,7 +182,8 @@ fn a_worker_killed_by_sigkill_exits_137_and_its_peers_barriers_name_it() {
     let script = r#"
         if [ "$RANK" = 1 ]; then
             echo $$ > "$DIR/pid.tmp" && mv "$DIR/pid.tmp" "$DIR/pid1"
-            exec "$RP" get never-set --timeout 60
+            # Holds rank 1 (key-value verbs connect without a rank): a barrier rank 0 never joins.
+            exec "$RP" barrier hold --ranks 0,1 --timeout 60
         fi
         echo > "$DIR/arriving$RANK"
         "$RP" barrier step --timeout 60
@@ -771,7 +772,8 @@ fn a_stopped_rank_is_named_as_the_root_cause_not_the_peers_that_failed_for_it() 
         if [ "$RANK" = 1 ]; then
             echo "$RALLYPOINT_ADDR" > "$DIR/addr.tmp" && mv "$DIR/addr.tmp" "$DIR/addr"
             echo $$ > "$DIR/pid.tmp" && mv "$DIR/pid.tmp" "$DIR/pid1"
-            exec "$RP" get never-set --timeout 60
+            # Holds rank 1 (key-value verbs connect without a rank): a barrier rank 0 never joins.
+            exec "$RP" barrier hold --ranks 0,1 --timeout 60
         fi
         i=0; while [ ! -f "$DIR/stopped" ]; do i=$((i+1)); [ $i -gt 400 ] && exit 8; sleep 0.05; done
         "$RP" barrier step --timeout 60 || exit $?
@@ -804,7 +806,8 @@ fn a_stopped_rank_on_another_node_is_named_on_both_nodes() {
     let script = r#"
         if [ "$RANK" = 3 ]; then
             echo $$ > "$DIR/pid.tmp" && mv "$DIR/pid.tmp" "$DIR/pid3"
-            exec "$RP" get never-set --timeout 60
+            # Holds rank 3 (key-value verbs connect without a rank): a barrier rank 0 never joins.
+            exec "$RP" barrier hold --ranks 0,3 --timeout 60
         fi
         i=0; while [ ! -f "$DIR/stopped" ]; do i=$((i+1)); [ $i -gt 400 ] && exit 8; sleep 0.05; done
         "$RP" barrier step --timeout 60 || exit $?
@@ -835,7 +838,7 @@ fn a_rank_whose_connection_dropped_while_its_worker_lives_is_named() {
     let script = r#"
         if [ "$RANK" = 1 ]; then
             echo "$RALLYPOINT_ADDR" > "$DIR/addr.tmp" && mv "$DIR/addr.tmp" "$DIR/addr"
-            "$RP" get never-set --timeout 60 &
+            "$RP" barrier hold --ranks 0,1 --timeout 60 &
             echo $! > "$DIR/pid.tmp" && mv "$DIR/pid.tmp" "$DIR/client1"
             wait
             exec sleep 30

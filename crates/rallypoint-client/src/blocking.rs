@@ -78,6 +78,16 @@ impl Client {
         self.inner.timeout()
     }
 
+    /// See [`crate::Client::session`].
+    pub fn session(&self) -> rallypoint_core::SessionId {
+        self.inner.session()
+    }
+
+    /// See [`crate::Client::job_incarnation`].
+    pub fn job_incarnation(&self) -> Option<u64> {
+        self.inner.job_incarnation()
+    }
+
     pub fn set(&self, key: impl AsRef<[u8]>, value: impl AsRef<[u8]>) -> Result<(), Error> {
         self.runtime.block_on(self.inner.set(key, value))
     }
@@ -164,9 +174,34 @@ impl Client {
         self.runtime.block_on(self.inner.abort(reason))
     }
 
+    /// See [`crate::Client::reset`].
+    pub fn reset(&self, incarnation: u64) -> Result<(), Error> {
+        self.runtime.block_on(self.inner.reset(incarnation))
+    }
+
     /// Leaves cleanly, then closes the connection (see [`crate::Client::close`]).
     pub fn close(self) -> Result<(), Error> {
-        let Client { inner, runtime } = self;
-        runtime.block_on(inner.close())
+        self.runtime.block_on(self.inner.clone().close())
+    }
+}
+
+/// How long dropping the last clone waits for the coordinator to be told.
+const ABANDON_WAIT: Duration = Duration::from_secs(1);
+
+impl Drop for Client {
+    /// The last clone dropped without `close`: the session is given up as a crash
+    /// would, said to the coordinator before the runtime (and the connection task on
+    /// it) goes, so that the rank is lost at once rather than after the reconnect
+    /// grace. Nothing to say if the client was closed. Waits on a channel rather than
+    /// `block_on`, which could not run where a runtime is current (a blocking task).
+    fn drop(&mut self) {
+        let Some(runtime) = self.runtime.0.as_ref().filter(|_| Arc::strong_count(&self.runtime) == 1) else { return };
+        let (said, told) = std::sync::mpsc::channel();
+        let inner = self.inner.clone();
+        runtime.spawn(async move {
+            inner.abandon().await;
+            let _ = said.send(());
+        });
+        let _ = told.recv_timeout(ABANDON_WAIT);
     }
 }

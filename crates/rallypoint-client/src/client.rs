@@ -4,6 +4,9 @@
 //! calls from many tasks pipeline over it, and a background task sends
 //! heartbeats between calls so that the coordinator knows the process is alive.
 //!
+//! A cut connection is resumed: the client reconnects and re-sends what it has no
+//! reply for, and the coordinator runs nothing twice (see `connection`).
+//!
 //! Closing: [`Client::close`] tells the coordinator that this rank leaves cleanly.
 //! Dropping the last clone without `close` drops the connection abruptly, exactly
 //! as if the process had been killed: if it was the rank's last connection, the
@@ -18,7 +21,7 @@ use bytes::Bytes;
 use rallypoint_core::{Identity, Members, Request, Response};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::connection::{self, Command, Link};
+use crate::connection::{self, Command, Link, Redial};
 use crate::error::Error;
 
 /// How long to keep retrying to connect, and how long blocking operations wait
@@ -36,8 +39,9 @@ pub const LEAVE_WAIT: Duration = Duration::from_secs(2);
 pub struct ConnectOptions {
     /// `host:port` of the coordinator.
     pub addr: String,
-    /// Who this client is. An empty `host` is filled with this machine's hostname
-    /// and a zero `pid` with this process's id.
+    /// Who this client is. An empty `host` is filled with this machine's hostname,
+    /// a zero `pid` with this process's id, and a missing incarnation with this
+    /// process's ([`crate::process_incarnation`]).
     pub identity: Identity,
     /// How long connecting retries, and the default timeout of blocking operations.
     pub timeout: Duration,
@@ -122,8 +126,11 @@ impl Client {
         if identity.pid == 0 {
             identity.pid = std::process::id();
         }
+        identity.incarnation = identity.incarnation.or_else(|| Some(crate::process_incarnation()));
+        identity.resume = None;
         let connected = connection::connect(&addr, &identity, timeout, shared_replies).await?;
-        let (link, commands, _welcome) = connection::spawn(addr, connected);
+        let redial = Redial { identity: identity.clone(), shared_replies, timeout };
+        let (link, commands) = connection::spawn(addr, connected, redial);
         Ok(Client { inner: Arc::new(Inner { identity, timeout, link, commands, silent: AtomicBool::new(false) }) })
     }
 
@@ -135,6 +142,18 @@ impl Client {
 
     pub fn identity(&self) -> &Identity {
         &self.inner.identity
+    }
+
+    /// The session the coordinator gave this client (another one after a cut
+    /// connection the coordinator could not resume).
+    pub fn session(&self) -> rallypoint_core::SessionId {
+        self.inner.link.welcome().session
+    }
+
+    /// The incarnation the job was at when this client (last) said hello; `None` if
+    /// the job was never reset and no process named one.
+    pub fn job_incarnation(&self) -> Option<u64> {
+        self.inner.link.welcome().job_incarnation
     }
 
     /// The connect timeout, which is also the default timeout of blocking operations.
@@ -357,6 +376,30 @@ impl Client {
         }
     }
 
+    /// Starts job `incarnation` afresh (see `rallypoint reset`): the job's keys,
+    /// barrier generations, abort, lost ranks and rank holders are gone; every pending
+    /// operation of its processes fails with [`crate::OpError::JobReset`], and they are
+    /// refused from then on (this client too: it belonged to the job before). A no-op
+    /// if the job is at `incarnation` already.
+    pub async fn reset(&self, incarnation: u64) -> Result<(), Error> {
+        match self.call_now(Request::Reset { incarnation }).await? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("reset", other)),
+        }
+    }
+
+    /// Gives the session up as a crash would, without a clean leave: the coordinator
+    /// counts this rank lost at once (if this was its last session), as it does when
+    /// the last clone of a client is dropped without [`Client::close`]. For a client
+    /// whose runtime goes away with it (the blocking client, the Python package's), so
+    /// that the coordinator learns it before the connection task is gone.
+    pub async fn abandon(self) {
+        let (done, closed) = oneshot::channel();
+        if self.inner.commands.send(Command::Abandon(done)).is_ok() {
+            let _ = closed.await;
+        }
+    }
+
     /// Leaves cleanly: the coordinator records that this rank left (it may come
     /// back) rather than died. Then closes the connection; calls still waiting on
     /// other clones fail with [`Error::Disconnected`].
@@ -385,4 +428,26 @@ impl Client {
             other => Err(unexpected("leave", other)),
         }
     }
+}
+
+/// Starts a new incarnation of job `job` on the coordinator at `addr` (a random one),
+/// from a client of its own that leaves at once: what a launcher does before each
+/// attempt's workers start. Returns the incarnation, for the workers'
+/// `RALLYPOINT_JOB_INCARNATION`.
+pub async fn reset_job(addr: &str, job: &str, timeout: Duration) -> Result<u64, Error> {
+    let incarnation = crate::new_job_incarnation();
+    let client =
+        Client::connect_with(ConnectOptions::new(addr, Identity::anonymous(job)).with_timeout(timeout)).await?;
+    let reset = client.reset(incarnation).await;
+    let closed = client.close().await;
+    reset.and(closed).map(|()| incarnation)
+}
+
+/// The incarnation job `job` is at on the coordinator at `addr` (`None`: never reset
+/// nor named), from a client of its own that leaves at once.
+pub async fn job_incarnation(addr: &str, job: &str, timeout: Duration) -> Result<Option<u64>, Error> {
+    let client =
+        Client::connect_with(ConnectOptions::new(addr, Identity::anonymous(job)).with_timeout(timeout)).await?;
+    let incarnation = client.job_incarnation();
+    client.close().await.map(|()| incarnation)
 }

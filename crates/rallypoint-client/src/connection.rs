@@ -3,6 +3,15 @@
 //! request id and hand the request to the task; the task writes requests (and
 //! heartbeats) and routes replies to the slots by id, so any number of calls
 //! pipeline over one connection.
+//!
+//! A cut connection is not the end of the session (docs/PROTOCOL.md, section 14):
+//! the task reconnects with [`Backoff`], says hello again with the session's id as a
+//! resume token, and re-sends every request it wrote and has no reply for, with the
+//! same ids; the coordinator runs none of them twice. If the coordinator no longer
+//! has the session (its reconnect grace ran out, or it restarted), the task carries
+//! on as a new session and those requests fail with [`Error::Disconnected`]: whether
+//! they took effect is unknown, so they are not sent blindly again. Requests not yet
+//! written go out on the new connection either way.
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
@@ -21,7 +30,7 @@ use rallypoint_proto::native::{
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
-use tracing::debug;
+use tracing::{debug, info};
 
 use rallypoint_net::conn::{greet, Buffering};
 use rallypoint_net::shm;
@@ -36,6 +45,13 @@ use crate::error::Error;
 const MAX_RESERVE: usize = 256 << 20;
 /// Stop gathering queued requests into one write past this size.
 const MAX_WRITE_BATCH: usize = 1 << 20;
+/// Heartbeat periods without a byte from the coordinator after which the connection
+/// counts as cut: each heartbeat gets a reply, so that much silence (a third more
+/// than a lease) means the path is gone even though no error says so.
+const SILENT_BEATS: u32 = 4;
+/// How long a cut connection is tried again when the coordinator has no lease (with
+/// a lease, for a lease: a session is not kept longer than that).
+const RESUME_WINDOW_WITHOUT_LEASE: Duration = Duration::from_secs(15);
 
 pub(crate) type ReplySlot = oneshot::Sender<Result<Response, Error>>;
 
@@ -45,13 +61,17 @@ pub(crate) enum Command {
         id: u64,
         request: Request,
     },
-    /// Nothing of this shared-memory slab's current contents is held any more.
+    /// Nothing of this shared-memory slab's current contents is held any more; the
+    /// slab belongs to connection `epoch` (a later connection knows it not).
     Release {
         slab: u64,
+        epoch: u64,
     },
     /// Shut the socket down (after everything queued before it was written) and
     /// tell the sender when done.
     Shutdown(oneshot::Sender<()>),
+    /// Give the session up as a crash would (Abandon), then as `Shutdown`.
+    Abandon(oneshot::Sender<()>),
 }
 
 /// State shared by every clone of a client and its connection task.
@@ -62,21 +82,54 @@ pub(crate) struct Link {
     /// Replies handed to their calls since the writer last looked: each woke a
     /// caller that may be about to send its next request.
     delivered: AtomicUsize,
+    /// Reads from the coordinator so far: the writer checks between heartbeats that
+    /// the coordinator still sends something.
+    reads: AtomicU64,
+    /// The latest welcome: the session (the resume token) and the job's incarnation.
+    welcome: Mutex<Welcome>,
 }
 
 struct Pending {
-    slots: HashMap<u64, ReplySlot>,
-    /// Set once the connection has ended: why, as reported to every later call.
-    closed: Option<String>,
+    calls: HashMap<u64, Call>,
+    /// Set once the connection has ended for good: why, as reported to every later call.
+    closed: Option<Closed>,
+}
+
+/// A call waiting for its reply.
+struct Call {
+    slot: ReplySlot,
+    /// The request, once written to a connection: sent again if that connection is
+    /// cut before the reply.
+    written: Option<Request>,
+}
+
+/// Why the connection ended for good.
+#[derive(Clone)]
+enum Closed {
+    Lost(String),
+    /// A new session was refused after a cut (the rank was taken over meanwhile, the
+    /// job was reset): the coordinator's typed answer.
+    Refused(OpError),
+}
+
+impl Closed {
+    fn error(&self) -> Error {
+        match self {
+            Closed::Lost(why) => Error::Disconnected(why.clone()),
+            Closed::Refused(error) => Error::Op(error.clone()),
+        }
+    }
 }
 
 impl Link {
-    fn new(addr: String) -> Self {
+    fn new(addr: String, welcome: Welcome) -> Self {
         Link {
             addr,
             next_id: AtomicU64::new(1),
-            pending: Mutex::new(Pending { slots: HashMap::new(), closed: None }),
+            pending: Mutex::new(Pending { calls: HashMap::new(), closed: None }),
             delivered: AtomicUsize::new(0),
+            reads: AtomicU64::new(0),
+            welcome: Mutex::new(welcome),
         }
     }
 
@@ -89,50 +142,98 @@ impl Link {
         self.next_id.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// The latest welcome (the session may have changed after a cut).
+    pub(crate) fn welcome(&self) -> Welcome {
+        self.welcome.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+    }
+
+    fn set_welcome(&self, welcome: Welcome) {
+        *self.welcome.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = welcome;
+    }
+
     /// Allocates a request id and the slot its reply will arrive in.
     pub(crate) fn register(&self) -> Result<(u64, oneshot::Receiver<Result<Response, Error>>), Error> {
         let mut pending = self.lock();
-        if let Some(why) = &pending.closed {
-            return Err(Error::Disconnected(why.clone()));
+        if let Some(closed) = &pending.closed {
+            return Err(closed.error());
         }
         let id = self.next_id();
         let (slot, reply) = oneshot::channel();
-        pending.slots.insert(id, slot);
+        pending.calls.insert(id, Call { slot, written: None });
         Ok((id, reply))
     }
 
     /// Forgets a call whose caller stopped waiting (timed out or was cancelled).
     pub(crate) fn unregister(&self, id: u64) {
-        self.lock().slots.remove(&id);
+        self.lock().calls.remove(&id);
     }
 
     /// The error for a call that finds the connection gone.
     pub(crate) fn disconnected(&self) -> Error {
-        let why = self.lock().closed.clone();
-        Error::Disconnected(
-            why.unwrap_or_else(|| format!("the connection to the coordinator at {} is closed", self.addr)),
-        )
-    }
-
-    fn complete(&self, id: u64, result: Result<Response, Error>) {
-        // No slot: a heartbeat, or a call that timed out on this side.
-        let slot = self.lock().slots.remove(&id);
-        if let Some(slot) = slot {
-            self.delivered.fetch_add(1, Ordering::Relaxed);
-            // The caller may have stopped waiting meanwhile; that is fine.
-            let _ = slot.send(result);
+        match &self.lock().closed {
+            Some(closed) => closed.error(),
+            None => Error::Disconnected(format!("the connection to the coordinator at {} is closed", self.addr)),
         }
     }
 
-    /// Fails every waiting call, and every later one, with `why`.
-    fn close(&self, why: String) {
-        let slots = {
+    /// Keeps the requests just encoded for a write, so that they can be sent again
+    /// should the connection be cut before their replies (whether the write gets
+    /// through or not).
+    fn written(&self, requests: Vec<(u64, Request)>) {
+        if requests.is_empty() {
+            return;
+        }
+        let mut pending = self.lock();
+        for (id, request) in requests {
+            // A call that stopped waiting meanwhile needs nothing kept.
+            if let Some(call) = pending.calls.get_mut(&id) {
+                call.written = Some(request);
+            }
+        }
+    }
+
+    /// The requests written and not answered, to send again on a resumed session.
+    fn unanswered(&self) -> Vec<(u64, Request)> {
+        let pending = self.lock();
+        let mut requests: Vec<(u64, Request)> =
+            pending.calls.iter().filter_map(|(id, call)| Some((*id, call.written.clone()?))).collect();
+        // In the order first sent, as far as ids tell.
+        requests.sort_by_key(|(id, _)| *id);
+        requests
+    }
+
+    /// Fails the calls whose requests were written: the session they went to is gone.
+    fn fail_written(&self, why: &str) {
+        let failed: Vec<Call> = {
             let mut pending = self.lock();
-            pending.closed.get_or_insert_with(|| why.clone());
-            std::mem::take(&mut pending.slots)
+            let ids: Vec<u64> = pending.calls.iter().filter(|(_, c)| c.written.is_some()).map(|(id, _)| *id).collect();
+            ids.iter().filter_map(|id| pending.calls.remove(id)).collect()
         };
-        for (_, slot) in slots {
-            let _ = slot.send(Err(Error::Disconnected(why.clone())));
+        for call in failed {
+            let _ = call.slot.send(Err(Error::Disconnected(why.to_owned())));
+        }
+    }
+
+    fn complete(&self, id: u64, result: Result<Response, Error>) {
+        // No call: a heartbeat, a call that timed out on this side, or a reply sent
+        // again for a request that was re-sent after a cut.
+        let call = self.lock().calls.remove(&id);
+        if let Some(call) = call {
+            self.delivered.fetch_add(1, Ordering::Relaxed);
+            // The caller may have stopped waiting meanwhile; that is fine.
+            let _ = call.slot.send(result);
+        }
+    }
+
+    /// Fails every waiting call, and every later one, with `closed`.
+    fn close(&self, closed: Closed) {
+        let calls = {
+            let mut pending = self.lock();
+            pending.closed.get_or_insert_with(|| closed.clone());
+            std::mem::take(&mut pending.calls)
+        };
+        for (_, call) in calls {
+            let _ = call.slot.send(Err(closed.error()));
         }
     }
 
@@ -146,7 +247,7 @@ pub(crate) struct Connected {
     stream: Stream,
     /// Bytes read past the welcome.
     buffered: BytesMut,
-    welcome: Welcome,
+    pub(crate) welcome: Welcome,
 }
 
 /// Connects and says hello, retrying with [`Backoff`] until
@@ -232,49 +333,143 @@ async fn attempt(addr: &str, identity: &Identity, shared_replies: bool) -> Resul
     answer.map(|welcome| Connected { stream, buffered, welcome })
 }
 
+/// What the connection task needs to connect again after a cut.
+pub(crate) struct Redial {
+    pub(crate) identity: Identity,
+    pub(crate) shared_replies: bool,
+    /// The client's timeout: a cut connection is not tried again for longer.
+    pub(crate) timeout: Duration,
+}
+
 /// Starts the task that owns the connection; returns the handle calls send through.
-pub(crate) fn spawn(addr: String, connected: Connected) -> (Arc<Link>, mpsc::UnboundedSender<Command>, Welcome) {
-    let Connected { stream, buffered, welcome } = connected;
-    let link = Arc::new(Link::new(addr));
+pub(crate) fn spawn(addr: String, connected: Connected, redial: Redial) -> (Arc<Link>, mpsc::UnboundedSender<Command>) {
+    let link = Arc::new(Link::new(addr, connected.welcome.clone()));
     let (commands, queue) = mpsc::unbounded_channel();
-    // Heartbeat at a third of the lease so that two may be lost before it expires.
-    let heartbeat = (welcome.lease_ms > 0).then(|| Duration::from_millis((welcome.lease_ms / 3).max(1)));
     // Weak: slab releases must not keep the connection open once every client is gone.
     let releases = commands.downgrade();
-    tokio::spawn(run(stream, buffered, queue, releases, Arc::clone(&link), heartbeat));
-    (link, commands, welcome)
+    tokio::spawn(run(connected, queue, releases, Arc::clone(&link), redial));
+    (link, commands)
+}
+
+/// How one connection ended.
+enum Ended {
+    /// Cut (an I/O error, the coordinator closed it, or silence): worth a resume.
+    Cut(String),
+    /// For good: shut down by the client, dropped, or the coordinator broke the protocol.
+    Done(String, Option<oneshot::Sender<()>>),
 }
 
 async fn run(
-    stream: Stream,
-    buffered: BytesMut,
-    queue: mpsc::UnboundedReceiver<Command>,
+    mut connected: Connected,
+    mut queue: mpsc::UnboundedReceiver<Command>,
     releases: mpsc::WeakUnboundedSender<Command>,
     link: Arc<Link>,
-    heartbeat: Option<Duration>,
+    redial: Redial,
 ) {
-    let (reader, writer) = stream.into_split();
-    // Reading and writing run concurrently, so a large write never stops replies
-    // from being read (which could deadlock against a server doing the same).
-    let (why, done) = tokio::select! {
-        why = read_loop(reader, buffered, &releases, &link) => (why, None),
-        ended = write_loop(writer, queue, &link, heartbeat) => ended,
-    };
-    debug!(addr = %link.addr, %why, "connection task ended");
-    // Both socket halves are dropped here, before waiting calls learn of it.
-    link.close(why);
-    if let Some(done) = done {
-        let _ = done.send(());
+    let lease = connected.welcome.lease_ms;
+    // Heartbeat at a third of the lease so that two may be lost before it expires.
+    let period = (lease > 0).then(|| Duration::from_millis((lease / 3).max(1)));
+    let mut beat = period.map(|period| {
+        let mut beat = tokio::time::interval_at(Instant::now() + period, period);
+        beat.set_missed_tick_behavior(MissedTickBehavior::Delay);
+        beat
+    });
+    let window = if lease > 0 { Duration::from_millis(lease) } else { RESUME_WINDOW_WITHOUT_LEASE }.min(redial.timeout);
+    // Each connection's slabs are its own: releases name the connection.
+    let mut epoch = 0u64;
+    let mut resend = Vec::new();
+    loop {
+        let (reader, writer) = connected.stream.into_split();
+        let buffered = std::mem::take(&mut connected.buffered);
+        // Reading and writing run concurrently, so a large write never stops replies
+        // from being read (which could deadlock against a server doing the same).
+        let ended = tokio::select! {
+            why = read_loop(reader, buffered, &releases, &link, epoch) => why,
+            ended = write_loop(writer, &mut queue, &link, &mut beat, epoch, std::mem::take(&mut resend)) => ended,
+        };
+        let why = match ended {
+            Ended::Done(why, done) => {
+                debug!(addr = %link.addr, %why, "connection task ended");
+                // Both socket halves are dropped here, before waiting calls learn of it.
+                link.close(Closed::Lost(why));
+                if let Some(done) = done {
+                    let _ = done.send(());
+                }
+                return;
+            }
+            Ended::Cut(why) => why,
+        };
+        debug!(addr = %link.addr, %why, "connection cut; resuming the session");
+        match reconnect(&link, &redial, window, &why).await {
+            Ok((again, unanswered)) => {
+                connected = again;
+                resend = unanswered;
+                epoch += 1;
+            }
+            Err(closed) => {
+                debug!(addr = %link.addr, %why, "cannot resume; connection task ended");
+                link.close(closed);
+                return;
+            }
+        }
     }
 }
 
-/// Routes replies to their calls; returns why the connection ended.
+/// Connects again after a cut (`why`), resuming the session if the coordinator still
+/// has it; returns the new connection and the requests to send again on it.
+async fn reconnect(
+    link: &Link,
+    redial: &Redial,
+    window: Duration,
+    why: &str,
+) -> Result<(Connected, Vec<(u64, Request)>), Closed> {
+    let token = link.welcome().session;
+    let identity = Identity { resume: Some(token), ..redial.identity.clone() };
+    let deadline = Instant::now() + window;
+    let mut backoff = Backoff::new();
+    loop {
+        match tokio::time::timeout_at(deadline, attempt(&link.addr, &identity, redial.shared_replies)).await {
+            Ok(Ok(connected)) => {
+                let resumed = connected.welcome.session == token;
+                link.set_welcome(connected.welcome.clone());
+                if resumed {
+                    info!(addr = %link.addr, session = %token, "resumed the session after a cut connection ({why})");
+                    return Ok((connected, link.unanswered()));
+                }
+                let lost = format!(
+                    "{}; the coordinator no longer had {token} (its reconnect grace ran out, or it restarted), so                      whether this call took effect is unknown",
+                    link.lost(why)
+                );
+                info!(addr = %link.addr, old = %token, session = %connected.welcome.session, "reconnected as a new session after a cut connection ({why})");
+                link.fail_written(&lost);
+                return Ok((connected, Vec::new()));
+            }
+            Ok(Err(Attempt::Refused(error))) => return Err(Closed::Refused(error)),
+            Ok(Err(Attempt::Protocol(message))) => return Err(Closed::Lost(link.lost(format!("{why}; {message}")))),
+            // Nothing listens there any more: the coordinator is gone, not a path.
+            Ok(Err(Attempt::Io(error)))
+                if matches!(error.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound) =>
+            {
+                return Err(Closed::Lost(link.lost(format!("{why}; reconnecting: {error}"))));
+            }
+            Ok(Err(Attempt::Io(_))) | Err(_) => {}
+        }
+        if Instant::now() >= deadline {
+            return Err(Closed::Lost(link.lost(format!("{why}; could not reconnect within {window:?}"))));
+        }
+        tokio::time::sleep_until((Instant::now() + backoff.next_pause()).min(deadline)).await;
+    }
+}
+
+/// Routes replies to their calls; returns how the connection ended.
 async fn read_loop(
     mut reader: ReadHalf,
     mut buf: BytesMut,
     releases: &mpsc::WeakUnboundedSender<Command>,
     link: &Link,
-) -> String {
+    epoch: u64,
+) -> Ended {
+    let broken = |why: String| Ended::Done(link.lost(why), None);
     let limits = FrameLimits::unbounded();
     // Files of shared-memory slabs, received with (or before) the first frame naming
     // each, in order; and the slabs mapped so far, kept for the connection's life.
@@ -290,21 +485,19 @@ async fn read_loop(
                         Entry::Occupied(known) => Arc::clone(known.get()),
                         Entry::Vacant(new) => {
                             let Some(file) = files.pop_front() else {
-                                return link.lost(format!("shared-memory slab {slab} came without its file"));
+                                return broken(format!("shared-memory slab {slab} came without its file"));
                             };
                             match shm::map_slab(file) {
                                 Ok(map) => Arc::clone(new.insert(map)),
                                 // Later replies from it could not be read either.
-                                Err(error) => {
-                                    return link.lost(format!("cannot map shared-memory slab {slab}: {error}"))
-                                }
+                                Err(error) => return broken(format!("cannot map shared-memory slab {slab}: {error}")),
                             }
                         }
                     };
                     let releases = releases.clone();
                     let release = move || {
                         if let Some(commands) = releases.upgrade() {
-                            let _ = commands.send(Command::Release { slab });
+                            let _ = commands.send(Command::Release { slab, epoch });
                         }
                     };
                     let reply = match shm::held_body(map, len, release) {
@@ -314,19 +507,21 @@ async fn read_loop(
                     link.complete(id, reply.and_then(|reply| reply.map_err(Error::Op)));
                 }
                 Ok(Some(ServerFrame::Welcome(_) | ServerFrame::Refused(_))) => {
-                    return link.lost("the coordinator sent a second handshake frame");
+                    return broken("the coordinator sent a second handshake frame".to_owned());
                 }
                 Err(ProtoError::BadReply { id: Some(id), message }) => link.complete(id, Err(Error::Protocol(message))),
                 Err(error) if !error.is_fatal() => debug!(addr = %link.addr, %error, "skipped a malformed frame"),
-                Err(error) => return link.lost(format!("malformed data: {error}")),
+                Err(error) => return broken(format!("malformed data: {error}")),
             }
         }
         Buffering::CLIENT.release_idle(&mut buf);
         let room = read_room(&buf);
         match reader.read_with_files(&mut buf, room, &mut files).await {
-            Ok(0) => return link.lost("the coordinator closed the connection"),
-            Ok(_) => {}
-            Err(error) => return link.lost(error),
+            Ok(0) => return Ended::Cut("the coordinator closed the connection".to_owned()),
+            Ok(_) => {
+                link.reads.fetch_add(1, Ordering::Relaxed);
+            }
+            Err(error) => return Ended::Cut(error.to_string()),
         }
     }
 }
@@ -340,78 +535,117 @@ fn read_room(buf: &[u8]) -> usize {
     missing.clamp(Buffering::CLIENT.chunk, MAX_RESERVE)
 }
 
-/// Writes requests and heartbeats; returns why it stopped, and whom to tell once
-/// the connection is fully closed if that was asked for.
+/// Writes `resend` (the requests a cut left unanswered, on a resumed session), then
+/// requests and heartbeats; returns how the connection ended, and whom to tell once
+/// it is fully closed if that was asked for.
 async fn write_loop(
     mut writer: WriteHalf,
-    mut queue: mpsc::UnboundedReceiver<Command>,
+    queue: &mut mpsc::UnboundedReceiver<Command>,
     link: &Link,
-    heartbeat: Option<Duration>,
-) -> (String, Option<oneshot::Sender<()>>) {
-    let mut beat = heartbeat.map(|period| {
-        let mut beat = tokio::time::interval_at(Instant::now() + period, period);
-        beat.set_missed_tick_behavior(MissedTickBehavior::Delay);
-        beat
-    });
+    beat: &mut Option<Interval>,
+    epoch: u64,
+    resend: Vec<(u64, Request)>,
+) -> Ended {
     let mut buf = BytesMut::new();
+    for (id, request) in resend {
+        encode_client_frame(&ClientFrame::Request { id, request }, &mut buf);
+    }
+    let mut written = Vec::new();
+    // Heartbeats since the coordinator last sent anything.
+    let (mut reads, mut silent) = (link.reads.load(Ordering::Relaxed), 0u32);
     loop {
         let mut shutdown = None;
-        tokio::select! {
-            command = queue.recv() => {
-                let Some(command) = command else {
-                    // Every client handle is gone without close(): drop the connection
-                    // abruptly, as a killed process would.
-                    return (format!("the client for the coordinator at {} was dropped", link.addr), None);
-                };
-                let mut gathered = 0;
-                shutdown = gather(command, &mut queue, &mut buf, &mut gathered);
-                // Callers woken by the last replies that have not sent their next
-                // request yet: let them run first, so that their requests share this
-                // write instead of costing one system call each.
-                let woken = link.delivered.swap(0, Ordering::Relaxed);
-                if shutdown.is_none() && woken > gathered && buf.len() < MAX_WRITE_BATCH {
-                    yield_to_ready_tasks().await;
-                    if let Ok(command) = queue.try_recv() {
-                        shutdown = gather(command, &mut queue, &mut buf, &mut gathered);
+        if buf.is_empty() {
+            tokio::select! {
+                command = queue.recv() => {
+                    let Some(command) = command else {
+                        // Every client handle is gone without close(): the session ends as a
+                        // killed process's would. Said first, so that the coordinator does
+                        // not hold the rank for a resume that will not come.
+                        abandon(&mut writer, link, &mut buf).await;
+                        return Ended::Done(format!("the client for the coordinator at {} was dropped", link.addr), None);
+                    };
+                    if let Command::Abandon(done) = command {
+                        abandon(&mut writer, link, &mut buf).await;
+                        let _ = writer.shutdown().await;
+                        return Ended::Done(format!("the client for the coordinator at {} was dropped", link.addr), Some(done));
                     }
+                    let mut gathered = 0;
+                    shutdown = gather(command, queue, &mut buf, &mut written, &mut gathered, epoch);
+                    // Callers woken by the last replies that have not sent their next
+                    // request yet: let them run first, so that their requests share this
+                    // write instead of costing one system call each.
+                    let woken = link.delivered.swap(0, Ordering::Relaxed);
+                    if shutdown.is_none() && woken > gathered && buf.len() < MAX_WRITE_BATCH {
+                        yield_to_ready_tasks().await;
+                        if let Ok(command) = queue.try_recv() {
+                            shutdown = gather(command, queue, &mut buf, &mut written, &mut gathered, epoch);
+                        }
+                    }
+                    link.written(std::mem::take(&mut written));
                 }
-            }
-            () = tick(&mut beat) => {
-                let request = Request::Heartbeat;
-                encode_client_frame(&ClientFrame::Request { id: link.next_id(), request }, &mut buf);
+                () = tick(beat) => {
+                    let now = link.reads.load(Ordering::Relaxed);
+                    silent = if now == reads { silent + 1 } else { 0 };
+                    reads = now;
+                    if silent >= SILENT_BEATS {
+                        return Ended::Cut(format!("nothing from the coordinator for {silent} heartbeat periods"));
+                    }
+                    let request = Request::Heartbeat;
+                    encode_client_frame(&ClientFrame::Request { id: link.next_id(), request }, &mut buf);
+                }
             }
         }
         if !buf.is_empty() {
             if let Err(error) = writer.write_all(&buf).await {
-                return (link.lost(error), shutdown);
+                return Ended::Cut(error.to_string());
             }
             buf.clear();
             Buffering::CLIENT.release_idle(&mut buf);
         }
         if let Some(done) = shutdown {
             let _ = writer.shutdown().await;
-            return (format!("the client for the coordinator at {} was closed", link.addr), Some(done));
+            return Ended::Done(format!("the client for the coordinator at {} was closed", link.addr), Some(done));
         }
     }
 }
 
+/// Writes an Abandon request (whatever `buf` holds is written with it).
+async fn abandon(writer: &mut WriteHalf, link: &Link, buf: &mut BytesMut) {
+    encode_client_frame(&ClientFrame::Request { id: link.next_id(), request: Request::Abandon }, buf);
+    let _ = writer.write_all(buf).await;
+    buf.clear();
+}
+
 /// Encodes `first` and whatever else is queued (up to [`MAX_WRITE_BATCH`]) into
-/// `buf`, counting requests in `gathered`; stops at a shutdown and returns it.
+/// `buf`, counting requests in `gathered` and keeping them in `written`; stops at a
+/// shutdown and returns it. Releases of another connection's slabs are dropped.
 fn gather(
     first: Command,
     queue: &mut mpsc::UnboundedReceiver<Command>,
     buf: &mut BytesMut,
+    written: &mut Vec<(u64, Request)>,
     gathered: &mut usize,
+    epoch: u64,
 ) -> Option<oneshot::Sender<()>> {
     let mut next = Some(first);
     while let Some(command) = next.take() {
         match command {
             Command::Request { id, request } => {
-                encode_client_frame(&ClientFrame::Request { id, request }, buf);
+                let frame = ClientFrame::Request { id, request };
+                encode_client_frame(&frame, buf);
+                if let ClientFrame::Request { id, request } = frame {
+                    written.push((id, request));
+                }
                 *gathered += 1;
             }
-            Command::Release { slab } => encode_client_frame(&ClientFrame::ReleaseShared { slab }, buf),
+            Command::Release { slab, epoch: of } if of == epoch => {
+                encode_client_frame(&ClientFrame::ReleaseShared { slab }, buf)
+            }
+            Command::Release { .. } => {}
             Command::Shutdown(done) => return Some(done),
+            // Dropping a client while another of its clones is mid-call: the call fails.
+            Command::Abandon(done) => return Some(done),
         }
         if buf.len() < MAX_WRITE_BATCH {
             next = queue.try_recv().ok();

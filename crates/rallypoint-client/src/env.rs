@@ -23,7 +23,7 @@ mod workers;
 use std::ffi::OsString;
 use std::time::Duration;
 
-use rallypoint_core::Identity;
+use rallypoint_core::{Identity, Incarnation};
 
 use crate::{Error, DEFAULT_TIMEOUT};
 
@@ -48,6 +48,9 @@ pub struct Settings {
     pub role: Option<String>,
     /// Explicit, else `RALLYPOINT_TIMEOUT` (seconds, may be fractional), else 300 s.
     pub timeout: Duration,
+    /// `RALLYPOINT_JOB_INCARNATION` (16 hex digits, as a launcher sets it per attempt):
+    /// the job incarnation this process belongs to; unset joins the current one.
+    pub job_incarnation: Option<u64>,
 }
 
 /// Values given explicitly (command-line flags, function arguments); they win over
@@ -71,7 +74,8 @@ impl Settings {
         Settings::resolve(Overrides::default())
     }
 
-    /// This process's identity: these settings, this machine's hostname and this pid.
+    /// This process's identity: these settings, this machine's hostname, this pid and
+    /// this process's incarnation.
     pub fn identity(&self) -> Identity {
         Identity {
             job: self.job.clone(),
@@ -80,6 +84,9 @@ impl Settings {
             host: rallypoint_net::hostname(),
             pid: std::process::id(),
             role: self.role.clone(),
+            incarnation: Some(crate::process_incarnation()),
+            job_incarnation: self.job_incarnation,
+            resume: None,
         }
     }
 
@@ -181,7 +188,14 @@ fn resolve_with(overrides: Overrides, lookup: impl Fn(&str) -> Option<OsString>)
         },
     };
 
-    Ok(Settings { addr, job, rank, world_size, local_rank, role, timeout })
+    let job_incarnation = match var("RALLYPOINT_JOB_INCARNATION")? {
+        Some(value) => {
+            Some(value.parse::<Incarnation>().map_err(|e| config(format!("RALLYPOINT_JOB_INCARNATION: {e}")))?.0)
+        }
+        None => None,
+    };
+
+    Ok(Settings { addr, job, rank, world_size, local_rank, role, timeout, job_incarnation })
 }
 
 /// The value of the first of `names` that is set.
@@ -283,6 +297,7 @@ mod tests {
                 local_rank: None,
                 role: Some("trainer".into()),
                 timeout: DEFAULT_TIMEOUT,
+                job_incarnation: None,
             }
         );
     }
@@ -473,6 +488,22 @@ mod tests {
         let e = config_error(resolve(Overrides::default(), &SLURM));
         assert!(e.starts_with("no coordinator address: set RALLYPOINT_ADDR"), "{e}");
         assert!(e.contains("rallypoint serve") && e.contains("SLURM_JOB_NODELIST"), "{e}");
+    }
+
+    #[test]
+    fn job_incarnation_is_hex() {
+        let s = resolve(
+            Overrides::default(),
+            &[("RALLYPOINT_ADDR", "c:1"), ("RALLYPOINT_JOB_INCARNATION", "00000000000000ff")],
+        )
+        .unwrap();
+        assert_eq!(s.job_incarnation, Some(255));
+        assert_eq!(s.identity().job_incarnation, Some(255));
+        let e = config_error(resolve(
+            Overrides::default(),
+            &[("RALLYPOINT_ADDR", "c:1"), ("RALLYPOINT_JOB_INCARNATION", "x1")],
+        ));
+        assert_eq!(e, "RALLYPOINT_JOB_INCARNATION: 'x1' is not an incarnation (1 to 16 hex digits)");
     }
 
     #[test]

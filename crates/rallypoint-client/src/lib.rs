@@ -9,9 +9,12 @@ mod client;
 mod connection;
 pub mod env;
 mod error;
+mod incarnation;
 
-pub use client::{Client, ConnectOptions, DEFAULT_TIMEOUT};
+pub use client::{job_incarnation, reset_job, Client, ConnectOptions, DEFAULT_TIMEOUT};
 pub use error::Error;
+pub use incarnation::{new_job_incarnation, process_incarnation};
 pub use rallypoint_core::{
-    AbortInfo, CallShape, CollectiveKind, Identity, LossReason, Members, OpError, OpRef, RankInfo, RankState,
+    AbortInfo, CallShape, CollectiveKind, Identity, Incarnation, JobIncarnation, LossReason, Members, OpError, OpRef,
+    ProcessInfo, RankInfo, RankState,
 };

@@ -44,6 +44,27 @@ impl Default for Limits {
     }
 }
 
+/// How many replies each session remembers for requests a client re-sends after a
+/// cut connection (docs/PROTOCOL.md, section 14). Only replies of requests that change
+/// something (an arrival, an `add`, a `set`...) are kept: a read is answered again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReplyCache {
+    /// Most replies kept per session: more than a client has in flight at once (a
+    /// reply lost with a connection was in flight). 32 bytes each, but for values.
+    pub max_replies: usize,
+    /// A reply older than this is dropped: a client resumes within a lease or not at all.
+    pub max_age_ms: u64,
+    /// Most bytes of values (a broadcast's, an all-gather's, a popped item) kept per
+    /// session; a value shared by many sessions counts for each.
+    pub max_bytes: usize,
+}
+
+impl Default for ReplyCache {
+    fn default() -> Self {
+        ReplyCache { max_replies: 256, max_age_ms: 60_000, max_bytes: 16 << 20 }
+    }
+}
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Config {
     pub limits: Limits,
@@ -54,10 +75,41 @@ pub struct Config {
     pub job_idle_ttl_ms: u64,
     /// Failed generations remembered per collective, so that late arrivals get the same error.
     pub failed_generations_kept: usize,
+    /// When a session's connection drops without a clean leave and the coordinator
+    /// cannot tell whether its process is gone, the session (and its rank) stays for
+    /// this long waiting for the client to resume it; after that the rank is lost.
+    /// 0: lost at once. Never longer than the lease. Only sessions that stated an
+    /// incarnation can resume; the others are closed at once.
+    pub reconnect_grace_ms: u64,
+    /// Replies remembered per session for re-sent requests.
+    pub reply_cache: ReplyCache,
+    /// Wall-clock time (milliseconds since the Unix epoch) of the engine's time 0: the
+    /// engine reads no clock, and errors show wall-clock times ("held since ...").
+    pub epoch_unix_ms: u64,
+}
+
+impl Config {
+    /// The reconnect grace in effect: at most the lease (a rank silent for a whole
+    /// lease is lost anyway).
+    pub fn grace_ms(&self) -> u64 {
+        if self.lease_ms > 0 {
+            self.reconnect_grace_ms.min(self.lease_ms)
+        } else {
+            self.reconnect_grace_ms
+        }
+    }
 }
 
 impl Default for Config {
     fn default() -> Self {
-        Config { limits: Limits::default(), lease_ms: 15_000, job_idle_ttl_ms: 3_600_000, failed_generations_kept: 64 }
+        Config {
+            limits: Limits::default(),
+            lease_ms: 15_000,
+            job_idle_ttl_ms: 3_600_000,
+            failed_generations_kept: 64,
+            reconnect_grace_ms: 1_000,
+            reply_cache: ReplyCache::default(),
+            epoch_unix_ms: 0,
+        }
     }
 }

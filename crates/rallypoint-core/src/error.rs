@@ -7,6 +7,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use crate::identity::Incarnation;
 use crate::request::Members;
 
 /// Kind of a collective operation.
@@ -158,6 +159,41 @@ impl fmt::Display for AbortInfo {
     }
 }
 
+/// A process as the coordinator knows it from its hello: who holds or claims a rank,
+/// who reset a job.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ProcessInfo {
+    pub pid: u32,
+    pub host: String,
+    /// `None` for a session that stated none (a PyTorch TCPStore client).
+    pub incarnation: Option<u64>,
+}
+
+/// "pid 311 on host a (incarnation 3f2a09c1b5d7e0a1)"
+impl fmt::Display for ProcessInfo {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "pid {}", self.pid)?;
+        if !self.host.is_empty() {
+            write!(f, " on host {}", self.host)?;
+        }
+        if let Some(incarnation) = self.incarnation {
+            write!(f, " (incarnation {})", Incarnation(incarnation))?;
+        }
+        Ok(())
+    }
+}
+
+/// Which incarnation a job is at, since when, and who put it there.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct JobIncarnation {
+    pub incarnation: u64,
+    /// Wall-clock time, in milliseconds since the Unix epoch.
+    pub since_unix_ms: u64,
+    pub by: ProcessInfo,
+    /// True if `by` reset the job to it; false if `by` was the first process to name it.
+    pub reset: bool,
+}
+
 /// Why an operation failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OpError {
@@ -209,6 +245,48 @@ pub enum OpError {
     /// The session closed, or the server is shutting down.
     #[error("{0}")]
     Closed(String),
+
+    /// The rank is held by another live process (a session of its incarnation is open,
+    /// or its connection dropped less than the reconnect grace ago).
+    #[error("rank {rank} is held by {holder} since {}; this process is {claimant}", Utc(*since_unix_ms))]
+    RankHeld { rank: u32, holder: Box<ProcessInfo>, since_unix_ms: u64, claimant: Box<ProcessInfo> },
+
+    /// This process held the rank, lost it (or left), and another process took it over.
+    #[error("rank {rank} was taken over by {by} at {}; this process ({this}) no longer holds it", Utc(*at_unix_ms))]
+    TakenOver { rank: u32, by: Box<ProcessInfo>, at_unix_ms: u64, this: Box<ProcessInfo> },
+
+    /// The job was reset to a new incarnation: the operation belonged to the one before.
+    #[error("job '{job}' was reset by {} at {} (to incarnation {}); this operation belonged to the incarnation before", to.by, Utc(to.since_unix_ms), Incarnation(to.incarnation))]
+    JobReset { job: String, to: Box<JobIncarnation> },
+
+    /// The process names a job incarnation that is not the job's current one.
+    #[error("this process belongs to incarnation {} of job '{job}'; the job is at incarnation {} since {} ({} by {})", Incarnation(*mine), Incarnation(current.incarnation), Utc(current.since_unix_ms), if current.reset { "reset" } else { "first named" }, current.by)]
+    StaleIncarnation { job: String, mine: u64, current: Box<JobIncarnation> },
+}
+
+impl OpError {
+    /// True for the errors that say this process no longer speaks for its rank or job
+    /// (another process holds the rank or took it over, or the job was reset).
+    pub fn is_incarnation_refusal(&self) -> bool {
+        matches!(
+            self,
+            OpError::RankHeld { .. }
+                | OpError::TakenOver { .. }
+                | OpError::JobReset { .. }
+                | OpError::StaleIncarnation { .. }
+        )
+    }
+}
+
+/// A wall-clock time in milliseconds since the Unix epoch, as UTC to the second
+/// ("2026-11-21T12:00:01Z").
+pub(crate) struct Utc(pub u64);
+
+impl fmt::Display for Utc {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(self.0);
+        write!(f, "{}", humantime::format_rfc3339_seconds(at))
+    }
 }
 
 /// Milliseconds shown as seconds with one decimal ("2.5 s").

@@ -14,10 +14,11 @@ mod identity;
 mod ranges;
 mod request;
 
-pub use config::{Config, Limits};
-pub use engine::Engine;
+pub use config::{Config, Limits, ReplyCache};
+pub use engine::{Departure, Engine};
 pub use error::{
-    AbortInfo, CallShape, CollectiveKind, LossReason, Missing, OpError, OpRef, RankInfo, RankRanges, RankState,
+    AbortInfo, CallShape, CollectiveKind, JobIncarnation, LossReason, Missing, OpError, OpRef, ProcessInfo, RankInfo,
+    RankRanges, RankState,
 };
-pub use identity::{Identity, SessionId};
+pub use identity::{Identity, Incarnation, SessionId};
 pub use request::{Gathered, Members, Millis, Outgoing, Reply, Request, Response, Welcome};

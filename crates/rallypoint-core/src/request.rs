@@ -135,10 +135,21 @@ pub enum Request {
     /// processes, its ranks' states, and every barrier, all-gather or broadcast someone
     /// waits in, with who is missing and what is known of each. Replies `Value`.
     Status,
+    /// Starts job `incarnation` afresh: the keys, barrier generations, abort, lost ranks
+    /// and rank holders of the job's current incarnation are gone, its pending
+    /// operations fail with `JobReset`, and its sessions (this one included) are refused
+    /// from then on. A no-op if the job is already at `incarnation`.
+    Reset {
+        incarnation: u64,
+    },
     /// Keeps the session's rank alive (any request does).
     Heartbeat,
     /// The session is about to close cleanly: its rank has left, not died.
     Leave,
+    /// The client gives the session up as a crash would (it was dropped without a
+    /// clean leave): its close is a loss at once, without the reconnect grace that a
+    /// cut connection gets.
+    Abandon,
 }
 
 impl Request {
@@ -167,9 +178,60 @@ impl Request {
             Request::CancelWait => "cancel_wait",
             Request::StoreBarrier { .. } => "store_barrier",
             Request::Status => "status",
+            Request::Reset { .. } => "reset",
             Request::Heartbeat => "heartbeat",
             Request::Leave => "leave",
+            Request::Abandon => "abandon",
         }
+    }
+
+    /// Whether running the request a second time could differ from running it once
+    /// (an arrival counted twice, an `add` added twice, a key set again over a later
+    /// write): its reply is kept for a client that re-sends it after a reconnect.
+    pub fn changes_state(&self) -> bool {
+        match self {
+            Request::Set { .. }
+            | Request::Add { .. }
+            | Request::CompareSet { .. }
+            | Request::Append { .. }
+            | Request::Delete { .. }
+            | Request::MultiSet { .. }
+            | Request::Barrier { .. }
+            | Request::AllGather { .. }
+            | Request::Broadcast { .. }
+            | Request::Abort { .. }
+            | Request::QueuePush { .. }
+            | Request::QueuePop { .. }
+            | Request::CancelWait
+            | Request::StoreBarrier { .. }
+            | Request::Reset { .. } => true,
+            Request::Get { .. }
+            | Request::Check { .. }
+            | Request::Wait { .. }
+            | Request::MultiGet { .. }
+            | Request::NumKeys
+            | Request::ListKeys { .. }
+            | Request::QueueLen { .. }
+            | Request::Status
+            | Request::Heartbeat
+            | Request::Leave
+            | Request::Abandon => false,
+        }
+    }
+
+    /// Whether the request may wait for others before its reply (a re-sent copy of a
+    /// waiting request must not wait a second time).
+    pub fn may_block(&self) -> bool {
+        matches!(
+            self,
+            Request::Get { .. }
+                | Request::Wait { .. }
+                | Request::MultiGet { .. }
+                | Request::Barrier { .. }
+                | Request::AllGather { .. }
+                | Request::Broadcast { .. }
+                | Request::StoreBarrier { .. }
+        )
     }
 }
 
@@ -205,21 +267,30 @@ pub type Reply = Result<Response, OpError>;
 pub struct Gathered {
     values: Arc<[Bytes]>,
     encoding: Arc<OnceLock<Bytes>>,
+    /// Bytes of all the values together, counted once for every clone.
+    len: usize,
 }
 
 impl Gathered {
     pub fn new(values: impl Into<Arc<[Bytes]>>) -> Self {
-        Gathered { values: values.into(), encoding: Arc::default() }
+        let values = values.into();
+        Gathered { len: total_len(&values), values, encoding: Arc::default() }
     }
 
     /// A result whose encoding is already known, such as the bytes it was decoded
     /// from; `encoding` must be exactly what the codec would make of `values`.
     pub fn with_encoding(values: impl Into<Arc<[Bytes]>>, encoding: Bytes) -> Self {
-        Gathered { values: values.into(), encoding: Arc::new(OnceLock::from(encoding)) }
+        let values = values.into();
+        Gathered { len: total_len(&values), values, encoding: Arc::new(OnceLock::from(encoding)) }
     }
 
     pub fn values(&self) -> &Arc<[Bytes]> {
         &self.values
+    }
+
+    /// Bytes of all the values together.
+    pub fn values_len(&self) -> usize {
+        self.len
     }
 
     pub fn into_values(self) -> Arc<[Bytes]> {
@@ -238,6 +309,10 @@ impl Gathered {
     pub fn encoding(&self, encode: impl FnOnce(&[Bytes]) -> Bytes) -> &Bytes {
         self.encoding.get_or_init(|| encode(&self.values))
     }
+}
+
+fn total_len(values: &[Bytes]) -> usize {
+    values.iter().map(Bytes::len).fold(0, usize::saturating_add)
 }
 
 /// Equal values make equal results, whether or not either is encoded yet.
@@ -271,4 +346,6 @@ pub struct Welcome {
     pub session: SessionId,
     /// Lease in milliseconds (0 = no lease); clients heartbeat at a third of it.
     pub lease_ms: u64,
+    /// The incarnation the session's job is at (`None`: never reset nor named).
+    pub job_incarnation: Option<u64>,
 }

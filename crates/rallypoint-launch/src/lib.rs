@@ -178,14 +178,27 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
     let options = run.options;
     let mut attempt = 0;
     loop {
+        let attempt_job = if attempt == 0 { options.job.clone() } else { format!("{}.restart{attempt}", options.job) };
+        // Each attempt is a fresh job incarnation: node 0 starts it before it joins the
+        // rendezvous, and the other nodes, once past the rendezvous, read it.
+        let (addr, timeout) = (run.coordinator.to_string(), options.join_timeout);
+        let started = match options.node_rank {
+            0 => Some(rallypoint_client::reset_job(&addr, &attempt_job, timeout).await?),
+            _ => None,
+        };
         let layout = run.launchers.rendezvous(attempt, options.nproc_per_node, options.join_timeout).await?;
+        let job_incarnation = match started {
+            Some(incarnation) => Some(incarnation),
+            None => rallypoint_client::job_incarnation(&addr, &attempt_job, timeout).await?,
+        };
         let job = JobEnv {
             coordinator: run.coordinator,
             node_agent: run.node_agent.clone(),
             run_id: options.job.clone(),
-            attempt_job: if attempt == 0 { options.job.clone() } else { format!("{}.restart{attempt}", options.job) },
+            attempt_job,
             restart_count: attempt,
             max_restarts: options.max_restarts,
+            job_incarnation,
         };
         // torch's TCPStore clients (MASTER_ADDR/MASTER_PORT point here) cannot name a
         // job: they join the attempt's, so their keys and ranks are the workers'.

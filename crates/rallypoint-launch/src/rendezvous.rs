@@ -64,12 +64,10 @@ impl Launchers {
         timeout: Duration,
     ) -> Result<Self, Error> {
         let identity = Identity {
-            job: format!("{run_id}/launch"),
-            rank: Some(node),
-            world_size: Some(nnodes),
             host: host.to_owned(),
             pid: std::process::id(),
             role: Some("launcher".into()),
+            ..Identity::ranked(format!("{run_id}/launch"), node, nnodes)
         };
         let mut options = ConnectOptions::new(addr, identity);
         options.timeout = timeout;

@@ -9,11 +9,12 @@
 //! - [`shm`]: large replies through shared memory, passed over Unix sockets;
 //! - [`sync`]: the poison-tolerant lock and the reconnect backoff everyone uses;
 //! - [`warn_limit`]: warnings a peer can cause, limited so that it cannot flood the log;
-//! - [`hostname`] and [`raise_fd_limit`]: facts about this process's machine.
+//! - [`hostname`], [`raise_fd_limit`] and [`process`]: facts about this process's machine.
 
 pub mod budget;
 pub mod conn;
 mod fdlimit;
+pub mod process;
 pub mod shm;
 pub mod stream;
 pub mod sync;

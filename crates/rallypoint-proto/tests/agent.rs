@@ -18,12 +18,12 @@ fn agent_frames() -> Vec<AgentFrame> {
         AgentFrame::Hello { host: "node-7".into(), pid: 4242 },
         AgentFrame::SubHello { sub: 1, identity: Identity::ranked("job", 3, 8) },
     ];
-    frames.extend(samples(request(), 18).into_iter().enumerate().map(|(id, request)| AgentFrame::SubRequest {
+    frames.extend(samples(request(), 26).into_iter().enumerate().map(|(id, request)| AgentFrame::SubRequest {
         sub: id as u64 % 3,
         id: id as u64,
         request,
     }));
-    frames.push(AgentFrame::SubClose { sub: 2 });
+    frames.push(AgentFrame::SubClose { sub: 2, gone: false });
     frames.extend(samples(request(), 6).into_iter().enumerate().map(|(n, request)| AgentFrame::SubRequests {
         calls: (0..n as u64).map(|i| (i * 7, u64::MAX - i)).collect(),
         request,
@@ -35,9 +35,12 @@ fn root_frames() -> Vec<RootFrame> {
     let mut frames = vec![
         RootFrame::Welcome { lease_ms: 15_000 },
         RootFrame::Refused(OpError::Invalid("no".into())),
-        RootFrame::SubWelcome { sub: 1, welcome: Welcome { session: SessionId(9), lease_ms: 15_000 } },
+        RootFrame::SubWelcome {
+            sub: 1,
+            welcome: Welcome { session: SessionId(9), lease_ms: 15_000, job_incarnation: None },
+        },
     ];
-    let errors = samples(op_error(), 12);
+    let errors = samples(op_error(), 16);
     frames.extend(errors.iter().cloned().map(|error| RootFrame::SubRefused { sub: 4, error }));
     let replies = samples(response(), 7).into_iter().map(Ok).chain(errors.into_iter().map(Err));
     let replies: Vec<_> = replies.collect();
@@ -96,12 +99,25 @@ fn golden_bytes() {
     let mut out = BytesMut::new();
     encode_agent_frame(&AgentFrame::Hello { host: "n".into(), pid: 7 }, &mut out);
     encode_agent_frame(&AgentFrame::SubRequest { sub: 2, id: 1, request: Request::Heartbeat }, &mut out);
-    encode_agent_frame(&AgentFrame::SubClose { sub: 2 }, &mut out);
+    encode_agent_frame(&AgentFrame::SubClose { sub: 2, gone: false }, &mut out);
     #[rustfmt::skip]
     let expected: &[u8] = &[
         0x0a, 0, 0, 0, 0x03, 1, 0, 0, 0, b'n', 7, 0, 0, 0,
         0x12, 0, 0, 0, 0x05, 2, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0x11,
-        0x09, 0, 0, 0, 0x06, 2, 0, 0, 0, 0, 0, 0, 0,
+        0x0a, 0, 0, 0, 0x06, 2, 0, 0, 0, 0, 0, 0, 0, 0x00,
+    ];
+    assert_eq!(&out[..], expected);
+    // The agent found the rank's process gone: no reconnect grace (section 14).
+    let mut out = BytesMut::new();
+    encode_agent_frame(&AgentFrame::SubClose { sub: 2, gone: true }, &mut out);
+    assert_eq!(&out[..], &[0x0a, 0, 0, 0, 0x06, 2, 0, 0, 0, 0, 0, 0, 0, 0x01]);
+    let mut out = BytesMut::new();
+    let welcome = Welcome { session: SessionId(9), lease_ms: 15_000, job_incarnation: Some(0xbbb) };
+    encode_root_frame(&RootFrame::SubWelcome { sub: 1, welcome }, &mut out);
+    #[rustfmt::skip]
+    let expected: &[u8] = &[
+        0x22, 0, 0, 0, 0x85, 1, 0, 0, 0, 0, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 0x98, 0x3a, 0, 0, 0, 0, 0, 0,
+        0x01, 0xbb, 0x0b, 0, 0, 0, 0, 0, 0,
     ];
     assert_eq!(&out[..], expected);
     let mut out = BytesMut::new();
@@ -113,7 +129,7 @@ fn golden_bytes() {
 
 #[test]
 fn a_bad_sub_request_names_its_sub_session_and_id_and_the_stream_goes_on() {
-    let first = AgentFrame::SubClose { sub: 1 };
+    let first = AgentFrame::SubClose { sub: 1, gone: true };
     let last = AgentFrame::SubRequest { sub: 3, id: 4, request: Request::NumKeys };
     let mut stream = BytesMut::new();
     encode_agent_frame(&first, &mut stream);
@@ -195,7 +211,7 @@ fn one_call_of_sub_replies_is_a_plain_sub_reply() {
 
 #[test]
 fn a_bad_aggregated_frame_names_every_call_and_the_stream_goes_on() {
-    let last = AgentFrame::SubClose { sub: 1 };
+    let last = AgentFrame::SubClose { sub: 1, gone: true };
     let mut stream = BytesMut::new();
     // Calls (2, 9) and (4, 11), then the unknown opcode 0x7f.
     stream.put_u32_le(1 + 4 + 32 + 1);
@@ -270,7 +286,7 @@ proptest! {
         for frame in [
             AgentFrame::SubHello { sub, identity: identity.clone() },
             AgentFrame::SubRequest { sub, id, request: request.clone() },
-            AgentFrame::SubClose { sub },
+            AgentFrame::SubClose { sub, gone: id % 2 == 0 },
             AgentFrame::Hello { host: identity.host.clone(), pid: identity.pid },
             AgentFrame::SubRequests { calls: vec![(sub, id), (id, sub)], request: request.clone() },
         ] {

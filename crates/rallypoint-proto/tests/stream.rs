@@ -14,7 +14,7 @@ use rallypoint_proto::native::{
 fn client_stream_splits_at_every_byte() {
     let mut frames = vec![ClientFrame::Hello(Identity::ranked("job", 3, 8))];
     frames.extend(
-        samples(request(), 18)
+        samples(request(), 26)
             .into_iter()
             .enumerate()
             .map(|(id, request)| ClientFrame::Request { id: id as u64, request }),
@@ -29,8 +29,9 @@ fn client_stream_splits_at_every_byte() {
 
 #[test]
 fn server_stream_splits_at_every_byte() {
-    let mut frames = vec![ServerFrame::Welcome(Welcome { session: SessionId(9), lease_ms: 15_000 })];
-    let replies = samples(response(), 6).into_iter().map(Ok).chain(samples(op_error(), 12).into_iter().map(Err));
+    let mut frames =
+        vec![ServerFrame::Welcome(Welcome { session: SessionId(9), lease_ms: 15_000, job_incarnation: None })];
+    let replies = samples(response(), 6).into_iter().map(Ok).chain(samples(op_error(), 16).into_iter().map(Err));
     frames.extend(replies.enumerate().map(|(id, reply)| ServerFrame::Reply { id: id as u64, reply }));
     let mut stream = BytesMut::new();
     for frame in &frames {

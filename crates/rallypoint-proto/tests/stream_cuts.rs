@@ -95,7 +95,7 @@ fn agent_frame() -> impl Strategy<Value = AgentFrame> {
             id,
             request
         }),
-        any::<u64>().prop_map(|sub| AgentFrame::SubClose { sub }),
+        (any::<u64>(), any::<bool>()).prop_map(|(sub, gone)| AgentFrame::SubClose { sub, gone }),
         (calls(), request()).prop_map(|(calls, request)| AgentFrame::SubRequests { calls, request }),
     ]
 }
@@ -108,7 +108,7 @@ fn root_frame() -> impl Strategy<Value = RootFrame> {
         op_error().prop_map(RootFrame::Refused),
         (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(sub, session, lease_ms)| RootFrame::SubWelcome {
             sub,
-            welcome: Welcome { session: SessionId(session), lease_ms }
+            welcome: Welcome { session: SessionId(session), lease_ms, job_incarnation: None }
         }),
         (any::<u64>(), op_error()).prop_map(|(sub, error)| RootFrame::SubRefused { sub, error }),
         (any::<u64>(), any::<u64>(), reply()).prop_map(|(sub, id, reply)| RootFrame::SubReply { sub, id, reply }),
@@ -276,7 +276,7 @@ fn write_seed_corpus() {
             let frames: Vec<_> = replies
                 .enumerate()
                 .map(|(id, reply)| ServerFrame::Reply { id: id as u64, reply })
-                .chain([ServerFrame::Welcome(Welcome { session: SessionId(3), lease_ms: 9 })])
+                .chain([ServerFrame::Welcome(Welcome { session: SessionId(3), lease_ms: 9, job_incarnation: Some(7) })])
                 .collect();
             singles(&frames, encode_server_frame)
         }),
@@ -284,7 +284,7 @@ fn write_seed_corpus() {
             let mut frames = vec![
                 AgentFrame::Hello { host: "node".into(), pid: 7 },
                 AgentFrame::SubHello { sub: 1, identity: Identity::ranked("job", 0, 2) },
-                AgentFrame::SubClose { sub: 1 },
+                AgentFrame::SubClose { sub: 1, gone: true },
             ];
             for request in samples(request(), 24) {
                 frames.push(AgentFrame::SubRequest { sub: 1, id: 2, request: request.clone() });
@@ -295,7 +295,10 @@ fn write_seed_corpus() {
         (Target::RootFrame, {
             let mut frames = vec![
                 RootFrame::Welcome { lease_ms: 5 },
-                RootFrame::SubWelcome { sub: 1, welcome: Welcome { session: SessionId(2), lease_ms: 5 } },
+                RootFrame::SubWelcome {
+                    sub: 1,
+                    welcome: Welcome { session: SessionId(2), lease_ms: 5, job_incarnation: None },
+                },
             ];
             for error in samples(op_error(), 12) {
                 frames.push(RootFrame::SubRefused { sub: 1, error: error.clone() });

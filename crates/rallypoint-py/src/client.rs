@@ -115,6 +115,35 @@ impl Client {
     fn take(&self) -> Option<rallypoint_client::Client> {
         self.client.lock().unwrap_or_else(PoisonError::into_inner).take()
     }
+
+    /// Drops the connection as a crash would, telling the coordinator first (see
+    /// `rallypoint_client::Client::abandon`): the runtime goes with this object.
+    fn abandon(&self, py: Python<'_>) {
+        if let Some(client) = self.take() {
+            let _ = crate::wait(py, &self.runtime, async move {
+                let _ = tokio::time::timeout(ABANDON_WAIT, client.abandon()).await;
+            });
+        }
+    }
+}
+
+/// How long dropping a client waits for the coordinator to be told.
+const ABANDON_WAIT: Duration = Duration::from_secs(1);
+
+/// A client garbage-collected without `close()` counts as a crash, told to the
+/// coordinator before its runtime goes. Waits on a channel rather than `block_on`,
+/// which cannot run where a runtime is current.
+impl Drop for Client {
+    fn drop(&mut self) {
+        if let Some(client) = self.take() {
+            let (said, told) = std::sync::mpsc::channel();
+            self.runtime.spawn(async move {
+                client.abandon().await;
+                let _ = said.send(());
+            });
+            let _ = told.recv_timeout(ABANDON_WAIT);
+        }
+    }
 }
 
 #[pymethods]
@@ -410,6 +439,22 @@ impl Client {
         self.run(py, client.abort(reason))
     }
 
+    /// Starts job incarnation `incarnation` afresh (what `rallypoint reset` does): the
+    /// job's keys, barrier generations, abort and lost ranks are gone, and every
+    /// pending and later operation of its processes (this client's too) raises
+    /// JobReset. Nothing if the job is at that incarnation already.
+    fn reset(&self, py: Python<'_>, incarnation: u64) -> PyResult<()> {
+        let client = self.handle(py)?;
+        self.run(py, client.reset(incarnation))
+    }
+
+    /// The incarnation the job was at when this client (last) connected, or None if
+    /// it was never reset nor named (RALLYPOINT_JOB_INCARNATION).
+    #[getter]
+    fn job_incarnation(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        Ok(self.handle(py)?.job_incarnation())
+    }
+
     /// Leaves cleanly: the coordinator records that this rank left (it may come
     /// back) rather than died. Does nothing the second time.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
@@ -437,7 +482,7 @@ impl Client {
         match exc_type {
             None => self.close(py),
             Some(_) => {
-                drop(self.take());
+                self.abandon(py);
                 Ok(())
             }
         }

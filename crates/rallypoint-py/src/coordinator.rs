@@ -25,8 +25,8 @@ pub struct Coordinator {
 #[pymethods]
 impl Coordinator {
     #[new]
-    #[pyo3(signature = (listen = "127.0.0.1:0", lease = None))]
-    fn new(py: Python<'_>, listen: &str, lease: Option<f64>) -> PyResult<Self> {
+    #[pyo3(signature = (listen = "127.0.0.1:0", lease = None, reconnect_grace = None))]
+    fn new(py: Python<'_>, listen: &str, lease: Option<f64>, reconnect_grace: Option<f64>) -> PyResult<Self> {
         let listen: SocketAddr = listen
             .parse()
             .map_err(|e| errors::invalid(py, format!("listen='{listen}' is not an IP:PORT address: {e}")))?;
@@ -35,6 +35,12 @@ impl Coordinator {
             let lease = Duration::try_from_secs_f64(lease)
                 .map_err(|_| errors::invalid(py, format!("lease={lease} is not a non-negative number of seconds")))?;
             engine.lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
+        }
+        if let Some(grace) = reconnect_grace {
+            let grace = Duration::try_from_secs_f64(grace).map_err(|_| {
+                errors::invalid(py, format!("reconnect_grace={grace} is not a non-negative number of seconds"))
+            })?;
+            engine.reconnect_grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX);
         }
         // Two workers: the coordinator of a spawned job serves every rank's requests.
         let runtime = crate::runtime("rallypoint-coordinator", 2).map_err(PyErr::from)?;
@@ -77,6 +83,8 @@ impl Coordinator {
             attempt_job: job.to_owned(),
             restart_count: 0,
             max_restarts: 0,
+            // A coordinator of its own per spawn: no earlier run to tell apart.
+            job_incarnation: None,
         };
         let placement =
             Placement { rank, local_rank: rank, world_size: nprocs, local_world_size: nprocs, node_rank: 0, nnodes: 1 };

@@ -10,7 +10,9 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use pyo3::IntoPyObjectExt;
-use rallypoint_client::{AbortInfo, CallShape, Error, OpError, OpRef, RankInfo, RankState};
+use rallypoint_client::{
+    AbortInfo, CallShape, Error, JobIncarnation, OpError, OpRef, ProcessInfo, RankInfo, RankState,
+};
 
 /// Python attributes of one exception, by name.
 type Attrs<'py> = Vec<(&'static str, Bound<'py, PyAny>)>;
@@ -121,6 +123,34 @@ fn op_error(py: Python<'_>, message: String, error: OpError) -> PyResult<PyErr> 
             exception(py, "BadMembers", message, attrs)
         }
         OpError::Closed(_) => exception(py, "ConnectionError", message, vec![]),
+        OpError::RankHeld { rank, holder, since_unix_ms, claimant } => {
+            let attrs = vec![
+                ("rank", obj(py, rank)?),
+                ("holder", process(py, &holder)?),
+                ("since", obj(py, secs(since_unix_ms))?),
+                ("claimant", process(py, &claimant)?),
+            ];
+            exception(py, "RankHeld", message, attrs)
+        }
+        OpError::TakenOver { rank, by, at_unix_ms, this } => {
+            let attrs = vec![
+                ("rank", obj(py, rank)?),
+                ("by", process(py, &by)?),
+                ("at", obj(py, secs(at_unix_ms))?),
+                ("this", process(py, &this)?),
+            ];
+            exception(py, "RankTakenOver", message, attrs)
+        }
+        OpError::JobReset { job, to } => {
+            let mut attrs = vec![("job", obj(py, job)?)];
+            attrs.extend(job_incarnation(py, &to)?);
+            exception(py, "JobReset", message, attrs)
+        }
+        OpError::StaleIncarnation { job, mine, current } => {
+            let mut attrs = vec![("job", obj(py, job)?), ("mine", obj(py, mine)?)];
+            attrs.extend(job_incarnation(py, &current)?);
+            exception(py, "StaleIncarnation", message, attrs)
+        }
         OpError::NoRank { .. }
         | OpError::NotANumber { .. }
         | OpError::Overflow { .. }
@@ -163,6 +193,25 @@ fn rank_info<'py>(py: Python<'py>, info: &RankInfo) -> PyResult<Bound<'py, PyAny
     kwargs.set_item("reason", reason)?;
     kwargs.set_item("last_seen", info.last_seen_ms_ago.map(secs))?;
     py.import("rallypoint._errors")?.getattr("RankInfo")?.call((), Some(&kwargs))
+}
+
+/// A process as `rallypoint.ProcessInfo`: pid, host, incarnation (an int, or None).
+fn process<'py>(py: Python<'py>, info: &ProcessInfo) -> PyResult<Bound<'py, PyAny>> {
+    let kwargs = PyDict::new(py);
+    kwargs.set_item("pid", info.pid)?;
+    kwargs.set_item("host", info.host.clone())?;
+    kwargs.set_item("incarnation", info.incarnation)?;
+    py.import("rallypoint._errors")?.getattr("ProcessInfo")?.call((), Some(&kwargs))
+}
+
+/// The attributes of a job incarnation: which, since when, by whom, whether by a reset.
+fn job_incarnation<'py>(py: Python<'py>, job: &JobIncarnation) -> PyResult<Attrs<'py>> {
+    Ok(vec![
+        ("incarnation", obj(py, job.incarnation)?),
+        ("since", obj(py, secs(job.since_unix_ms))?),
+        ("by", process(py, &job.by)?),
+        ("by_reset", obj(py, job.reset)?),
+    ])
 }
 
 fn call_shape<'py>(py: Python<'py>, shape: &CallShape) -> PyResult<Bound<'py, PyAny>> {

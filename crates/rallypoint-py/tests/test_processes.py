@@ -8,6 +8,10 @@ import signal
 import socket
 import time
 
+import pytest
+
+import rallypoint as rp
+
 
 def rank_env(coordinator, job, rank, world_size):
     return {"RALLYPOINT_ADDR": coordinator.addr, "RALLYPOINT_JOB": job, "RANK": str(rank), "WORLD_SIZE": str(world_size)}
@@ -47,3 +51,59 @@ def test_ctrl_c_interrupts_a_barrier(coordinator, job, children):
     # Within 5 s, not at the barrier's 30 s timeout (no tighter bound: the machine is shared).
     child.expect("interrupted", timeout=5)
     assert child.popen.wait(10) == 0
+
+
+def test_a_second_process_claiming_a_held_rank_raises_rank_held(coordinator, job, children):
+    holder = children(rank_env(coordinator, job, 1, 2), "idle")
+    holder.expect("connected", timeout=20)
+    with pytest.raises(rp.RankHeld) as info:
+        rp.Client(coordinator.addr, rank=1, world_size=2, job=job, timeout=5)
+    e = info.value
+    assert isinstance(e, rp.IncarnationRefused) and isinstance(e, rp.RallypointError)
+    assert e.rank == 1
+    assert (e.holder.pid, e.holder.host) == (holder.pid, socket.gethostname())
+    assert e.claimant.pid == os.getpid() and e.claimant.incarnation != e.holder.incarnation
+    assert isinstance(e.holder.incarnation, int) and e.since <= time.time()
+    assert str(e).startswith(f"rank 1 is held by pid {holder.pid} on host ")
+    # The holder is the one that counts: killed, its rank is lost, and may be taken over.
+    os.kill(holder.pid, signal.SIGKILL)
+    holder.popen.wait(10)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            c = rp.Client(coordinator.addr, rank=1, world_size=2, job=job, timeout=5)
+            break
+        except rp.RankHeld:
+            assert time.monotonic() < deadline, "the killed holder kept its rank"
+            time.sleep(0.05)
+    c.close()
+
+
+def test_a_reset_fails_the_old_incarnation_with_job_reset(coordinator, job):
+    old = rp.Client(coordinator.addr, job=job, timeout=5)
+    old.set("k", "v")
+    resetter = rp.Client(coordinator.addr, job=job, timeout=5)
+    resetter.reset(0xBBB)
+    with pytest.raises(rp.JobReset) as info:
+        old.get("k", timeout=0)
+    assert (info.value.job, info.value.incarnation, info.value.by.pid) == (job, 0xBBB, os.getpid())
+    assert info.value.by_reset
+    fresh = rp.Client(coordinator.addr, job=job, timeout=5)
+    assert fresh.job_incarnation == 0xBBB
+    assert not fresh.check(["k"])
+    for c in (old, resetter, fresh):
+        c.close()
+
+
+def test_a_client_garbage_collected_without_close_is_lost_at_once(job):
+    """Its process lives on, so only the client telling the coordinator, as it goes,
+    makes the loss immediate, not a reconnect grace (here longer than the barrier's
+    timeout, which would then expire instead) later."""
+    with rp._Coordinator(lease=600, reconnect_grace=600) as coordinator:
+        waiter = rp.Client(coordinator.addr, rank=0, world_size=2, job=job, timeout=5)
+        dropped = rp.Client(coordinator.addr, rank=1, world_size=2, job=job, timeout=5)
+        del dropped  # the last reference: the object goes now
+        with pytest.raises(rp.PeerLost) as info:
+            waiter.barrier("b", timeout=30)
+        assert info.value.rank == 1 and info.value.reason == "connection dropped without a clean leave"
+        waiter.close()

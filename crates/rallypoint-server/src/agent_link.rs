@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use rallypoint_core::{OpError, Reply, Request, SessionId, Welcome};
+use rallypoint_core::{Departure, OpError, Reply, Request, SessionId, Welcome};
 use rallypoint_net::budget::{buffered, Charge};
 use rallypoint_net::conn::{after_read, read_some, stall, Buffering, End};
 use rallypoint_net::sync::lock;
@@ -100,6 +100,7 @@ impl Subs {
 struct SubsGuard<'a> {
     shared: &'a Shared,
     subs: Subs,
+    outbox: Arc<AgentOutbox>,
 }
 
 impl Drop for SubsGuard<'_> {
@@ -114,7 +115,7 @@ impl Drop for SubsGuard<'_> {
                 self.shared.forget(session);
             }
         } else {
-            self.shared.close_all(&sessions);
+            self.shared.close_all(&sessions, &self.outbox);
         }
     }
 }
@@ -155,7 +156,7 @@ pub(crate) async fn serve(
         read_timeout: settings.read_timeout,
         rbuf,
         wbuf,
-        guard: SubsGuard { shared: &shared, subs: Subs::default() },
+        guard: SubsGuard { shared: &shared, subs: Subs::default(), outbox: Arc::clone(&outbox) },
         warnings: WarnLimit::new(),
         charge,
     };
@@ -255,8 +256,9 @@ impl AgentConn<'_> {
             AgentFrame::SubRequests { calls, request: r } => {
                 inputs.extend(calls.into_iter().filter_map(|(sub, id)| request(subs, sub, id, r.clone())));
             }
-            AgentFrame::SubClose { sub } => {
-                inputs.extend(subs.remove(sub).map(|session| AgentInput::Close { session }))
+            AgentFrame::SubClose { sub, gone } => {
+                let departure = if gone { Departure::ProcessGone } else { Departure::Unknown };
+                inputs.extend(subs.remove(sub).map(|session| AgentInput::Close { session, departure }))
             }
             AgentFrame::Hello { .. } => return Err(End::SecondHello),
         }
@@ -282,13 +284,26 @@ impl AgentConn<'_> {
         }
     }
 
-    /// Welcomes each sub-session the engine admitted and refuses the others.
+    /// Welcomes each sub-session the engine admitted and refuses the others. A
+    /// sub-session that resumed an earlier session is that session from now on.
     fn answer_hellos(&mut self, opened: Vec<(SessionId, Result<Welcome, OpError>)>) {
         let subs = &mut self.guard.subs;
         for (session, outcome) in opened {
             let Some(&sub) = subs.by_session.get(&session) else { continue };
             let frame = match outcome {
-                Ok(welcome) => RootFrame::SubWelcome { sub, welcome },
+                Ok(welcome) => {
+                    if welcome.session != session {
+                        subs.remove(sub);
+                        // The session may still be mapped from the sub it left (on this
+                        // agent, whose close of it has not come yet): that sub is stale.
+                        if let Some(stale) = subs.by_session.remove(&welcome.session) {
+                            subs.by_sub.remove(&stale);
+                        }
+                        subs.by_sub.insert(sub, welcome.session);
+                        subs.by_session.insert(welcome.session, sub);
+                    }
+                    RootFrame::SubWelcome { sub, welcome }
+                }
                 Err(error) => {
                     debug!(peer = %self.peer, sub, %error, "refused a rank behind a node agent");
                     subs.remove(sub);

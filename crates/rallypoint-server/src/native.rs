@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use rallypoint_core::{OpError, Reply, SessionId};
+use rallypoint_core::{Departure, Identity, OpError, Reply, SessionId};
 use rallypoint_net::budget::{buffered, Charge};
 use rallypoint_net::conn::{
     accept_hello, after_read, decode_requests, read_some, stall, Accepts, Buffering, End, Hello, Inbound,
@@ -49,6 +49,20 @@ pub(crate) fn serve(
         let Session { conn, outbox, guard } = &mut session;
         let end = conn.run(guard.session, &guard.shared, outbox).await;
         log_end(peer, Some(guard.session), &end);
+    }
+}
+
+/// Who the process of a native session is, for telling its death from a cut
+/// connection when the session ends (see [`SessionGuard`]).
+pub(crate) struct Process {
+    pub(crate) pid: u32,
+    /// It runs on this machine: its death can be seen here.
+    pub(crate) local: bool,
+}
+
+impl Process {
+    pub(crate) fn of(shared: &Shared, identity: &Identity) -> Process {
+        Process { pid: identity.pid, local: shared.is_local(identity) }
     }
 }
 
@@ -103,7 +117,9 @@ async fn open(
     let id = welcome.session;
     debug!(%peer, session = %id, job = %identity.job, rank = ?identity.rank, host = %identity.host, pid = identity.pid, "session opened");
     encode_server_frame(&ServerFrame::Welcome(welcome), &mut conn.wbuf);
-    Some(Session { conn, outbox, guard: SessionGuard::new(shared, id) })
+    let process = Process::of(&shared, &identity);
+    let guard = SessionGuard::new(shared, id, Arc::clone(&outbox), Some(process));
+    Some(Session { conn, outbox, guard })
 }
 
 /// An admitted native session: its connection, its outbox, and the guard that
@@ -131,17 +147,32 @@ fn log_end(peer: SocketAddr, session: Option<SessionId>, end: &End) {
 }
 
 /// Tells the engine when the session ends, however the connection ends (error,
-/// peer close, server shutdown cancelling the task).
+/// peer close, server shutdown cancelling the task), unless the session was resumed
+/// on another connection meanwhile.
+///
+/// A session whose process ran on this machine (its hello says so) is closed as a
+/// death at once if the process is gone. If it still runs, it may be exiting (the
+/// kernel closes a killed process's sockets before the process is gone), or its
+/// connection was cut: the session waits for a resume, and a watcher looks at the
+/// process during that grace, so that a death still fails its peers at once.
 pub(crate) struct SessionGuard {
     pub(crate) shared: Arc<Shared>,
     pub(crate) session: SessionId,
+    outbox: Arc<Outbox>,
+    /// The session's process, for a native session.
+    process: Option<Process>,
     /// The engine panicked: do not call it again on drop.
     abandoned: bool,
 }
 
 impl SessionGuard {
-    pub(crate) fn new(shared: Arc<Shared>, session: SessionId) -> SessionGuard {
-        SessionGuard { shared, session, abandoned: false }
+    pub(crate) fn new(
+        shared: Arc<Shared>,
+        session: SessionId,
+        outbox: Arc<Outbox>,
+        process: Option<Process>,
+    ) -> SessionGuard {
+        SessionGuard { shared, session, outbox, process, abandoned: false }
     }
 
     /// Drops the session's outbox without telling the engine (see [`Shared::forget`]).
@@ -155,8 +186,28 @@ impl Drop for SessionGuard {
         if self.abandoned || std::thread::panicking() {
             // The engine may be what panicked; calling it again would abort the process.
             self.shared.forget(self.session);
-        } else {
-            self.shared.close(self.session);
+            return;
+        }
+        let Some(Process { pid, local: true }) = self.process else {
+            self.shared.close(self.session, &self.outbox, Departure::Unknown);
+            return;
+        };
+        if rallypoint_net::process::process_gone(pid) {
+            self.shared.close(self.session, &self.outbox, Departure::ProcessGone);
+            return;
+        }
+        if !self.shared.close(self.session, &self.outbox, Departure::Unknown) {
+            return; // resumed on another connection
+        }
+        let grace = std::time::Duration::from_millis(self.shared.grace_ms());
+        // Dropped outside a runtime only at shutdown, when nobody waits for peers.
+        if let (false, Ok(runtime)) = (grace.is_zero(), tokio::runtime::Handle::try_current()) {
+            let (shared, session) = (Arc::clone(&self.shared), self.session);
+            runtime.spawn(async move {
+                if rallypoint_net::process::watch(pid, grace).await {
+                    shared.process_gone(session);
+                }
+            });
         }
     }
 }
@@ -185,12 +236,12 @@ impl Connection {
     }
 
     /// Serves the open session until the connection ends; returns how.
-    async fn run(&mut self, session: SessionId, shared: &Shared, outbox: &Outbox) -> End {
+    async fn run(&mut self, session: SessionId, shared: &Shared, outbox: &Arc<Outbox>) -> End {
         // Replies to this session's requests that were ready at once; moved into
         // each flush, so that an idle connection holds no allocation for them.
         let mut immediate = Vec::new();
         // The hello may have arrived together with the first requests.
-        let mut broken = self.process(session, shared, &mut immediate).err();
+        let mut broken = self.process(session, shared, outbox, &mut immediate).err();
         loop {
             // Replies to the requests before a broken frame still go out, so the peer
             // learns all it can before the connection closes.
@@ -208,6 +259,9 @@ impl Connection {
             Buffering::RANK.release_idle(&mut self.rbuf);
             self.wbuf = BytesMut::new();
             let buffered = self.rbuf.len();
+            if outbox.superseded() {
+                return End::Shutdown("the session was resumed on another connection".to_owned());
+            }
             tokio::select! {
                 // Replies first: they free waiting peers, and reading more only adds work.
                 biased;
@@ -217,7 +271,7 @@ impl Connection {
                         Ok(0) if self.rbuf.is_empty() => return End::Closed,
                         Ok(0) => return End::ClosedMidFrame { buffered: self.rbuf.len() },
                         Ok(read) => {
-                            broken = self.process(session, shared, &mut immediate).err();
+                            broken = self.process(session, shared, outbox, &mut immediate).err();
                             after_read(read).await;
                         }
                         Err(error) => return End::Io(error),
@@ -233,7 +287,13 @@ impl Connection {
     /// one lock; replies ready at once go to `immediate`. Bad requests get an
     /// `Invalid` reply; a broken stream ends the session (after the requests before
     /// it are handled).
-    fn process(&mut self, session: SessionId, shared: &Shared, immediate: &mut Vec<(u64, Reply)>) -> Result<(), End> {
+    fn process(
+        &mut self,
+        session: SessionId,
+        shared: &Shared,
+        outbox: &Arc<Outbox>,
+        immediate: &mut Vec<(u64, Reply)>,
+    ) -> Result<(), End> {
         let mut requests = Vec::new();
         let (peer, wbuf, warnings) = (self.peer, &mut self.wbuf, &mut self.warnings);
         let result = decode_requests(&mut self.rbuf, &self.settings.limits, |input| match input {
@@ -251,7 +311,7 @@ impl Connection {
             }
         });
         if !requests.is_empty() {
-            shared.handle(session, requests.into_iter(), &mut |id, reply| immediate.push((id, reply)));
+            shared.handle(session, outbox, requests.into_iter(), &mut |id, reply| immediate.push((id, reply)));
         }
         // Counted as soon as it is known, so that what a peer sees happen after this
         // (its replies) never comes before the count.

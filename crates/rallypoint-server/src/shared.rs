@@ -5,11 +5,14 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
-use std::time::Instant;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use atomic_waker::AtomicWaker;
-use rallypoint_core::{Config, Engine, Identity, Millis, OpError, RankInfo, Reply, Request, SessionId, Welcome};
+use rallypoint_core::{
+    Config, Departure, Engine, Identity, Millis, OpError, RankInfo, Reply, Request, SessionId, Welcome,
+};
 use rallypoint_net::sync::lock;
+use tracing::debug;
 
 use crate::agent_link::AgentOutbox;
 use crate::ticker::Alarm;
@@ -29,6 +32,9 @@ pub(crate) struct Shared {
     ticker_alarm: Alarm,
     /// The job TCPStore connections join.
     tcpstore_job: Mutex<String>,
+    /// This machine's name: a session stating it ran here, and its process can be
+    /// looked up to tell a death from a cut connection.
+    host: String,
 }
 
 struct State {
@@ -37,9 +43,21 @@ struct State {
 }
 
 /// Where a session's replies go: its own connection, or the node agent carrying it.
+/// A session resumed on another connection changes sink; the connection it left
+/// then speaks for it no more (its close and requests are ignored).
 enum Sink {
     Direct(Arc<Outbox>),
     Agent(Arc<AgentOutbox>),
+}
+
+impl Sink {
+    fn is_direct(&self, outbox: &Arc<Outbox>) -> bool {
+        matches!(self, Sink::Direct(mine) if Arc::ptr_eq(mine, outbox))
+    }
+
+    fn is_agent(&self, outbox: &Arc<AgentOutbox>) -> bool {
+        matches!(self, Sink::Agent(mine) if Arc::ptr_eq(mine, outbox))
+    }
 }
 
 /// One thing a node agent's connection tells the engine (see [`Shared::agent_batch`]).
@@ -56,6 +74,7 @@ pub(crate) enum AgentInput {
     },
     Close {
         session: SessionId,
+        departure: Departure,
     },
 }
 
@@ -69,9 +88,21 @@ pub(crate) struct Outbox {
     /// when, as usual, every reply went back directly.
     queued: AtomicBool,
     pub(crate) ready: Ready,
+    /// Its session was resumed on another connection: this one is to close.
+    superseded: AtomicBool,
 }
 
 impl Outbox {
+    /// Whether the session moved to another connection (see [`Shared::open`]).
+    pub(crate) fn superseded(&self) -> bool {
+        self.superseded.load(Ordering::Acquire)
+    }
+
+    fn supersede(&self) {
+        self.superseded.store(true, Ordering::Release);
+        self.ready.notify();
+    }
+
     fn push(&self, request_id: u64, reply: Reply) {
         let mut queue = lock(&self.queue);
         queue.push_back((request_id, reply));
@@ -126,15 +157,31 @@ impl Ready {
 }
 
 impl Shared {
-    pub(crate) fn new(config: Config) -> Self {
+    pub(crate) fn new(mut config: Config) -> Self {
+        let start = Instant::now();
+        // The engine's time 0 as wall-clock time, for the times its errors show.
+        let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
+        config.epoch_unix_ms = u64::try_from(since_epoch.as_millis()).unwrap_or(0);
         Shared {
             state: Mutex::new(State { engine: Engine::new(config), outboxes: HashMap::new() }),
-            start: Instant::now(),
+            start,
             next_session: AtomicU64::new(1),
             ticker_plan: AtomicU64::new(u64::MAX),
             ticker_alarm: Alarm::default(),
             tcpstore_job: Mutex::new(DEFAULT_TCPSTORE_JOB.to_owned()),
+            host: rallypoint_net::hostname(),
         }
+    }
+
+    /// Whether the process that stated `identity` runs on this machine, so that its
+    /// death can be seen here (module `native`).
+    pub(crate) fn is_local(&self, identity: &Identity) -> bool {
+        identity.pid != 0 && identity.host == self.host
+    }
+
+    /// The reconnect grace in effect (engine ms).
+    pub(crate) fn grace_ms(&self) -> Millis {
+        lock(&self.state).engine.config().grace_ms()
     }
 
     /// Read only while holding the state lock, so that the engine never sees time go back.
@@ -147,14 +194,42 @@ impl Shared {
     }
 
     /// Admits a session; on success its replies go to `outbox` until [`Shared::close`].
+    /// A hello with a resume token resumes that session if the engine allows it (the
+    /// welcome then names it): its replies come here from now on, and the connection
+    /// that had it is told to close.
     pub(crate) fn open(&self, identity: Identity, outbox: Arc<Outbox>) -> Result<Welcome, OpError> {
-        let session = SessionId(self.next_session.fetch_add(1, Ordering::Relaxed));
         let mut state = lock(&self.state);
         let now = self.now();
-        let welcome = state.engine.open(session, identity, now)?;
-        state.outboxes.insert(session, Sink::Direct(outbox));
+        let welcome = match self.resume(&mut state, &identity, Sink::Direct(Arc::clone(&outbox)), now) {
+            Some(welcome) => welcome,
+            None => {
+                let session = self.new_session_id();
+                let welcome = state.engine.open(session, identity, now)?;
+                state.outboxes.insert(session, Sink::Direct(outbox));
+                welcome
+            }
+        };
         self.after_input(&mut state);
         Ok(welcome)
+    }
+
+    /// Resumes the session `identity` names, moving it to `sink`; `None` if there is
+    /// no token or the engine refuses (the hello then opens a new session).
+    fn resume(&self, state: &mut State, identity: &Identity, sink: Sink, now: Millis) -> Option<Welcome> {
+        let token = identity.resume?;
+        match state.engine.resume(token, identity, now) {
+            Ok(welcome) => {
+                if let Some(Sink::Direct(left)) = state.outboxes.insert(token, sink) {
+                    left.supersede();
+                }
+                debug!(session = %token, job = %identity.job, rank = ?identity.rank, "session resumed");
+                Some(welcome)
+            }
+            Err(why) => {
+                debug!(session = %token, job = %identity.job, rank = ?identity.rank, %why, "not resumed; a new session");
+                None
+            }
+        }
     }
 
     /// A fresh session id, for a rank behind a node agent.
@@ -183,19 +258,46 @@ impl Shared {
         let mut opened = Vec::new();
         let mut state = lock(&self.state);
         let now = self.now();
+        // Sub-sessions that resumed a session in this batch: their later inputs are the resumed one's.
+        let mut resumed: Vec<(SessionId, SessionId)> = Vec::new();
+        let carried =
+            |state: &State, session: SessionId| state.outboxes.get(&session).is_some_and(|s| s.is_agent(outbox));
         for input in inputs {
             match input {
                 AgentInput::Open { session, identity } => {
-                    let welcome = state.engine.open(session, identity, now);
-                    if welcome.is_ok() {
-                        state.outboxes.insert(session, Sink::Agent(Arc::clone(outbox)));
-                    }
+                    let sink = Sink::Agent(Arc::clone(outbox));
+                    let welcome = match self.resume(&mut state, &identity, sink, now) {
+                        Some(welcome) => {
+                            resumed.push((session, welcome.session));
+                            Ok(welcome)
+                        }
+                        None => {
+                            let welcome = state.engine.open(session, identity, now);
+                            if welcome.is_ok() {
+                                state.outboxes.insert(session, Sink::Agent(Arc::clone(outbox)));
+                            }
+                            welcome
+                        }
+                    };
                     opened.push((session, welcome));
                 }
-                AgentInput::Request { session, id, request } => state.engine.handle(session, id, request, now),
-                AgentInput::Close { session } => {
-                    state.outboxes.remove(&session);
-                    state.engine.close(session, now);
+                AgentInput::Request { session, id, request } => {
+                    let session = resumed.iter().find(|(sub, _)| *sub == session).map_or(session, |(_, s)| *s);
+                    // A session resumed elsewhere is no longer this agent's to speak for.
+                    if carried(&state, session) {
+                        state.engine.handle(session, id, request, now);
+                    }
+                }
+                AgentInput::Close { session, departure } => {
+                    // The close of the sub-session a session was resumed from, in the same batch: stale.
+                    if resumed.iter().any(|(_, target)| *target == session) {
+                        continue;
+                    }
+                    let session = resumed.iter().find(|(sub, _)| *sub == session).map_or(session, |(_, s)| *s);
+                    if carried(&state, session) {
+                        state.outboxes.remove(&session);
+                        state.engine.close_with(session, departure, now);
+                    }
                 }
             }
         }
@@ -214,13 +316,17 @@ impl Shared {
         self.after_input(&mut state);
     }
 
-    /// Closes many sessions at once (a node agent's connection ended).
-    pub(crate) fn close_all(&self, sessions: &[SessionId]) {
+    /// Closes many sessions at once (a node agent's connection ended): those still
+    /// carried by `outbox` (not resumed elsewhere meanwhile). Their ranks cannot come
+    /// back but through that agent, so they are lost at once, as before resumes existed.
+    pub(crate) fn close_all(&self, sessions: &[SessionId], outbox: &Arc<AgentOutbox>) {
         let mut state = lock(&self.state);
         let now = self.now();
         for &session in sessions {
-            state.outboxes.remove(&session);
-            state.engine.close(session, now);
+            if state.outboxes.get(&session).is_some_and(|s| s.is_agent(outbox)) {
+                state.outboxes.remove(&session);
+                state.engine.close_with(session, Departure::Unreachable, now);
+            }
         }
         self.after_input(&mut state);
     }
@@ -232,7 +338,7 @@ impl Shared {
     /// Admits a PyTorch TCPStore connection into the TCPStore job.
     pub(crate) fn open_tcpstore(&self, host: &str, pid: u32, outbox: Arc<Outbox>) -> Result<Welcome, OpError> {
         let job = lock(&self.tcpstore_job).clone();
-        let session = SessionId(self.next_session.fetch_add(1, Ordering::Relaxed));
+        let session = self.new_session_id();
         let mut state = lock(&self.state);
         let now = self.now();
         let welcome = state.engine.open_tcpstore(session, &job, host, pid, now)?;
@@ -245,13 +351,19 @@ impl Shared {
     /// that session's own requests that are ready at once go to `immediate` (the
     /// caller writes them without a wake-up through its outbox); later replies, and
     /// replies to other sessions, go to outboxes.
+    ///
+    /// Nothing if the session was resumed on another connection than `outbox`'s.
     pub(crate) fn handle(
         &self,
         session: SessionId,
+        outbox: &Arc<Outbox>,
         requests: impl Iterator<Item = (u64, Request)>,
         immediate: Immediate<'_>,
     ) {
         let mut state = lock(&self.state);
+        if !state.outboxes.get(&session).is_some_and(|s| s.is_direct(outbox)) {
+            return;
+        }
         let now = self.now();
         for (id, request) in requests {
             state.engine.handle(session, id, request, now);
@@ -260,13 +372,27 @@ impl Shared {
         self.plan_ticker(&state);
     }
 
-    /// The session's connection is gone; the engine decides whether that is a
-    /// clean leave or a loss.
-    pub(crate) fn close(&self, session: SessionId) {
+    /// The session's connection (whose replies went to `outbox`) is gone; the engine
+    /// decides whether that is a clean leave, a wait for a resume or a loss. Nothing
+    /// if the session was resumed on another connection meanwhile.
+    /// Returns whether the session was closed (it was still this connection's).
+    pub(crate) fn close(&self, session: SessionId, outbox: &Arc<Outbox>, departure: Departure) -> bool {
         let mut state = lock(&self.state);
+        if !state.outboxes.get(&session).is_some_and(|s| s.is_direct(outbox)) {
+            return false;
+        }
         let now = self.now();
         state.outboxes.remove(&session);
-        state.engine.close(session, now);
+        state.engine.close_with(session, departure, now);
+        self.after_input(&mut state);
+        true
+    }
+
+    /// The process of a session waiting for a resume is gone: it is lost now.
+    pub(crate) fn process_gone(&self, session: SessionId) {
+        let mut state = lock(&self.state);
+        let now = self.now();
+        state.engine.process_gone(session, now);
         self.after_input(&mut state);
     }
 

@@ -333,7 +333,7 @@ impl Conn {
         if let (Some((session, _)), Some(first)) = (&self.session, first) {
             let pending = &mut self.pending;
             let requests = std::iter::once(first).chain(rest);
-            self.shared.handle(*session, requests, &mut |id, reply| settle(pending, id, reply));
+            self.shared.handle(*session, &self.outbox, requests, &mut |id, reply| settle(pending, id, reply));
         }
         result
     }
@@ -348,7 +348,10 @@ impl Conn {
             self.shared.open_tcpstore(&host, pid, Arc::clone(&self.outbox)).map_err(|e| End::Refused(Box::new(e)))?;
         let session = welcome.session;
         debug!(peer = %self.peer, %session, pid, "TCPStore session opened");
-        self.session = Some((session, SessionGuard::new(Arc::clone(&self.shared), session)));
+        // TCPStore clients state no incarnation: their sessions cannot resume, so
+        // their process need not be watched.
+        let guard = SessionGuard::new(Arc::clone(&self.shared), session, Arc::clone(&self.outbox), None);
+        self.session = Some((session, guard));
         Ok(())
     }
 

@@ -4,6 +4,8 @@
 use std::ffi::OsString;
 use std::net::SocketAddr;
 
+use rallypoint_core::Incarnation;
+
 /// Where one worker sits in the job.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Placement {
@@ -31,6 +33,9 @@ pub struct JobEnv {
     pub attempt_job: String,
     pub restart_count: u32,
     pub max_restarts: u32,
+    /// The job incarnation of this attempt (RALLYPOINT_JOB_INCARNATION): the workers of
+    /// an earlier attempt, should one still run, are refused by name.
+    pub job_incarnation: Option<u64>,
 }
 
 pub fn worker_env(job: &JobEnv, p: &Placement, inherited_omp: bool) -> Vec<(&'static str, OsString)> {
@@ -54,6 +59,9 @@ pub fn worker_env(job: &JobEnv, p: &Placement, inherited_omp: bool) -> Vec<(&'st
         ("RALLYPOINT_ADDR", job.node_agent.as_ref().map_or_else(|| s(&job.coordinator), OsString::from)),
         ("RALLYPOINT_JOB", s(&job.attempt_job)),
     ];
+    if let Some(incarnation) = job.job_incarnation {
+        env.push(("RALLYPOINT_JOB_INCARNATION", s(&Incarnation(incarnation))));
+    }
     // As torchrun does: many workers each spawning a thread per core oversubscribe the node.
     if !inherited_omp && p.local_world_size > 1 {
         env.push(("OMP_NUM_THREADS", s(&1)));
@@ -86,6 +94,7 @@ mod tests {
             attempt_job: "train.restart1".into(),
             restart_count: 1,
             max_restarts: 3,
+            job_incarnation: Some(0xbbb),
         };
         let p = Placement { rank: 5, local_rank: 1, world_size: 8, local_world_size: 4, node_rank: 1, nnodes: 2 };
         let env: std::collections::HashMap<_, _> = worker_env(&job, &p, false).into_iter().collect();
@@ -99,6 +108,7 @@ mod tests {
         assert_eq!(get("RALLYPOINT_JOB"), "train.restart1");
         assert_eq!(get("TORCHELASTIC_RUN_ID"), "train");
         assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), "True");
+        assert_eq!(get("RALLYPOINT_JOB_INCARNATION"), "0000000000000bbb");
         assert_eq!(get("OMP_NUM_THREADS"), "1");
         let env = worker_env(&job, &p, true);
         assert!(env.iter().all(|(k, _)| *k != "OMP_NUM_THREADS"), "a user's OMP_NUM_THREADS is kept");

@@ -275,6 +275,21 @@ impl Collectives {
             .collect()
     }
 
+    /// Fails the waits of `session` with `error`, leaving its arrivals counted.
+    pub fn fail_session(&mut self, session: SessionId, error: &OpError, ctx: &mut Ctx<'_>) {
+        for coll in self.by_name.values_mut() {
+            for g in coll.pending.values_mut() {
+                g.waiters.retain(|&(s, id)| {
+                    if s != session {
+                        return true;
+                    }
+                    ctx.reply((s, id), Err(error.clone()));
+                    false
+                });
+            }
+        }
+    }
+
     /// The job was aborted: fail everything pending.
     pub fn fail_all(&mut self, error: &OpError, ctx: &mut Ctx<'_>) {
         for coll in self.by_name.values_mut() {

@@ -1,6 +1,6 @@
 //! One job: its keys, its collectives, its ranks, and whether it was aborted.
 
-use crate::{AbortInfo, Config, Millis, OpError, Outgoing};
+use crate::{AbortInfo, Config, JobIncarnation, Millis, OpError, Outgoing, SessionId};
 
 use super::collective::{Collectives, Ctx};
 use super::ranks::{Change, Ranks};
@@ -18,6 +18,11 @@ pub(crate) struct Job {
     pub ranks: Ranks,
     pub collectives: Collectives,
     pub aborted: Option<AbortInfo>,
+    /// The incarnation the job is at, once a process named one or reset it.
+    pub incarnation: Option<Box<JobIncarnation>>,
+    /// The job was reset to this newer incarnation (a `Job` of its own): this one only
+    /// serves its remaining sessions, failing everything they ask.
+    pub superseded: Option<Box<JobIncarnation>>,
     /// Open sessions of this job.
     pub sessions: usize,
     pub idle_since: Millis,
@@ -38,6 +43,8 @@ impl Job {
             ranks: Ranks::default(),
             collectives: Collectives::new(config.failed_generations_kept, config.limits.max_gather_bytes),
             aborted: None,
+            incarnation: None,
+            superseded: None,
             sessions: 0,
             idle_since: now,
             stall_noted: HashMap::default(),
@@ -47,6 +54,31 @@ impl Job {
 
     pub fn abort_error(&self) -> Option<OpError> {
         self.aborted.as_ref().map(|by| OpError::Aborted { job: self.name.clone(), by: by.clone() })
+    }
+
+    /// The error of every operation of a job that was reset.
+    pub fn reset_error(&self) -> Option<OpError> {
+        self.superseded.as_ref().map(|to| OpError::JobReset { job: self.name.clone(), to: to.clone() })
+    }
+
+    /// The job was reset to `to`: fails everything pending; its sessions get the same
+    /// error for everything they ask from now on.
+    pub fn supersede(&mut self, to: JobIncarnation, ctx: &mut Ctx<'_>) {
+        self.superseded = Some(Box::new(to));
+        let Some(error) = self.reset_error() else { return };
+        let mut done = Vec::new();
+        self.store.fail_all(&error, &mut done);
+        send_key_replies(done, ctx.out);
+        self.collectives.fail_all(&error, ctx);
+    }
+
+    /// Fails every wait of `session` with `error` (its rank was taken over). Its
+    /// arrivals stay counted: they happened.
+    pub fn fail_session(&mut self, session: SessionId, error: &OpError, ctx: &mut Ctx<'_>) {
+        let mut done = Vec::new();
+        self.store.fail_session(session, error, &mut done);
+        send_key_replies(done, ctx.out);
+        self.collectives.fail_session(session, error, ctx);
     }
 
     /// Records the abort and fails everything pending in the job.

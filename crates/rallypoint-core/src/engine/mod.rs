@@ -2,9 +2,11 @@
 //! ticks to them.
 
 mod collective;
+mod incarnation;
 mod job;
 mod members;
 mod ranks;
+mod resume;
 mod step;
 mod store;
 mod timers;
@@ -13,12 +15,16 @@ mod validate;
 
 use std::collections::BTreeSet;
 
-use crate::{Config, Identity, Millis, OpError, Outgoing, RankInfo, Request, SessionId, Welcome};
+use crate::{
+    Config, Identity, JobIncarnation, Millis, OpError, Outgoing, ProcessInfo, RankInfo, Reply, Request, Response,
+    SessionId, Welcome,
+};
 
 use collective::Ctx;
 use job::Job;
+use resume::{Resent, Resumable};
 use step::{Caller, Step};
-use timers::Timers;
+use timers::{Timer, Timers};
 
 /// Jobs are numbered so that timers never point at a newer job of the same name.
 pub(crate) type JobId = u64;
@@ -34,8 +40,37 @@ struct Session {
     identity: Identity,
     /// Said `Leave`: its close is clean, not a loss.
     leaving: bool,
+    /// Said `Abandon`: its close is a loss at once, without the reconnect grace.
+    abandoned: bool,
     /// A PyTorch TCPStore connection: its rank, if any, was inferred (module `torch`).
     torch: bool,
+    /// A session that stated an incarnation can resume after a cut (module `resume`).
+    resume: Option<Box<Resumable>>,
+    /// Its rank was taken over by another process: the session no longer carries it
+    /// (its identity's rank is cleared) and everything it asks fails with this.
+    taken_over: Option<Box<OpError>>,
+}
+
+impl Session {
+    /// Its connection dropped and it waits for a resume.
+    fn detached(&self) -> bool {
+        self.resume.as_ref().is_some_and(|r| r.detached_until.is_some())
+    }
+}
+
+/// How a session's connection ended, as far as the I/O layer can tell.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Departure {
+    /// The connection is gone; the process may be alive (a cut connection) and may
+    /// resume the session within the reconnect grace.
+    Unknown,
+    /// The process is known to be gone (it ran on the coordinator's host, or behind a
+    /// node agent on its own host, and no longer exists): no grace.
+    ProcessGone,
+    /// The session cannot come back: the node agent that carried it lost its link to
+    /// the coordinator, and its ranks cannot reach the coordinator but through it. No
+    /// grace: waiting would only delay telling their peers.
+    Unreachable,
 }
 
 /// The open TCPStore connections of one torch process, and its rank once known.
@@ -62,6 +97,11 @@ pub struct Engine {
     outgoing: Vec<Outgoing>,
     /// Warnings for the operator (stalled torch jobs), in the order produced.
     notices: Vec<String>,
+    /// The time of the latest input: when replies leaving the engine are kept.
+    now: Millis,
+    /// State-changing requests of resumable sessions waiting for their reply (module
+    /// `resume`): while there are none, replies leave without being looked at.
+    tracked: usize,
 }
 
 impl Engine {
@@ -76,6 +116,8 @@ impl Engine {
             timers: Timers::default(),
             outgoing: Vec::new(),
             notices: Vec::new(),
+            now: 0,
+            tracked: 0,
         }
     }
 
@@ -84,33 +126,134 @@ impl Engine {
     }
 
     /// Admits a session with its identity. An invalid identity (rank ≥ world size,
-    /// world size 0, names too long) is refused and leaves no trace. Reusing the id of
-    /// an open session is refused too.
+    /// world size 0, names too long) is refused and leaves no trace; so is a claim of a
+    /// rank another live process holds, a process whose rank was taken over, and a
+    /// process of another incarnation of the job (module `incarnation`). Reusing the
+    /// id of an open session is refused too. A resume token in `identity` is ignored
+    /// here (see [`Engine::resume`]).
     pub fn open(&mut self, session: SessionId, mut identity: Identity, now: Millis) -> Result<Welcome, OpError> {
+        self.now = now;
         validate::identity(&identity, &self.config.limits)?;
         if self.sessions.contains_key(&session) {
             return Err(OpError::Invalid(format!("{session} is already open")));
         }
-        let job_id = self.job_named(&identity.job, now);
+        identity.resume = None;
+        let (job_id, created) = self.job_named(&identity.job, now);
+        if let Err(error) = self.admit(job_id, &identity, now) {
+            if created {
+                self.forget(job_id);
+            }
+            return Err(error);
+        }
         if let Some(mut step) = self.step(job_id, now) {
-            step.open(&identity);
+            step.open(session, &identity);
         }
         // The job keeps the name; a copy per session would only cost memory.
         identity.job = String::new();
-        self.sessions.insert(session, Box::new(Session { job: job_id, identity, leaving: false, torch: false }));
-        Ok(Welcome { session, lease_ms: self.config.lease_ms })
+        let resume = identity.incarnation.map(|_| Box::default());
+        let sess =
+            Session { job: job_id, identity, leaving: false, abandoned: false, torch: false, resume, taken_over: None };
+        self.sessions.insert(session, Box::new(sess));
+        Ok(self.welcome(session, job_id))
     }
 
-    /// The id of the job called `name`, made now if there is none.
-    fn job_named(&mut self, name: &str, now: Millis) -> JobId {
-        if let Some(id) = self.job_ids.get(name) {
-            return *id;
+    fn welcome(&self, session: SessionId, job: JobId) -> Welcome {
+        let job_incarnation = self.jobs.get(&job).and_then(|j| j.incarnation.as_ref()).map(|i| i.incarnation);
+        Welcome { session, lease_ms: self.config.lease_ms, job_incarnation }
+    }
+
+    /// Engine time as wall-clock time (milliseconds since the Unix epoch).
+    fn unix_ms(&self, at: Millis) -> u64 {
+        self.config.epoch_unix_ms.saturating_add(at)
+    }
+
+    /// Whether `identity` may join job `id` (its job incarnation, its rank's holder);
+    /// on success the job takes the incarnation it names if it had none, and a rank
+    /// taken over leaves its former holder's sessions.
+    fn admit(&mut self, id: JobId, identity: &Identity, now: Millis) -> Result<(), OpError> {
+        let epoch = self.config.epoch_unix_ms;
+        let Some(job) = self.jobs.get(&id) else { return Ok(()) };
+        incarnation::check_job(job, identity.job_incarnation)?;
+        let takeover = incarnation::claim(job, &self.sessions, identity, |at| epoch.saturating_add(at))?;
+        if let Some(job) = self.jobs.get_mut(&id) {
+            incarnation::adopt(job, identity, epoch.saturating_add(now));
         }
+        if let Some(rank) = takeover {
+            self.take_over(id, rank, incarnation::process(identity), now);
+        }
+        Ok(())
+    }
+
+    /// `by` takes `rank` over: the sessions of its former holder stop carrying it, and
+    /// whatever they wait for fails, naming `by`.
+    fn take_over(&mut self, id: JobId, rank: u32, by: ProcessInfo, now: Millis) {
+        let at_unix_ms = self.unix_ms(now);
+        let Some(mut step) = self.step(id, now) else { return };
+        for session in step.job.ranks.take_over(rank, &by, now) {
+            let Some(sess) = step.sessions.get_mut(&session) else { continue };
+            let this = Box::new(incarnation::process(&sess.identity));
+            let error = OpError::TakenOver { rank, by: Box::new(by.clone()), at_unix_ms, this };
+            sess.identity.rank = None;
+            sess.taken_over = Some(Box::new(error.clone()));
+            step.job.fail_session(session, &error, &mut step.ctx);
+        }
+    }
+
+    /// The id of the job called `name`, made now if there is none (then `true`).
+    fn job_named(&mut self, name: &str, now: Millis) -> (JobId, bool) {
+        if let Some(id) = self.job_ids.get(name) {
+            return (*id, false);
+        }
+        (self.new_job(name, now), true)
+    }
+
+    /// A new job called `name`, from now on the one sessions of that name join.
+    fn new_job(&mut self, name: &str, now: Millis) -> JobId {
         let id = self.next_job;
         self.next_job += 1;
         self.job_ids.insert(name.to_owned(), id);
         self.jobs.insert(id, Job::new(id, name.to_owned(), &self.config, now));
         id
+    }
+
+    /// Resumes `session` on a new connection: the client of `identity` lost its
+    /// connection (or believes so) and says hello again with the session's id. Allowed
+    /// for the same process (same incarnation and identity) while the session is open
+    /// or within its reconnect grace, and its rank was not taken over. The session
+    /// keeps everything: its waiting requests are answered on the new connection, and
+    /// requests re-sent with the same ids are not run twice. `Err`: why not (the
+    /// caller opens a new session instead).
+    pub fn resume(&mut self, session: SessionId, identity: &Identity, now: Millis) -> Result<Welcome, String> {
+        self.now = now;
+        let Some(sess) = self.sessions.get_mut(&session) else {
+            return Err(format!("{session} is closed"));
+        };
+        let Some(resume) = sess.resume.as_deref_mut() else {
+            return Err(format!("{session} cannot resume (it stated no incarnation)"));
+        };
+        let job_name = self.jobs.get(&sess.job).map_or("", |j| j.name.as_str());
+        let mine = &sess.identity;
+        let same = identity.incarnation == mine.incarnation
+            && identity.job == job_name
+            && identity.world_size == mine.world_size
+            && identity.host == mine.host
+            && identity.pid == mine.pid
+            && identity.role == mine.role
+            && identity.job_incarnation == mine.job_incarnation;
+        if !same {
+            return Err(format!("{session} belongs to another process or identity"));
+        }
+        if sess.taken_over.is_some() {
+            return Err(format!("the rank of {session} was taken over"));
+        }
+        if identity.rank != mine.rank {
+            return Err(format!("{session} carries another rank"));
+        }
+        resume.detached_until = None;
+        resume.resumed_at = Some(now);
+        let job = sess.job;
+        self.alive(session, now);
+        Ok(self.welcome(session, job))
     }
 
     /// Lends job `id` with the rest of the engine's state to one step of it: the one
@@ -171,7 +314,7 @@ impl Engine {
                 continue;
             }
             s.identity.rank = Some(rank);
-            step.connect(rank, &host, pid, None, 0);
+            step.connect(rank, &host, pid, None, 0, None);
         }
     }
 
@@ -195,6 +338,7 @@ impl Engine {
     /// read while it writes, so a rank receiving a reply of many MiB on a busy machine
     /// would otherwise look silent for the whole write.
     pub fn alive(&mut self, session: SessionId, now: Millis) {
+        self.now = now;
         let Some(sess) = self.sessions.get(&session) else { return };
         let (Some(rank), false) = (sess.identity.rank, sess.torch) else { return };
         let lease_ms = self.config.lease_ms;
@@ -206,8 +350,48 @@ impl Engine {
     /// Feeds one request. Its reply (now or later) appears in [`Engine::drain_outgoing`]
     /// tagged with `request_id`. Requests of unknown sessions are ignored.
     pub fn handle(&mut self, session: SessionId, request_id: u64, request: Request, now: Millis) {
+        self.now = now;
         if let Some(rank) = self.revealed_rank(session, &request) {
             self.attribute(session, rank, now);
+        }
+        let Some(sess) = self.sessions.get_mut(&session) else { return };
+        if let Some(resume) = sess.resume.as_deref_mut() {
+            let limits = &self.config.reply_cache;
+            let changes_state = request.changes_state();
+            if resume.may_be_resent(now, limits) {
+                let resent = match resume.kept.resent(request_id, changes_state, now, limits) {
+                    // A read that waits (a `get`) is not kept: the store knows it.
+                    Resent::Run if request.may_block() => {
+                        let waiting =
+                            self.jobs.get(&sess.job).is_some_and(|j| j.store.is_waiting((session, request_id)));
+                        if waiting {
+                            Resent::Waiting
+                        } else {
+                            Resent::Run
+                        }
+                    }
+                    resent => resent,
+                };
+                match resent {
+                    Resent::Run => {}
+                    Resent::Waiting => return,
+                    Resent::Replay(reply) => return self.outgoing.push(Outgoing { session, request_id, reply }),
+                }
+            }
+            if let Some(error) = &sess.taken_over {
+                if !matches!(request, Request::Leave | Request::Heartbeat) {
+                    let reply = Err((**error).clone());
+                    return self.outgoing.push(Outgoing { session, request_id, reply });
+                }
+            }
+            if changes_state {
+                resume.kept.arrived(request_id);
+                self.tracked += 1;
+            }
+        }
+        if let Request::Reset { incarnation } = request {
+            let reply = self.reset(session, incarnation, now);
+            return self.outgoing.push(Outgoing { session, request_id, reply });
         }
         let Some(sess) = self.sessions.get(&session) else { return };
         let caller = Caller { session, request_id, rank: sess.identity.rank, torch: sess.torch };
@@ -216,10 +400,75 @@ impl Engine {
         }
     }
 
-    /// The session's connection is gone. Without a preceding `Leave` request and if
-    /// it was its rank's last session, the rank is lost.
+    /// Starts a new incarnation of the job of `session` (see `Request::Reset`).
+    fn reset(&mut self, session: SessionId, incarnation: u64, now: Millis) -> Reply {
+        let Some(sess) = self.sessions.get(&session) else { return Ok(Response::Done) };
+        let (old, by) = (sess.job, incarnation::process(&sess.identity));
+        let Some(job) = self.jobs.get(&old) else { return Ok(Response::Done) };
+        if let Some(error) = job.reset_error() {
+            return Err(error);
+        }
+        if job.incarnation.as_ref().is_some_and(|i| i.incarnation == incarnation) {
+            return Ok(Response::Done);
+        }
+        let name = job.name.clone();
+        let to = JobIncarnation { incarnation, since_unix_ms: self.unix_ms(now), by, reset: true };
+        let new = self.new_job(&name, now);
+        if let Some(job) = self.jobs.get_mut(&new) {
+            job.incarnation = Some(Box::new(to.clone()));
+        }
+        if let Some(mut step) = self.step(old, now) {
+            step.job.supersede(to, &mut step.ctx);
+        }
+        Ok(Response::Done)
+    }
+
+    /// The session's connection is gone, and whether its process is alive is not known:
+    /// [`Engine::close_with`] with [`Departure::Unknown`].
     pub fn close(&mut self, session: SessionId, now: Millis) {
+        self.close_with(session, Departure::Unknown, now);
+    }
+
+    /// The session's connection is gone. After a `Leave` request, the session closes
+    /// cleanly: its rank has left. Otherwise a session that can resume (it stated an
+    /// incarnation) waits for its client for the reconnect grace, keeping its rank,
+    /// unless its process is known to be gone; then (or at once, for a session that
+    /// cannot resume) it closes, and if it was its rank's last session, the rank is lost.
+    pub fn close_with(&mut self, session: SessionId, departure: Departure, now: Millis) {
+        self.now = now;
+        let grace = self.config.grace_ms();
+        let Some(sess) = self.sessions.get_mut(&session) else { return };
+        let waits = departure == Departure::Unknown
+            && grace > 0
+            && !sess.leaving
+            && !sess.abandoned
+            && sess.taken_over.is_none();
+        if let (true, Some(resume)) = (waits, sess.resume.as_deref_mut()) {
+            if resume.detached_until.is_none() {
+                let until = now.saturating_add(grace);
+                resume.detached_until = Some(until);
+                self.timers.schedule(until, Timer::Grace { job: sess.job, session });
+            }
+            return;
+        }
+        self.finish(session, now);
+    }
+
+    /// The process of a session waiting for a resume is known to be gone (the I/O
+    /// layer watches processes of its own host): its grace ends now.
+    pub fn process_gone(&mut self, session: SessionId, now: Millis) {
+        self.now = now;
+        if self.sessions.get(&session).is_some_and(|s| s.detached()) {
+            self.finish(session, now);
+        }
+    }
+
+    /// Closes the session for good.
+    fn finish(&mut self, session: SessionId, now: Millis) {
         let Some(sess) = self.sessions.remove(&session) else { return };
+        if let Some(resume) = &sess.resume {
+            self.tracked = self.tracked.saturating_sub(resume.kept.waiting());
+        }
         if sess.torch && sess.identity.pid != 0 {
             let process = (sess.job, sess.identity.host.clone(), sess.identity.pid);
             if let Some(entry) = self.torch_processes.get_mut(&process) {
@@ -231,6 +480,10 @@ impl Engine {
         }
         if let Some(mut step) = self.step(sess.job, now) {
             step.close(session, &sess);
+        }
+        // A reset job lives on only for its sessions.
+        if self.jobs.get(&sess.job).is_some_and(|j| j.superseded.is_some() && j.sessions == 0) {
+            self.forget(sess.job);
         }
         // Replies for the closed session have nowhere to go.
         self.outgoing.retain(|o| o.session != session);
@@ -246,7 +499,15 @@ impl Engine {
 
     /// Advances time: fires timeouts and lease expiries due at or before `now`.
     pub fn tick(&mut self, now: Millis) {
+        self.now = now;
         while let Some((at, timer)) = self.timers.pop_due(now) {
+            if let Timer::Grace { session, .. } = timer {
+                let due = self.sessions.get(&session).and_then(|s| s.resume.as_ref()?.detached_until);
+                if due == Some(at) {
+                    self.finish(session, now);
+                }
+                continue;
+            }
             let job = timer.job();
             let expired = self.step(job, now).is_some_and(|mut step| step.fire(at, timer));
             if expired {
@@ -262,13 +523,32 @@ impl Engine {
 
     /// Replies produced so far, in the order they were produced.
     pub fn drain_outgoing(&mut self) -> std::vec::Drain<'_, Outgoing> {
+        if self.tracked > 0 {
+            self.settle();
+        }
         self.outgoing.drain(..)
     }
 
-    /// Drops an idle job: its keys, barriers and ranks.
+    /// The replies leaving the engine answer requests of resumable sessions: those of
+    /// state-changing requests are kept (module `resume`).
+    fn settle(&mut self) {
+        let limits = &self.config.reply_cache;
+        for out in &self.outgoing {
+            let Some(resume) = self.sessions.get_mut(&out.session).and_then(|s| s.resume.as_deref_mut()) else {
+                continue;
+            };
+            if resume.kept.answered(out.request_id, &out.reply, self.now, limits) {
+                self.tracked = self.tracked.saturating_sub(1);
+            }
+        }
+    }
+
+    /// Drops an idle (or reset) job: its keys, barriers and ranks.
     fn forget(&mut self, id: JobId) {
         if let Some(job) = self.jobs.remove(&id) {
-            self.job_ids.remove(&job.name);
+            if self.job_ids.get(&job.name) == Some(&id) {
+                self.job_ids.remove(&job.name);
+            }
         }
     }
 }

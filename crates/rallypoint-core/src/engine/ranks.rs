@@ -1,11 +1,16 @@
 //! Liveness of a job's ranks: who connected, from where, when last heard from,
-//! and whether it left cleanly or was lost.
+//! and whether it left cleanly or was lost; and which process (incarnation) holds
+//! each rank (module `incarnation` decides who may claim it).
 
 use std::collections::BTreeSet;
 
 use super::HashMap;
 
-use crate::{LossReason, Millis, RankInfo, RankState};
+use crate::{LossReason, Millis, ProcessInfo, RankInfo, RankState, SessionId};
+
+/// Incarnations taken over that are remembered per rank, to refuse them by name if
+/// they come back; a rank's holders are few (one per restart of its process).
+const PREVIOUS_KEPT: usize = 8;
 
 #[derive(Debug)]
 struct Entry {
@@ -18,6 +23,27 @@ struct Entry {
     last_seen: Millis,
     /// Whether a lease timer is pending for this rank.
     lease_armed: bool,
+    /// The process that holds the rank, once a session stating an incarnation claimed it.
+    holder: Option<Box<Holder>>,
+    /// Incarnations that held the rank and were taken over, oldest first.
+    previous: Vec<Takeover>,
+}
+
+/// The process (incarnation) that holds a rank, and its open sessions of it.
+#[derive(Debug)]
+pub(crate) struct Holder {
+    /// `incarnation` is always set.
+    pub process: ProcessInfo,
+    pub since: Millis,
+    pub sessions: Vec<SessionId>,
+}
+
+/// An incarnation that held a rank, and the process that took the rank over from it.
+#[derive(Debug, Clone)]
+pub(crate) struct Takeover {
+    pub incarnation: u64,
+    pub by: ProcessInfo,
+    pub at: Millis,
 }
 
 #[derive(Debug, Default)]
@@ -38,7 +64,9 @@ pub(crate) enum Change {
 }
 
 impl Ranks {
-    /// A session of `rank` opened.
+    /// A session of `rank` opened; `claim`: the session and its process, if it stated
+    /// an incarnation (it becomes the holder, or one more session of the holder).
+    #[allow(clippy::too_many_arguments)]
     pub fn connect(
         &mut self,
         rank: u32,
@@ -47,6 +75,7 @@ impl Ranks {
         role: Option<&str>,
         now: Millis,
         lease_ms: u64,
+        claim: Option<(SessionId, &ProcessInfo)>,
     ) -> Change {
         let entry = self.entries.entry(rank).or_insert_with(|| Entry {
             host: String::new(),
@@ -56,7 +85,17 @@ impl Ranks {
             state: RankState::Connected,
             last_seen: now,
             lease_armed: false,
+            holder: None,
+            previous: Vec::new(),
         });
+        if let Some((session, process)) = claim {
+            match &mut entry.holder {
+                Some(holder) if holder.process.incarnation == process.incarnation => holder.sessions.push(session),
+                holder => {
+                    *holder = Some(Box::new(Holder { process: process.clone(), since: now, sessions: vec![session] }))
+                }
+            }
+        }
         entry.host.clear();
         entry.host.push_str(host);
         entry.pid = pid;
@@ -79,9 +118,12 @@ impl Ranks {
         Self::arm(entry, now, lease_ms)
     }
 
-    /// A session of `rank` closed; `clean` if it said Leave first.
-    pub fn disconnect(&mut self, rank: u32, clean: bool, now: Millis) -> Change {
+    /// Session `session` of `rank` closed; `clean` if it said Leave first.
+    pub fn disconnect(&mut self, rank: u32, session: SessionId, clean: bool, now: Millis) -> Change {
         let Some(entry) = self.entries.get_mut(&rank) else { return Change::None };
+        if let Some(holder) = &mut entry.holder {
+            holder.sessions.retain(|&s| s != session);
+        }
         entry.sessions = entry.sessions.saturating_sub(1);
         if entry.sessions > 0 {
             return Change::None;
@@ -125,6 +167,38 @@ impl Ranks {
         }
         entry.lease_armed = true;
         Change::ArmLease(now.saturating_add(lease_ms))
+    }
+
+    /// The process holding `rank`, if one claimed it.
+    pub fn holder(&self, rank: u32) -> Option<&Holder> {
+        self.entries.get(&rank)?.holder.as_deref()
+    }
+
+    /// The takeover that ended `incarnation`'s hold on `rank`, if one did.
+    pub fn taken_from(&self, rank: u32, incarnation: u64) -> Option<&Takeover> {
+        self.entries.get(&rank)?.previous.iter().rev().find(|t| t.incarnation == incarnation)
+    }
+
+    /// Where `rank` stands (never connected if it never did).
+    pub fn state(&self, rank: u32) -> RankState {
+        self.entries.get(&rank).map_or(RankState::NeverConnected, |e| e.state)
+    }
+
+    /// `by` takes `rank` over from its holder: the holder's sessions no longer carry
+    /// the rank (returned, so that the caller tells them), and the holder is
+    /// remembered as taken over. The rank's state is left to `by`'s own connect.
+    pub fn take_over(&mut self, rank: u32, by: &ProcessInfo, now: Millis) -> Vec<SessionId> {
+        let Some(entry) = self.entries.get_mut(&rank) else { return Vec::new() };
+        let Some(holder) = entry.holder.take() else { return Vec::new() };
+        let sessions = holder.sessions;
+        entry.sessions = entry.sessions.saturating_sub(u32::try_from(sessions.len()).unwrap_or(u32::MAX));
+        if let Some(incarnation) = holder.process.incarnation {
+            if entry.previous.len() == PREVIOUS_KEPT {
+                entry.previous.remove(0);
+            }
+            entry.previous.push(Takeover { incarnation, by: by.clone(), at: now });
+        }
+        sessions
     }
 
     /// Ranks ever connected, by state: (connected, left cleanly, lost).

@@ -8,7 +8,8 @@
 use bytes::Bytes;
 
 use crate::{
-    AbortInfo, CollectiveKind, Config, Identity, Members, Millis, Missing, OpError, Reply, Request, Response, SessionId,
+    AbortInfo, CollectiveKind, Config, Identity, Members, Millis, Missing, OpError, ProcessInfo, Reply, Request,
+    Response, SessionId,
 };
 
 use crate::ranges::{runs, split};
@@ -17,7 +18,7 @@ use super::collective::{Call, Ctx};
 use super::job::{send_key_replies, Job};
 use super::store::{WaitId, WaitKind};
 use super::timers::Timer;
-use super::{torch, validate, HashMap, Session};
+use super::{incarnation, torch, validate, HashMap, Session};
 
 /// A job and everything a change of it may touch, borrowed apart from the engine.
 pub(crate) struct Step<'a> {
@@ -67,18 +68,29 @@ impl<'a> Step<'a> {
         Step { job, ctx, sessions, config, notices, woken: Vec::new() }
     }
 
-    /// A session of the job opened with `identity`.
-    pub fn open(&mut self, identity: &Identity) {
+    /// Session `id` of the job opened with `identity`.
+    pub fn open(&mut self, id: SessionId, identity: &Identity) {
         self.job.sessions += 1;
         if let Some(rank) = identity.rank {
             let lease_ms = self.config.lease_ms;
-            self.connect(rank, &identity.host, identity.pid, identity.role.as_deref(), lease_ms);
+            let process = identity.incarnation.map(|_| incarnation::process(identity));
+            let claim = process.as_ref().map(|p| (id, p));
+            self.connect(rank, &identity.host, identity.pid, identity.role.as_deref(), lease_ms, claim);
         }
     }
 
-    /// A session of `rank` connected (or was attributed that rank).
-    pub fn connect(&mut self, rank: u32, host: &str, pid: u32, role: Option<&str>, lease_ms: u64) {
-        let change = self.job.ranks.connect(rank, host, pid, role, self.ctx.now, lease_ms);
+    /// A session of `rank` connected (or was attributed that rank); `claim`: the
+    /// session and its process, if it holds the rank by incarnation.
+    pub fn connect(
+        &mut self,
+        rank: u32,
+        host: &str,
+        pid: u32,
+        role: Option<&str>,
+        lease_ms: u64,
+        claim: Option<(SessionId, &ProcessInfo)>,
+    ) {
+        let change = self.job.ranks.connect(rank, host, pid, role, self.ctx.now, lease_ms, claim);
         self.job.apply(rank, change, &mut self.ctx);
         self.job.collectives.rank_connected(&self.job.ranks, &mut self.ctx);
     }
@@ -94,7 +106,7 @@ impl<'a> Step<'a> {
         self.job.store.drop_session(id);
         self.job.sessions = self.job.sessions.saturating_sub(1);
         if let Some(rank) = session.identity.rank {
-            let change = self.job.ranks.disconnect(rank, session.leaving, self.ctx.now);
+            let change = self.job.ranks.disconnect(rank, id, session.leaving, self.ctx.now);
             self.job.apply(rank, change, &mut self.ctx);
         }
         let ttl = self.config.job_idle_ttl_ms;
@@ -115,6 +127,8 @@ impl<'a> Step<'a> {
             }
             Timer::Lease { rank, .. } => self.lease_check(rank),
             Timer::JobIdle { .. } => return self.idle_expired(),
+            // The engine ends a session's grace itself (the session is its); never routed here.
+            Timer::Grace { .. } => {}
         }
         false
     }
@@ -163,10 +177,17 @@ impl<'a> Step<'a> {
         }
     }
 
-    /// Whether the job takes the request: an aborted job fails everything but the
-    /// requests about the session itself, and nothing invalid gets through.
+    /// Whether the job takes the request: a reset job fails everything but the
+    /// requests that end the session, an aborted job everything but the requests
+    /// about the session itself, and nothing invalid gets through.
     fn admit(&self, request: &Request) -> Result<(), OpError> {
-        if matches!(request, Request::Heartbeat | Request::Leave | Request::Status) {
+        if matches!(request, Request::Heartbeat | Request::Leave | Request::Abandon) {
+            return Ok(());
+        }
+        if let Some(error) = self.job.reset_error() {
+            return Err(error);
+        }
+        if matches!(request, Request::Status) {
             return Ok(());
         }
         if let Some(error) = self.job.abort_error() {
@@ -182,6 +203,7 @@ impl<'a> Step<'a> {
         match request {
             Request::Heartbeat => DONE,
             Request::Leave => self.leave(caller),
+            Request::Abandon => self.abandon(caller),
             Request::Status => value(self.status(caller).into()),
             Request::Set { key, value } => self.set(key, value),
             Request::Append { key, value } => self.append(key, value),
@@ -210,6 +232,8 @@ impl<'a> Step<'a> {
                 self.broadcast(caller, name, members, root, value, timeout_ms)
             }
             Request::Abort { reason } => self.abort(caller, reason),
+            // The engine resets a job itself (it makes a new one); never routed here.
+            Request::Reset { .. } => Some(Err(OpError::Invalid("reset is handled by the engine".into()))),
         }
     }
 
@@ -217,6 +241,14 @@ impl<'a> Step<'a> {
     fn leave(&mut self, caller: &Caller) -> Option<Reply> {
         if let Some(session) = self.sessions.get_mut(&caller.session) {
             session.leaving = true;
+        }
+        DONE
+    }
+
+    /// The client gave the session up: its close will be a loss at once.
+    fn abandon(&mut self, caller: &Caller) -> Option<Reply> {
+        if let Some(session) = self.sessions.get_mut(&caller.session) {
+            session.abandoned = true;
         }
         DONE
     }

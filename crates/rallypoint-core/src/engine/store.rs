@@ -65,6 +65,11 @@ impl Store {
         self.data.get(key)
     }
 
+    /// Whether request `id` waits for keys.
+    pub fn is_waiting(&self, id: WaitId) -> bool {
+        self.waits.contains_key(&id)
+    }
+
     pub fn waits(&self) -> impl Iterator<Item = (&WaitId, &KeyWait)> {
         self.waits.iter()
     }
@@ -119,6 +124,15 @@ impl Store {
         self.waits
             .insert(id, KeyWait { kind: WaitKind::Barrier { world_size }, keys: vec![key], missing: 0, started: now });
         Ok(None)
+    }
+
+    /// Fails every wait of `session` with `error`.
+    pub fn fail_session(&mut self, session: SessionId, error: &OpError, done: &mut Vec<(WaitId, Reply)>) {
+        for id in self.session_waits(session) {
+            if self.remove_wait(id).is_some() {
+                done.push((id, Err(error.clone())));
+            }
+        }
     }
 
     /// Ends every wait of `session` (torch's CANCEL_WAIT); each fails with `Closed`,

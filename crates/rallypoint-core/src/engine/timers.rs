@@ -32,6 +32,11 @@ pub(crate) enum Timer {
     JobIdle {
         job: JobId,
     },
+    /// A detached session's reconnect grace ends (module `resume`).
+    Grace {
+        job: JobId,
+        session: SessionId,
+    },
 }
 
 impl Timer {
@@ -42,7 +47,8 @@ impl Timer {
             | Timer::StallSweep { job }
             | Timer::Collective { job, .. }
             | Timer::Lease { job, .. }
-            | Timer::JobIdle { job } => *job,
+            | Timer::JobIdle { job }
+            | Timer::Grace { job, .. } => *job,
         }
     }
 }

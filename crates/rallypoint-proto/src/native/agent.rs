@@ -8,11 +8,11 @@
 //! [`AgentFrame::Hello`] instead of a client Hello.
 
 use bytes::{BufMut, Bytes, BytesMut};
-use rallypoint_core::{Identity, OpError, Reply, Request, SessionId, Welcome};
+use rallypoint_core::{Identity, OpError, Reply, Request, Welcome};
 
 use super::error::ProtoError;
 use super::frame::{frameable, kind, take_frame, write_frame, write_frame_shared, FrameLimits, LEN_PREFIX};
-use super::identity::{decode_identity, encode_identity};
+use super::identity::{decode_identity, decode_welcome, encode_identity, encode_welcome};
 use super::op_error::{decode_op_error, encode_op_error};
 use super::reply::{decode_reply_body, encode_reply_body, encode_reply_body_shared};
 use super::request::{decode_request, encode_request};
@@ -29,7 +29,9 @@ pub enum AgentFrame {
     SubRequest { sub: u64, id: u64, request: Request },
     /// The local rank's connection ended. The coordinator decides, as for a direct
     /// connection, whether that is a clean leave (a Leave came first) or a loss.
-    SubClose { sub: u64 },
+    /// `gone`: the agent, on the rank's host, found its process gone (no reconnect
+    /// grace: the rank is lost at once).
+    SubClose { sub: u64, gone: bool },
     /// The same request from every listed `(sub, id)` call, as if each had sent its
     /// SubRequest here, in list order: a node's arrivals at one barrier in one frame.
     SubRequests { calls: Vec<(u64, u64)>, request: Request },
@@ -96,9 +98,10 @@ pub fn encode_agent_frame(frame: &AgentFrame, dst: &mut BytesMut) {
             dst.put_u64_le(*id);
             encode_request(request, dst);
         }
-        AgentFrame::SubClose { sub } => {
+        AgentFrame::SubClose { sub, gone } => {
             dst.put_u8(kind::SUB_CLOSE);
             dst.put_u64_le(*sub);
+            dst.put_u8(u8::from(*gone));
         }
         AgentFrame::SubRequests { calls, request } => {
             dst.put_u8(kind::SUB_REQUESTS);
@@ -121,8 +124,7 @@ pub fn encode_root_frame(frame: &RootFrame, dst: &mut BytesMut) {
         RootFrame::SubWelcome { sub, welcome } => write_frame(dst, |dst| {
             dst.put_u8(kind::SUB_WELCOME);
             dst.put_u64_le(*sub);
-            dst.put_u64_le(welcome.session.0);
-            dst.put_u64_le(welcome.lease_ms);
+            encode_welcome(welcome, dst);
         }),
         RootFrame::SubRefused { sub, error } => write_frame(dst, |dst| {
             dst.put_u8(kind::SUB_REFUSED);
@@ -266,7 +268,7 @@ fn agent_body(r: &mut Reader, ids: &mut Ids) -> DecodeResult<AgentFrame> {
             ids.id = Some(id);
             AgentFrame::SubRequest { sub, id, request: decode_request(r)? }
         }
-        kind::SUB_CLOSE => AgentFrame::SubClose { sub: sub_id(r, ids)? },
+        kind::SUB_CLOSE => AgentFrame::SubClose { sub: sub_id(r, ids)?, gone: r.bool("gone")? },
         kind::SUB_REQUESTS => {
             ids.calls = Some(calls(r)?);
             let request = decode_request(r)?;
@@ -296,8 +298,7 @@ fn root_body(r: &mut Reader, ids: &mut Ids) -> DecodeResult<RootFrame> {
         kind::REFUSED => (RootFrame::Refused(decode_op_error(r)?), "refused"),
         kind::SUB_WELCOME => {
             let sub = sub_id(r, ids)?;
-            let welcome = Welcome { session: SessionId(r.u64("session")?), lease_ms: r.u64("lease_ms")? };
-            (RootFrame::SubWelcome { sub, welcome }, "sub-session welcome")
+            (RootFrame::SubWelcome { sub, welcome: decode_welcome(r)? }, "sub-session welcome")
         }
         kind::SUB_REFUSED => {
             let sub = sub_id(r, ids)?;

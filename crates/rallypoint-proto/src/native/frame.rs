@@ -2,10 +2,10 @@
 //! (docs/PROTOCOL.md, "Framing" and "Frames").
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
-use rallypoint_core::{Identity, Limits, OpError, Reply, Request, Response, SessionId, Welcome};
+use rallypoint_core::{Identity, Limits, OpError, Reply, Request, Response, Welcome};
 
 use super::error::ProtoError;
-use super::identity::{decode_identity, encode_identity};
+use super::identity::{decode_identity, decode_welcome, encode_identity, encode_welcome};
 use super::op_error::{decode_op_error, encode_op_error};
 use super::reply::{blobs_len, decode_reply_body, encode_reply_body, encode_reply_body_shared, gathered_len};
 use super::request::{decode_request, encode_request};
@@ -135,8 +135,7 @@ pub fn encode_server_frame(frame: &ServerFrame, dst: &mut BytesMut) {
         ServerFrame::Welcome(welcome) => {
             write_frame(dst, |dst| {
                 dst.put_u8(kind::WELCOME);
-                dst.put_u64_le(welcome.session.0);
-                dst.put_u64_le(welcome.lease_ms);
+                encode_welcome(welcome, dst);
             });
         }
         ServerFrame::Refused(error) => {
@@ -333,10 +332,7 @@ fn client_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ClientFrame
 
 fn server_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ServerFrame> {
     let (frame, what) = match r.u8("frame kind")? {
-        kind::WELCOME => {
-            let welcome = Welcome { session: SessionId(r.u64("session")?), lease_ms: r.u64("lease_ms")? };
-            (ServerFrame::Welcome(welcome), "welcome")
-        }
+        kind::WELCOME => (ServerFrame::Welcome(decode_welcome(r)?), "welcome"),
         kind::REFUSED => (ServerFrame::Refused(decode_op_error(r)?), "refused"),
         kind::REPLY => {
             let request_id = r.u64("request id")?;

@@ -3,7 +3,8 @@
 
 use bytes::{BufMut, BytesMut};
 use rallypoint_core::{
-    AbortInfo, CallShape, CollectiveKind, LossReason, Missing, OpError, OpRef, RankInfo, RankRanges, RankState,
+    AbortInfo, CallShape, CollectiveKind, JobIncarnation, LossReason, Missing, OpError, OpRef, ProcessInfo, RankInfo,
+    RankRanges, RankState,
 };
 
 use super::request::{blobs, decode_members, encode_members, put_blobs};
@@ -26,6 +27,10 @@ mod tag {
     pub const TOO_LARGE: u8 = 0x8a;
     pub const INVALID: u8 = 0x8b;
     pub const CLOSED: u8 = 0x8c;
+    pub const RANK_HELD: u8 = 0x8d;
+    pub const TAKEN_OVER: u8 = 0x8e;
+    pub const JOB_RESET: u8 = 0x8f;
+    pub const STALE_INCARNATION: u8 = 0x90;
 }
 
 /// Fewest bytes of one encoded [`RankInfo`]: rank + three absent options + state tag.
@@ -99,6 +104,31 @@ pub(crate) fn encode_op_error(error: &OpError, dst: &mut BytesMut) {
             dst.put_u8(tag::CLOSED);
             dst.put_str(message);
         }
+        OpError::RankHeld { rank, holder, since_unix_ms, claimant } => {
+            dst.put_u8(tag::RANK_HELD);
+            dst.put_u32_le(*rank);
+            encode_process(holder, dst);
+            dst.put_u64_le(*since_unix_ms);
+            encode_process(claimant, dst);
+        }
+        OpError::TakenOver { rank, by, at_unix_ms, this } => {
+            dst.put_u8(tag::TAKEN_OVER);
+            dst.put_u32_le(*rank);
+            encode_process(by, dst);
+            dst.put_u64_le(*at_unix_ms);
+            encode_process(this, dst);
+        }
+        OpError::JobReset { job, to } => {
+            dst.put_u8(tag::JOB_RESET);
+            dst.put_str(job);
+            encode_job_incarnation(to, dst);
+        }
+        OpError::StaleIncarnation { job, mine, current } => {
+            dst.put_u8(tag::STALE_INCARNATION);
+            dst.put_str(job);
+            dst.put_u64_le(*mine);
+            encode_job_incarnation(current, dst);
+        }
     }
 }
 
@@ -135,6 +165,24 @@ pub(crate) fn decode_op_error_fields(tag: u8, r: &mut Reader) -> DecodeResult<Op
         tag::TOO_LARGE => OpError::TooLarge { what: r.string("what")?, len: r.u64("len")?, limit: r.u64("limit")? },
         tag::INVALID => OpError::Invalid(r.string("message")?),
         tag::CLOSED => OpError::Closed(r.string("message")?),
+        tag::RANK_HELD => OpError::RankHeld {
+            rank: r.u32("rank")?,
+            holder: Box::new(decode_process(r)?),
+            since_unix_ms: r.u64("since_unix_ms")?,
+            claimant: Box::new(decode_process(r)?),
+        },
+        tag::TAKEN_OVER => OpError::TakenOver {
+            rank: r.u32("rank")?,
+            by: Box::new(decode_process(r)?),
+            at_unix_ms: r.u64("at_unix_ms")?,
+            this: Box::new(decode_process(r)?),
+        },
+        tag::JOB_RESET => OpError::JobReset { job: r.string("job")?, to: Box::new(decode_job_incarnation(r)?) },
+        tag::STALE_INCARNATION => OpError::StaleIncarnation {
+            job: r.string("job")?,
+            mine: r.u64("mine")?,
+            current: Box::new(decode_job_incarnation(r)?),
+        },
         other => return Err(DecodeError::unknown("error tag", other)),
     })
 }
@@ -243,5 +291,35 @@ fn decode_abort_info(r: &mut Reader) -> DecodeResult<AbortInfo> {
         host: r.string("by.host")?,
         pid: r.u32("by.pid")?,
         reason: r.string("by.reason")?,
+    })
+}
+
+fn encode_process(process: &ProcessInfo, dst: &mut BytesMut) {
+    dst.put_u32_le(process.pid);
+    dst.put_str(&process.host);
+    dst.put_option(process.incarnation, BytesMut::put_u64_le);
+}
+
+fn decode_process(r: &mut Reader) -> DecodeResult<ProcessInfo> {
+    Ok(ProcessInfo {
+        pid: r.u32("process.pid")?,
+        host: r.string("process.host")?,
+        incarnation: r.option("process.incarnation", |r| r.u64("process.incarnation"))?,
+    })
+}
+
+fn encode_job_incarnation(job: &JobIncarnation, dst: &mut BytesMut) {
+    dst.put_u64_le(job.incarnation);
+    dst.put_u64_le(job.since_unix_ms);
+    dst.put_bool(job.reset);
+    encode_process(&job.by, dst);
+}
+
+fn decode_job_incarnation(r: &mut Reader) -> DecodeResult<JobIncarnation> {
+    Ok(JobIncarnation {
+        incarnation: r.u64("incarnation")?,
+        since_unix_ms: r.u64("since_unix_ms")?,
+        reset: r.bool("reset")?,
+        by: decode_process(r)?,
     })
 }

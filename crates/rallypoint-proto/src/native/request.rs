@@ -31,6 +31,8 @@ mod op {
     pub const CANCEL_WAIT: u8 = 0x16;
     pub const STORE_BARRIER: u8 = 0x17;
     pub const STATUS: u8 = 0x18;
+    pub const RESET: u8 = 0x19;
+    pub const ABANDON: u8 = 0x1a;
 }
 
 mod members {
@@ -63,6 +65,11 @@ impl Fields<'_> {
 
     fn i64(self, n: i64) -> Self {
         self.0.put_i64_le(n);
+        self
+    }
+
+    fn u64(self, n: u64) -> Self {
+        self.0.put_u64_le(n);
         self
     }
 
@@ -133,8 +140,10 @@ pub(crate) fn encode_request(request: &Request, dst: &mut BytesMut) {
             w.op(op::STORE_BARRIER).blob(key).i64(*world_size).timeout(*timeout_ms)
         }
         Request::Status => w.op(op::STATUS),
+        Request::Reset { incarnation } => w.op(op::RESET).u64(*incarnation),
         Request::Heartbeat => w.op(op::HEARTBEAT),
         Request::Leave => w.op(op::LEAVE),
+        Request::Abandon => w.op(op::ABANDON),
     };
 }
 
@@ -182,8 +191,10 @@ pub(crate) fn decode_request(r: &mut Reader) -> DecodeResult<Request> {
             Request::StoreBarrier { key: r.bytes("key")?, world_size: r.i64("world_size")?, timeout_ms: timeout(r)? }
         }
         op::STATUS => Request::Status,
+        op::RESET => Request::Reset { incarnation: r.u64("incarnation")? },
         op::HEARTBEAT => Request::Heartbeat,
         op::LEAVE => Request::Leave,
+        op::ABANDON => Request::Abandon,
         other => return Err(DecodeError::unknown("request opcode", other)),
     })
 }

@@ -7,8 +7,8 @@ use proptest::collection::vec;
 use proptest::option;
 use proptest::prelude::*;
 use rallypoint_core::{
-    AbortInfo, CallShape, CollectiveKind, Gathered, Identity, LossReason, Members, Missing, OpError, OpRef, RankInfo,
-    RankRanges, RankState, Request, Response, SessionId, Welcome,
+    AbortInfo, CallShape, CollectiveKind, Gathered, Identity, JobIncarnation, LossReason, Members, Missing, OpError,
+    OpRef, ProcessInfo, RankInfo, RankRanges, RankState, Request, Response, SessionId, Welcome,
 };
 use rallypoint_proto::native::{ClientFrame, FrameLimits, ProtoError, ServerFrame};
 
@@ -34,8 +34,21 @@ pub fn members() -> impl Strategy<Value = Members> {
 }
 
 pub fn identity() -> impl Strategy<Value = Identity> {
-    (string(), any::<Option<u32>>(), any::<Option<u32>>(), string(), any::<u32>(), option::of(string()))
-        .prop_map(|(job, rank, world_size, host, pid, role)| Identity { job, rank, world_size, host, pid, role })
+    let who = (string(), any::<Option<u32>>(), any::<Option<u32>>(), string(), any::<u32>(), option::of(string()));
+    let incarnations = (any::<Option<u64>>(), any::<Option<u64>>(), any::<Option<u64>>());
+    (who, incarnations).prop_map(
+        |((job, rank, world_size, host, pid, role), (incarnation, job_incarnation, resume))| Identity {
+            job,
+            rank,
+            world_size,
+            host,
+            pid,
+            role,
+            incarnation,
+            job_incarnation,
+            resume: resume.map(SessionId),
+        },
+    )
 }
 
 pub fn request() -> impl Strategy<Value = Request> {
@@ -66,6 +79,7 @@ pub fn request() -> impl Strategy<Value = Request> {
         string().prop_map(|reason| Request::Abort { reason }),
         Just(Request::Heartbeat),
         Just(Request::Leave),
+        Just(Request::Abandon),
         (bytes(), bytes()).prop_map(|(key, value)| Request::QueuePush { key, value }),
         bytes().prop_map(|key| Request::QueuePop { key }),
         bytes().prop_map(|key| Request::QueueLen { key }),
@@ -76,6 +90,7 @@ pub fn request() -> impl Strategy<Value = Request> {
             timeout_ms
         }),
         Just(Request::Status),
+        any::<u64>().prop_map(|incarnation| Request::Reset { incarnation }),
     ]
 }
 
@@ -124,6 +139,17 @@ fn call_shape() -> impl Strategy<Value = CallShape> {
         .prop_map(|(rank, members, world_size, root)| CallShape { rank, members, world_size, root })
 }
 
+fn process() -> impl Strategy<Value = Box<ProcessInfo>> {
+    (any::<u32>(), string(), any::<Option<u64>>())
+        .prop_map(|(pid, host, incarnation)| Box::new(ProcessInfo { pid, host, incarnation }))
+}
+
+fn job_incarnation() -> impl Strategy<Value = Box<JobIncarnation>> {
+    (any::<u64>(), any::<u64>(), process(), any::<bool>()).prop_map(|(incarnation, since_unix_ms, by, reset)| {
+        Box::new(JobIncarnation { incarnation, since_unix_ms, by: *by, reset })
+    })
+}
+
 fn abort_info() -> impl Strategy<Value = AbortInfo> {
     (any::<Option<u32>>(), string(), any::<u32>(), string()).prop_map(|(by_rank, host, pid, reason)| AbortInfo {
         by_rank,
@@ -163,6 +189,17 @@ pub fn op_error() -> impl Strategy<Value = OpError> {
         (string(), any::<u64>(), any::<u64>()).prop_map(|(what, len, limit)| OpError::TooLarge { what, len, limit }),
         string().prop_map(OpError::Invalid),
         string().prop_map(OpError::Closed),
+        (any::<u32>(), process(), any::<u64>(), process()).prop_map(|(rank, holder, since_unix_ms, claimant)| {
+            OpError::RankHeld { rank, holder, since_unix_ms, claimant }
+        }),
+        (any::<u32>(), process(), any::<u64>(), process())
+            .prop_map(|(rank, by, at_unix_ms, this)| OpError::TakenOver { rank, by, at_unix_ms, this }),
+        (string(), job_incarnation()).prop_map(|(job, to)| OpError::JobReset { job, to }),
+        (string(), any::<u64>(), job_incarnation()).prop_map(|(job, mine, current)| OpError::StaleIncarnation {
+            job,
+            mine,
+            current
+        }),
     ]
 }
 
@@ -175,8 +212,9 @@ pub fn client_frame() -> impl Strategy<Value = ClientFrame> {
 
 pub fn server_frame() -> impl Strategy<Value = ServerFrame> {
     prop_oneof![
-        (any::<u64>(), any::<u64>())
-            .prop_map(|(session, lease_ms)| ServerFrame::Welcome(Welcome { session: SessionId(session), lease_ms })),
+        (any::<u64>(), any::<u64>(), any::<Option<u64>>()).prop_map(|(session, lease_ms, job_incarnation)| {
+            ServerFrame::Welcome(Welcome { session: SessionId(session), lease_ms, job_incarnation })
+        }),
         op_error().prop_map(ServerFrame::Refused),
         (any::<u64>(), response()).prop_map(|(id, response)| ServerFrame::Reply { id, reply: Ok(response) }),
         (any::<u64>(), op_error()).prop_map(|(id, error)| ServerFrame::Reply { id, reply: Err(error) }),

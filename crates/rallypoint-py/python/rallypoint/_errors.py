@@ -15,6 +15,11 @@ from a worker to the parent.
     ├── Aborted                                 someone called abort()
     ├── MismatchError                           ranks called one generation differently
     │   └── BadMembers     (also ValueError)    caller not among the members, rank outside the world
+    ├── IncarnationRefused                      this process no longer speaks for its rank or job
+    │   ├── RankHeld                            another live process holds the rank
+    │   ├── RankTakenOver                       another process took this one's rank over
+    │   ├── JobReset                            the job was reset; this process belonged to it before
+    │   └── StaleIncarnation                    this process belongs to another incarnation of the job
     ├── ConnectionError    (also builtins.ConnectionError)  cannot connect, connection lost, client closed
     ├── InvalidArgument    (also ValueError)    bad argument or environment variable, value too large
     └── WorkerError                             a process of spawn() raised or died
@@ -35,10 +40,16 @@ __all__ = [
     "Aborted",
     "MismatchError",
     "BadMembers",
+    "IncarnationRefused",
+    "RankHeld",
+    "RankTakenOver",
+    "JobReset",
+    "StaleIncarnation",
     "ConnectionError",
     "InvalidArgument",
     "WorkerError",
     "RankInfo",
+    "ProcessInfo",
 ]
 
 
@@ -56,6 +67,16 @@ class RankInfo:
     reason: Optional[str]
     #: Seconds since the coordinator last heard from it; None if never.
     last_seen: Optional[float]
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    """A process as the coordinator knows it from its hello (in the ``IncarnationRefused`` errors)."""
+
+    pid: int
+    host: str
+    #: Its incarnation: a random number drawn once per process (None for a TCPStore client).
+    incarnation: Optional[int]
 
 
 class RallypointError(Exception):
@@ -145,6 +166,56 @@ class BadMembers(MismatchError, ValueError):
     """The caller is not among the members it named, or a member is outside the world. ``op``, ``name``, ``reason``."""
 
     reason: str
+
+
+class IncarnationRefused(RallypointError):
+    """This process no longer speaks for its rank or its job: another process holds the rank
+    or took it over, or the job was reset. Retrying cannot help; ``rallypoint`` commands exit 8."""
+
+
+class RankHeld(IncarnationRefused):
+    """Another live process holds this rank. ``rank``, ``holder`` and ``claimant`` (this
+    process), each a :class:`ProcessInfo`, and ``since`` (Unix time, seconds)."""
+
+    rank: int
+    holder: ProcessInfo
+    since: float
+    claimant: ProcessInfo
+
+
+class RankTakenOver(IncarnationRefused):
+    """This process held the rank, lost it (or left), and another process took it over.
+    ``rank``, ``by`` and ``this`` (:class:`ProcessInfo`), ``at`` (Unix time, seconds)."""
+
+    rank: int
+    by: ProcessInfo
+    at: float
+    this: ProcessInfo
+
+
+class JobReset(IncarnationRefused):
+    """The job was reset to a new incarnation; this operation belonged to the one before.
+    ``job``, ``incarnation`` (the new one), ``since`` (Unix time, seconds), ``by`` (:class:`ProcessInfo`)
+    and ``by_reset``."""
+
+    job: str
+    incarnation: int
+    since: float
+    by: ProcessInfo
+    by_reset: bool
+
+
+class StaleIncarnation(IncarnationRefused):
+    """This process names another incarnation of the job (``mine``) than the current one
+    (``incarnation``, since ``since``, set by ``by``: a reset if ``by_reset``, else the first
+    process that named it)."""
+
+    job: str
+    mine: int
+    incarnation: int
+    since: float
+    by: ProcessInfo
+    by_reset: bool
 
 
 class ConnectionError(RallypointError, builtins.ConnectionError):

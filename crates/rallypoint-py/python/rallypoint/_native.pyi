@@ -172,6 +172,15 @@ class Client:
     def abort(self, reason: str) -> None:
         """Fails every pending and later operation of the job, on every rank, with
         :class:`rallypoint.Aborted` naming this client and ``reason``."""
+    def reset(self, incarnation: int) -> None:
+        """Starts job incarnation ``incarnation`` afresh (what ``rallypoint reset`` does):
+        the job's keys, barrier generations, abort and lost ranks are gone, and every
+        pending and later operation of its processes (this client's too) raises
+        :class:`rallypoint.JobReset`. Nothing if the job is at that incarnation already."""
+    @property
+    def job_incarnation(self) -> Optional[int]:
+        """The incarnation the job was at when this client (last) connected, or None
+        if it was never reset nor named (``RALLYPOINT_JOB_INCARNATION``)."""
     def close(self) -> None:
         """Leaves cleanly: the coordinator records that this rank left (it may come
         back) rather than died. Calls still waiting in other threads fail with
@@ -194,9 +203,13 @@ class _Coordinator:
 
     ``listen`` ("IP:PORT") is bound exactly; port 0 picks a free port. ``lease``:
     seconds of silence after which a rank counts as lost (default 15; 0 disables).
+    ``reconnect_grace``: seconds a rank whose connection dropped is held for its
+    process to resume, when its death cannot be seen (default 1, at most the lease).
     """
 
-    def __new__(cls, listen: str = "127.0.0.1:0", lease: Optional[float] = None) -> "_Coordinator": ...
+    def __new__(
+        cls, listen: str = "127.0.0.1:0", lease: Optional[float] = None, reconnect_grace: Optional[float] = None
+    ) -> "_Coordinator": ...
     @property
     def addr(self) -> str:
         """"host:port" it listens on (the real port when 0 was asked)."""

@@ -86,7 +86,10 @@ async fn silent_coordinator_hits_the_client_safety_timeout() {
     let server = tokio::spawn(async move {
         let (mut stream, _) = mute.accept().await.expect("accept");
         let mut welcome = BytesMut::new();
-        encode_server_frame(&ServerFrame::Welcome(Welcome { session: SessionId(1), lease_ms: 0 }), &mut welcome);
+        encode_server_frame(
+            &ServerFrame::Welcome(Welcome { session: SessionId(1), lease_ms: 0, job_incarnation: None }),
+            &mut welcome,
+        );
         stream.write_all(&welcome).await.expect("welcome");
         // Read and ignore everything.
         let mut sink = [0u8; 1024];
@@ -120,7 +123,8 @@ async fn close_after_a_silent_coordinator_does_not_wait_again() {
     let silent = tokio::spawn(async move {
         let (mut stream, _) = listener.accept().await.expect("accept");
         let mut welcome = BytesMut::new();
-        let welcome_frame = rallypoint_core::Welcome { session: rallypoint_core::SessionId(1), lease_ms: 0 };
+        let welcome_frame =
+            rallypoint_core::Welcome { session: rallypoint_core::SessionId(1), lease_ms: 0, job_incarnation: None };
         encode_server_frame(&ServerFrame::Welcome(welcome_frame), &mut welcome);
         stream.write_all(&welcome).await.expect("welcome");
         // Reads everything and answers nothing, until the client hangs up.

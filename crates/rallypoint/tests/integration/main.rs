@@ -11,5 +11,6 @@ mod connect;
 mod kv;
 mod malformed;
 mod memory;
+mod resume;
 mod scale;
 mod tcpstore;

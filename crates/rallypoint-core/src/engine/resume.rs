@@ -1,0 +1,294 @@
+//! What lets a session survive a cut connection: the reconnect grace, and the
+//! replies kept for requests a client re-sends.
+//!
+//! A client whose connection is cut reconnects, resumes its session by id and re-sends
+//! every request it has no reply for, with the same ids. For each, one of three things
+//! holds: it is still waiting (a barrier arrival, a `get`): the re-sent copy is dropped
+//! and the one reply comes when it is due; it was answered and the reply got lost with
+//! the connection: the same reply again, from the session's [`Kept`] replies; or the
+//! coordinator never got it: it runs now. So an arrival, an `add` or a `set` retried
+//! after a cut takes effect once. Only requests that change something are kept (from
+//! the moment they arrive, so that a waiting one is known): a read runs again.
+//!
+//! The kept replies are bounded ([`crate::ReplyCache`]: count, age, bytes of values)
+//! and dropped oldest first. A re-sent request that changes something, whose reply is
+//! not kept but whose id is not above the highest id dropped, may have run: it is
+//! answered with an error saying so rather than run a second time. (Clients number
+//! requests upwards; a resumed session must never reuse an id.)
+
+use std::collections::VecDeque;
+
+use crate::{Millis, OpError, Reply, ReplyCache as Limits, Response};
+
+/// The resume state of a session that stated an incarnation.
+#[derive(Debug, Default)]
+pub(crate) struct Resumable {
+    /// The connection dropped: the session is kept until this time (engine ms) for a
+    /// resume, then closed as a loss.
+    pub detached_until: Option<Millis>,
+    /// When the session was last resumed: re-sent requests are recognised from then
+    /// on, for as long as a kept reply may live.
+    pub resumed_at: Option<Millis>,
+    pub kept: Kept,
+}
+
+impl Resumable {
+    /// Whether a request arriving now may be a copy re-sent after the last resume.
+    pub fn may_be_resent(&self, now: Millis, limits: &Limits) -> bool {
+        self.resumed_at.is_some_and(|at| now <= at.saturating_add(limits.max_age_ms))
+    }
+}
+
+/// What a re-sent request gets.
+#[derive(Debug)]
+pub(crate) enum Resent {
+    /// Not a copy of anything known: run it.
+    Run,
+    /// Still waiting: drop the copy; its one reply comes when due.
+    Waiting,
+    /// Answered before: this reply again.
+    Replay(Reply),
+}
+
+/// The state-changing requests of one session, oldest first: those still waiting for
+/// their reply, and the replies of those answered. One block of memory per session: a
+/// request is answered where it waits, usually the latest.
+#[derive(Debug, Default)]
+pub(crate) struct Kept {
+    entries: VecDeque<Entry>,
+    /// Waiting requests moved out of `entries` to keep it within its count (a barrier
+    /// that waits while its session does hundreds of `add`s): still recognised when
+    /// re-sent, and their replies kept once they come.
+    old_waiting: Vec<u64>,
+    /// Bytes of values the kept replies hold.
+    bytes: usize,
+    /// Highest request id whose reply was dropped (0: none).
+    max_evicted: u64,
+}
+
+/// 32 bytes a request, most of them: a session of a job in a tight loop keeps a few
+/// hundred of them.
+#[derive(Debug)]
+struct Entry {
+    id: u64,
+    /// When it was answered (unused while it waits).
+    at: Millis,
+    reply: Slot,
+}
+
+#[derive(Debug)]
+enum Slot {
+    Waiting,
+    Done,
+    Int(i64),
+    Bool(bool),
+    Full(Box<Reply>),
+}
+
+impl Slot {
+    fn bytes(&self) -> usize {
+        match self {
+            Slot::Full(reply) => values_len(reply),
+            _ => 0,
+        }
+    }
+}
+
+impl Kept {
+    /// Request `id` arrived (and changes something): waiting for its reply.
+    pub fn arrived(&mut self, id: u64) {
+        self.entries.push_back(Entry { id, at: 0, reply: Slot::Waiting });
+    }
+
+    /// Keeps the reply to request `id` if it was waiting here; returns whether it was.
+    pub fn answered(&mut self, id: u64, reply: &Reply, now: Millis, limits: &Limits) -> bool {
+        let slot = match reply {
+            Ok(Response::Done) => Slot::Done,
+            Ok(Response::Int(n)) => Slot::Int(*n),
+            Ok(Response::Bool(b)) => Slot::Bool(*b),
+            other => Slot::Full(Box::new(other.clone())),
+        };
+        let bytes = slot.bytes();
+        let answered = Entry { id, at: now, reply: slot };
+        if let Some(entry) = self.entries.iter_mut().rev().find(|e| e.id == id && matches!(e.reply, Slot::Waiting)) {
+            *entry = answered;
+        } else if let Some(i) = self.old_waiting.iter().position(|&w| w == id) {
+            self.old_waiting.swap_remove(i);
+            self.entries.push_back(answered);
+        } else {
+            return false;
+        }
+        self.bytes = self.bytes.saturating_add(bytes);
+        self.trim(now, limits);
+        true
+    }
+
+    /// What re-sent request `id` gets, as far as the kept requests tell, `now`.
+    pub fn resent(&self, id: u64, changes_state: bool, now: Millis, limits: &Limits) -> Resent {
+        if self.old_waiting.contains(&id) {
+            return Resent::Waiting;
+        }
+        let unknown = || {
+            Resent::Replay(Err(OpError::Closed(format!(
+                "request {id} was sent again after a reconnect, but its reply is no longer kept (the coordinator keeps \
+                 a session's last replies for a bounded time): it may or may not have taken effect"
+            ))))
+        };
+        if let Some(entry) = self.entries.iter().rev().find(|e| e.id == id) {
+            return match &entry.reply {
+                Slot::Waiting => Resent::Waiting,
+                // Kept past its age only because nothing was kept since.
+                _ if entry.at.saturating_add(limits.max_age_ms) < now => unknown(),
+                Slot::Done => Resent::Replay(Ok(Response::Done)),
+                Slot::Int(n) => Resent::Replay(Ok(Response::Int(*n))),
+                Slot::Bool(b) => Resent::Replay(Ok(Response::Bool(*b))),
+                Slot::Full(reply) => Resent::Replay((**reply).clone()),
+            };
+        }
+        if changes_state && id <= self.max_evicted {
+            return unknown();
+        }
+        Resent::Run
+    }
+
+    /// Requests waiting here for their reply.
+    pub fn waiting(&self) -> usize {
+        self.old_waiting.len() + self.entries.iter().filter(|e| matches!(e.reply, Slot::Waiting)).count()
+    }
+
+    /// Drops the oldest replies past the bounds. A waiting request is never dropped:
+    /// past the count it moves to `old_waiting`; otherwise it stays, however long it
+    /// waits. (Age is also checked when a reply is looked up: a session that keeps
+    /// nothing new is not looked at.)
+    pub fn trim(&mut self, now: Millis, limits: &Limits) {
+        while let Some(oldest) = self.entries.front() {
+            let over = self.entries.len() > limits.max_replies || self.bytes > limits.max_bytes;
+            let waiting = matches!(oldest.reply, Slot::Waiting);
+            if !over && (waiting || oldest.at.saturating_add(limits.max_age_ms) >= now) {
+                return;
+            }
+            let Some(entry) = self.entries.pop_front() else { return };
+            if waiting {
+                self.old_waiting.push(entry.id);
+            } else {
+                self.bytes = self.bytes.saturating_sub(entry.reply.bytes());
+                self.max_evicted = self.max_evicted.max(entry.id);
+            }
+        }
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.entries.len()
+    }
+}
+
+/// Bytes of the values a reply holds (a shared all-gather result counts whole).
+fn values_len(reply: &Reply) -> usize {
+    match reply {
+        Ok(Response::Value(value)) => value.len(),
+        Ok(Response::Values(values)) => values.iter().map(|v| v.len()).fold(0, usize::saturating_add),
+        Ok(Response::Gathered(gathered)) => gathered.values_len(),
+        Ok(Response::Popped { value, .. }) => value.as_ref().map_or(0, |v| v.len()),
+        _ => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use bytes::Bytes;
+
+    use super::*;
+
+    /// When replies are looked up in the tests, unless they say otherwise.
+    const NOW: Millis = 0;
+
+    fn limits() -> Limits {
+        Limits { max_replies: 3, max_age_ms: 1_000, max_bytes: 10 }
+    }
+
+    fn answer(kept: &mut Kept, id: u64, reply: Reply, now: Millis) {
+        kept.arrived(id);
+        assert!(kept.answered(id, &reply, now, &limits()));
+    }
+
+    #[test]
+    fn keeps_the_last_replies_within_count_bytes_and_age() {
+        let mut kept = Kept::default();
+        for id in 1..=4 {
+            answer(&mut kept, id, Ok(Response::Int(id as i64)), 0);
+        }
+        assert_eq!(kept.len(), 3);
+        assert!(matches!(kept.resent(1, false, 0, &limits()), Resent::Run), "the oldest went past the count");
+        assert!(matches!(kept.resent(4, true, NOW, &limits()), Resent::Replay(Ok(Response::Int(4)))));
+        assert_eq!(kept.max_evicted, 1);
+
+        // Values count: a value of 8 bytes and another of 8 do not fit in 10.
+        answer(&mut kept, 5, Ok(Response::Value(Bytes::from_static(b"12345678"))), 0);
+        answer(&mut kept, 6, Ok(Response::Value(Bytes::from_static(b"abcdefgh"))), 0);
+        assert!(matches!(kept.resent(5, false, NOW, &limits()), Resent::Run));
+        assert!(matches!(kept.resent(6, true, NOW, &limits()), Resent::Replay(Ok(Response::Value(_)))));
+        assert_eq!(kept.max_evicted, 5);
+
+        // Age: past 1 s nothing is replayed, and the next reply kept trims them.
+        assert!(matches!(kept.resent(6, true, 1_001, &limits()), Resent::Replay(Err(OpError::Closed(_)))));
+        answer(&mut kept, 7, Ok(Response::Done), 1_001);
+        assert_eq!(kept.len(), 1);
+        assert_eq!(kept.max_evicted, 6);
+    }
+
+    #[test]
+    fn a_waiting_request_is_recognised_even_past_the_bounds() {
+        let mut kept = Kept::default();
+        kept.arrived(1);
+        for id in 2..=6 {
+            answer(&mut kept, id, Ok(Response::Done), 0);
+        }
+        assert!(
+            matches!(kept.resent(1, true, NOW, &limits()), Resent::Waiting),
+            "a barrier waits while the session adds"
+        );
+        assert_eq!(kept.waiting(), 1);
+        assert!(kept.answered(1, &Ok(Response::Done), 0, &limits()));
+        assert_eq!(kept.waiting(), 0);
+        assert!(
+            matches!(kept.resent(1, true, NOW, &limits()), Resent::Replay(Ok(Response::Done))),
+            "its reply is kept once it came"
+        );
+    }
+
+    #[test]
+    fn a_long_wait_is_not_dropped_by_age() {
+        let mut kept = Kept::default();
+        kept.arrived(1);
+        answer(&mut kept, 2, Ok(Response::Done), 0);
+        assert!(matches!(kept.resent(1, true, 5_000, &limits()), Resent::Waiting));
+        assert!(matches!(kept.resent(2, true, 5_000, &limits()), Resent::Replay(Err(_))), "an old reply goes");
+        assert!(kept.answered(1, &Ok(Response::Done), 5_000, &limits()));
+        assert!(matches!(kept.resent(1, true, 5_000, &limits()), Resent::Replay(Ok(Response::Done))));
+    }
+
+    #[test]
+    fn a_resent_request_is_waiting_replayed_unknown_or_new() {
+        let mut kept = Kept::default();
+        kept.arrived(7);
+        answer(&mut kept, 3, Ok(Response::Done), 0);
+        kept.max_evicted = 2;
+        assert!(matches!(kept.resent(7, true, NOW, &limits()), Resent::Waiting));
+        assert!(matches!(kept.resent(3, true, NOW, &limits()), Resent::Replay(Ok(Response::Done))));
+        assert!(
+            matches!(kept.resent(2, true, NOW, &limits()), Resent::Replay(Err(OpError::Closed(_)))),
+            "evicted: unknown outcome"
+        );
+        assert!(matches!(kept.resent(2, false, NOW, &limits()), Resent::Run), "a read runs again");
+        assert!(matches!(kept.resent(9, true, NOW, &limits()), Resent::Run));
+    }
+}
+
+#[cfg(test)]
+mod size {
+    #[test]
+    fn a_kept_request_takes_32_bytes() {
+        assert_eq!(std::mem::size_of::<super::Entry>(), 32);
+    }
+}
