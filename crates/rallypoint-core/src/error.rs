@@ -209,6 +209,49 @@ pub enum OpError {
     /// The session closed, or the server is shutting down.
     #[error("{0}")]
     Closed(String),
+
+    /// The connection's credentials were refused before its hello was looked at: no
+    /// token, a wrong token, or plaintext where TLS is required.
+    #[error("{0}")]
+    Unauthorized(AuthRefusal),
+}
+
+/// Why a coordinator or node agent refused a connection's credentials. The
+/// messages say what to set, since the fix is always on the refused side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AuthRefusal {
+    /// The server has a token and the client proved none.
+    TokenRequired,
+    /// The client's proof does not match the server's token.
+    WrongToken,
+    /// The server serves native clients over TLS only.
+    TlsRequired,
+    /// The client offered a token proof, but the server has no token to prove its
+    /// own side with (and the client insists on a server that does).
+    NoTokenHere,
+}
+
+impl fmt::Display for AuthRefusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            AuthRefusal::TokenRequired => {
+                "this coordinator requires a token: set RALLYPOINT_TOKEN or RALLYPOINT_TOKEN_FILE"
+            }
+            AuthRefusal::WrongToken => {
+                "wrong token: the coordinator's token is not the one this process has \
+                 (RALLYPOINT_TOKEN or RALLYPOINT_TOKEN_FILE)"
+            }
+            AuthRefusal::TlsRequired => {
+                "this coordinator requires TLS: set RALLYPOINT_TLS_CA (or --tls-ca) to the CA \
+                 certificate that signed its certificate"
+            }
+            AuthRefusal::NoTokenHere => {
+                "this process has a token but the coordinator has none, so it cannot prove that it \
+                 knows it: give the coordinator the same token (--token-file, RALLYPOINT_TOKEN_FILE \
+                 or RALLYPOINT_TOKEN), or unset RALLYPOINT_TOKEN and RALLYPOINT_TOKEN_FILE here"
+            }
+        })
+    }
 }
 
 /// Milliseconds shown as seconds with one decimal ("2.5 s").

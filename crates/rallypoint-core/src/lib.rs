@@ -17,7 +17,8 @@ mod request;
 pub use config::{Config, Limits};
 pub use engine::Engine;
 pub use error::{
-    AbortInfo, CallShape, CollectiveKind, LossReason, Missing, OpError, OpRef, RankInfo, RankRanges, RankState,
+    AbortInfo, AuthRefusal, CallShape, CollectiveKind, LossReason, Missing, OpError, OpRef, RankInfo, RankRanges,
+    RankState,
 };
 pub use identity::{Identity, SessionId};
 pub use request::{Gathered, Members, Millis, Outgoing, Reply, Request, Response, Welcome};

@@ -37,7 +37,7 @@ fn root_frames() -> Vec<RootFrame> {
         RootFrame::Refused(OpError::Invalid("no".into())),
         RootFrame::SubWelcome { sub: 1, welcome: Welcome { session: SessionId(9), lease_ms: 15_000 } },
     ];
-    let errors = samples(op_error(), 12);
+    let errors = samples(op_error(), 13);
     frames.extend(errors.iter().cloned().map(|error| RootFrame::SubRefused { sub: 4, error }));
     let replies = samples(response(), 7).into_iter().map(Ok).chain(errors.into_iter().map(Err));
     let replies: Vec<_> = replies.collect();

@@ -30,7 +30,7 @@ fn client_stream_splits_at_every_byte() {
 #[test]
 fn server_stream_splits_at_every_byte() {
     let mut frames = vec![ServerFrame::Welcome(Welcome { session: SessionId(9), lease_ms: 15_000 })];
-    let replies = samples(response(), 6).into_iter().map(Ok).chain(samples(op_error(), 12).into_iter().map(Err));
+    let replies = samples(response(), 6).into_iter().map(Ok).chain(samples(op_error(), 13).into_iter().map(Err));
     frames.extend(replies.enumerate().map(|(id, reply)| ServerFrame::Reply { id: id as u64, reply }));
     let mut stream = BytesMut::new();
     for frame in &frames {

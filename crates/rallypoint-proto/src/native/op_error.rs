@@ -3,7 +3,8 @@
 
 use bytes::{BufMut, BytesMut};
 use rallypoint_core::{
-    AbortInfo, CallShape, CollectiveKind, LossReason, Missing, OpError, OpRef, RankInfo, RankRanges, RankState,
+    AbortInfo, AuthRefusal, CallShape, CollectiveKind, LossReason, Missing, OpError, OpRef, RankInfo, RankRanges,
+    RankState,
 };
 
 use super::request::{blobs, decode_members, encode_members, put_blobs};
@@ -26,6 +27,7 @@ mod tag {
     pub const TOO_LARGE: u8 = 0x8a;
     pub const INVALID: u8 = 0x8b;
     pub const CLOSED: u8 = 0x8c;
+    pub const UNAUTHORIZED: u8 = 0x8d;
 }
 
 /// Fewest bytes of one encoded [`RankInfo`]: rank + three absent options + state tag.
@@ -99,6 +101,15 @@ pub(crate) fn encode_op_error(error: &OpError, dst: &mut BytesMut) {
             dst.put_u8(tag::CLOSED);
             dst.put_str(message);
         }
+        OpError::Unauthorized(why) => {
+            dst.put_u8(tag::UNAUTHORIZED);
+            dst.put_u8(match why {
+                AuthRefusal::TokenRequired => 0,
+                AuthRefusal::WrongToken => 1,
+                AuthRefusal::TlsRequired => 2,
+                AuthRefusal::NoTokenHere => 3,
+            });
+        }
     }
 }
 
@@ -135,6 +146,13 @@ pub(crate) fn decode_op_error_fields(tag: u8, r: &mut Reader) -> DecodeResult<Op
         tag::TOO_LARGE => OpError::TooLarge { what: r.string("what")?, len: r.u64("len")?, limit: r.u64("limit")? },
         tag::INVALID => OpError::Invalid(r.string("message")?),
         tag::CLOSED => OpError::Closed(r.string("message")?),
+        tag::UNAUTHORIZED => OpError::Unauthorized(match r.u8("auth refusal")? {
+            0 => AuthRefusal::TokenRequired,
+            1 => AuthRefusal::WrongToken,
+            2 => AuthRefusal::TlsRequired,
+            3 => AuthRefusal::NoTokenHere,
+            other => return Err(DecodeError::unknown("auth refusal", other)),
+        }),
         other => return Err(DecodeError::unknown("error tag", other)),
     })
 }
