@@ -17,6 +17,10 @@ use bytes::Bytes;
 use rallypoint_core::{Identity, Members, Request, Response};
 use tokio::sync::{mpsc, oneshot};
 
+use rallypoint_net::auth::Token;
+use rallypoint_net::conn::Credentials;
+use rallypoint_net::tls::TlsClient;
+
 use crate::connection::{self, Command, Link};
 use crate::error::Error;
 
@@ -41,17 +45,39 @@ pub struct ConnectOptions {
     /// results, large values) as shared memory mapped read-only instead of copied
     /// through the socket (docs/PROTOCOL.md, section 13). Ignored over TCP.
     pub shared_replies: bool,
+    /// The token to prove (the coordinator must prove it too), and the CA that
+    /// signed the coordinator's TLS certificate: neither by default.
+    pub credentials: Credentials,
 }
 
 impl ConnectOptions {
-    /// Options with the default timeout of 300 s, taking shared replies.
+    /// Options with the default timeout of 300 s, taking shared replies, with no
+    /// token and no TLS ([`crate::env::Settings`] reads them from the environment).
     pub fn new(addr: impl Into<String>, identity: Identity) -> Self {
-        ConnectOptions { addr: addr.into(), identity, timeout: DEFAULT_TIMEOUT, shared_replies: true }
+        ConnectOptions {
+            addr: addr.into(),
+            identity,
+            timeout: DEFAULT_TIMEOUT,
+            shared_replies: true,
+            credentials: Credentials::default(),
+        }
     }
 
     /// These options with another connect (and default operation) timeout.
     pub fn with_timeout(self, timeout: Duration) -> Self {
         ConnectOptions { timeout, ..self }
+    }
+
+    /// These options proving `token` (or none).
+    pub fn with_token(mut self, token: Option<Arc<Token>>) -> Self {
+        self.credentials.token = token;
+        self
+    }
+
+    /// These options over TLS, trusting `tls`'s CA for the coordinator's certificate (or plaintext).
+    pub fn with_tls(mut self, tls: Option<TlsClient>) -> Self {
+        self.credentials.tls = tls;
+        self
     }
 }
 
@@ -109,14 +135,14 @@ impl Client {
     }
 
     pub async fn connect_with(options: ConnectOptions) -> Result<Client, Error> {
-        let ConnectOptions { addr, mut identity, timeout, shared_replies } = options;
+        let ConnectOptions { addr, mut identity, timeout, shared_replies, credentials } = options;
         if identity.host.is_empty() {
             identity.host = rallypoint_net::hostname();
         }
         if identity.pid == 0 {
             identity.pid = std::process::id();
         }
-        let connected = connection::connect(&addr, &identity, timeout, shared_replies).await?;
+        let connected = connection::connect(&addr, &identity, timeout, shared_replies, &credentials).await?;
         let (link, commands, _welcome) = connection::spawn(addr, connected);
         Ok(Client { inner: Arc::new(Inner { identity, timeout, link, commands }) })
     }

@@ -12,9 +12,13 @@
 mod workers;
 
 use std::ffi::OsString;
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use rallypoint_core::Identity;
+use rallypoint_net::auth::Token;
+use rallypoint_net::tls::{TlsClient, TLS_CA_VAR};
 
 use crate::{Error, DEFAULT_TIMEOUT};
 
@@ -34,6 +38,12 @@ pub struct Settings {
     pub role: Option<String>,
     /// Explicit, else `RALLYPOINT_TIMEOUT` (seconds, may be fractional), else 300 s.
     pub timeout: Duration,
+    /// Explicit (a token, or a token file), else the file `RALLYPOINT_TOKEN_FILE`
+    /// names (it must not be readable by group or others), else `RALLYPOINT_TOKEN`.
+    pub token: Option<Arc<Token>>,
+    /// Explicit, else `RALLYPOINT_TLS_CA`: connect over TLS, trusting the CA
+    /// certificate(s) in this PEM file for the coordinator's certificate.
+    pub tls: Option<TlsClient>,
 }
 
 /// Values given explicitly (command-line flags, function arguments); they win over
@@ -46,6 +56,12 @@ pub struct Overrides {
     pub world_size: Option<i64>,
     pub role: Option<String>,
     pub timeout_secs: Option<f64>,
+    /// The token itself (an argument of a program; a file is safer: see `token_file`).
+    pub token: Option<String>,
+    /// A file holding the token (`--token-file`).
+    pub token_file: Option<PathBuf>,
+    /// The CA certificate (PEM) of the coordinator's TLS certificate (`--tls-ca`).
+    pub tls_ca: Option<PathBuf>,
 }
 
 impl Settings {
@@ -71,7 +87,10 @@ impl Settings {
 
     /// Options to connect with these settings.
     pub fn connect_options(&self) -> crate::ConnectOptions {
-        crate::ConnectOptions::new(self.addr.clone(), self.identity()).with_timeout(self.timeout)
+        crate::ConnectOptions::new(self.addr.clone(), self.identity())
+            .with_timeout(self.timeout)
+            .with_token(self.token.clone())
+            .with_tls(self.tls.clone())
     }
 }
 
@@ -152,7 +171,21 @@ fn resolve_with(overrides: Overrides, lookup: impl Fn(&str) -> Option<OsString>)
         },
     };
 
-    Ok(Settings { addr, job, rank, world_size, role, timeout })
+    let token = match (overrides.token, overrides.token_file) {
+        (Some(_), Some(_)) => return Err(config("give either a token or a token file, not both".to_owned())),
+        (Some(token), None) => Some(Token::new(token, "the token argument")),
+        (None, Some(path)) => Some(Token::from_file(&path)),
+        (None, None) => Token::from_lookup(&lookup).transpose(),
+    };
+    let token = token.transpose().map_err(|error| config(error.to_string()))?.map(Arc::new);
+
+    let tls_ca = match overrides.tls_ca {
+        Some(path) => Some(path),
+        None => var(TLS_CA_VAR)?.map(PathBuf::from),
+    };
+    let tls = tls_ca.map(|ca| TlsClient::from_ca_file(&ca)).transpose().map_err(|error| config(error.to_string()))?;
+
+    Ok(Settings { addr, job, rank, world_size, role, timeout, token, tls })
 }
 
 /// `MASTER_ADDR:MASTER_PORT`, bracketing an IPv6 address.
@@ -199,6 +232,8 @@ fn seconds(secs: f64) -> Option<Duration> {
 mod tests {
     use std::collections::HashMap;
 
+    use rallypoint_net::auth::{TOKEN_FILE_VAR, TOKEN_VAR};
+
     use super::*;
 
     fn resolve(overrides: Overrides, vars: &[(&str, &str)]) -> Result<Settings, Error> {
@@ -236,6 +271,8 @@ mod tests {
                 world_size: Some(8),
                 role: Some("trainer".into()),
                 timeout: DEFAULT_TIMEOUT,
+                token: None,
+                tls: None,
             }
         );
     }
@@ -271,6 +308,7 @@ mod tests {
             world_size: Some(2),
             role: Some("r".into()),
             timeout_secs: Some(1.0),
+            ..Overrides::default()
         };
         let s = resolve(
             overrides,
@@ -336,6 +374,31 @@ mod tests {
             &[("RALLYPOINT_ADDR", "c:1"), ("RANK", "4"), ("WORLD_SIZE", "4")],
         ));
         assert_eq!(e, "rank 4 is not below the world size 4 (ranks are 0 to 3)");
+    }
+
+    #[test]
+    fn tokens_come_from_arguments_then_the_file_variable_then_the_token_variable() {
+        let base = [("RALLYPOINT_ADDR", "c:1"), (TOKEN_VAR, "from-env")];
+        let token = |text: &str| Some(Arc::new(Token::new(text, "test").expect("token")));
+        assert_eq!(resolve(Overrides::default(), &base).expect("env").token, token("from-env"));
+        let explicit = Overrides { token: Some("explicit".into()), ..Overrides::default() };
+        assert_eq!(resolve(explicit, &base).expect("explicit").token, token("explicit"));
+        let missing_file = [("RALLYPOINT_ADDR", "c:1"), (TOKEN_FILE_VAR, "/nonexistent/token"), (TOKEN_VAR, "x")];
+        let error = config_error(resolve(Overrides::default(), &missing_file));
+        assert!(error.contains("/nonexistent/token"), "{error}");
+        let both = Overrides {
+            token: Some("a".into()),
+            token_file: Some("/tmp/b".into()),
+            addr: Some("c:1".into()),
+            ..Overrides::default()
+        };
+        assert!(config_error(resolve(both, &[])).contains("not both"));
+        let error = config_error(resolve(
+            Overrides::default(),
+            &[("RALLYPOINT_ADDR", "c:1"), (TLS_CA_VAR, "/nonexistent/ca.pem")],
+        ));
+        assert!(error.contains("/nonexistent/ca.pem"), "{error}");
+        assert!(!format!("{:?}", resolve(Overrides::default(), &base).expect("env")).contains("from-env"), "redacted");
     }
 
     #[test]

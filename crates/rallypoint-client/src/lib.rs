@@ -13,5 +13,10 @@ mod error;
 pub use client::{Client, ConnectOptions, DEFAULT_TIMEOUT};
 pub use error::Error;
 pub use rallypoint_core::{
-    AbortInfo, CallShape, CollectiveKind, Identity, LossReason, Members, OpError, OpRef, RankInfo, RankState,
+    AbortInfo, AuthRefusal, CallShape, CollectiveKind, Identity, LossReason, Members, OpError, OpRef, RankInfo,
+    RankState,
 };
+pub use rallypoint_net::auth::{Token, TokenError};
+pub use rallypoint_net::auth::{TOKEN_FILE_VAR, TOKEN_VAR};
+pub use rallypoint_net::conn::{AuthFailure, Credentials};
+pub use rallypoint_net::tls::{TlsClient, TlsError, TLS_CA_VAR};
