@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use rallypoint_client::{Error, OpError};
+use rallypoint_client::{Error, OpError, TlsError, TokenError};
 
 /// Shown at the end of `rallypoint --help`; the README has the same table.
 pub const HELP: &str = "\
@@ -16,6 +16,11 @@ Exit codes:
   6  mismatch / bad members (ranks called the same barrier differently,
      or the caller is not among the members it named)
   7  cannot connect to the coordinator, or lost the connection to it
+  8  refused incarnation (this process's rank is held by another live process,
+     or it belongs to an earlier run of the job; the error names who)
+  9  authentication failed: the coordinator refused this process's token (none,
+     or a wrong one) or plaintext where it requires TLS, or it could not prove
+     that it knows the token, or its TLS certificate did not verify
 
 Errors go to stderr, starting with 'rallypoint: '.";
 
@@ -28,6 +33,8 @@ pub enum Exit {
     Aborted = 5,
     Mismatch = 6,
     Connect = 7,
+    /// 8 is a refused incarnation (issue #14's other half).
+    Auth = 9,
 }
 
 /// A bad argument that clap cannot see alone (a rank outside the world size
@@ -63,6 +70,13 @@ pub fn code_of(err: &anyhow::Error) -> Exit {
         if let Some(e) = cause.downcast_ref::<OpError>() {
             return of_op_error(e);
         }
+        // A token file or a TLS file that cannot be used: a mistake in the settings.
+        if cause.is::<TokenError>() || cause.is::<TlsError>() {
+            return Exit::Usage;
+        }
+        if let Some(rallypoint_agent::AgentError::Auth { .. }) = cause.downcast_ref() {
+            return Exit::Auth;
+        }
     }
     Exit::Other
 }
@@ -74,6 +88,7 @@ fn of_client_error(err: &Error) -> Exit {
         Error::Timeout(_) => Exit::Timeout,
         Error::Config(_) => Exit::Usage,
         Error::Protocol(_) => Exit::Other,
+        Error::Auth { .. } => Exit::Auth,
     }
 }
 
@@ -89,6 +104,7 @@ fn of_op_error(err: &OpError) -> Exit {
         // The server is shutting down or closed this session.
         OpError::Closed(_) => Exit::Connect,
         OpError::NotANumber { .. } | OpError::Overflow { .. } => Exit::Other,
+        OpError::Unauthorized(_) => Exit::Auth,
     }
 }
 
