@@ -10,7 +10,7 @@ use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use pyo3::IntoPyObjectExt;
-use rallypoint_client::{AbortInfo, CallShape, Error, OpError, OpRef, RankInfo, RankState};
+use rallypoint_client::{AbortInfo, AuthFailure, AuthRefusal, CallShape, Error, OpError, OpRef, RankInfo, RankState};
 
 /// Python attributes of one exception, by name.
 type Attrs<'py> = Vec<(&'static str, Bound<'py, PyAny>)>;
@@ -62,6 +62,24 @@ fn build(py: Python<'_>, error: Error) -> PyResult<PyErr> {
         }
         Error::Config(_) => exception(py, "InvalidArgument", message, vec![]),
         Error::Protocol(_) => exception(py, "RallypointError", message, vec![]),
+        Error::Auth { addr, failure } => {
+            let reason = match &failure {
+                AuthFailure::Refused(why) => refusal(*why),
+                AuthFailure::Unproven(_) => "server_unproven",
+                AuthFailure::Tls(_) => "tls",
+            };
+            exception(py, "AuthError", message, vec![("addr", obj(py, Some(addr))?), ("reason", obj(py, reason)?)])
+        }
+    }
+}
+
+/// The word `AuthError.reason` holds for a coordinator's refusal.
+fn refusal(why: AuthRefusal) -> &'static str {
+    match why {
+        AuthRefusal::TokenRequired => "token_required",
+        AuthRefusal::WrongToken => "wrong_token",
+        AuthRefusal::TlsRequired => "tls_required",
+        AuthRefusal::NoTokenHere => "no_token_here",
     }
 }
 
@@ -121,6 +139,10 @@ fn op_error(py: Python<'_>, message: String, error: OpError) -> PyResult<PyErr> 
             exception(py, "BadMembers", message, attrs)
         }
         OpError::Closed(_) => exception(py, "ConnectionError", message, vec![]),
+        OpError::Unauthorized(why) => {
+            let attrs = vec![("addr", obj(py, None::<String>)?), ("reason", obj(py, refusal(why))?)];
+            exception(py, "AuthError", message, attrs)
+        }
         OpError::NoRank { .. }
         | OpError::NotANumber { .. }
         | OpError::Overflow { .. }

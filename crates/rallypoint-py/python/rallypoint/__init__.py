@@ -15,6 +15,7 @@ See ``help(rallypoint.Client)`` and the exceptions in ``rallypoint._errors``.
 
 from ._errors import (
     Aborted,
+    AuthError,
     BadMembers,
     BarrierTimeout,
     ConnectionError,
