@@ -16,6 +16,10 @@ GROUP_WORLD_SIZE, ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), plus RALLYP
 RALLYPOINT_JOB, so `rallypoint barrier ...` and Client::from_env() work inside it (with
 --node-agent, RALLYPOINT_ADDR is this node's agent; a rank dying behind it is still named, with
 its host, by every peer).
+The job is authenticated: on one node the launcher makes a random token, and its workers find it
+in the private file RALLYPOINT_TOKEN_FILE names (removed at exit); the nodes of a multi-node job
+must all be given the same --token-file (or RALLYPOINT_TOKEN_FILE / RALLYPOINT_TOKEN), and so
+must a job whose --master is beyond loopback, unless --insecure.
 When a worker fails, every worker on every node gets SIGTERM (SIGKILL after --grace), a summary
 names the root cause on stderr (the first failure, or a rank its peers lost: stopped, hung or
 disconnected), and the launcher exits with the failed worker's exit code (128 + signal for a
