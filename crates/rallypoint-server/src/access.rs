@@ -5,9 +5,10 @@
 //! has no room for it. With a token set, a TCPStore connection is therefore served
 //! only
 //!
-//! - from this machine, when the kernel lists its socket as owned by the user the
-//!   coordinator runs as (`/proc/net/tcp`, [`rallypoint_net::procnet`]): the
-//!   workers a launcher started, not another user's process;
+//! - from this machine, when the kernel says its socket is owned by the user the
+//!   coordinator runs as (socket diagnostics, else `/proc/net/tcp`:
+//!   [`rallypoint_net::procnet`]): the workers a launcher started, not another
+//!   user's process;
 //! - from another machine, when its address is in a network given with
 //!   `--tcpstore-allow CIDR` (none by default).
 //!
@@ -60,7 +61,7 @@ impl TcpStoreAccess {
                 match tokio::task::spawn_blocking(move || access.judge(peer, here)).await {
                     Ok(Ok(verdict)) => verdict,
                     Ok(Err(error)) => {
-                        warn!(%peer, %error, "cannot read /proc/net/tcp to tell who owns a TCPStore client; refusing it");
+                        warn!(%peer, %error, "cannot tell who owns a TCPStore client's socket (socket diagnostics, /proc/net/tcp); refusing it");
                         return false;
                     }
                     Err(error) => {
@@ -82,7 +83,7 @@ impl TcpStoreAccess {
             Verdict::OtherUser(uid) => {
                 format!("its socket belongs to uid {uid}, and this coordinator (which has a token) serves TCPStore clients of this machine only to its own user, uid {}", self.uid)
             }
-            Verdict::UnknownLocal => "it comes over loopback, but its socket is not listed in /proc/net/tcp, so its user cannot be told".to_owned(),
+            Verdict::UnknownLocal => "it comes over loopback, but the kernel knows no such socket here, so its user cannot be told".to_owned(),
             Verdict::NotAllowed => format!(
                 "this coordinator has a token, which TCPStore clients cannot send; clients from other machines are served only from networks given with --tcpstore-allow (now: {})",
                 self.allowed()
