@@ -81,7 +81,12 @@ fn setup() -> (Dir, PathBuf, PathBuf) {
 fn command(program: &Path, as_nobody: bool) -> Command {
     let mut cmd = if as_nobody {
         let mut cmd = Command::new("setpriv");
-        cmd.args([format!("--reuid={NOBODY}"), format!("--regid={NOBODY}"), "--clear-groups".to_owned(), "--".to_owned()]);
+        cmd.args([
+            format!("--reuid={NOBODY}"),
+            format!("--regid={NOBODY}"),
+            "--clear-groups".to_owned(),
+            "--".to_owned(),
+        ]);
         cmd.arg(program);
         cmd
     } else {
@@ -115,7 +120,8 @@ fn text(bytes: &[u8]) -> String {
 /// shim, is not one): the first on PATH, then /usr/bin's, that runs as nobody.
 fn python_for_nobody() -> PathBuf {
     let path = std::env::var_os("PATH").unwrap_or_default();
-    let candidates = std::env::split_paths(&path).map(|dir| dir.join("python3")).chain([PathBuf::from("/usr/bin/python3")]);
+    let candidates =
+        std::env::split_paths(&path).map(|dir| dir.join("python3")).chain([PathBuf::from("/usr/bin/python3")]);
     for python in candidates.filter(|p| p.exists()) {
         let mut probe = command(&python, true);
         probe.args(["-c", "pass"]);
@@ -176,7 +182,9 @@ fn an_unprivileged_user_cannot_read_abort_or_join_an_authenticated_job() {
     assert_eq!(text(&out.stdout).trim(), "refused", "nobody read the keys; stderr: {}", text(&out.stderr));
 
     // nobody's abort, and nobody claiming rank 1: refused for want of the token (exit 9).
-    for verb in [&["abort", "aborted by pid 4242 on host evil"][..], &["barrier", "step", "--rank", "1", "--world-size", "2"]] {
+    for verb in
+        [&["abort", "aborted by pid 4242 on host evil"][..], &["barrier", "step", "--rank", "1", "--world-size", "2"]]
+    {
         let mut cmd = command(&bin, true);
         cmd.args(verb).args(["--addr", &addr, "--job", "default", "--timeout", "20"]);
         let out = run(cmd);
