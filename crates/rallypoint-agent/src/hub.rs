@@ -8,8 +8,10 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::Request;
+use rallypoint_net::auth::Token;
 use rallypoint_net::budget::PendingBudget;
 use rallypoint_net::sync::lock;
+use rallypoint_net::tls::TlsServer;
 use rallypoint_proto::native::{encode_agent_frame, AgentFrame, FrameLimits};
 use tokio::sync::Notify;
 
@@ -33,6 +35,10 @@ pub(crate) struct Hub {
     pub(crate) next_sub: AtomicU64,
     /// Shared-memory slabs (docs/PROTOCOL.md, section 13); a slab's id is its index.
     pub(crate) slabs: Slabs,
+    /// Required of every local rank.
+    pub(crate) token: Option<Arc<Token>>,
+    /// Local ranks over TCP come over TLS.
+    pub(crate) tls: Option<TlsServer>,
 }
 
 impl Hub {

@@ -19,6 +19,11 @@
 //! so a node's arrival at and release from a barrier cost the coordinator one frame
 //! each instead of one per rank.
 //!
+//! Authentication: with a token, the agent proves it to the coordinator (and checks
+//! the coordinator's proof) and requires it of every local rank, over TCP or its
+//! Unix socket alike. With a certificate it serves its TCP ranks over TLS (and
+//! refuses plaintext ones there); with a CA it reaches a TLS coordinator.
+//!
 //! Failure: a local rank whose connection ends is reported upstream at once (the
 //! coordinator decides, as for a direct connection, whether it left or is lost).
 //! If the upstream connection ends, the coordinator counts every rank of this agent
@@ -40,8 +45,10 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::OpError;
+use rallypoint_net::auth::Token;
 use rallypoint_net::budget::PendingBudget;
-use rallypoint_net::conn::End;
+use rallypoint_net::conn::{AuthFailure, End};
+use rallypoint_net::tls::{TlsClient, TlsServer};
 use rallypoint_net::{Listener, Stream};
 use rallypoint_proto::native::FrameLimits;
 use tokio::sync::{oneshot, Notify};
@@ -76,6 +83,13 @@ pub struct AgentConfig {
     /// Bytes of unfinished requests all local ranks together may hold; past it, the
     /// connection holding the most is closed.
     pub max_pending_bytes: usize,
+    /// Proven to the coordinator (which must prove it back), and required of every
+    /// local rank.
+    pub token: Option<Arc<Token>>,
+    /// Reach the coordinator over TLS, trusting this CA for its certificate.
+    pub upstream_tls: Option<TlsClient>,
+    /// Serve local ranks connecting over TCP with TLS (plaintext ones are refused there).
+    pub tls: Option<TlsServer>,
 }
 
 impl AgentConfig {
@@ -88,6 +102,9 @@ impl AgentConfig {
             limits: FrameLimits::default(),
             read_timeout: Duration::from_secs(30),
             max_pending_bytes: 256 << 20,
+            token: None,
+            upstream_tls: None,
+            tls: None,
         }
     }
 }
@@ -100,6 +117,9 @@ pub enum AgentError {
     Connect { addr: String, waited: Duration, source: io::Error },
     #[error("node agent: the coordinator at {addr} refused this agent: {error}")]
     Refused { addr: String, error: OpError },
+    /// The coordinator refused the agent's token (or TLS), or could not prove its own.
+    #[error("node agent: cannot authenticate with the coordinator at {addr}: {failure}")]
+    Auth { addr: String, failure: AuthFailure },
     #[error("node agent: the coordinator at {addr} broke the protocol: {message}")]
     Protocol { addr: String, message: String },
     /// The coordinator counts every rank of this agent as lost.
@@ -143,6 +163,8 @@ impl Agent {
             routes: Mutex::new(HashMap::new()),
             next_sub: AtomicU64::new(1),
             slabs: Default::default(),
+            token: config.token,
+            tls: config.tls,
         });
         Ok(Agent { listener, local_addr, upstream, buffered, hub })
     }

@@ -11,13 +11,16 @@ use bytes::{Buf, BytesMut};
 use rallypoint_core::{OpError, Request};
 use rallypoint_net::budget::{buffered, Charge};
 use rallypoint_net::conn::{
-    accept_hello, after_read, decode_requests, read_some, stall, Accepts, Buffering, End, Hello, Inbound,
+    accept_hello, after_read, decode_requests, peek_first_byte, read_some, stall, Accepts, Buffering, End, Gate, Hello,
+    Inbound,
 };
 use rallypoint_net::shm::MAX_FDS_PER_WRITE;
 use rallypoint_net::sync::lock;
+use rallypoint_net::tls::TLS_FIRST_BYTE;
 use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
 use rallypoint_net::{ReadHalf, Stream, WriteHalf};
 use rallypoint_proto::native::{encode_agent_frame, encode_reply, encode_server_frame, AgentFrame, ServerFrame};
+use tokio::io::AsyncWriteExt;
 use tokio::sync::Notify;
 use tracing::{debug, warn};
 
@@ -159,6 +162,9 @@ impl Local {
     /// Writes everything queued (waiting for the socket as needed); true if the
     /// connection should now close.
     pub(crate) async fn drain(&self) -> io::Result<bool> {
+        if self.writer.is_tls() {
+            return self.drain_tls().await;
+        }
         loop {
             {
                 let mut out = lock(&self.out);
@@ -182,8 +188,40 @@ impl Local {
     }
 }
 
+impl Local {
+    /// [`Local::drain`] over TLS, which cannot write without waiting: only this
+    /// task writes (`push` leaves everything to it), taking what is queued in turns.
+    /// No files pass over TLS.
+    async fn drain_tls(&self) -> io::Result<bool> {
+        loop {
+            let bytes = {
+                let mut out = lock(&self.out);
+                if out.buf.is_empty() {
+                    out.writing = false;
+                    if out.buf.capacity() > KEEP_WRITE_CAPACITY {
+                        out.buf = BytesMut::new();
+                    }
+                    return Ok(out.end);
+                }
+                let bytes = out.buf.split();
+                out.written += bytes.len() as u64;
+                bytes
+            };
+            self.writer.write_locked(&bytes).await?;
+        }
+    }
+}
+
 /// Serves one local rank connection until it closes, then reports that upstream.
 pub(crate) async fn serve(stream: Stream, hub: Arc<Hub>) {
+    let mut rbuf = BytesMut::new();
+    let mut charge = hub.budget.charge();
+    let handshake = handshake(stream, &hub, &mut rbuf, &mut charge);
+    let (stream, identity) = match tokio::time::timeout(HANDSHAKE_TIMEOUT, handshake).await {
+        Ok(Some(admitted)) => admitted,
+        Ok(None) => return,
+        Err(_) => return log_refused(&End::HandshakeTimeout(HANDSHAKE_TIMEOUT)),
+    };
     let (mut reader, writer) = stream.into_split();
     let local = Arc::new(Local {
         writer,
@@ -192,15 +230,6 @@ pub(crate) async fn serve(stream: Stream, hub: Arc<Hub>) {
         takes_shared: AtomicBool::new(false),
         left: AtomicBool::new(false),
     });
-    let mut rbuf = BytesMut::new();
-    let mut charge = hub.budget.charge();
-    let hello = accept_hello(&mut reader, &mut rbuf, &hub.limits, Accepts::NODE_AGENT, &mut charge);
-    let identity = match tokio::time::timeout(HANDSHAKE_TIMEOUT, hello).await {
-        Ok(Ok(Hello::Native(identity))) => identity,
-        Ok(Ok(Hello::TcpStore | Hello::Agent)) => unreachable!("a node agent accepts only native clients"),
-        Ok(Err(end)) => return refuse(&local, end).await,
-        Err(_) => return refuse(&local, End::HandshakeTimeout(HANDSHAKE_TIMEOUT)).await,
-    };
     let sub = hub.next_sub.fetch_add(1, Ordering::Relaxed);
     // On a Unix socket the rank is on this machine whatever host name it states.
     let process = (identity.pid != 0 && (local.writer.is_unix() || identity.host == rallypoint_net::hostname()))
@@ -245,18 +274,61 @@ pub(crate) async fn serve(stream: Stream, hub: Arc<Hub>) {
 /// its exit before the agent reports the end as possibly a cut connection.
 const EXIT_WATCH: std::time::Duration = std::time::Duration::from_millis(200);
 
-/// Ends a connection whose handshake failed, telling the peer why when it can be told.
-async fn refuse(local: &Local, end: End) {
+/// TLS (for a TCP connection, where the agent serves it and the rank starts a TLS
+/// handshake), the token handshake and the hello; `None` if the connection ends
+/// here (the peer was told why when it can be told).
+async fn handshake(
+    stream: Stream,
+    hub: &Hub,
+    rbuf: &mut BytesMut,
+    charge: &mut Charge,
+) -> Option<(Stream, rallypoint_core::Identity)> {
+    let mut stream = match (stream, &hub.tls) {
+        (Stream::Tcp(tcp), Some(tls)) => match peek_first_byte(&tcp).await {
+            Ok(Some(TLS_FIRST_BYTE)) => match tls.accept(tcp).await {
+                Ok(tls) => Stream::Tls(Box::new(tls.into())),
+                Err(error) => {
+                    log_refused(&End::Tls(error));
+                    return None;
+                }
+            },
+            Ok(Some(_)) => Stream::Tcp(tcp),
+            Ok(None) => return None,
+            Err(error) => {
+                log_refused(&End::Io(error));
+                return None;
+            }
+        },
+        (stream, _) => stream,
+    };
+    // Plaintext TCP is refused where TLS is served; a Unix socket is this machine's,
+    // guarded by its directory.
+    let gate = Gate { token: hub.token.clone(), tls_required: hub.tls.is_some() && matches!(stream, Stream::Tcp(_)) };
+    match accept_hello(&mut stream, rbuf, &hub.limits, Accepts::NODE_AGENT, &gate, charge).await {
+        Ok(Hello::Native(identity)) => Some((stream, identity)),
+        Ok(Hello::TcpStore | Hello::Agent) => unreachable!("a node agent accepts only native clients"),
+        Err(end) => {
+            log_refused(&end);
+            if let End::Refused(error) = end {
+                let mut out = BytesMut::new();
+                encode_server_frame(&ServerFrame::Refused(*error), &mut out);
+                if stream.write_all(&out).await.is_ok() {
+                    let _ = stream.shutdown().await;
+                }
+            }
+            None
+        }
+    }
+}
+
+/// Logs a connection that ended during its handshake.
+fn log_refused(end: &End) {
     if end.is_peer_fault() {
         if let Some(held_back) = admit_shared(&END_WARNINGS) {
             warn!(held_back, "closing a local connection: {end}");
         }
     } else {
         debug!("local connection ended during its handshake: {end}");
-    }
-    if let End::Refused(error) = end {
-        local.send(|out| encode_server_frame(&ServerFrame::Refused(*error), out));
-        let _ = local.drain().await;
     }
 }
 

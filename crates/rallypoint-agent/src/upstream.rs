@@ -8,14 +8,15 @@ use std::time::Instant;
 
 use bytes::BytesMut;
 use rallypoint_core::{OpError, Reply};
-use rallypoint_net::conn::{greet, read_some, Buffering, End};
+use rallypoint_net::conn::AuthFailure;
+use rallypoint_net::conn::{greet, read_some, Buffering, Credentials, End, GreetError};
 use rallypoint_net::shm::SHARED_REPLY_MIN;
 use rallypoint_net::sync::{lock, Backoff};
 use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
 use rallypoint_net::{ReadHalf, Stream, WriteHalf};
 use rallypoint_proto::native::{
-    decode_root_frame, encode_agent_frame, encode_preamble, encode_reply, encode_server_frame, reply_payload_len,
-    AgentFrame, FrameLimits, ProtoError, RootFrame, ServerFrame,
+    decode_root_frame, encode_agent_frame, encode_reply, encode_server_frame, reply_payload_len, AgentFrame,
+    FrameLimits, ProtoError, RootFrame, ServerFrame,
 };
 use tokio::io::AsyncWriteExt;
 use tracing::{debug, trace, warn};
@@ -49,17 +50,24 @@ pub(crate) async fn connect(config: &AgentConfig) -> Result<(Stream, BytesMut, u
 async fn hello(config: &AgentConfig) -> io::Result<Result<(Stream, BytesMut, u64), AgentError>> {
     let addr = &config.upstream;
     let mut hello = BytesMut::new();
-    encode_preamble(&mut hello);
     encode_agent_frame(&AgentFrame::Hello { host: config.host.clone(), pid: std::process::id() }, &mut hello);
     let protocol = |message: String| AgentError::Protocol { addr: addr.clone(), message };
-    let (stream, answer, rest) = greet(addr, &hello, |buf| match decode_root_frame(buf, &FrameLimits::unbounded()) {
+    let credentials = Credentials { token: config.token.clone(), tls: config.upstream_tls.clone() };
+    let greeting = greet(addr, &credentials, &hello, |buf| match decode_root_frame(buf, &FrameLimits::unbounded()) {
         Ok(None) => None,
         Ok(Some(RootFrame::Welcome { lease_ms })) => Some(Ok(lease_ms)),
+        Ok(Some(RootFrame::Refused(OpError::Unauthorized(why)))) => {
+            Some(Err(AgentError::Auth { addr: addr.clone(), failure: AuthFailure::Refused(why) }))
+        }
         Ok(Some(RootFrame::Refused(error))) => Some(Err(AgentError::Refused { addr: addr.clone(), error })),
         Ok(Some(other)) => Some(Err(protocol(format!("sent {other:?} before its welcome")))),
         Err(error) => Some(Err(protocol(error.to_string()))),
-    })
-    .await?;
+    });
+    let (stream, answer, rest) = match greeting.await {
+        Ok(greeted) => greeted,
+        Err(GreetError::Io(error)) => return Err(error),
+        Err(GreetError::Auth(failure)) => return Ok(Err(AgentError::Auth { addr: addr.clone(), failure })),
+    };
     Ok(answer.map(|lease_ms| (stream, rest, lease_ms)))
 }
 
@@ -174,7 +182,13 @@ pub(crate) async fn write(mut writer: WriteHalf, hub: &Hub) -> End {
                 break;
             }
             trace!(bytes = batch.len(), barrier_calls = calls, barrier_frames = merged, "writing to the coordinator");
-            if let Err(error) = writer.write_all(&batch).await {
+            // Flushed: TLS holds what it encrypted until then.
+            if let Err(error) = async {
+                writer.write_all(&batch).await?;
+                writer.flush().await
+            }
+            .await
+            {
                 return End::Io(error);
             }
             batch.clear();

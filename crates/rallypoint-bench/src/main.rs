@@ -9,6 +9,7 @@
 mod all_gather;
 mod attack;
 mod barrier;
+mod handshake;
 mod hierarchy;
 mod kv;
 mod plot;
@@ -61,6 +62,9 @@ enum BenchCommand {
     Attack(attack::Args),
     /// Draws barrier round time against N, one line per system, from JSON lines to a PNG.
     Plot(plot::Args),
+    /// What the token handshake and TLS cost: connect latency, N clients connecting at
+    /// once, and a barrier round, plaintext vs token vs token over TLS, in one run.
+    Handshake(handshake::Args),
     /// N ranks in one barrier through K node agents (`rallypoint agent`), their
     /// connections spread over several load-generator processes.
     Hierarchy(hierarchy::Args),
@@ -75,6 +79,7 @@ async fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Plot(args) => plot::run(args).await,
         BenchCommand::Attack(args) => attack::run(args).await,
         BenchCommand::Hierarchy(args) => hierarchy::run(args).await,
+        BenchCommand::Handshake(args) => handshake::run(args).await,
     }
 }
 
@@ -104,12 +109,18 @@ struct ChildServer {
 
 impl Target {
     async fn start(addr: Option<String>) -> anyhow::Result<Target> {
+        Target::start_with(addr, &[]).await
+    }
+
+    /// Like [`Target::start`], a started coordinator given `serve_args` too.
+    async fn start_with(addr: Option<String>, serve_args: &[String]) -> anyhow::Result<Target> {
         if let Some(addr) = addr {
             return Ok(Target { addr, server: None });
         }
         let mut command = Command::new(rallypoint_exe()?);
         command
             .args(["serve", "--listen", "127.0.0.1:0", "--print-addr"])
+            .args(serve_args)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true);

@@ -251,6 +251,9 @@ async fn join_native(addr: SocketAddr, source: Option<IpAddr>, identity: &Identi
             Some(ServerFrame::Reply { .. } | ServerFrame::SharedReply { .. }) => {
                 anyhow::bail!("a reply before the welcome")
             }
+            Some(ServerFrame::AuthChallenge { .. } | ServerFrame::AuthAccepted { .. }) => {
+                anyhow::bail!("a token handshake this benchmark did not ask for")
+            }
             None => {}
         }
         if stream.read_buf(&mut buffered).await? == 0 {

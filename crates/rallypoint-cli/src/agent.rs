@@ -30,6 +30,15 @@ pub struct AgentArgs {
     /// Print the local address as the first line on stdout (for scripts using port 0)
     #[arg(long)]
     print_addr: bool,
+    /// The token (--token-file, else $RALLYPOINT_TOKEN_FILE's file, else
+    /// $RALLYPOINT_TOKEN) is proven to the coordinator and required of every local
+    /// rank; --tls-cert/--tls-key serve local ranks over TCP with TLS
+    #[command(flatten)]
+    auth: crate::auth::ServeAuth,
+    /// Reach the coordinator over TLS, trusting the CA certificate(s) in this PEM
+    /// file for its certificate [default: $RALLYPOINT_TLS_CA]
+    #[arg(long, value_name = "PATH", help_heading = "Authentication and TLS")]
+    tls_ca: Option<std::path::PathBuf>,
 }
 
 pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
@@ -37,6 +46,9 @@ pub async fn run(args: AgentArgs) -> anyhow::Result<()> {
     config.connect_timeout = std::time::Duration::from_secs_f64(args.connect_timeout);
     config.read_timeout = std::time::Duration::from_secs_f64(args.read_timeout);
     config.max_pending_bytes = args.max_pending_bytes;
+    config.token = args.auth.token()?;
+    config.tls = args.auth.tls()?;
+    config.upstream_tls = crate::auth::tls_ca(args.tls_ca.as_ref())?;
     let stop = shutdown_signal()?;
     let agent = Agent::bind(config).await?;
     if args.print_addr {

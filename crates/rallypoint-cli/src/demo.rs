@@ -2,6 +2,7 @@
 //! workers synchronise a few training-like steps, then one of them is killed and
 //! the others learn at once which rank died.
 
+use std::os::unix::ffi::OsStrExt;
 use std::os::unix::process::ExitStatusExt;
 use std::process::{ExitStatus, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -47,8 +48,12 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     // Workers killing one of their own needs someone left to notice.
     let kill_last = !args.no_kill && n >= 2;
     let listen = "127.0.0.1:0".parse().context("loopback address")?;
-    let server =
-        Server::bind(ServerConfig::new(listen, Config::default())).await.context("starting the coordinator")?.spawn();
+    // A token of the demo's own, as a launched job has, which only its workers get
+    // (a token or CA from this shell's environment is not theirs).
+    let token = rallypoint_client::Token::generate();
+    let mut config = ServerConfig::new(listen, Config::default());
+    config.token = Some(std::sync::Arc::new(token.clone()));
+    let server = Server::bind(config).await.context("starting the coordinator")?.spawn();
     let addr = server.local_addr();
     println!("coordinator listening on {addr}; starting {n} worker processes (job '{JOB}')\n");
 
@@ -64,6 +69,9 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
             .env("RALLYPOINT_ADDR", addr.to_string())
             .env("RALLYPOINT_JOB", JOB)
             .env("RALLYPOINT_TIMEOUT", "60")
+            .env(rallypoint_client::TOKEN_VAR, std::ffi::OsStr::from_bytes(token.secret()))
+            .env(rallypoint_client::TOKEN_FILE_VAR, "")
+            .env(rallypoint_client::TLS_CA_VAR, "")
             .stdin(Stdio::null())
             .kill_on_drop(true);
         if kill_last {

@@ -2,7 +2,7 @@
 
 use std::fmt;
 
-use rallypoint_client::{Error, OpError};
+use rallypoint_client::{Error, OpError, TlsError, TokenError};
 
 /// Shown at the end of `rallypoint --help`; the README has the same table.
 pub const HELP: &str = "\
@@ -18,6 +18,9 @@ Exit codes:
   7  cannot connect to the coordinator, or lost the connection to it
   8  refused incarnation: another live process holds this rank, another process
      took it over, or the job was reset (this process belongs to an older run)
+  9  authentication failed: the coordinator refused this process's token (none,
+     or a wrong one) or plaintext where it requires TLS, or it could not prove
+     that it knows the token, or its TLS certificate did not verify
 
 Errors go to stderr, starting with 'rallypoint: '.";
 
@@ -31,6 +34,7 @@ pub enum Exit {
     Mismatch = 6,
     Connect = 7,
     Refused = 8,
+    Auth = 9,
 }
 
 /// A bad argument that clap cannot see alone (a rank outside the world size
@@ -66,6 +70,13 @@ pub fn code_of(err: &anyhow::Error) -> Exit {
         if let Some(e) = cause.downcast_ref::<OpError>() {
             return of_op_error(e);
         }
+        // A token file or a TLS file that cannot be used: a mistake in the settings.
+        if cause.is::<TokenError>() || cause.is::<TlsError>() {
+            return Exit::Usage;
+        }
+        if let Some(rallypoint_agent::AgentError::Auth { .. }) = cause.downcast_ref() {
+            return Exit::Auth;
+        }
     }
     Exit::Other
 }
@@ -77,6 +88,7 @@ fn of_client_error(err: &Error) -> Exit {
         Error::Timeout(_) => Exit::Timeout,
         Error::Config(_) => Exit::Usage,
         Error::Protocol(_) => Exit::Other,
+        Error::Auth { .. } => Exit::Auth,
     }
 }
 
@@ -97,6 +109,7 @@ fn of_op_error(err: &OpError) -> Exit {
         | OpError::TakenOver { .. }
         | OpError::JobReset { .. }
         | OpError::StaleIncarnation { .. } => Exit::Refused,
+        OpError::Unauthorized(_) => Exit::Auth,
     }
 }
 

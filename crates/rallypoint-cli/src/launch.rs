@@ -16,6 +16,10 @@ GROUP_WORLD_SIZE, ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), plus RALLYP
 RALLYPOINT_JOB, so `rallypoint barrier ...` and Client::from_env() work inside it (with
 --node-agent, RALLYPOINT_ADDR is this node's agent; a rank dying behind it is still named, with
 its host, by every peer).
+The job is authenticated: on one node the launcher makes a random token, and its workers find it
+in the private file RALLYPOINT_TOKEN_FILE names (removed at exit); the nodes of a multi-node job
+must all be given the same --token-file (or RALLYPOINT_TOKEN_FILE / RALLYPOINT_TOKEN), and so
+must a job whose --master is beyond loopback, unless --insecure.
 When a worker fails, every worker on every node gets SIGTERM (SIGKILL after --grace), a summary
 names the root cause on stderr (the first failure, or a rank its peers lost: stopped, hung or
 disconnected), and the launcher exits with the failed worker's exit code (128 + signal for a
@@ -68,6 +72,23 @@ pub struct LaunchArgs {
     /// go through the agent). Workers must share the launcher's filesystem to reach it.
     #[arg(long)]
     node_agent: bool,
+    /// File holding the job's token (not readable by group or others): every node's
+    /// launcher must be given the same. On one node without it the launcher makes a
+    /// token for the job; its workers find it in RALLYPOINT_TOKEN_FILE (a private file
+    /// removed at exit) [default: the file $RALLYPOINT_TOKEN_FILE names, else
+    /// $RALLYPOINT_TOKEN]
+    #[arg(long, value_name = "PATH", help_heading = "Authentication")]
+    token_file: Option<PathBuf>,
+    /// Run without a token where one is needed (several nodes, or a --master beyond
+    /// loopback), and make none: anyone who reaches the coordinator can read, change,
+    /// join or abort the job.
+    #[arg(long, help_heading = "Authentication")]
+    insecure: bool,
+    /// Serve PyTorch TCPStore clients (which cannot prove a token) from this network
+    /// of other machines too, e.g. the other nodes of a torch job: 10.0.0.0/16;
+    /// repeatable. This user's processes on node 0 are always served
+    #[arg(long, value_name = "CIDR", help_heading = "Authentication")]
+    tcpstore_allow: Vec<rallypoint_server::IpNet>,
     /// The worker command and its arguments.
     #[arg(last = true, required = true, value_name = "CMD")]
     command: Vec<OsString>,
@@ -90,6 +111,13 @@ pub async fn run(args: LaunchArgs) -> anyhow::Result<i32> {
         join_timeout: seconds("join-timeout", args.join_timeout)?,
         lease: args.lease.map(|lease| seconds("lease", lease)).transpose()?,
         node_agent: args.node_agent,
+        token: match &args.token_file {
+            Some(path) => Some(rallypoint_client::Token::from_file(path)?),
+            None => rallypoint_client::Token::from_env()?,
+        }
+        .map(std::sync::Arc::new),
+        insecure: args.insecure,
+        tcpstore_allow: args.tcpstore_allow,
         command: args.command,
     };
     match launch(options).await {

@@ -3,6 +3,7 @@
 //! `rallypoint` crate's docs for how they fit together).
 
 mod agent;
+mod auth;
 mod bench;
 mod demo;
 mod exit;

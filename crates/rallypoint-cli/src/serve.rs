@@ -62,6 +62,13 @@ pub struct ServeArgs {
     /// Print the bound address as the first line on stdout (for scripts using port 0)
     #[arg(long)]
     print_addr: bool,
+    #[command(flatten)]
+    auth: crate::auth::ServeAuth,
+    /// With a token: serve PyTorch TCPStore clients (which cannot send one) from this
+    /// network of other machines too, e.g. 10.0.0.0/16; repeatable. Without it, only
+    /// this user's processes on this machine are served over TCPStore [default: none]
+    #[arg(long, value_name = "CIDR", help_heading = "Authentication and TLS")]
+    tcpstore_allow: Vec<rallypoint_server::IpNet>,
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -97,6 +104,15 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     config.read_timeout = Duration::from_secs_f64(args.read_timeout);
     if let Some(bytes) = args.max_pending_bytes {
         config.max_pending_bytes = bytes;
+    }
+    config.token = args.auth.token()?;
+    config.tls = args.auth.tls()?;
+    config.tcpstore_allow = args.tcpstore_allow;
+    if config.token.is_none() && !args.listen.ip().is_loopback() {
+        tracing::warn!(
+            listen = %args.listen,
+            "no token: anyone who can reach this port can read, change and abort every job (set --token-file, RALLYPOINT_TOKEN_FILE or RALLYPOINT_TOKEN)"
+        );
     }
     let server = Server::bind(config).await?;
     server.set_tcpstore_job(&args.tcpstore_job);

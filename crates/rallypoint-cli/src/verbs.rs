@@ -162,6 +162,15 @@ pub struct Conn {
     /// [default: $RALLYPOINT_TIMEOUT, else 300]
     #[arg(long, value_name = "SECS", allow_negative_numbers = true, value_parser = parse::secs)]
     timeout: Option<f64>,
+    /// File holding the coordinator's token (not readable by group or others); the
+    /// coordinator must prove it too [default: the file $RALLYPOINT_TOKEN_FILE names,
+    /// else $RALLYPOINT_TOKEN]
+    #[arg(long, value_name = "PATH")]
+    token_file: Option<std::path::PathBuf>,
+    /// Connect over TLS, trusting the CA certificate(s) in this PEM file for the
+    /// coordinator's certificate [default: $RALLYPOINT_TLS_CA]
+    #[arg(long, value_name = "PATH")]
+    tls_ca: Option<std::path::PathBuf>,
 }
 
 /// Which ranks take part in a barrier or collective.
@@ -275,6 +284,9 @@ impl Conn {
             world_size: self.world_size,
             role: role.map(str::to_owned),
             timeout_secs: self.timeout,
+            token: None,
+            token_file: self.token_file.clone(),
+            tls_ca: self.tls_ca.clone(),
         })?)
     }
 }

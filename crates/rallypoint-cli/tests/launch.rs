@@ -25,7 +25,14 @@ const SCRUB: &[&str] = &[
     "TORCHELASTIC_RUN_ID",
     "OMP_NUM_THREADS",
     "RUST_LOG",
+    "RALLYPOINT_TOKEN",
+    "RALLYPOINT_TOKEN_FILE",
+    "RALLYPOINT_TLS_CA",
 ];
+
+/// The token the launchers of a test's multi-node job share (a job of several
+/// nodes needs one given to each; one node makes its own).
+const SHARED_TOKEN: &str = "launch-test-token-shared-by-every-node";
 
 struct Launched {
     child: Child,
@@ -43,6 +50,9 @@ fn launch(args: &[&str], script: &str, dir: &Path) -> Launched {
     let mut cmd = Command::new(BIN);
     for var in SCRUB {
         cmd.env_remove(var);
+    }
+    if args.windows(2).any(|pair| pair[0] == "--nnodes" && pair[1] != "1") {
+        cmd.env("RALLYPOINT_TOKEN", SHARED_TOKEN);
     }
     cmd.arg("launch").args(args).arg("--").args(["sh", "-c", script]);
     cmd.env("RP", BIN).env("DIR", dir).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -487,6 +497,9 @@ fn start(args: &[&str], script: &str, dir: &Path, env: &[(&str, &str)], read_std
         cmd.env_remove(var);
     }
     cmd.env_remove("PYTHONUNBUFFERED");
+    if args.windows(2).any(|pair| pair[0] == "--nnodes" && pair[1] != "1") {
+        cmd.env("RALLYPOINT_TOKEN", SHARED_TOKEN);
+    }
     cmd.arg("launch").args(args).arg("--").args(["sh", "-c", script]);
     cmd.env("RP", BIN).env("DIR", dir).envs(env.iter().copied());
     cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
@@ -745,8 +758,9 @@ fn processes_that_left_their_workers_group_end_with_the_job() {
 
 /// Waits (bounded) until rank `rank`'s process `pid` is connected to the coordinator
 /// at `addr`, asking the coordinator itself: a barrier of this rank and `prober`
-/// names it, with its pid, as connected but not arrived when it times out.
-fn wait_connected(addr: &str, world: u32, prober: u32, rank: u32, pid: &str) {
+/// names it, with its pid, as connected but not arrived when it times out. The
+/// probe proves the job's token, given as the variable `token` (name, value).
+fn wait_connected(addr: &str, world: u32, prober: u32, rank: u32, pid: &str, token: (&str, &str)) {
     let deadline = Instant::now() + Duration::from_secs(20);
     let ranks = format!("{prober},{rank}");
     let world = world.to_string();
@@ -755,6 +769,7 @@ fn wait_connected(addr: &str, world: u32, prober: u32, rank: u32, pid: &str) {
         let out = Command::new(BIN)
             .args(["barrier", &format!("probe{probe}"), "--ranks", &ranks, "--timeout", "0.3", "--addr", addr])
             .args(["--job", "default", "--rank", &prober, "--world-size", &world])
+            .env(token.0, token.1)
             .output()
             .expect("run the probe");
         let stderr = String::from_utf8_lossy(&out.stderr);
@@ -770,6 +785,7 @@ fn a_stopped_rank_is_named_as_the_root_cause_not_the_peers_that_failed_for_it() 
     let dir = temp_dir("stopped");
     let script = r#"
         if [ "$RANK" = 1 ]; then
+            echo "$RALLYPOINT_TOKEN_FILE" > "$DIR/token.tmp" && mv "$DIR/token.tmp" "$DIR/tokenfile"
             echo "$RALLYPOINT_ADDR" > "$DIR/addr.tmp" && mv "$DIR/addr.tmp" "$DIR/addr"
             echo $$ > "$DIR/pid.tmp" && mv "$DIR/pid.tmp" "$DIR/pid1"
             # Holds rank 1 (key-value verbs connect without a rank): a barrier rank 0 never joins.
@@ -779,9 +795,9 @@ fn a_stopped_rank_is_named_as_the_root_cause_not_the_peers_that_failed_for_it() 
         "$RP" barrier step --timeout 60 || exit $?
     "#;
     let launched = start(&["--nproc-per-node", "3", "--lease", "2", "--grace", "1"], script, &dir, &[], true);
-    let found = wait_for_files(&dir, &["addr".into(), "pid1".into()]);
+    let found = wait_for_files(&dir, &["addr".into(), "pid1".into(), "tokenfile".into()]);
     let (addr, pid) = (&found[0], &found[1]);
-    wait_connected(addr, 3, 0, 1, pid);
+    wait_connected(addr, 3, 0, 1, pid, ("RALLYPOINT_TOKEN_FILE", &found[2]));
     signal(pid.parse().expect("pid"), libc::SIGSTOP);
     std::fs::write(dir.join("stopped"), "").expect("stopped");
     let done = launched.finish();
@@ -817,7 +833,7 @@ fn a_stopped_rank_on_another_node_is_named_on_both_nodes() {
     let node0 = start(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir, &[], true);
     let node1 = start(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir, &[], true);
     let pid = wait_for_files(&dir, &["pid3".into()]).remove(0);
-    wait_connected(&master, 4, 0, 3, &pid);
+    wait_connected(&master, 4, 0, 3, &pid, ("RALLYPOINT_TOKEN", SHARED_TOKEN));
     signal(pid.parse().expect("pid"), libc::SIGSTOP);
     std::fs::write(dir.join("stopped"), "").expect("stopped");
     let (n0, n1) = (node0.finish(), node1.finish());
@@ -837,6 +853,7 @@ fn a_rank_whose_connection_dropped_while_its_worker_lives_is_named() {
     // Rank 1's worker is a wrapper whose client process dies; the wrapper lives on.
     let script = r#"
         if [ "$RANK" = 1 ]; then
+            echo "$RALLYPOINT_TOKEN_FILE" > "$DIR/token.tmp" && mv "$DIR/token.tmp" "$DIR/tokenfile"
             echo "$RALLYPOINT_ADDR" > "$DIR/addr.tmp" && mv "$DIR/addr.tmp" "$DIR/addr"
             "$RP" barrier hold --ranks 0,1 --timeout 60 &
             echo $! > "$DIR/pid.tmp" && mv "$DIR/pid.tmp" "$DIR/client1"
@@ -847,9 +864,9 @@ fn a_rank_whose_connection_dropped_while_its_worker_lives_is_named() {
         "$RP" barrier step --timeout 60 || exit $?
     "#;
     let launched = start(&["--nproc-per-node", "3", "--grace", "1"], script, &dir, &[], true);
-    let found = wait_for_files(&dir, &["addr".into(), "client1".into()]);
+    let found = wait_for_files(&dir, &["addr".into(), "client1".into(), "tokenfile".into()]);
     let (addr, client) = (&found[0], &found[1]);
-    wait_connected(addr, 3, 0, 1, client);
+    wait_connected(addr, 3, 0, 1, client, ("RALLYPOINT_TOKEN_FILE", &found[2]));
     signal(client.parse().expect("pid"), libc::SIGKILL);
     std::fs::write(dir.join("killed"), "").expect("killed");
     let done = launched.finish();
@@ -862,4 +879,70 @@ fn a_rank_whose_connection_dropped_while_its_worker_lives_is_named() {
         let line = [4, 5].map(|code| format!("  rank {r}: exited with code {code} after rank 1 was lost"));
         assert!(done.stderr.lines().any(|l| line.contains(&l.to_owned())), "missing {line:?}:\n{}", done.stderr);
     }
+}
+
+/// Issue #14, story 4's launcher half: a launched job is authenticated with no
+/// configuration. Its workers find the token in a private file (not in their
+/// environment), a process without it is refused (exit 9), and the file is gone
+/// once the launcher is.
+#[test]
+fn a_launched_job_is_authenticated_with_no_configuration() {
+    let dir = temp_dir("token");
+    let script = r#"
+        echo "$RALLYPOINT_TOKEN_FILE" > "$DIR/t.tmp" && mv "$DIR/t.tmp" "$DIR/tokenfile"
+        { stat -c %a "$RALLYPOINT_TOKEN_FILE"; stat -c %a "$(dirname "$RALLYPOINT_TOKEN_FILE")"; echo "[$RALLYPOINT_TOKEN]"; } > "$DIR/m.tmp"
+        mv "$DIR/m.tmp" "$DIR/modes"
+        "$RP" set secret 42 || exit 3
+        echo "$RALLYPOINT_ADDR" > "$DIR/a.tmp" && mv "$DIR/a.tmp" "$DIR/addr"
+        i=0; while [ ! -f "$DIR/probed" ]; do i=$((i+1)); [ $i -gt 400 ] && exit 8; sleep 0.05; done
+    "#;
+    let launched = launch(&["--nproc-per-node", "1"], script, &dir);
+    let found = wait_for_files(&dir, &["tokenfile".into(), "addr".into()]);
+    let (token_file, addr) = (&found[0], &found[1]);
+    let modes = std::fs::read_to_string(dir.join("modes")).expect("modes");
+    assert_eq!(modes.lines().collect::<Vec<_>>(), ["600", "700", "[]"], "file, directory, token variable");
+
+    let get = |env: &[(&str, &str)]| {
+        let mut cmd = Command::new(BIN);
+        for var in SCRUB {
+            cmd.env_remove(var);
+        }
+        cmd.args(["get", "secret", "--addr", addr, "--timeout", "10"]).envs(env.iter().copied());
+        cmd.output().expect("run get")
+    };
+    let refused = get(&[]);
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(9), "stderr: {stderr}");
+    assert!(stderr.contains("requires a token: set RALLYPOINT_TOKEN or RALLYPOINT_TOKEN_FILE"), "{stderr}");
+    let wrong = get(&[("RALLYPOINT_TOKEN", "not-the-job-token")]);
+    let stderr = String::from_utf8_lossy(&wrong.stderr);
+    assert_eq!(wrong.status.code(), Some(9), "stderr: {stderr}");
+    assert!(stderr.contains("wrong token"), "{stderr}");
+    let allowed = get(&[("RALLYPOINT_TOKEN_FILE", token_file.as_str())]);
+    assert_eq!(String::from_utf8_lossy(&allowed.stdout), "42\n", "{}", String::from_utf8_lossy(&allowed.stderr));
+
+    std::fs::write(dir.join("probed"), "").expect("probed");
+    let done = launched.finish();
+    assert_eq!(done.code, Some(0), "stderr:\n{}", done.stderr);
+    assert!(!Path::new(token_file).exists(), "the token file outlived the launcher");
+}
+
+#[test]
+fn a_master_beyond_loopback_or_several_nodes_need_a_shared_token_or_insecure() {
+    let dir = temp_dir("exposed");
+    // Refused before anything is bound or started.
+    let done = launch(&["--master", "0.0.0.0:0"], "true", &dir).finish();
+    assert_eq!(done.code, Some(2), "stderr:\n{}", done.stderr);
+    assert!(done.stderr.contains("listens beyond this machine"), "{}", done.stderr);
+    assert!(done.stderr.contains("--token-file") && done.stderr.contains("--insecure"), "{}", done.stderr);
+    let no_token = [("RALLYPOINT_TOKEN", "")];
+    let args = ["--nnodes", "2", "--node-rank", "1", "--master", "127.0.0.1:1"];
+    let done = start(&args, "true", &dir, &no_token, false).finish();
+    assert_eq!(done.code, Some(2), "stderr:\n{}", done.stderr);
+    assert!(done.stderr.contains("needs a token that all of its launchers share"), "{}", done.stderr);
+    // --insecure: no token at all, so nothing to hand to the workers.
+    let script = r#"echo "[$RALLYPOINT_TOKEN_FILE]" > "$DIR/t.tmp" && mv "$DIR/t.tmp" "$DIR/tokenfile"; "$RP" set k v"#;
+    let done = launch(&["--insecure"], script, &dir).finish();
+    assert_eq!(done.code, Some(0), "stderr:\n{}", done.stderr);
+    assert_eq!(wait_for_files(&dir, &["tokenfile".into()]), ["[]"]);
 }

@@ -19,6 +19,8 @@ fn node(rank: u32, master: &str, script: &str) -> thread::JoinHandle<(Option<i32
     }
     command.args(["launch", "--nnodes", "2", "--nproc-per-node", "1", "--master", master, "--job", "inc"]);
     command.args(["--max-restarts", "1", "--grace", "2", "--node-rank", &rank.to_string(), "--", "sh", "-c", script]);
+    // The nodes of a job share its token.
+    command.env("RALLYPOINT_TOKEN", "launch-incarnation-test-token").env_remove("RALLYPOINT_TOKEN_FILE");
     command.env("RP", BIN).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = command.spawn().expect("start a launcher");
     thread::spawn(move || {

@@ -21,6 +21,10 @@ use bytes::Bytes;
 use rallypoint_core::{Identity, Members, Request, Response};
 use tokio::sync::{mpsc, oneshot};
 
+use rallypoint_net::auth::Token;
+use rallypoint_net::conn::Credentials;
+use rallypoint_net::tls::TlsClient;
+
 use crate::connection::{self, Command, Link, Redial};
 use crate::error::Error;
 
@@ -49,17 +53,39 @@ pub struct ConnectOptions {
     /// results, large values) as shared memory mapped read-only instead of copied
     /// through the socket (docs/PROTOCOL.md, section 13). Ignored over TCP.
     pub shared_replies: bool,
+    /// The token to prove (the coordinator must prove it too), and the CA that
+    /// signed the coordinator's TLS certificate: neither by default.
+    pub credentials: Credentials,
 }
 
 impl ConnectOptions {
-    /// Options with the default timeout of 300 s, taking shared replies.
+    /// Options with the default timeout of 300 s, taking shared replies, with no
+    /// token and no TLS ([`crate::env::Settings`] reads them from the environment).
     pub fn new(addr: impl Into<String>, identity: Identity) -> Self {
-        ConnectOptions { addr: addr.into(), identity, timeout: DEFAULT_TIMEOUT, shared_replies: true }
+        ConnectOptions {
+            addr: addr.into(),
+            identity,
+            timeout: DEFAULT_TIMEOUT,
+            shared_replies: true,
+            credentials: Credentials::default(),
+        }
     }
 
     /// These options with another connect (and default operation) timeout.
     pub fn with_timeout(self, timeout: Duration) -> Self {
         ConnectOptions { timeout, ..self }
+    }
+
+    /// These options proving `token` (or none).
+    pub fn with_token(mut self, token: Option<Arc<Token>>) -> Self {
+        self.credentials.token = token;
+        self
+    }
+
+    /// These options over TLS, trusting `tls`'s CA for the coordinator's certificate (or plaintext).
+    pub fn with_tls(mut self, tls: Option<TlsClient>) -> Self {
+        self.credentials.tls = tls;
+        self
     }
 }
 
@@ -119,7 +145,7 @@ impl Client {
     }
 
     pub async fn connect_with(options: ConnectOptions) -> Result<Client, Error> {
-        let ConnectOptions { addr, mut identity, timeout, shared_replies } = options;
+        let ConnectOptions { addr, mut identity, timeout, shared_replies, credentials } = options;
         if identity.host.is_empty() {
             identity.host = rallypoint_net::hostname();
         }
@@ -128,8 +154,8 @@ impl Client {
         }
         identity.incarnation = identity.incarnation.or_else(|| Some(crate::process_incarnation()));
         identity.resume = None;
-        let connected = connection::connect(&addr, &identity, timeout, shared_replies).await?;
-        let redial = Redial { identity: identity.clone(), shared_replies, timeout };
+        let connected = connection::connect(&addr, &identity, timeout, shared_replies, &credentials).await?;
+        let redial = Redial { identity: identity.clone(), shared_replies, timeout, credentials };
         let (link, commands) = connection::spawn(addr, connected, redial);
         Ok(Client { inner: Arc::new(Inner { identity, timeout, link, commands, silent: AtomicBool::new(false) }) })
     }
@@ -430,24 +456,22 @@ impl Client {
     }
 }
 
-/// Starts a new incarnation of job `job` on the coordinator at `addr` (a random one),
-/// from a client of its own that leaves at once: what a launcher does before each
-/// attempt's workers start. Returns the incarnation, for the workers'
+/// Starts a new incarnation (a random one) of the job `options` name, from a client
+/// of its own (connected with `options`) that leaves at once: what a launcher does
+/// before each attempt's workers start. Returns the incarnation, for the workers'
 /// `RALLYPOINT_JOB_INCARNATION`.
-pub async fn reset_job(addr: &str, job: &str, timeout: Duration) -> Result<u64, Error> {
+pub async fn reset_job(options: ConnectOptions) -> Result<u64, Error> {
     let incarnation = crate::new_job_incarnation();
-    let client =
-        Client::connect_with(ConnectOptions::new(addr, Identity::anonymous(job)).with_timeout(timeout)).await?;
+    let client = Client::connect_with(options).await?;
     let reset = client.reset(incarnation).await;
     let closed = client.close().await;
     reset.and(closed).map(|()| incarnation)
 }
 
-/// The incarnation job `job` is at on the coordinator at `addr` (`None`: never reset
-/// nor named), from a client of its own that leaves at once.
-pub async fn job_incarnation(addr: &str, job: &str, timeout: Duration) -> Result<Option<u64>, Error> {
-    let client =
-        Client::connect_with(ConnectOptions::new(addr, Identity::anonymous(job)).with_timeout(timeout)).await?;
+/// The incarnation the job `options` name is at (`None`: never reset nor named), from
+/// a client of its own (connected with `options`) that leaves at once.
+pub async fn job_incarnation(options: ConnectOptions) -> Result<Option<u64>, Error> {
+    let client = Client::connect_with(options).await?;
     let incarnation = client.job_incarnation();
     client.close().await.map(|()| incarnation)
 }

@@ -24,15 +24,15 @@ use std::time::Duration;
 use bytes::BytesMut;
 use rallypoint_core::{Identity, OpError, Request, Response, Welcome};
 use rallypoint_proto::native::{
-    decode_server_frame, decode_shared_reply, encode_client_frame, encode_preamble, pending_frame_len, ClientFrame,
-    FrameLimits, ProtoError, ServerFrame,
+    decode_server_frame, decode_shared_reply, encode_client_frame, pending_frame_len, ClientFrame, FrameLimits,
+    ProtoError, ServerFrame,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 use tracing::{debug, info};
 
-use rallypoint_net::conn::{greet, Buffering};
+use rallypoint_net::conn::{greet, AuthFailure, Buffering, Credentials, GreetError};
 use rallypoint_net::shm;
 use rallypoint_net::sync::Backoff;
 use rallypoint_net::{unix_path, ReadHalf, Stream, WriteHalf};
@@ -255,12 +255,14 @@ pub(crate) struct Connected {
 /// the coordinator's answer and is returned at once.
 ///
 /// `shared_replies`: on a Unix socket (a node agent of this machine), take large
-/// replies as shared memory (docs/PROTOCOL.md, section 13).
+/// replies as shared memory (docs/PROTOCOL.md, section 13). `credentials`: the
+/// token to prove (and to have the coordinator prove), and TLS.
 pub(crate) async fn connect(
     addr: &str,
     identity: &Identity,
     timeout: Duration,
     shared_replies: bool,
+    credentials: &Credentials,
 ) -> Result<Connected, Error> {
     let started = Instant::now();
     let deadline = started + timeout;
@@ -270,11 +272,15 @@ pub(crate) async fn connect(
     let mut last = None;
     loop {
         attempts += 1;
-        match tokio::time::timeout_at(deadline, attempt(addr, identity, shared_replies)).await {
+        match tokio::time::timeout_at(deadline, attempt(addr, identity, shared_replies, credentials)).await {
             Ok(Ok(connected)) => {
                 debug!(addr, attempts, session = %connected.welcome.session, "connected to the coordinator");
                 return Ok(connected);
             }
+            Ok(Err(Attempt::Refused(OpError::Unauthorized(why)))) => {
+                return Err(Error::Auth { addr: addr.to_owned(), failure: AuthFailure::Refused(why) })
+            }
+            Ok(Err(Attempt::Auth(failure))) => return Err(Error::Auth { addr: addr.to_owned(), failure }),
             Ok(Err(Attempt::Refused(error))) => return Err(Error::Op(error)),
             Ok(Err(Attempt::Protocol(message))) => {
                 return Err(Error::Protocol(format!("the coordinator at {addr}: {message}")));
@@ -303,29 +309,41 @@ enum Attempt {
     Io(io::Error),
     Refused(OpError),
     Protocol(String),
+    /// The token or TLS handshake failed: final.
+    Auth(AuthFailure),
 }
 
-impl From<io::Error> for Attempt {
-    fn from(error: io::Error) -> Self {
-        Attempt::Io(error)
+impl From<GreetError> for Attempt {
+    fn from(error: GreetError) -> Self {
+        match error {
+            GreetError::Io(error) => Attempt::Io(error),
+            GreetError::Auth(failure) => Attempt::Auth(failure),
+        }
     }
 }
 
-async fn attempt(addr: &str, identity: &Identity, shared_replies: bool) -> Result<Connected, Attempt> {
+async fn attempt(
+    addr: &str,
+    identity: &Identity,
+    shared_replies: bool,
+    credentials: &Credentials,
+) -> Result<Connected, Attempt> {
     let mut hello = BytesMut::new();
-    encode_preamble(&mut hello);
     encode_client_frame(&ClientFrame::Hello(identity.clone()), &mut hello);
     // Only a node agent of this machine, over a Unix socket, can pass shared memory.
     if shared_replies && unix_path(addr).is_some() {
         encode_client_frame(&ClientFrame::TakeSharedReplies, &mut hello);
     }
     let (stream, answer, buffered) =
-        greet(addr, &hello, |buf| match decode_server_frame(buf, &FrameLimits::unbounded()) {
+        greet(addr, credentials, &hello, |buf| match decode_server_frame(buf, &FrameLimits::unbounded()) {
             Ok(None) => None,
             Ok(Some(ServerFrame::Welcome(welcome))) => Some(Ok(welcome)),
             Ok(Some(ServerFrame::Refused(error))) => Some(Err(Attempt::Refused(error))),
             Ok(Some(ServerFrame::Reply { id, .. } | ServerFrame::SharedReply { id, .. })) => {
                 Some(Err(Attempt::Protocol(format!("sent a reply (request id {id}) before its welcome"))))
+            }
+            Ok(Some(ServerFrame::AuthChallenge { .. } | ServerFrame::AuthAccepted { .. })) => {
+                Some(Err(Attempt::Protocol("sent a token handshake frame nobody asked for".to_owned())))
             }
             Err(error) => Some(Err(Attempt::Protocol(error.to_string()))),
         })
@@ -339,6 +357,8 @@ pub(crate) struct Redial {
     pub(crate) shared_replies: bool,
     /// The client's timeout: a cut connection is not tried again for longer.
     pub(crate) timeout: Duration,
+    /// The token and TLS settings the first connection was made with.
+    pub(crate) credentials: Credentials,
 }
 
 /// Starts the task that owns the connection; returns the handle calls send through.
@@ -428,7 +448,8 @@ async fn reconnect(
     let deadline = Instant::now() + window;
     let mut backoff = Backoff::new();
     loop {
-        match tokio::time::timeout_at(deadline, attempt(&link.addr, &identity, redial.shared_replies)).await {
+        let attempt = attempt(&link.addr, &identity, redial.shared_replies, &redial.credentials);
+        match tokio::time::timeout_at(deadline, attempt).await {
             Ok(Ok(connected)) => {
                 let resumed = connected.welcome.session == token;
                 link.set_welcome(connected.welcome.clone());
@@ -437,7 +458,8 @@ async fn reconnect(
                     return Ok((connected, link.unanswered()));
                 }
                 let lost = format!(
-                    "{}; the coordinator no longer had {token} (its reconnect grace ran out, or it restarted), so                      whether this call took effect is unknown",
+                    "{}; the coordinator no longer had {token} (its reconnect grace ran out, or it restarted), so \
+                     whether this call took effect is unknown",
                     link.lost(why)
                 );
                 info!(addr = %link.addr, old = %token, session = %connected.welcome.session, "reconnected as a new session after a cut connection ({why})");
@@ -446,6 +468,9 @@ async fn reconnect(
             }
             Ok(Err(Attempt::Refused(error))) => return Err(Closed::Refused(error)),
             Ok(Err(Attempt::Protocol(message))) => return Err(Closed::Lost(link.lost(format!("{why}; {message}")))),
+            Ok(Err(Attempt::Auth(failure))) => {
+                return Err(Closed::Lost(link.lost(format!("{why}; reconnecting: {failure}"))))
+            }
             // Nothing listens there any more: the coordinator is gone, not a path.
             Ok(Err(Attempt::Io(error)))
                 if matches!(error.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound) =>
@@ -506,7 +531,12 @@ async fn read_loop(
                     };
                     link.complete(id, reply.and_then(|reply| reply.map_err(Error::Op)));
                 }
-                Ok(Some(ServerFrame::Welcome(_) | ServerFrame::Refused(_))) => {
+                Ok(Some(
+                    ServerFrame::Welcome(_)
+                    | ServerFrame::Refused(_)
+                    | ServerFrame::AuthChallenge { .. }
+                    | ServerFrame::AuthAccepted { .. },
+                )) => {
                     return broken("the coordinator sent a second handshake frame".to_owned());
                 }
                 Err(ProtoError::BadReply { id: Some(id), message }) => link.complete(id, Err(Error::Protocol(message))),
@@ -597,7 +627,13 @@ async fn write_loop(
             }
         }
         if !buf.is_empty() {
-            if let Err(error) = writer.write_all(&buf).await {
+            // Flushed: TLS holds what it encrypted until then.
+            if let Err(error) = async {
+                writer.write_all(&buf).await?;
+                writer.flush().await
+            }
+            .await
+            {
                 return Ended::Cut(error.to_string());
             }
             buf.clear();

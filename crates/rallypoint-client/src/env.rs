@@ -21,9 +21,13 @@ mod slurm;
 mod workers;
 
 use std::ffi::OsString;
+use std::path::PathBuf;
+use std::sync::Arc;
 use std::time::Duration;
 
 use rallypoint_core::{Identity, Incarnation};
+use rallypoint_net::auth::Token;
+use rallypoint_net::tls::{TlsClient, TLS_CA_VAR};
 
 use crate::{Error, DEFAULT_TIMEOUT};
 
@@ -51,6 +55,12 @@ pub struct Settings {
     /// `RALLYPOINT_JOB_INCARNATION` (16 hex digits, as a launcher sets it per attempt):
     /// the job incarnation this process belongs to; unset joins the current one.
     pub job_incarnation: Option<u64>,
+    /// Explicit (a token, or a token file), else the file `RALLYPOINT_TOKEN_FILE`
+    /// names (it must not be readable by group or others), else `RALLYPOINT_TOKEN`.
+    pub token: Option<Arc<Token>>,
+    /// Explicit, else `RALLYPOINT_TLS_CA`: connect over TLS, trusting the CA
+    /// certificate(s) in this PEM file for the coordinator's certificate.
+    pub tls: Option<TlsClient>,
 }
 
 /// Values given explicitly (command-line flags, function arguments); they win over
@@ -63,6 +73,12 @@ pub struct Overrides {
     pub world_size: Option<i64>,
     pub role: Option<String>,
     pub timeout_secs: Option<f64>,
+    /// The token itself (an argument of a program; a file is safer: see `token_file`).
+    pub token: Option<String>,
+    /// A file holding the token (`--token-file`).
+    pub token_file: Option<PathBuf>,
+    /// The CA certificate (PEM) of the coordinator's TLS certificate (`--tls-ca`).
+    pub tls_ca: Option<PathBuf>,
 }
 
 impl Settings {
@@ -92,7 +108,10 @@ impl Settings {
 
     /// Options to connect with these settings.
     pub fn connect_options(&self) -> crate::ConnectOptions {
-        crate::ConnectOptions::new(self.addr.clone(), self.identity()).with_timeout(self.timeout)
+        crate::ConnectOptions::new(self.addr.clone(), self.identity())
+            .with_timeout(self.timeout)
+            .with_token(self.token.clone())
+            .with_tls(self.tls.clone())
     }
 }
 
@@ -195,7 +214,21 @@ fn resolve_with(overrides: Overrides, lookup: impl Fn(&str) -> Option<OsString>)
         None => None,
     };
 
-    Ok(Settings { addr, job, rank, world_size, local_rank, role, timeout, job_incarnation })
+    let token = match (overrides.token, overrides.token_file) {
+        (Some(_), Some(_)) => return Err(config("give either a token or a token file, not both".to_owned())),
+        (Some(token), None) => Some(Token::new(token, "the token argument")),
+        (None, Some(path)) => Some(Token::from_file(&path)),
+        (None, None) => Token::from_lookup(&lookup).transpose(),
+    };
+    let token = token.transpose().map_err(|error| config(error.to_string()))?.map(Arc::new);
+
+    let tls_ca = match overrides.tls_ca {
+        Some(path) => Some(path),
+        None => var(TLS_CA_VAR)?.map(PathBuf::from),
+    };
+    let tls = tls_ca.map(|ca| TlsClient::from_ca_file(&ca)).transpose().map_err(|error| config(error.to_string()))?;
+
+    Ok(Settings { addr, job, rank, world_size, local_rank, role, timeout, job_incarnation, token, tls })
 }
 
 /// The value of the first of `names` that is set.
@@ -259,6 +292,8 @@ fn seconds(secs: f64) -> Option<Duration> {
 mod tests {
     use std::collections::HashMap;
 
+    use rallypoint_net::auth::{TOKEN_FILE_VAR, TOKEN_VAR};
+
     use super::*;
 
     fn resolve(overrides: Overrides, vars: &[(&str, &str)]) -> Result<Settings, Error> {
@@ -298,6 +333,8 @@ mod tests {
                 role: Some("trainer".into()),
                 timeout: DEFAULT_TIMEOUT,
                 job_incarnation: None,
+                token: None,
+                tls: None,
             }
         );
     }
@@ -333,6 +370,7 @@ mod tests {
             world_size: Some(2),
             role: Some("r".into()),
             timeout_secs: Some(1.0),
+            ..Overrides::default()
         };
         let s = resolve(
             overrides,
@@ -504,6 +542,31 @@ mod tests {
             &[("RALLYPOINT_ADDR", "c:1"), ("RALLYPOINT_JOB_INCARNATION", "x1")],
         ));
         assert_eq!(e, "RALLYPOINT_JOB_INCARNATION: 'x1' is not an incarnation (1 to 16 hex digits)");
+    }
+
+    #[test]
+    fn tokens_come_from_arguments_then_the_file_variable_then_the_token_variable() {
+        let base = [("RALLYPOINT_ADDR", "c:1"), (TOKEN_VAR, "from-env")];
+        let token = |text: &str| Some(Arc::new(Token::new(text, "test").expect("token")));
+        assert_eq!(resolve(Overrides::default(), &base).expect("env").token, token("from-env"));
+        let explicit = Overrides { token: Some("explicit".into()), ..Overrides::default() };
+        assert_eq!(resolve(explicit, &base).expect("explicit").token, token("explicit"));
+        let missing_file = [("RALLYPOINT_ADDR", "c:1"), (TOKEN_FILE_VAR, "/nonexistent/token"), (TOKEN_VAR, "x")];
+        let error = config_error(resolve(Overrides::default(), &missing_file));
+        assert!(error.contains("/nonexistent/token"), "{error}");
+        let both = Overrides {
+            token: Some("a".into()),
+            token_file: Some("/tmp/b".into()),
+            addr: Some("c:1".into()),
+            ..Overrides::default()
+        };
+        assert!(config_error(resolve(both, &[])).contains("not both"));
+        let error = config_error(resolve(
+            Overrides::default(),
+            &[("RALLYPOINT_ADDR", "c:1"), (TLS_CA_VAR, "/nonexistent/ca.pem")],
+        ));
+        assert!(error.contains("/nonexistent/ca.pem"), "{error}");
+        assert!(!format!("{:?}", resolve(Overrides::default(), &base).expect("env")).contains("from-env"), "redacted");
     }
 
     #[test]

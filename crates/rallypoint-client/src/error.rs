@@ -5,6 +5,7 @@ use std::io;
 use std::time::Duration;
 
 use rallypoint_core::OpError;
+use rallypoint_net::conn::AuthFailure;
 
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -33,6 +34,12 @@ pub enum Error {
     /// A missing or invalid setting (environment variable or argument).
     #[error("{0}")]
     Config(String),
+
+    /// The coordinator refused this client's credentials (no token, a wrong one,
+    /// plaintext where it requires TLS), or could not prove its own (it does not
+    /// know the token, or its TLS certificate does not verify). Not retried.
+    #[error("cannot authenticate with the coordinator at {addr}: {failure}")]
+    Auth { addr: String, failure: AuthFailure },
 }
 
 /// A duration as seconds with one decimal ("2.5 s").

@@ -15,6 +15,10 @@ pub use client::{job_incarnation, reset_job, Client, ConnectOptions, DEFAULT_TIM
 pub use error::Error;
 pub use incarnation::{new_job_incarnation, process_incarnation};
 pub use rallypoint_core::{
-    AbortInfo, CallShape, CollectiveKind, Identity, Incarnation, JobIncarnation, LossReason, Members, OpError, OpRef,
-    ProcessInfo, RankInfo, RankState,
+    AbortInfo, AuthRefusal, CallShape, CollectiveKind, Identity, Incarnation, JobIncarnation, LossReason, Members,
+    OpError, OpRef, ProcessInfo, RankInfo, RankState,
 };
+pub use rallypoint_net::auth::{Token, TokenError};
+pub use rallypoint_net::auth::{TOKEN_FILE_VAR, TOKEN_VAR};
+pub use rallypoint_net::conn::{AuthFailure, Credentials};
+pub use rallypoint_net::tls::{TlsClient, TlsError, TLS_CA_VAR};

@@ -262,6 +262,11 @@ pub enum OpError {
     /// The process names a job incarnation that is not the job's current one.
     #[error("this process belongs to incarnation {} of job '{job}'; the job is at incarnation {} since {} ({} by {})", Incarnation(*mine), Incarnation(current.incarnation), Utc(current.since_unix_ms), if current.reset { "reset" } else { "first named" }, current.by)]
     StaleIncarnation { job: String, mine: u64, current: Box<JobIncarnation> },
+
+    /// The connection's credentials were refused before its hello was looked at: no
+    /// token, a wrong token, or plaintext where TLS is required.
+    #[error("{0}")]
+    Unauthorized(AuthRefusal),
 }
 
 impl OpError {
@@ -286,6 +291,44 @@ impl fmt::Display for Utc {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let at = std::time::UNIX_EPOCH + std::time::Duration::from_millis(self.0);
         write!(f, "{}", humantime::format_rfc3339_seconds(at))
+    }
+}
+
+/// Why a coordinator or node agent refused a connection's credentials. The
+/// messages say what to set, since the fix is always on the refused side.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum AuthRefusal {
+    /// The server has a token and the client proved none.
+    TokenRequired,
+    /// The client's proof does not match the server's token.
+    WrongToken,
+    /// The server serves native clients over TLS only.
+    TlsRequired,
+    /// The client offered a token proof, but the server has no token to prove its
+    /// own side with (and the client insists on a server that does).
+    NoTokenHere,
+}
+
+impl fmt::Display for AuthRefusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            AuthRefusal::TokenRequired => {
+                "this coordinator requires a token: set RALLYPOINT_TOKEN or RALLYPOINT_TOKEN_FILE"
+            }
+            AuthRefusal::WrongToken => {
+                "wrong token: the coordinator's token is not the one this process has \
+                 (RALLYPOINT_TOKEN or RALLYPOINT_TOKEN_FILE)"
+            }
+            AuthRefusal::TlsRequired => {
+                "this coordinator requires TLS: set RALLYPOINT_TLS_CA (or --tls-ca) to the CA \
+                 certificate that signed its certificate"
+            }
+            AuthRefusal::NoTokenHere => {
+                "this process has a token but the coordinator has none, so it cannot prove that it \
+                 knows it: give the coordinator the same token (--token-file, RALLYPOINT_TOKEN_FILE \
+                 or RALLYPOINT_TOKEN), or unset RALLYPOINT_TOKEN and RALLYPOINT_TOKEN_FILE here"
+            }
+        })
     }
 }
 

@@ -17,8 +17,8 @@ mod request;
 pub use config::{Config, Limits, ReplyCache};
 pub use engine::{Departure, Engine};
 pub use error::{
-    AbortInfo, CallShape, CollectiveKind, JobIncarnation, LossReason, Missing, OpError, OpRef, ProcessInfo, RankInfo,
-    RankRanges, RankState,
+    AbortInfo, AuthRefusal, CallShape, CollectiveKind, JobIncarnation, LossReason, Missing, OpError, OpRef,
+    ProcessInfo, RankInfo, RankRanges, RankState,
 };
 pub use identity::{Identity, Incarnation, SessionId};
 pub use request::{Gathered, Members, Millis, Outgoing, Reply, Request, Response, Welcome};

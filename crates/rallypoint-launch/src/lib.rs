@@ -28,7 +28,7 @@ use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 
 use rallypoint_core::Config;
-use rallypoint_server::{Server, ServerConfig, ServerHandle};
+use rallypoint_server::{IpNet, Server, ServerConfig, ServerHandle, Token};
 
 pub use outcome::{Exit, Failure, FailureKind, Loss};
 
@@ -36,6 +36,7 @@ use console::Console;
 use node_agent::NodeAgent;
 use procs::Family;
 use rallypoint_client::env::JobEnv;
+use rallypoint_client::{ConnectOptions, Identity};
 use rendezvous::Launchers;
 use supervise::{Attempt, AttemptResult};
 use watchdog::Watchdog;
@@ -68,6 +69,17 @@ pub struct LaunchOptions {
     /// Host a node agent for this node's workers (their `RALLYPOINT_ADDR`), so the
     /// coordinator holds one connection for the node instead of one per worker.
     pub node_agent: bool,
+    /// The job's token, given to every node's launcher (`--token-file`,
+    /// RALLYPOINT_TOKEN_FILE, RALLYPOINT_TOKEN). `None` on one node: the launcher
+    /// makes one for the job. Several nodes, or a `master` beyond loopback, need a
+    /// given one, unless `insecure`.
+    pub token: Option<Arc<Token>>,
+    /// Run without a token where one would be needed (and make none): anyone who
+    /// reaches the coordinator can read, change, join or abort the job.
+    pub insecure: bool,
+    /// Networks of other machines whose PyTorch TCPStore clients the hosted
+    /// coordinator serves (they cannot prove a token): the other nodes of a torch job.
+    pub tcpstore_allow: Vec<IpNet>,
     pub command: Vec<OsString>,
 }
 
@@ -81,8 +93,10 @@ pub enum LaunchError {
     Io(#[from] io::Error),
     #[error("{0}")]
     Coordinator(#[from] rallypoint_client::Error),
-    #[error("cannot create the node agent's socket directory in {dir}: {source}")]
+    #[error("cannot create the launcher's private directory in {dir}: {source}")]
     SocketDir { dir: PathBuf, source: io::Error },
+    #[error("cannot write the job's token file {path}: {source}")]
+    TokenFile { path: PathBuf, source: io::Error },
     #[error("{0}")]
     /// Boxed: an agent error is large, and launch errors are rare.
     NodeAgent(Box<rallypoint_agent::AgentError>),
@@ -91,6 +105,7 @@ pub enum LaunchError {
 /// Runs the job to its end; returns the launcher's exit code (0, or the first failure's).
 pub async fn launch(options: LaunchOptions) -> Result<i32, LaunchError> {
     validate(&options)?;
+    check_exposure(&options).await?;
     let console = Console::start();
     let result = supervised(&options, &console).await;
     console.close(CONSOLE_CLOSE);
@@ -115,7 +130,14 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
         }
     };
     let host = rallypoint_net::hostname();
-    let server = if options.node_rank == 0 { Some(host_coordinator(options).await?) } else { None };
+    // A job's token: given, else made for it (one node on loopback), else none (--insecure).
+    let token = match (&options.token, options.insecure) {
+        (Some(token), _) => Some(Arc::clone(token)),
+        (None, true) => None,
+        (None, false) => Some(Arc::new(Token::generate())),
+    };
+    let token_file = token.as_deref().map(TokenFile::write).transpose()?;
+    let server = if options.node_rank == 0 { Some(host_coordinator(options, token.clone()).await?) } else { None };
     let addr = match (&server, &options.master) {
         (Some(server), _) => server.local_addr().to_string(),
         (None, Some(master)) => master.clone(),
@@ -125,17 +147,27 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
         Some(server) => server.local_addr(),
         None => resolve(&addr).await?,
     };
-    let launchers =
-        Launchers::join(&addr, &options.job, options.node_rank, options.nnodes, &host, options.join_timeout).await?;
+    let launchers = Launchers::join(
+        &addr,
+        &options.job,
+        options.node_rank,
+        options.nnodes,
+        &host,
+        options.join_timeout,
+        token.clone(),
+    )
+    .await?;
     // After the join: the coordinator is known to be up, so the agent connects at once.
     let node_agent = if options.node_agent {
-        Some(NodeAgent::start(&coordinator.to_string(), &host, options.join_timeout).await?)
+        Some(NodeAgent::start(&coordinator.to_string(), &host, options.join_timeout, token.clone()).await?)
     } else {
         None
     };
     let signals = forward_signals()?;
     let run = Run {
         options,
+        token: token.clone(),
+        token_file: token_file.as_ref().map(|file| file.path.clone()),
         launchers: &launchers,
         server: server.as_ref(),
         coordinator,
@@ -164,6 +196,10 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
 /// What every attempt of a launch shares.
 struct Run<'a> {
     options: &'a LaunchOptions,
+    /// The job's token (its launchers, workers and coordinator prove it).
+    token: Option<Arc<Token>>,
+    /// Where the workers find it.
+    token_file: Option<PathBuf>,
     launchers: &'a Launchers,
     server: Option<&'a ServerHandle>,
     coordinator: SocketAddr,
@@ -181,15 +217,20 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
         let attempt_job = if attempt == 0 { options.job.clone() } else { format!("{}.restart{attempt}", options.job) };
         // Each attempt is a fresh job incarnation: node 0 starts it before it joins the
         // rendezvous, and the other nodes, once past the rendezvous, read it.
-        let (addr, timeout) = (run.coordinator.to_string(), options.join_timeout);
+        // The launcher's own client of the attempt's job, with the job's token.
+        let options_of_job = || {
+            ConnectOptions::new(run.coordinator.to_string(), Identity::anonymous(attempt_job.as_str()))
+                .with_timeout(options.join_timeout)
+                .with_token(run.token.clone())
+        };
         let started = match options.node_rank {
-            0 => Some(rallypoint_client::reset_job(&addr, &attempt_job, timeout).await?),
+            0 => Some(rallypoint_client::reset_job(options_of_job()).await?),
             _ => None,
         };
         let layout = run.launchers.rendezvous(attempt, options.nproc_per_node, options.join_timeout).await?;
         let job_incarnation = match started {
             Some(incarnation) => Some(incarnation),
-            None => rallypoint_client::job_incarnation(&addr, &attempt_job, timeout).await?,
+            None => rallypoint_client::job_incarnation(options_of_job()).await?,
         };
         let job = JobEnv {
             coordinator: run.coordinator,
@@ -199,6 +240,7 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
             restart_count: attempt,
             max_restarts: options.max_restarts,
             job_incarnation,
+            token_file: run.token_file.clone(),
         };
         // torch's TCPStore clients (MASTER_ADDR/MASTER_PORT point here) cannot name a
         // job: they join the attempt's, so their keys and ranks are the workers'.
@@ -214,6 +256,7 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
             world_size: layout.world_size,
             counts: &layout.counts,
             attempt,
+            token: run.token.clone(),
             server: run.server,
             console: run.console,
             family: run.family,
@@ -272,7 +315,63 @@ fn validate(o: &LaunchOptions) -> Result<(), LaunchError> {
     Ok(())
 }
 
-async fn host_coordinator(options: &LaunchOptions) -> Result<ServerHandle, LaunchError> {
+/// A coordinator reachable from other machines needs a token every launcher
+/// shares, so that only the job's own processes can use it: refused without one
+/// unless `--insecure` says otherwise.
+async fn check_exposure(o: &LaunchOptions) -> Result<(), LaunchError> {
+    if o.token.is_some() || o.insecure {
+        return Ok(());
+    }
+    let how = "give every node's launcher the same token: --token-file PATH (a file only you can read, \
+               e.g. made with `openssl rand -hex 32 > PATH && chmod 600 PATH`), or RALLYPOINT_TOKEN_FILE \
+               or RALLYPOINT_TOKEN; or pass --insecure to run without authentication";
+    if o.nnodes > 1 {
+        return Err(LaunchError::Usage(format!(
+            "a job of {} nodes needs a token that all of its launchers share (each would make its own and \
+             refuse the others'): {how}",
+            o.nnodes
+        )));
+    }
+    if let Some(master) = &o.master {
+        let addr = resolve(master).await?;
+        if !addr.ip().is_loopback() {
+            return Err(LaunchError::Usage(format!(
+                "--master {master} listens beyond this machine, and without a token anyone who can reach it \
+                 could read and change the job's keys, join it under any rank, or abort it: {how}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The job's token in a file of a private directory (mode 0700, the file 0600),
+/// whose path the workers get in RALLYPOINT_TOKEN_FILE: a file rather than the
+/// token in their environment, since environments end up in logs and crash
+/// reports (and every child process inherits them). Removed when dropped; left by a
+/// launcher killed with SIGKILL, it is removed by the next launch of this user.
+struct TokenFile {
+    path: PathBuf,
+    _dir: node_agent::SocketDir,
+}
+
+impl TokenFile {
+    fn write(token: &Token) -> Result<TokenFile, LaunchError> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let dir = node_agent::SocketDir::create()?;
+        let path = dir.path().join("token");
+        let written = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .and_then(|mut file| file.write_all(token.secret()));
+        written.map_err(|source| LaunchError::TokenFile { path: path.clone(), source })?;
+        Ok(TokenFile { path, _dir: dir })
+    }
+}
+
+async fn host_coordinator(options: &LaunchOptions, token: Option<Arc<Token>>) -> Result<ServerHandle, LaunchError> {
     let listen = match &options.master {
         Some(master) => resolve(master).await?,
         None => SocketAddr::from(([127, 0, 0, 1], 0)),
@@ -281,9 +380,10 @@ async fn host_coordinator(options: &LaunchOptions) -> Result<ServerHandle, Launc
     if let Some(lease) = options.lease {
         engine.lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
     }
-    let server = Server::bind(ServerConfig::new(listen, engine))
-        .await
-        .map_err(|source| LaunchError::Bind { addr: listen.to_string(), source })?;
+    let mut config = ServerConfig::new(listen, engine);
+    config.token = token;
+    config.tcpstore_allow = options.tcpstore_allow.clone();
+    let server = Server::bind(config).await.map_err(|source| LaunchError::Bind { addr: listen.to_string(), source })?;
     Ok(server.spawn())
 }
 

@@ -14,6 +14,7 @@ use std::time::{Duration, SystemTime};
 use tracing::{debug, info, warn};
 
 use rallypoint_agent::{Agent, AgentConfig, AgentError, AgentHandle};
+use rallypoint_server::Token;
 
 use crate::LaunchError;
 
@@ -37,7 +38,12 @@ impl NodeAgent {
     /// Creates the socket directory, binds the agent there and connects it to the
     /// coordinator at `coordinator` (retrying for `connect_timeout`, as the
     /// launcher itself does).
-    pub async fn start(coordinator: &str, host: &str, connect_timeout: Duration) -> Result<NodeAgent, LaunchError> {
+    pub async fn start(
+        coordinator: &str,
+        host: &str,
+        connect_timeout: Duration,
+        token: Option<std::sync::Arc<Token>>,
+    ) -> Result<NodeAgent, LaunchError> {
         let dir = SocketDir::create()?;
         let socket = dir.path.join("agent.sock");
         let listen = if socket.as_os_str().len() <= MAX_SOCKET_PATH {
@@ -50,6 +56,7 @@ impl NodeAgent {
         let mut config = AgentConfig::new(coordinator, listen);
         config.connect_timeout = connect_timeout;
         config.host = host.to_owned();
+        config.token = token;
         let agent = Agent::bind(config).await?;
         info!(addr = agent.local_addr(), coordinator, "node agent for this node's workers started");
         Ok(NodeAgent { handle: agent.spawn(), _dir: dir })
@@ -79,13 +86,18 @@ impl From<AgentError> for LaunchError {
 }
 
 /// A directory of this launcher's own (mode 0700, so no other user can connect to
-/// or replace the socket in it), removed with everything in it when dropped.
-struct SocketDir {
+/// or replace the socket in it, nor read the job's token file), removed with
+/// everything in it when dropped.
+pub(crate) struct SocketDir {
     path: PathBuf,
 }
 
 impl SocketDir {
-    fn create() -> Result<SocketDir, LaunchError> {
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+
+    pub(crate) fn create() -> Result<SocketDir, LaunchError> {
         let parent = std::env::temp_dir();
         sweep_stale(&parent);
         let pid = std::process::id();

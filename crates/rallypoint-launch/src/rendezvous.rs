@@ -62,6 +62,7 @@ impl Launchers {
         nnodes: u32,
         host: &str,
         timeout: Duration,
+        token: Option<std::sync::Arc<rallypoint_server::Token>>,
     ) -> Result<Self, Error> {
         let identity = Identity {
             host: host.to_owned(),
@@ -69,8 +70,7 @@ impl Launchers {
             role: Some("launcher".into()),
             ..Identity::ranked(format!("{run_id}/launch"), node, nnodes)
         };
-        let mut options = ConnectOptions::new(addr, identity);
-        options.timeout = timeout;
+        let options = ConnectOptions::new(addr, identity).with_timeout(timeout).with_token(token);
         let client = Client::connect_with(options).await?;
         Ok(Launchers { client, node, nnodes })
     }

@@ -37,6 +37,7 @@ use crate::watchdog::Watchdog;
 use crate::worker::{self, Exited, Running, Spec};
 use crate::{Exit, LaunchError, LaunchOptions};
 use rallypoint_client::env::{live_output_env, worker_env, JobEnv, Placement};
+use rallypoint_client::Token;
 
 pub enum AttemptResult {
     Succeeded,
@@ -53,6 +54,8 @@ pub struct Attempt<'a> {
     /// Workers per node, by node.
     pub counts: &'a [u32],
     pub attempt: u32,
+    /// The job's token, to abort the job with.
+    pub token: Option<Arc<Token>>,
     /// The coordinator, when this launcher hosts it (node 0).
     pub server: Option<&'a ServerHandle>,
     pub console: &'a Arc<Console>,
@@ -311,7 +314,7 @@ impl Attempt<'_> {
             // Node 0 may know better (a rank it counts as lost): its verdict is awaited.
             state.verdict_by = Some(Instant::now() + VERDICT_WAIT);
         }
-        abort_job(self.job, self.host, format!("launcher: {}", failure.headline()));
+        abort_job(self.job, self.host, self.token.clone(), format!("launcher: {}", failure.headline()));
         state.first = Some(failure);
         if running.iter().any(Option::is_some) {
             state.term_at = Some(Instant::now() + NOTICE.min(self.options.grace));
@@ -495,12 +498,13 @@ fn loss_of(info: &RankInfo, now_ms: u64) -> Option<(u64, u64, Loss)> {
 
 /// Aborts the attempt's coordinator job in the background: workers blocked in a
 /// barrier learn the reason at once instead of waiting for their signal.
-fn abort_job(job: &JobEnv, host: &str, reason: String) {
+fn abort_job(job: &JobEnv, host: &str, token: Option<Arc<Token>>, reason: String) {
     let mut identity = Identity::anonymous(job.attempt_job.clone());
     identity.host = host.to_owned();
     identity.pid = std::process::id();
-    let mut options = ConnectOptions::new(job.coordinator.to_string(), identity);
-    options.timeout = Duration::from_secs(5);
+    let options = ConnectOptions::new(job.coordinator.to_string(), identity)
+        .with_timeout(Duration::from_secs(5))
+        .with_token(token);
     tokio::spawn(async move {
         match Client::connect_with(options).await {
             Ok(client) => {

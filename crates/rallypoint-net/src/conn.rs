@@ -4,9 +4,11 @@
 //!
 //! - reading: [`read_some`] takes what a socket has into a [`BytesMut`] sized by a
 //!   [`Buffering`], which also says when an idle buffer is given back;
-//! - the handshake: [`accept_hello`] on the serving side (the preamble, then a
-//!   rank's hello, or a TCPStore client or node agent told apart by their first
-//!   bytes), [`greet`] on the connecting side;
+//! - the handshake: [`accept_hello`] on the serving side (the preamble, the token
+//!   handshake if the [`Gate`] asks for it, then a rank's hello, or a TCPStore
+//!   client or node agent told apart by their first bytes), [`greet`] on the
+//!   connecting side (TLS and the token handshake if its [`Credentials`] ask for
+//!   them, then the hello);
 //! - the frame loop: [`decode_requests`] turns the frames a rank sent into
 //!   [`Inbound`] inputs, answering nothing itself;
 //! - the end: [`End`], how and why a connection stopped, for the log and for
@@ -16,17 +18,22 @@ use std::future::Future;
 use std::io;
 use std::mem::MaybeUninit;
 use std::pin::{pin, Pin};
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::{BufMut, BytesMut};
-use rallypoint_core::{Identity, OpError, Request};
+use rallypoint_core::{AuthRefusal, Identity, OpError, Request};
 use rallypoint_proto::native::{
-    decode_client_frame, decode_preamble, starts_with_agent_hello, ClientFrame, FrameLimits, ProtoError, VERSION,
+    decode_client_frame, decode_preamble, decode_server_frame, encode_client_frame, encode_preamble,
+    encode_server_frame, starts_with_agent_hello, ClientFrame, FrameLimits, ProtoError, ServerFrame, VERSION,
 };
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
 
+use crate::auth::{self, Token};
 use crate::budget::Charge;
+use crate::tls::{tls_failure, TlsClient, TLS_FIRST_BYTE};
 use crate::Stream;
 
 /// How a connection ended, or why it was refused.
@@ -51,6 +58,10 @@ pub enum End {
     /// Another connection went past the budget while this one held the most.
     #[error("closed to keep within the memory budget of unfinished requests: it held the most")]
     Evicted,
+    /// The TLS handshake failed (a client that does not trust our certificate, or
+    /// that spoke something else after a first byte of 0x16).
+    #[error("TLS handshake failed: {0}")]
+    Tls(io::Error),
     /// The peer connected but did not finish its handshake in time.
     #[error("no hello within {0:?}")]
     HandshakeTimeout(Duration),
@@ -90,6 +101,7 @@ impl End {
         match self {
             End::Closed | End::ClosedMidFrame { .. } | End::Io(_) | End::Shutdown(_) => false,
             End::HandshakeTimeout(_)
+            | End::Tls(_)
             | End::Stalled { .. }
             | End::OverBudget(_)
             | End::Evicted
@@ -127,22 +139,38 @@ impl Accepts {
     pub const NODE_AGENT: Accepts = Accepts { tcpstore: false, agents: false };
 }
 
-/// Reads a new connection's preamble and hello (or recognises a TCPStore client
-/// or a node agent by its first bytes). The bytes after the hello stay in `rbuf`.
+/// What the serving side asks of a connection before its hello counts.
+#[derive(Debug, Clone, Default)]
+pub struct Gate {
+    /// The peer must prove this token, and is given this side's proof in return
+    /// (docs/PROTOCOL.md, section 5.1).
+    pub token: Option<Arc<Token>>,
+    /// Native clients and node agents must come over TLS: a plaintext one is
+    /// refused. (The connection being served is plaintext; over TLS this is false.)
+    pub tls_required: bool,
+}
+
+/// Reads a new connection's preamble, the token handshake if `gate` asks for one,
+/// and the hello (or recognises a TCPStore client or a node agent by its first
+/// bytes). The bytes after the hello stay in `rbuf`. Writes only the token
+/// handshake's frames.
 ///
 /// `Err(End::Refused(error))`: the peer should be told `error` (a Refused frame)
-/// before the connection closes; every other `Err` just closes it.
+/// before the connection closes; every other `Err` just closes it. A refused
+/// connection leaves nothing behind: its state lives in this future.
 ///
 /// What the peer sent so far counts against `charge` (see [`crate::budget`]).
-pub async fn accept_hello<R: AsyncRead + Unpin>(
-    reader: &mut R,
+pub async fn accept_hello<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
     rbuf: &mut BytesMut,
     limits: &FrameLimits,
     accepts: Accepts,
+    gate: &Gate,
     charge: &mut Charge,
 ) -> Result<Hello, End> {
     // The first byte tells the protocol apart: 'R' starts the native magic, 0x00 is
-    // the first byte of every PyTorch TCPStore connection.
+    // the first byte of every PyTorch TCPStore connection, 0x16 of every TLS one
+    // (those are taken before this, where this side serves TLS: see `peek_first_byte`).
     loop {
         match rbuf.first() {
             None => {}
@@ -159,24 +187,110 @@ pub async fn accept_hello<R: AsyncRead + Unpin>(
             Some(0x00) => {
                 return Err(End::NotServed("a PyTorch TCPStore client (those connect to the coordinator itself)"));
             }
+            Some(&TLS_FIRST_BYTE) => {
+                // A fatal alert, so that the client's TLS handshake fails at once with a
+                // reason instead of retrying a connection that closes without a word.
+                let _ = stream.write_all(&crate::tls::HANDSHAKE_FAILURE_ALERT).await;
+                return Err(End::NotServed(
+                    "a TLS client, but this side has no certificate (--tls-cert and --tls-key)",
+                ));
+            }
             Some(_) => return Err(End::NotServed("unknown protocol (not a rallypoint client)")),
         }
-        read_more(reader, rbuf, charge).await?;
+        read_more(stream, rbuf, charge).await?;
     }
+    if gate.tls_required {
+        return Err(End::refused(OpError::Unauthorized(AuthRefusal::TlsRequired)));
+    }
+    let mut first = next_frame(stream, rbuf, limits, charge).await?;
+    match (&gate.token, &first) {
+        (Some(token), First::Client(ClientFrame::AuthStart { nonce })) => {
+            prove(stream, rbuf, limits, charge, token, *nonce).await?;
+            first = next_frame(stream, rbuf, limits, charge).await?;
+        }
+        (Some(_), First::Agent | First::Client(ClientFrame::Hello(_))) => {
+            return Err(End::refused(OpError::Unauthorized(AuthRefusal::TokenRequired)));
+        }
+        (None, First::Client(ClientFrame::AuthStart { .. })) => {
+            return Err(End::refused(OpError::Unauthorized(AuthRefusal::NoTokenHere)));
+        }
+        _ => {}
+    }
+    match first {
+        First::Agent if accepts.agents => Ok(Hello::Agent),
+        First::Agent => Err(End::NotServed("a node agent (agents connect to the coordinator, not to an agent)")),
+        First::Client(ClientFrame::Hello(identity)) => Ok(Hello::Native(identity)),
+        First::Client(ClientFrame::AuthStart { .. } | ClientFrame::AuthProof { .. }) => {
+            Err(End::refused(OpError::Invalid("a token handshake frame out of place".to_owned())))
+        }
+        First::Client(_) => Err(End::refused(OpError::Invalid("the first frame must be a hello".to_owned()))),
+    }
+}
+
+/// The first frame after the preamble or the token handshake.
+enum First {
+    /// A node agent's hello, left in the buffer for the agent codec.
+    Agent,
+    Client(ClientFrame),
+}
+
+async fn next_frame<S: AsyncRead + Unpin>(
+    stream: &mut S,
+    rbuf: &mut BytesMut,
+    limits: &FrameLimits,
+    charge: &mut Charge,
+) -> Result<First, End> {
     loop {
         if starts_with_agent_hello(rbuf) == Some(true) {
-            if accepts.agents {
-                return Ok(Hello::Agent);
-            }
-            return Err(End::NotServed("a node agent (agents connect to the coordinator, not to an agent)"));
+            return Ok(First::Agent);
         }
         match decode_client_frame(rbuf, limits) {
-            Ok(Some(ClientFrame::Hello(identity))) => return Ok(Hello::Native(identity)),
-            Ok(Some(_)) => return Err(End::refused(OpError::Invalid("the first frame must be a hello".to_owned()))),
-            Ok(None) => read_more(reader, rbuf, charge).await?,
+            Ok(Some(frame)) => return Ok(First::Client(frame)),
+            Ok(None) => read_more(stream, rbuf, charge).await?,
             Err(error) if error.is_fatal() => return Err(End::malformed(error)),
             Err(error) => return Err(End::refused(OpError::Invalid(error.to_string()))),
         }
+    }
+}
+
+/// The serving side of the token handshake, after the peer's AuthStart: a
+/// challenge, the peer's proof checked, this side's proof sent.
+async fn prove<S: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut S,
+    rbuf: &mut BytesMut,
+    limits: &FrameLimits,
+    charge: &mut Charge,
+    token: &Token,
+    client: auth::Nonce,
+) -> Result<(), End> {
+    let server = auth::nonce();
+    send(stream, &ServerFrame::AuthChallenge { nonce: server }).await?;
+    match next_frame(stream, rbuf, limits, charge).await? {
+        First::Client(ClientFrame::AuthProof { proof }) if token.verify_client(&client, &server, &proof) => {
+            send(stream, &ServerFrame::AuthAccepted { proof: token.server_proof(&client, &server) }).await
+        }
+        First::Client(ClientFrame::AuthProof { .. }) => {
+            Err(End::refused(OpError::Unauthorized(AuthRefusal::WrongToken)))
+        }
+        _ => Err(End::refused(OpError::Invalid("expected the token proof after the challenge".to_owned()))),
+    }
+}
+
+async fn send<S: AsyncWrite + Unpin>(stream: &mut S, frame: &ServerFrame) -> Result<(), End> {
+    let mut out = BytesMut::new();
+    encode_server_frame(frame, &mut out);
+    stream.write_all(&out).await?;
+    Ok(stream.flush().await?)
+}
+
+/// The first byte a new TCP connection sent, read without taking it from the
+/// socket (`None`: closed before sending anything): where this side serves TLS,
+/// a TLS client (0x16) is handed to the TLS handshake before anything is read.
+pub async fn peek_first_byte(stream: &TcpStream) -> io::Result<Option<u8>> {
+    let mut byte = [0u8; 1];
+    match stream.peek(&mut byte).await? {
+        0 => Ok(None),
+        _ => Ok(Some(byte[0])),
     }
 }
 
@@ -205,30 +319,139 @@ async fn read_more<R: AsyncRead + Unpin>(reader: &mut R, rbuf: &mut BytesMut, ch
     }
 }
 
-/// Connects to `addr`, sends `hello` (the preamble and the first frames) and reads
-/// until `answer` finds the peer's decisive reply in the bytes received (a welcome
-/// or a refusal, as the caller decodes them). Returns the stream, that answer, and
-/// the bytes received after it. An `Err` is worth retrying (nothing listening yet,
-/// a reset, a close before the answer).
+/// What the connecting side proves and checks.
+#[derive(Debug, Clone, Default)]
+pub struct Credentials {
+    /// Prove this token, and insist that the server proves it too.
+    pub token: Option<Arc<Token>>,
+    /// Connect over TLS, trusting this CA for the server's certificate.
+    pub tls: Option<TlsClient>,
+}
+
+/// Why a greeting failed.
+#[derive(Debug, thiserror::Error)]
+pub enum GreetError {
+    /// Worth retrying: nothing listening yet, a reset, a close before the answer.
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    /// Final: credentials refused or unproven; retrying would not change it.
+    #[error("{0}")]
+    Auth(AuthFailure),
+}
+
+/// A failed authentication, either way.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum AuthFailure {
+    /// The server refused this side's credentials.
+    #[error("{0}")]
+    Refused(AuthRefusal),
+    /// The server did not prove that it knows the token: it may not be the
+    /// coordinator it claims to be.
+    #[error("the server did not prove that it knows the token ({0}); it may not be the coordinator it claims to be")]
+    Unproven(String),
+    /// The TLS handshake failed (the server's certificate did not verify against
+    /// the CA, or the server refused ours).
+    #[error("TLS handshake failed: {0}")]
+    Tls(String),
+}
+
+/// Largest frame read during the token handshake: its frames are tens of bytes,
+/// and whoever answers has not proven anything yet.
+const AUTH_FRAME_LIMIT: FrameLimits = FrameLimits { max_frame_len: 64 * 1024 };
+
+/// Connects to `addr` (over TLS if `credentials` say so), proves the token if
+/// there is one (and checks the server's proof), sends `hello` (the first frames
+/// after the preamble) and reads until `answer` finds the peer's decisive reply in
+/// the bytes received (a welcome or a refusal, as the caller decodes them).
+/// Returns the stream, that answer, and the bytes received after it.
+///
+/// Nothing of `hello` is sent before the server proved the token: a listener
+/// posing as the coordinator learns nothing but this side's proof.
 pub async fn greet<T>(
     addr: &str,
+    credentials: &Credentials,
     hello: &[u8],
     mut answer: impl FnMut(&mut BytesMut) -> Option<T>,
-) -> io::Result<(Stream, T, BytesMut)> {
-    let mut stream = Stream::connect(addr).await?;
-    stream.write_all(hello).await?;
+) -> Result<(Stream, T, BytesMut), GreetError> {
+    let mut stream =
+        Stream::connect_with(addr, credentials.tls.as_ref()).await.map_err(|error| match tls_failure(&error) {
+            Some(failure) => GreetError::Auth(AuthFailure::Tls(failure.to_string())),
+            None => GreetError::Io(error),
+        })?;
+    let mut out = BytesMut::new();
+    encode_preamble(&mut out);
     let mut buf = BytesMut::new();
+    if let Some(token) = &credentials.token {
+        let client = auth::nonce();
+        encode_client_frame(&ClientFrame::AuthStart { nonce: client }, &mut out);
+        write(&mut stream, &out).await?;
+        let server = match auth_frame(&mut stream, &mut buf).await? {
+            ServerFrame::AuthChallenge { nonce } => nonce,
+            other => return Err(unexpected(other, "a challenge")),
+        };
+        out.clear();
+        encode_client_frame(&ClientFrame::AuthProof { proof: token.client_proof(&client, &server) }, &mut out);
+        write(&mut stream, &out).await?;
+        match auth_frame(&mut stream, &mut buf).await? {
+            ServerFrame::AuthAccepted { proof } if token.verify_server(&client, &server, &proof) => {}
+            ServerFrame::AuthAccepted { .. } => {
+                return Err(GreetError::Auth(AuthFailure::Unproven("its proof does not match the token".to_owned())))
+            }
+            other => return Err(unexpected(other, "its proof")),
+        }
+        out.clear();
+    }
+    out.extend_from_slice(hello);
+    write(&mut stream, &out).await?;
     loop {
         if let Some(answer) = answer(&mut buf) {
             return Ok((stream, answer, buf));
         }
-        buf.reserve(Buffering::RANK.chunk);
-        if stream.read_buf(&mut buf).await? == 0 {
-            return Err(io::Error::new(
-                io::ErrorKind::UnexpectedEof,
-                "the peer closed the connection before its welcome",
-            ));
+        read(&mut stream, &mut buf).await?;
+    }
+}
+
+async fn write(stream: &mut Stream, bytes: &[u8]) -> io::Result<()> {
+    stream.write_all(bytes).await?;
+    // TLS holds what it encrypted until flushed.
+    stream.flush().await
+}
+
+async fn read(stream: &mut Stream, buf: &mut BytesMut) -> io::Result<()> {
+    buf.reserve(Buffering::RANK.chunk);
+    match stream.read_buf(buf).await? {
+        0 => Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the peer closed the connection before its welcome")),
+        _ => Ok(()),
+    }
+}
+
+/// The server's next frame during the token handshake.
+async fn auth_frame(stream: &mut Stream, buf: &mut BytesMut) -> Result<ServerFrame, GreetError> {
+    loop {
+        match decode_server_frame(buf, &AUTH_FRAME_LIMIT) {
+            Ok(Some(frame)) => return Ok(frame),
+            Ok(None) => read(stream, buf).await?,
+            Err(error) => return Err(GreetError::Auth(AuthFailure::Unproven(format!("it sent {error}")))),
         }
+    }
+}
+
+/// A frame other than the token handshake's `expected` one.
+fn unexpected(frame: ServerFrame, expected: &str) -> GreetError {
+    GreetError::Auth(match frame {
+        ServerFrame::Refused(OpError::Unauthorized(why)) => AuthFailure::Refused(why),
+        ServerFrame::Refused(error) => AuthFailure::Unproven(format!("it refused the token handshake: {error}")),
+        other => AuthFailure::Unproven(format!("it answered {} instead of {expected}", frame_name(&other))),
+    })
+}
+
+fn frame_name(frame: &ServerFrame) -> &'static str {
+    match frame {
+        ServerFrame::Welcome(_) => "a welcome",
+        ServerFrame::Refused(_) => "a refusal",
+        ServerFrame::Reply { .. } | ServerFrame::SharedReply { .. } => "a reply",
+        ServerFrame::AuthChallenge { .. } => "a challenge",
+        ServerFrame::AuthAccepted { .. } => "a proof",
     }
 }
 
@@ -266,6 +489,9 @@ pub fn decode_requests(rbuf: &mut BytesMut, limits: &FrameLimits, mut on: impl F
             Ok(Some(ClientFrame::TakeSharedReplies)) => on(Inbound::TakeSharedReplies),
             Ok(Some(ClientFrame::ReleaseShared { slab })) => on(Inbound::ReleaseShared { slab }),
             Ok(Some(ClientFrame::Hello(_))) => return Err(End::SecondHello),
+            Ok(Some(ClientFrame::AuthStart { .. } | ClientFrame::AuthProof { .. })) => {
+                on(Inbound::Invalid { id: None, message: "a token handshake frame after the hello".to_owned() })
+            }
             Err(error) if error.is_fatal() => return Err(End::malformed(error)),
             Err(ProtoError::BadRequest { id, message }) => on(Inbound::Invalid { id, message }),
             Err(error) => on(Inbound::Invalid { id: None, message: error.to_string() }),
@@ -361,12 +587,85 @@ mod tests {
         out
     }
 
-    async fn accept(bytes: &[u8], accepts: Accepts) -> (Result<Hello, End>, BytesMut) {
-        let mut reader = bytes;
+    /// A peer that sent `input` and then closed its side; what this side writes is kept.
+    struct Scripted<'a> {
+        input: &'a [u8],
+        output: Vec<u8>,
+    }
+
+    impl AsyncRead for Scripted<'_> {
+        fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+            Pin::new(&mut self.input).poll_read(cx, buf)
+        }
+    }
+
+    impl AsyncWrite for Scripted<'_> {
+        fn poll_write(mut self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+            self.output.extend_from_slice(buf);
+            Poll::Ready(Ok(buf.len()))
+        }
+        fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+        fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    async fn accept_through(bytes: &[u8], accepts: Accepts, gate: &Gate) -> (Result<Hello, End>, BytesMut, Vec<u8>) {
+        let mut stream = Scripted { input: bytes, output: Vec::new() };
         let mut rbuf = BytesMut::new();
         let mut charge = crate::budget::PendingBudget::new(1 << 20).charge();
-        let hello = accept_hello(&mut reader, &mut rbuf, &FrameLimits::default(), accepts, &mut charge).await;
+        let hello = accept_hello(&mut stream, &mut rbuf, &FrameLimits::default(), accepts, gate, &mut charge).await;
+        (hello, rbuf, stream.output)
+    }
+
+    async fn accept(bytes: &[u8], accepts: Accepts) -> (Result<Hello, End>, BytesMut) {
+        let (hello, rbuf, _) = accept_through(bytes, accepts, &Gate::default()).await;
         (hello, rbuf)
+    }
+
+    fn refusal(hello: &Result<Hello, End>) -> Option<&OpError> {
+        match hello {
+            Err(End::Refused(error)) => Some(error),
+            _ => None,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_gate_with_a_token_refuses_a_hello_without_a_proof_and_a_gate_without_one_an_offer() {
+        let token = Arc::new(Token::new("the-job-token", "test").expect("token"));
+        let gate = Gate { token: Some(token), tls_required: false };
+        let (hello, _, written) =
+            accept_through(&hello_bytes(&Identity::ranked("job", 0, 1)), Accepts::COORDINATOR, &gate).await;
+        assert_eq!(refusal(&hello), Some(&OpError::Unauthorized(AuthRefusal::TokenRequired)));
+        assert!(written.is_empty(), "nothing is written before the refusal");
+
+        let mut offer = BytesMut::new();
+        encode_preamble(&mut offer);
+        encode_client_frame(&ClientFrame::AuthStart { nonce: auth::nonce() }, &mut offer);
+        let (hello, _, _) = accept_through(&offer, Accepts::COORDINATOR, &Gate::default()).await;
+        assert_eq!(refusal(&hello), Some(&OpError::Unauthorized(AuthRefusal::NoTokenHere)));
+
+        // A proof sent without waiting for the challenge cannot match it.
+        encode_client_frame(&ClientFrame::AuthProof { proof: [7; 32] }, &mut offer);
+        let (hello, _, written) = accept_through(&offer, Accepts::COORDINATOR, &gate).await;
+        assert_eq!(refusal(&hello), Some(&OpError::Unauthorized(AuthRefusal::WrongToken)));
+        let mut written = BytesMut::from(&written[..]);
+        let challenge = decode_server_frame(&mut written, &FrameLimits::default()).expect("well-formed");
+        assert!(matches!(challenge, Some(ServerFrame::AuthChallenge { .. })), "{challenge:?}");
+        assert!(written.is_empty(), "no proof of the server's after a wrong one");
+    }
+
+    #[tokio::test]
+    async fn a_gate_requiring_tls_refuses_plaintext_and_a_tls_client_where_none_is_served_gets_an_alert() {
+        let gate = Gate { token: None, tls_required: true };
+        let (hello, _, _) =
+            accept_through(&hello_bytes(&Identity::ranked("job", 0, 1)), Accepts::COORDINATOR, &gate).await;
+        assert_eq!(refusal(&hello), Some(&OpError::Unauthorized(AuthRefusal::TlsRequired)));
+        let (hello, _, written) = accept_through(&[0x16, 0x03, 0x01], Accepts::COORDINATOR, &Gate::default()).await;
+        assert!(matches!(hello, Err(End::NotServed(what)) if what.contains("TLS")), "{hello:?}");
+        assert_eq!(written, crate::tls::HANDSHAKE_FAILURE_ALERT);
     }
 
     #[tokio::test]

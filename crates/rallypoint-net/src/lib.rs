@@ -2,25 +2,31 @@
 //! (`rallypoint-server`), the node agent (`rallypoint-agent`) and the client
 //! (`rallypoint-client`):
 //!
-//! - [`stream`]: byte streams over TCP or a Unix domain socket, and listeners;
+//! - [`stream`]: byte streams over TCP, TLS or a Unix domain socket, and listeners;
+//! - [`auth`] and [`tls`]: the token a handshake proves, both ways, and TLS;
 //! - [`budget`]: the bytes of unfinished requests all connections may hold together;
 //! - [`conn`]: what every connection goes through: reading into its buffer, the
 //!   handshake, the frame loop, and how it ends ([`conn::End`]);
+//! - [`procnet`]: which user owns the other end of a TCP connection on this machine;
 //! - [`shm`]: large replies through shared memory, passed over Unix sockets;
 //! - [`sync`]: the poison-tolerant lock and the reconnect backoff everyone uses;
 //! - [`warn_limit`]: warnings a peer can cause, limited so that it cannot flood the log;
 //! - [`hostname`], [`raise_fd_limit`] and [`process`]: facts about this process's machine.
 
+pub mod auth;
 pub mod budget;
 pub mod conn;
 mod fdlimit;
 pub mod process;
+pub mod procnet;
 pub mod shm;
 pub mod stream;
 pub mod sync;
+pub mod tls;
 pub mod warn_limit;
 
 pub use fdlimit::raise_fd_limit;
+pub use ipnet::IpNet;
 pub use stream::{set_keepalive, unix_path, Listener, ReadHalf, Stream, WriteHalf, UNIX_PREFIX};
 
 /// This machine's hostname, or "unknown" if it cannot be read.

@@ -1,6 +1,7 @@
-//! Byte streams the client and the node agent speak over: TCP, or a Unix domain
-//! socket for ranks talking to the agent of their own node (`unix:/path`), which
-//! costs the kernel far less per message than loopback TCP.
+//! Byte streams the client and the node agent speak over: TCP, TLS over TCP
+//! ([`crate::tls`]), or a Unix domain socket for ranks talking to the agent of
+//! their own node (`unix:/path`), which costs the kernel far less per message than
+//! loopback TCP.
 
 use std::collections::VecDeque;
 use std::io;
@@ -16,6 +17,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, Interest, ReadBuf};
 use tokio::net::{tcp, unix, TcpListener, TcpStream, UnixListener, UnixStream};
 
 use crate::shm;
+use crate::tls::TlsClient;
+
+type TlsStream = tokio_rustls::TlsStream<TcpStream>;
 
 /// Prefix of an address naming a Unix domain socket: `unix:/run/rallypoint.sock`.
 pub const UNIX_PREFIX: &str = "unix:";
@@ -45,17 +49,28 @@ pub fn unix_path(addr: &str) -> Option<&Path> {
 pub enum Stream {
     Tcp(TcpStream),
     Unix(UnixStream),
+    /// Either side of a TLS connection (boxed: its state is large).
+    Tls(Box<TlsStream>),
 }
 
 impl Stream {
     /// Connects to `host:port` (with `TCP_NODELAY`) or `unix:PATH`.
     pub async fn connect(addr: &str) -> io::Result<Stream> {
+        Stream::connect_with(addr, None).await
+    }
+
+    /// Connects like [`Stream::connect`], over TLS if `tls` is given (TCP only: a
+    /// Unix socket is this machine's, and its directory's permissions guard it).
+    pub async fn connect_with(addr: &str, tls: Option<&TlsClient>) -> io::Result<Stream> {
         match unix_path(addr) {
             Some(path) => Ok(Stream::Unix(UnixStream::connect(path).await?)),
             None => {
                 let stream = TcpStream::connect(addr).await?;
                 stream.set_nodelay(true)?;
-                Ok(Stream::Tcp(stream))
+                match tls {
+                    Some(tls) => Ok(Stream::Tls(Box::new(tls.connect(addr, stream).await?.into()))),
+                    None => Ok(Stream::Tcp(stream)),
+                }
             }
         }
     }
@@ -70,6 +85,10 @@ impl Stream {
                 let (r, w) = s.into_split();
                 (ReadHalf::Unix(r), WriteHalf::Unix(w))
             }
+            Stream::Tls(s) => {
+                let (r, w) = tokio::io::split(*s);
+                (ReadHalf::Tls(r), WriteHalf::Tls(Box::new(tokio::sync::Mutex::new(w))))
+            }
         }
     }
 }
@@ -77,11 +96,15 @@ impl Stream {
 pub enum ReadHalf {
     Tcp(tcp::OwnedReadHalf),
     Unix(unix::OwnedReadHalf),
+    Tls(tokio::io::ReadHalf<TlsStream>),
 }
 
 pub enum WriteHalf {
     Tcp(tcp::OwnedWriteHalf),
     Unix(unix::OwnedWriteHalf),
+    /// Behind a lock of its own: TLS cannot write without waiting ([`WriteHalf::try_write`]
+    /// never writes), so a writer holding only `&self` writes with [`WriteHalf::write_locked`].
+    Tls(Box<tokio::sync::Mutex<tokio::io::WriteHalf<TlsStream>>>),
 }
 
 impl ReadHalf {
@@ -96,6 +119,10 @@ impl ReadHalf {
     ) -> io::Result<usize> {
         match self {
             ReadHalf::Tcp(r) => {
+                buf.reserve(room);
+                r.read_buf(buf).await
+            }
+            ReadHalf::Tls(r) => {
                 buf.reserve(room);
                 r.read_buf(buf).await
             }
@@ -116,11 +143,44 @@ impl WriteHalf {
         matches!(self, WriteHalf::Unix(_))
     }
 
+    pub fn is_tls(&self) -> bool {
+        matches!(self, WriteHalf::Tls(_))
+    }
+
     /// Writes what the socket takes now without waiting (`WouldBlock` if nothing).
+    /// Over TLS always `WouldBlock`: encrypting and sending are one step there,
+    /// done by [`WriteHalf::write_locked`].
     pub fn try_write(&self, buf: &[u8]) -> io::Result<usize> {
         match self {
             WriteHalf::Tcp(w) => w.try_write(buf),
             WriteHalf::Unix(w) => w.try_write(buf),
+            WriteHalf::Tls(_) => Err(io::ErrorKind::WouldBlock.into()),
+        }
+    }
+
+    /// Writes all of `buf` and flushes it, waiting as needed, through `&self`: for a
+    /// writer shared with others that may only append (TLS; any stream works).
+    pub async fn write_locked(&self, buf: &[u8]) -> io::Result<()> {
+        use tokio::io::AsyncWriteExt;
+        match self {
+            WriteHalf::Tls(w) => {
+                let mut w = w.lock().await;
+                w.write_all(buf).await?;
+                w.flush().await
+            }
+            WriteHalf::Tcp(w) => write_all_ref(w.as_ref(), buf).await,
+            WriteHalf::Unix(w) => {
+                let mut rest = buf;
+                while !rest.is_empty() {
+                    w.writable().await?;
+                    match w.try_write(rest) {
+                        Ok(n) => rest = &rest[n..],
+                        Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(error) => return Err(error),
+                    }
+                }
+                Ok(())
+            }
         }
     }
 
@@ -129,7 +189,7 @@ impl WriteHalf {
     pub fn try_write_with_files(&self, buf: &[u8], files: &[BorrowedFd<'_>]) -> io::Result<usize> {
         match self {
             _ if files.is_empty() => self.try_write(buf),
-            WriteHalf::Tcp(_) => {
+            WriteHalf::Tcp(_) | WriteHalf::Tls(_) => {
                 Err(io::Error::new(io::ErrorKind::Unsupported, "files can only pass over Unix sockets"))
             }
             WriteHalf::Unix(w) => {
@@ -139,12 +199,27 @@ impl WriteHalf {
         }
     }
 
+    /// Waits until the socket takes bytes. Over TLS this says nothing (write with
+    /// [`WriteHalf::write_locked`] instead) and returns at once.
     pub async fn writable(&self) -> io::Result<()> {
         match self {
             WriteHalf::Tcp(w) => w.writable().await,
             WriteHalf::Unix(w) => w.writable().await,
+            WriteHalf::Tls(_) => Ok(()),
         }
     }
+}
+
+async fn write_all_ref(stream: &TcpStream, mut rest: &[u8]) -> io::Result<()> {
+    while !rest.is_empty() {
+        stream.writable().await?;
+        match stream.try_write(rest) {
+            Ok(n) => rest = &rest[n..],
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(())
 }
 
 macro_rules! delegate {
@@ -152,6 +227,7 @@ macro_rules! delegate {
         match $self.get_mut() {
             Self::Tcp($inner) => $call,
             Self::Unix($inner) => $call,
+            Self::Tls($inner) => $call,
         }
     };
 }
@@ -165,6 +241,20 @@ impl AsyncRead for Stream {
 impl AsyncWrite for Stream {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         delegate!(self, s => Pin::new(s).poll_write(cx, buf))
+    }
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        delegate!(self, s => Pin::new(s).poll_write_vectored(cx, bufs))
+    }
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            Stream::Tcp(s) => s.is_write_vectored(),
+            Stream::Unix(s) => s.is_write_vectored(),
+            Stream::Tls(s) => s.is_write_vectored(),
+        }
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         delegate!(self, s => Pin::new(s).poll_flush(cx))
@@ -180,15 +270,29 @@ impl AsyncRead for ReadHalf {
     }
 }
 
+/// The TLS half through its lock, which only [`WriteHalf::write_locked`] contends for.
+macro_rules! delegate_write {
+    ($self:ident, $inner:ident => $call:expr) => {
+        match $self.get_mut() {
+            WriteHalf::Tcp($inner) => $call,
+            WriteHalf::Unix($inner) => $call,
+            WriteHalf::Tls(lock) => {
+                let $inner = lock.get_mut();
+                $call
+            }
+        }
+    };
+}
+
 impl AsyncWrite for WriteHalf {
     fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
-        delegate!(self, s => Pin::new(s).poll_write(cx, buf))
+        delegate_write!(self, s => Pin::new(s).poll_write(cx, buf))
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        delegate!(self, s => Pin::new(s).poll_flush(cx))
+        delegate_write!(self, s => Pin::new(s).poll_flush(cx))
     }
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        delegate!(self, s => Pin::new(s).poll_shutdown(cx))
+        delegate_write!(self, s => Pin::new(s).poll_shutdown(cx))
     }
 }
 

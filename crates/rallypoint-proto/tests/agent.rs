@@ -40,7 +40,7 @@ fn root_frames() -> Vec<RootFrame> {
             welcome: Welcome { session: SessionId(9), lease_ms: 15_000, job_incarnation: None },
         },
     ];
-    let errors = samples(op_error(), 16);
+    let errors = samples(op_error(), 17);
     frames.extend(errors.iter().cloned().map(|error| RootFrame::SubRefused { sub: 4, error }));
     let replies = samples(response(), 7).into_iter().map(Ok).chain(errors.into_iter().map(Err));
     let replies: Vec<_> = replies.collect();

@@ -123,3 +123,19 @@ fn shared_reply_frames() {
         "19 00 00 00 89 01 00 00 00 00 00 00 00 02 00 00 00 00 00 00 00 08 10 00 00 00 00 00 00",
     );
 }
+
+/// The token handshake of docs/PROTOCOL.md, section 5.1, with the nonces and
+/// proofs of its example.
+#[test]
+fn auth_frames() {
+    let nonce = |first: u8| std::array::from_fn::<u8, 32, _>(|i| first.wrapping_add(i as u8));
+    let body = |first: u8| (0..32u8).map(|i| format!("{:02x}", first.wrapping_add(i))).collect::<Vec<_>>().join(" ");
+    client(ClientFrame::AuthStart { nonce: nonce(0x00) }, &format!("21 00 00 00 0a {}", body(0x00)));
+    server(ServerFrame::AuthChallenge { nonce: nonce(0x20) }, &format!("21 00 00 00 8a {}", body(0x20)));
+    client(ClientFrame::AuthProof { proof: nonce(0x40) }, &format!("21 00 00 00 0b {}", body(0x40)));
+    server(ServerFrame::AuthAccepted { proof: nonce(0x60) }, &format!("21 00 00 00 8b {}", body(0x60)));
+    server(
+        ServerFrame::Refused(OpError::Unauthorized(rallypoint_core::AuthRefusal::WrongToken)),
+        "03 00 00 00 82 91 01",
+    );
+}

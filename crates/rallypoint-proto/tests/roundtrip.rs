@@ -39,7 +39,7 @@ fn every_request_variant_round_trips() {
 #[test]
 fn every_response_and_error_variant_round_trips() {
     let responses: Vec<Response> = samples(response(), 6);
-    let errors: Vec<OpError> = samples(op_error(), 16);
+    let errors: Vec<OpError> = samples(op_error(), 17);
     let replies = responses.into_iter().map(Ok).chain(errors.iter().cloned().map(Err));
     for (id, reply) in replies.enumerate() {
         let frame = ServerFrame::Reply { id: id as u64, reply };

@@ -31,7 +31,7 @@ fn client_stream_splits_at_every_byte() {
 fn server_stream_splits_at_every_byte() {
     let mut frames =
         vec![ServerFrame::Welcome(Welcome { session: SessionId(9), lease_ms: 15_000, job_incarnation: None })];
-    let replies = samples(response(), 6).into_iter().map(Ok).chain(samples(op_error(), 16).into_iter().map(Err));
+    let replies = samples(response(), 6).into_iter().map(Ok).chain(samples(op_error(), 17).into_iter().map(Err));
     frames.extend(replies.enumerate().map(|(id, reply)| ServerFrame::Reply { id: id as u64, reply }));
     let mut stream = BytesMut::new();
     for frame in &frames {

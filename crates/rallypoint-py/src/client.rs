@@ -2,14 +2,15 @@
 //! Python object. Every call releases the GIL and waits interruptibly ([`crate::wait`]).
 
 use std::future::Future;
-use std::sync::{Mutex, PoisonError};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyString};
 use rallypoint_client::env::{Overrides, Settings};
 use rallypoint_client::DEFAULT_TIMEOUT;
-use rallypoint_client::{ConnectOptions, Error, Identity, Members};
+use rallypoint_client::{ConnectOptions, Credentials, Error, Identity, Members, TlsClient, Token};
 use tokio::runtime::Runtime;
 
 use crate::errors;
@@ -82,6 +83,22 @@ fn list<'py>(py: Python<'py>, values: &[bytes::Bytes]) -> Vec<Bound<'py, PyBytes
     values.iter().map(|v| PyBytes::new(py, v)).collect()
 }
 
+/// The credentials of `Client(...)`: the arguments, else the environment (as
+/// `Client.from_env()` takes them), so a client made in a launched worker proves
+/// the job's token without being told.
+fn credentials(py: Python<'_>, token: Option<String>, tls_ca: Option<PathBuf>) -> PyResult<Credentials> {
+    let config = |message: String| errors::to_py(py, Error::Config(message));
+    let token = match token {
+        Some(token) => Some(Token::new(token, "the token argument")),
+        None => Token::from_env().transpose(),
+    };
+    let token = token.transpose().map_err(|e| config(e.to_string()))?.map(Arc::new);
+    let tls_ca =
+        tls_ca.or_else(|| std::env::var_os(rallypoint_client::TLS_CA_VAR).filter(|v| !v.is_empty()).map(PathBuf::from));
+    let tls = tls_ca.map(|ca| TlsClient::from_ca_file(&ca)).transpose().map_err(|e| config(e.to_string()))?;
+    Ok(Credentials { token, tls })
+}
+
 impl Client {
     fn connect(
         py: Python<'_>,
@@ -89,11 +106,13 @@ impl Client {
         identity: Identity,
         local_rank: Option<u32>,
         timeout: Duration,
+        credentials: Credentials,
     ) -> PyResult<Client> {
         let runtime = crate::runtime("rallypoint-client", 1).map_err(|source| {
             errors::to_py(py, Error::Connect { addr: addr.clone(), waited: Duration::ZERO, source })
         })?;
-        let options = ConnectOptions::new(addr.clone(), identity).with_timeout(timeout);
+        let mut options = ConnectOptions::new(addr.clone(), identity).with_timeout(timeout);
+        options.credentials = credentials;
         let client = crate::wait(py, &runtime, rallypoint_client::Client::connect_with(options))?
             .map_err(|e| errors::to_py(py, e))?;
         // The identity with the host and pid that connect filled in.
@@ -151,9 +170,12 @@ impl Client {
     /// Connects to the coordinator at `addr` ("host:port"), retrying for up to
     /// `timeout` seconds (default 300), which is also the default timeout of every
     /// blocking call. Without `rank` and `world_size` only the key-value store and
-    /// `abort` are usable.
+    /// `abort` are usable. `token` (else RALLYPOINT_TOKEN_FILE's file, else
+    /// RALLYPOINT_TOKEN) is proven to the coordinator, which must prove it back;
+    /// `tls_ca` (else RALLYPOINT_TLS_CA): connect over TLS trusting that CA file.
     #[new]
-    #[pyo3(signature = (addr, rank = None, world_size = None, job = "default", role = None, timeout = None))]
+    #[pyo3(signature = (addr, rank = None, world_size = None, job = "default", role = None, timeout = None, token = None, tls_ca = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         addr: String,
@@ -162,6 +184,8 @@ impl Client {
         job: &str,
         role: Option<String>,
         timeout: Option<f64>,
+        token: Option<String>,
+        tls_ca: Option<PathBuf>,
     ) -> PyResult<Self> {
         let rank = rank.map(|r| crate::client::rank(py, "rank", r)).transpose()?;
         let world_size = world_size
@@ -177,7 +201,8 @@ impl Client {
         }
         let timeout = crate::client::timeout(py, timeout)?.unwrap_or(DEFAULT_TIMEOUT);
         let identity = Identity { rank, world_size, role, ..Identity::anonymous(job) };
-        Client::connect(py, addr, identity, None, timeout)
+        let credentials = credentials(py, token, tls_ca)?;
+        Client::connect(py, addr, identity, None, timeout, credentials)
     }
 
     /// Connects with the settings a launcher gives (`rallypoint launch`, torchrun,
@@ -185,10 +210,12 @@ impl Client {
     /// MASTER_PORT; job from RALLYPOINT_JOB, else TORCHELASTIC_RUN_ID, else
     /// SLURM_JOB_ID, else "default"; RANK, WORLD_SIZE and LOCAL_RANK, else (outside a
     /// launcher) SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID; role from
-    /// RALLYPOINT_ROLE, else ROLE_NAME; timeout from RALLYPOINT_TIMEOUT, else 300 s.
-    /// Arguments given here win over the environment.
+    /// RALLYPOINT_ROLE, else ROLE_NAME; timeout from RALLYPOINT_TIMEOUT, else 300 s;
+    /// token from the file RALLYPOINT_TOKEN_FILE names, else RALLYPOINT_TOKEN; TLS CA
+    /// from RALLYPOINT_TLS_CA. Arguments given here win over the environment.
     #[staticmethod]
-    #[pyo3(signature = (*, addr = None, rank = None, world_size = None, job = None, role = None, timeout = None))]
+    #[pyo3(signature = (*, addr = None, rank = None, world_size = None, job = None, role = None, timeout = None, token = None, tls_ca = None))]
+    #[allow(clippy::too_many_arguments)]
     fn from_env(
         py: Python<'_>,
         addr: Option<String>,
@@ -197,11 +224,15 @@ impl Client {
         job: Option<String>,
         role: Option<String>,
         timeout: Option<f64>,
+        token: Option<String>,
+        tls_ca: Option<PathBuf>,
     ) -> PyResult<Self> {
-        let overrides = Overrides { addr, job, rank, world_size, role, timeout_secs: timeout };
+        let overrides =
+            Overrides { addr, job, rank, world_size, role, timeout_secs: timeout, token, token_file: None, tls_ca };
         let settings = Settings::resolve(overrides).map_err(|e| errors::to_py(py, e))?;
         let identity = settings.identity();
-        Client::connect(py, settings.addr, identity, settings.local_rank, settings.timeout)
+        let credentials = Credentials { token: settings.token.clone(), tls: settings.tls.clone() };
+        Client::connect(py, settings.addr, identity, settings.local_rank, settings.timeout, credentials)
     }
 
     /// This client's rank, or None for a rank-less client.

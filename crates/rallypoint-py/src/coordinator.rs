@@ -18,15 +18,27 @@ use crate::errors;
 #[pyclass(name = "_Coordinator", module = "rallypoint", frozen)]
 pub struct Coordinator {
     addr: SocketAddr,
+    /// Required of every client, and given to workers by `worker_env`.
+    token: Option<String>,
     handle: Mutex<Option<ServerHandle>>,
     runtime: Runtime,
 }
 
 #[pymethods]
 impl Coordinator {
+    /// `token`: clients must prove it (and the coordinator proves it back);
+    /// `tls_cert` and `tls_key` (PEM files): serve native clients over TLS only.
     #[new]
-    #[pyo3(signature = (listen = "127.0.0.1:0", lease = None, reconnect_grace = None))]
-    fn new(py: Python<'_>, listen: &str, lease: Option<f64>, reconnect_grace: Option<f64>) -> PyResult<Self> {
+    #[pyo3(signature = (listen = "127.0.0.1:0", lease = None, reconnect_grace = None, token = None, tls_cert = None, tls_key = None))]
+    fn new(
+        py: Python<'_>,
+        listen: &str,
+        lease: Option<f64>,
+        reconnect_grace: Option<f64>,
+        token: Option<String>,
+        tls_cert: Option<std::path::PathBuf>,
+        tls_key: Option<std::path::PathBuf>,
+    ) -> PyResult<Self> {
         let listen: SocketAddr = listen
             .parse()
             .map_err(|e| errors::invalid(py, format!("listen='{listen}' is not an IP:PORT address: {e}")))?;
@@ -44,14 +56,27 @@ impl Coordinator {
         }
         // Two workers: the coordinator of a spawned job serves every rank's requests.
         let runtime = crate::runtime("rallypoint-coordinator", 2).map_err(PyErr::from)?;
-        let server =
-            crate::wait(py, &runtime, Server::bind(ServerConfig::new(listen, engine)))?.map_err(PyErr::from)?;
+        let mut config = ServerConfig::new(listen, engine);
+        let invalid = |message: String| errors::invalid(py, message);
+        if let Some(token) = &token {
+            let token = rallypoint_client::Token::new(token.as_str(), "the token argument")
+                .map_err(|e| invalid(e.to_string()))?;
+            config.token = Some(std::sync::Arc::new(token));
+        }
+        config.tls = match (tls_cert, tls_key) {
+            (Some(cert), Some(key)) => {
+                Some(rallypoint_server::TlsServer::from_pem_files(&cert, &key).map_err(|e| invalid(e.to_string()))?)
+            }
+            (None, None) => None,
+            _ => return Err(invalid("give both tls_cert and tls_key, or neither".to_owned())),
+        };
+        let server = crate::wait(py, &runtime, Server::bind(config))?.map_err(PyErr::from)?;
         let addr = server.local_addr();
         let handle = {
             let _context = runtime.enter();
             server.spawn()
         };
-        Ok(Coordinator { addr, handle: Mutex::new(Some(handle)), runtime })
+        Ok(Coordinator { addr, token, handle: Mutex::new(Some(handle)), runtime })
     }
 
     /// `host:port` the coordinator listens on (the real port when 0 was asked).
@@ -85,14 +110,23 @@ impl Coordinator {
             max_restarts: 0,
             // A coordinator of its own per spawn: no earlier run to tell apart.
             job_incarnation: None,
+            token_file: None,
         };
         let placement =
             Placement { rank, local_rank: rank, world_size: nprocs, local_world_size: nprocs, node_rank: 0, nnodes: 1 };
         let inherited_omp = std::env::var_os("OMP_NUM_THREADS").is_some();
-        worker_env(&job, &placement, inherited_omp)
+        let mut env: Vec<(&'static str, String)> = worker_env(&job, &placement, inherited_omp)
             .into_iter()
             .map(|(name, value)| (name, value.to_string_lossy().into_owned()))
-            .collect()
+            .collect();
+        // This coordinator's token, and nothing of another coordinator's from the
+        // parent's environment (a token file would win over the token; no TLS here).
+        if let Some(token) = &self.token {
+            env.retain(|(name, _)| *name != rallypoint_client::TOKEN_VAR);
+            env.push((rallypoint_client::TOKEN_VAR, token.clone()));
+        }
+        env.push((rallypoint_client::TLS_CA_VAR, String::new()));
+        env
     }
 
     /// Stops accepting, closes every connection (their ranks count as lost) and

@@ -11,7 +11,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 use pyo3::IntoPyObjectExt;
 use rallypoint_client::{
-    AbortInfo, CallShape, Error, JobIncarnation, OpError, OpRef, ProcessInfo, RankInfo, RankState,
+    AbortInfo, AuthFailure, AuthRefusal, CallShape, Error, JobIncarnation, OpError, OpRef, ProcessInfo, RankInfo,
+    RankState,
 };
 
 /// Python attributes of one exception, by name.
@@ -64,6 +65,24 @@ fn build(py: Python<'_>, error: Error) -> PyResult<PyErr> {
         }
         Error::Config(_) => exception(py, "InvalidArgument", message, vec![]),
         Error::Protocol(_) => exception(py, "RallypointError", message, vec![]),
+        Error::Auth { addr, failure } => {
+            let reason = match &failure {
+                AuthFailure::Refused(why) => refusal(*why),
+                AuthFailure::Unproven(_) => "server_unproven",
+                AuthFailure::Tls(_) => "tls",
+            };
+            exception(py, "AuthError", message, vec![("addr", obj(py, Some(addr))?), ("reason", obj(py, reason)?)])
+        }
+    }
+}
+
+/// The word `AuthError.reason` holds for a coordinator's refusal.
+fn refusal(why: AuthRefusal) -> &'static str {
+    match why {
+        AuthRefusal::TokenRequired => "token_required",
+        AuthRefusal::WrongToken => "wrong_token",
+        AuthRefusal::TlsRequired => "tls_required",
+        AuthRefusal::NoTokenHere => "no_token_here",
     }
 }
 
@@ -150,6 +169,10 @@ fn op_error(py: Python<'_>, message: String, error: OpError) -> PyResult<PyErr> 
             let mut attrs = vec![("job", obj(py, job)?), ("mine", obj(py, mine)?)];
             attrs.extend(job_incarnation(py, &current)?);
             exception(py, "StaleIncarnation", message, attrs)
+        }
+        OpError::Unauthorized(why) => {
+            let attrs = vec![("addr", obj(py, None::<String>)?), ("reason", obj(py, refusal(why))?)];
+            exception(py, "AuthError", message, attrs)
         }
         OpError::NoRank { .. }
         | OpError::NotANumber { .. }

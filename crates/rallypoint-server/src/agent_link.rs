@@ -26,7 +26,7 @@ use rallypoint_proto::native::{
     decode_agent_frame, encode_root_frame, encode_sub_replies, encode_sub_replies_shared, encode_sub_reply, AgentFrame,
     FrameLimits, ProtoError, RootFrame, MAX_CALLS_PER_FRAME, MAX_FRAME_LEN,
 };
-use tokio::net::TcpStream;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tracing::{debug, info, trace, warn};
 
 use crate::shared::{AgentInput, Ready, Shared};
@@ -122,8 +122,8 @@ impl Drop for SubsGuard<'_> {
 
 /// Serves an agent connection whose preamble was read; `rbuf` starts with its agent
 /// hello. Never fails the server.
-pub(crate) async fn serve(
-    mut stream: TcpStream,
+pub(crate) async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
+    mut stream: S,
     peer: SocketAddr,
     mut rbuf: BytesMut,
     shared: Arc<Shared>,
@@ -169,9 +169,9 @@ pub(crate) async fn serve(
     }
 }
 
-struct AgentConn<'a> {
+struct AgentConn<'a, S> {
     peer: SocketAddr,
-    stream: &'a mut TcpStream,
+    stream: &'a mut S,
     limits: FrameLimits,
     read_timeout: Duration,
     rbuf: BytesMut,
@@ -183,7 +183,7 @@ struct AgentConn<'a> {
     charge: Charge,
 }
 
-impl AgentConn<'_> {
+impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
     /// Serves until the connection ends; returns how.
     async fn run(&mut self, outbox: &Arc<AgentOutbox>) -> End {
         // The hello may have arrived together with the first sub-session frames.

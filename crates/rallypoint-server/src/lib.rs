@@ -5,7 +5,8 @@
 //!
 //! - [`Server`]: binds, accepts, and tells each new connection apart by its first
 //!   bytes (the handshake of [`rallypoint_net::conn`]);
-//! - `native`: a rank's connection (rallypoint's own protocol);
+//! - `native`: a rank's connection (rallypoint's own protocol), over TCP or TLS;
+//! - `access`: which PyTorch TCPStore clients a coordinator with a token serves;
 //! - `agent_link`: a node agent's connection, carrying its node's ranks as
 //!   sub-sessions;
 //! - `tcpstore` and `reactor`: PyTorch TCPStore connections and the thread that
@@ -37,6 +38,7 @@
 //! A panic while serving one connection closes that connection only; the lock
 //! survives poisoning ([`rallypoint_net::sync::lock`]).
 
+mod access;
 mod agent_link;
 mod native;
 mod reactor;
@@ -63,9 +65,14 @@ use reactor::Reactor;
 use shared::Shared;
 use ticker::Ticker;
 
+pub use rallypoint_net::auth::Token;
 use rallypoint_net::budget::PendingBudget;
 pub use rallypoint_net::raise_fd_limit;
 use rallypoint_net::set_keepalive;
+pub use rallypoint_net::tls::TlsServer;
+pub use rallypoint_net::IpNet;
+
+use access::TcpStoreAccess;
 
 /// Pending connections the kernel may queue: large jobs connect all at once.
 const LISTEN_BACKLOG: u32 = 4096;
@@ -85,6 +92,15 @@ pub struct ServerConfig {
     /// Bytes of unfinished requests all connections together may hold; past it, the
     /// connection holding the most is closed ([`rallypoint_net::budget`]).
     pub max_pending_bytes: usize,
+    /// Native clients and node agents must prove this token (and get the server's
+    /// proof back); PyTorch TCPStore clients, which cannot, are then served only as
+    /// the `access` module says: this user's on this machine, and `tcpstore_allow`.
+    pub token: Option<Arc<Token>>,
+    /// Serve native clients and node agents over TLS on the same port; plaintext
+    /// native clients are then refused. TCPStore stays plaintext.
+    pub tls: Option<TlsServer>,
+    /// With a token: networks of other machines whose TCPStore clients are served.
+    pub tcpstore_allow: Vec<IpNet>,
 }
 
 impl ServerConfig {
@@ -98,6 +114,9 @@ impl ServerConfig {
             engine,
             read_timeout: Self::DEFAULT_READ_TIMEOUT,
             max_pending_bytes: Self::DEFAULT_MAX_PENDING_BYTES,
+            token: None,
+            tls: None,
+            tcpstore_allow: Vec::new(),
         }
     }
 }
@@ -108,6 +127,17 @@ pub(crate) struct ConnSettings {
     pub(crate) limits: FrameLimits,
     pub(crate) read_timeout: Duration,
     pub(crate) budget: Arc<PendingBudget>,
+    pub(crate) auth: Arc<AuthSettings>,
+}
+
+/// What a connection must prove before its hello counts (shared: per connection it
+/// costs one pointer).
+#[derive(Debug)]
+pub(crate) struct AuthSettings {
+    pub(crate) token: Option<Arc<Token>>,
+    pub(crate) tls: Option<TlsServer>,
+    /// `Some` when there is a token: TCPStore clients are checked.
+    pub(crate) tcpstore: Option<TcpStoreAccess>,
 }
 
 /// A bound, not yet running coordinator.
@@ -126,11 +156,28 @@ impl Server {
         let listener = listen(config.listen)
             .map_err(|e| io::Error::new(e.kind(), format!("cannot listen on {}: {e}", config.listen)))?;
         let local_addr = listener.local_addr()?;
-        info!(%local_addr, fd_limit, lease_ms = config.engine.lease_ms, "rallypoint coordinator listening");
+        info!(
+            %local_addr, fd_limit, lease_ms = config.engine.lease_ms, token = config.token.is_some(), tls = config.tls.is_some(),
+            "rallypoint coordinator listening"
+        );
+        if config.token.as_ref().is_some_and(|token| token.is_short()) {
+            warn!(
+                "the token is shorter than {} bytes: a guessable token can be found from one recorded handshake",
+                rallypoint_net::auth::SHORT_TOKEN
+            );
+        }
+        if config.token.is_none() && !config.tcpstore_allow.is_empty() {
+            warn!("--tcpstore-allow has no effect without a token: every TCPStore client is served");
+        }
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        let uid = unsafe { libc::geteuid() };
+        let tcpstore = config.token.is_some().then(|| TcpStoreAccess { allow: config.tcpstore_allow.clone(), uid });
+        let auth = Arc::new(AuthSettings { token: config.token.clone(), tls: config.tls.clone(), tcpstore });
         let settings = ConnSettings {
             limits: FrameLimits::from_limits(&config.engine.limits),
             read_timeout: config.read_timeout,
             budget: PendingBudget::new(config.max_pending_bytes),
+            auth,
         };
         let tcp_limits = TcpLimits::from_limits(&config.engine.limits);
         Ok(Server { listener, local_addr, shared: Arc::new(Shared::new(config.engine)), settings, tcp_limits })

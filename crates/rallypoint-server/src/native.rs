@@ -12,12 +12,15 @@ use bytes::BytesMut;
 use rallypoint_core::{Departure, Identity, OpError, Reply, SessionId};
 use rallypoint_net::budget::{buffered, Charge};
 use rallypoint_net::conn::{
-    accept_hello, after_read, decode_requests, read_some, stall, Accepts, Buffering, End, Hello, Inbound,
+    accept_hello, after_read, decode_requests, peek_first_byte, read_some, stall, Accepts, Buffering, End, Gate, Hello,
+    Inbound,
 };
+use rallypoint_net::tls::TLS_FIRST_BYTE;
 use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
 use rallypoint_proto::native::{encode_reply, encode_reply_shared, encode_server_frame, ServerFrame};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
+use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use crate::reactor::Reactor;
@@ -45,10 +48,11 @@ pub(crate) fn serve(
 ) -> impl Future<Output = ()> + Send {
     let opening = Box::pin(open(stream, peer, shared, settings, reactor));
     async move {
-        let Some(mut session) = opening.await else { return };
-        let Session { conn, outbox, guard } = &mut session;
-        let end = conn.run(guard.session, &guard.shared, outbox).await;
-        log_end(peer, Some(guard.session), &end);
+        match opening.await {
+            Some(Opened::Plain(session)) => run(session, peer).await,
+            Some(Opened::Tls(session)) => run(session, peer).await,
+            None => {}
+        }
     }
 }
 
@@ -66,41 +70,128 @@ impl Process {
     }
 }
 
-/// Handshake and admission. `None`: the connection is done here (refused, closed,
-/// served to its end as a node agent, or handed to the TCPStore reactor).
+/// Serves an admitted session until its connection ends, then logs how.
+async fn run<S: AsyncRead + AsyncWrite + Unpin>(mut session: Session<S>, peer: SocketAddr) {
+    let Session { conn, outbox, guard } = &mut session;
+    let end = conn.run(guard.session, &guard.shared, outbox).await;
+    log_end(peer, Some(guard.session), &end);
+}
+
+/// A TLS connection, boxed: its state is large, and most connections are plaintext.
+type TlsConn = Box<tokio_rustls::server::TlsStream<TcpStream>>;
+
+/// An admitted session, over whichever stream it came.
+enum Opened {
+    Plain(Session<TcpStream>),
+    Tls(Session<TlsConn>),
+}
+
+/// What became of a connection's handshake.
+enum Admission<S> {
+    Session(Session<S>),
+    /// A PyTorch TCPStore client: its stream, the bytes read from it, and their charge.
+    TcpStore(S, BytesMut, Charge),
+    /// Refused, closed, or served to its end (a node agent).
+    Done,
+}
+
+/// Handshake and admission: TLS if this server serves it and the client starts
+/// with a TLS handshake, then the preamble, the token handshake, the hello. `None`:
+/// the connection is done here (refused, closed, served to its end as a node
+/// agent, or handed to the TCPStore reactor).
 async fn open(
-    mut stream: TcpStream,
+    stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
     settings: ConnSettings,
     reactor: Arc<Reactor>,
-) -> Option<Session> {
+) -> Option<Opened> {
+    let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
+    let timed_out = || End::HandshakeTimeout(HANDSHAKE_TIMEOUT);
+    let auth = Arc::clone(&settings.auth);
+    if let Some(tls) = &auth.tls {
+        let first = tokio::time::timeout_at(deadline, peek_first_byte(&stream)).await;
+        match first {
+            Ok(Ok(Some(TLS_FIRST_BYTE))) => {
+                let stream = match tokio::time::timeout_at(deadline, tls.accept(stream)).await {
+                    Ok(Ok(stream)) => Box::new(stream),
+                    Ok(Err(error)) => {
+                        log_end(peer, None, &End::Tls(error));
+                        return None;
+                    }
+                    Err(_) => {
+                        log_end(peer, None, &timed_out());
+                        return None;
+                    }
+                };
+                let gate = Gate { token: auth.token.clone(), tls_required: false };
+                let accepts = Accepts { tcpstore: false, agents: true };
+                return match admit(stream, peer, shared, settings, accepts, &gate, deadline).await {
+                    Admission::Session(session) => Some(Opened::Tls(session)),
+                    Admission::TcpStore(..) | Admission::Done => None,
+                };
+            }
+            Ok(Ok(Some(_))) => {}
+            Ok(Ok(None)) => return None,
+            Ok(Err(error)) => {
+                log_end(peer, None, &End::Io(error));
+                return None;
+            }
+            Err(_) => {
+                log_end(peer, None, &timed_out());
+                return None;
+            }
+        }
+    }
+    let gate = Gate { token: auth.token.clone(), tls_required: auth.tls.is_some() };
+    match admit(stream, peer, shared, settings, Accepts::COORDINATOR, &gate, deadline).await {
+        Admission::Session(session) => Some(Opened::Plain(session)),
+        Admission::TcpStore(stream, rbuf, charge) => {
+            if let Some(access) = &auth.tcpstore {
+                if !access.admits(&stream, peer).await {
+                    return None;
+                }
+            }
+            debug!(%peer, "PyTorch TCPStore client");
+            if let Err(error) = reactor.adopt(stream, peer, rbuf, charge) {
+                debug!(%peer, %error, "cannot serve a TCPStore client; closing the connection");
+            }
+            None
+        }
+        Admission::Done => None,
+    }
+}
+
+/// The handshake over `stream` (plaintext or TLS) and, for a native client, its
+/// admission by the engine; a node agent is served here to its end.
+async fn admit<S: AsyncRead + AsyncWrite + Unpin + Send>(
+    mut stream: S,
+    peer: SocketAddr,
+    shared: Arc<Shared>,
+    settings: ConnSettings,
+    accepts: Accepts,
+    gate: &Gate,
+    deadline: Instant,
+) -> Admission<S> {
     let mut rbuf = BytesMut::new();
     let mut charge = settings.budget.charge();
-    let hello = accept_hello(&mut stream, &mut rbuf, &settings.limits, Accepts::COORDINATOR, &mut charge);
-    let hello =
-        tokio::time::timeout(HANDSHAKE_TIMEOUT, hello).await.unwrap_or(Err(End::HandshakeTimeout(HANDSHAKE_TIMEOUT)));
+    let hello = accept_hello(&mut stream, &mut rbuf, &settings.limits, accepts, gate, &mut charge);
+    let hello = tokio::time::timeout_at(deadline, hello).await.unwrap_or(Err(End::HandshakeTimeout(HANDSHAKE_TIMEOUT)));
     let mut conn =
         Connection { stream, peer, settings, rbuf, wbuf: BytesMut::new(), warnings: WarnLimit::new(), charge };
     let identity = match hello {
         Ok(Hello::Native(identity)) => identity,
         Ok(Hello::Agent) => {
             Box::pin(crate::agent_link::serve(conn.stream, peer, conn.rbuf, shared, conn.settings, conn.charge)).await;
-            return None;
+            return Admission::Done;
         }
-        Ok(Hello::TcpStore) => {
-            debug!(%peer, "PyTorch TCPStore client");
-            if let Err(error) = reactor.adopt(conn.stream, peer, conn.rbuf, conn.charge) {
-                debug!(%peer, %error, "cannot serve a TCPStore client; closing the connection");
-            }
-            return None;
-        }
+        Ok(Hello::TcpStore) => return Admission::TcpStore(conn.stream, conn.rbuf, conn.charge),
         Err(end) => {
             if let End::Refused(error) = &end {
                 conn.refuse(error).await;
             }
             log_end(peer, None, &end);
-            return None;
+            return Admission::Done;
         }
     };
     let outbox = Arc::new(Outbox::default());
@@ -111,7 +202,7 @@ async fn open(
                 warn!(%peer, job = %identity.job, rank = ?identity.rank, %error, held_back, "refused a client");
             }
             conn.refuse(&error).await;
-            return None;
+            return Admission::Done;
         }
     };
     let id = welcome.session;
@@ -119,13 +210,13 @@ async fn open(
     encode_server_frame(&ServerFrame::Welcome(welcome), &mut conn.wbuf);
     let process = Process::of(&shared, &identity);
     let guard = SessionGuard::new(shared, id, Arc::clone(&outbox), Some(process));
-    Some(Session { conn, outbox, guard })
+    Admission::Session(Session { conn, outbox, guard })
 }
 
 /// An admitted native session: its connection, its outbox, and the guard that
 /// closes it in the engine when the task ends.
-struct Session {
-    conn: Connection,
+struct Session<S> {
+    conn: Connection<S>,
     outbox: Arc<Outbox>,
     guard: SessionGuard,
 }
@@ -212,11 +303,11 @@ impl Drop for SessionGuard {
     }
 }
 
-struct Connection {
+struct Connection<S> {
     /// The bytes of unfinished requests this connection holds. Declared first, so
     /// dropped first: they are given back before the peer sees the close.
     charge: Charge,
-    stream: TcpStream,
+    stream: S,
     peer: SocketAddr,
     settings: ConnSettings,
     rbuf: BytesMut,
@@ -225,12 +316,13 @@ struct Connection {
     warnings: WarnLimit,
 }
 
-impl Connection {
+impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     /// Sends `Refused` and closes; errors are moot since we close either way.
     async fn refuse(&mut self, error: &OpError) {
         self.wbuf.clear();
         encode_server_frame(&ServerFrame::Refused(error.clone()), &mut self.wbuf);
         if self.stream.write_all(&self.wbuf).await.is_ok() {
+            // A TLS shutdown flushes, then sends its close_notify.
             let _ = self.stream.shutdown().await;
         }
     }

@@ -6,17 +6,18 @@ use std::io::{self, IoSlice};
 use std::time::{Duration, Instant};
 
 use rallypoint_core::SessionId;
-use tokio::io::AsyncWriteExt;
-use tokio::net::TcpStream;
+use tokio::io::{AsyncWrite, AsyncWriteExt};
 
 use crate::shared::Shared;
 
 /// Writes `head`, then `tail`, as one stream of bytes: a batch of encoded replies
 /// ending with the start of a frame whose last bytes are `tail`, bytes shared with
 /// other replies (an all-gather's values, encoded once for every member). Writing
-/// them together (`writev`) sends them without copying `tail` into the batch.
-pub(crate) async fn write_with_tail(
-    stream: &mut TcpStream,
+/// them together (`writev`) sends them without copying `tail` into the batch (over
+/// TLS, rustls takes both slices in one call too). Flushed at the end: TLS holds
+/// the last record it encrypted until then (a no-op for TCP).
+pub(crate) async fn write_with_tail<S: AsyncWrite + Unpin>(
+    stream: &mut S,
     mut head: &[u8],
     mut tail: &[u8],
     progress: &mut WriteProgress<'_>,
@@ -38,7 +39,7 @@ pub(crate) async fn write_with_tail(
         }
         progress.made();
     }
-    Ok(())
+    stream.flush().await
 }
 
 /// Tells the engine, at most once per [`ALIVE_EVERY`], that the peers of a connection

@@ -29,7 +29,9 @@ pub use rallypoint_server::{Server, ServerConfig, ServerHandle};
 
 /// The async client and its options ([`rallypoint_client`]).
 pub mod client {
-    pub use rallypoint_client::{Client, ConnectOptions, Error, DEFAULT_TIMEOUT};
+    pub use rallypoint_client::{
+        AuthFailure, AuthRefusal, Client, ConnectOptions, Credentials, Error, TlsClient, Token, DEFAULT_TIMEOUT,
+    };
 }
 
 /// The coordinator ([`rallypoint_server`]).

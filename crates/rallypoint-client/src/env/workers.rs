@@ -3,6 +3,9 @@
 
 use std::ffi::OsString;
 use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use rallypoint_net::auth::{TOKEN_FILE_VAR, TOKEN_VAR};
 
 use rallypoint_core::Incarnation;
 
@@ -36,6 +39,9 @@ pub struct JobEnv {
     /// The job incarnation of this attempt (RALLYPOINT_JOB_INCARNATION): the workers of
     /// an earlier attempt, should one still run, are refused by name.
     pub job_incarnation: Option<u64>,
+    /// The job's token, in a file only this user can read: RALLYPOINT_TOKEN_FILE.
+    /// `None`: a job without authentication (`launch --insecure`).
+    pub token_file: Option<PathBuf>,
 }
 
 pub fn worker_env(job: &JobEnv, p: &Placement, inherited_omp: bool) -> Vec<(&'static str, OsString)> {
@@ -58,6 +64,10 @@ pub fn worker_env(job: &JobEnv, p: &Placement, inherited_omp: bool) -> Vec<(&'st
         ("TORCHELASTIC_USE_AGENT_STORE", s(&"True")),
         ("RALLYPOINT_ADDR", job.node_agent.as_ref().map_or_else(|| s(&job.coordinator), OsString::from)),
         ("RALLYPOINT_JOB", s(&job.attempt_job)),
+        // The file, never the token itself: environments get copied into logs and
+        // reports. A token from the launcher's own environment is not passed on.
+        (TOKEN_FILE_VAR, job.token_file.as_ref().map_or_else(OsString::new, |path| path.clone().into_os_string())),
+        (TOKEN_VAR, OsString::new()),
     ];
     if let Some(incarnation) = job.job_incarnation {
         env.push(("RALLYPOINT_JOB_INCARNATION", s(&Incarnation(incarnation))));
@@ -95,6 +105,7 @@ mod tests {
             restart_count: 1,
             max_restarts: 3,
             job_incarnation: Some(0xbbb),
+            token_file: Some("/tmp/rp/token".into()),
         };
         let p = Placement { rank: 5, local_rank: 1, world_size: 8, local_world_size: 4, node_rank: 1, nnodes: 2 };
         let env: std::collections::HashMap<_, _> = worker_env(&job, &p, false).into_iter().collect();
@@ -110,6 +121,8 @@ mod tests {
         assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), "True");
         assert_eq!(get("RALLYPOINT_JOB_INCARNATION"), "0000000000000bbb");
         assert_eq!(get("OMP_NUM_THREADS"), "1");
+        assert_eq!(get("RALLYPOINT_TOKEN_FILE"), "/tmp/rp/token");
+        assert_eq!(get("RALLYPOINT_TOKEN"), "", "the token itself stays out of the environment");
         let env = worker_env(&job, &p, true);
         assert!(env.iter().all(|(k, _)| *k != "OMP_NUM_THREADS"), "a user's OMP_NUM_THREADS is kept");
 

@@ -41,7 +41,17 @@ pub(crate) mod kind {
     pub const SUB_REFUSED: u8 = 0x86;
     pub const SUB_REPLY: u8 = 0x87;
     pub const SUB_REPLIES: u8 = 0x88;
+    // Token authentication (docs/PROTOCOL.md, section 5.1).
+    pub const AUTH_START: u8 = 0x0a;
+    pub const AUTH_PROOF: u8 = 0x0b;
+    pub const AUTH_CHALLENGE: u8 = 0x8a;
+    pub const AUTH_ACCEPTED: u8 = 0x8b;
 }
+
+/// Bytes of a nonce of the token handshake.
+pub const NONCE_LEN: usize = 32;
+/// Bytes of a proof of the token handshake (an HMAC-SHA256).
+pub const PROOF_LEN: usize = 32;
 
 /// A frame a client sends.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -56,6 +66,11 @@ pub enum ClientFrame {
     /// The client holds nothing any more of what `slab` held for it: the sender
     /// may write the slab's next contents.
     ReleaseShared { slab: u64 },
+    /// First frame after the preamble of a client (or node agent) with a token:
+    /// its fresh nonce, to which the server's proof will be bound.
+    AuthStart { nonce: [u8; NONCE_LEN] },
+    /// The client's proof of the token, bound to both nonces; its hello follows.
+    AuthProof { proof: [u8; PROOF_LEN] },
 }
 
 /// A frame a server sends.
@@ -72,6 +87,12 @@ pub enum ServerFrame {
     /// slab's file comes over the Unix socket with the first frame that names it
     /// (decode the body with [`decode_shared_reply`]).
     SharedReply { id: u64, slab: u64, len: u64 },
+    /// The answer to [`ClientFrame::AuthStart`]: the server's fresh nonce.
+    AuthChallenge { nonce: [u8; NONCE_LEN] },
+    /// The client's proof was right; this is the server's, so that the client knows
+    /// it reached a holder of the token. Sent before the welcome (or refusal) of the
+    /// hello that follows.
+    AuthAccepted { proof: [u8; PROOF_LEN] },
 }
 
 /// How long a frame a decoder accepts before declaring the stream broken.
@@ -126,6 +147,14 @@ pub fn encode_client_frame(frame: &ClientFrame, dst: &mut BytesMut) {
             dst.put_u8(kind::RELEASE_SHARED);
             dst.put_u64_le(*slab);
         }
+        ClientFrame::AuthStart { nonce } => {
+            dst.put_u8(kind::AUTH_START);
+            dst.put_slice(nonce);
+        }
+        ClientFrame::AuthProof { proof } => {
+            dst.put_u8(kind::AUTH_PROOF);
+            dst.put_slice(proof);
+        }
     });
 }
 
@@ -151,6 +180,18 @@ pub fn encode_server_frame(frame: &ServerFrame, dst: &mut BytesMut) {
                 dst.put_u64_le(*id);
                 dst.put_u64_le(*slab);
                 dst.put_u64_le(*len);
+            });
+        }
+        ServerFrame::AuthChallenge { nonce } => {
+            write_frame(dst, |dst| {
+                dst.put_u8(kind::AUTH_CHALLENGE);
+                dst.put_slice(nonce);
+            });
+        }
+        ServerFrame::AuthAccepted { proof } => {
+            write_frame(dst, |dst| {
+                dst.put_u8(kind::AUTH_ACCEPTED);
+                dst.put_slice(proof);
             });
         }
     }
@@ -319,6 +360,8 @@ fn client_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ClientFrame
         }
         kind::TAKE_SHARED_REPLIES => ClientFrame::TakeSharedReplies,
         kind::RELEASE_SHARED => ClientFrame::ReleaseShared { slab: r.u64("slab")? },
+        kind::AUTH_START => ClientFrame::AuthStart { nonce: r.array("nonce")? },
+        kind::AUTH_PROOF => ClientFrame::AuthProof { proof: r.array("proof")? },
         other => return Err(DecodeError::unknown("client frame kind", other)),
     };
     r.finish(match &frame {
@@ -326,6 +369,8 @@ fn client_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ClientFrame
         ClientFrame::Request { request, .. } => request.name(),
         ClientFrame::TakeSharedReplies => "take-shared-replies",
         ClientFrame::ReleaseShared { .. } => "release-shared",
+        ClientFrame::AuthStart { .. } => "auth-start",
+        ClientFrame::AuthProof { .. } => "auth-proof",
     })?;
     Ok(frame)
 }
@@ -346,6 +391,8 @@ fn server_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ServerFrame
             let len = r.u64("shared reply length")?;
             (ServerFrame::SharedReply { id: request_id, slab, len }, "shared reply")
         }
+        kind::AUTH_CHALLENGE => (ServerFrame::AuthChallenge { nonce: r.array("nonce")? }, "auth challenge"),
+        kind::AUTH_ACCEPTED => (ServerFrame::AuthAccepted { proof: r.array("proof")? }, "auth accepted"),
         other => return Err(DecodeError::unknown("server frame kind", other)),
     };
     r.finish(what)?;

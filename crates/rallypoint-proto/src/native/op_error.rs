@@ -3,8 +3,8 @@
 
 use bytes::{BufMut, BytesMut};
 use rallypoint_core::{
-    AbortInfo, CallShape, CollectiveKind, JobIncarnation, LossReason, Missing, OpError, OpRef, ProcessInfo, RankInfo,
-    RankRanges, RankState,
+    AbortInfo, AuthRefusal, CallShape, CollectiveKind, JobIncarnation, LossReason, Missing, OpError, OpRef,
+    ProcessInfo, RankInfo, RankRanges, RankState,
 };
 
 use super::request::{blobs, decode_members, encode_members, put_blobs};
@@ -31,6 +31,7 @@ mod tag {
     pub const TAKEN_OVER: u8 = 0x8e;
     pub const JOB_RESET: u8 = 0x8f;
     pub const STALE_INCARNATION: u8 = 0x90;
+    pub const UNAUTHORIZED: u8 = 0x91;
 }
 
 /// Fewest bytes of one encoded [`RankInfo`]: rank + three absent options + state tag.
@@ -129,6 +130,15 @@ pub(crate) fn encode_op_error(error: &OpError, dst: &mut BytesMut) {
             dst.put_u64_le(*mine);
             encode_job_incarnation(current, dst);
         }
+        OpError::Unauthorized(why) => {
+            dst.put_u8(tag::UNAUTHORIZED);
+            dst.put_u8(match why {
+                AuthRefusal::TokenRequired => 0,
+                AuthRefusal::WrongToken => 1,
+                AuthRefusal::TlsRequired => 2,
+                AuthRefusal::NoTokenHere => 3,
+            });
+        }
     }
 }
 
@@ -183,6 +193,13 @@ pub(crate) fn decode_op_error_fields(tag: u8, r: &mut Reader) -> DecodeResult<Op
             mine: r.u64("mine")?,
             current: Box::new(decode_job_incarnation(r)?),
         },
+        tag::UNAUTHORIZED => OpError::Unauthorized(match r.u8("auth refusal")? {
+            0 => AuthRefusal::TokenRequired,
+            1 => AuthRefusal::WrongToken,
+            2 => AuthRefusal::TlsRequired,
+            3 => AuthRefusal::NoTokenHere,
+            other => return Err(DecodeError::unknown("auth refusal", other)),
+        }),
         other => return Err(DecodeError::unknown("error tag", other)),
     })
 }

@@ -64,6 +64,14 @@ impl Reader {
         }
     }
 
+    /// `N` raw bytes (a fixed-size field: a nonce, a proof).
+    pub(crate) fn array<const N: usize>(&mut self, field: &str) -> DecodeResult<[u8; N]> {
+        self.need(N, field)?;
+        let mut out = [0u8; N];
+        self.buf.copy_to_slice(&mut out);
+        Ok(out)
+    }
+
     pub(crate) fn bytes(&mut self, field: &str) -> DecodeResult<Bytes> {
         let len = self.u32(field)? as usize;
         self.need(len, field)?;

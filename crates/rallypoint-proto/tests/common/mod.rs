@@ -7,8 +7,8 @@ use proptest::collection::vec;
 use proptest::option;
 use proptest::prelude::*;
 use rallypoint_core::{
-    AbortInfo, CallShape, CollectiveKind, Gathered, Identity, JobIncarnation, LossReason, Members, Missing, OpError,
-    OpRef, ProcessInfo, RankInfo, RankRanges, RankState, Request, Response, SessionId, Welcome,
+    AbortInfo, AuthRefusal, CallShape, CollectiveKind, Gathered, Identity, JobIncarnation, LossReason, Members,
+    Missing, OpError, OpRef, ProcessInfo, RankInfo, RankRanges, RankState, Request, Response, SessionId, Welcome,
 };
 use rallypoint_proto::native::{ClientFrame, FrameLimits, ProtoError, ServerFrame};
 
@@ -200,6 +200,13 @@ pub fn op_error() -> impl Strategy<Value = OpError> {
             mine,
             current
         }),
+        prop_oneof![
+            Just(AuthRefusal::TokenRequired),
+            Just(AuthRefusal::WrongToken),
+            Just(AuthRefusal::TlsRequired),
+            Just(AuthRefusal::NoTokenHere),
+        ]
+        .prop_map(OpError::Unauthorized),
     ]
 }
 
@@ -207,6 +214,8 @@ pub fn client_frame() -> impl Strategy<Value = ClientFrame> {
     prop_oneof![
         identity().prop_map(ClientFrame::Hello),
         (any::<u64>(), request()).prop_map(|(id, request)| ClientFrame::Request { id, request }),
+        any::<[u8; 32]>().prop_map(|nonce| ClientFrame::AuthStart { nonce }),
+        any::<[u8; 32]>().prop_map(|proof| ClientFrame::AuthProof { proof }),
     ]
 }
 
@@ -218,6 +227,8 @@ pub fn server_frame() -> impl Strategy<Value = ServerFrame> {
         op_error().prop_map(ServerFrame::Refused),
         (any::<u64>(), response()).prop_map(|(id, response)| ServerFrame::Reply { id, reply: Ok(response) }),
         (any::<u64>(), op_error()).prop_map(|(id, error)| ServerFrame::Reply { id, reply: Err(error) }),
+        any::<[u8; 32]>().prop_map(|nonce| ServerFrame::AuthChallenge { nonce }),
+        any::<[u8; 32]>().prop_map(|proof| ServerFrame::AuthAccepted { proof }),
     ]
 }
 

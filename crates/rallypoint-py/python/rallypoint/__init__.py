@@ -16,6 +16,7 @@ The wheel also installs the ``rallypoint`` command (``python -m rallypoint`` run
 
 from ._errors import (
     Aborted,
+    AuthError,
     BadMembers,
     BarrierTimeout,
     ConnectionError,

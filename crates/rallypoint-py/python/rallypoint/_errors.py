@@ -21,6 +21,7 @@ from a worker to the parent.
     │   ├── JobReset                            the job was reset; this process belonged to it before
     │   └── StaleIncarnation                    this process belongs to another incarnation of the job
     ├── ConnectionError    (also builtins.ConnectionError)  cannot connect, connection lost, client closed
+    ├── AuthError          (also PermissionError)  token or TLS refused, or the coordinator unproven
     ├── InvalidArgument    (also ValueError)    bad argument or environment variable, value too large
     └── WorkerError                             a process of spawn() raised or died
 """
@@ -46,6 +47,7 @@ __all__ = [
     "JobReset",
     "StaleIncarnation",
     "ConnectionError",
+    "AuthError",
     "InvalidArgument",
     "WorkerError",
     "RankInfo",
@@ -221,6 +223,21 @@ class StaleIncarnation(IncarnationRefused):
 class ConnectionError(RallypointError, builtins.ConnectionError):
     """Cannot connect to the coordinator (after retrying for the timeout; then ``addr`` and
     ``waited`` are set), the connection was lost, the coordinator closed it, or the client is closed."""
+
+
+class AuthError(RallypointError, PermissionError):
+    """The coordinator refused this client's credentials, or could not prove its own. Not retried.
+
+    ``reason`` says which: "token_required" (the coordinator has a token, this
+    client none: set RALLYPOINT_TOKEN or RALLYPOINT_TOKEN_FILE), "wrong_token",
+    "tls_required" (set RALLYPOINT_TLS_CA), "no_token_here" (this client has a token
+    and the coordinator none), "server_unproven" (the server did not prove that it
+    knows the token: it may not be the coordinator), "tls" (the TLS handshake failed,
+    e.g. a certificate the CA did not sign). ``addr``: the coordinator's address.
+    """
+
+    addr: Optional[str]
+    reason: str
 
 
 class InvalidArgument(RallypointError, ValueError):

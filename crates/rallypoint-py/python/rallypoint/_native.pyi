@@ -36,15 +36,22 @@ class Client:
         job: str = "default",
         role: Optional[str] = None,
         timeout: Optional[float] = None,
+        token: Optional[str] = None,
+        tls_ca: Optional[str] = None,
     ) -> "Client":
         """Connects to the coordinator at ``addr`` ("host:port"), retrying for up to
         ``timeout`` seconds (default 300), which is also the default timeout of every
         blocking call. Without ``rank`` and ``world_size`` only the key-value store and
         :meth:`abort` are usable. ``role`` names the role this client joins as, for
-        ``barrier(role=...)``.
+        ``barrier(role=...)``. ``token`` (else the file RALLYPOINT_TOKEN_FILE names,
+        else RALLYPOINT_TOKEN) is proven to the coordinator, which must prove it back;
+        ``tls_ca`` (else RALLYPOINT_TLS_CA): connect over TLS, trusting the CA
+        certificate(s) in that PEM file.
 
         Raises :class:`rallypoint.ConnectionError` if no connection is made in time,
-        :class:`rallypoint.InvalidArgument` for a bad rank, world size or timeout.
+        :class:`rallypoint.AuthError` if the token or TLS is refused (or the coordinator
+        cannot prove the token), :class:`rallypoint.InvalidArgument` for a bad rank,
+        world size, timeout, token file or CA file.
         """
 
     @staticmethod
@@ -56,6 +63,8 @@ class Client:
         job: Optional[str] = None,
         role: Optional[str] = None,
         timeout: Optional[float] = None,
+        token: Optional[str] = None,
+        tls_ca: Optional[str] = None,
     ) -> "Client":
         """Connects with the settings a launcher gives (``rallypoint launch``, torchrun,
         :func:`rallypoint.spawn`): address from RALLYPOINT_ADDR, else MASTER_ADDR and
@@ -63,7 +72,9 @@ class Client:
         SLURM_JOB_ID, else "default"; RANK, WORLD_SIZE and LOCAL_RANK, else (outside a
         launcher, e.g. a task started by ``srun``) SLURM_PROCID, SLURM_NTASKS and
         SLURM_LOCALID; role from RALLYPOINT_ROLE, else ROLE_NAME; timeout from
-        RALLYPOINT_TIMEOUT, else 300 s. Arguments given here win over the environment.
+        RALLYPOINT_TIMEOUT, else 300 s; token from the file RALLYPOINT_TOKEN_FILE names
+        (it must not be readable by group or others), else RALLYPOINT_TOKEN; TLS CA
+        from RALLYPOINT_TLS_CA. Arguments given here win over the environment.
         A bad variable raises :class:`rallypoint.InvalidArgument` naming it.
         """
 
@@ -205,10 +216,18 @@ class _Coordinator:
     seconds of silence after which a rank counts as lost (default 15; 0 disables).
     ``reconnect_grace``: seconds a rank whose connection dropped is held for its
     process to resume, when its death cannot be seen (default 1, at most the lease).
+    ``token``: every client must prove it (and the coordinator proves it back);
+    ``tls_cert`` and ``tls_key`` (PEM files): serve native clients over TLS only.
     """
 
     def __new__(
-        cls, listen: str = "127.0.0.1:0", lease: Optional[float] = None, reconnect_grace: Optional[float] = None
+        cls,
+        listen: str = "127.0.0.1:0",
+        lease: Optional[float] = None,
+        reconnect_grace: Optional[float] = None,
+        token: Optional[str] = None,
+        tls_cert: Optional[str] = None,
+        tls_key: Optional[str] = None,
     ) -> "_Coordinator": ...
     @property
     def addr(self) -> str:
@@ -220,7 +239,8 @@ class _Coordinator:
     def port(self) -> int:
         """The port it listens on (MASTER_PORT)."""
     def worker_env(self, rank: int, nprocs: int, job: str) -> List[Tuple[str, str]]:
-        """The environment ``rallypoint launch`` gives a worker of a one-node job served here."""
+        """The environment ``rallypoint launch`` gives a worker of a one-node job served here
+        (with this coordinator's token in RALLYPOINT_TOKEN, if it has one)."""
     def shutdown(self) -> None:
         """Stops accepting, closes every connection (their ranks count as lost) and
         waits until the server is done. Does nothing the second time."""

@@ -6,6 +6,7 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import secrets
 import signal
 import time
 import traceback
@@ -172,7 +173,9 @@ def spawn(
     kwargs = dict(kwargs or {})
     # Any: typeshed types an arbitrary start method's context as BaseContext, without Process.
     context: Any = multiprocessing.get_context(start_method)
-    coordinator = _Coordinator()
+    # A token of its own, which only its workers learn (see worker_env): another
+    # user of this machine cannot join or read the job.
+    coordinator = _Coordinator(token=secrets.token_hex(32))
     processes: List[Any] = []
     try:
         readers: Dict[Any, int] = {}

@@ -5,6 +5,7 @@
 mod common;
 
 mod agents;
+mod auth;
 mod blocking;
 mod collectives;
 mod connect;

@@ -1,0 +1,186 @@
+//! TLS for native connections (opt-in), with rustls: a coordinator or node agent
+//! given a certificate and key ([`TlsServer`]) serves native clients over TLS on
+//! its one port; a client given the CA certificate that signed it ([`TlsClient`])
+//! checks that certificate against the address it connects to. The token
+//! ([`crate::auth`]) still authenticates the client: TLS keeps the traffic private
+//! and proves the server's identity by its certificate.
+//!
+//! A TLS client's first byte is 0x16 (a handshake record), which the serving side
+//! tells apart from a native client's `R` and a PyTorch TCPStore client's 0x00
+//! before reading anything ([`crate::conn::peek_first_byte`]). TCPStore stays
+//! plaintext: torch's clients cannot speak TLS.
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use tokio::net::TcpStream;
+use tokio_rustls::{TlsAcceptor, TlsConnector};
+
+/// The first byte of a TLS connection (a handshake record: the ClientHello).
+pub const TLS_FIRST_BYTE: u8 = 0x16;
+
+/// A TLS record with a fatal `handshake_failure` alert: what a side that serves no
+/// TLS sends a TLS client, so that its handshake fails at once, with a reason.
+pub const HANDSHAKE_FAILURE_ALERT: [u8; 7] = [0x15, 0x03, 0x03, 0x00, 0x02, 0x02, 0x28];
+
+/// The variable naming the CA certificate (PEM) clients check the server's against.
+pub const TLS_CA_VAR: &str = "RALLYPOINT_TLS_CA";
+
+#[derive(Debug, thiserror::Error)]
+pub enum TlsError {
+    #[error("cannot read the {what} {}: {source}", path.display())]
+    Pem { what: &'static str, path: PathBuf, source: rustls::pki_types::pem::Error },
+    #[error("the {what} {} holds no certificate", path.display())]
+    NoCertificate { what: &'static str, path: PathBuf },
+    #[error("cannot use the certificate {} with the key {}: {source}", cert.display(), key.display())]
+    BadPair { cert: PathBuf, key: PathBuf, source: rustls::Error },
+    #[error("cannot use the CA certificate {}: {source}", path.display())]
+    BadCa { path: PathBuf, source: rustls::Error },
+}
+
+fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn certificates(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let pem = |source| TlsError::Pem { what, path: path.to_owned(), source };
+    let certs = CertificateDer::pem_file_iter(path).map_err(pem)?.collect::<Result<Vec<_>, _>>().map_err(pem)?;
+    if certs.is_empty() {
+        return Err(TlsError::NoCertificate { what, path: path.to_owned() });
+    }
+    Ok(certs)
+}
+
+/// The serving side's certificate chain and key.
+#[derive(Clone)]
+pub struct TlsServer {
+    acceptor: TlsAcceptor,
+    cert: PathBuf,
+}
+
+impl TlsServer {
+    /// The certificate chain (PEM, the server's own first) and its private key (PEM:
+    /// PKCS#8, PKCS#1 or SEC1).
+    pub fn from_pem_files(cert: &Path, key: &Path) -> Result<TlsServer, TlsError> {
+        let chain = certificates("certificate file", cert)?;
+        let private = PrivateKeyDer::from_pem_file(key).map_err(|source| TlsError::Pem {
+            what: "private key file",
+            path: key.to_owned(),
+            source,
+        })?;
+        let bad_pair = |source| TlsError::BadPair { cert: cert.to_owned(), key: key.to_owned(), source };
+        let config = rustls::ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(bad_pair)?
+            .with_no_client_auth()
+            .with_single_cert(chain, private)
+            .map_err(bad_pair)?;
+        Ok(TlsServer { acceptor: TlsAcceptor::from(Arc::new(config)), cert: cert.to_owned() })
+    }
+
+    /// The TLS handshake of an accepted connection whose first byte was 0x16.
+    pub async fn accept(&self, stream: TcpStream) -> io::Result<tokio_rustls::server::TlsStream<TcpStream>> {
+        self.acceptor.accept(stream).await
+    }
+}
+
+impl fmt::Debug for TlsServer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TlsServer").field("cert", &self.cert).finish_non_exhaustive()
+    }
+}
+
+/// What a client trusts: the CA certificate(s) that signed the server's.
+#[derive(Clone)]
+pub struct TlsClient {
+    connector: TlsConnector,
+    ca: PathBuf,
+}
+
+impl TlsClient {
+    /// Trusts the certificates (PEM) in `ca`, and nothing else.
+    pub fn from_ca_file(ca: &Path) -> Result<TlsClient, TlsError> {
+        let mut roots = rustls::RootCertStore::empty();
+        for cert in certificates("CA certificate file", ca)? {
+            roots.add(cert).map_err(|source| TlsError::BadCa { path: ca.to_owned(), source })?;
+        }
+        let config = rustls::ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|source| TlsError::BadCa { path: ca.to_owned(), source })?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        Ok(TlsClient { connector: TlsConnector::from(Arc::new(config)), ca: ca.to_owned() })
+    }
+
+    /// The CA file this client trusts (for error messages).
+    pub fn ca(&self) -> &Path {
+        &self.ca
+    }
+
+    /// The TLS handshake over `stream`, connected to `addr` (`host:port`), whose
+    /// host the server's certificate must name.
+    pub async fn connect(
+        &self,
+        addr: &str,
+        stream: TcpStream,
+    ) -> io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        let name = server_name(addr)?;
+        self.connector.connect(name, stream).await
+    }
+}
+
+/// The same CA file (settings compare equal when they would trust the same file).
+impl PartialEq for TlsClient {
+    fn eq(&self, other: &TlsClient) -> bool {
+        self.ca == other.ca
+    }
+}
+
+impl fmt::Debug for TlsClient {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TlsClient").field("ca", &self.ca).finish_non_exhaustive()
+    }
+}
+
+/// The name a server's certificate must carry: the host of `host:port` (an IP
+/// address, or a DNS name), without the brackets of an IPv6 address.
+fn server_name(addr: &str) -> io::Result<ServerName<'static>> {
+    let host = addr.rsplit_once(':').map_or(addr, |(host, _)| host);
+    let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
+    ServerName::try_from(host.to_owned()).map_err(|error| {
+        io::Error::new(io::ErrorKind::InvalidInput, format!("'{host}' is no name a TLS certificate can carry: {error}"))
+    })
+}
+
+/// The TLS failure inside `error`, if it is one (a certificate that does not
+/// verify, a handshake the peer refused): retrying will not change it.
+pub fn tls_failure(error: &io::Error) -> Option<&rustls::Error> {
+    error.get_ref().and_then(|inner| inner.downcast_ref::<rustls::Error>())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_names_come_from_the_address() {
+        assert_eq!(server_name("127.0.0.1:29500").expect("ip").to_str(), "127.0.0.1");
+        assert_eq!(server_name("[::1]:29500").expect("ipv6").to_str(), "::1");
+        assert_eq!(server_name("coord.example:1").expect("dns").to_str(), "coord.example");
+    }
+
+    #[test]
+    fn missing_or_empty_pem_files_are_named() {
+        let missing = TlsClient::from_ca_file(Path::new("/nonexistent/ca.pem")).expect_err("missing");
+        assert!(missing.to_string().contains("/nonexistent/ca.pem"), "{missing}");
+        let empty = std::env::temp_dir().join(format!("rallypoint-empty-ca-{}.pem", std::process::id()));
+        std::fs::write(&empty, "not a certificate\n").expect("write");
+        let error = TlsClient::from_ca_file(&empty).expect_err("no certificate");
+        assert!(error.to_string().contains("holds no certificate"), "{error}");
+        std::fs::remove_file(&empty).expect("cleanup");
+    }
+}
