@@ -860,3 +860,73 @@ fn a_rank_whose_connection_dropped_while_its_worker_lives_is_named() {
         assert!(done.stderr.lines().any(|l| line.contains(&l.to_owned())), "missing {line:?}:\n{}", done.stderr);
     }
 }
+
+/// Runs `rallypoint launch ARGS` (the worker command included) to its end.
+fn launch_argv(args: &[&str], dir: &Path, env: &[(&str, &str)]) -> Finished {
+    let mut cmd = Command::new(BIN);
+    for var in SCRUB {
+        cmd.env_remove(var);
+    }
+    cmd.arg("launch").args(args).env("RP", BIN).env("DIR", dir).envs(env.iter().copied()).current_dir(dir);
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = cmd.spawn().expect("start the launcher");
+    let out = wait_output(child);
+    Finished { code: out.status.code(), stdout: out.stdout, stderr: out.stderr }
+}
+
+struct Output {
+    status: std::process::ExitStatus,
+    stdout: String,
+    stderr: String,
+}
+
+/// Waits (bounded by LIMIT) for a child whose stdout and stderr are piped.
+fn wait_output(mut child: Child) -> Output {
+    let mut out = child.stdout.take().expect("piped");
+    let mut err = child.stderr.take().expect("piped");
+    let stdout = thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let stderr = thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + LIMIT;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    let stdout = stdout.join().unwrap_or_default();
+    let stderr = stderr.join().unwrap_or_default();
+    let status = status.unwrap_or_else(|| panic!("ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"));
+    Output { status, stdout, stderr }
+}
+
+#[test]
+fn a_command_that_cannot_start_is_reported_as_such() {
+    let dir = temp_dir("nostart");
+    let done = launch_argv(&["--nproc-per-node", "2", "--", "python3x-no-such-command", "a.py"], &dir, &[]);
+    assert_eq!(done.code, Some(127), "as a shell reports a missing command:\n{}", done.stderr);
+    let first = done.stderr.lines().find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
+    assert!(
+        first.ends_with("rank 0 could not start: python3x-no-such-command: No such file or directory"),
+        "{}",
+        done.stderr
+    );
+    assert!(!done.stderr.contains("code 127"), "{}", done.stderr);
+    // Found but not executable: 126, as a shell says.
+    std::fs::write(dir.join("not-executable"), "#!/bin/sh\n").expect("write");
+    let done = launch_argv(&["--", "./not-executable"], &dir, &[]);
+    assert_eq!(done.code, Some(126), "{}", done.stderr);
+    assert!(done.stderr.contains("rank 0 could not start: ./not-executable: Permission denied"), "{}", done.stderr);
+}

@@ -148,15 +148,16 @@ impl Attempt<'_> {
                     workers.running.push(Some(r));
                 }
                 Err(e) => {
-                    // Could not even start: a failure like any other (exit 127, as a shell
-                    // reports a missing command), with the reason as its stderr.
-                    let failure = self.worker_failure(local_rank, 0, Exit::Code(127), vec![e.to_string()]);
-                    state.outcomes.push(RankOutcome {
+                    // Could not even start: the attempt fails (no more workers are
+                    // started), exiting as a shell would (127 not found, 126 not
+                    // executable).
+                    let what = FailureKind::NotStarted {
                         rank: placement.rank,
-                        exit: Exit::Code(127),
-                        signalled_by_launcher: None,
-                        after_failure: false,
-                    });
+                        local_rank,
+                        reason: e.describe(),
+                        exit_code: e.exit_code(),
+                    };
+                    let failure = Failure::now(what, self.launchers.node, self.host);
                     self.fail(state, failure, &workers.running, Origin::Here);
                     break;
                 }

@@ -52,8 +52,37 @@ pub struct Exited {
     pub stderr_tail: Vec<String>,
 }
 
+/// A worker that could not be started: its program, and why (`execve`'s error:
+/// not found, not executable, ...).
+#[derive(Debug)]
+pub struct SpawnError {
+    pub program: OsString,
+    pub source: io::Error,
+}
+
+impl SpawnError {
+    /// The exit code a shell gives a command it cannot run: 127 when it is not
+    /// found, 126 when it is found but cannot be executed.
+    pub fn exit_code(&self) -> i32 {
+        match self.source.kind() {
+            io::ErrorKind::NotFound => 127,
+            _ => 126,
+        }
+    }
+
+    /// "python3x: No such file or directory", without io::Error's "(os error 2)".
+    pub fn describe(&self) -> String {
+        let reason = self.source.to_string();
+        let reason = match self.source.raw_os_error() {
+            Some(code) => reason.strip_suffix(&format!(" (os error {code})")).unwrap_or(&reason).to_owned(),
+            None => reason,
+        };
+        format!("{}: {reason}", self.program.to_string_lossy())
+    }
+}
+
 /// Starts the worker and a task that reports its exit on `done`.
-pub fn spawn(spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exited>) -> io::Result<Running> {
+pub fn spawn(spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exited>) -> Result<Running, SpawnError> {
     let mut cmd = Command::new(&spec.program);
     cmd.args(&spec.args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
@@ -85,9 +114,7 @@ pub fn spawn(spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exite
             let pid = child.id().unwrap_or(0);
             Ok((child, pid))
         })
-        .map_err(|e| {
-            io::Error::new(e.kind(), format!("cannot start {:?} for rank {}: {e}", spec.program, spec.rank))
-        })?;
+        .map_err(|source| SpawnError { program: spec.program.clone(), source })?;
     let pid = child.id().unwrap_or(0);
     let tail: Tail = Tail::default();
     let activity = Arc::new(AtomicU64::new(0));
