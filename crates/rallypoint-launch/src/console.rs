@@ -421,7 +421,13 @@ impl Screen {
             out.push(b'\n');
         }
         if !(appends || returned && piece.body.is_empty()) {
-            out.extend_from_slice(format!("[rank{}]: ", key.rank).as_bytes());
+            let prefix = format!("[rank{}]:", key.rank);
+            // Once a process group exists, torch prefixes the lines it writes itself
+            // (tracebacks, C++ warnings) with this same `[rankN]:`: not twice.
+            if !piece.body.starts_with(prefix.as_bytes()) {
+                out.extend_from_slice(prefix.as_bytes());
+                out.push(b' ');
+            }
         }
         out.extend_from_slice(&piece.body);
         self.open = match piece.end {
@@ -546,6 +552,24 @@ mod tests {
         // A progress line finished by a newline keeps its last state.
         let text = render(&[(0, piece("99%", false, End::Return)), (0, piece("", false, End::Newline))]);
         assert_eq!(text, "[rank0]: 99%\r\n");
+    }
+
+    #[test]
+    fn torch_own_rank_prefix_is_not_doubled() {
+        let text = render(&[
+            (1, piece("[rank1]: Traceback (most recent call last):", false, End::Newline)),
+            (1, piece("[rank1]:[W1123 19:48:13 ProcessGroupGloo.cpp:1] warning", false, End::Newline)),
+            // Another rank's prefix, or one inside a line, is the worker's text.
+            (2, piece("[rank1]: relayed", false, End::Newline)),
+            (2, piece("x [rank2]: y", false, End::Newline)),
+        ]);
+        assert_eq!(
+            text,
+            "[rank1]: Traceback (most recent call last):\n\
+             [rank1]:[W1123 19:48:13 ProcessGroupGloo.cpp:1] warning\n\
+             [rank2]: [rank1]: relayed\n\
+             [rank2]: x [rank2]: y\n"
+        );
     }
 
     #[test]
