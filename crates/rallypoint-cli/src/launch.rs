@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-use rallypoint_launch::{launch, LaunchError, LaunchOptions};
+use rallypoint_launch::{launch, LaunchError, LaunchOptions, PerRank, Streams};
 
 use crate::exit::UsageError;
 
@@ -83,9 +83,13 @@ pub async fn run(args: LaunchArgs) -> anyhow::Result<i32> {
         node_rank: args.node_rank,
         master: args.master,
         job: args.job,
+        role: "default".into(),
+        host: None,
         grace: seconds("grace", args.grace)?,
+        files: PerRank::All(if args.log_dir.is_some() { Streams::BOTH } else { Streams::NONE }),
+        console: PerRank::All(if args.log_dir.is_none() || args.tee { Streams::BOTH } else { Streams::NONE }),
         log_dir: args.log_dir,
-        tee: args.tee,
+        line_prefix: Default::default(),
         max_restarts: args.max_restarts,
         join_timeout: seconds("join-timeout", args.join_timeout)?,
         lease: args.lease.map(|lease| seconds("lease", lease)).transpose()?,

@@ -619,7 +619,7 @@ fn log_files_are_byte_exact_copies_of_what_workers_wrote() {
         for rank in 0..2 {
             let expected = std::fs::read(dir.join(format!("expect{rank}"))).expect("the worker's own copy");
             for stream in ["stdout", "stderr"] {
-                let path = logs.join("attempt0").join(format!("rank{rank}.{stream}"));
+                let path = logs.join("attempt1").join(format!("rank{rank}.{stream}"));
                 let got = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
                 assert!(
                     got == expected,
@@ -929,4 +929,41 @@ fn a_command_that_cannot_start_is_reported_as_such() {
     let done = launch_argv(&["--", "./not-executable"], &dir, &[]);
     assert_eq!(done.code, Some(126), "{}", done.stderr);
     assert!(done.stderr.contains("rank 0 could not start: ./not-executable: Permission denied"), "{}", done.stderr);
+}
+
+#[test]
+fn log_dir_runs_say_where_the_logs_are_and_attempts_count_like_their_folders() {
+    let dir = temp_dir("logsay");
+    let logs = dir.join("logs");
+    let logs_arg = logs.to_str().expect("utf-8 path");
+    let done = launch(&["--nproc-per-node", "2", "--log-dir", logs_arg], "echo hi $RANK", &dir).finish();
+    assert_eq!(done.code, Some(0), "{}", done.stderr);
+    let attempt1 = logs.join("attempt1");
+    let expected = format!(
+        "rallypoint: job 'default' succeeded (attempt 1 of 1): ranks 0-1 on this node exited with code 0; \
+         their logs are in {}",
+        attempt1.display()
+    );
+    assert!(done.stderr.lines().any(|l| l == expected), "{expected:?} in\n{}", done.stderr);
+    assert_eq!(std::fs::read_to_string(attempt1.join("rank1.stdout")).ok().as_deref(), Some("hi 1\n"));
+
+    // The first attempt fails, the second succeeds: folders and messages agree.
+    let script = r#"[ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 0 ] && exit 3; echo "attempt $TORCHELASTIC_RESTART_COUNT""#;
+    let done = launch(&["--log-dir", logs_arg, "--max-restarts", "1", "--job", "again"], script, &dir).finish();
+    assert_eq!(done.code, Some(0), "{}", done.stderr);
+    assert!(
+        done.stderr.contains("rallypoint: job 'again' attempt 1 of 2 failed (rank 0 exited with code 3)"),
+        "{}",
+        done.stderr
+    );
+    assert!(
+        done.stderr.contains(&format!("logs of this node's ranks: {}\n", logs.join("attempt1").display())),
+        "the failed attempt's summary says where its logs are:\n{}",
+        done.stderr
+    );
+    assert!(done.stderr.contains("succeeded (attempt 2 of 2)"), "{}", done.stderr);
+    assert_eq!(std::fs::read_to_string(logs.join("attempt2/rank0.stdout")).ok().as_deref(), Some("attempt 1\n"));
+    // Without --log-dir a success adds nothing to what the workers wrote.
+    let done = launch(&[], "true", &dir).finish();
+    assert!(!done.stderr.contains("succeeded"), "{}", done.stderr);
 }

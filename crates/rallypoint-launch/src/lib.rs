@@ -13,6 +13,7 @@ mod outcome;
 mod output;
 mod procs;
 mod rendezvous;
+mod streams;
 mod supervise;
 mod watchdog;
 mod worker;
@@ -31,6 +32,7 @@ use rallypoint_core::Config;
 use rallypoint_server::{Server, ServerConfig, ServerHandle};
 
 pub use outcome::{Exit, Failure, FailureKind, Loss};
+pub use streams::{BadStreams, LinePrefix, PerRank, Route, Streams};
 
 use console::Console;
 use node_agent::NodeAgent;
@@ -53,12 +55,22 @@ pub struct LaunchOptions {
     /// Single node without it: a free port on 127.0.0.1.
     pub master: Option<String>,
     pub job: String,
+    /// The workers' role (`ROLE_NAME`): torchrun's `--role`.
+    pub role: String,
+    /// The name this node goes by in the coordinator's reports and the summaries
+    /// (torchrun's `--local-addr`); default: the hostname.
+    pub host: Option<String>,
     /// Between SIGTERM and SIGKILL when the job is taken down.
     pub grace: Duration,
-    /// One file per rank per stream, under `<log_dir>/attempt<K>/`.
+    /// Where log files go: `<log_dir>/attempt<K>/rank<N>.{stdout,stderr}`, K counting
+    /// attempts from 1. Needed when `files` names any stream.
     pub log_dir: Option<PathBuf>,
-    /// With `log_dir`: also show worker output on the console.
-    pub tee: bool,
+    /// Which streams of which local ranks are written to log files.
+    pub files: PerRank,
+    /// Which streams of which local ranks are shown on the console.
+    pub console: PerRank,
+    /// What the console puts before each line of a worker.
+    pub line_prefix: LinePrefix,
     pub max_restarts: u32,
     /// How long to wait for the coordinator and the other nodes.
     pub join_timeout: Duration,
@@ -79,6 +91,8 @@ pub enum LaunchError {
     Bind { addr: String, source: io::Error },
     #[error("{0}")]
     Io(#[from] io::Error),
+    #[error("cannot create the log directory {dir}: {source}")]
+    LogDir { dir: PathBuf, source: io::Error },
     #[error("{0}")]
     Coordinator(#[from] rallypoint_client::Error),
     #[error("cannot create the node agent's socket directory in {dir}: {source}")]
@@ -114,7 +128,7 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
             None
         }
     };
-    let host = rallypoint_net::hostname();
+    let host = options.host.clone().unwrap_or_else(rallypoint_net::hostname);
     let server = if options.node_rank == 0 { Some(host_coordinator(options).await?) } else { None };
     let addr = match (&server, &options.master) {
         (Some(server), _) => server.local_addr().to_string(),
@@ -183,6 +197,7 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
             coordinator: run.coordinator,
             node_agent: run.node_agent.clone(),
             run_id: options.job.clone(),
+            role: options.role.clone(),
             attempt_job: if attempt == 0 { options.job.clone() } else { format!("{}.restart{attempt}", options.job) },
             restart_count: attempt,
             max_restarts: options.max_restarts,
@@ -209,6 +224,20 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
         let result = attempt_run.run(&mut signals).await?;
         match result {
             AttemptResult::Succeeded => {
+                if let Some(dir) = attempt_run.log_dir() {
+                    let last = layout.base_rank + options.nproc_per_node - 1;
+                    let ranks = match options.nproc_per_node {
+                        1 => format!("rank {last}"),
+                        _ => format!("ranks {}-{last}", layout.base_rank),
+                    };
+                    run.console.message(format!(
+                        "rallypoint: job '{}' succeeded ({}): {ranks} on this node exited with code 0; \
+                         their logs are in {}",
+                        options.job,
+                        attempt_of(attempt, options.max_restarts),
+                        dir.display()
+                    ));
+                }
                 run.launchers.farewell(attempt).await;
                 return Ok(0);
             }
@@ -216,9 +245,9 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
                 let interrupted = matches!(first.what, FailureKind::Interrupted { .. });
                 if attempt < options.max_restarts && !interrupted {
                     run.console.message(format!(
-                        "rallypoint: attempt {} of job '{}' failed ({}); restarting ({} of {} restarts)",
-                        attempt + 1,
+                        "rallypoint: job '{}' {} failed ({}); restarting ({} of {} restarts)",
                         options.job,
+                        attempt_of(attempt, options.max_restarts),
                         first.headline(),
                         attempt + 1,
                         options.max_restarts
@@ -231,6 +260,11 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
             }
         }
     }
+}
+
+/// "attempt 2 of 3": attempts count from 1, as the log folders (`attempt2/`) do.
+pub(crate) fn attempt_of(attempt: u32, max_restarts: u32) -> String {
+    format!("attempt {} of {}", attempt + 1, max_restarts.saturating_add(1))
 }
 
 fn validate(o: &LaunchOptions) -> Result<(), LaunchError> {
@@ -255,6 +289,9 @@ fn validate(o: &LaunchOptions) -> Result<(), LaunchError> {
     }
     if o.job.is_empty() {
         return usage("--job must not be empty".into());
+    }
+    if o.log_dir.is_none() && o.files.any_of(o.nproc_per_node) {
+        return usage("log files need a directory: give --log-dir".into());
     }
     Ok(())
 }

@@ -35,7 +35,7 @@ use crate::procs::{self, Family, LAUNCH_ID_VAR};
 use crate::rendezvous::{Launchers, Remote, Report};
 use crate::watchdog::Watchdog;
 use crate::worker::{self, Exited, Running, Spec};
-use crate::{Exit, LaunchError, LaunchOptions};
+use crate::{Exit, LaunchError, LaunchOptions, Route};
 use rallypoint_client::env::{live_output_env, worker_env, JobEnv, Placement};
 
 pub enum AttemptResult {
@@ -79,7 +79,11 @@ impl Attempt<'_> {
         }
         let mut state = State::default();
         let mut workers = Workers::default();
-        self.spawn_workers(&mut state, &mut workers, self.log_dir()?, exits_tx);
+        let log_dir = self.log_dir();
+        if let Some(dir) = &log_dir {
+            std::fs::create_dir_all(dir).map_err(|e| LaunchError::LogDir { dir: dir.clone(), source: e })?;
+        }
+        self.spawn_workers(&mut state, &mut workers, log_dir, exits_tx);
         while let Some(verdict_by) = self.waits_for_more(&mut state, &workers) {
             let next_step = [state.term_at, state.kill_at, verdict_by].into_iter().flatten().min();
             let step = async {
@@ -98,12 +102,12 @@ impl Attempt<'_> {
         Ok(self.finish(state, &workers).await)
     }
 
-    /// `<log_dir>/attempt<K>`, made, if output goes to files.
-    fn log_dir(&self) -> Result<Option<PathBuf>, LaunchError> {
-        let Some(dir) = &self.options.log_dir else { return Ok(None) };
-        let dir = dir.join(format!("attempt{}", self.attempt));
-        std::fs::create_dir_all(&dir)?;
-        Ok(Some(dir))
+    /// `<log_dir>/attempt<K>` (K from 1, as "attempt K of N" says), if output of
+    /// this node's workers goes to files.
+    pub fn log_dir(&self) -> Option<PathBuf> {
+        let o = self.options;
+        let dir = o.log_dir.as_ref().filter(|_| o.files.any_of(o.nproc_per_node))?;
+        Some(dir.join(format!("attempt{}", self.attempt + 1)))
     }
 
     /// Starts this node's workers; a worker that cannot start fails the attempt (and
@@ -136,7 +140,9 @@ impl Attempt<'_> {
                 program: o.command[0].clone(),
                 args: o.command[1..].to_vec(),
                 env,
-                console: (log_dir.is_none() || o.tee).then(|| Arc::clone(self.console)),
+                console: Arc::clone(self.console),
+                prefix: o.line_prefix.render(placement.rank, local_rank, &o.role, self.host),
+                route: Route { console: o.console.get(local_rank), files: o.files.get(local_rank) },
                 log_dir: log_dir.clone(),
             };
             match worker::spawn(spec, self.family, exits.clone()) {
@@ -285,7 +291,11 @@ impl Attempt<'_> {
             None => AttemptResult::Succeeded,
             Some(first) => {
                 let o = self.options;
-                self.console.message(summary(&o.job, self.attempt, o.max_restarts, &first, &state.outcomes));
+                let mut text = summary(&o.job, self.attempt, o.max_restarts, &first, &state.outcomes);
+                if let Some(dir) = self.log_dir() {
+                    text.push_str(&format!("logs of this node's ranks: {}\n", dir.display()));
+                }
+                self.console.message(text);
                 AttemptResult::Failed { first }
             }
         }

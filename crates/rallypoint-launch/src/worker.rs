@@ -19,6 +19,7 @@ use crate::console::{Console, STALL};
 use crate::outcome::Exit;
 use crate::output::{pump, tail_lines, Stream, Tail};
 use crate::procs::Family;
+use crate::Route;
 
 /// After a worker exited, its pipes are read on as long as output keeps coming, but
 /// a pipe that stays silent this long is given up: a process the worker started may
@@ -34,8 +35,11 @@ pub struct Spec {
     pub program: OsString,
     pub args: Vec<OsString>,
     pub env: Vec<(&'static str, OsString)>,
-    /// Where its output is shown; `None` with `--log-dir` and no `--tee`.
-    pub console: Option<Arc<Console>>,
+    pub console: Arc<Console>,
+    /// What its console lines start with, when not `[rankN]: `.
+    pub prefix: Option<String>,
+    /// Which of its streams go to the console, and which to files in `log_dir`.
+    pub route: Route,
     pub log_dir: Option<PathBuf>,
 }
 
@@ -119,8 +123,9 @@ pub fn spawn(spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exite
     let tail: Tail = Tail::default();
     let activity = Arc::new(AtomicU64::new(0));
     let start_pump = |stream: Stream, source, tail: Option<Tail>| -> JoinHandle<()> {
-        let console = spec.console.as_ref().map(|c| c.for_rank(spec.rank, stream));
-        let dir = spec.log_dir.clone();
+        let console =
+            spec.route.console.has(stream).then(|| spec.console.for_rank(spec.rank, stream, spec.prefix.clone()));
+        let dir = spec.log_dir.clone().filter(|_| spec.route.files.has(stream));
         let activity = Arc::clone(&activity);
         let rank = spec.rank;
         tokio::spawn(async move { pump(source, rank, stream, console, dir.as_deref(), tail, activity).await })

@@ -26,6 +26,8 @@ pub struct JobEnv {
     pub node_agent: Option<String>,
     /// The user's job name (TORCHELASTIC_RUN_ID).
     pub run_id: String,
+    /// The workers' role (ROLE_NAME; torchrun's `--role`, "default" unless given).
+    pub role: String,
     /// The coordinator job of this attempt (RALLYPOINT_JOB): new at each restart, so no
     /// key or barrier generation of a failed attempt leaks into the next.
     pub attempt_job: String,
@@ -43,7 +45,7 @@ pub fn worker_env(job: &JobEnv, p: &Placement, inherited_omp: bool) -> Vec<(&'st
         ("GROUP_RANK", s(&p.node_rank)),
         ("GROUP_WORLD_SIZE", s(&p.nnodes)),
         ("ROLE_RANK", s(&p.rank)),
-        ("ROLE_NAME", s(&"default")),
+        ("ROLE_NAME", s(&job.role)),
         ("ROLE_WORLD_SIZE", s(&p.world_size)),
         ("MASTER_ADDR", s(&job.coordinator.ip())),
         ("MASTER_PORT", s(&job.coordinator.port())),
@@ -83,6 +85,7 @@ mod tests {
             coordinator: "127.0.0.1:29500".parse().expect("literal address"),
             node_agent: None,
             run_id: "train".into(),
+            role: "trainer".into(),
             attempt_job: "train.restart1".into(),
             restart_count: 1,
             max_restarts: 3,
@@ -98,6 +101,7 @@ mod tests {
         assert_eq!(get("RALLYPOINT_ADDR"), "127.0.0.1:29500");
         assert_eq!(get("RALLYPOINT_JOB"), "train.restart1");
         assert_eq!(get("TORCHELASTIC_RUN_ID"), "train");
+        assert_eq!(get("ROLE_NAME"), "trainer");
         assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), "True");
         assert_eq!(get("OMP_NUM_THREADS"), "1");
         let env = worker_env(&job, &p, true);
