@@ -20,4 +20,4 @@ pub use error::{
     AbortInfo, CallShape, CollectiveKind, LossReason, Missing, OpError, OpRef, RankInfo, RankRanges, RankState,
 };
 pub use identity::{Identity, SessionId};
-pub use request::{Gathered, Members, Millis, Outgoing, Reply, Request, Response, Welcome};
+pub use request::{Gathered, Members, Millis, Outgoing, Reply, Request, Response, Welcome, MAX_JOBS_LISTED};

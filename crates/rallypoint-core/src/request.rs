@@ -135,6 +135,11 @@ pub enum Request {
     /// processes, its ranks' states, and every barrier, all-gather or broadcast someone
     /// waits in, with who is missing and what is known of each. Replies `Value`.
     Status,
+    /// The names of the jobs the coordinator holds, in byte order, at most
+    /// [`MAX_JOBS_LISTED`]; the caller's own job only if it holds more than the
+    /// caller's session (keys, ranks, other sessions), so that asking creates no job.
+    /// Replies `Values`.
+    Jobs,
     /// Keeps the session's rank alive (any request does).
     Heartbeat,
     /// The session is about to close cleanly: its rank has left, not died.
@@ -167,11 +172,15 @@ impl Request {
             Request::CancelWait => "cancel_wait",
             Request::StoreBarrier { .. } => "store_barrier",
             Request::Status => "status",
+            Request::Jobs => "jobs",
             Request::Heartbeat => "heartbeat",
             Request::Leave => "leave",
         }
     }
 }
+
+/// Most job names one `Jobs` reply holds.
+pub const MAX_JOBS_LISTED: usize = 1024;
 
 /// A successful reply.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -66,3 +66,12 @@ fn shared_reply_frames() {
         "19 00 00 00 89 01 00 00 00 00 00 00 00 02 00 00 00 00 00 00 00 08 10 00 00 00 00 00 00",
     );
 }
+
+#[test]
+fn jobs_request_and_reply() {
+    client(ClientFrame::Request { id: 2, request: Request::Jobs }, "0a 00 00 00 02 02 00 00 00 00 00 00 00 1a");
+    server(
+        ServerFrame::Reply { id: 2, reply: Ok(Response::Values(vec![Bytes::from("a"), Bytes::from("b/launch")])) },
+        "1f 00 00 00 83 02 00 00 00 00 00 00 00 05 02 00 00 00 01 00 00 00 61 08 00 00 00 62 2f 6c 61 75 6e 63 68",
+    );
+}

@@ -166,7 +166,7 @@ impl<'a> Step<'a> {
     /// Whether the job takes the request: an aborted job fails everything but the
     /// requests about the session itself, and nothing invalid gets through.
     fn admit(&self, request: &Request) -> Result<(), OpError> {
-        if matches!(request, Request::Heartbeat | Request::Leave | Request::Status) {
+        if matches!(request, Request::Heartbeat | Request::Leave | Request::Status | Request::Jobs) {
             return Ok(());
         }
         if let Some(error) = self.job.abort_error() {
@@ -183,6 +183,8 @@ impl<'a> Step<'a> {
             Request::Heartbeat => DONE,
             Request::Leave => self.leave(caller),
             Request::Status => value(self.status(caller).into()),
+            // Answered by the engine, which sees every job.
+            Request::Jobs => None,
             Request::Set { key, value } => self.set(key, value),
             Request::Append { key, value } => self.append(key, value),
             Request::MultiSet { entries } => self.multi_set(entries),

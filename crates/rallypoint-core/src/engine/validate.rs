@@ -77,7 +77,12 @@ pub(crate) fn request(request: &Request, limits: &Limits) -> Result<(), OpError>
             value.as_ref().map_or(Ok(()), |v| self::value(v, limits))
         }
         Request::Abort { reason } => self::name("abort reason", reason, limits),
-        Request::NumKeys | Request::CancelWait | Request::Status | Request::Heartbeat | Request::Leave => Ok(()),
+        Request::NumKeys
+        | Request::CancelWait
+        | Request::Status
+        | Request::Jobs
+        | Request::Heartbeat
+        | Request::Leave => Ok(()),
     }
 }
 

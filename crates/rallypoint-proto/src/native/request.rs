@@ -31,6 +31,8 @@ mod op {
     pub const CANCEL_WAIT: u8 = 0x16;
     pub const STORE_BARRIER: u8 = 0x17;
     pub const STATUS: u8 = 0x18;
+    // 0x19: reserved for `reset` (job incarnations).
+    pub const JOBS: u8 = 0x1a;
 }
 
 mod members {
@@ -146,6 +148,7 @@ pub(crate) fn encode_request(request: &Request, dst: &mut BytesMut) {
             put_timeout(dst, *timeout_ms);
         }
         Request::Status => dst.put_u8(op::STATUS),
+        Request::Jobs => dst.put_u8(op::JOBS),
         Request::Heartbeat => dst.put_u8(op::HEARTBEAT),
         Request::Leave => dst.put_u8(op::LEAVE),
     }
@@ -195,6 +198,7 @@ pub(crate) fn decode_request(r: &mut Reader) -> DecodeResult<Request> {
             Request::StoreBarrier { key: r.bytes("key")?, world_size: r.i64("world_size")?, timeout_ms: timeout(r)? }
         }
         op::STATUS => Request::Status,
+        op::JOBS => Request::Jobs,
         op::HEARTBEAT => Request::Heartbeat,
         op::LEAVE => Request::Leave,
         other => return Err(DecodeError::unknown("request opcode", other)),

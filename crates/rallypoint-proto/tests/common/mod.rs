@@ -76,6 +76,7 @@ pub fn request() -> impl Strategy<Value = Request> {
             timeout_ms
         }),
         Just(Request::Status),
+        Just(Request::Jobs),
     ]
 }
 
