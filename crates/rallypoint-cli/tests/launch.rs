@@ -90,6 +90,11 @@ impl Launched {
     }
 }
 
+/// The launcher's stderr lines after its start line (where its coordinator is).
+fn messages(stderr: &str) -> impl Iterator<Item = &str> {
+    stderr.lines().filter(|l| !(l.starts_with("rallypoint: job '") && l.contains("': coordinator at ")))
+}
+
 fn temp_dir(name: &str) -> PathBuf {
     let dir = std::env::temp_dir().join(format!("rp-launch-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -165,7 +170,7 @@ fn a_failing_rank_takes_the_job_down_and_the_summary_names_it() {
     "#;
     let done = launch(&["--nproc-per-node", "3", "--grace", "2"], script, &dir).finish();
     assert_eq!(done.code, Some(3), "stderr:\n{}", done.stderr);
-    let first_line = done.stderr.lines().find(|l| l.starts_with("rallypoint: ")).unwrap_or_default();
+    let first_line = messages(&done.stderr).find(|l| l.starts_with("rallypoint: ")).unwrap_or_default();
     assert!(first_line.contains("FAILED") && first_line.contains("rank 1 exited with code 3"), "{}", done.stderr);
     assert!(done.stderr.contains("rank 1 (local rank 1, node 0, host "), "{}", done.stderr);
     assert!(done.stderr.contains("    | fatal: bad batch"), "{}", done.stderr);
@@ -784,7 +789,7 @@ fn a_stopped_rank_is_named_as_the_root_cause_not_the_peers_that_failed_for_it() 
     std::fs::write(dir.join("stopped"), "").expect("stopped");
     let done = launched.finish();
     assert_eq!(done.code, Some(4), "the peers' code (peer lost); stderr:\n{}", done.stderr);
-    let first = done.stderr.lines().find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
+    let first = messages(&done.stderr).find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
     assert!(first.contains("FAILED (attempt 1 of 1): rank 1 stopped heartbeating at "), "{}", done.stderr);
     assert!(first.contains("(process alive, state T (stopped))"), "{}", done.stderr);
     assert!(done.stderr.contains("  rank 1 (local rank 1, node 0, host "), "{}", done.stderr);
@@ -820,7 +825,7 @@ fn a_stopped_rank_on_another_node_is_named_on_both_nodes() {
     let (n0, n1) = (node0.finish(), node1.finish());
     for (node, done) in [(0, &n0), (1, &n1)] {
         assert_eq!(done.code, Some(4), "node {node} stderr:\n{}", done.stderr);
-        let first = done.stderr.lines().find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
+        let first = messages(&done.stderr).find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
         assert!(first.contains("rank 3 stopped heartbeating at "), "node {node}:\n{}", done.stderr);
         assert!(done.stderr.contains(&format!("pid {pid}) stopped heartbeating")), "node {node}:\n{}", done.stderr);
     }
@@ -851,7 +856,7 @@ fn a_rank_whose_connection_dropped_while_its_worker_lives_is_named() {
     std::fs::write(dir.join("killed"), "").expect("killed");
     let done = launched.finish();
     assert_eq!(done.code, Some(4), "stderr:\n{}", done.stderr);
-    let first = done.stderr.lines().find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
+    let first = messages(&done.stderr).find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
     assert!(first.contains("): rank 1 dropped its connection without a clean leave at "), "{}", done.stderr);
     assert!(first.contains("(process alive, state "), "the wrapper still ran:\n{}", done.stderr);
     for r in [0, 2] {
@@ -917,7 +922,7 @@ fn a_command_that_cannot_start_is_reported_as_such() {
     let dir = temp_dir("nostart");
     let done = launch_argv(&["--nproc-per-node", "2", "--", "python3x-no-such-command", "a.py"], &dir, &[]);
     assert_eq!(done.code, Some(127), "as a shell reports a missing command:\n{}", done.stderr);
-    let first = done.stderr.lines().find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
+    let first = messages(&done.stderr).find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
     assert!(
         first.ends_with("rank 0 could not start: python3x-no-such-command: No such file or directory"),
         "{}",
@@ -966,4 +971,68 @@ fn log_dir_runs_say_where_the_logs_are_and_attempts_count_like_their_folders() {
     // Without --log-dir a success adds nothing to what the workers wrote.
     let done = launch(&[], "true", &dir).finish();
     assert!(!done.stderr.contains("succeeded"), "{}", done.stderr);
+}
+
+/// `rallypoint ARGS` with the test's environment scrubbed, plus `env`.
+fn verb(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(BIN);
+    for var in SCRUB {
+        cmd.env_remove(var);
+    }
+    cmd.args(args).envs(env.iter().copied()).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    wait_output(cmd.spawn().expect("start rallypoint"))
+}
+
+#[test]
+fn the_launcher_says_where_its_coordinator_is_and_status_finds_it() {
+    let dir = temp_dir("discover");
+    let run_dir = dir.join("run");
+    std::fs::create_dir_all(&run_dir).expect("runtime dir");
+    let xdg = run_dir.to_str().expect("utf-8 path");
+    let env = [("XDG_RUNTIME_DIR", xdg)];
+    let script = r#"
+        echo "$RALLYPOINT_COORDINATOR" > "$DIR/coord.$RALLYPOINT_JOB.tmp" && mv "$DIR/coord.$RALLYPOINT_JOB.tmp" "$DIR/coord.$RALLYPOINT_JOB"
+        "$RP" get go --timeout 30 >/dev/null
+    "#;
+    let first = start(&["--nproc-per-node", "2", "--job", "first"], script, &dir, &env, true);
+    let coordinator = wait_for_files(&dir, &["coord.first".into()]).remove(0);
+    // The workers wait for key 'go'; `status` with no address finds their launcher.
+    let status = verb(&["status"], &env);
+    assert_eq!(status.status.code(), Some(0), "{}", status.stderr);
+    assert!(status.stdout.starts_with("job 'first'\n"), "{}", status.stdout);
+    assert!(status.stdout.contains(&format!("coordinator {coordinator} holds ")), "{}", status.stdout);
+
+    // A second launcher: status asks which one.
+    let second = start(&["--job", "second"], script, &dir, &env, true);
+    wait_for_files(&dir, &["coord.second".into()]);
+    let status = verb(&["status"], &env);
+    assert_eq!(status.status.code(), Some(2), "{}", status.stderr);
+    assert!(status.stderr.contains("2 `rallypoint launch` of this user run on this machine; pick one with --job"));
+    assert!(status.stderr.contains("--job first  (coordinator ") && status.stderr.contains("--job second  ("));
+    let status = verb(&["status", "--job", "second"], &env);
+    assert_eq!(status.status.code(), Some(0), "{}", status.stderr);
+    assert!(status.stdout.starts_with("job 'second'\n"), "{}", status.stdout);
+
+    // Let the workers go; the launchers end and leave no file behind.
+    for (job, launched) in [("first", first), ("second", second)] {
+        let addr = std::fs::read_to_string(dir.join(format!("coord.{job}"))).expect("coordinator").trim().to_owned();
+        let go = verb(&["set", "go", "1", "--addr", &addr, "--job", job], &[]);
+        assert_eq!(go.status.code(), Some(0), "{}", go.stderr);
+        let done = launched.finish();
+        assert_eq!(done.code, Some(0), "{}", done.stderr);
+        let line = done.stderr.lines().next().unwrap_or_default();
+        assert!(line.starts_with("rallypoint: job '"), "the first line says where the coordinator is: {line:?}");
+        assert!(line.contains(": coordinator at 127.0.0.1:") && line.contains("(hosted by this launcher)"), "{line}");
+        let addr = line.split("coordinator at ").nth(1).and_then(|r| r.split(' ').next()).unwrap_or_default();
+        assert!(
+            line.ends_with(&format!("inspect it with: rallypoint status --addr {addr} --job first"))
+                || line.ends_with(&format!("inspect it with: rallypoint status --addr {addr} --job second")),
+            "{line}"
+        );
+    }
+    let left: Vec<_> = std::fs::read_dir(run_dir.join("rallypoint")).expect("discovery dir").flatten().collect();
+    assert!(left.is_empty(), "launchers left files behind: {left:?}");
+    let status = verb(&["status"], &env);
+    assert_eq!(status.status.code(), Some(2));
+    assert!(status.stderr.contains("no `rallypoint launch` of this user runs on this machine"), "{}", status.stderr);
 }

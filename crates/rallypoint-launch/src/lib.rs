@@ -8,6 +8,7 @@
 //! process that does so when the launcher itself is killed with SIGKILL).
 
 mod console;
+pub mod discovery;
 mod node_agent;
 mod outcome;
 mod output;
@@ -139,6 +140,8 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
         Some(server) => server.local_addr(),
         None => resolve(&addr).await?,
     };
+    console.message(start_line(options, coordinator, server.is_some()));
+    let registration = register(options, coordinator);
     let launchers =
         Launchers::join(&addr, &options.job, options.node_rank, options.nnodes, &host, options.join_timeout).await?;
     // After the join: the coordinator is known to be up, so the agent connects at once.
@@ -158,6 +161,7 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
         console,
         family: &family,
         watchdog: watchdog.as_ref(),
+        registration: registration.map(std::sync::Mutex::new),
     };
     let result = run_attempts(&run, signals).await;
     // Every worker has exited: no rank is left behind the agent.
@@ -186,6 +190,8 @@ struct Run<'a> {
     console: &'a Arc<Console>,
     family: &'a Arc<Family>,
     watchdog: Option<&'a Watchdog>,
+    /// What `rallypoint status` finds of this launcher; removed when dropped.
+    registration: Option<std::sync::Mutex<discovery::Registration>>,
 }
 
 async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) -> Result<i32, LaunchError> {
@@ -206,6 +212,9 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
         // job: they join the attempt's, so their keys and ranks are the workers'.
         if let Some(server) = run.server {
             server.set_tcpstore_job(&job.attempt_job);
+        }
+        if let Some(registration) = &run.registration {
+            registration.lock().unwrap_or_else(|e| e.into_inner()).set_attempt_job(&job.attempt_job);
         }
         let attempt_run = Attempt {
             options,
@@ -258,6 +267,57 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
                 run.launchers.farewell(attempt).await;
                 return Ok(first.exit_code());
             }
+        }
+    }
+}
+
+/// The line a launcher starts with: where its coordinator is, and how to look at the
+/// job there.
+fn start_line(o: &LaunchOptions, coordinator: SocketAddr, hosted: bool) -> String {
+    let whose = match (hosted, o.nnodes) {
+        (true, 1) => "hosted by this launcher".to_owned(),
+        (true, n) => format!("hosted by this launcher, node 0 of {n}"),
+        (false, n) => format!("hosted by node 0; this is node {} of {n}", o.node_rank),
+    };
+    let workers = if o.nproc_per_node == 1 { "1 worker".to_owned() } else { format!("{} workers", o.nproc_per_node) };
+    format!(
+        "rallypoint: job '{}': coordinator at {coordinator} ({whose}), {workers} on this node; \
+         inspect it with: rallypoint status --addr {coordinator} --job {}",
+        o.job,
+        shell_word(&o.job)
+    )
+}
+
+/// `word` as one shell word: quoted unless it is plainly safe.
+fn shell_word(word: &str) -> String {
+    let plain = !word.is_empty() && word.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-/:=@%+,".contains(&b));
+    if plain {
+        word.to_owned()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
+/// Tells `rallypoint status` on this machine where this launcher's coordinator is.
+fn register(o: &LaunchOptions, coordinator: SocketAddr) -> Option<discovery::Registration> {
+    let command: Vec<String> = o.command.iter().map(|a| shell_word(&a.to_string_lossy())).collect();
+    let entry = discovery::Entry {
+        pid: 0,
+        start_ticks: 0,
+        addr: coordinator.to_string(),
+        job: o.job.clone(),
+        attempt_job: o.job.clone(),
+        node_rank: o.node_rank,
+        nnodes: o.nnodes,
+        nproc_per_node: o.nproc_per_node,
+        command: command.join(" "),
+        started_unix_ms: outcome::unix_ms(std::time::SystemTime::now()),
+    };
+    match discovery::Registration::create(entry) {
+        Ok(registration) => Some(registration),
+        Err(error) => {
+            tracing::warn!(%error, "cannot tell `rallypoint status` where this launcher's coordinator is");
+            None
         }
     }
 }

@@ -55,6 +55,9 @@ pub fn worker_env(job: &JobEnv, p: &Placement, inherited_omp: bool) -> Vec<(&'st
         ("TORCHELASTIC_USE_AGENT_STORE", s(&"True")),
         ("RALLYPOINT_ADDR", job.node_agent.as_ref().map_or_else(|| s(&job.coordinator), OsString::from)),
         ("RALLYPOINT_JOB", s(&job.attempt_job)),
+        // The coordinator itself, also where RALLYPOINT_ADDR is a node agent:
+        // `rallypoint status --addr $RALLYPOINT_COORDINATOR` from a worker's shell.
+        ("RALLYPOINT_COORDINATOR", s(&job.coordinator)),
     ];
     // As torchrun does: many workers each spawning a thread per core oversubscribe the node.
     if !inherited_omp && p.local_world_size > 1 {
@@ -112,6 +115,7 @@ mod tests {
         let env: std::collections::HashMap<_, _> = worker_env(&job, &p, false).into_iter().collect();
         let get = |k: &str| env.get(k).and_then(|v| v.to_str()).unwrap_or("<unset>");
         assert_eq!(get("RALLYPOINT_ADDR"), "unix:/tmp/rp/agent.sock");
+        assert_eq!(get("RALLYPOINT_COORDINATOR"), "127.0.0.1:29500");
         assert_eq!(get("MASTER_ADDR"), "127.0.0.1");
         assert_eq!(get("MASTER_PORT"), "29500");
     }
