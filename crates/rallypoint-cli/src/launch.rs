@@ -5,9 +5,9 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Args;
-use rallypoint_launch::{launch, LaunchError, LaunchOptions, PerRank, Streams};
+use rallypoint_launch::{launch, JoinError, LaunchError, LaunchOptions, PerRank, Streams};
 
-use crate::exit::UsageError;
+use crate::exit::{JoinTimeout, UsageError};
 
 #[derive(Args, Debug)]
 #[command(after_help = "\
@@ -29,9 +29,11 @@ pub struct LaunchArgs {
     /// Nodes in the job, each running one launcher.
     #[arg(long, default_value_t = 1)]
     nnodes: u32,
-    /// This node's index, 0..nnodes; node 0 hosts the coordinator.
-    #[arg(long, default_value_t = 0)]
-    node_rank: u32,
+    /// This node's index, 0..nnodes; node 0 hosts the coordinator [default: 0 on one
+    /// node; on several, the launcher that can bind the coordinator's address is node
+    /// 0 and the others take the next free index]
+    #[arg(long)]
+    node_rank: Option<u32>,
     /// Coordinator address HOST:PORT (node 0 binds exactly it). Default on one node: a free
     /// port on 127.0.0.1.
     #[arg(long)]
@@ -100,6 +102,13 @@ pub async fn run(args: LaunchArgs) -> anyhow::Result<i32> {
         Ok(code) => Ok(code),
         Err(LaunchError::Usage(message)) => Err(UsageError(message).into()),
         Err(LaunchError::Coordinator(e)) => Err(e.into()),
+        Err(LaunchError::Join(e)) => match *e {
+            e @ (JoinError::Timeout { .. } | JoinError::Attempt { .. }) => Err(JoinTimeout(e.to_string()).into()),
+            // The coordinator went away: exit as its loss says (chained as the source).
+            e @ JoinError::Coordinator { .. } => Err(e.into()),
+            // Nodes started with different --nnodes or the same --node-rank.
+            e => Err(UsageError(e.to_string()).into()),
+        },
         Err(e) => Err(e.into()),
     }
 }

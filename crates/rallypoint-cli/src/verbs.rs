@@ -334,7 +334,13 @@ fn describe(launchers: &[discovery::Entry]) -> String {
         .map(|l| {
             format!(
                 "  --job {}  (coordinator {}, pid {}, node {} of {}, {} worker(s): {})",
-                l.job, l.addr, l.pid, l.node_rank, l.nnodes, l.nproc_per_node, l.command
+                l.job,
+                l.addr,
+                l.pid,
+                l.node_rank.map_or("?".to_owned(), |n| n.to_string()),
+                l.nnodes,
+                l.nproc_per_node,
+                l.command
             )
         })
         .collect();

@@ -1036,3 +1036,195 @@ fn the_launcher_says_where_its_coordinator_is_and_status_finds_it() {
     assert_eq!(status.status.code(), Some(2));
     assert!(status.stderr.contains("no `rallypoint launch` of this user runs on this machine"), "{}", status.stderr);
 }
+
+/// A launcher whose stderr the test can read while it runs.
+struct Live {
+    child: Child,
+    stderr: Arc<Mutex<String>>,
+    stdout: thread::JoinHandle<String>,
+}
+
+fn live(args: &[&str], script: &str, dir: &Path) -> Live {
+    let mut cmd = Command::new(BIN);
+    for var in SCRUB {
+        cmd.env_remove(var);
+    }
+    cmd.arg("launch").args(args).arg("--").args(["sh", "-c", script]);
+    cmd.env("RP", BIN).env("DIR", dir).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("start the launcher");
+    let mut out = child.stdout.take().expect("piped");
+    let mut err = child.stderr.take().expect("piped");
+    let stderr = Arc::new(Mutex::new(String::new()));
+    let sink = Arc::clone(&stderr);
+    thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = err.read(&mut buf) {
+            sink.lock().expect("stderr buffer").push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    });
+    let stdout = thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    Live { child, stderr, stdout }
+}
+
+impl Live {
+    fn wait_stderr(&self, needle: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let text = self.stderr.lock().expect("stderr buffer").clone();
+            if text.contains(needle) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{needle:?} never appeared on stderr:\n{text}");
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn finish(mut self) -> Finished {
+        let deadline = Instant::now() + LIMIT;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                break Some(status);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                break None;
+            }
+            thread::sleep(Duration::from_millis(20));
+        };
+        let stdout = self.stdout.join().unwrap_or_default();
+        thread::sleep(Duration::from_millis(50));
+        let stderr = self.stderr.lock().expect("stderr buffer").clone();
+        let status = status.unwrap_or_else(|| panic!("ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"));
+        Finished { code: status.code(), stdout, stderr }
+    }
+}
+
+#[test]
+fn a_launcher_waiting_for_other_nodes_says_which_are_missing() {
+    let dir = temp_dir("waitnodes");
+    let master = format!("127.0.0.1:{}", free_port());
+    let common = ["--nnodes", "3", "--master", master.as_str(), "--job", "late"];
+    let node0 = live(&[&common[..], &["--node-rank", "0"]].concat(), "echo rank $RANK", &dir);
+    node0.wait_stderr("rallypoint: waiting for nodes 1, 2 of 3 (");
+    let node2 = live(&[&common[..], &["--node-rank", "2"]].concat(), "echo rank $RANK", &dir);
+    node0.wait_stderr("rallypoint: waiting for node 1 of 3 (");
+    let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), "echo rank $RANK", &dir);
+    let (n0, n1, n2) = (node0.finish(), node1.finish(), node2.finish());
+    for (n, done) in [(0, &n0), (1, &n1), (2, &n2)] {
+        assert_eq!(done.code, Some(0), "node {n}:\n{}", done.stderr);
+        assert!(done.stdout.contains(&format!("[rank{n}]: rank {n}")), "node {n}:\n{}", done.stdout);
+    }
+    let line = n0.stderr.lines().find(|l| l.starts_with("rallypoint: waiting for node 1 of 3 (")).unwrap_or_default();
+    assert!(line.ends_with(" s of 300 s)"), "{line}");
+}
+
+#[test]
+fn nodes_started_with_different_nnodes_are_told_so() {
+    let dir = temp_dir("nnodesdiff");
+    let master = format!("127.0.0.1:{}", free_port());
+    let node0 = launch(&["--nnodes", "2", "--node-rank", "0", "--master", &master, "--job", "j"], "true", &dir);
+    let node1 = launch(&["--nnodes", "3", "--node-rank", "1", "--master", &master, "--job", "j"], "true", &dir);
+    let (n0, n1) = (node0.finish(), node1.finish());
+    assert_eq!(n0.code, Some(2), "{}", n0.stderr);
+    assert_eq!(n1.code, Some(2), "{}", n1.stderr);
+    assert!(
+        n0.stderr.contains("rallypoint: node 1 (host ") && n0.stderr.contains(
+            ") was started with --nnodes 3, this node with --nnodes 2: every node of job 'j' must give the same --nnodes"
+        ),
+        "{}",
+        n0.stderr
+    );
+    assert!(n1.stderr.contains("was started with --nnodes 2, this node with --nnodes 3"), "{}", n1.stderr);
+    assert!(!n0.stderr.contains("all-gather") && !n1.stderr.contains("all-gather"), "{}{}", n0.stderr, n1.stderr);
+}
+
+#[test]
+fn nodes_started_with_different_jobs_are_told_so() {
+    let dir = temp_dir("jobdiff");
+    let master = format!("127.0.0.1:{}", free_port());
+    let common = ["--nnodes", "2", "--master", master.as_str()];
+    let node0 =
+        live(&[&common[..], &["--node-rank", "0", "--job", "alpha", "--join-timeout", "8"]].concat(), "true", &dir);
+    node0.wait_stderr("coordinator at");
+    // Node 1 gives up first, while node 0 (and its coordinator) still wait.
+    let node1 =
+        launch(&[&common[..], &["--node-rank", "1", "--job", "beta", "--join-timeout", "2"]].concat(), "true", &dir);
+    let n1 = node1.finish();
+    let n0 = node0.finish();
+    let hint = |other: &str| {
+        format!("; launchers of another job wait on this coordinator ('{other}'): every node must give the same --job")
+    };
+    assert_eq!(n1.code, Some(3), "{}", n1.stderr);
+    let expected = format!(
+        "rallypoint: gave up after 2 s (--join-timeout) waiting for node 0 of 2 to join job 'beta'{}",
+        hint("alpha")
+    );
+    assert!(n1.stderr.lines().any(|l| l == expected), "{expected:?} in\n{}", n1.stderr);
+    assert_eq!(n0.code, Some(3), "{}", n0.stderr);
+    let expected = format!(
+        "rallypoint: gave up after 8 s (--join-timeout) waiting for node 1 of 2 to join job 'alpha'{}",
+        hint("beta")
+    );
+    assert!(n0.stderr.lines().any(|l| l == expected), "{expected:?} in\n{}", n0.stderr);
+    let waiting =
+        n0.stderr.lines().find(|l| l.starts_with("rallypoint: waiting for node 1 of 2 (")).unwrap_or_default();
+    assert!(waiting.ends_with(&format!(" s of 8 s){}", hint("beta"))), "{}", n0.stderr);
+}
+
+#[test]
+fn two_launchers_claiming_one_node_rank_are_told_so() {
+    let dir = temp_dir("samerank");
+    let master = format!("127.0.0.1:{}", free_port());
+    let common = ["--nnodes", "3", "--master", master.as_str(), "--join-timeout", "20"];
+    let node0 = live(&[&common[..], &["--node-rank", "0"]].concat(), "true", &dir);
+    node0.wait_stderr("coordinator at");
+    let first = live(&[&common[..], &["--node-rank", "1"]].concat(), "true", &dir);
+    first.wait_stderr("coordinator at");
+    // Wait until the first one holds node 1: node 0 then misses only node 2.
+    node0.wait_stderr("waiting for node 2 of 3");
+    let second = launch(&[&common[..], &["--node-rank", "1"]].concat(), "true", &dir).finish();
+    assert_eq!(second.code, Some(2), "{}", second.stderr);
+    assert!(
+        second.stderr.contains("node rank 1 of job 'default' is taken by host ")
+            && second.stderr.contains("every node needs its own --node-rank"),
+        "{}",
+        second.stderr
+    );
+    // The job goes on when the real node 2 comes.
+    let node2 = launch(&[&common[..], &["--node-rank", "2"]].concat(), "true", &dir);
+    for done in [node0.finish(), first.finish(), node2.finish()] {
+        assert_eq!(done.code, Some(0), "{}", done.stderr);
+    }
+}
+
+#[test]
+fn without_node_ranks_the_launcher_that_hosts_is_node_0_and_the_others_take_the_next() {
+    let dir = temp_dir("autorank");
+    let master = format!("127.0.0.1:{}", free_port());
+    let script = r#"echo "node $GROUP_RANK rank $RANK of $WORLD_SIZE"; "$RP" barrier all --timeout 30 || exit 9"#;
+    let args = ["--nnodes", "3", "--nproc-per-node", "2", "--master", master.as_str()];
+    let nodes: Vec<Launched> = (0..3).map(|_| launch(&args, script, &dir)).collect();
+    let done: Vec<Finished> = nodes.into_iter().map(Launched::finish).collect();
+    let mut seen = Vec::new();
+    for d in &done {
+        assert_eq!(d.code, Some(0), "{}", d.stderr);
+        for line in d.stdout.lines() {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            assert_eq!(words[6], "6", "{line}");
+            seen.push((words[2].to_owned(), words[4].parse::<u32>().expect("rank")));
+        }
+    }
+    seen.sort_by_key(|(_, rank)| *rank);
+    let ranks: Vec<u32> = seen.iter().map(|(_, r)| *r).collect();
+    assert_eq!(ranks, [0, 1, 2, 3, 4, 5], "{seen:?}");
+    for (node, rank) in &seen {
+        assert_eq!(node.parse::<u32>().ok(), Some(rank / 2), "{seen:?}");
+    }
+    let joined = done.iter().filter(|d| d.stderr.contains("rallypoint: this launcher is node ")).count();
+    assert_eq!(joined, 2, "the two that did not host say which node they are");
+}

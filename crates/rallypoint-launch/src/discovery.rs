@@ -29,7 +29,8 @@ pub struct Entry {
     pub job: String,
     /// The coordinator job of the attempt running now (`NAME`, then `NAME.restart1`, ...).
     pub attempt_job: String,
-    pub node_rank: u32,
+    /// `None` until a launcher taking the next free index has joined.
+    pub node_rank: Option<u32>,
     pub nnodes: u32,
     pub nproc_per_node: u32,
     /// The worker command, for a person choosing among launchers.
@@ -51,6 +52,14 @@ impl Registration {
         let path = private_dir()?.join(format!("{FILE_PREFIX}{}{FILE_SUFFIX}", entry.pid));
         write(&path, &entry)?;
         Ok(Registration { path, entry })
+    }
+
+    /// This launcher joined as node `node`.
+    pub fn set_node_rank(&mut self, node: u32) {
+        self.entry.node_rank = Some(node);
+        if let Err(error) = write(&self.path, &self.entry) {
+            tracing::debug!(%error, "cannot update {}", self.path.display());
+        }
     }
 
     /// The attempt running now moved to another coordinator job.

@@ -39,21 +39,28 @@ use console::Console;
 use node_agent::NodeAgent;
 use procs::Family;
 use rallypoint_client::env::JobEnv;
-use rendezvous::Launchers;
+pub use rendezvous::JoinError;
+use rendezvous::{Join, Launchers};
 use supervise::{Attempt, AttemptResult};
 use watchdog::Watchdog;
 
 /// How long the launcher, done, lets its console show what is queued: a console
 /// that does not read is not waited for.
 const CONSOLE_CLOSE: Duration = Duration::from_secs(2);
+/// How long node 0, refusing a node started differently, keeps the coordinator up
+/// so that the other nodes can read what they are refused for.
+const REFUSAL_LINGER: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Clone)]
 pub struct LaunchOptions {
     pub nproc_per_node: u32,
     pub nnodes: u32,
-    pub node_rank: u32,
-    /// Coordinator address: node 0 binds exactly it; the other nodes connect to it.
-    /// Single node without it: a free port on 127.0.0.1.
+    /// This node's index, 0..nnodes; node 0 hosts the coordinator. `None`: on one
+    /// node, 0; on several, the launcher that can bind `master` on its machine is
+    /// node 0 and the others take the next free index when they join.
+    pub node_rank: Option<u32>,
+    /// Coordinator address: node 0 binds exactly it (port 0: a free one); the other
+    /// nodes connect to it. Single node without it: a free port on 127.0.0.1.
     pub master: Option<String>,
     pub job: String,
     /// The workers' role (`ROLE_NAME`): torchrun's `--role`.
@@ -96,11 +103,20 @@ pub enum LaunchError {
     LogDir { dir: PathBuf, source: io::Error },
     #[error("{0}")]
     Coordinator(#[from] rallypoint_client::Error),
+    /// Boxed: a join error is large, and launch errors are rare.
+    #[error("{0}")]
+    Join(Box<JoinError>),
     #[error("cannot create the node agent's socket directory in {dir}: {source}")]
     SocketDir { dir: PathBuf, source: io::Error },
     #[error("{0}")]
     /// Boxed: an agent error is large, and launch errors are rare.
     NodeAgent(Box<rallypoint_agent::AgentError>),
+}
+
+impl From<JoinError> for LaunchError {
+    fn from(error: JoinError) -> Self {
+        LaunchError::Join(Box::new(error))
+    }
 }
 
 /// Runs the job to its end; returns the launcher's exit code (0, or the first failure's).
@@ -130,7 +146,22 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
         }
     };
     let host = options.host.clone().unwrap_or_else(rallypoint_net::hostname);
-    let server = if options.node_rank == 0 { Some(host_coordinator(options).await?) } else { None };
+    let server = match options.node_rank {
+        Some(0) => Some(host_coordinator(options).await?),
+        Some(_) => None,
+        None if options.nnodes == 1 => Some(host_coordinator(options).await?),
+        None => match host_coordinator(options).await {
+            Ok(server) => Some(server),
+            // Another machine's address, or another launcher of this machine hosts it.
+            Err(LaunchError::Bind { source, .. })
+                if matches!(source.kind(), io::ErrorKind::AddrInUse | io::ErrorKind::AddrNotAvailable) =>
+            {
+                None
+            }
+            Err(e) => return Err(e),
+        },
+    };
+    let node_rank = if server.is_some() { Some(0) } else { options.node_rank };
     let addr = match (&server, &options.master) {
         (Some(server), _) => server.local_addr().to_string(),
         (None, Some(master)) => master.clone(),
@@ -140,10 +171,29 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
         Some(server) => server.local_addr(),
         None => resolve(&addr).await?,
     };
-    console.message(start_line(options, coordinator, server.is_some()));
-    let registration = register(options, coordinator);
-    let launchers =
-        Launchers::join(&addr, &options.job, options.node_rank, options.nnodes, &host, options.join_timeout).await?;
+    console.message(start_line(options, coordinator, node_rank));
+    let mut registration = register(options, coordinator, node_rank);
+    let join = Join {
+        addr: &addr,
+        job: &options.job,
+        node: node_rank,
+        nnodes: options.nnodes,
+        host: &host,
+        timeout: options.join_timeout,
+    };
+    let launchers = match Launchers::join(&join, console).await {
+        Ok(launchers) => launchers,
+        Err(LaunchError::Join(e)) if server.is_some() && e.is_refusal() => {
+            // The other nodes learn why from the claims on this coordinator: it stays
+            // up a moment for them to read.
+            tokio::time::sleep(REFUSAL_LINGER).await;
+            return Err(LaunchError::Join(e));
+        }
+        Err(e) => return Err(e),
+    };
+    if let Some(registration) = &mut registration {
+        registration.set_node_rank(launchers.node);
+    }
     // After the join: the coordinator is known to be up, so the agent connects at once.
     let node_agent = if options.node_agent {
         Some(NodeAgent::start(&coordinator.to_string(), &host, options.join_timeout).await?)
@@ -198,7 +248,10 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
     let options = run.options;
     let mut attempt = 0;
     loop {
-        let layout = run.launchers.rendezvous(attempt, options.nproc_per_node, options.join_timeout).await?;
+        let layout = run
+            .launchers
+            .rendezvous(&options.job, attempt, options.max_restarts, options.nproc_per_node, options.join_timeout)
+            .await?;
         let job = JobEnv {
             coordinator: run.coordinator,
             node_agent: run.node_agent.clone(),
@@ -273,11 +326,12 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
 
 /// The line a launcher starts with: where its coordinator is, and how to look at the
 /// job there.
-fn start_line(o: &LaunchOptions, coordinator: SocketAddr, hosted: bool) -> String {
-    let whose = match (hosted, o.nnodes) {
-        (true, 1) => "hosted by this launcher".to_owned(),
-        (true, n) => format!("hosted by this launcher, node 0 of {n}"),
-        (false, n) => format!("hosted by node 0; this is node {} of {n}", o.node_rank),
+fn start_line(o: &LaunchOptions, coordinator: SocketAddr, node_rank: Option<u32>) -> String {
+    let whose = match (node_rank, o.nnodes) {
+        (Some(0), 1) => "hosted by this launcher".to_owned(),
+        (Some(0), n) => format!("hosted by this launcher, node 0 of {n}"),
+        (Some(node), n) => format!("hosted by node 0; this is node {node} of {n}"),
+        (None, n) => format!("hosted by node 0 of {n}; this node takes the next free index"),
     };
     let workers = if o.nproc_per_node == 1 { "1 worker".to_owned() } else { format!("{} workers", o.nproc_per_node) };
     format!(
@@ -299,7 +353,7 @@ fn shell_word(word: &str) -> String {
 }
 
 /// Tells `rallypoint status` on this machine where this launcher's coordinator is.
-fn register(o: &LaunchOptions, coordinator: SocketAddr) -> Option<discovery::Registration> {
+fn register(o: &LaunchOptions, coordinator: SocketAddr, node_rank: Option<u32>) -> Option<discovery::Registration> {
     let command: Vec<String> = o.command.iter().map(|a| shell_word(&a.to_string_lossy())).collect();
     let entry = discovery::Entry {
         pid: 0,
@@ -307,7 +361,7 @@ fn register(o: &LaunchOptions, coordinator: SocketAddr) -> Option<discovery::Reg
         addr: coordinator.to_string(),
         job: o.job.clone(),
         attempt_job: o.job.clone(),
-        node_rank: o.node_rank,
+        node_rank,
         nnodes: o.nnodes,
         nproc_per_node: o.nproc_per_node,
         command: command.join(" "),
@@ -338,11 +392,8 @@ fn validate(o: &LaunchOptions) -> Result<(), LaunchError> {
     if o.nnodes == 0 {
         return usage("--nnodes must be at least 1".into());
     }
-    if o.node_rank >= o.nnodes {
-        return usage(format!(
-            "--node-rank {} is out of range for --nnodes {} (0..{})",
-            o.node_rank, o.nnodes, o.nnodes
-        ));
+    if let Some(node_rank) = o.node_rank.filter(|&n| n >= o.nnodes) {
+        return usage(format!("--node-rank {node_rank} is out of range for --nnodes {} (0..{})", o.nnodes, o.nnodes));
     }
     if o.nnodes > 1 && o.master.is_none() {
         return usage("--master HOST:PORT is required with --nnodes > 1".into());
