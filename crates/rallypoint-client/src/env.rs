@@ -7,8 +7,10 @@
 //! Each setting is taken from the first of these that is present: an explicit
 //! value ([`Overrides`]), then the variables in the order listed on the field.
 //! An empty variable counts as unset. Invalid values are errors naming the
-//! variable and the value, never silently ignored.
+//! variable and the value, never silently ignored. [`expand_nodelist`] reads
+//! Slurm's compressed host lists (`SLURM_JOB_NODELIST`).
 
+mod slurm;
 mod workers;
 
 use std::ffi::OsString;
@@ -18,6 +20,7 @@ use rallypoint_core::Identity;
 
 use crate::{Error, DEFAULT_TIMEOUT};
 
+pub use slurm::{expand_nodelist, NodelistError, NodelistProblem, MAX_NODELIST_HOSTS};
 pub use workers::{live_output_env, worker_env, JobEnv, Placement};
 
 #[derive(Debug, Clone, PartialEq)]
