@@ -38,7 +38,8 @@ enum Command {
     /// to the coordinator over one connection.
     Agent(agent::AgentArgs),
     /// Run a job: host the coordinator, spawn the workers, take the job down when one fails.
-    Launch(launch::LaunchArgs),
+    // Boxed: its many torchrun flags make it the largest by far.
+    Launch(Box<launch::LaunchArgs>),
     #[command(flatten)]
     Verb(verbs::Verb),
     /// Measure barrier, collective and key-value latency (runs `rallypoint-bench`,
@@ -103,7 +104,7 @@ fn run(command: Command) -> anyhow::Result<i32> {
         match command {
             Command::Serve(args) => serve::run(args).await.map(|()| 0),
             Command::Agent(args) => agent::run(args).await.map(|()| 0),
-            Command::Launch(args) => launch::run(args).await,
+            Command::Launch(args) => launch::run(*args).await,
             Command::Verb(verb) => verbs::run(verb).await.map(|()| 0),
             Command::Bench(_) => unreachable!("run without a runtime above"),
             Command::Demo(args) => demo::run(args).await.map(|()| 0),
