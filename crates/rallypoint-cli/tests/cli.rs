@@ -597,3 +597,31 @@ fn set_reads_the_value_from_stdin_given_a_dash() {
     assert_code(&finish(&mut child), 0);
     assert_eq!(exec(server.cmd("stdin", &["get", "blob"])).stdout, "line one\nline two -\n\n");
 }
+
+#[test]
+fn completions_for_bash_zsh_and_fish() {
+    for (shell, marker) in
+        [("bash", "complete -F _rallypoint"), ("zsh", "#compdef rallypoint"), ("fish", "complete -c rallypoint")]
+    {
+        let run = exec({
+            let mut command = rallypoint();
+            command.args(["completions", shell]);
+            command
+        });
+        assert_code(&run, 0);
+        assert!(run.stdout.contains(marker), "{shell}: {marker:?} missing");
+        for word in ["launch", "nproc-per-node", "status"] {
+            assert!(run.stdout.contains(word), "{shell} completes {word}");
+        }
+    }
+    // bash loads it: `rallypoint` gets its completion function.
+    let script = format!("source <({BIN} completions bash) && complete -p rallypoint");
+    let loaded = Command::new("bash").args(["-c", &script]).output().expect("bash");
+    assert!(String::from_utf8_lossy(&loaded.stdout).contains("_rallypoint"), "{loaded:?}");
+    let run = exec({
+        let mut command = rallypoint();
+        command.args(["completions", "tcsh"]);
+        command
+    });
+    assert_code(&run, 2);
+}
