@@ -56,7 +56,11 @@ def main():
     parser.add_argument("--torchrun", required=True)
     args = parser.parse_args()
 
-    workdir = tempfile.mkdtemp(prefix="compare-torchrun-")
+    with tempfile.TemporaryDirectory(prefix="compare-torchrun-") as workdir:
+        compare(args, workdir)
+
+
+def compare(args, workdir):
     script = os.path.join(workdir, "gloo_allreduce.py")
     with open(script, "w") as f:
         f.write(GLOO)
