@@ -50,6 +50,18 @@ impl fmt::Display for UsageError {
 
 impl std::error::Error for UsageError {}
 
+/// The nodes of a launched job did not all come within the join timeout (exit code 3).
+#[derive(Debug)]
+pub struct JoinTimeout(pub String);
+
+impl fmt::Display for JoinTimeout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for JoinTimeout {}
+
 /// Returns `Err(UsageError)` with a formatted message.
 macro_rules! usage {
     ($($arg:tt)*) => {
@@ -63,6 +75,9 @@ pub fn code_of(err: &anyhow::Error) -> Exit {
     for cause in err.chain() {
         if cause.is::<UsageError>() {
             return Exit::Usage;
+        }
+        if cause.is::<JoinTimeout>() {
+            return Exit::Timeout;
         }
         if let Some(e) = cause.downcast_ref::<Error>() {
             return of_client_error(e);

@@ -39,7 +39,8 @@ enum Command {
     /// to the coordinator over one connection.
     Agent(agent::AgentArgs),
     /// Run a job: host the coordinator, spawn the workers, take the job down when one fails.
-    Launch(launch::LaunchArgs),
+    // Boxed: its many torchrun flags make it the largest by far.
+    Launch(Box<launch::LaunchArgs>),
     #[command(flatten)]
     Verb(verbs::Verb),
     /// Measure barrier, collective and key-value latency (runs `rallypoint-bench`,
@@ -50,6 +51,16 @@ enum Command {
     /// One worker of the demo job, configured by RANK, WORLD_SIZE, RALLYPOINT_ADDR and
     /// RALLYPOINT_JOB: run it under `rallypoint launch`.
     DemoWorker(demo::WorkerArgs),
+    /// Print a completion script for SHELL on stdout.
+    ///
+    /// bash: rallypoint completions bash > ~/.local/share/bash-completion/completions/rallypoint
+    /// zsh:  rallypoint completions zsh > ~/.zfunc/_rallypoint (with fpath+=~/.zfunc before compinit)
+    /// fish: rallypoint completions fish > ~/.config/fish/completions/rallypoint.fish
+    Completions {
+        /// The shell to complete in
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 fn main() -> ExitCode {
@@ -91,6 +102,11 @@ fn main() -> ExitCode {
 }
 
 fn run(command: Command) -> anyhow::Result<i32> {
+    if let Command::Completions { shell } = command {
+        let mut cli = <Cli as clap::CommandFactory>::command();
+        clap_complete::generate(shell, &mut cli, "rallypoint", &mut std::io::stdout());
+        return Ok(0);
+    }
     // A verb does one request: a single-threaded runtime starts fastest. The server,
     // benchmarks and demo do many things at once.
     let runtime = match command {
@@ -104,11 +120,34 @@ fn run(command: Command) -> anyhow::Result<i32> {
         match command {
             Command::Serve(args) => serve::run(args).await.map(|()| 0),
             Command::Agent(args) => agent::run(args).await.map(|()| 0),
-            Command::Launch(args) => launch::run(args).await,
+            Command::Launch(args) => launch::run(*args).await,
             Command::Verb(verb) => verbs::run(verb).await.map(|()| 0),
-            Command::Bench(_) => unreachable!("run without a runtime above"),
+            Command::Bench(_) | Command::Completions { .. } => unreachable!("run without a runtime above"),
             Command::Demo(args) => demo::run(args).await.map(|()| 0),
             Command::DemoWorker(args) => demo::worker(args).await.map(|()| 0),
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    use super::Cli;
+
+    #[test]
+    fn every_argument_of_every_command_has_help() {
+        let cli = Cli::command();
+        for command in cli.get_subcommands() {
+            for arg in command.get_arguments().filter(|a| !a.is_hide_set()) {
+                assert!(
+                    arg.get_help().is_some(),
+                    "`rallypoint {}`: {} has no help text",
+                    command.get_name(),
+                    arg.get_id()
+                );
+            }
+        }
+        Cli::command().debug_assert();
+    }
 }

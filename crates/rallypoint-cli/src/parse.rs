@@ -10,6 +10,28 @@ pub fn secs(text: &str) -> Result<f64, String> {
     Ok(secs)
 }
 
+/// A coordinator address: HOST:PORT (`[v6]:PORT` for IPv6) or `unix:PATH`. Caught
+/// here, at once: a connect would retry a malformed address until its timeout.
+pub fn addr(text: &str) -> Result<String, String> {
+    if text.starts_with("unix:") {
+        return Ok(text.to_owned());
+    }
+    let example = |host: &str| format!("give HOST:PORT, e.g. {host}:29500");
+    let Some((host, port)) = text.rsplit_once(':') else {
+        return Err(format!("'{text}' has no port: {}", example(text)));
+    };
+    if host.is_empty() {
+        return Err(format!("'{text}' has no host: {}", example("localhost")));
+    }
+    if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
+        return Err(format!("'{text}': an IPv6 address goes in brackets, e.g. [::1]:29500"));
+    }
+    match port.parse::<u16>() {
+        Ok(1..) => Ok(text.to_owned()),
+        _ => Err(format!("'{port}' in '{text}' is not a port (1 to 65535): {}", example(host))),
+    }
+}
+
 /// Most ranks a rank list may expand to (a typo like "0-4000000000" must not
 /// allocate gigabytes).
 const MAX_RANKS: u64 = 1 << 20;
@@ -66,6 +88,18 @@ mod tests {
         assert!(ranks("-1").is_err());
         assert!(ranks("5-2").unwrap_err().contains("backwards"));
         assert!(ranks("0-4000000000").unwrap_err().contains("more than"));
+    }
+
+    #[test]
+    fn addresses() {
+        for good in ["localhost:29500", "10.0.0.1:1", "[::1]:29500", "unix:/tmp/agent.sock", "node-7.cluster:65535"] {
+            assert_eq!(addr(good).as_deref(), Ok(good));
+        }
+        assert_eq!(addr("localhost").unwrap_err(), "'localhost' has no port: give HOST:PORT, e.g. localhost:29500");
+        assert!(addr(":29500").unwrap_err().contains("no host"));
+        assert!(addr("h:0").unwrap_err().contains("not a port"));
+        assert!(addr("h:http").unwrap_err().contains("'http'"));
+        assert!(addr("::1:29500").unwrap_err().contains("brackets"));
     }
 
     #[test]

@@ -6,12 +6,14 @@
 //! the worker's rank, which the worker's own process holds (docs/PROTOCOL.md,
 //! section 14).
 
-use std::io::Write;
+use std::io::{Read, Write};
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use rallypoint_client::env::{Overrides, Settings};
 use rallypoint_client::{Client, Error, Incarnation, Members};
+use rallypoint_launch::discovery;
 
 use crate::exit::usage;
 use crate::parse;
@@ -24,6 +26,7 @@ pub enum Verb {
     /// per rank by the coordinator, so `for step in ...; do rallypoint barrier step; done`
     /// works across separate processes.
     Barrier {
+        /// The barrier's name (its calls are counted per rank: see above)
         name: String,
         #[command(flatten)]
         members: MembersArgs,
@@ -32,6 +35,7 @@ pub enum Verb {
     },
     /// Contribute VALUE; print every member's value, one line per rank, in rank order.
     AllGather {
+        /// This rank's value (any text)
         #[arg(allow_negative_numbers = true)]
         value: String,
         /// Name of the collective (its generations are counted like a barrier's)
@@ -44,6 +48,7 @@ pub enum Verb {
     },
     /// Print the root's VALUE on every member (VALUE is required on the root only).
     Broadcast {
+        /// The value to send: given on the root, not needed elsewhere
         #[arg(allow_negative_numbers = true)]
         value: Option<String>,
         /// Rank whose value everyone gets
@@ -57,9 +62,11 @@ pub enum Verb {
         #[command(flatten)]
         conn: Conn,
     },
-    /// Store VALUE under KEY.
+    /// Store VALUE under KEY (`-`: the value is read from stdin, byte for byte).
     Set {
+        /// The key (any text; keys of one job share one namespace)
         key: String,
+        /// The value; `-` reads it from stdin (a value that is `-` itself: `printf -- - | rallypoint set KEY -`)
         #[arg(allow_negative_numbers = true)]
         value: String,
         #[command(flatten)]
@@ -67,13 +74,16 @@ pub enum Verb {
     },
     /// Print the value of KEY, waiting until it exists (or --timeout; exit code 3).
     Get {
+        /// The key to wait for and print
         key: String,
         #[command(flatten)]
         conn: Conn,
     },
     /// Add N to the integer at KEY (missing counts as 0); print the new value.
     Add {
+        /// The key holding a decimal integer
         key: String,
+        /// How much to add (may be negative)
         #[arg(allow_negative_numbers = true)]
         n: i64,
         #[command(flatten)]
@@ -81,20 +91,23 @@ pub enum Verb {
     },
     /// Wait until every KEY exists (prints nothing).
     Wait {
-        #[arg(required = true)]
+        /// The keys to wait for
+        #[arg(required = true, value_name = "KEY")]
         keys: Vec<String>,
         #[command(flatten)]
         conn: Conn,
     },
     /// Delete KEY; print `true` if it existed, `false` if not (exit code 0 either way).
     Delete {
+        /// The key to delete
         key: String,
         #[command(flatten)]
         conn: Conn,
     },
     /// Print `true` if every KEY exists now, `false` if not (exit code 0 either way).
     Check {
-        #[arg(required = true)]
+        /// The keys to look for
+        #[arg(required = true, value_name = "KEY")]
         keys: Vec<String>,
         #[command(flatten)]
         conn: Conn,
@@ -108,6 +121,12 @@ pub enum Verb {
     /// inferred for them, arrivals at `init/`, each process group's ranks that wrote
     /// their address key and the ranks others wait for that never did, store barriers,
     /// and every waiting connection (see docs/TCPSTORE.md).
+    ///
+    /// The last line lists the coordinator's jobs; a job it does not hold is an error
+    /// (exit code 2) naming those it does. With no address given (no --addr,
+    /// RALLYPOINT_ADDR or MASTER_ADDR), the coordinator of a `rallypoint launch` of
+    /// this user on this machine is used, and its job unless --job says otherwise;
+    /// with several launchers running, --job picks one.
     Status {
         #[command(flatten)]
         conn: Conn,
@@ -132,6 +151,7 @@ pub enum Verb {
     /// Every pending and later barrier, collective and wait of the job fails with
     /// REASON, naming who aborted.
     Abort {
+        /// Why: every failed operation's error quotes it
         reason: String,
         #[command(flatten)]
         conn: Conn,
@@ -144,7 +164,7 @@ pub enum Verb {
 #[command(next_help_heading = "Connection")]
 pub struct Conn {
     /// Coordinator address [default: $RALLYPOINT_ADDR, else $MASTER_ADDR:$MASTER_PORT]
-    #[arg(long, value_name = "HOST:PORT")]
+    #[arg(long, value_name = "HOST:PORT", value_parser = parse::addr)]
     addr: Option<String>,
     /// Job name; jobs on one coordinator are independent [default: $RALLYPOINT_JOB,
     /// else $TORCHELASTIC_RUN_ID, else $SLURM_JOB_ID, else "default"]
@@ -218,6 +238,13 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
             print_line(&finish(client, result).await?)?;
         }
         Verb::Set { key, value, conn } => {
+            let value = if value == "-" {
+                let mut bytes = Vec::new();
+                std::io::stdin().read_to_end(&mut bytes).context("reading the value from stdin")?;
+                bytes
+            } else {
+                value.into_bytes()
+            };
             let client = connect(&conn.tool()?).await?;
             let result = client.set(key, value).await;
             finish(client, result).await?;
@@ -247,13 +274,7 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
             let result = client.check(&keys).await;
             print_line(finish(client, result).await?.to_string().as_bytes())?;
         }
-        Verb::Status { conn } => {
-            let client = connect(&conn.tool()?).await?;
-            let result = client.status().await;
-            let report = finish(client, result).await?;
-            let mut out = std::io::stdout().lock();
-            out.write_all(report.as_bytes()).and_then(|()| out.flush()).context("writing to stdout")?;
-        }
+        Verb::Status { conn } => status(conn).await?,
         Verb::Reset { incarnation, conn } => {
             // The reset is about the job as it is now, whatever incarnation this
             // process's environment names.
@@ -273,11 +294,107 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `status`: the coordinator's jobs, then the report of one of them.
+async fn status(mut conn: Conn) -> anyhow::Result<()> {
+    if conn.addr.is_none() && !address_in_env() {
+        let launcher = find_launcher(conn.job.as_deref())?;
+        conn.addr = Some(launcher.addr);
+        conn.job = Some(conn.job.unwrap_or(launcher.attempt_job));
+        // The launcher's own token, unless one was given.
+        if conn.token_file.is_none() && std::env::var_os("RALLYPOINT_TOKEN").is_none_or(|t| t.is_empty()) {
+            conn.token_file = launcher.token_file;
+        }
+    }
+    let settings = conn.settings(None)?;
+    let client = connect(&settings).await?;
+    let jobs = match client.jobs().await {
+        Ok(jobs) => jobs,
+        Err(e) => {
+            let _ = client.close().await;
+            return Err(e.into());
+        }
+    };
+    let complete = jobs.len() < rallypoint_core::MAX_JOBS_LISTED;
+    // A launcher's job whose workers have not connected (yet, or ever: they need not
+    // use rallypoint) exists all the same: its launchers are there.
+    let launched = jobs.contains(&format!("{}/launch", settings.job));
+    if complete && !launched && !jobs.contains(&settings.job) {
+        let _ = client.close().await;
+        let held = if jobs.is_empty() { "none".to_owned() } else { quoted(&jobs) };
+        usage!("the coordinator at {} holds no job '{}' (its jobs: {held})", settings.addr, settings.job);
+    }
+    let result = client.status().await;
+    let report = finish(client, result).await?;
+    let count = match (jobs.len(), complete) {
+        (1, _) => "1 job".to_owned(),
+        (n, true) => format!("{n} jobs"),
+        (n, false) => format!("more than {} jobs; the first {n}", n - 1),
+    };
+    let footer = format!("coordinator {} holds {count}: {}\n", settings.addr, quoted(&jobs));
+    let mut out = std::io::stdout().lock();
+    out.write_all(report.as_bytes())
+        .and_then(|()| out.write_all(footer.as_bytes()))
+        .and_then(|()| out.flush())
+        .context("writing to stdout")
+}
+
+fn quoted(names: &[String]) -> String {
+    names.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
+}
+
+/// Whether the environment names a coordinator, as `Settings` reads it.
+fn address_in_env() -> bool {
+    ["RALLYPOINT_ADDR", "MASTER_ADDR"].iter().any(|v| std::env::var_os(v).is_some_and(|a| !a.is_empty()))
+}
+
+/// The one launcher of this user on this machine (the one running `job`, if given).
+fn find_launcher(job: Option<&str>) -> anyhow::Result<discovery::Entry> {
+    let all = discovery::launchers();
+    let mut matching: Vec<discovery::Entry> =
+        all.iter().filter(|l| job.is_none_or(|j| l.job == j || l.attempt_job == j)).cloned().collect();
+    match matching.len() {
+        1 => Ok(matching.remove(0)),
+        0 if all.is_empty() => usage!(
+            "no coordinator address: pass --addr HOST:PORT or set RALLYPOINT_ADDR (no `rallypoint launch` of \
+             this user runs on this machine)"
+        ),
+        0 => usage!(
+            "no `rallypoint launch` of this user on this machine runs job '{}'; these do:\n{}",
+            job.unwrap_or_default(),
+            describe(&all)
+        ),
+        _ => usage!(
+            "{} `rallypoint launch` of this user run on this machine; pick one with --job NAME (or --addr):\n{}",
+            matching.len(),
+            describe(&matching)
+        ),
+    }
+}
+
+fn describe(launchers: &[discovery::Entry]) -> String {
+    let lines: Vec<String> = launchers
+        .iter()
+        .map(|l| {
+            format!(
+                "  --job {}  (coordinator {}, pid {}, node {} of {}, {} worker(s): {})",
+                l.job,
+                l.addr,
+                l.pid,
+                l.node_rank.map_or("?".to_owned(), |n| n.to_string()),
+                l.nnodes,
+                l.nproc_per_node,
+                l.command
+            )
+        })
+        .collect();
+    lines.join("\n")
+}
+
 impl Conn {
     /// Flags over environment, resolved by the library so both agree.
     fn settings(&self, role: Option<&str>) -> anyhow::Result<Settings> {
         // Also checks that the rank is below the world size, wherever each came from.
-        Ok(Settings::resolve(Overrides {
+        let settings = Settings::resolve(Overrides {
             addr: self.addr.clone(),
             job: self.job.clone(),
             rank: self.rank,
@@ -287,7 +404,12 @@ impl Conn {
             token: None,
             token_file: self.token_file.clone(),
             tls_ca: self.tls_ca.clone(),
-        })?)
+        })?;
+        // From the environment: the flag was checked already.
+        if let Err(problem) = parse::addr(&settings.addr) {
+            usage!("bad coordinator address: {problem}");
+        }
+        Ok(settings)
     }
 }
 
@@ -329,8 +451,25 @@ async fn collective(conn: &Conn, members: &MembersArgs, what: &str) -> anyhow::R
     Ok((connect(&settings).await?, members))
 }
 
+/// Connects, saying on stderr after a second, and then now and again, that it is
+/// still trying: a verb waiting for a coordinator not up yet looks hung otherwise.
 async fn connect(settings: &Settings) -> Result<Client, Error> {
-    Client::connect_with(settings.connect_options()).await
+    let connecting = Client::connect_with(settings.connect_options());
+    tokio::pin!(connecting);
+    let started = tokio::time::Instant::now();
+    let mut pause = Duration::from_secs(1);
+    loop {
+        tokio::select! {
+            connected = &mut connecting => return connected,
+            () = tokio::time::sleep_until(started + pause) => {
+                let waited = started.elapsed().as_secs();
+                let limit = settings.timeout.as_secs();
+                eprintln!("rallypoint: waiting for the coordinator at {} ({waited} s of {limit} s)", settings.addr);
+                // 1 s, 3 s, 7 s, 15 s, ...: reassuring, not flooding.
+                pause = pause * 2 + Duration::from_secs(1);
+            }
+        }
+    }
 }
 
 /// Leaves cleanly whatever the operation's outcome, so the coordinator counts this

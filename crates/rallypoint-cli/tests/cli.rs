@@ -807,3 +807,104 @@ fn wait_for_status(server: &Server, job: &str, what: &str) {
         thread::sleep(Duration::from_millis(50));
     }
 }
+
+#[test]
+fn status_lists_the_jobs_and_refuses_one_the_coordinator_does_not_hold() {
+    let server = Server::start();
+    assert_code(&exec(server.cmd("alpha", &["set", "k", "v"])), 0);
+    let run = exec(server.cmd("alpha", &["status"]));
+    assert_code(&run, 0);
+    let last = run.stdout.lines().last().unwrap_or_default();
+    assert_eq!(last, format!("coordinator {} holds 1 job: 'alpha'", server.addr), "{run:#?}");
+    let run = exec(server.cmd("alhpa", &["status"]));
+    assert_code(&run, 2);
+    assert_eq!(
+        run.stderr.trim_end(),
+        format!("rallypoint: the coordinator at {} holds no job 'alhpa' (its jobs: 'alpha')", server.addr)
+    );
+    // Asking about a job made no job of it.
+    let run = exec(server.cmd("alpha", &["status"]));
+    assert!(run.stdout.ends_with("holds 1 job: 'alpha'\n"), "{run:#?}");
+    // A launcher's job (its launchers are in NAME/launch) before any worker connects.
+    assert_code(&exec(server.cmd("beta/launch", &["set", "k", "v"])), 0);
+    let run = exec(server.cmd("beta", &["status"]));
+    assert_code(&run, 0);
+    assert!(run.stdout.starts_with("job 'beta'\n"), "{run:#?}");
+}
+
+#[test]
+fn an_address_without_a_port_is_a_usage_error_at_once() {
+    for (flag, env) in [(Some("localhost"), None), (None, Some("localhost"))] {
+        let run = exec({
+            let mut command = rallypoint();
+            command.args(["get", "k"]);
+            if let Some(addr) = flag {
+                command.args(["--addr", addr]);
+            }
+            if let Some(addr) = env {
+                command.env("RALLYPOINT_ADDR", addr);
+            }
+            command
+        });
+        assert_code(&run, 2);
+        assert!(run.stderr.contains("'localhost' has no port: give HOST:PORT, e.g. localhost:29500"), "{run:#?}");
+        assert!(!run.stderr.contains("waiting"), "{run:#?}");
+    }
+}
+
+#[test]
+fn a_verb_waiting_to_connect_says_so() {
+    let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let addr = format!("127.0.0.1:{port}");
+    let run = exec({
+        let mut command = rallypoint();
+        command.args(["get", "k", "--addr", &addr, "--timeout", "2.5"]);
+        command
+    });
+    assert_code(&run, 7);
+    let waiting = format!("rallypoint: waiting for the coordinator at {addr} (1 s of 2 s)");
+    assert!(run.stderr.lines().any(|l| l == waiting), "{waiting:?} in {run:#?}");
+}
+
+#[test]
+fn set_reads_the_value_from_stdin_given_a_dash() {
+    let server = Server::start();
+    let mut command = server.cmd("stdin", &["set", "blob", "-"]);
+    command.stdin(Stdio::piped());
+    let mut child = spawn(command);
+    {
+        use std::io::Write;
+        let mut stdin = child.0.stdin.take().expect("piped stdin");
+        stdin.write_all(b"line one\nline two -\n").expect("write the value");
+    }
+    assert_code(&finish(&mut child), 0);
+    assert_eq!(exec(server.cmd("stdin", &["get", "blob"])).stdout, "line one\nline two -\n\n");
+}
+
+#[test]
+fn completions_for_bash_zsh_and_fish() {
+    for (shell, marker) in
+        [("bash", "complete -F _rallypoint"), ("zsh", "#compdef rallypoint"), ("fish", "complete -c rallypoint")]
+    {
+        let run = exec({
+            let mut command = rallypoint();
+            command.args(["completions", shell]);
+            command
+        });
+        assert_code(&run, 0);
+        assert!(run.stdout.contains(marker), "{shell}: {marker:?} missing");
+        for word in ["launch", "nproc-per-node", "status"] {
+            assert!(run.stdout.contains(word), "{shell} completes {word}");
+        }
+    }
+    // bash loads it: `rallypoint` gets its completion function.
+    let script = format!("source <({BIN} completions bash) && complete -p rallypoint");
+    let loaded = Command::new("bash").args(["-c", &script]).output().expect("bash");
+    assert!(String::from_utf8_lossy(&loaded.stdout).contains("_rallypoint"), "{loaded:?}");
+    let run = exec({
+        let mut command = rallypoint();
+        command.args(["completions", "tcsh"]);
+        command
+    });
+    assert_code(&run, 2);
+}

@@ -46,7 +46,9 @@ struct Finished {
     stderr: String,
 }
 
-fn launch(args: &[&str], script: &str, dir: &Path) -> Launched {
+/// `rallypoint launch ARGS` with the test's environment scrubbed; a job of
+/// several nodes gets the token all its launchers share.
+fn launcher(args: &[&str]) -> Command {
     let mut cmd = Command::new(BIN);
     for var in SCRUB {
         cmd.env_remove(var);
@@ -54,7 +56,13 @@ fn launch(args: &[&str], script: &str, dir: &Path) -> Launched {
     if args.windows(2).any(|pair| pair[0] == "--nnodes" && pair[1] != "1") {
         cmd.env("RALLYPOINT_TOKEN", SHARED_TOKEN);
     }
-    cmd.arg("launch").args(args).arg("--").args(["sh", "-c", script]);
+    cmd.arg("launch").args(args);
+    cmd
+}
+
+fn launch(args: &[&str], script: &str, dir: &Path) -> Launched {
+    let mut cmd = launcher(args);
+    cmd.arg("--").args(["sh", "-c", script]);
     cmd.env("RP", BIN).env("DIR", dir).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = cmd.spawn().expect("start the launcher");
     let mut out = child.stdout.take().expect("piped");
@@ -98,6 +106,11 @@ impl Launched {
             status.unwrap_or_else(|| panic!("the launcher ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"));
         Finished { code: status.code(), stdout, stderr }
     }
+}
+
+/// The launcher's stderr lines after its start line (where its coordinator is).
+fn messages(stderr: &str) -> impl Iterator<Item = &str> {
+    stderr.lines().filter(|l| !(l.starts_with("rallypoint: job '") && l.contains("': coordinator at ")))
 }
 
 fn temp_dir(name: &str) -> PathBuf {
@@ -175,7 +188,7 @@ fn a_failing_rank_takes_the_job_down_and_the_summary_names_it() {
     "#;
     let done = launch(&["--nproc-per-node", "3", "--grace", "2"], script, &dir).finish();
     assert_eq!(done.code, Some(3), "stderr:\n{}", done.stderr);
-    let first_line = done.stderr.lines().find(|l| l.starts_with("rallypoint: ")).unwrap_or_default();
+    let first_line = messages(&done.stderr).find(|l| l.starts_with("rallypoint: ")).unwrap_or_default();
     assert!(first_line.contains("FAILED") && first_line.contains("rank 1 exited with code 3"), "{}", done.stderr);
     assert!(done.stderr.contains("rank 1 (local rank 1, node 0, host "), "{}", done.stderr);
     assert!(done.stderr.contains("    | fatal: bad batch"), "{}", done.stderr);
@@ -492,15 +505,9 @@ struct Watched {
 }
 
 fn start(args: &[&str], script: &str, dir: &Path, env: &[(&str, &str)], read_stdout: bool) -> Watched {
-    let mut cmd = Command::new(BIN);
-    for var in SCRUB {
-        cmd.env_remove(var);
-    }
+    let mut cmd = launcher(args);
     cmd.env_remove("PYTHONUNBUFFERED");
-    if args.windows(2).any(|pair| pair[0] == "--nnodes" && pair[1] != "1") {
-        cmd.env("RALLYPOINT_TOKEN", SHARED_TOKEN);
-    }
-    cmd.arg("launch").args(args).arg("--").args(["sh", "-c", script]);
+    cmd.arg("--").args(["sh", "-c", script]);
     cmd.env("RP", BIN).env("DIR", dir).envs(env.iter().copied());
     cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
     let mut child = cmd.spawn().expect("start the launcher");
@@ -633,7 +640,7 @@ fn log_files_are_byte_exact_copies_of_what_workers_wrote() {
         for rank in 0..2 {
             let expected = std::fs::read(dir.join(format!("expect{rank}"))).expect("the worker's own copy");
             for stream in ["stdout", "stderr"] {
-                let path = logs.join("attempt0").join(format!("rank{rank}.{stream}"));
+                let path = logs.join("attempt1").join(format!("rank{rank}.{stream}"));
                 let got = std::fs::read(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
                 assert!(
                     got == expected,
@@ -802,7 +809,7 @@ fn a_stopped_rank_is_named_as_the_root_cause_not_the_peers_that_failed_for_it() 
     std::fs::write(dir.join("stopped"), "").expect("stopped");
     let done = launched.finish();
     assert_eq!(done.code, Some(4), "the peers' code (peer lost); stderr:\n{}", done.stderr);
-    let first = done.stderr.lines().find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
+    let first = messages(&done.stderr).find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
     assert!(first.contains("FAILED (attempt 1 of 1): rank 1 stopped heartbeating at "), "{}", done.stderr);
     assert!(first.contains("(process alive, state T (stopped))"), "{}", done.stderr);
     assert!(done.stderr.contains("  rank 1 (local rank 1, node 0, host "), "{}", done.stderr);
@@ -839,7 +846,7 @@ fn a_stopped_rank_on_another_node_is_named_on_both_nodes() {
     let (n0, n1) = (node0.finish(), node1.finish());
     for (node, done) in [(0, &n0), (1, &n1)] {
         assert_eq!(done.code, Some(4), "node {node} stderr:\n{}", done.stderr);
-        let first = done.stderr.lines().find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
+        let first = messages(&done.stderr).find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
         assert!(first.contains("rank 3 stopped heartbeating at "), "node {node}:\n{}", done.stderr);
         assert!(done.stderr.contains(&format!("pid {pid}) stopped heartbeating")), "node {node}:\n{}", done.stderr);
     }
@@ -871,7 +878,7 @@ fn a_rank_whose_connection_dropped_while_its_worker_lives_is_named() {
     std::fs::write(dir.join("killed"), "").expect("killed");
     let done = launched.finish();
     assert_eq!(done.code, Some(4), "stderr:\n{}", done.stderr);
-    let first = done.stderr.lines().find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
+    let first = messages(&done.stderr).find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
     assert!(first.contains("): rank 1 dropped its connection without a clean leave at "), "{}", done.stderr);
     assert!(first.contains("(process alive, state "), "the wrapper still ran:\n{}", done.stderr);
     for r in [0, 2] {
@@ -931,7 +938,7 @@ fn a_launched_job_is_authenticated_with_no_configuration() {
 fn a_master_beyond_loopback_or_several_nodes_need_a_shared_token_or_insecure() {
     let dir = temp_dir("exposed");
     // Refused before anything is bound or started.
-    let done = launch(&["--master", "0.0.0.0:0"], "true", &dir).finish();
+    let done = launch(&["--master", "0.0.0.0:29400"], "true", &dir).finish();
     assert_eq!(done.code, Some(2), "stderr:\n{}", done.stderr);
     assert!(done.stderr.contains("listens beyond this machine"), "{}", done.stderr);
     assert!(done.stderr.contains("--token-file") && done.stderr.contains("--insecure"), "{}", done.stderr);
@@ -945,4 +952,363 @@ fn a_master_beyond_loopback_or_several_nodes_need_a_shared_token_or_insecure() {
     let done = launch(&["--insecure"], script, &dir).finish();
     assert_eq!(done.code, Some(0), "stderr:\n{}", done.stderr);
     assert_eq!(wait_for_files(&dir, &["tokenfile".into()]), ["[]"]);
+}
+
+/// Runs `rallypoint launch ARGS` (the worker command included) to its end.
+fn launch_argv(args: &[&str], dir: &Path, env: &[(&str, &str)]) -> Finished {
+    let mut cmd = launcher(args);
+    cmd.env("RP", BIN).env("DIR", dir).envs(env.iter().copied()).current_dir(dir);
+    cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let child = cmd.spawn().expect("start the launcher");
+    let out = wait_output(child);
+    Finished { code: out.status.code(), stdout: out.stdout, stderr: out.stderr }
+}
+
+struct Output {
+    status: std::process::ExitStatus,
+    stdout: String,
+    stderr: String,
+}
+
+/// Waits (bounded by LIMIT) for a child whose stdout and stderr are piped.
+fn wait_output(mut child: Child) -> Output {
+    let mut out = child.stdout.take().expect("piped");
+    let mut err = child.stderr.take().expect("piped");
+    let stdout = thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let stderr = thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + LIMIT;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            break Some(status);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        thread::sleep(Duration::from_millis(20));
+    };
+    let stdout = stdout.join().unwrap_or_default();
+    let stderr = stderr.join().unwrap_or_default();
+    let status = status.unwrap_or_else(|| panic!("ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"));
+    Output { status, stdout, stderr }
+}
+
+#[test]
+fn a_command_that_cannot_start_is_reported_as_such() {
+    let dir = temp_dir("nostart");
+    let done = launch_argv(&["--nproc-per-node", "2", "--", "python3x-no-such-command", "a.py"], &dir, &[]);
+    assert_eq!(done.code, Some(127), "as a shell reports a missing command:\n{}", done.stderr);
+    let first = messages(&done.stderr).find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
+    assert!(
+        first.ends_with("rank 0 could not start: python3x-no-such-command: No such file or directory"),
+        "{}",
+        done.stderr
+    );
+    assert!(!done.stderr.contains("code 127"), "{}", done.stderr);
+    // Found but not executable: 126, as a shell says.
+    std::fs::write(dir.join("not-executable"), "#!/bin/sh\n").expect("write");
+    let done = launch_argv(&["--", "./not-executable"], &dir, &[]);
+    assert_eq!(done.code, Some(126), "{}", done.stderr);
+    assert!(done.stderr.contains("rank 0 could not start: ./not-executable: Permission denied"), "{}", done.stderr);
+}
+
+#[test]
+fn log_dir_runs_say_where_the_logs_are_and_attempts_count_like_their_folders() {
+    let dir = temp_dir("logsay");
+    let logs = dir.join("logs");
+    let logs_arg = logs.to_str().expect("utf-8 path");
+    let done = launch(&["--nproc-per-node", "2", "--log-dir", logs_arg], "echo hi $RANK", &dir).finish();
+    assert_eq!(done.code, Some(0), "{}", done.stderr);
+    let attempt1 = logs.join("attempt1");
+    let expected = format!(
+        "rallypoint: job 'default' succeeded (attempt 1 of 1): ranks 0-1 on this node exited with code 0; \
+         their logs are in {}",
+        attempt1.display()
+    );
+    assert!(done.stderr.lines().any(|l| l == expected), "{expected:?} in\n{}", done.stderr);
+    assert_eq!(std::fs::read_to_string(attempt1.join("rank1.stdout")).ok().as_deref(), Some("hi 1\n"));
+
+    // The first attempt fails, the second succeeds: folders and messages agree.
+    let script = r#"[ "$TORCHELASTIC_RESTART_COUNT" = 0 ] && [ "$RANK" = 0 ] && exit 3; echo "attempt $TORCHELASTIC_RESTART_COUNT""#;
+    let done = launch(&["--log-dir", logs_arg, "--max-restarts", "1", "--job", "again"], script, &dir).finish();
+    assert_eq!(done.code, Some(0), "{}", done.stderr);
+    assert!(
+        done.stderr.contains("rallypoint: job 'again' attempt 1 of 2 failed (rank 0 exited with code 3)"),
+        "{}",
+        done.stderr
+    );
+    assert!(
+        done.stderr.contains(&format!("logs of this node's ranks: {}\n", logs.join("attempt1").display())),
+        "the failed attempt's summary says where its logs are:\n{}",
+        done.stderr
+    );
+    assert!(done.stderr.contains("succeeded (attempt 2 of 2)"), "{}", done.stderr);
+    assert_eq!(std::fs::read_to_string(logs.join("attempt2/rank0.stdout")).ok().as_deref(), Some("attempt 1\n"));
+    // Without --log-dir a success adds nothing to what the workers wrote.
+    let done = launch(&[], "true", &dir).finish();
+    assert!(!done.stderr.contains("succeeded"), "{}", done.stderr);
+}
+
+/// `rallypoint ARGS` with the test's environment scrubbed, plus `env`.
+fn verb(args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(BIN);
+    for var in SCRUB {
+        cmd.env_remove(var);
+    }
+    cmd.args(args).envs(env.iter().copied()).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    wait_output(cmd.spawn().expect("start rallypoint"))
+}
+
+#[test]
+fn the_launcher_says_where_its_coordinator_is_and_status_finds_it() {
+    let dir = temp_dir("discover");
+    let run_dir = dir.join("run");
+    std::fs::create_dir_all(&run_dir).expect("runtime dir");
+    let xdg = run_dir.to_str().expect("utf-8 path");
+    let env = [("XDG_RUNTIME_DIR", xdg)];
+    let script = r#"
+        echo "$RALLYPOINT_COORDINATOR $RALLYPOINT_TOKEN_FILE" > "$DIR/coord.$RALLYPOINT_JOB.tmp" && mv "$DIR/coord.$RALLYPOINT_JOB.tmp" "$DIR/coord.$RALLYPOINT_JOB"
+        "$RP" get go --timeout 30 >/dev/null
+    "#;
+    let first = start(&["--nproc-per-node", "2", "--job", "first"], script, &dir, &env, true);
+    let found = wait_for_files(&dir, &["coord.first".into()]).remove(0);
+    let coordinator = found.split(' ').next().unwrap_or_default().to_owned();
+    // The workers wait for key 'go'; `status` with no address finds their launcher.
+    let status = verb(&["status"], &env);
+    assert_eq!(status.status.code(), Some(0), "{}", status.stderr);
+    assert!(status.stdout.starts_with("job 'first'\n"), "{}", status.stdout);
+    assert!(status.stdout.contains(&format!("coordinator {coordinator} holds ")), "{}", status.stdout);
+
+    // A second launcher: status asks which one.
+    let second = start(&["--job", "second"], script, &dir, &env, true);
+    wait_for_files(&dir, &["coord.second".into()]);
+    let status = verb(&["status"], &env);
+    assert_eq!(status.status.code(), Some(2), "{}", status.stderr);
+    assert!(status.stderr.contains("2 `rallypoint launch` of this user run on this machine; pick one with --job"));
+    assert!(status.stderr.contains("--job first  (coordinator ") && status.stderr.contains("--job second  ("));
+    let status = verb(&["status", "--job", "second"], &env);
+    assert_eq!(status.status.code(), Some(0), "{}", status.stderr);
+    assert!(status.stdout.starts_with("job 'second'\n"), "{}", status.stdout);
+
+    // Let the workers go; the launchers end and leave no file behind.
+    for (job, launched) in [("first", first), ("second", second)] {
+        let found = std::fs::read_to_string(dir.join(format!("coord.{job}"))).expect("coordinator");
+        let (addr, token_file) = found.trim().split_once(' ').expect("address and token file");
+        let go = verb(&["set", "go", "1", "--addr", addr, "--job", job], &[("RALLYPOINT_TOKEN_FILE", token_file)]);
+        assert_eq!(go.status.code(), Some(0), "{}", go.stderr);
+        let done = launched.finish();
+        assert_eq!(done.code, Some(0), "{}", done.stderr);
+        let line = done.stderr.lines().next().unwrap_or_default();
+        assert!(line.starts_with("rallypoint: job '"), "the first line says where the coordinator is: {line:?}");
+        assert!(line.contains(": coordinator at 127.0.0.1:") && line.contains("(hosted by this launcher)"), "{line}");
+        let addr = line.split("coordinator at ").nth(1).and_then(|r| r.split(' ').next()).unwrap_or_default();
+        assert!(
+            line.ends_with(&format!("inspect it with: rallypoint status --addr {addr} --job first"))
+                || line.ends_with(&format!("inspect it with: rallypoint status --addr {addr} --job second")),
+            "{line}"
+        );
+    }
+    let left: Vec<_> = std::fs::read_dir(run_dir.join("rallypoint")).expect("discovery dir").flatten().collect();
+    assert!(left.is_empty(), "launchers left files behind: {left:?}");
+    let status = verb(&["status"], &env);
+    assert_eq!(status.status.code(), Some(2));
+    assert!(status.stderr.contains("no `rallypoint launch` of this user runs on this machine"), "{}", status.stderr);
+}
+
+/// A launcher whose stderr the test can read while it runs.
+struct Live {
+    child: Child,
+    stderr: Arc<Mutex<String>>,
+    stdout: thread::JoinHandle<String>,
+}
+
+fn live(args: &[&str], script: &str, dir: &Path) -> Live {
+    let mut cmd = launcher(args);
+    cmd.arg("--").args(["sh", "-c", script]);
+    cmd.env("RP", BIN).env("DIR", dir).stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("start the launcher");
+    let mut out = child.stdout.take().expect("piped");
+    let mut err = child.stderr.take().expect("piped");
+    let stderr = Arc::new(Mutex::new(String::new()));
+    let sink = Arc::clone(&stderr);
+    thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n @ 1..) = err.read(&mut buf) {
+            sink.lock().expect("stderr buffer").push_str(&String::from_utf8_lossy(&buf[..n]));
+        }
+    });
+    let stdout = thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    Live { child, stderr, stdout }
+}
+
+impl Live {
+    fn wait_stderr(&self, needle: &str) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let text = self.stderr.lock().expect("stderr buffer").clone();
+            if text.contains(needle) {
+                return;
+            }
+            assert!(Instant::now() < deadline, "{needle:?} never appeared on stderr:\n{text}");
+            thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn finish(mut self) -> Finished {
+        let deadline = Instant::now() + LIMIT;
+        let status = loop {
+            if let Some(status) = self.child.try_wait().expect("try_wait") {
+                break Some(status);
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                let _ = self.child.wait();
+                break None;
+            }
+            thread::sleep(Duration::from_millis(20));
+        };
+        let stdout = self.stdout.join().unwrap_or_default();
+        thread::sleep(Duration::from_millis(50));
+        let stderr = self.stderr.lock().expect("stderr buffer").clone();
+        let status = status.unwrap_or_else(|| panic!("ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"));
+        Finished { code: status.code(), stdout, stderr }
+    }
+}
+
+#[test]
+fn a_launcher_waiting_for_other_nodes_says_which_are_missing() {
+    let dir = temp_dir("waitnodes");
+    let master = format!("127.0.0.1:{}", free_port());
+    let common = ["--nnodes", "3", "--master", master.as_str(), "--job", "late"];
+    let node0 = live(&[&common[..], &["--node-rank", "0"]].concat(), "echo rank $RANK", &dir);
+    node0.wait_stderr("rallypoint: waiting for nodes 1, 2 of 3 (");
+    let node2 = live(&[&common[..], &["--node-rank", "2"]].concat(), "echo rank $RANK", &dir);
+    node0.wait_stderr("rallypoint: waiting for node 1 of 3 (");
+    let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), "echo rank $RANK", &dir);
+    let (n0, n1, n2) = (node0.finish(), node1.finish(), node2.finish());
+    for (n, done) in [(0, &n0), (1, &n1), (2, &n2)] {
+        assert_eq!(done.code, Some(0), "node {n}:\n{}", done.stderr);
+        assert!(done.stdout.contains(&format!("[rank{n}]: rank {n}")), "node {n}:\n{}", done.stdout);
+    }
+    let line = n0.stderr.lines().find(|l| l.starts_with("rallypoint: waiting for node 1 of 3 (")).unwrap_or_default();
+    assert!(line.ends_with(" s of 300 s)"), "{line}");
+}
+
+#[test]
+fn nodes_started_with_different_nnodes_are_told_so() {
+    let dir = temp_dir("nnodesdiff");
+    let master = format!("127.0.0.1:{}", free_port());
+    let node0 = launch(&["--nnodes", "2", "--node-rank", "0", "--master", &master, "--job", "j"], "true", &dir);
+    let node1 = launch(&["--nnodes", "3", "--node-rank", "1", "--master", &master, "--job", "j"], "true", &dir);
+    let (n0, n1) = (node0.finish(), node1.finish());
+    assert_eq!(n0.code, Some(2), "{}", n0.stderr);
+    assert_eq!(n1.code, Some(2), "{}", n1.stderr);
+    assert!(
+        n0.stderr.contains("rallypoint: node 1 (host ") && n0.stderr.contains(
+            ") was started with --nnodes 3, this node with --nnodes 2: every node of job 'j' must give the same --nnodes"
+        ),
+        "{}",
+        n0.stderr
+    );
+    assert!(n1.stderr.contains("was started with --nnodes 2, this node with --nnodes 3"), "{}", n1.stderr);
+    assert!(!n0.stderr.contains("all-gather") && !n1.stderr.contains("all-gather"), "{}{}", n0.stderr, n1.stderr);
+}
+
+#[test]
+fn nodes_started_with_different_jobs_are_told_so() {
+    let dir = temp_dir("jobdiff");
+    let master = format!("127.0.0.1:{}", free_port());
+    let common = ["--nnodes", "2", "--master", master.as_str()];
+    let node0 =
+        live(&[&common[..], &["--node-rank", "0", "--job", "alpha", "--join-timeout", "8"]].concat(), "true", &dir);
+    node0.wait_stderr("coordinator at");
+    // Node 1 gives up first, while node 0 (and its coordinator) still wait.
+    let node1 =
+        launch(&[&common[..], &["--node-rank", "1", "--job", "beta", "--join-timeout", "2"]].concat(), "true", &dir);
+    let n1 = node1.finish();
+    let n0 = node0.finish();
+    let hint = |other: &str| {
+        format!("; launchers of another job wait on this coordinator ('{other}'): every node must give the same --job")
+    };
+    assert_eq!(n1.code, Some(3), "{}", n1.stderr);
+    let expected = format!(
+        "rallypoint: gave up after 2 s (--join-timeout) waiting for node 0 of 2 to join job 'beta'{}",
+        hint("alpha")
+    );
+    assert!(n1.stderr.lines().any(|l| l == expected), "{expected:?} in\n{}", n1.stderr);
+    assert_eq!(n0.code, Some(3), "{}", n0.stderr);
+    let expected = format!(
+        "rallypoint: gave up after 8 s (--join-timeout) waiting for node 1 of 2 to join job 'alpha'{}",
+        hint("beta")
+    );
+    assert!(n0.stderr.lines().any(|l| l == expected), "{expected:?} in\n{}", n0.stderr);
+    let waiting =
+        n0.stderr.lines().find(|l| l.starts_with("rallypoint: waiting for node 1 of 2 (")).unwrap_or_default();
+    assert!(waiting.ends_with(&format!(" s of 8 s){}", hint("beta"))), "{}", n0.stderr);
+}
+
+#[test]
+fn two_launchers_claiming_one_node_rank_are_told_so() {
+    let dir = temp_dir("samerank");
+    let master = format!("127.0.0.1:{}", free_port());
+    let common = ["--nnodes", "3", "--master", master.as_str(), "--join-timeout", "20"];
+    let node0 = live(&[&common[..], &["--node-rank", "0"]].concat(), "true", &dir);
+    node0.wait_stderr("coordinator at");
+    let first = live(&[&common[..], &["--node-rank", "1"]].concat(), "true", &dir);
+    first.wait_stderr("coordinator at");
+    // Wait until the first one holds node 1: node 0 then misses only node 2.
+    node0.wait_stderr("waiting for node 2 of 3");
+    let second = launch(&[&common[..], &["--node-rank", "1"]].concat(), "true", &dir).finish();
+    assert_eq!(second.code, Some(2), "{}", second.stderr);
+    assert!(
+        second.stderr.contains("node rank 1 of job 'default' is taken by host ")
+            && second.stderr.contains("every node needs its own --node-rank"),
+        "{}",
+        second.stderr
+    );
+    // The job goes on when the real node 2 comes.
+    let node2 = launch(&[&common[..], &["--node-rank", "2"]].concat(), "true", &dir);
+    for done in [node0.finish(), first.finish(), node2.finish()] {
+        assert_eq!(done.code, Some(0), "{}", done.stderr);
+    }
+}
+
+#[test]
+fn without_node_ranks_the_launcher_that_hosts_is_node_0_and_the_others_take_the_next() {
+    let dir = temp_dir("autorank");
+    let master = format!("127.0.0.1:{}", free_port());
+    let script = r#"echo "node $GROUP_RANK rank $RANK of $WORLD_SIZE"; "$RP" barrier all --timeout 30 || exit 9"#;
+    let args = ["--nnodes", "3", "--nproc-per-node", "2", "--master", master.as_str()];
+    let nodes: Vec<Launched> = (0..3).map(|_| launch(&args, script, &dir)).collect();
+    let done: Vec<Finished> = nodes.into_iter().map(Launched::finish).collect();
+    let mut seen = Vec::new();
+    for d in &done {
+        assert_eq!(d.code, Some(0), "{}", d.stderr);
+        for line in d.stdout.lines() {
+            let words: Vec<&str> = line.split_whitespace().collect();
+            assert_eq!(words[6], "6", "{line}");
+            seen.push((words[2].to_owned(), words[4].parse::<u32>().expect("rank")));
+        }
+    }
+    seen.sort_by_key(|(_, rank)| *rank);
+    let ranks: Vec<u32> = seen.iter().map(|(_, r)| *r).collect();
+    assert_eq!(ranks, [0, 1, 2, 3, 4, 5], "{seen:?}");
+    for (node, rank) in &seen {
+        assert_eq!(node.parse::<u32>().ok(), Some(rank / 2), "{seen:?}");
+    }
+    let joined = done.iter().filter(|d| d.stderr.contains("rallypoint: this launcher is node ")).count();
+    assert_eq!(joined, 2, "the two that did not host say which node they are");
 }

@@ -326,6 +326,16 @@ impl Client {
         }
     }
 
+    /// The names of the jobs the coordinator holds (at most
+    /// [`rallypoint_core::MAX_JOBS_LISTED`]), sorted; this client's own job only if
+    /// it holds more than this client (docs/PROTOCOL.md section 6.2).
+    pub async fn jobs(&self) -> Result<Vec<String>, Error> {
+        match self.call_now(Request::Jobs).await? {
+            Response::Values(names) => Ok(names.iter().map(|n| String::from_utf8_lossy(n).into_owned()).collect()),
+            other => Err(unexpected("jobs", other)),
+        }
+    }
+
     /// Keys starting with `prefix`, sorted.
     pub async fn list_keys(&self, prefix: impl AsRef<[u8]>) -> Result<Vec<Bytes>, Error> {
         match self.call_now(Request::ListKeys { prefix: bytes(prefix) }).await? {

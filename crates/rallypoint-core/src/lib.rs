@@ -21,4 +21,4 @@ pub use error::{
     ProcessInfo, RankInfo, RankRanges, RankState,
 };
 pub use identity::{Identity, Incarnation, SessionId};
-pub use request::{Gathered, Members, Millis, Outgoing, Reply, Request, Response, Welcome};
+pub use request::{Gathered, Members, Millis, Outgoing, Reply, Request, Response, Welcome, MAX_JOBS_LISTED};

@@ -142,6 +142,11 @@ pub enum Request {
     Reset {
         incarnation: u64,
     },
+    /// The names of the jobs the coordinator holds, in byte order, at most
+    /// [`MAX_JOBS_LISTED`]; the caller's own job only if it holds more than the
+    /// caller's session (keys, ranks, other sessions), so that asking creates no job.
+    /// Replies `Values`.
+    Jobs,
     /// Keeps the session's rank alive (any request does).
     Heartbeat,
     /// The session is about to close cleanly: its rank has left, not died.
@@ -179,6 +184,7 @@ impl Request {
             Request::StoreBarrier { .. } => "store_barrier",
             Request::Status => "status",
             Request::Reset { .. } => "reset",
+            Request::Jobs => "jobs",
             Request::Heartbeat => "heartbeat",
             Request::Leave => "leave",
             Request::Abandon => "abandon",
@@ -213,6 +219,7 @@ impl Request {
             | Request::ListKeys { .. }
             | Request::QueueLen { .. }
             | Request::Status
+            | Request::Jobs
             | Request::Heartbeat
             | Request::Leave
             | Request::Abandon => false,
@@ -234,6 +241,9 @@ impl Request {
         )
     }
 }
+
+/// Most job names one `Jobs` reply holds.
+pub const MAX_JOBS_LISTED: usize = 1024;
 
 /// A successful reply.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -67,7 +67,8 @@ pub struct Piece {
 }
 
 enum Item {
-    Piece(Key, Piece),
+    /// A piece of a rank's line, and the prefix its lines get when not the default.
+    Piece(Key, Piece, Option<Arc<str>>),
     /// One of the launcher's own messages (one or more lines).
     Line(String),
     Dropped {
@@ -80,7 +81,7 @@ impl Item {
     fn cost(&self) -> usize {
         OVERHEAD
             + match self {
-                Item::Piece(_, piece) => piece.body.len(),
+                Item::Piece(_, piece, _) => piece.body.len(),
                 Item::Line(text) => text.len(),
                 Item::Dropped { .. } => 0,
             }
@@ -124,9 +125,11 @@ impl Console {
         self.stderr.force(Item::Line(text.into()));
     }
 
-    /// Where one stream of one rank is shown.
-    pub fn for_rank(self: &Arc<Self>, rank: u32, stream: Stream) -> RankConsole {
+    /// Where one stream of one rank is shown; its lines start with `prefix`, or
+    /// `[rankN]: ` when `None`.
+    pub fn for_rank(self: &Arc<Self>, rank: u32, stream: Stream, prefix: Option<String>) -> RankConsole {
         RankConsole {
+            prefix: prefix.map(Arc::from),
             sink: Arc::clone(self.sink(stream)),
             drops: Arc::clone(&self.drops),
             key: Key { rank, stream },
@@ -168,6 +171,7 @@ fn dropped_notice(rank: u32, lines: u64) -> String {
 
 /// One rank's stream on the console, owned by the pump reading it.
 pub struct RankConsole {
+    prefix: Option<Arc<str>>,
     sink: Arc<Sink>,
     drops: Arc<Drops>,
     key: Key,
@@ -190,7 +194,7 @@ impl RankConsole {
             items.push(Item::Dropped { key: self.key, lines: self.unnoticed });
         }
         let is_eof = piece.end == End::Eof;
-        items.push(Item::Piece(self.key, piece));
+        items.push(Item::Piece(self.key, piece, self.prefix.clone()));
         match self.sink.admit(items).await {
             Admit::Queued => {
                 self.dropping = false;
@@ -383,7 +387,7 @@ struct Screen {
 impl Screen {
     fn render(&mut self, item: &Item, out: &mut Vec<u8>) {
         match item {
-            Item::Piece(key, piece) => self.piece(*key, piece, out),
+            Item::Piece(key, piece, prefix) => self.piece(*key, piece, prefix.as_deref(), out),
             Item::Line(text) => self.line(text, out),
             Item::Dropped { key, lines } => self.line(&dropped_notice(key.rank, *lines), out),
         }
@@ -399,7 +403,7 @@ impl Screen {
         }
     }
 
-    fn piece(&mut self, key: Key, piece: &Piece, out: &mut Vec<u8>) {
+    fn piece(&mut self, key: Key, piece: &Piece, custom: Option<&str>, out: &mut Vec<u8>) {
         let (ours, returned) = match self.open {
             Some((open, returned)) if open == key => (true, returned),
             Some(_) => {
@@ -421,7 +425,17 @@ impl Screen {
             out.push(b'\n');
         }
         if !(appends || returned && piece.body.is_empty()) {
-            out.extend_from_slice(format!("[rank{}]: ", key.rank).as_bytes());
+            if let Some(custom) = custom {
+                out.extend_from_slice(custom.as_bytes());
+            } else {
+                let prefix = format!("[rank{}]:", key.rank);
+                // Once a process group exists, torch prefixes the lines it writes itself
+                // (tracebacks, C++ warnings) with this same `[rankN]:`: not twice.
+                if !piece.body.starts_with(prefix.as_bytes()) {
+                    out.extend_from_slice(prefix.as_bytes());
+                    out.push(b' ');
+                }
+            }
         }
         out.extend_from_slice(&piece.body);
         self.open = match piece.end {
@@ -489,7 +503,7 @@ mod tests {
     }
 
     fn piece(body: &str, continues: bool, end: End) -> Item {
-        Item::Piece(key(0), Piece { body: body.as_bytes().to_vec(), continues, end })
+        Item::Piece(key(0), Piece { body: body.as_bytes().to_vec(), continues, end }, None)
     }
 
     fn render(items: &[(u32, Item)]) -> String {
@@ -497,7 +511,7 @@ mod tests {
         let mut out = Vec::new();
         for (rank, item) in items {
             let item = match item {
-                Item::Piece(_, p) => Item::Piece(key(*rank), p.clone()),
+                Item::Piece(_, p, prefix) => Item::Piece(key(*rank), p.clone(), prefix.clone()),
                 Item::Line(text) => Item::Line(text.clone()),
                 Item::Dropped { lines, .. } => Item::Dropped { key: key(*rank), lines: *lines },
             };
@@ -546,6 +560,37 @@ mod tests {
         // A progress line finished by a newline keeps its last state.
         let text = render(&[(0, piece("99%", false, End::Return)), (0, piece("", false, End::Newline))]);
         assert_eq!(text, "[rank0]: 99%\r\n");
+    }
+
+    #[test]
+    fn torch_own_rank_prefix_is_not_doubled() {
+        let text = render(&[
+            (1, piece("[rank1]: Traceback (most recent call last):", false, End::Newline)),
+            (1, piece("[rank1]:[W1123 19:48:13 ProcessGroupGloo.cpp:1] warning", false, End::Newline)),
+            // Another rank's prefix, or one inside a line, is the worker's text.
+            (2, piece("[rank1]: relayed", false, End::Newline)),
+            (2, piece("x [rank2]: y", false, End::Newline)),
+        ]);
+        assert_eq!(
+            text,
+            "[rank1]: Traceback (most recent call last):\n\
+             [rank1]:[W1123 19:48:13 ProcessGroupGloo.cpp:1] warning\n\
+             [rank2]: [rank1]: relayed\n\
+             [rank2]: x [rank2]: y\n"
+        );
+    }
+
+    #[test]
+    fn a_custom_prefix_replaces_the_default_one() {
+        let custom = |body: &str| {
+            Item::Piece(
+                key(0),
+                Piece { body: body.as_bytes().to_vec(), continues: false, end: End::Newline },
+                Some("gpu7:3: ".into()),
+            )
+        };
+        let text = render(&[(3, custom("hello")), (3, custom("[rank3]: Traceback"))]);
+        assert_eq!(text, "gpu7:3: hello\ngpu7:3: [rank3]: Traceback\n");
     }
 
     #[test]

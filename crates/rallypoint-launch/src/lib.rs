@@ -8,11 +8,13 @@
 //! process that does so when the launcher itself is killed with SIGKILL).
 
 mod console;
+pub mod discovery;
 mod node_agent;
 mod outcome;
 mod output;
 mod procs;
 mod rendezvous;
+mod streams;
 mod supervise;
 mod watchdog;
 mod worker;
@@ -31,35 +33,53 @@ use rallypoint_core::Config;
 use rallypoint_server::{IpNet, Server, ServerConfig, ServerHandle, Token};
 
 pub use outcome::{Exit, Failure, FailureKind, Loss};
+pub use streams::{BadStreams, LinePrefix, PerRank, Route, Streams};
 
 use console::Console;
 use node_agent::NodeAgent;
 use procs::Family;
 use rallypoint_client::env::JobEnv;
 use rallypoint_client::{ConnectOptions, Identity};
-use rendezvous::Launchers;
+pub use rendezvous::JoinError;
+use rendezvous::{Join, Launchers};
 use supervise::{Attempt, AttemptResult};
 use watchdog::Watchdog;
 
 /// How long the launcher, done, lets its console show what is queued: a console
 /// that does not read is not waited for.
 const CONSOLE_CLOSE: Duration = Duration::from_secs(2);
+/// How long node 0, refusing a node started differently, keeps the coordinator up
+/// so that the other nodes can read what they are refused for.
+const REFUSAL_LINGER: Duration = Duration::from_secs(2);
 
 #[derive(Debug, Clone)]
 pub struct LaunchOptions {
     pub nproc_per_node: u32,
     pub nnodes: u32,
-    pub node_rank: u32,
-    /// Coordinator address: node 0 binds exactly it; the other nodes connect to it.
-    /// Single node without it: a free port on 127.0.0.1.
+    /// This node's index, 0..nnodes; node 0 hosts the coordinator. `None`: on one
+    /// node, 0; on several, the launcher that can bind `master` on its machine is
+    /// node 0 and the others take the next free index when they join.
+    pub node_rank: Option<u32>,
+    /// Coordinator address: node 0 binds exactly it (port 0: a free one); the other
+    /// nodes connect to it. Single node without it: a free port on 127.0.0.1.
     pub master: Option<String>,
     pub job: String,
+    /// The workers' role (`ROLE_NAME`): torchrun's `--role`.
+    pub role: String,
+    /// The name this node goes by in the coordinator's reports and the summaries
+    /// (torchrun's `--local-addr`); default: the hostname.
+    pub host: Option<String>,
     /// Between SIGTERM and SIGKILL when the job is taken down.
     pub grace: Duration,
-    /// One file per rank per stream, under `<log_dir>/attempt<K>/`.
+    /// Where log files go: `<log_dir>/attempt<K>/rank<N>.{stdout,stderr}`, K counting
+    /// attempts from 1. Needed when `files` names any stream.
     pub log_dir: Option<PathBuf>,
-    /// With `log_dir`: also show worker output on the console.
-    pub tee: bool,
+    /// Which streams of which local ranks are written to log files.
+    pub files: PerRank,
+    /// Which streams of which local ranks are shown on the console.
+    pub console: PerRank,
+    /// What the console puts before each line of a worker.
+    pub line_prefix: LinePrefix,
     pub max_restarts: u32,
     /// How long to wait for the coordinator and the other nodes.
     pub join_timeout: Duration,
@@ -91,8 +111,13 @@ pub enum LaunchError {
     Bind { addr: String, source: io::Error },
     #[error("{0}")]
     Io(#[from] io::Error),
+    #[error("cannot create the log directory {dir}: {source}")]
+    LogDir { dir: PathBuf, source: io::Error },
     #[error("{0}")]
     Coordinator(#[from] rallypoint_client::Error),
+    /// Boxed: a join error is large, and launch errors are rare.
+    #[error("{0}")]
+    Join(Box<JoinError>),
     #[error("cannot create the launcher's private directory in {dir}: {source}")]
     SocketDir { dir: PathBuf, source: io::Error },
     #[error("cannot write the job's token file {path}: {source}")]
@@ -100,6 +125,12 @@ pub enum LaunchError {
     #[error("{0}")]
     /// Boxed: an agent error is large, and launch errors are rare.
     NodeAgent(Box<rallypoint_agent::AgentError>),
+}
+
+impl From<JoinError> for LaunchError {
+    fn from(error: JoinError) -> Self {
+        LaunchError::Join(Box::new(error))
+    }
 }
 
 /// Runs the job to its end; returns the launcher's exit code (0, or the first failure's).
@@ -129,7 +160,7 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
             None
         }
     };
-    let host = rallypoint_net::hostname();
+    let host = options.host.clone().unwrap_or_else(rallypoint_net::hostname);
     // A job's token: given, else made for it (one node on loopback), else none (--insecure).
     let token = match (&options.token, options.insecure) {
         (Some(token), _) => Some(Arc::clone(token)),
@@ -137,7 +168,22 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
         (None, false) => Some(Arc::new(Token::generate())),
     };
     let token_file = token.as_deref().map(TokenFile::write).transpose()?;
-    let server = if options.node_rank == 0 { Some(host_coordinator(options, token.clone()).await?) } else { None };
+    let server = match options.node_rank {
+        Some(0) => Some(host_coordinator(options, token.clone()).await?),
+        Some(_) => None,
+        None if options.nnodes == 1 => Some(host_coordinator(options, token.clone()).await?),
+        None => match host_coordinator(options, token.clone()).await {
+            Ok(server) => Some(server),
+            // Another machine's address, or another launcher of this machine hosts it.
+            Err(LaunchError::Bind { source, .. })
+                if matches!(source.kind(), io::ErrorKind::AddrInUse | io::ErrorKind::AddrNotAvailable) =>
+            {
+                None
+            }
+            Err(e) => return Err(e),
+        },
+    };
+    let node_rank = if server.is_some() { Some(0) } else { options.node_rank };
     let addr = match (&server, &options.master) {
         (Some(server), _) => server.local_addr().to_string(),
         (None, Some(master)) => master.clone(),
@@ -147,16 +193,30 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
         Some(server) => server.local_addr(),
         None => resolve(&addr).await?,
     };
-    let launchers = Launchers::join(
-        &addr,
-        &options.job,
-        options.node_rank,
-        options.nnodes,
-        &host,
-        options.join_timeout,
-        token.clone(),
-    )
-    .await?;
+    console.message(start_line(options, coordinator, node_rank));
+    let mut registration = register(options, coordinator, node_rank, token_file.as_ref().map(|file| file.path.clone()));
+    let join = Join {
+        addr: &addr,
+        job: &options.job,
+        node: node_rank,
+        nnodes: options.nnodes,
+        host: &host,
+        timeout: options.join_timeout,
+        token: token.clone(),
+    };
+    let launchers = match Launchers::join(&join, console).await {
+        Ok(launchers) => launchers,
+        Err(LaunchError::Join(e)) if server.is_some() && e.is_refusal() => {
+            // The other nodes learn why from the claims on this coordinator: it stays
+            // up a moment for them to read.
+            tokio::time::sleep(REFUSAL_LINGER).await;
+            return Err(LaunchError::Join(e));
+        }
+        Err(e) => return Err(e),
+    };
+    if let Some(registration) = &mut registration {
+        registration.set_node_rank(launchers.node);
+    }
     // After the join: the coordinator is known to be up, so the agent connects at once.
     let node_agent = if options.node_agent {
         Some(NodeAgent::start(&coordinator.to_string(), &host, options.join_timeout, token.clone()).await?)
@@ -176,6 +236,7 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
         console,
         family: &family,
         watchdog: watchdog.as_ref(),
+        registration: registration.map(std::sync::Mutex::new),
     };
     let result = run_attempts(&run, signals).await;
     // Every worker has exited: no rank is left behind the agent.
@@ -208,6 +269,8 @@ struct Run<'a> {
     console: &'a Arc<Console>,
     family: &'a Arc<Family>,
     watchdog: Option<&'a Watchdog>,
+    /// What `rallypoint status` finds of this launcher; removed when dropped.
+    registration: Option<std::sync::Mutex<discovery::Registration>>,
 }
 
 async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) -> Result<i32, LaunchError> {
@@ -216,18 +279,21 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
     loop {
         let attempt_job = if attempt == 0 { options.job.clone() } else { format!("{}.restart{attempt}", options.job) };
         // Each attempt is a fresh job incarnation: node 0 starts it before it joins the
-        // rendezvous, and the other nodes, once past the rendezvous, read it.
-        // The launcher's own client of the attempt's job, with the job's token.
+        // rendezvous, and the other nodes, once past the rendezvous, read it, with the
+        // launcher's own client of the attempt's job, which proves the job's token.
         let options_of_job = || {
             ConnectOptions::new(run.coordinator.to_string(), Identity::anonymous(attempt_job.as_str()))
                 .with_timeout(options.join_timeout)
                 .with_token(run.token.clone())
         };
-        let started = match options.node_rank {
+        let started = match run.launchers.node {
             0 => Some(rallypoint_client::reset_job(options_of_job()).await?),
             _ => None,
         };
-        let layout = run.launchers.rendezvous(attempt, options.nproc_per_node, options.join_timeout).await?;
+        let layout = run
+            .launchers
+            .rendezvous(&options.job, attempt, options.max_restarts, options.nproc_per_node, options.join_timeout)
+            .await?;
         let job_incarnation = match started {
             Some(incarnation) => Some(incarnation),
             None => rallypoint_client::job_incarnation(options_of_job()).await?,
@@ -236,6 +302,7 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
             coordinator: run.coordinator,
             node_agent: run.node_agent.clone(),
             run_id: options.job.clone(),
+            role: options.role.clone(),
             attempt_job,
             restart_count: attempt,
             max_restarts: options.max_restarts,
@@ -246,6 +313,9 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
         // job: they join the attempt's, so their keys and ranks are the workers'.
         if let Some(server) = run.server {
             server.set_tcpstore_job(&job.attempt_job);
+        }
+        if let Some(registration) = &run.registration {
+            registration.lock().unwrap_or_else(|e| e.into_inner()).set_attempt_job(&job.attempt_job);
         }
         let attempt_run = Attempt {
             options,
@@ -265,6 +335,20 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
         let result = attempt_run.run(&mut signals).await?;
         match result {
             AttemptResult::Succeeded => {
+                if let Some(dir) = attempt_run.log_dir() {
+                    let last = layout.base_rank + options.nproc_per_node - 1;
+                    let ranks = match options.nproc_per_node {
+                        1 => format!("rank {last}"),
+                        _ => format!("ranks {}-{last}", layout.base_rank),
+                    };
+                    run.console.message(format!(
+                        "rallypoint: job '{}' succeeded ({}): {ranks} on this node exited with code 0; \
+                         their logs are in {}",
+                        options.job,
+                        attempt_of(attempt, options.max_restarts),
+                        dir.display()
+                    ));
+                }
                 run.launchers.farewell(attempt).await;
                 return Ok(0);
             }
@@ -272,9 +356,9 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
                 let interrupted = matches!(first.what, FailureKind::Interrupted { .. });
                 if attempt < options.max_restarts && !interrupted {
                     run.console.message(format!(
-                        "rallypoint: attempt {} of job '{}' failed ({}); restarting ({} of {} restarts)",
-                        attempt + 1,
+                        "rallypoint: job '{}' {} failed ({}); restarting ({} of {} restarts)",
                         options.job,
+                        attempt_of(attempt, options.max_restarts),
                         first.headline(),
                         attempt + 1,
                         options.max_restarts
@@ -289,6 +373,69 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
     }
 }
 
+/// The line a launcher starts with: where its coordinator is, and how to look at the
+/// job there.
+fn start_line(o: &LaunchOptions, coordinator: SocketAddr, node_rank: Option<u32>) -> String {
+    let whose = match (node_rank, o.nnodes) {
+        (Some(0), 1) => "hosted by this launcher".to_owned(),
+        (Some(0), n) => format!("hosted by this launcher, node 0 of {n}"),
+        (Some(node), n) => format!("hosted by node 0; this is node {node} of {n}"),
+        (None, n) => format!("hosted by node 0 of {n}; this node takes the next free index"),
+    };
+    let workers = if o.nproc_per_node == 1 { "1 worker".to_owned() } else { format!("{} workers", o.nproc_per_node) };
+    format!(
+        "rallypoint: job '{}': coordinator at {coordinator} ({whose}), {workers} on this node; \
+         inspect it with: rallypoint status --addr {coordinator} --job {}",
+        o.job,
+        shell_word(&o.job)
+    )
+}
+
+/// `word` as one shell word: quoted unless it is plainly safe.
+fn shell_word(word: &str) -> String {
+    let plain = !word.is_empty() && word.bytes().all(|b| b.is_ascii_alphanumeric() || b"._-/:=@%+,".contains(&b));
+    if plain {
+        word.to_owned()
+    } else {
+        format!("'{}'", word.replace('\'', r"'\''"))
+    }
+}
+
+/// Tells `rallypoint status` on this machine where this launcher's coordinator is.
+fn register(
+    o: &LaunchOptions,
+    coordinator: SocketAddr,
+    node_rank: Option<u32>,
+    token_file: Option<PathBuf>,
+) -> Option<discovery::Registration> {
+    let command: Vec<String> = o.command.iter().map(|a| shell_word(&a.to_string_lossy())).collect();
+    let entry = discovery::Entry {
+        pid: 0,
+        start_ticks: 0,
+        addr: coordinator.to_string(),
+        job: o.job.clone(),
+        attempt_job: o.job.clone(),
+        node_rank,
+        nnodes: o.nnodes,
+        nproc_per_node: o.nproc_per_node,
+        command: command.join(" "),
+        started_unix_ms: outcome::unix_ms(std::time::SystemTime::now()),
+        token_file,
+    };
+    match discovery::Registration::create(entry) {
+        Ok(registration) => Some(registration),
+        Err(error) => {
+            tracing::warn!(%error, "cannot tell `rallypoint status` where this launcher's coordinator is");
+            None
+        }
+    }
+}
+
+/// "attempt 2 of 3": attempts count from 1, as the log folders (`attempt2/`) do.
+pub(crate) fn attempt_of(attempt: u32, max_restarts: u32) -> String {
+    format!("attempt {} of {}", attempt + 1, max_restarts.saturating_add(1))
+}
+
 fn validate(o: &LaunchOptions) -> Result<(), LaunchError> {
     let usage = |m: String| Err(LaunchError::Usage(m));
     if o.command.is_empty() {
@@ -300,17 +447,17 @@ fn validate(o: &LaunchOptions) -> Result<(), LaunchError> {
     if o.nnodes == 0 {
         return usage("--nnodes must be at least 1".into());
     }
-    if o.node_rank >= o.nnodes {
-        return usage(format!(
-            "--node-rank {} is out of range for --nnodes {} (0..{})",
-            o.node_rank, o.nnodes, o.nnodes
-        ));
+    if let Some(node_rank) = o.node_rank.filter(|&n| n >= o.nnodes) {
+        return usage(format!("--node-rank {node_rank} is out of range for --nnodes {} (0..{})", o.nnodes, o.nnodes));
     }
     if o.nnodes > 1 && o.master.is_none() {
         return usage("--master HOST:PORT is required with --nnodes > 1".into());
     }
     if o.job.is_empty() {
         return usage("--job must not be empty".into());
+    }
+    if o.log_dir.is_none() && o.files.any_of(o.nproc_per_node) {
+        return usage("log files need a directory: give --log-dir".into());
     }
     Ok(())
 }

@@ -55,6 +55,16 @@ pub enum FailureKind {
         exit: Exit,
         stderr_tail: Vec<String>,
     },
+    /// The worker's program could not be started (`execve` failed: not found, not
+    /// executable): it never ran.
+    NotStarted {
+        rank: u32,
+        local_rank: u32,
+        /// "python3x: No such file or directory".
+        reason: String,
+        /// What a shell would exit with: 127 not found, 126 not executable.
+        exit_code: i32,
+    },
     /// The coordinator lost a rank (it stopped heartbeating, or its connection
     /// dropped) and its peers failed because of it: the rank is the root cause, not
     /// the peer whose exit revealed it. `Failure::node` and `host` are the rank's.
@@ -101,6 +111,7 @@ impl Failure {
     pub fn exit_code(&self) -> i32 {
         match &self.what {
             FailureKind::Worker { exit, .. } => exit.shell_code(),
+            FailureKind::NotStarted { exit_code, .. } => *exit_code,
             // What the peers' failure says (a peer lost, usually): the lost rank
             // itself was still running, or was killed by the launcher.
             FailureKind::RankLost { revealed_by, .. } => revealed_by.exit_code(),
@@ -113,6 +124,7 @@ impl Failure {
     pub fn headline(&self) -> String {
         match &self.what {
             FailureKind::Worker { rank, exit, .. } => format!("rank {rank} {exit}"),
+            FailureKind::NotStarted { rank, reason, .. } => format!("rank {rank} could not start: {reason}"),
             FailureKind::RankLost { rank, loss, last_seen_unix_ms, process, .. } => {
                 let at = time(*last_seen_unix_ms);
                 let process = process.as_ref().map_or(String::new(), |p| format!(" (process {p})"));
@@ -137,7 +149,9 @@ impl Failure {
     /// The rank this failure blames, if it blames one.
     pub fn rank(&self) -> Option<u32> {
         match &self.what {
-            FailureKind::Worker { rank, .. } | FailureKind::RankLost { rank, .. } => Some(*rank),
+            FailureKind::Worker { rank, .. }
+            | FailureKind::NotStarted { rank, .. }
+            | FailureKind::RankLost { rank, .. } => Some(*rank),
             FailureKind::NodeLost { .. } | FailureKind::Interrupted { .. } => None,
         }
     }
@@ -185,6 +199,15 @@ pub fn summary(job: &str, restart: u32, max_restarts: u32, first: &Failure, loca
             );
             write_tail(&mut s, "it", "its", stderr_tail);
         }
+        FailureKind::NotStarted { rank, local_rank, reason, .. } => {
+            let _ = writeln!(
+                s,
+                "  rank {rank} (local rank {local_rank}, node {}, host {}) could not start at {}: {reason}",
+                first.node,
+                first.host,
+                first.time()
+            );
+        }
         FailureKind::RankLost { rank, local_rank, pid, loss, last_seen_unix_ms, process, revealed_by } => {
             let index = local_rank.map_or(String::new(), |l| format!("local rank {l}, "));
             let pid = pid.map_or(String::new(), |p| format!(", pid {p}"));
@@ -227,6 +250,7 @@ pub fn summary(job: &str, restart: u32, max_restarts: u32, first: &Failure, loca
     }
     let cause = match &first.what {
         FailureKind::Worker { rank, .. } => format!("rank {rank} failed"),
+        FailureKind::NotStarted { rank, .. } => format!("rank {rank} could not start"),
         FailureKind::RankLost { rank, .. } => format!("rank {rank} was lost"),
         FailureKind::NodeLost { .. } => format!("node {} was lost", first.node),
         FailureKind::Interrupted { signal } => format!("the launcher received {}", signal_name(*signal)),

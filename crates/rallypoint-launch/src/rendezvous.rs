@@ -8,6 +8,7 @@
 //!   broadcasts the verdict to all. A node whose launcher dies fails those
 //!   broadcasts at once, by name, so every node learns of it immediately.
 
+use std::collections::HashSet;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -15,7 +16,9 @@ use tokio::sync::mpsc;
 
 use rallypoint_client::{Client, ConnectOptions, Error, Identity, Members, OpError, RankState};
 
+use crate::console::Console;
 use crate::outcome::{Failure, FailureKind};
+use crate::LaunchError;
 
 /// Waits that last as long as an attempt runs.
 const FOREVER: Duration = Duration::from_secs(30 * 24 * 3600);
@@ -54,33 +57,271 @@ pub struct Launchers {
     pub nnodes: u32,
 }
 
-impl Launchers {
-    pub async fn join(
-        addr: &str,
-        run_id: &str,
-        node: u32,
+/// How a launcher joins its job.
+pub struct Join<'a> {
+    pub addr: &'a str,
+    pub job: &'a str,
+    /// This node's index; `None`: the next free one (node 0 is the one hosting the
+    /// coordinator, which always knows it is).
+    pub node: Option<u32>,
+    pub nnodes: u32,
+    pub host: &'a str,
+    /// For connecting to the coordinator, and for every node to join.
+    pub timeout: Duration,
+    /// The job's token, which the launchers prove like any client.
+    pub token: Option<std::sync::Arc<rallypoint_server::Token>>,
+}
+
+/// Why the nodes of a job could not come together.
+#[derive(Debug, thiserror::Error)]
+pub enum JoinError {
+    #[error("{}", timeout_text(.job, *.nnodes, .missing, *.waited, .other_jobs))]
+    Timeout { job: String, nnodes: u32, missing: Vec<u32>, waited: Duration, other_jobs: Vec<String> },
+    #[error(
+        "node {node} (host {host}, pid {pid}) was started with --nnodes {theirs}, this node with --nnodes {ours}: \
+         every node of job '{job}' must give the same --nnodes"
+    )]
+    Nnodes { job: String, node: u32, host: String, pid: u32, theirs: u32, ours: u32 },
+    #[error(
+        "node rank {node} of job '{job}' is taken by host {host} (pid {pid}): every node needs its own --node-rank"
+    )]
+    Taken { job: String, node: u32, host: String, pid: u32 },
+    #[error("job '{job}' has all its {nnodes} nodes (--nnodes {nnodes}) already: this launcher is one too many")]
+    Full { job: String, nnodes: u32 },
+    #[error("{source} while waiting for {} to join job '{job}'{}", nodes_of(.missing, *.nnodes), other_jobs_hint(.other_jobs))]
+    Coordinator {
+        job: String,
         nnodes: u32,
-        host: &str,
-        timeout: Duration,
-        token: Option<std::sync::Arc<rallypoint_server::Token>>,
-    ) -> Result<Self, Error> {
+        missing: Vec<u32>,
+        other_jobs: Vec<String>,
+        #[source]
+        source: Error,
+    },
+    #[error("{}", attempt_text(.job, *.attempt, *.max_restarts, .missing, *.waited))]
+    Attempt { job: String, attempt: u32, max_restarts: u32, missing: Vec<u32>, waited: Duration },
+}
+
+impl JoinError {
+    /// Nodes started differently (--nnodes, --node-rank): no wait will help.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, JoinError::Nnodes { .. } | JoinError::Taken { .. } | JoinError::Full { .. })
+    }
+}
+
+fn timeout_text(job: &str, nnodes: u32, missing: &[u32], waited: Duration, other_jobs: &[String]) -> String {
+    let mut text = format!(
+        "gave up after {} s (--join-timeout) waiting for {} to join job '{job}'",
+        waited.as_secs(),
+        nodes_of(missing, nnodes)
+    );
+    text.push_str(&other_jobs_hint(other_jobs));
+    text
+}
+
+fn attempt_text(job: &str, attempt: u32, max_restarts: u32, missing: &[u32], waited: Duration) -> String {
+    format!(
+        "gave up after {} s (--join-timeout) waiting for node(s) {} to start {} of job '{job}'",
+        waited.as_secs(),
+        list(missing),
+        crate::attempt_of(attempt, max_restarts)
+    )
+}
+
+/// "node 1 of 2", "nodes 1, 3 of 4", "5 of 64 nodes: 3, 9, 10, 11, 12, ...".
+fn nodes_of(missing: &[u32], nnodes: u32) -> String {
+    match missing.len() {
+        1 => format!("node {} of {nnodes}", missing[0]),
+        2..=8 => format!("nodes {} of {nnodes}", list(missing)),
+        n => format!("{n} of {nnodes} nodes: {}, ...", list(&missing[..8])),
+    }
+}
+
+fn list(nodes: &[u32]) -> String {
+    nodes.iter().map(u32::to_string).collect::<Vec<_>>().join(", ")
+}
+
+/// The launchers of other jobs on this coordinator: nodes started with another --job.
+fn other_jobs_hint(other_jobs: &[String]) -> String {
+    if other_jobs.is_empty() {
+        return String::new();
+    }
+    let names: Vec<String> = other_jobs.iter().map(|j| format!("'{j}'")).collect();
+    format!(
+        "; launchers of another job wait on this coordinator ({}): every node must give the same --job",
+        names.join(", ")
+    )
+}
+
+/// What a launcher writes under `node/<index>` in the launchers' job: it holds
+/// that index, and this is how it was started.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct Claim {
+    host: String,
+    pid: u32,
+    nnodes: u32,
+}
+
+fn claim_key(node: u32) -> String {
+    format!("node/{node}")
+}
+
+/// Where the next free node index is counted (node 0 never takes one from it).
+const NEXT_NODE: &str = "next-node";
+/// Between "waiting for node ..." messages.
+const WAITING_EVERY: Duration = Duration::from_secs(5);
+/// Between looks at the claims and at the coordinator's other jobs while waiting.
+const LOOK_EVERY: Duration = Duration::from_secs(1);
+
+impl Launchers {
+    /// Joins the launchers' job: takes this node's index (the given one, or the next
+    /// free one), then waits for every node of the job, saying every few seconds
+    /// which are missing. Nodes started with a different --nnodes, or claiming the
+    /// same index, are refused by name.
+    pub async fn join(j: &Join<'_>, console: &Console) -> Result<Self, LaunchError> {
+        let started = tokio::time::Instant::now();
+        let launch_job = format!("{}/launch", j.job);
+        let claim = Claim { host: j.host.to_owned(), pid: std::process::id(), nnodes: j.nnodes };
+        let mut identity = Identity::anonymous(launch_job.clone());
+        identity.host = j.host.to_owned();
+        let tool = connect(j, identity, j.timeout, console).await?;
+        let claimed = claim_index(&tool, j, &claim).await;
+        // The nodes that claimed before this one are checked now, on this session:
+        // one of them may see this node's claim first and end the job at once.
+        let mut seen = HashSet::new();
+        let checked = match &claimed {
+            Ok(node) => {
+                seen.insert(*node);
+                match present_nodes(&tool).await {
+                    Ok(present) => check_claims(&tool, j, &claim, &present, &mut seen).await,
+                    Err(e) => Err(e.into()),
+                }
+            }
+            Err(_) => Ok(()),
+        };
+        let _ = tool.close().await;
+        let node = claimed?;
+        checked?;
+        if j.node.is_none() && node != 0 {
+            console.message(format!("rallypoint: this launcher is node {node} of {} of job '{}'", j.nnodes, j.job));
+        }
         let identity = Identity {
-            host: host.to_owned(),
+            host: j.host.to_owned(),
             pid: std::process::id(),
             role: Some("launcher".into()),
-            ..Identity::ranked(format!("{run_id}/launch"), node, nnodes)
+            ..Identity::ranked(launch_job, node, j.nnodes)
         };
-        let options = ConnectOptions::new(addr, identity).with_timeout(timeout).with_token(token);
-        let client = Client::connect_with(options).await?;
-        Ok(Launchers { client, node, nnodes })
+        let left = j.timeout.saturating_sub(started.elapsed());
+        let client = connect(j, identity, left, console).await?;
+        let launchers = Launchers { client, node, nnodes: j.nnodes };
+        launchers.wait_for_nodes(j, &claim, started, seen, console).await?;
+        Ok(launchers)
+    }
+
+    /// Waits until every node has claimed its index, checking each claim, saying
+    /// every few seconds which nodes are missing (and which other jobs' launchers
+    /// wait on the coordinator: nodes started with another --job).
+    async fn wait_for_nodes(
+        &self,
+        j: &Join<'_>,
+        mine: &Claim,
+        started: tokio::time::Instant,
+        mut seen: HashSet<u32>,
+        console: &Console,
+    ) -> Result<(), LaunchError> {
+        let keys: Vec<String> = (0..j.nnodes).map(claim_key).collect();
+        let mut missing: Vec<u32> = (0..j.nnodes).filter(|n| !seen.contains(n)).collect();
+        let mut other_jobs = Vec::new();
+        let mut next_message = started + WAITING_EVERY;
+        let mut next_jobs_look = tokio::time::Instant::now();
+        loop {
+            let left = j.timeout.saturating_sub(started.elapsed());
+            let lost = |source: Error, missing: Vec<u32>, other_jobs: Vec<String>| -> LaunchError {
+                let job = j.job.to_owned();
+                JoinError::Coordinator { job, nnodes: j.nnodes, missing, other_jobs, source }.into()
+            };
+            let absent: HashSet<u32> = match self.client.wait(&keys, Some(left.min(LOOK_EVERY))).await {
+                Ok(()) => HashSet::new(),
+                Err(Error::Op(OpError::KeyTimeout { missing: keys, .. })) => keys
+                    .iter()
+                    .filter_map(|k| std::str::from_utf8(k).ok()?.strip_prefix("node/")?.parse().ok())
+                    .collect(),
+                Err(e) => return Err(lost(e, missing, other_jobs)),
+            };
+            let present: Vec<u32> = (0..j.nnodes).filter(|n| !absent.contains(n)).collect();
+            match check_claims(&self.client, j, mine, &present, &mut seen).await {
+                Ok(()) => {}
+                Err(LaunchError::Coordinator(e)) => return Err(lost(e, missing, other_jobs)),
+                Err(e) => return Err(e),
+            }
+            if absent.is_empty() {
+                return Ok(());
+            }
+            missing = (0..j.nnodes).filter(|n| absent.contains(n)).collect();
+            let now = tokio::time::Instant::now();
+            if now >= next_jobs_look || now >= next_message || started.elapsed() >= j.timeout {
+                other_jobs = self.other_launcher_jobs(j.job).await;
+                next_jobs_look = now + WAITING_EVERY;
+            }
+            let waited = started.elapsed();
+            if waited >= j.timeout {
+                return Err(JoinError::Timeout {
+                    job: j.job.to_owned(),
+                    nnodes: j.nnodes,
+                    missing,
+                    waited,
+                    other_jobs,
+                }
+                .into());
+            }
+            if tokio::time::Instant::now() >= next_message {
+                console.message(format!(
+                    "rallypoint: waiting for {} ({} s of {} s){}",
+                    nodes_of(&missing, j.nnodes),
+                    waited.as_secs(),
+                    j.timeout.as_secs(),
+                    other_jobs_hint(&other_jobs)
+                ));
+                next_message += WAITING_EVERY;
+            }
+        }
+    }
+
+    /// Jobs other than `job` whose launchers are on the coordinator.
+    async fn other_launcher_jobs(&self, job: &str) -> Vec<String> {
+        let jobs = self.client.jobs().await.unwrap_or_default();
+        jobs.iter()
+            .filter_map(|name| name.strip_suffix("/launch"))
+            .filter(|name| *name != job)
+            .map(str::to_owned)
+            .collect()
     }
 
     /// Waits for every node of attempt `attempt`; returns where the ranks are.
-    pub async fn rendezvous(&self, attempt: u32, nproc: u32, timeout: Duration) -> Result<Layout, Error> {
-        let counts = self
-            .client
-            .all_gather(&format!("attempt{attempt}/nproc"), Members::World, nproc.to_string(), Some(timeout))
-            .await?;
+    /// A node that does not come is named as a node, not as a rank of an
+    /// all-gather the user never wrote.
+    pub async fn rendezvous(
+        &self,
+        job: &str,
+        attempt: u32,
+        max_restarts: u32,
+        nproc: u32,
+        timeout: Duration,
+    ) -> Result<Layout, LaunchError> {
+        let name = format!("attempt{attempt}/nproc");
+        let counts = match self.client.all_gather(&name, Members::World, nproc.to_string(), Some(timeout)).await {
+            Ok(counts) => counts,
+            Err(Error::Op(OpError::CollectiveTimeout { waited_ms, missing, .. })) => {
+                return Err(JoinError::Attempt {
+                    job: job.to_owned(),
+                    attempt,
+                    max_restarts,
+                    missing: missing.named().iter().map(|info| info.rank).collect(),
+                    waited: Duration::from_millis(waited_ms),
+                }
+                .into())
+            }
+            Err(e) => return Err(e.into()),
+        };
         let mut layout = Layout { base_rank: 0, world_size: 0, counts: Vec::with_capacity(counts.len()) };
         for (node, count) in counts.iter().enumerate() {
             let n: u32 = std::str::from_utf8(count)
@@ -159,6 +400,103 @@ impl Launchers {
 
     pub async fn close(self) {
         let _ = self.client.close().await;
+    }
+}
+
+/// The nodes that have claimed their index.
+async fn present_nodes(client: &Client) -> Result<Vec<u32>, Error> {
+    let listed = client.list_keys("node/").await?;
+    Ok(listed.iter().filter_map(|k| std::str::from_utf8(k).ok()?.strip_prefix("node/")?.parse().ok()).collect())
+}
+
+/// Reads the claims of the nodes in `present` not seen yet, and refuses one started
+/// with another --nnodes.
+async fn check_claims(
+    client: &Client,
+    j: &Join<'_>,
+    mine: &Claim,
+    present: &[u32],
+    seen: &mut HashSet<u32>,
+) -> Result<(), LaunchError> {
+    let others: Vec<u32> = present.iter().copied().filter(|n| seen.insert(*n)).collect();
+    if others.is_empty() {
+        return Ok(());
+    }
+    let keys: Vec<String> = others.iter().map(|&n| claim_key(n)).collect();
+    let values = client.multi_get(&keys, Some(Duration::ZERO)).await?;
+    for (&other, value) in others.iter().zip(values) {
+        let Ok(theirs) = serde_json::from_slice::<Claim>(&value) else { continue };
+        if theirs.nnodes != mine.nnodes {
+            return Err(JoinError::Nnodes {
+                job: j.job.to_owned(),
+                node: other,
+                host: theirs.host,
+                pid: theirs.pid,
+                theirs: theirs.nnodes,
+                ours: mine.nnodes,
+            }
+            .into());
+        }
+    }
+    Ok(())
+}
+
+/// Takes this node's index in the launchers' job: the given one, unless another
+/// launcher holds it; or the next free one (node 0 hosts the coordinator and knows
+/// it is node 0, so counting starts at 1).
+async fn claim_index(tool: &Client, j: &Join<'_>, claim: &Claim) -> Result<u32, LaunchError> {
+    let value = serde_json::to_vec(claim).map_err(|e| Error::Protocol(e.to_string()))?;
+    let take = |node: u32| {
+        let value = value.clone();
+        async move {
+            let held = tool.compare_set(claim_key(node), b"", &value).await?;
+            Ok::<_, Error>((held == value).then_some(()).ok_or(held))
+        }
+    };
+    if let Some(node) = j.node {
+        return match take(node).await? {
+            Ok(()) => Ok(node),
+            Err(held) => {
+                let holder: Option<Claim> = serde_json::from_slice(&held).ok();
+                let (host, pid) = holder.map_or(("?".to_owned(), 0), |c| (c.host, c.pid));
+                Err(JoinError::Taken { job: j.job.to_owned(), node, host, pid }.into())
+            }
+        };
+    }
+    loop {
+        let next = tool.add(NEXT_NODE, 1).await?;
+        let node = match u32::try_from(next) {
+            Ok(node) if node < j.nnodes => node,
+            _ => return Err(JoinError::Full { job: j.job.to_owned(), nnodes: j.nnodes }.into()),
+        };
+        // Taken by a node started with this --node-rank: try the next one.
+        if take(node).await?.is_ok() {
+            return Ok(node);
+        }
+    }
+}
+
+/// Connects to the coordinator, saying after a second, and then now and again,
+/// that it is still trying.
+async fn connect(j: &Join<'_>, identity: Identity, timeout: Duration, console: &Console) -> Result<Client, Error> {
+    let addr = j.addr;
+    let options = ConnectOptions::new(addr, identity).with_timeout(timeout).with_token(j.token.clone());
+    let connecting = Client::connect_with(options);
+    tokio::pin!(connecting);
+    let started = tokio::time::Instant::now();
+    let mut pause = Duration::from_secs(1);
+    loop {
+        tokio::select! {
+            connected = &mut connecting => return connected,
+            () = tokio::time::sleep_until(started + pause) => {
+                console.message(format!(
+                    "rallypoint: waiting for the coordinator at {addr} ({} s of {} s)",
+                    started.elapsed().as_secs(),
+                    timeout.as_secs()
+                ));
+                pause = (pause * 2 + Duration::from_secs(1)).min(pause + Duration::from_secs(30));
+            }
+        }
     }
 }
 

@@ -35,7 +35,7 @@ use crate::procs::{self, Family, LAUNCH_ID_VAR};
 use crate::rendezvous::{Launchers, Remote, Report};
 use crate::watchdog::Watchdog;
 use crate::worker::{self, Exited, Running, Spec};
-use crate::{Exit, LaunchError, LaunchOptions};
+use crate::{Exit, LaunchError, LaunchOptions, Route};
 use rallypoint_client::env::{live_output_env, worker_env, JobEnv, Placement};
 use rallypoint_client::Token;
 
@@ -82,7 +82,11 @@ impl Attempt<'_> {
         }
         let mut state = State::default();
         let mut workers = Workers::default();
-        self.spawn_workers(&mut state, &mut workers, self.log_dir()?, exits_tx);
+        let log_dir = self.log_dir();
+        if let Some(dir) = &log_dir {
+            std::fs::create_dir_all(dir).map_err(|e| LaunchError::LogDir { dir: dir.clone(), source: e })?;
+        }
+        self.spawn_workers(&mut state, &mut workers, log_dir, exits_tx);
         while let Some(verdict_by) = self.waits_for_more(&mut state, &workers) {
             let next_step = [state.term_at, state.kill_at, verdict_by].into_iter().flatten().min();
             let step = async {
@@ -101,12 +105,12 @@ impl Attempt<'_> {
         Ok(self.finish(state, &workers).await)
     }
 
-    /// `<log_dir>/attempt<K>`, made, if output goes to files.
-    fn log_dir(&self) -> Result<Option<PathBuf>, LaunchError> {
-        let Some(dir) = &self.options.log_dir else { return Ok(None) };
-        let dir = dir.join(format!("attempt{}", self.attempt));
-        std::fs::create_dir_all(&dir)?;
-        Ok(Some(dir))
+    /// `<log_dir>/attempt<K>` (K from 1, as "attempt K of N" says), if output of
+    /// this node's workers goes to files.
+    pub fn log_dir(&self) -> Option<PathBuf> {
+        let o = self.options;
+        let dir = o.log_dir.as_ref().filter(|_| o.files.any_of(o.nproc_per_node))?;
+        Some(dir.join(format!("attempt{}", self.attempt + 1)))
     }
 
     /// Starts this node's workers; a worker that cannot start fails the attempt (and
@@ -139,7 +143,9 @@ impl Attempt<'_> {
                 program: o.command[0].clone(),
                 args: o.command[1..].to_vec(),
                 env,
-                console: (log_dir.is_none() || o.tee).then(|| Arc::clone(self.console)),
+                console: Arc::clone(self.console),
+                prefix: o.line_prefix.render(placement.rank, local_rank, &o.role, self.host),
+                route: Route { console: o.console.get(local_rank), files: o.files.get(local_rank) },
                 log_dir: log_dir.clone(),
             };
             match worker::spawn(spec, self.family, exits.clone()) {
@@ -151,15 +157,16 @@ impl Attempt<'_> {
                     workers.running.push(Some(r));
                 }
                 Err(e) => {
-                    // Could not even start: a failure like any other (exit 127, as a shell
-                    // reports a missing command), with the reason as its stderr.
-                    let failure = self.worker_failure(local_rank, 0, Exit::Code(127), vec![e.to_string()]);
-                    state.outcomes.push(RankOutcome {
+                    // Could not even start: the attempt fails (no more workers are
+                    // started), exiting as a shell would (127 not found, 126 not
+                    // executable).
+                    let what = FailureKind::NotStarted {
                         rank: placement.rank,
-                        exit: Exit::Code(127),
-                        signalled_by_launcher: None,
-                        after_failure: false,
-                    });
+                        local_rank,
+                        reason: e.describe(),
+                        exit_code: e.exit_code(),
+                    };
+                    let failure = Failure::now(what, self.launchers.node, self.host);
                     self.fail(state, failure, &workers.running, Origin::Here);
                     break;
                 }
@@ -287,7 +294,11 @@ impl Attempt<'_> {
             None => AttemptResult::Succeeded,
             Some(first) => {
                 let o = self.options;
-                self.console.message(summary(&o.job, self.attempt, o.max_restarts, &first, &state.outcomes));
+                let mut text = summary(&o.job, self.attempt, o.max_restarts, &first, &state.outcomes);
+                if let Some(dir) = self.log_dir() {
+                    text.push_str(&format!("logs of this node's ranks: {}\n", dir.display()));
+                }
+                self.console.message(text);
                 AttemptResult::Failed { first }
             }
         }

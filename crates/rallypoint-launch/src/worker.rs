@@ -19,6 +19,7 @@ use crate::console::{Console, STALL};
 use crate::outcome::Exit;
 use crate::output::{pump, tail_lines, Stream, Tail};
 use crate::procs::Family;
+use crate::Route;
 
 /// After a worker exited, its pipes are read on as long as output keeps coming, but
 /// a pipe that stays silent this long is given up: a process the worker started may
@@ -34,8 +35,11 @@ pub struct Spec {
     pub program: OsString,
     pub args: Vec<OsString>,
     pub env: Vec<(&'static str, OsString)>,
-    /// Where its output is shown; `None` with `--log-dir` and no `--tee`.
-    pub console: Option<Arc<Console>>,
+    pub console: Arc<Console>,
+    /// What its console lines start with, when not `[rankN]: `.
+    pub prefix: Option<String>,
+    /// Which of its streams go to the console, and which to files in `log_dir`.
+    pub route: Route,
     pub log_dir: Option<PathBuf>,
 }
 
@@ -52,8 +56,37 @@ pub struct Exited {
     pub stderr_tail: Vec<String>,
 }
 
+/// A worker that could not be started: its program, and why (`execve`'s error:
+/// not found, not executable, ...).
+#[derive(Debug)]
+pub struct SpawnError {
+    pub program: OsString,
+    pub source: io::Error,
+}
+
+impl SpawnError {
+    /// The exit code a shell gives a command it cannot run: 127 when it is not
+    /// found, 126 when it is found but cannot be executed.
+    pub fn exit_code(&self) -> i32 {
+        match self.source.kind() {
+            io::ErrorKind::NotFound => 127,
+            _ => 126,
+        }
+    }
+
+    /// "python3x: No such file or directory", without io::Error's "(os error 2)".
+    pub fn describe(&self) -> String {
+        let reason = self.source.to_string();
+        let reason = match self.source.raw_os_error() {
+            Some(code) => reason.strip_suffix(&format!(" (os error {code})")).unwrap_or(&reason).to_owned(),
+            None => reason,
+        };
+        format!("{}: {reason}", self.program.to_string_lossy())
+    }
+}
+
 /// Starts the worker and a task that reports its exit on `done`.
-pub fn spawn(spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exited>) -> io::Result<Running> {
+pub fn spawn(spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exited>) -> Result<Running, SpawnError> {
     let mut cmd = Command::new(&spec.program);
     cmd.args(&spec.args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
@@ -85,15 +118,14 @@ pub fn spawn(spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exite
             let pid = child.id().unwrap_or(0);
             Ok((child, pid))
         })
-        .map_err(|e| {
-            io::Error::new(e.kind(), format!("cannot start {:?} for rank {}: {e}", spec.program, spec.rank))
-        })?;
+        .map_err(|source| SpawnError { program: spec.program.clone(), source })?;
     let pid = child.id().unwrap_or(0);
     let tail: Tail = Tail::default();
     let activity = Arc::new(AtomicU64::new(0));
     let start_pump = |stream: Stream, source, tail: Option<Tail>| -> JoinHandle<()> {
-        let console = spec.console.as_ref().map(|c| c.for_rank(spec.rank, stream));
-        let dir = spec.log_dir.clone();
+        let console =
+            spec.route.console.has(stream).then(|| spec.console.for_rank(spec.rank, stream, spec.prefix.clone()));
+        let dir = spec.log_dir.clone().filter(|_| spec.route.files.has(stream));
         let activity = Arc::clone(&activity);
         let rank = spec.rank;
         tokio::spawn(async move { pump(source, rank, stream, console, dir.as_deref(), tail, activity).await })

@@ -105,6 +105,7 @@ impl Coordinator {
             coordinator: self.addr,
             node_agent: None,
             run_id: job.to_owned(),
+            role: "default".to_owned(),
             attempt_job: job.to_owned(),
             restart_count: 0,
             max_restarts: 0,

@@ -31,6 +31,8 @@ pub struct JobEnv {
     pub node_agent: Option<String>,
     /// The user's job name (TORCHELASTIC_RUN_ID).
     pub run_id: String,
+    /// The workers' role (ROLE_NAME; torchrun's `--role`, "default" unless given).
+    pub role: String,
     /// The coordinator job of this attempt (RALLYPOINT_JOB): new at each restart, so no
     /// key or barrier generation of a failed attempt leaks into the next.
     pub attempt_job: String,
@@ -54,7 +56,7 @@ pub fn worker_env(job: &JobEnv, p: &Placement, inherited_omp: bool) -> Vec<(&'st
         ("GROUP_RANK", s(&p.node_rank)),
         ("GROUP_WORLD_SIZE", s(&p.nnodes)),
         ("ROLE_RANK", s(&p.rank)),
-        ("ROLE_NAME", s(&"default")),
+        ("ROLE_NAME", s(&job.role)),
         ("ROLE_WORLD_SIZE", s(&p.world_size)),
         ("MASTER_ADDR", s(&job.coordinator.ip())),
         ("MASTER_PORT", s(&job.coordinator.port())),
@@ -68,6 +70,9 @@ pub fn worker_env(job: &JobEnv, p: &Placement, inherited_omp: bool) -> Vec<(&'st
         // reports. A token from the launcher's own environment is not passed on.
         (TOKEN_FILE_VAR, job.token_file.as_ref().map_or_else(OsString::new, |path| path.clone().into_os_string())),
         (TOKEN_VAR, OsString::new()),
+        // The coordinator itself, also where RALLYPOINT_ADDR is a node agent:
+        // `rallypoint status --addr $RALLYPOINT_COORDINATOR` from a worker's shell.
+        ("RALLYPOINT_COORDINATOR", s(&job.coordinator)),
     ];
     if let Some(incarnation) = job.job_incarnation {
         env.push(("RALLYPOINT_JOB_INCARNATION", s(&Incarnation(incarnation))));
@@ -101,6 +106,7 @@ mod tests {
             coordinator: "127.0.0.1:29500".parse().expect("literal address"),
             node_agent: None,
             run_id: "train".into(),
+            role: "trainer".into(),
             attempt_job: "train.restart1".into(),
             restart_count: 1,
             max_restarts: 3,
@@ -118,6 +124,7 @@ mod tests {
         assert_eq!(get("RALLYPOINT_ADDR"), "127.0.0.1:29500");
         assert_eq!(get("RALLYPOINT_JOB"), "train.restart1");
         assert_eq!(get("TORCHELASTIC_RUN_ID"), "train");
+        assert_eq!(get("ROLE_NAME"), "trainer");
         assert_eq!(get("TORCHELASTIC_USE_AGENT_STORE"), "True");
         assert_eq!(get("RALLYPOINT_JOB_INCARNATION"), "0000000000000bbb");
         assert_eq!(get("OMP_NUM_THREADS"), "1");
@@ -131,6 +138,7 @@ mod tests {
         let env: std::collections::HashMap<_, _> = worker_env(&job, &p, false).into_iter().collect();
         let get = |k: &str| env.get(k).and_then(|v| v.to_str()).unwrap_or("<unset>");
         assert_eq!(get("RALLYPOINT_ADDR"), "unix:/tmp/rp/agent.sock");
+        assert_eq!(get("RALLYPOINT_COORDINATOR"), "127.0.0.1:29500");
         assert_eq!(get("MASTER_ADDR"), "127.0.0.1");
         assert_eq!(get("MASTER_PORT"), "29500");
     }

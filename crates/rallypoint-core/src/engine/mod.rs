@@ -394,6 +394,11 @@ impl Engine {
             return self.outgoing.push(Outgoing { session, request_id, reply });
         }
         let Some(sess) = self.sessions.get(&session) else { return };
+        if let Request::Jobs = request {
+            let names = self.job_names(sess.job);
+            self.outgoing.push(Outgoing { session, request_id, reply: Ok(Response::Values(names)) });
+            return;
+        }
         let caller = Caller { session, request_id, rank: sess.identity.rank, torch: sess.torch };
         if let Some(mut step) = self.step(sess.job, now) {
             step.request(caller, request);
@@ -423,8 +428,25 @@ impl Engine {
         Ok(Response::Done)
     }
 
+    /// The jobs a `Jobs` request lists, in byte order, capped: those holding anything
+    /// besides the asking session (another session, a key, a rank). A job only ever
+    /// asked about, or kept after its last session left with nothing, is none.
+    fn job_names(&self, asking: JobId) -> Vec<bytes::Bytes> {
+        let mut names: Vec<&str> = self
+            .jobs
+            .values()
+            .filter(|job| {
+                let others = job.sessions.saturating_sub(usize::from(job.id == asking));
+                others > 0 || job.store.len() > 0 || job.ranks.ever_connected() > 0
+            })
+            .map(|job| job.name.as_str())
+            .collect();
+        names.sort_unstable();
+        names.truncate(crate::MAX_JOBS_LISTED);
+        names.into_iter().map(|name| bytes::Bytes::copy_from_slice(name.as_bytes())).collect()
+    }
+
     /// The session's connection is gone, and whether its process is alive is not known:
-    /// [`Engine::close_with`] with [`Departure::Unknown`].
     pub fn close(&mut self, session: SessionId, now: Millis) {
         self.close_with(session, Departure::Unknown, now);
     }

@@ -181,7 +181,7 @@ impl<'a> Step<'a> {
     /// requests that end the session, an aborted job everything but the requests
     /// about the session itself, and nothing invalid gets through.
     fn admit(&self, request: &Request) -> Result<(), OpError> {
-        if matches!(request, Request::Heartbeat | Request::Leave | Request::Abandon) {
+        if matches!(request, Request::Heartbeat | Request::Leave | Request::Abandon | Request::Jobs) {
             return Ok(());
         }
         if let Some(error) = self.job.reset_error() {
@@ -205,6 +205,8 @@ impl<'a> Step<'a> {
             Request::Leave => self.leave(caller),
             Request::Abandon => self.abandon(caller),
             Request::Status => value(self.status(caller).into()),
+            // Answered by the engine, which sees every job.
+            Request::Jobs => None,
             Request::Set { key, value } => self.set(key, value),
             Request::Append { key, value } => self.append(key, value),
             Request::MultiSet { entries } => self.multi_set(entries),

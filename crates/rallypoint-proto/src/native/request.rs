@@ -33,6 +33,7 @@ mod op {
     pub const STATUS: u8 = 0x18;
     pub const RESET: u8 = 0x19;
     pub const ABANDON: u8 = 0x1a;
+    pub const JOBS: u8 = 0x1b;
 }
 
 mod members {
@@ -140,6 +141,7 @@ pub(crate) fn encode_request(request: &Request, dst: &mut BytesMut) {
             w.op(op::STORE_BARRIER).blob(key).i64(*world_size).timeout(*timeout_ms)
         }
         Request::Status => w.op(op::STATUS),
+        Request::Jobs => w.op(op::JOBS),
         Request::Reset { incarnation } => w.op(op::RESET).u64(*incarnation),
         Request::Heartbeat => w.op(op::HEARTBEAT),
         Request::Leave => w.op(op::LEAVE),
@@ -192,6 +194,7 @@ pub(crate) fn decode_request(r: &mut Reader) -> DecodeResult<Request> {
         }
         op::STATUS => Request::Status,
         op::RESET => Request::Reset { incarnation: r.u64("incarnation")? },
+        op::JOBS => Request::Jobs,
         op::HEARTBEAT => Request::Heartbeat,
         op::LEAVE => Request::Leave,
         op::ABANDON => Request::Abandon,
