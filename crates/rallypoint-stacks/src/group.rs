@@ -55,6 +55,38 @@ const MAX_RUNS: usize = 8;
 /// A label this long or longer is not padded to align the stacks after it.
 const MAX_LABEL_PAD: usize = 40;
 
+impl Grouped {
+    /// The groups of several parts of a job (each node's) as one: groups of the
+    /// same stack become one.
+    pub fn merge(parts: impl IntoIterator<Item = Grouped>) -> Grouped {
+        let mut merged = Grouped::default();
+        let mut by_text: HashMap<String, usize> = HashMap::new();
+        for part in parts {
+            merged.ranks += part.ranks;
+            for group in part.groups {
+                match by_text.get(&group.text) {
+                    Some(&index) => merged.groups[index].ranks.extend(group.ranks),
+                    None => {
+                        by_text.insert(group.text.clone(), merged.groups.len());
+                        merged.groups.push(group);
+                    }
+                }
+            }
+        }
+        merged.order();
+        merged
+    }
+
+    /// Smallest group first, ties by lowest rank; each group's ranks increasing.
+    fn order(&mut self) {
+        for group in &mut self.groups {
+            group.ranks.sort_unstable();
+            group.ranks.dedup();
+        }
+        self.groups.sort_by_key(|g| (g.ranks.len(), g.ranks.first().copied()));
+    }
+}
+
 /// Groups ranks by identical stacks.
 pub fn group(stacks: impl IntoIterator<Item = RankStack>) -> Grouped {
     let mut groups: Vec<Group> = Vec::new();
@@ -71,12 +103,9 @@ pub fn group(stacks: impl IntoIterator<Item = RankStack>) -> Grouped {
             }
         }
     }
-    for group in &mut groups {
-        group.ranks.sort_unstable();
-        group.ranks.dedup();
-    }
-    groups.sort_by_key(|g| (g.ranks.len(), g.ranks.first().copied()));
-    Grouped { ranks, groups }
+    let mut grouped = Grouped { ranks, groups };
+    grouped.order();
+    grouped
 }
 
 /// The groups, one line each: `rank 2 (1 of 4):      load_batch (data.py:17) ← train (train.py:40)`.
@@ -320,6 +349,25 @@ mod tests {
             "rank 2 (1 of 4):      load_batch (data.py:17) ← train (train.py:40) ← <module> (train.py:60)\n\
              ranks 0-1,3 (3 of 4): all_reduce (torch/distributed/distributed_c10d.py:2950) ← train (train.py:42) \
              ← <module> (train.py:60)\n"
+        );
+    }
+
+    #[test]
+    fn the_groups_of_several_nodes_merge_into_one_view() {
+        let sleeping = py(&[("load_batch", "data.py", 17)]);
+        let node0 = group(vec![rank(0, all_reduce()), rank(1, all_reduce())]);
+        let node1 = group(vec![rank(2, sleeping), rank(3, all_reduce())]);
+        let merged = Grouped::merge([node1, node0]);
+        assert_eq!(merged.ranks, 4);
+        assert_eq!(merged.groups.iter().map(|g| g.ranks.clone()).collect::<Vec<_>>(), [vec![2], vec![0, 1, 3]]);
+        assert_eq!(
+            merged,
+            group(vec![
+                rank(3, all_reduce()),
+                rank(1, all_reduce()),
+                rank(0, all_reduce()),
+                rank(2, py(&[("load_batch", "data.py", 17)]))
+            ])
         );
     }
 
