@@ -177,20 +177,20 @@ fn a_job_is_quiet_since_its_last_request_heartbeats_and_status_requests_aside() 
     let s0 = h.rank("j", 0, 2);
     assert_eq!(h.engine.quiet_ms("j", h.now), Some(0), "connecting is asking");
     h.advance(500);
-    h.call(s0, Request::Set { key: b("k"), value: b("v") });
+    h.call(s0, Request::Set { key: b("k"), value: b("v") }).expect("set");
     h.advance(300);
     assert_eq!(h.engine.quiet_ms("j", h.now), Some(300));
     // A rank blocked in a wait asks nothing more while it waits.
     h.send(s0, Request::Get { key: b("never"), timeout_ms: None });
     h.advance(700);
     for request in [Request::Heartbeat, Request::Status] {
-        h.call(s0, request);
+        h.call(s0, request).expect("answered");
         h.advance(100);
     }
     assert_eq!(h.engine.quiet_ms("j", h.now), Some(900), "heartbeats and status requests are not activity");
     // Another job's requests are its own.
     let other = h.rank("other", 0, 1);
-    h.call(other, Request::Set { key: b("k"), value: b("v") });
+    h.call(other, Request::Set { key: b("k"), value: b("v") }).expect("set");
     assert_eq!(h.engine.quiet_ms("j", h.now), Some(900));
     assert_eq!(h.engine.quiet_ms("other", h.now), Some(0));
     h.leave(s0);
