@@ -4,7 +4,7 @@
 mod common;
 
 use common::{b, barrier, barrier_of, err, ok, Harness};
-use rallypoint_core::{Config, LossReason, Members, OpError, RankState, Request, Response, SessionId};
+use rallypoint_core::{Config, Identity, LossReason, Members, OpError, RankState, Request, Response, SessionId};
 
 /// Ranks 0 and 1 of a job with a 1 s lease, rank 0 waiting at barrier "x" (its request id).
 fn rank_0_waiting_under_a_1s_lease() -> (Harness, SessionId, SessionId, u64) {
@@ -188,6 +188,10 @@ fn a_job_is_quiet_since_its_last_request_heartbeats_and_status_requests_aside() 
         h.advance(100);
     }
     assert_eq!(h.engine.quiet_ms("j", h.now), Some(900), "heartbeats and status requests are not activity");
+    // Nor is a tool connecting to look (`rallypoint status`).
+    let tool = h.open(Identity::anonymous("j"));
+    h.call(tool, Request::Status).expect("status");
+    assert_eq!(h.engine.quiet_ms("j", h.now), Some(900));
     // Another job's requests are its own.
     let other = h.rank("other", 0, 1);
     h.call(other, Request::Set { key: b("k"), value: b("v") }).expect("set");

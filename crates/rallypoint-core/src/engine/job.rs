@@ -26,9 +26,9 @@ pub(crate) struct Job {
     /// Open sessions of this job.
     pub sessions: usize,
     pub idle_since: Millis,
-    /// When a process of the job last asked for something (a heartbeat, a leave or a
-    /// status request is not asking): a launcher takes a job quiet this long, with
-    /// no output either, for hung.
+    /// When a rank of the job last connected, or a process of it last asked for
+    /// something (a heartbeat, a leave or a status request is not asking): a launcher
+    /// takes a job quiet this long, with no output either, for hung.
     pub last_request: Millis,
     /// When a torch stall notice last named each stalled key (first key waited on).
     pub stall_noted: HashMap<Bytes, Millis>,

@@ -71,7 +71,10 @@ impl<'a> Step<'a> {
     /// Session `id` of the job opened with `identity`.
     pub fn open(&mut self, id: SessionId, identity: &Identity) {
         self.job.sessions += 1;
-        self.job.last_request = self.ctx.now;
+        // A rank connecting is the job at work; a tool (`rallypoint status`) is not.
+        if identity.rank.is_some() {
+            self.job.last_request = self.ctx.now;
+        }
         if let Some(rank) = identity.rank {
             let lease_ms = self.config.lease_ms;
             let process = identity.incarnation.map(|_| incarnation::process(identity));
