@@ -214,6 +214,15 @@ pub struct LaunchArgs {
     /// 0 turns leases off [default: 15]
     #[arg(long, value_parser = parse::secs, value_name = "SECS")]
     lease: Option<f64>,
+    /// Seconds after which a job none of whose ranks wrote output or asked the
+    /// coordinator anything (a store or rallypoint operation) is taken for hung: node
+    /// 0's launcher reads every rank's stack, prints them grouped in the summary (and
+    /// into --log-dir), and takes the job down with exit code 124. Pick it longer than
+    /// the quietest stretch of a healthy run. With it, every failure's summary also
+    /// gives the stacks of the ranks still running [default: off; 0: off]
+    #[arg(long, alias = "hang_timeout", env = "PET_HANG_TIMEOUT", hide_env = true, value_name = "SECS",
+          value_parser = parse::secs)]
+    hang_timeout: Option<f64>,
     /// Host a node agent in this launcher: the workers' RALLYPOINT_ADDR becomes its Unix
     /// socket (unix:PATH, in a private temporary directory removed at exit) and it carries
     /// all of this node's worker connections to the coordinator over one connection.
@@ -422,6 +431,11 @@ impl LaunchArgs {
             max_restarts: self.max_restarts,
             join_timeout: seconds("join-timeout", join_timeout)?,
             lease: self.lease.map(|lease| seconds("lease", lease)).transpose()?,
+            hang_timeout: self
+                .hang_timeout
+                .map(|secs| seconds("hang-timeout", secs))
+                .transpose()?
+                .filter(|d| !d.is_zero()),
             node_agent: self.node_agent,
             token: match &self.token_file {
                 Some(path) => Some(rallypoint_client::Token::from_file(path).map_err(|e| e.to_string())?),

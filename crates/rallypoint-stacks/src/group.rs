@@ -276,14 +276,18 @@ fn short_symbol(symbol: &str) -> String {
 
 /// The frames worth showing, innermost first, each with how many times it repeats
 /// in a row (recursion): without the interpreter's start-up (`runpy`, `importlib`,
-/// a thread's bootstrap) and, when native frames are merged in, without the native
-/// frames outside the outermost Python frame (`main`, `Py_RunMain`, `start_thread`).
+/// a thread's bootstrap), without the wrappers of decorators that only pass a call
+/// on (`_exception_logger.<locals>.wrapper` around torch's collectives; the
+/// innermost frame is kept whatever it is) and, when native frames are merged in,
+/// without the native frames outside the outermost Python frame (`main`,
+/// `Py_RunMain`, `start_thread`).
 pub fn fold(frames: &[Frame]) -> Vec<(Frame, u32)> {
     let python = frames.iter().any(|f| !f.native);
     let outermost_python = frames.iter().rposition(|f| !f.native);
     let mut folded: Vec<(Frame, u32)> = Vec::new();
     for (i, frame) in frames.iter().enumerate() {
-        if is_bootstrap(frame) || (python && frame.native && outermost_python.is_some_and(|o| i > o)) {
+        let outside = python && frame.native && outermost_python.is_some_and(|o| i > o);
+        if is_bootstrap(frame) || outside || (i > 0 && is_decorator_wrapper(frame)) {
             continue;
         }
         match folded.last_mut() {
@@ -292,6 +296,12 @@ pub fn fold(frames: &[Frame]) -> Vec<(Frame, u32)> {
         }
     }
     folded
+}
+
+/// A function a decorator defined to wrap another: `deco.<locals>.wrapper`.
+fn is_decorator_wrapper(frame: &Frame) -> bool {
+    let Some((outer, name)) = frame.function.rsplit_once('.') else { return false };
+    !frame.native && outer.ends_with("<locals>") && matches!(name, "wrapper" | "wrapped" | "inner" | "_wrapper")
 }
 
 fn is_bootstrap(frame: &Frame) -> bool {
@@ -453,6 +463,21 @@ mod tests {
             text,
             "f (d.py:1) ← f (d.py:2) ← f (d.py:3) ← … 24 frames … ← f (d.py:28) ← f (d.py:29) ← f (d.py:30)"
         );
+    }
+
+    #[test]
+    fn decorator_wrappers_go_unless_innermost() {
+        let wrapped = py(&[
+            ("all_reduce", "torch/distributed/distributed_c10d.py", 2950),
+            ("_exception_logger.<locals>.wrapper", "torch/distributed/c10d_logger.py", 83),
+            ("train", "train.py", 42),
+        ]);
+        assert_eq!(
+            describe(&wrapped, 12),
+            "all_reduce (torch/distributed/distributed_c10d.py:2950) ← train (train.py:42)"
+        );
+        let stuck_in_wrapper = py(&[("retry.<locals>.wrapper", "util.py", 9), ("train", "train.py", 42)]);
+        assert_eq!(describe(&stuck_in_wrapper, 12), "retry.<locals>.wrapper (util.py:9) ← train (train.py:42)");
     }
 
     #[test]
