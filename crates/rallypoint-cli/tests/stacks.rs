@@ -483,7 +483,7 @@ fn status_stacks_of_many_python_workers_is_one_group_and_timed() {
     launched.wait_stdout(&(0..ranks).map(|r| format!("[rank{r}]: up")).collect::<Vec<_>>());
     let all = format!("ranks 0-{} ({ranks} of {ranks}): idle (wait.py:5)", ranks - 1);
     let started = Instant::now();
-    let text = status_until(&["--job", &job], &[all.clone()]);
+    let text = status_until(&["--job", &job], std::slice::from_ref(&all));
     eprintln!("status --stacks of {ranks} Python workers: {:.2} s\n{text}", started.elapsed().as_secs_f64());
     assert_eq!(line_of(&text, "ranks 0-"), format!("{all} ← <module> (wait.py:9)"));
     launched.stop();
