@@ -212,7 +212,8 @@ pub struct Roster {
 #[derive(Default)]
 struct RosterState {
     attempt_job: String,
-    started_ms: u64,
+    /// When the attempt started, or a worker of it that has exited last wrote.
+    quiet_since: u64,
     workers: Vec<Live>,
 }
 
@@ -225,7 +226,7 @@ impl Roster {
     pub fn start_attempt(&self, attempt_job: &str) {
         let mut state = self.lock();
         state.attempt_job = attempt_job.to_owned();
-        state.started_ms = mono_ms();
+        state.quiet_since = mono_ms();
         state.workers.clear();
     }
 
@@ -235,7 +236,11 @@ impl Roster {
 
     /// The worker `pid` exited.
     pub fn remove(&self, pid: u32) {
-        self.lock().workers.retain(|w| w.pid != pid);
+        let mut state = self.lock();
+        if let Some(gone) = state.workers.iter().position(|w| w.pid == pid) {
+            let heard = state.workers.swap_remove(gone).heard.load(Ordering::Relaxed);
+            state.quiet_since = state.quiet_since.max(heard);
+        }
     }
 
     /// The attempt is over: nothing runs.
@@ -249,7 +254,7 @@ impl Roster {
     /// ever ran in it, running or not: one that exited was heard of then).
     pub fn quiet_ms(&self) -> u64 {
         let state = self.lock();
-        let last = state.workers.iter().map(|w| w.heard.load(Ordering::Relaxed)).fold(state.started_ms, u64::max);
+        let last = state.workers.iter().map(|w| w.heard.load(Ordering::Relaxed)).fold(state.quiet_since, u64::max);
         mono_ms().saturating_sub(last)
     }
 
@@ -285,6 +290,7 @@ fn native_unavailable() -> Option<&'static str> {
 pub async fn answer(roster: &Roster, node: u32, host: &str, ask: &Ask) -> NodeStacks {
     let started = Instant::now();
     let running = roster.running();
+    let running_count = running.len();
     let quiet_ms = roster.quiet_ms();
     let unavailable = ask.native.then(native_unavailable).flatten();
     let stacks = if ask.stacks {
@@ -308,7 +314,7 @@ pub async fn answer(roster: &Roster, node: u32, host: &str, ask: &Ask) -> NodeSt
         node,
         host: host.to_owned(),
         attempt_job: roster.attempt_job(),
-        running: u32::try_from(roster.running().len()).unwrap_or(u32::MAX),
+        running: u32::try_from(running_count).unwrap_or(u32::MAX),
         quiet_ms,
         stacks,
         capture_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
@@ -351,4 +357,95 @@ pub fn spawn_responder(client: Client, node: u32, host: String, roster: Arc<Rost
             next += 1;
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rallypoint_stacks::{Captured, Frame, ThreadChoice};
+
+    fn python(function: &str, line: u32) -> Captured {
+        Captured::Python {
+            pid: 1,
+            thread: ThreadChoice::Main,
+            thread_name: None,
+            threads: 1,
+            native: false,
+            frames: vec![Frame::python(function, "train.py", line)],
+        }
+    }
+
+    fn node(node: u32, stacks: Vec<(u32, Captured)>, quiet_ms: u64) -> NodeStacks {
+        let running = stacks.len() as u32;
+        let grouped = rallypoint_stacks::group(stacks.into_iter().map(|(rank, captured)| RankStack {
+            rank,
+            pid: 100 + rank,
+            captured,
+        }));
+        NodeStacks {
+            node,
+            host: format!("h{node}"),
+            attempt_job: "j".into(),
+            running,
+            quiet_ms,
+            stacks: Some(grouped),
+            capture_ms: 5,
+            note: None,
+        }
+    }
+
+    #[test]
+    fn the_nodes_answers_make_one_view_naming_the_silent_nodes() {
+        let collected = Collected {
+            nnodes: 3,
+            answers: vec![
+                node(0, vec![(0, python("all_reduce", 9)), (1, python("all_reduce", 9))], 7_000),
+                NodeStacks {
+                    note: Some("native frames are not in this launcher's build".into()),
+                    ..node(1, vec![(2, python("load_batch", 4)), (3, python("all_reduce", 9))], 6_000)
+                },
+            ],
+            unanswered: vec![Unanswered { node: 2, host: Some("h2".into()) }],
+            elapsed_ms: 250,
+        };
+        assert_eq!(collected.quiet_ms(), 6_000, "the least quiet node's");
+        let how = Render { indent: "  ".into(), ..Render::default() };
+        let text = collected.render(&how);
+        let lines: Vec<String> = text.lines().map(|l| l.split_whitespace().collect::<Vec<_>>().join(" ")).collect();
+        assert_eq!(
+            lines,
+            [
+                "stacks of 4 ranks on 2 nodes, read in 0.25 s (each rank's main thread, innermost frame first):",
+                "rank 2 (1 of 4): load_batch (train.py:4)",
+                "ranks 0-1,3 (3 of 4): all_reduce (train.py:9)",
+                "node 2 (host h2) did not answer: its ranks are not shown",
+                "(native frames are not in this launcher's build)",
+            ]
+        );
+        let idle = Collected { nnodes: 1, answers: vec![node(0, vec![], 0)], unanswered: vec![], elapsed_ms: 1 };
+        assert!(idle.render(&how).starts_with("stacks: no worker is running on the 1 node that answered"));
+        let json = serde_json::to_string(&collected).expect("plain data");
+        assert_eq!(serde_json::from_str::<Collected>(&json).expect("back"), collected);
+    }
+
+    #[test]
+    fn the_roster_knows_who_runs_and_remembers_when_a_gone_worker_last_spoke() {
+        let roster = Roster::default();
+        roster.start_attempt("j.restart1");
+        let (loud, quiet) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        roster.add(5, 505, Arc::clone(&loud));
+        roster.add(4, 404, Arc::clone(&quiet));
+        assert_eq!(roster.running(), [(4, 404), (5, 505)], "by rank");
+        assert_eq!(roster.attempt_job(), "j.restart1");
+        // A worker heard "later than now": the node is not quiet at all.
+        loud.store(mono_ms() + 3_600_000, Ordering::Relaxed);
+        assert_eq!(roster.quiet_ms(), 0);
+        // Once it exits, when it last spoke still counts.
+        roster.remove(505);
+        assert_eq!(roster.running(), [(4, 404)]);
+        assert_eq!(roster.quiet_ms(), 0);
+        roster.end_attempt();
+        assert!(roster.running().is_empty());
+        assert_eq!(roster.attempt_job(), "");
+    }
 }
