@@ -187,6 +187,17 @@ fn native_stack(pid: u32) -> anyhow::Result<Captured> {
     let unwinder = process.unwinder()?;
     let symbolicator = process.symbolicator()?;
     let thread = remoteprocess::Thread::new(pid as remoteprocess::Tid)?;
+    // Unnamed frames are told as an offset in their file, which is the same in every
+    // process running that file; an absolute address differs with each one's layout
+    // (ASLR), so identical stacks of two ranks would not fold together.
+    let maps = proc_maps::get_process_maps(pid as proc_maps::Pid).unwrap_or_default();
+    let unnamed = |ip: u64| {
+        let ip = ip as usize;
+        maps.iter()
+            .find(|m| m.start() <= ip && ip < m.start() + m.size())
+            .and_then(|m| Some((base_name(m.filename()?.to_str()?), ip - m.start() + m.offset)))
+            .map_or_else(|| format!("0x{ip:x}"), |(file, offset)| format!("{file}+0x{offset:x}"))
+    };
     let mut frames = Vec::new();
     {
         let _stopped = process.lock()?;
@@ -200,11 +211,11 @@ fn native_stack(pid: u32) -> anyhow::Result<Captured> {
                     (Some(file), Some(_)) => short_path(file),
                     _ => base_name(&f.module),
                 };
-                let function = f.function.clone().unwrap_or_else(|| format!("0x{:x}", f.addr));
+                let function = f.function.clone().unwrap_or_else(|| unnamed(f.addr));
                 frames.push(Frame { function, file: Some(file), line, native: true });
             });
             if !found {
-                frames.push(Frame { function: format!("0x{ip:x}"), file: None, line: None, native: true });
+                frames.push(Frame { function: unnamed(ip), file: None, line: None, native: true });
             }
         }
     }
