@@ -43,7 +43,11 @@ fails, every worker on every node gets SIGTERM (SIGKILL after --grace), a summar
 cause on stderr (the first failure, or a rank its peers lost: stopped, hung or disconnected),
 and the launcher exits with the failed worker's exit code (128 + signal for a signal; 127 or
 126 for a program that could not start). Whatever the workers started goes with them, even if
-the launcher is killed with SIGKILL. Output is shown live (PYTHONUNBUFFERED=1 unless set), each
+the launcher is killed with SIGKILL. With --hang-timeout SECS, a job none of whose ranks wrote
+output or asked the coordinator anything for SECS is taken for hung: node 0 reads every rank's
+stack on every node, every node's summary shows them grouped (the odd rank out first, as
+`rallypoint status --stacks` does), and the launcher exits 124; every other takedown then also
+lists the stacks of the ranks still running. Output is shown live (PYTHONUNBUFFERED=1 unless set), each
 line prefixed [rankN]: (a line torch already prefixed so is not prefixed twice); a console that
 does not read costs lines (counted, with a notice), never the job.
 
@@ -57,6 +61,8 @@ torchrun's flags, and what they do here:
     it replaces [rankN]: on every console line), --shutdown-timeout (= --grace). Both spellings
     (--nproc-per-node, --nproc_per_node) and --flag=value work, and each also reads PET_<FLAG>
     (PET_NPROC_PER_NODE, ...) from the environment when not given, as torchrun does.
+  rallypoint's own, in torchrun's spellings too: --hang-timeout (--hang_timeout, PET_HANG_TIMEOUT:
+    torchrun has none; with it, a hang is a failure as NCCL's timeout would make it, but named).
   accepted and ignored: --rdzv-backend (any value: the coordinator is always this launcher's,
     hosted by node 0, and it is the workers' TCPStore too), --rdzv-conf (only join_timeout=SECS
     is used, as --join-timeout; the rest tunes torchrun's own rendezvous), --monitor-interval
@@ -214,6 +220,15 @@ pub struct LaunchArgs {
     /// 0 turns leases off [default: 15]
     #[arg(long, value_parser = parse::secs, value_name = "SECS")]
     lease: Option<f64>,
+    /// Seconds after which a job none of whose ranks wrote output or asked the
+    /// coordinator anything (a store or rallypoint operation) is taken for hung: node
+    /// 0's launcher reads every rank's stack, prints them grouped in the summary (and
+    /// into --log-dir), and takes the job down with exit code 124. Pick it longer than
+    /// the quietest stretch of a healthy run. With it, every failure's summary also
+    /// gives the stacks of the ranks still running [default: off; 0: off]
+    #[arg(long, alias = "hang_timeout", env = "PET_HANG_TIMEOUT", hide_env = true, value_name = "SECS",
+          value_parser = parse::secs)]
+    hang_timeout: Option<f64>,
     /// Host a node agent in this launcher: the workers' RALLYPOINT_ADDR becomes its Unix
     /// socket (unix:PATH, in a private temporary directory removed at exit) and it carries
     /// all of this node's worker connections to the coordinator over one connection.
@@ -422,6 +437,11 @@ impl LaunchArgs {
             max_restarts: self.max_restarts,
             join_timeout: seconds("join-timeout", join_timeout)?,
             lease: self.lease.map(|lease| seconds("lease", lease)).transpose()?,
+            hang_timeout: self
+                .hang_timeout
+                .map(|secs| seconds("hang-timeout", secs))
+                .transpose()?
+                .filter(|d| !d.is_zero()),
             node_agent: self.node_agent,
             token: match &self.token_file {
                 Some(path) => Some(rallypoint_client::Token::from_file(path).map_err(|e| e.to_string())?),
@@ -605,6 +625,17 @@ mod tests {
         assert_eq!((o.nnodes, o.node_rank, o.master.as_deref()), (1, None, None), "the flags say it all");
         let batch = [PY, ("SLURM_JOB_ID", "1"), ("SLURM_NNODES", "2"), ("SLURM_JOB_NODELIST", "n[1-2]")];
         assert!(options(&["t.py"], &batch).unwrap_err().contains("srun --ntasks-per-node=1"));
+    }
+
+    #[test]
+    fn the_hang_timeout_is_off_unless_given() {
+        assert_eq!(options(&["t.py"], &[PY]).unwrap().hang_timeout, None);
+        let o = options(&["--hang-timeout", "2.5", "t.py"], &[PY]).unwrap();
+        assert_eq!(o.hang_timeout, Some(Duration::from_millis(2500)));
+        let o = options(&["--hang_timeout=60", "t.py"], &[PY]).unwrap();
+        assert_eq!(o.hang_timeout, Some(Duration::from_secs(60)), "torchrun's spelling");
+        assert_eq!(options(&["--hang-timeout", "0", "t.py"], &[PY]).unwrap().hang_timeout, None, "0: off");
+        assert!(options(&["--hang-timeout", "-1", "t.py"], &[PY]).unwrap_err().contains("seconds must be 0 or more"));
     }
 
     #[test]

@@ -127,7 +127,23 @@ pub enum Verb {
     /// RALLYPOINT_ADDR or MASTER_ADDR), the coordinator of a `rallypoint launch` of
     /// this user on this machine is used, and its job unless --job says otherwise;
     /// with several launchers running, --job picks one.
+    ///
+    /// With --stacks, every node's launcher (`rallypoint launch`) also reads where its
+    /// workers are (each one's Python stack, read from outside it) and the stacks are
+    /// printed grouped: identical stacks folded with their rank ranges, the smallest
+    /// group (the rank that is elsewhere) first, e.g.
+    ///   rank 2 (1 of 4):      load_batch (data.py:17) ← train (train.py:40)
+    ///   ranks 0-1,3 (3 of 4): all_reduce (torch/distributed/distributed_c10d.py:2950) ← train (train.py:42)
+    /// A node whose launcher does not answer within 10 s is named.
     Status {
+        /// Also print where every rank is: its stack, read by its node's launcher,
+        /// grouped (needs a job started with `rallypoint launch`)
+        #[arg(long)]
+        stacks: bool,
+        /// With --stacks: native frames (C, C++) too, where the launcher's build reads
+        /// them; each worker is stopped for the few milliseconds this takes
+        #[arg(long, requires = "stacks")]
+        native: bool,
         #[command(flatten)]
         conn: Conn,
     },
@@ -274,7 +290,7 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
             let result = client.check(&keys).await;
             print_line(finish(client, result).await?.to_string().as_bytes())?;
         }
-        Verb::Status { conn } => status(conn).await?,
+        Verb::Status { stacks, native, conn } => status(conn, stacks.then_some(native)).await?,
         Verb::Reset { incarnation, conn } => {
             // The reset is about the job as it is now, whatever incarnation this
             // process's environment names.
@@ -294,8 +310,12 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `status`: the coordinator's jobs, then the report of one of them.
-async fn status(mut conn: Conn) -> anyhow::Result<()> {
+/// How long `status --stacks` waits for the launchers' answers (at most).
+const STACKS_WAIT: Duration = Duration::from_secs(10);
+
+/// `status`: the coordinator's jobs, then the report of one of them; with
+/// `stacks` (`Some(native)`), where its ranks are.
+async fn status(mut conn: Conn, stacks: Option<bool>) -> anyhow::Result<()> {
     if conn.addr.is_none() && !address_in_env() {
         let launcher = find_launcher(conn.job.as_deref())?;
         conn.addr = Some(launcher.addr);
@@ -323,8 +343,27 @@ async fn status(mut conn: Conn) -> anyhow::Result<()> {
         let held = if jobs.is_empty() { "none".to_owned() } else { quoted(&jobs) };
         usage!("the coordinator at {} holds no job '{}' (its jobs: {held})", settings.addr, settings.job);
     }
+    let launch_job = match stacks {
+        Some(_) => match launch_job_of(&jobs, &settings.job) {
+            Some(job) => Some(job),
+            None => {
+                let _ = client.close().await;
+                usage!(
+                    "--stacks asks the job's launchers, and job '{}' has none on the coordinator at {} (no \
+                     '{}/launch' job): was it started with `rallypoint launch`?",
+                    settings.job,
+                    settings.addr,
+                    settings.job
+                );
+            }
+        },
+        None => None,
+    };
     let result = client.status().await;
-    let report = finish(client, result).await?;
+    let mut report = finish(client, result).await?;
+    if let (Some(job), Some(native)) = (launch_job, stacks) {
+        report.push_str(&read_stacks(&settings, job, native).await?);
+    }
     let count = match (jobs.len(), complete) {
         (1, _) => "1 job".to_owned(),
         (n, true) => format!("{n} jobs"),
@@ -336,6 +375,25 @@ async fn status(mut conn: Conn) -> anyhow::Result<()> {
         .and_then(|()| out.write_all(footer.as_bytes()))
         .and_then(|()| out.flush())
         .context("writing to stdout")
+}
+
+/// The launchers' job of `job` (or of the job whose restart it is) among `jobs`.
+fn launch_job_of(jobs: &[String], job: &str) -> Option<String> {
+    let base = job
+        .rsplit_once(".restart")
+        .filter(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+        .map(|(base, _)| base);
+    [Some(job), base].into_iter().flatten().map(|j| format!("{j}/launch")).find(|j| jobs.contains(j))
+}
+
+/// Every node's stacks, grouped, as `status --stacks` prints them.
+async fn read_stacks(settings: &Settings, launch_job: String, native: bool) -> anyhow::Result<String> {
+    let tool = Settings { job: launch_job, rank: None, world_size: None, role: None, ..settings.clone() };
+    let client = connect(&tool).await?;
+    let ask = rallypoint_launch::stacks::Ask { stacks: true, native };
+    let result = rallypoint_launch::stacks::request(&client, &ask, None, STACKS_WAIT.min(settings.timeout)).await;
+    let collected = finish(client, result).await?;
+    Ok(collected.render(&rallypoint_stacks::Render::default()))
 }
 
 fn quoted(names: &[String]) -> String {

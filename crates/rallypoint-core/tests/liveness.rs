@@ -3,8 +3,8 @@
 
 mod common;
 
-use common::{barrier, barrier_of, err, ok, Harness};
-use rallypoint_core::{Config, LossReason, Members, OpError, RankState, Request, Response, SessionId};
+use common::{b, barrier, barrier_of, err, ok, Harness};
+use rallypoint_core::{Config, Identity, LossReason, Members, OpError, RankState, Request, Response, SessionId};
 
 /// Ranks 0 and 1 of a job with a 1 s lease, rank 0 waiting at barrier "x" (its request id).
 fn rank_0_waiting_under_a_1s_lease() -> (Harness, SessionId, SessionId, u64) {
@@ -168,4 +168,35 @@ fn lost_ranks_lists_who_was_lost_how_and_when_last_heard_from() {
     let other: Vec<_> = h.engine.lost_ranks("other", h.now).into_iter().map(|i| (i.rank, i.state)).collect();
     assert_eq!(other, [(0, RankState::Lost(LossReason::Disconnected))]);
     assert!(h.engine.lost_ranks("no such job", h.now).is_empty());
+}
+
+#[test]
+fn a_job_is_quiet_since_its_last_request_heartbeats_and_status_requests_aside() {
+    let mut h = Harness::new();
+    assert_eq!(h.engine.quiet_ms("j", h.now), None, "no such job");
+    let s0 = h.rank("j", 0, 2);
+    assert_eq!(h.engine.quiet_ms("j", h.now), Some(0), "connecting is asking");
+    h.advance(500);
+    h.call(s0, Request::Set { key: b("k"), value: b("v") }).expect("set");
+    h.advance(300);
+    assert_eq!(h.engine.quiet_ms("j", h.now), Some(300));
+    // A rank blocked in a wait asks nothing more while it waits.
+    h.send(s0, Request::Get { key: b("never"), timeout_ms: None });
+    h.advance(700);
+    for request in [Request::Heartbeat, Request::Status] {
+        h.call(s0, request).expect("answered");
+        h.advance(100);
+    }
+    assert_eq!(h.engine.quiet_ms("j", h.now), Some(900), "heartbeats and status requests are not activity");
+    // Nor is a tool connecting to look (`rallypoint status`).
+    let tool = h.open(Identity::anonymous("j"));
+    h.call(tool, Request::Status).expect("status");
+    assert_eq!(h.engine.quiet_ms("j", h.now), Some(900));
+    // Another job's requests are its own.
+    let other = h.rank("other", 0, 1);
+    h.call(other, Request::Set { key: b("k"), value: b("v") }).expect("set");
+    assert_eq!(h.engine.quiet_ms("j", h.now), Some(900));
+    assert_eq!(h.engine.quiet_ms("other", h.now), Some(0));
+    h.leave(s0);
+    assert_eq!(h.engine.quiet_ms("j", h.now).map(|q| q >= 900), Some(true), "leaving is not asking");
 }

@@ -14,6 +14,7 @@ mod outcome;
 mod output;
 mod procs;
 mod rendezvous;
+pub mod stacks;
 mod streams;
 mod supervise;
 mod watchdog;
@@ -32,7 +33,7 @@ use tokio::sync::mpsc;
 use rallypoint_core::Config;
 use rallypoint_server::{IpNet, Server, ServerConfig, ServerHandle, Token};
 
-pub use outcome::{Exit, Failure, FailureKind, Loss};
+pub use outcome::{Exit, Failure, FailureKind, Loss, HANG_EXIT};
 pub use streams::{BadStreams, LinePrefix, PerRank, Route, Streams};
 
 use console::Console;
@@ -86,6 +87,12 @@ pub struct LaunchOptions {
     /// The hosted coordinator's lease: a rank silent this long is lost (its peers
     /// fail at once, naming it). `None`: the coordinator's default.
     pub lease: Option<Duration>,
+    /// Take the job for hung when none of its ranks has written output or asked the
+    /// coordinator anything for this long (node 0 watches; every node answers):
+    /// every rank's stack is read and shown, and the job taken down (exit code
+    /// [`HANG_EXIT`]). With it, every takedown also reads the stacks of the ranks
+    /// still running first. `None`: never.
+    pub hang_timeout: Option<Duration>,
     /// Host a node agent for this node's workers (their `RALLYPOINT_ADDR`), so the
     /// coordinator holds one connection for the node instead of one per worker.
     pub node_agent: bool,
@@ -217,6 +224,9 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
     if let Some(registration) = &mut registration {
         registration.set_node_rank(launchers.node);
     }
+    // Answers `rallypoint status --stacks` and node 0's questions about a quiet job.
+    let roster = Arc::new(stacks::Roster::default());
+    let responder = stacks::spawn_responder(launchers.client(), launchers.node, host.clone(), Arc::clone(&roster));
     // After the join: the coordinator is known to be up, so the agent connects at once.
     let node_agent = if options.node_agent {
         Some(NodeAgent::start(&coordinator.to_string(), &host, options.join_timeout, token.clone()).await?)
@@ -237,8 +247,10 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
         family: &family,
         watchdog: watchdog.as_ref(),
         registration: registration.map(std::sync::Mutex::new),
+        roster: &roster,
     };
     let result = run_attempts(&run, signals).await;
+    responder.abort();
     // Every worker has exited: no rank is left behind the agent.
     if let Some(node_agent) = node_agent {
         node_agent.stop().await;
@@ -271,6 +283,7 @@ struct Run<'a> {
     watchdog: Option<&'a Watchdog>,
     /// What `rallypoint status` finds of this launcher; removed when dropped.
     registration: Option<std::sync::Mutex<discovery::Registration>>,
+    roster: &'a Arc<stacks::Roster>,
 }
 
 async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) -> Result<i32, LaunchError> {
@@ -331,6 +344,7 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
             console: run.console,
             family: run.family,
             watchdog: run.watchdog,
+            roster: run.roster,
         };
         let result = attempt_run.run(&mut signals).await?;
         match result {

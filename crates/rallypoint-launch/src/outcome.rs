@@ -3,7 +3,12 @@
 use std::fmt::{self, Write as _};
 use std::time::{Duration, SystemTime};
 
+use rallypoint_stacks::{Grouped, Render};
 use serde::{Deserialize, Serialize};
+
+/// The launcher's exit code for a hung job, as `timeout` (coreutils) exits when
+/// its command runs out of time.
+pub const HANG_EXIT: i32 = 124;
 
 /// How a worker process ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -90,6 +95,17 @@ pub enum FailureKind {
     Interrupted {
         signal: i32,
     },
+    /// No rank of the job wrote output or asked the coordinator anything for the
+    /// hang timeout (`--hang-timeout`): node 0 takes the job for hung and tells.
+    Hung {
+        /// How long the job had been quiet when its stacks were read.
+        quiet_ms: u64,
+        timeout_ms: u64,
+        /// Every rank's stack then, grouped.
+        stacks: Grouped,
+        /// Nodes whose launchers did not send their ranks' stacks.
+        unanswered: Vec<u32>,
+    },
 }
 
 /// How the coordinator lost a rank.
@@ -117,6 +133,7 @@ impl Failure {
             FailureKind::RankLost { revealed_by, .. } => revealed_by.exit_code(),
             FailureKind::NodeLost { .. } => 1,
             FailureKind::Interrupted { signal } => 128 + signal,
+            FailureKind::Hung { .. } => HANG_EXIT,
         }
     }
 
@@ -139,6 +156,11 @@ impl Failure {
             FailureKind::Interrupted { signal } => {
                 format!("the launcher on node {} received {}", self.node, signal_name(*signal))
             }
+            FailureKind::Hung { quiet_ms, timeout_ms, .. } => format!(
+                "the job hung: no rank wrote output or asked the coordinator anything for {:.1} s (--hang-timeout {})",
+                *quiet_ms as f64 / 1000.0,
+                secs(*timeout_ms)
+            ),
         }
     }
 
@@ -152,9 +174,28 @@ impl Failure {
             FailureKind::Worker { rank, .. }
             | FailureKind::NotStarted { rank, .. }
             | FailureKind::RankLost { rank, .. } => Some(*rank),
-            FailureKind::NodeLost { .. } | FailureKind::Interrupted { .. } => None,
+            FailureKind::NodeLost { .. } | FailureKind::Interrupted { .. } | FailureKind::Hung { .. } => None,
         }
     }
+}
+
+/// Seconds as given on a command line: `5`, `2.5`.
+fn secs(ms: u64) -> String {
+    // f64's Display writes 5.0 as "5".
+    format!("{}", ms as f64 / 1000.0)
+}
+
+/// The heading of a section of stacks.
+pub const STACKS_HEADING: &str = "main thread of each, innermost frame first";
+
+/// Grouped stacks as a summary shows them (a screenful), or all of them (a file).
+pub fn stacks_text(stacks: &Grouped, indent: &str, all: bool) -> String {
+    let mut how = Render { indent: indent.to_owned(), ..Render::default() };
+    if all {
+        how.max_groups = usize::MAX;
+        how.max_frames = usize::MAX;
+    }
+    rallypoint_stacks::render(stacks, &how)
 }
 
 fn time(unix_ms: u64) -> String {
@@ -176,8 +217,16 @@ pub struct RankOutcome {
     pub after_failure: bool,
 }
 
-/// The text printed to stderr when a job fails.
-pub fn summary(job: &str, restart: u32, max_restarts: u32, first: &Failure, local: &[RankOutcome]) -> String {
+/// The text printed to stderr when a job fails; `stacks`: this node's ranks still
+/// running when it was taken down, if they were read.
+pub fn summary(
+    job: &str,
+    restart: u32,
+    max_restarts: u32,
+    first: &Failure,
+    local: &[RankOutcome],
+    stacks: Option<&Grouped>,
+) -> String {
     let mut s = String::new();
     let _ = writeln!(
         s,
@@ -247,6 +296,19 @@ pub fn summary(job: &str, restart: u32, max_restarts: u32, first: &Failure, loca
         FailureKind::NodeLost { .. } | FailureKind::Interrupted { .. } => {
             let _ = writeln!(s, "  {} at {}", first.headline(), first.time());
         }
+        FailureKind::Hung { stacks, unanswered, .. } => {
+            let _ = writeln!(s, "  {} at {}", first.headline(), first.time());
+            let _ = writeln!(s, "  where every rank was ({STACKS_HEADING}):");
+            s.push_str(&stacks_text(stacks, "    ", false));
+            for node in unanswered {
+                let _ = writeln!(s, "    node {node} did not send its ranks' stacks");
+            }
+        }
+    }
+    if let Some(stacks) = stacks.filter(|g| g.ranks > 0 && !matches!(first.what, FailureKind::Hung { .. })) {
+        let _ =
+            writeln!(s, "where this node's ranks still running were when the job was taken down ({STACKS_HEADING}):");
+        s.push_str(&stacks_text(stacks, "  ", false));
     }
     let cause = match &first.what {
         FailureKind::Worker { rank, .. } => format!("rank {rank} failed"),
@@ -254,6 +316,7 @@ pub fn summary(job: &str, restart: u32, max_restarts: u32, first: &Failure, loca
         FailureKind::RankLost { rank, .. } => format!("rank {rank} was lost"),
         FailureKind::NodeLost { .. } => format!("node {} was lost", first.node),
         FailureKind::Interrupted { signal } => format!("the launcher received {}", signal_name(*signal)),
+        FailureKind::Hung { .. } => "the job hung".to_owned(),
     };
     // A lost rank was lost before any failure it is blamed for: the peer that revealed
     // it failed after it too.
@@ -343,7 +406,7 @@ mod tests {
             RankOutcome { rank: 2, exit: Exit::Code(5), signalled_by_launcher: None, after_failure: true },
             RankOutcome { rank: 3, exit: Exit::Code(0), signalled_by_launcher: None, after_failure: false },
         ];
-        let text = summary("train", 0, 0, &first, &local);
+        let text = summary("train", 0, 0, &first, &local, None);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines[0], "rallypoint: job 'train' FAILED (attempt 1 of 1): rank 1 exited with code 3");
         assert!(lines[2].contains(
@@ -397,7 +460,7 @@ mod tests {
             RankOutcome { rank: 2, exit: Exit::Code(4), signalled_by_launcher: None, after_failure: false },
         ];
         let first = lost(Some("alive, state T (stopped)"));
-        let text = summary("train", 0, 0, &first, &local);
+        let text = summary("train", 0, 0, &first, &local, None);
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(
             lines[0],
@@ -417,7 +480,7 @@ mod tests {
         assert!(!text.contains("  rank 1: "), "the root cause is not among the others: {text}");
         assert_eq!(first.exit_code(), 4, "the code its peers' failure gave");
         // Judged on another node: that node's launcher tells the process's state.
-        let text = summary("train", 0, 0, &lost(None), &[]);
+        let text = summary("train", 0, 0, &lost(None), &[], None);
         assert!(text.contains("(its process is on node 0: that node's launcher tells its state)"), "{text}");
     }
 }

@@ -50,9 +50,18 @@ pub fn tail_lines(tail: &Tail) -> Vec<String> {
     tail.lock().map(|t| t.iter().cloned().collect()).unwrap_or_default()
 }
 
-/// Copies one stream of one worker until it closes. `activity` counts what the
-/// pump did (bytes read, pieces shown), so that whoever waits for it can tell a
-/// pump at work from one whose pipe a stray process holds open.
+/// What the pumps of one worker say of their progress.
+#[derive(Clone, Default)]
+pub struct Progress {
+    /// What the pumps did (bytes read, pieces shown), so that whoever waits for them
+    /// can tell a pump at work from one whose pipe a stray process holds open.
+    pub activity: Arc<AtomicU64>,
+    /// When the worker last wrote ([`crate::stacks::mono_ms`]; 0: never), for
+    /// telling a hung job.
+    pub heard: Arc<AtomicU64>,
+}
+
+/// Copies one stream of one worker until it closes, telling `progress`.
 pub async fn pump(
     mut source: impl AsyncRead + Unpin,
     rank: u32,
@@ -60,8 +69,9 @@ pub async fn pump(
     mut console: Option<RankConsole>,
     log_dir: Option<&Path>,
     tail: Option<Tail>,
-    activity: Arc<AtomicU64>,
+    progress: Progress,
 ) {
+    let Progress { activity, heard } = progress;
     let mut file = match log_dir {
         Some(dir) => match tokio::fs::File::create(dir.join(format!("rank{rank}.{}", stream.name()))).await {
             Ok(f) => Some(f),
@@ -100,6 +110,7 @@ pub async fn pump(
             }
         };
         activity.fetch_add(1, Ordering::Relaxed);
+        heard.store(crate::stacks::mono_ms(), Ordering::Relaxed);
         if let Some(f) = file.as_mut() {
             if let Err(e) = f.write_all(&buf[..n]).await {
                 tracing::warn!("writing the {} log of rank {rank}: {e}", stream.name());

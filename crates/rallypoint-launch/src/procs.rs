@@ -100,6 +100,24 @@ fn has_entry(environ: &[u8], entry: &[u8]) -> bool {
     environ.split(|&b| b == 0).any(|e| e == entry)
 }
 
+/// Whether this kernel has pidfds (Linux 5.3+). With them, tokio waits for a worker
+/// by its pidfd, which becomes readable only when it exits; without, it polls every
+/// worker with `waitpid` on each SIGCHLD, which would also take a ptrace stop (a
+/// worker's native stack being read) for an exit.
+pub fn has_pidfd() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        // SAFETY: pidfd_open of this process itself; the descriptor is closed at once.
+        let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, libc::getpid(), 0) };
+        if fd < 0 {
+            return false;
+        }
+        // SAFETY: a descriptor this function just opened.
+        unsafe { libc::close(fd as libc::c_int) };
+        true
+    })
+}
+
 /// Makes this process the reaper of its descendants' orphans.
 pub fn become_subreaper() -> io::Result<()> {
     // SAFETY: prctl with integer arguments only.

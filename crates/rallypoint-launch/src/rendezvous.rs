@@ -155,10 +155,10 @@ fn other_jobs_hint(other_jobs: &[String]) -> String {
 /// What a launcher writes under `node/<index>` in the launchers' job: it holds
 /// that index, and this is how it was started.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-struct Claim {
-    host: String,
-    pid: u32,
-    nnodes: u32,
+pub(crate) struct Claim {
+    pub host: String,
+    pub pid: u32,
+    pub nnodes: u32,
 }
 
 fn claim_key(node: u32) -> String {
@@ -398,9 +398,25 @@ impl Launchers {
             self.client.barrier(&format!("attempt{attempt}/bye"), Members::World, Some(Duration::from_secs(10))).await;
     }
 
+    /// This launcher's connection (for the stacks it answers and asks for).
+    pub fn client(&self) -> Client {
+        self.client.clone()
+    }
+
     pub async fn close(self) {
         let _ = self.client.close().await;
     }
+}
+
+/// The nodes that claimed their index, with their claims.
+pub(crate) async fn claims(client: &Client) -> Result<Vec<(u32, Claim)>, Error> {
+    let nodes = present_nodes(client).await?;
+    if nodes.is_empty() {
+        return Ok(Vec::new());
+    }
+    let keys: Vec<String> = nodes.iter().map(|&n| claim_key(n)).collect();
+    let values = client.multi_get(&keys, Some(Duration::ZERO)).await?;
+    Ok(nodes.into_iter().zip(values).filter_map(|(n, v)| Some((n, serde_json::from_slice(&v).ok()?))).collect())
 }
 
 /// The nodes that have claimed their index.

@@ -8,6 +8,16 @@
 //! nodes learn that verdict from node 0 and wait briefly for it before their own
 //! summary, so every node names the same rank; the node running that rank adds its
 //! process's state from `/proc`.
+//!
+//! With a hang timeout, node 0 also watches for a job that does nothing: when its
+//! coordinator has had no request from the attempt's processes and its workers have
+//! written nothing for that long, it asks the other nodes how long theirs have been
+//! quiet ([`crate::stacks`]); if every node agrees, it reads every rank's stack and
+//! fails the attempt as hung, with those stacks in the verdict, so every node's
+//! summary says where each rank was. And whenever an attempt is taken down, each
+//! node first reads the stacks of its ranks still running (bounded) and puts them
+//! in its summary: the teardown signal waits for that, the coordinator's abort does
+//! not.
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -28,16 +38,25 @@ const NOTICE: Duration = Duration::from_millis(100);
 /// failure it saw first (node 0 may know a rank was lost before it): an upper bound,
 /// the verdict takes a round trip.
 const VERDICT_WAIT: Duration = Duration::from_secs(5);
+/// Between node 0's looks at whether the job is quiet (cheap: in-process only).
+const HANG_CHECK_EVERY: Duration = Duration::from_secs(1);
+/// How long node 0 waits for the other nodes' answers about a quiet job.
+const HANG_ASK_WAIT: Duration = Duration::from_secs(10);
+/// How long a node waits for its own ranks' stacks before the teardown goes on
+/// without them.
+const CAPTURE_BOUND: Duration = Duration::from_secs(10);
 
 use crate::console::Console;
-use crate::outcome::{summary, unix_ms, Failure, FailureKind, Loss, RankOutcome};
+use crate::outcome::{stacks_text, summary, unix_ms, Failure, FailureKind, Loss, RankOutcome, STACKS_HEADING};
 use crate::procs::{self, Family, LAUNCH_ID_VAR};
 use crate::rendezvous::{Launchers, Remote, Report};
+use crate::stacks::{self, Ask, Collected, Roster};
 use crate::watchdog::Watchdog;
 use crate::worker::{self, Exited, Running, Spec};
 use crate::{Exit, LaunchError, LaunchOptions, Route};
 use rallypoint_client::env::{live_output_env, worker_env, JobEnv, Placement};
 use rallypoint_client::Token;
+use rallypoint_stacks::Grouped;
 
 pub enum AttemptResult {
     Succeeded,
@@ -61,6 +80,19 @@ pub struct Attempt<'a> {
     pub console: &'a Arc<Console>,
     pub family: &'a Arc<Family>,
     pub watchdog: Option<&'a Watchdog>,
+    /// This node's running workers, for the stacks asked of it.
+    pub roster: &'a Arc<Roster>,
+}
+
+/// What tasks of the attempt report back.
+enum Event {
+    /// Node 0: how long every node's workers have been quiet.
+    Probed(Result<Collected, String>),
+    /// Node 0: every rank's stack, read because the job looked hung.
+    HangStacks(Result<Collected, String>),
+    /// This node's ranks' stacks, read as the attempt is taken down (`None`: not
+    /// read in time).
+    LocalStacks(Option<Grouped>),
 }
 
 /// Where a failure was seen.
@@ -80,17 +112,31 @@ impl Attempt<'_> {
         if self.launchers.nnodes > 1 {
             self.launchers.watch(self.attempt, remote_tx);
         }
-        let mut state = State::default();
+        let (events_tx, mut events) = mpsc::unbounded_channel::<Event>();
+        let mut state = State { events: Some(events_tx), ..State::default() };
         let mut workers = Workers::default();
+        self.roster.start_attempt(&self.job.attempt_job);
+        if self.watches_hangs() {
+            state.hang_check_at = Some(Instant::now() + self.hang_check_every());
+        }
         let log_dir = self.log_dir();
         if let Some(dir) = &log_dir {
             std::fs::create_dir_all(dir).map_err(|e| LaunchError::LogDir { dir: dir.clone(), source: e })?;
         }
         self.spawn_workers(&mut state, &mut workers, log_dir, exits_tx);
         while let Some(verdict_by) = self.waits_for_more(&mut state, &workers) {
-            let next_step = [state.term_at, state.kill_at, verdict_by].into_iter().flatten().min();
+            // The teardown signal waits for this node's stacks to be read.
+            let term_at = state.term_at.filter(|_| !state.capturing);
+            let next_step = [term_at, state.kill_at, verdict_by].into_iter().flatten().min();
             let step = async {
                 match next_step {
+                    Some(at) => tokio::time::sleep_until(at).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let hang_check_at = state.hang_check_at.filter(|_| state.first.is_none() && !state.hang_asking);
+            let hang_check = async {
+                match hang_check_at {
                     Some(at) => tokio::time::sleep_until(at).await,
                     None => std::future::pending().await,
                 }
@@ -99,7 +145,21 @@ impl Attempt<'_> {
                 Some(exited) = exits.recv() => self.on_exit(&mut state, &mut workers, exited),
                 Some(event) = remote.recv() => self.on_remote(&mut state, &workers, event),
                 Some(sig) = signals.recv() => self.on_signal(&mut state, &workers, sig),
+                Some(event) = events.recv() => self.on_event(&mut state, &workers, event),
                 () = step => self.on_step(&mut state, &workers, verdict_by),
+                () = hang_check => self.on_hang_check(&mut state),
+            }
+        }
+        // Every worker exited while its stack was being read: what was read still counts.
+        let deadline = Instant::now() + CAPTURE_BOUND;
+        while state.capturing {
+            match tokio::time::timeout_at(deadline, events.recv()).await {
+                Ok(Some(Event::LocalStacks(stacks))) => {
+                    state.capturing = false;
+                    state.local_stacks = stacks;
+                }
+                Ok(Some(_)) => {}
+                Ok(None) | Err(_) => break,
             }
         }
         Ok(self.finish(state, &workers).await)
@@ -153,6 +213,7 @@ impl Attempt<'_> {
                     if let Some(watchdog) = self.watchdog {
                         watchdog.watch_group(r.pid);
                     }
+                    self.roster.add(placement.rank, r.pid, Arc::clone(&r.heard));
                     workers.pids.push(r.pid);
                     workers.running.push(Some(r));
                 }
@@ -205,6 +266,7 @@ impl Attempt<'_> {
     /// A worker exited.
     fn on_exit(&self, state: &mut State, workers: &mut Workers, exited: Exited) {
         let Some(r) = workers.running.get_mut(exited.local_rank as usize).and_then(Option::take) else { return };
+        self.roster.remove(r.pid);
         state.outcomes.push(RankOutcome {
             rank: self.base_rank + exited.local_rank,
             exit: exited.exit,
@@ -247,9 +309,15 @@ impl Attempt<'_> {
         if state.first.is_none() {
             let failure = Failure::now(FailureKind::Interrupted { signal: sig }, self.launchers.node, self.host);
             self.fail(state, failure, &workers.running, Origin::Here);
-            // The user asked: pass their signal on at once, no notice period.
-            state.term_at = None;
-            self.signal_all(state, &workers.running, sig);
+            // The user asked: pass their signal on at once, no notice period (once
+            // this node's stacks are read, if they are being read).
+            if state.capturing {
+                state.term_signal = Some(sig);
+                state.term_at = Some(Instant::now());
+            } else {
+                state.term_at = None;
+                self.signal_all(state, &workers.running, sig);
+            }
         } else {
             // A second signal while tearing down: no more grace.
             state.term_at = None;
@@ -261,9 +329,10 @@ impl Attempt<'_> {
     /// the grace, or the end of the wait for node 0's verdict.
     fn on_step(&self, state: &mut State, workers: &Workers, verdict_by: Option<Instant>) {
         let now = Instant::now();
-        if state.term_at.is_some_and(|t| t <= now) {
+        if state.term_at.is_some_and(|t| t <= now) && !state.capturing {
             state.term_at = None;
-            self.signal_all(state, &workers.running, libc::SIGTERM);
+            let sig = state.term_signal.unwrap_or(libc::SIGTERM);
+            self.signal_all(state, &workers.running, sig);
         } else if state.kill_at.is_some_and(|t| t <= now) {
             for r in workers.running.iter().flatten() {
                 worker::signal_group(r.pid, libc::SIGKILL);
@@ -274,6 +343,172 @@ impl Attempt<'_> {
         } else if verdict_by.is_some_and(|t| t <= now) {
             tracing::debug!("no verdict from node 0; the summary says what this node saw");
             state.verdict_seen = true;
+        }
+    }
+
+    /// Whether this launcher watches for a hung job: node 0 (it hosts the coordinator,
+    /// which knows when every rank last asked for something) with a hang timeout.
+    fn watches_hangs(&self) -> bool {
+        self.options.hang_timeout.is_some() && self.server.is_some()
+    }
+
+    fn hang_check_every(&self) -> Duration {
+        let timeout = self.options.hang_timeout.unwrap_or(HANG_CHECK_EVERY);
+        HANG_CHECK_EVERY.min(timeout / 4).max(Duration::from_millis(50))
+    }
+
+    /// How long the job has been quiet as node 0 sees it: no request of the
+    /// attempt's processes to the coordinator, no output of this node's workers.
+    fn quiet_here(&self) -> Duration {
+        let coordinator = self.server.and_then(|s| s.quiet_for(&self.job.attempt_job)).unwrap_or(Duration::MAX);
+        coordinator.min(Duration::from_millis(self.roster.quiet_ms()))
+    }
+
+    /// Node 0's regular look: quiet for the hang timeout here, the other nodes are
+    /// asked (or, alone, the stacks read at once).
+    fn on_hang_check(&self, state: &mut State) {
+        let Some(timeout) = self.options.hang_timeout else { return };
+        let quiet = self.quiet_here();
+        if quiet < timeout {
+            state.hang_check_at = Some(Instant::now() + (timeout - quiet).max(self.hang_check_every()));
+            return;
+        }
+        let Some(events) = state.events.clone() else { return };
+        state.hang_asking = true;
+        let client = self.launchers.client();
+        let nnodes = self.launchers.nnodes;
+        if nnodes == 1 {
+            self.read_hang_stacks(state);
+            return;
+        }
+        tokio::spawn(async move {
+            let ask = Ask { stacks: false, native: false };
+            let got = stacks::request(&client, &ask, Some(nnodes), HANG_ASK_WAIT).await;
+            let _ = events.send(Event::Probed(got.map_err(|e| e.to_string())));
+        });
+    }
+
+    /// Node 0: every rank's stack, as the job looks hung.
+    fn read_hang_stacks(&self, state: &mut State) {
+        let Some(events) = state.events.clone() else { return };
+        state.hang_asking = true;
+        let ask = Ask { stacks: true, native: false };
+        let nnodes = self.launchers.nnodes;
+        if nnodes == 1 {
+            // Alone: read here, not through the coordinator.
+            let (roster, node, host) = (Arc::clone(self.roster), self.launchers.node, self.host.to_owned());
+            tokio::spawn(async move {
+                let started = std::time::Instant::now();
+                let answer = stacks::answer(&roster, node, &host, &ask).await;
+                let elapsed_ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+                let collected = Collected { nnodes, answers: vec![answer], unanswered: Vec::new(), elapsed_ms };
+                let _ = events.send(Event::HangStacks(Ok(collected)));
+            });
+        } else {
+            let client = self.launchers.client();
+            tokio::spawn(async move {
+                let got = stacks::request(&client, &ask, Some(nnodes), HANG_ASK_WAIT).await;
+                let _ = events.send(Event::HangStacks(got.map_err(|e| e.to_string())));
+            });
+        }
+    }
+
+    /// What a task of the attempt reports.
+    fn on_event(&self, state: &mut State, workers: &Workers, event: Event) {
+        let timeout = self.options.hang_timeout.unwrap_or(Duration::MAX);
+        match event {
+            Event::LocalStacks(stacks) => {
+                state.capturing = false;
+                state.local_stacks = stacks;
+            }
+            Event::Probed(got) | Event::HangStacks(got) if state.first.is_some() => {
+                state.hang_asking = false;
+                if let Err(e) = got {
+                    tracing::debug!("asking the nodes whether the job is quiet: {e}");
+                }
+            }
+            Event::Probed(got) => {
+                state.hang_asking = false;
+                match got {
+                    Ok(c) => {
+                        let quiet = self.quiet_here().min(Duration::from_millis(c.quiet_ms()));
+                        if c.unanswered.is_empty() && quiet >= timeout {
+                            self.read_hang_stacks(state);
+                        } else {
+                            let wait = timeout.saturating_sub(quiet).max(self.hang_check_every());
+                            state.hang_check_at = Some(Instant::now() + wait);
+                        }
+                    }
+                    Err(e) => {
+                        tracing::debug!("asking the nodes whether the job is quiet: {e}");
+                        state.hang_check_at = Some(Instant::now() + self.hang_check_every());
+                    }
+                }
+            }
+            Event::HangStacks(got) => {
+                state.hang_asking = false;
+                match got {
+                    // Quiet still, by every node's account when its stacks were read.
+                    Ok(c) if self.quiet_here().min(Duration::from_millis(c.quiet_ms())) >= timeout => {
+                        let quiet = self.quiet_here().min(Duration::from_millis(c.quiet_ms()));
+                        let what = FailureKind::Hung {
+                            quiet_ms: u64::try_from(quiet.as_millis()).unwrap_or(u64::MAX),
+                            timeout_ms: u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX),
+                            stacks: c.grouped(),
+                            unanswered: c.unanswered.iter().map(|u| u.node).collect(),
+                        };
+                        let failure = Failure::now(what, self.launchers.node, self.host);
+                        self.fail(state, failure, &workers.running, Origin::Here);
+                    }
+                    Ok(_) => state.hang_check_at = Some(Instant::now() + self.hang_check_every()),
+                    Err(e) => {
+                        tracing::debug!("reading the stacks of a quiet job: {e}");
+                        state.hang_check_at = Some(Instant::now() + self.hang_check_every());
+                    }
+                }
+            }
+        }
+    }
+
+    /// This node's running ranks' stacks, read before the teardown signal (with a
+    /// hang timeout given; a hang's verdict carries every rank's already).
+    fn read_local_stacks(&self, state: &mut State, failure: &Failure) {
+        if self.options.hang_timeout.is_none() || matches!(failure.what, FailureKind::Hung { .. }) {
+            return;
+        }
+        let Some(events) = state.events.clone() else { return };
+        state.capturing = true;
+        let (roster, node, host) = (Arc::clone(self.roster), self.launchers.node, self.host.to_owned());
+        tokio::spawn(async move {
+            let ask = Ask { stacks: true, native: false };
+            let read = tokio::time::timeout(CAPTURE_BOUND, stacks::answer(&roster, node, &host, &ask)).await;
+            let _ = events.send(Event::LocalStacks(read.ok().and_then(|a| a.stacks)));
+        });
+    }
+
+    /// The stacks of this attempt in a file of its log directory, all of them:
+    /// `stacks-node<J>.txt` (nodes may share the directory).
+    fn write_stacks(&self, first: &Failure, local: Option<&Grouped>) -> Option<PathBuf> {
+        let dir = self.options.log_dir.as_ref()?.join(format!("attempt{}", self.attempt + 1));
+        let (heading, stacks) = match &first.what {
+            FailureKind::Hung { stacks, .. } => ("every rank was when the job was found hung", stacks),
+            _ => ("this node's ranks still running were when the job was taken down", local?),
+        };
+        let text = format!(
+            "job '{}' {}: {}\nwhere {heading} ({STACKS_HEADING}):\n{}",
+            self.options.job,
+            crate::attempt_of(self.attempt, self.options.max_restarts),
+            first.headline(),
+            stacks_text(stacks, "  ", true)
+        );
+        let path = dir.join(format!("stacks-node{}.txt", self.launchers.node));
+        let written = std::fs::create_dir_all(&dir).and_then(|()| std::fs::write(&path, text));
+        match written {
+            Ok(()) => Some(path),
+            Err(error) => {
+                tracing::warn!(%error, "cannot write the stacks to {}", path.display());
+                None
+            }
         }
     }
 
@@ -290,13 +525,18 @@ impl Attempt<'_> {
             }
         }
         state.outcomes.sort_by_key(|o| o.rank);
+        self.roster.end_attempt();
         match state.first {
             None => AttemptResult::Succeeded,
             Some(first) => {
                 let o = self.options;
-                let mut text = summary(&o.job, self.attempt, o.max_restarts, &first, &state.outcomes);
+                let local = state.local_stacks.as_ref();
+                let mut text = summary(&o.job, self.attempt, o.max_restarts, &first, &state.outcomes, local);
                 if let Some(dir) = self.log_dir() {
                     text.push_str(&format!("logs of this node's ranks: {}\n", dir.display()));
+                }
+                if let Some(path) = self.write_stacks(&first, local) {
+                    text.push_str(&format!("stacks, all of them: {}\n", path.display()));
                 }
                 self.console.message(text);
                 AttemptResult::Failed { first }
@@ -326,10 +566,11 @@ impl Attempt<'_> {
             state.verdict_by = Some(Instant::now() + VERDICT_WAIT);
         }
         abort_job(self.job, self.host, self.token.clone(), format!("launcher: {}", failure.headline()));
-        state.first = Some(failure);
         if running.iter().any(Option::is_some) {
+            self.read_local_stacks(state, &failure);
             state.term_at = Some(Instant::now() + NOTICE.min(self.options.grace));
         }
+        state.first = Some(failure);
     }
 
     /// A later failure may say more about the root cause than the first one did:
@@ -475,6 +716,18 @@ struct Workers {
 
 #[derive(Default)]
 struct State {
+    /// Where the attempt's tasks report (always set once the attempt runs).
+    events: Option<mpsc::UnboundedSender<Event>>,
+    /// Node 0 with a hang timeout: when to look next whether the job is quiet.
+    hang_check_at: Option<Instant>,
+    /// Node 0: the other nodes, or every rank's stack, are being asked for.
+    hang_asking: bool,
+    /// This node's ranks' stacks are being read: the teardown signal waits.
+    capturing: bool,
+    /// The signal the teardown starts with, if not SIGTERM (the one the launcher received).
+    term_signal: Option<i32>,
+    /// This node's ranks still running when the attempt was taken down, if read.
+    local_stacks: Option<Grouped>,
     first: Option<Failure>,
     outcomes: Vec<RankOutcome>,
     /// The last signal sent to the workers at teardown.

@@ -17,7 +17,7 @@ use tokio::time::Instant;
 
 use crate::console::{Console, STALL};
 use crate::outcome::Exit;
-use crate::output::{pump, tail_lines, Stream, Tail};
+use crate::output::{pump, tail_lines, Progress, Stream, Tail};
 use crate::procs::Family;
 use crate::Route;
 
@@ -47,6 +47,8 @@ pub struct Spec {
 pub struct Running {
     pub local_rank: u32,
     pub pid: u32,
+    /// When it last wrote output ([`crate::stacks::mono_ms`]; 0: never).
+    pub heard: Arc<AtomicU64>,
 }
 
 /// Sent when a worker has exited and its output is drained.
@@ -121,19 +123,20 @@ pub fn spawn(spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exite
         .map_err(|source| SpawnError { program: spec.program.clone(), source })?;
     let pid = child.id().unwrap_or(0);
     let tail: Tail = Tail::default();
-    let activity = Arc::new(AtomicU64::new(0));
+    let progress = Progress::default();
     let start_pump = |stream: Stream, source, tail: Option<Tail>| -> JoinHandle<()> {
         let console =
             spec.route.console.has(stream).then(|| spec.console.for_rank(spec.rank, stream, spec.prefix.clone()));
         let dir = spec.log_dir.clone().filter(|_| spec.route.files.has(stream));
-        let activity = Arc::clone(&activity);
+        let progress = progress.clone();
         let rank = spec.rank;
-        tokio::spawn(async move { pump(source, rank, stream, console, dir.as_deref(), tail, activity).await })
+        tokio::spawn(async move { pump(source, rank, stream, console, dir.as_deref(), tail, progress).await })
     };
     let stdout = child.stdout.take().map(|out| start_pump(Stream::Stdout, Box::new(out) as Source, None));
     let stderr = child.stderr.take().map(|err| start_pump(Stream::Stderr, Box::new(err) as Source, Some(tail.clone())));
     let local_rank = spec.local_rank;
     let family = Arc::clone(family);
+    let activity = Arc::clone(&progress.activity);
     tokio::spawn(async move {
         let exit = match child.wait().await {
             Ok(status) => match (status.code(), status.signal()) {
@@ -150,7 +153,7 @@ pub fn spawn(spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exite
         drain([stdout, stderr].into_iter().flatten(), &activity).await;
         let _ = done.send(Exited { local_rank, exit, stderr_tail: tail_lines(&tail) });
     });
-    Ok(Running { local_rank, pid })
+    Ok(Running { local_rank, pid, heard: progress.heard })
 }
 
 type Source = Box<dyn tokio::io::AsyncRead + Unpin + Send>;

@@ -287,6 +287,13 @@ impl ServerHandle {
         self.shared.lost_ranks(job)
     }
 
+    /// How long the processes of `job` have asked nothing of this coordinator (no
+    /// connection, no request but heartbeats, leaves and status requests); `None` if
+    /// it holds no such job. The launcher hosting it reads this to tell a hung job.
+    pub fn quiet_for(&self, job: &str) -> Option<Duration> {
+        self.shared.quiet_ms(job).map(Duration::from_millis)
+    }
+
     /// Stops accepting, closes every connection and waits until the server is done.
     pub async fn shutdown(self) {
         let ServerHandle { stop, task, .. } = self;

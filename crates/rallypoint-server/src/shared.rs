@@ -244,6 +244,13 @@ impl Shared {
         state.engine.lost_ranks(job, now)
     }
 
+    /// See [`super::ServerHandle::quiet_for`].
+    pub(crate) fn quiet_ms(&self, job: &str) -> Option<u64> {
+        let state = lock(&self.state);
+        let now = self.now();
+        state.engine.quiet_ms(job, now)
+    }
+
     pub(crate) fn lease_ms(&self) -> Millis {
         lock(&self.state).engine.config().lease_ms
     }

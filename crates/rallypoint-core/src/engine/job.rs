@@ -26,6 +26,10 @@ pub(crate) struct Job {
     /// Open sessions of this job.
     pub sessions: usize,
     pub idle_since: Millis,
+    /// When a rank of the job last connected, or a process of it last asked for
+    /// something (a heartbeat, a leave or a status request is not asking): a launcher
+    /// takes a job quiet this long, with no output either, for hung.
+    pub last_request: Millis,
     /// When a torch stall notice last named each stalled key (first key waited on).
     pub stall_noted: HashMap<Bytes, Millis>,
     /// When the job's `StallSweep` timer is due, if one is: a timer per job, not per
@@ -47,6 +51,7 @@ impl Job {
             superseded: None,
             sessions: 0,
             idle_since: now,
+            last_request: now,
             stall_noted: HashMap::default(),
             stall_sweep_at: None,
         }

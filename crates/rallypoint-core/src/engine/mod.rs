@@ -519,6 +519,14 @@ impl Engine {
         job.ranks.lost().map(|rank| job.ranks.info(rank, now)).collect()
     }
 
+    /// How long ago (ms) a process of `job` last asked for something (connected, or
+    /// made a request other than a heartbeat, a leave or a status request); `None`
+    /// for a job the engine does not hold.
+    pub fn quiet_ms(&self, job: &str, now: Millis) -> Option<u64> {
+        let job = self.job_ids.get(job).and_then(|id| self.jobs.get(id))?;
+        Some(now.saturating_sub(job.last_request))
+    }
+
     /// Advances time: fires timeouts and lease expiries due at or before `now`.
     pub fn tick(&mut self, now: Millis) {
         self.now = now;

@@ -71,6 +71,10 @@ impl<'a> Step<'a> {
     /// Session `id` of the job opened with `identity`.
     pub fn open(&mut self, id: SessionId, identity: &Identity) {
         self.job.sessions += 1;
+        // A rank connecting is the job at work; a tool (`rallypoint status`) is not.
+        if identity.rank.is_some() {
+            self.job.last_request = self.ctx.now;
+        }
         if let Some(rank) = identity.rank {
             let lease_ms = self.config.lease_ms;
             let process = identity.incarnation.map(|_| incarnation::process(identity));
@@ -166,6 +170,10 @@ impl<'a> Step<'a> {
             // Torch clients never heartbeat: their ranks live by their connections alone.
             let lease_ms = if caller.torch { 0 } else { self.config.lease_ms };
             self.touch(rank, lease_ms);
+        }
+        if !matches!(request, Request::Heartbeat | Request::Leave | Request::Abandon | Request::Status | Request::Jobs)
+        {
+            self.job.last_request = self.ctx.now;
         }
         let reply = match self.admit(&request) {
             Ok(()) => self.apply(&caller, request),
