@@ -12,6 +12,7 @@ use crate::{
     Response, SessionId,
 };
 
+use crate::counters;
 use crate::ranges::{runs, split};
 
 use super::collective::{Call, Ctx};
@@ -71,6 +72,9 @@ impl<'a> Step<'a> {
     /// Session `id` of the job opened with `identity`.
     pub fn open(&mut self, id: SessionId, identity: &Identity) {
         self.job.sessions += 1;
+        if let Some(world_size) = identity.world_size {
+            self.job.world_size = Some(self.job.world_size.map_or(world_size, |w| w.max(world_size)));
+        }
         if let Some(rank) = identity.rank {
             let lease_ms = self.config.lease_ms;
             let process = identity.incarnation.map(|_| incarnation::process(identity));
@@ -167,6 +171,10 @@ impl<'a> Step<'a> {
             let lease_ms = if caller.torch { 0 } else { self.config.lease_ms };
             self.touch(rank, lease_ms);
         }
+        self.job.store.now = self.ctx.now;
+        if let Some(op) = counters::kv_op(request.name()) {
+            self.job.kv_ops[op] += 1;
+        }
         let reply = match self.admit(&request) {
             Ok(()) => self.apply(&caller, request),
             Err(error) => Some(Err(error)),
@@ -205,8 +213,8 @@ impl<'a> Step<'a> {
             Request::Leave => self.leave(caller),
             Request::Abandon => self.abandon(caller),
             Request::Status => value(self.status(caller).into()),
-            // Answered by the engine, which sees every job.
-            Request::Jobs => None,
+            // Answered by the engine, which sees every job and session.
+            Request::Jobs | Request::Snapshot => None,
             Request::Set { key, value } => self.set(key, value),
             Request::Append { key, value } => self.append(key, value),
             Request::MultiSet { entries } => self.multi_set(entries),
@@ -293,7 +301,7 @@ impl<'a> Step<'a> {
             .map(|(id, s)| (*id, &s.identity, s.torch))
             .collect();
         others.sort_by_key(|(id, _, _)| *id);
-        let mut out = torch::report(job, &others, now);
+        let mut out = torch::report(job, &others, now, self.config.epoch_unix_ms.saturating_add(now));
         let (connected, left, lost) = job.ranks.tally();
         out.push_str(&format!("ranks: {connected} connected, {left} left cleanly, {lost} lost\n"));
         for line in job.collectives.report(&job.ranks, now) {
