@@ -89,6 +89,10 @@ pub struct SessionCounts {
     pub native: usize,
     /// PyTorch TCPStore connections.
     pub tcpstore: usize,
+    /// Native sessions carried by a node agent (counted in `native` too); the
+    /// engine does not know them apart, its server fills this in.
+    #[serde(default)]
+    pub via_agent: usize,
 }
 
 /// Ranks by state. `never_connected` counts the ranks below the world size that

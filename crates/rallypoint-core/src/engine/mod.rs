@@ -472,6 +472,12 @@ impl Engine {
         names.into_iter().map(|name| bytes::Bytes::copy_from_slice(name.as_bytes())).collect()
     }
 
+    /// The name of the job of `session`, if it is open.
+    pub fn session_job(&self, session: SessionId) -> Option<&str> {
+        let sess = self.sessions.get(&session)?;
+        self.jobs.get(&sess.job).map(|job| job.name.as_str())
+    }
+
     /// The session's connection is gone, and whether its process is alive is not known:
     pub fn close(&mut self, session: SessionId, now: Millis) {
         self.close_with(session, Departure::Unknown, now);

@@ -125,6 +125,7 @@ impl Engine {
         let sessions = SessionCounts {
             native: members.iter().filter(|(_, _, t)| !t).count(),
             tcpstore: members.iter().filter(|(_, _, t)| *t).count(),
+            via_agent: 0,
         };
         let identity_of: BTreeMap<SessionId, (&Identity, bool)> =
             members.iter().map(|(s, i, t)| (*s, (*i, *t))).collect();
