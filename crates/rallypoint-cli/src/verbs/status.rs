@@ -1,0 +1,212 @@
+//! `rallypoint status`: the coordinator's jobs and one job's report, as text or as
+//! the JSON document of docs/STATUS.md, once or again and again (`--watch`).
+//!
+//! `--watch` on a terminal draws on the alternate screen, as `watch` does, and puts
+//! the terminal back however it ends (Ctrl-C, `--count`, an error); elsewhere it
+//! prints one snapshot after another. One connection serves every redraw; if the
+//! coordinator goes away the screen says so and the next redraw connects again.
+
+use std::io::{IsTerminal, Write};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use rallypoint_client::env::Settings;
+use rallypoint_client::Client;
+use rallypoint_core::snapshot::{StatusDocument, STATUS_SCHEMA};
+
+use super::{address_in_env, connect, find_launcher, finish, quoted, Conn, StatusView};
+use crate::exit::{usage, UsageError};
+
+pub(super) async fn run(mut conn: Conn, view: StatusView) -> anyhow::Result<()> {
+    if conn.addr.is_none() && !address_in_env() {
+        let launcher = find_launcher(conn.job.as_deref())?;
+        conn.addr = Some(launcher.addr);
+        conn.job = Some(conn.job.unwrap_or(launcher.attempt_job));
+        // The launcher's own token, unless one was given.
+        if conn.token_file.is_none() && std::env::var_os("RALLYPOINT_TOKEN").is_none_or(|t| t.is_empty()) {
+            conn.token_file = launcher.token_file;
+        }
+    }
+    let settings = conn.settings(None)?;
+    let client = connect(&settings).await?;
+    if view.watch {
+        return watch(client, &settings, view).await;
+    }
+    let shown = show(&client, &settings, view.json, true).await;
+    finish(client, Ok(())).await?;
+    match shown {
+        Ok(text) => print(&text),
+        Err(Failure::NoSuchJob(message)) => usage!("{message}"),
+        Err(Failure::Client(error)) => Err(error.into()),
+    }
+}
+
+/// Why a snapshot could not be shown.
+enum Failure {
+    /// The coordinator does not hold the job (a usage error, exit code 2).
+    NoSuchJob(String),
+    Client(rallypoint_client::Error),
+}
+
+impl From<rallypoint_client::Error> for Failure {
+    fn from(e: rallypoint_client::Error) -> Self {
+        Failure::Client(e)
+    }
+}
+
+/// The report (or JSON document) of the job, with the coordinator's jobs.
+async fn show(client: &Client, settings: &Settings, json: bool, pretty: bool) -> Result<String, Failure> {
+    let jobs = client.jobs().await?;
+    let complete = jobs.len() < rallypoint_core::MAX_JOBS_LISTED;
+    // A launcher's job whose workers have not connected (yet, or ever: they need not
+    // use rallypoint) exists all the same: its launchers are there.
+    let launched = jobs.contains(&format!("{}/launch", settings.job));
+    if complete && !launched && !jobs.contains(&settings.job) {
+        let held = if jobs.is_empty() { "none".to_owned() } else { quoted(&jobs) };
+        return Err(Failure::NoSuchJob(format!(
+            "the coordinator at {} holds no job '{}' (its jobs: {held})",
+            settings.addr, settings.job
+        )));
+    }
+    if json {
+        let document = StatusDocument {
+            schema: STATUS_SCHEMA,
+            coordinator: settings.addr.clone(),
+            generated_unix_ms: unix_ms(),
+            jobs,
+            jobs_complete: complete,
+            job: Some(client.snapshot().await?),
+            launcher: None,
+            stacks: None,
+        };
+        let mut text = if pretty { serde_json::to_string_pretty(&document) } else { serde_json::to_string(&document) }
+            .map_err(|e| Failure::Client(rallypoint_client::Error::Protocol(e.to_string())))?;
+        text.push('\n');
+        return Ok(text);
+    }
+    let report = client.status().await?;
+    let count = match (jobs.len(), complete) {
+        (1, _) => "1 job".to_owned(),
+        (n, true) => format!("{n} jobs"),
+        (n, false) => format!("more than {} jobs; the first {n}", n - 1),
+    };
+    Ok(format!("{report}coordinator {} holds {count}: {}\n", settings.addr, quoted(&jobs)))
+}
+
+fn print(result: &str) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(result.as_bytes()).and_then(|()| out.flush()).context("writing to stdout")
+}
+
+/// Shows the status every `view.interval` until Ctrl-C or `view.count` snapshots.
+async fn watch(client: Client, settings: &Settings, view: StatusView) -> anyhow::Result<()> {
+    let interval = Duration::from_secs_f64(view.interval.max(0.1));
+    let tty = std::io::stdout().is_terminal();
+    let mut client = Some(client);
+    let mut screen = if tty { Some(Screen::enter()?) } else { None };
+    let interrupted = tokio::signal::ctrl_c();
+    tokio::pin!(interrupted);
+    let mut shown = 0u64;
+    let mut next = tokio::time::Instant::now();
+    let header = |at: &str| {
+        let what = if view.json { " --json" } else { "" };
+        format!("Every {:.1} s: rallypoint status --job {}{what}    {at}\n\n", interval.as_secs_f64(), settings.job)
+    };
+    let ended = loop {
+        let body = tokio::select! {
+            _ = &mut interrupted => break Ok(()),
+            body = snapshot(&mut client, settings, view.json, tty) => body,
+        };
+        let body = match body {
+            Ok(body) => body,
+            // The job was never there: as without --watch, a usage error at once.
+            Err(Failure::NoSuchJob(message)) if shown == 0 => break Err(UsageError(message).into()),
+            Err(Failure::NoSuchJob(message)) => format!("{message}\n"),
+            Err(Failure::Client(error)) => {
+                // Connect again next time; the screen says why it is empty.
+                client = None;
+                format!("rallypoint: {error}\n")
+            }
+        };
+        let at = humantime::format_rfc3339_seconds(SystemTime::now()).to_string();
+        let result = match (&mut screen, view.json) {
+            (Some(screen), _) => screen.draw(&header(&at), &body),
+            // A document per line, so that the output is JSON Lines.
+            (None, true) => print(&body),
+            (None, false) => print(&format!("{}{body}\n", header(&at))),
+        };
+        if let Err(error) = result {
+            break Err(error);
+        }
+        shown += 1;
+        if view.count.is_some_and(|count| shown >= count) {
+            break Ok(());
+        }
+        next += interval;
+        tokio::select! {
+            _ = &mut interrupted => break Ok(()),
+            () = tokio::time::sleep_until(next) => {}
+        }
+    };
+    drop(screen);
+    if let Some(client) = client {
+        let _ = finish(client, Ok(())).await;
+    }
+    ended
+}
+
+/// One snapshot on the watch's connection, connecting first if it has none. JSON
+/// is drawn pretty on a terminal, one line per document elsewhere.
+async fn snapshot(client: &mut Option<Client>, settings: &Settings, json: bool, tty: bool) -> Result<String, Failure> {
+    if client.is_none() {
+        *client = Some(Client::connect_with(settings.connect_options().with_timeout(Duration::from_secs(2))).await?);
+    }
+    let Some(connected) = client.as_ref() else { unreachable!("connected above") };
+    show(connected, settings, json, tty).await
+}
+
+/// The terminal while watching: the alternate screen, cursor hidden; put back on drop.
+struct Screen;
+
+impl Screen {
+    fn enter() -> anyhow::Result<Screen> {
+        print("\x1b[?1049h\x1b[?25l")?;
+        Ok(Screen)
+    }
+
+    /// Clears the screen and draws `header` and `body`, cut to the terminal's size.
+    fn draw(&mut self, header: &str, body: &str) -> anyhow::Result<()> {
+        let (rows, cols) = terminal_size().unwrap_or((24, 80));
+        let mut out = String::from("\x1b[H\x1b[2J");
+        let lines: Vec<&str> = header.lines().chain(body.lines()).collect();
+        let room = rows.saturating_sub(1).max(1);
+        for (i, line) in lines.iter().enumerate() {
+            if i + 1 == room && lines.len() > room {
+                out.push_str(&format!("... ({} more lines)", lines.len() - i));
+                break;
+            }
+            out.extend(line.chars().take(cols));
+            out.push('\n');
+        }
+        print(&out)
+    }
+}
+
+impl Drop for Screen {
+    fn drop(&mut self) {
+        let _ = print("\x1b[?25h\x1b[?1049l");
+    }
+}
+
+/// The terminal's (rows, columns), if stdout is one.
+fn terminal_size() -> Option<(usize, usize)> {
+    // SAFETY: TIOCGWINSZ writes a winsize into the struct given, nothing else.
+    let mut size: libc::winsize = unsafe { std::mem::zeroed() };
+    // SAFETY: fd 1 is this process's stdout; the ioctl only reads its terminal's size.
+    let rc = unsafe { libc::ioctl(1, libc::TIOCGWINSZ, &mut size) };
+    (rc == 0 && size.ws_row > 0 && size.ws_col > 0).then(|| (usize::from(size.ws_row), usize::from(size.ws_col)))
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX))
+}
