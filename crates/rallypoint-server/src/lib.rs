@@ -55,7 +55,7 @@ use std::time::Duration;
 
 use rallypoint_core::snapshot::JobSnapshot;
 use rallypoint_core::{Config, JobMetrics, RankInfo};
-pub use rallypoint_net::meter::{Protocol, TrafficSnapshot};
+pub use rallypoint_net::meter::{Protocol, ProtocolCounts, TrafficSnapshot};
 use rallypoint_proto::native::FrameLimits;
 use rallypoint_proto::tcpstore::TcpLimits;
 use tokio::net::{TcpListener, TcpSocket};
