@@ -40,6 +40,7 @@ mod metrics;
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -67,10 +68,6 @@ use tracing::{debug, info, warn};
 const REFRESH: Duration = Duration::from_millis(500);
 /// Jobs whose documents are kept at once (a client asking for many costs no more).
 const CACHED_JOBS: usize = 64;
-/// A client must send its request headers within this.
-const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
-/// A connection that neither sends nor takes a byte for this long is closed.
-const STALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// The name of the cookie `/login` sets.
 const COOKIE: &str = "rallypoint_session";
 
@@ -89,13 +86,26 @@ pub struct HttpConfig {
     pub insecure: bool,
     /// Connections served at once; more are closed as they come.
     pub max_connections: usize,
+    /// A client must send its request headers within this.
+    pub header_timeout: Duration,
+    /// A connection that neither sends nor takes a byte for this long is closed.
+    pub stall_timeout: Duration,
 }
 
 impl HttpConfig {
     pub const DEFAULT_MAX_CONNECTIONS: usize = 64;
+    pub const DEFAULT_HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+    pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(30);
 
     pub fn new(listen: SocketAddr, token: Option<Arc<Token>>) -> HttpConfig {
-        HttpConfig { listen, token, insecure: false, max_connections: Self::DEFAULT_MAX_CONNECTIONS }
+        HttpConfig {
+            listen,
+            token,
+            insecure: false,
+            max_connections: Self::DEFAULT_MAX_CONNECTIONS,
+            header_timeout: Self::DEFAULT_HEADER_TIMEOUT,
+            stall_timeout: Self::DEFAULT_STALL_TIMEOUT,
+        }
     }
 }
 
@@ -142,6 +152,8 @@ pub struct HttpServer {
     local_addr: SocketAddr,
     app: Arc<App>,
     max_connections: usize,
+    header_timeout: Duration,
+    stall_timeout: Duration,
 }
 
 struct App {
@@ -171,7 +183,14 @@ impl HttpServer {
         let local_addr = listener.local_addr().map_err(bind_error)?;
         let cookie = config.token.as_deref().map(cookie_value);
         let app = App { observer, panel, token: config.token, cookie, check_host: loopback, cache: Cache::default() };
-        Ok(HttpServer { listener, local_addr, app: Arc::new(app), max_connections: config.max_connections.max(1) })
+        Ok(HttpServer {
+            listener,
+            local_addr,
+            app: Arc::new(app),
+            max_connections: config.max_connections.max(1),
+            header_timeout: config.header_timeout,
+            stall_timeout: config.stall_timeout,
+        })
     }
 
     pub fn local_addr(&self) -> SocketAddr {
@@ -185,7 +204,7 @@ impl HttpServer {
 
     /// Serves until `shutdown` completes.
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) {
-        let HttpServer { listener, local_addr, app, max_connections } = self;
+        let HttpServer { listener, local_addr, app, max_connections, header_timeout, stall_timeout } = self;
         let router = Router::new()
             .route("/", get(page))
             .route("/api/status", get(status))
@@ -219,9 +238,9 @@ impl HttpServer {
                     let service = TowerToHyperService::new(router.clone());
                     connections.spawn(async move {
                         let _slot = slot;
-                        let io = TokioIo::new(io::Stalling::new(stream, STALL_TIMEOUT));
+                        let io = TokioIo::new(io::Stalling::new(stream, stall_timeout));
                         let mut http = hyper::server::conn::http1::Builder::new();
-                        http.timer(TokioTimer::new()).header_read_timeout(HEADER_TIMEOUT).max_buf_size(64 * 1024);
+                        http.timer(TokioTimer::new()).header_read_timeout(header_timeout).max_buf_size(64 * 1024);
                         if let Err(error) = http.serve_connection(io, service).await {
                             debug!(%peer, %error, "live page: connection ended");
                         }
@@ -239,16 +258,18 @@ impl HttpServer {
     pub fn spawn(self) -> HttpHandle {
         let (stop, stopped) = oneshot::channel::<()>();
         let local_addr = self.local_addr;
+        let app = Arc::clone(&self.app);
         let task = tokio::spawn(self.run_until(async move {
             let _ = stopped.await;
         }));
-        HttpHandle { local_addr, _stop: stop, task }
+        HttpHandle { local_addr, app, _stop: stop, task }
     }
 }
 
 /// A server running in the background (see [`HttpServer::spawn`]).
 pub struct HttpHandle {
     local_addr: SocketAddr,
+    app: Arc<App>,
     _stop: oneshot::Sender<()>,
     task: JoinHandle<()>,
 }
@@ -256,6 +277,12 @@ pub struct HttpHandle {
 impl HttpHandle {
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// How many times the server looked at the coordinator (status documents and
+    /// metrics made): what its clients cost the coordinator, whatever their number.
+    pub fn lookups(&self) -> u64 {
+        self.app.cache.lookups.load(Ordering::Relaxed)
     }
 
     /// Stops serving and waits until every connection is closed.
@@ -365,6 +392,8 @@ struct Cache {
     metrics: Mutex<Option<(Instant, Arc<str>)>>,
     /// Held while something is made: requests meanwhile wait, then find it made.
     making: tokio::sync::Mutex<()>,
+    /// Documents and metrics made so far.
+    lookups: AtomicU64,
 }
 
 impl Cache {
@@ -380,6 +409,7 @@ impl Cache {
         if let Some(doc) = fresh(app) {
             return doc;
         }
+        app.cache.lookups.fetch_add(1, Ordering::Relaxed);
         let made = {
             let (app, job) = (Arc::clone(app), job.clone());
             tokio::task::spawn_blocking(move || Arc::<str>::from(app.document(job.as_deref()))).await
@@ -407,6 +437,7 @@ impl Cache {
         if let Some(text) = fresh(app) {
             return text;
         }
+        app.cache.lookups.fetch_add(1, Ordering::Relaxed);
         let made = {
             let app = Arc::clone(app);
             tokio::task::spawn_blocking(move || Arc::<str>::from(metrics::render(&app.observer.metrics()))).await
