@@ -4,7 +4,7 @@
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
-use rallypoint_core::snapshot::LauncherView;
+use rallypoint_core::snapshot::{LauncherView, StacksView};
 use rallypoint_http::{HttpConfig, HttpError, HttpHandle, HttpServer, Panel};
 use rallypoint_launch::LaunchObserver;
 use rallypoint_server::{Observer, Token};
@@ -76,5 +76,9 @@ impl LaunchObserver for LaunchPage {
 
     fn launcher(&self, view: LauncherView) {
         self.panel.set_launcher(view);
+    }
+
+    fn stacks(&self, stacks: StacksView) {
+        self.panel.set_stacks(stacks);
     }
 }

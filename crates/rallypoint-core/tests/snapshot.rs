@@ -149,18 +149,20 @@ fn a_torchrun_rendezvous_state_is_decoded_in_the_snapshot_and_the_report() {
     h.engine.open_tcpstore(session, "r", "10.0.0.1", 99, h.now).expect("accepted");
     // Written by torch's own code (see the test data's test in the crate).
     let state = include_str!("../src/rendezvous/testdata/state-round3.b64").trim();
-    ok(Some(h.call(session, Request::Set { key: b("torch.rendezvous.run7"), value: b(state) })));
+    // torch's TCPStore client puts a "/" before every key.
+    ok(Some(h.call(session, Request::Set { key: b("/torch.rendezvous.run7"), value: b(state) })));
     ok(Some(h.call(
         session,
         Request::Set { key: b("torch.rendezvous.broken"), value: b("gASVDgAAAAAAAAB9lIwFcm91bmSUSwFzLg==") },
     )));
     let snap = snapshot_of(&mut h, "r");
     let rdzv = &snap.torch.as_ref().expect("torch").rendezvous;
+    // In key order: "/torch.rendezvous.run7" first.
     assert_eq!(rdzv.len(), 2);
-    assert_eq!((rdzv[0].run_id.as_str(), rdzv[0].state.is_none()), ("broken", true));
-    assert!(rdzv[0].error.as_deref().is_some_and(|e| e.contains("not a pickled object")), "{:?}", rdzv[0]);
-    let state = rdzv[1].state.as_ref().expect("decoded");
-    assert_eq!((rdzv[1].run_id.as_str(), state.round, state.participants.len()), ("run7", 3, 2));
+    assert_eq!((rdzv[1].run_id.as_str(), rdzv[1].state.is_none()), ("broken", true));
+    assert!(rdzv[1].error.as_deref().is_some_and(|e| e.contains("not a pickled object")), "{:?}", rdzv[1]);
+    let state = rdzv[0].state.as_ref().expect("decoded");
+    assert_eq!((rdzv[0].run_id.as_str(), state.round, state.participants.len()), ("run7", 3, 2));
 
     let tool = h.open(Identity::anonymous("r"));
     let Response::Value(report) = ok(Some(h.call(tool, Request::Status))) else { panic!("status is text") };

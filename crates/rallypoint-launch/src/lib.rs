@@ -29,7 +29,7 @@ use std::time::Duration;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 
-use rallypoint_core::snapshot::LauncherView;
+use rallypoint_core::snapshot::{LauncherView, StacksView};
 use rallypoint_core::Config;
 use rallypoint_server::{IpNet, Observer, Server, ServerConfig, ServerHandle, Token};
 
@@ -113,6 +113,8 @@ pub trait LaunchObserver: Send + Sync + std::fmt::Debug {
     fn coordinator(&self, observer: Observer, token: Option<Arc<Token>>);
     /// This node's workers started or ended, or the attempt ended.
     fn launcher(&self, view: LauncherView);
+    /// The workers' stacks were captured (grouped, the smallest group first).
+    fn stacks(&self, _stacks: StacksView) {}
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -261,6 +261,13 @@ impl Store {
         self.data.remove(key).is_some()
     }
 
+    /// Keys for which `pred` holds, sorted.
+    pub fn keys_where(&self, pred: impl Fn(&[u8]) -> bool) -> Vec<Bytes> {
+        let mut keys: Vec<Bytes> = self.data.keys().filter(|k| pred(k)).cloned().collect();
+        keys.sort();
+        keys
+    }
+
     pub fn list(&self, prefix: &[u8]) -> Vec<Bytes> {
         let mut keys: Vec<Bytes> = self.data.keys().filter(|k| k.starts_with(prefix)).cloned().collect();
         keys.sort();

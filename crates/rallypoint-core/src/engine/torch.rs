@@ -314,11 +314,8 @@ pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: 
 /// (the one asking excluded) with whether each is a TCPStore connection.
 pub(crate) fn view(job: &Job, sessions: &[(SessionId, &Identity, bool)]) -> Option<TorchView> {
     let torch: Vec<(SessionId, &Identity)> = sessions.iter().filter(|(_, _, t)| *t).map(|(s, i, _)| (*s, *i)).collect();
-    let rendezvous: Vec<RendezvousView> = job
-        .store
-        .list(rendezvous::KEY_PREFIX)
+    let rendezvous: Vec<RendezvousView> = rendezvous_keys(job)
         .iter()
-        .take(MAX_RENDEZVOUS_LISTED)
         .filter_map(|key| job.store.get(key).map(|value| rendezvous::view(key, value)))
         .collect();
     if torch.is_empty() && arrived_at_init(job).is_none() && rendezvous.is_empty() {
@@ -391,6 +388,14 @@ pub(crate) fn view(job: &Job, sessions: &[(SessionId, &Identity, bool)]) -> Opti
 /// Most rendezvous states a snapshot decodes.
 const MAX_RENDEZVOUS_LISTED: usize = 16;
 
+/// The keys holding torchrun rendezvous states, in key order (at most
+/// [`MAX_RENDEZVOUS_LISTED`]).
+fn rendezvous_keys(job: &Job) -> Vec<Bytes> {
+    let mut keys = job.store.keys_where(rendezvous::is_state_key);
+    keys.truncate(MAX_RENDEZVOUS_LISTED);
+    keys
+}
+
 /// A key as text: printable ASCII as it is, other bytes escaped; long keys cut.
 pub(crate) fn text(key: &[u8]) -> String {
     const SHOWN: usize = 256;
@@ -403,7 +408,7 @@ pub(crate) fn text(key: &[u8]) -> String {
 
 /// The rendezvous rounds of the job, for the text report.
 fn rendezvous_lines(job: &Job, out: &mut String, now_unix_ms: u64) {
-    for key in job.store.list(rendezvous::KEY_PREFIX).iter().take(MAX_RENDEZVOUS_LISTED) {
+    for key in &rendezvous_keys(job) {
         let Some(value) = job.store.get(key) else { continue };
         let view = rendezvous::view(key, value);
         let _ = write!(out, "torchrun rendezvous '{}': ", view.run_id);

@@ -16,7 +16,19 @@ use crate::snapshot::{RendezvousNode, RendezvousState, RendezvousView};
 use pickle::{Id, Pickle, Value};
 
 /// The prefix of a rendezvous state's key; the run id follows.
-pub(crate) const KEY_PREFIX: &[u8] = b"torch.rendezvous.";
+const KEY_PREFIX: &[u8] = b"torch.rendezvous.";
+
+/// Whether `key` holds a rendezvous state: `torch.rendezvous.<run id>`, with the
+/// `/` torch's TCPStore client puts before every key (or several, through prefix
+/// stores of an empty prefix).
+pub(crate) fn is_state_key(key: &[u8]) -> bool {
+    unslashed(key).strip_prefix(KEY_PREFIX).is_some_and(|run_id| !run_id.is_empty())
+}
+
+fn unslashed(key: &[u8]) -> &[u8] {
+    let start = key.iter().position(|&b| b != b'/').unwrap_or(key.len());
+    &key[start..]
+}
 
 /// What torch stores before any state ("canimadam", base64-encoded).
 const NULL_SENTINEL: &[u8] = b"Y2FuaW1hZGFt";
@@ -24,9 +36,10 @@ const NULL_SENTINEL: &[u8] = b"Y2FuaW1hZGFt";
 /// Longest value decoded: a state of thousands of nodes is well below it.
 const MAX_STATE_LEN: usize = 4 << 20;
 
-/// The rendezvous at `key` (which starts with [`KEY_PREFIX`]) whose value is `value`.
+/// The rendezvous at `key` (see [`is_state_key`]) whose value is `value`.
 pub(crate) fn view(key: &[u8], value: &[u8]) -> RendezvousView {
-    let run_id = String::from_utf8_lossy(&key[KEY_PREFIX.len().min(key.len())..]).into_owned();
+    let run_id = unslashed(key).strip_prefix(KEY_PREFIX).unwrap_or_default();
+    let run_id = String::from_utf8_lossy(run_id).into_owned();
     let key = String::from_utf8_lossy(key).into_owned();
     match decode(value) {
         Ok(state) => RendezvousView { key, run_id, state: Some(state), error: None },
@@ -207,6 +220,17 @@ mod tests {
         assert!(decode(b"%%%").unwrap_err().contains("base64"));
         // base64 of pickle.dumps({"round": 1}): a pickle, but not the state.
         assert!(decode(b"gASVDgAAAAAAAAB9lIwFcm91bmSUSwFzLg==").unwrap_err().contains("not a pickled object"));
+    }
+
+    #[test]
+    fn state_keys_with_or_without_the_slashes_torch_adds() {
+        for key in [&b"torch.rendezvous.run7"[..], b"/torch.rendezvous.run7", b"//torch.rendezvous.run7"] {
+            assert!(is_state_key(key), "{}", key.escape_ascii());
+            assert_eq!(view(key, NULL_SENTINEL).run_id, "run7");
+        }
+        for key in [&b"torch.rendezvous."[..], b"/x/torch.rendezvous.run7", b"torch.rendezvous"] {
+            assert!(!is_state_key(key), "{}", key.escape_ascii());
+        }
     }
 
     #[test]
