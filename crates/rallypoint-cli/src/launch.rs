@@ -227,7 +227,7 @@ pub struct LaunchArgs {
     /// the quietest stretch of a healthy run. With it, every failure's summary also
     /// gives the stacks of the ranks still running [default: off; 0: off]
     #[arg(long, alias = "hang_timeout", env = "PET_HANG_TIMEOUT", hide_env = true, value_name = "SECS",
-          value_parser = parse::secs)]
+          value_parser = parse::secs, allow_negative_numbers = true)]
     hang_timeout: Option<f64>,
     /// Host a node agent in this launcher: the workers' RALLYPOINT_ADDR becomes its Unix
     /// socket (unix:PATH, in a private temporary directory removed at exit) and it carries
@@ -253,6 +253,13 @@ pub struct LaunchArgs {
     /// repeatable. This user's processes on node 0 are always served
     #[arg(long, value_name = "CIDR", help_heading = "Authentication")]
     tcpstore_allow: Vec<rallypoint_server::IpNet>,
+    /// Serve the live page of the job (each rank's state, who waits where, this node's
+    /// workers and how they ended), its JSON API (/api/status) and Prometheus metrics
+    /// (/metrics) over HTTP at this address, e.g. 127.0.0.1:8080, from node 0 (which
+    /// hosts the coordinator). Requests must carry the job's token; the line the
+    /// launcher prints links to the page with it when the launcher made the token
+    #[arg(long, value_name = "IP:PORT", help_heading = "Live page and metrics")]
+    http: Option<std::net::SocketAddr>,
     /// The program and its arguments: SCRIPT.py ARGS (run with python), -m MODULE ARGS, or
     /// -- CMD ARGS (run as it is)
     #[arg(value_name = "PROGRAM", required = true, trailing_var_arg = true)]
@@ -418,6 +425,12 @@ impl LaunchArgs {
             torchrun::python(var("PYTHON_EXEC").map(OsString::from), cx.exe.clone(), var("PATH").map(OsString::from))
         })?;
 
+        let token = match &self.token_file {
+            Some(path) => Some(rallypoint_client::Token::from_file(path).map_err(|e| e.to_string())?),
+            None => rallypoint_client::Token::from_lookup(|name| (cx.var)(name).map(Into::into))
+                .map_err(|e| e.to_string())?,
+        }
+        .map(std::sync::Arc::new);
         let seconds = |name: &str, v: f64| {
             Duration::try_from_secs_f64(v).map_err(|_| format!("--{name} {v} is not a number of seconds"))
         };
@@ -443,15 +456,16 @@ impl LaunchArgs {
                 .transpose()?
                 .filter(|d| !d.is_zero()),
             node_agent: self.node_agent,
-            token: match &self.token_file {
-                Some(path) => Some(rallypoint_client::Token::from_file(path).map_err(|e| e.to_string())?),
-                None => rallypoint_client::Token::from_lookup(|name| (cx.var)(name).map(Into::into))
-                    .map_err(|e| e.to_string())?,
-            }
-            .map(std::sync::Arc::new),
+            token: token.clone(),
             insecure: self.insecure,
             tcpstore_allow: self.tcpstore_allow,
             command,
+            // Without --insecure the job always has a token (given, or made by the
+            // launcher), so a page beyond loopback is behind it.
+            observe: self.http.map(|listen| {
+                crate::page::LaunchPage::new(listen, self.insecure, token.is_some())
+                    as std::sync::Arc<dyn rallypoint_launch::LaunchObserver>
+            }),
         })
     }
 }

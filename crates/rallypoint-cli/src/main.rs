@@ -8,6 +8,7 @@ mod bench;
 mod demo;
 mod exit;
 mod launch;
+mod page;
 mod parse;
 mod serve;
 mod verbs;

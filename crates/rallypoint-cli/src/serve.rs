@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::Args;
 use rallypoint_core::Config;
+use rallypoint_http::{HttpConfig, HttpServer};
 use rallypoint_server::{Server, ServerConfig};
 use tokio::signal::unix::{signal, SignalKind};
 use tracing::info;
@@ -69,6 +70,16 @@ pub struct ServeArgs {
     /// this user's processes on this machine are served over TCPStore [default: none]
     #[arg(long, value_name = "CIDR", help_heading = "Authentication and TLS")]
     tcpstore_allow: Vec<rallypoint_server::IpNet>,
+    /// Serve the live page (the jobs, each rank's state, who waits where), its JSON API
+    /// (/api/status, as `status --json`) and Prometheus metrics (/metrics) over HTTP
+    /// at this address, e.g. 127.0.0.1:8080. With a token, requests must carry it
+    /// (Authorization: Bearer TOKEN, or the cookie /login?token=TOKEN sets)
+    #[arg(long, value_name = "IP:PORT", help_heading = "Live page and metrics")]
+    http: Option<SocketAddr>,
+    /// Serve --http beyond loopback without a token: anyone who reaches it can read
+    /// every job's state
+    #[arg(long, requires = "http", help_heading = "Live page and metrics")]
+    insecure: bool,
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
@@ -114,12 +125,30 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             "no token: anyone who can reach this port can read, change and abort every job (set --token-file, RALLYPOINT_TOKEN_FILE or RALLYPOINT_TOKEN)"
         );
     }
+    if let Some(listen) = args.http {
+        crate::page::check_exposure(listen, config.token.is_some(), args.insecure)?;
+    }
+    let token = config.token.clone();
     let server = Server::bind(config).await?;
     server.set_tcpstore_job(&args.tcpstore_job);
+    let page = match args.http {
+        Some(listen) => {
+            let mut http = HttpConfig::new(listen, token.clone());
+            http.insecure = args.insecure;
+            let page = HttpServer::bind(http, server.observer(), None)?;
+            // The user gave the token: the link does not show it.
+            eprintln!("{}", crate::page::announce(&page, token.as_deref(), false));
+            Some(page.spawn())
+        }
+        None => None,
+    };
     if args.print_addr {
         print_addr(server.local_addr())?;
     }
     server.run_until(stop).await?;
+    if let Some(page) = page {
+        page.shutdown().await;
+    }
     Ok(())
 }
 

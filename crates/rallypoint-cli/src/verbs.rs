@@ -18,6 +18,8 @@ use rallypoint_launch::discovery;
 use crate::exit::usage;
 use crate::parse;
 
+mod status;
+
 #[derive(Subcommand, Debug)]
 pub enum Verb {
     /// Wait until every member has reached barrier NAME (prints nothing).
@@ -135,15 +137,15 @@ pub enum Verb {
     ///   rank 2 (1 of 4):      load_batch (data.py:17) ← train (train.py:40)
     ///   ranks 0-1,3 (3 of 4): all_reduce (torch/distributed/distributed_c10d.py:2950) ← train (train.py:42)
     /// A node whose launcher does not answer within 10 s is named.
+    ///
+    /// --json prints the same as one JSON document of a documented, versioned schema
+    /// (docs/STATUS.md; the live page's /api/status serves the same). --watch redraws
+    /// it every second as `watch` does, ages ticking, until Ctrl-C; when stdout is
+    /// not a terminal it prints one snapshot after another instead (with --json, one
+    /// document per line).
     Status {
-        /// Also print where every rank is: its stack, read by its node's launcher,
-        /// grouped (needs a job started with `rallypoint launch`)
-        #[arg(long)]
-        stacks: bool,
-        /// With --stacks: native frames (C, C++) too, where the launcher's build reads
-        /// them; each worker is stopped for the few milliseconds this takes
-        #[arg(long, requires = "stacks")]
-        native: bool,
+        #[command(flatten)]
+        view: StatusView,
         #[command(flatten)]
         conn: Conn,
     },
@@ -181,11 +183,11 @@ pub enum Verb {
 pub struct Conn {
     /// Coordinator address [default: $RALLYPOINT_ADDR, else $MASTER_ADDR:$MASTER_PORT]
     #[arg(long, value_name = "HOST:PORT", value_parser = parse::addr)]
-    addr: Option<String>,
+    pub(crate) addr: Option<String>,
     /// Job name; jobs on one coordinator are independent [default: $RALLYPOINT_JOB,
     /// else $TORCHELASTIC_RUN_ID, else $SLURM_JOB_ID, else "default"]
     #[arg(long, value_name = "NAME")]
-    job: Option<String>,
+    pub(crate) job: Option<String>,
     /// This process's rank [default: $RANK, else (no launcher) $SLURM_PROCID]
     #[arg(long, value_name = "N", allow_negative_numbers = true,
           value_parser = clap::value_parser!(i64).range(0..=i64::from(u32::MAX)))]
@@ -202,11 +204,37 @@ pub struct Conn {
     /// coordinator must prove it too [default: the file $RALLYPOINT_TOKEN_FILE names,
     /// else $RALLYPOINT_TOKEN]
     #[arg(long, value_name = "PATH")]
-    token_file: Option<std::path::PathBuf>,
+    pub(crate) token_file: Option<std::path::PathBuf>,
     /// Connect over TLS, trusting the CA certificate(s) in this PEM file for the
     /// coordinator's certificate [default: $RALLYPOINT_TLS_CA]
     #[arg(long, value_name = "PATH")]
     tls_ca: Option<std::path::PathBuf>,
+}
+
+/// How `status` shows what it finds.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct StatusView {
+    /// Print a JSON document (schema: docs/STATUS.md) instead of text
+    #[arg(long)]
+    json: bool,
+    /// Show the status again every --interval seconds until interrupted: redrawn in
+    /// place on a terminal, one after another otherwise
+    #[arg(long)]
+    watch: bool,
+    /// Seconds between two snapshots with --watch
+    #[arg(long, value_name = "SECS", default_value = "1", value_parser = parse::secs, requires = "watch")]
+    interval: f64,
+    /// With --watch: stop after N snapshots [default: until interrupted]
+    #[arg(long, value_name = "N", requires = "watch")]
+    count: Option<u64>,
+    /// Also show where every rank is: its stack, read by its node's launcher,
+    /// grouped (needs a job started with `rallypoint launch`)
+    #[arg(long)]
+    stacks: bool,
+    /// With --stacks: native frames (C, C++) too, where the launcher's build reads
+    /// them; each worker is stopped for the few milliseconds this takes
+    #[arg(long, requires = "stacks")]
+    native: bool,
 }
 
 /// Which ranks take part in a barrier or collective.
@@ -290,7 +318,7 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
             let result = client.check(&keys).await;
             print_line(finish(client, result).await?.to_string().as_bytes())?;
         }
-        Verb::Status { stacks, native, conn } => status(conn, stacks.then_some(native)).await?,
+        Verb::Status { view, conn } => status::run(conn, view).await?,
         Verb::Reset { incarnation, conn } => {
             // The reset is about the job as it is now, whatever incarnation this
             // process's environment names.
@@ -310,103 +338,17 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// How long `status --stacks` waits for the launchers' answers (at most).
-const STACKS_WAIT: Duration = Duration::from_secs(10);
-
-/// `status`: the coordinator's jobs, then the report of one of them; with
-/// `stacks` (`Some(native)`), where its ranks are.
-async fn status(mut conn: Conn, stacks: Option<bool>) -> anyhow::Result<()> {
-    if conn.addr.is_none() && !address_in_env() {
-        let launcher = find_launcher(conn.job.as_deref())?;
-        conn.addr = Some(launcher.addr);
-        conn.job = Some(conn.job.unwrap_or(launcher.attempt_job));
-        // The launcher's own token, unless one was given.
-        if conn.token_file.is_none() && std::env::var_os("RALLYPOINT_TOKEN").is_none_or(|t| t.is_empty()) {
-            conn.token_file = launcher.token_file;
-        }
-    }
-    let settings = conn.settings(None)?;
-    let client = connect(&settings).await?;
-    let jobs = match client.jobs().await {
-        Ok(jobs) => jobs,
-        Err(e) => {
-            let _ = client.close().await;
-            return Err(e.into());
-        }
-    };
-    let complete = jobs.len() < rallypoint_core::MAX_JOBS_LISTED;
-    // A launcher's job whose workers have not connected (yet, or ever: they need not
-    // use rallypoint) exists all the same: its launchers are there.
-    let launched = jobs.contains(&format!("{}/launch", settings.job));
-    if complete && !launched && !jobs.contains(&settings.job) {
-        let _ = client.close().await;
-        let held = if jobs.is_empty() { "none".to_owned() } else { quoted(&jobs) };
-        usage!("the coordinator at {} holds no job '{}' (its jobs: {held})", settings.addr, settings.job);
-    }
-    let launch_job = match stacks {
-        Some(_) => match launch_job_of(&jobs, &settings.job) {
-            Some(job) => Some(job),
-            None => {
-                let _ = client.close().await;
-                usage!(
-                    "--stacks asks the job's launchers, and job '{}' has none on the coordinator at {} (no \
-                     '{}/launch' job): was it started with `rallypoint launch`?",
-                    settings.job,
-                    settings.addr,
-                    settings.job
-                );
-            }
-        },
-        None => None,
-    };
-    let result = client.status().await;
-    let mut report = finish(client, result).await?;
-    if let (Some(job), Some(native)) = (launch_job, stacks) {
-        report.push_str(&read_stacks(&settings, job, native).await?);
-    }
-    let count = match (jobs.len(), complete) {
-        (1, _) => "1 job".to_owned(),
-        (n, true) => format!("{n} jobs"),
-        (n, false) => format!("more than {} jobs; the first {n}", n - 1),
-    };
-    let footer = format!("coordinator {} holds {count}: {}\n", settings.addr, quoted(&jobs));
-    let mut out = std::io::stdout().lock();
-    out.write_all(report.as_bytes())
-        .and_then(|()| out.write_all(footer.as_bytes()))
-        .and_then(|()| out.flush())
-        .context("writing to stdout")
-}
-
-/// The launchers' job of `job` (or of the job whose restart it is) among `jobs`.
-fn launch_job_of(jobs: &[String], job: &str) -> Option<String> {
-    let base = job
-        .rsplit_once(".restart")
-        .filter(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-        .map(|(base, _)| base);
-    [Some(job), base].into_iter().flatten().map(|j| format!("{j}/launch")).find(|j| jobs.contains(j))
-}
-
-/// Every node's stacks, grouped, as `status --stacks` prints them.
-async fn read_stacks(settings: &Settings, launch_job: String, native: bool) -> anyhow::Result<String> {
-    let tool = Settings { job: launch_job, rank: None, world_size: None, role: None, ..settings.clone() };
-    let client = connect(&tool).await?;
-    let ask = rallypoint_launch::stacks::Ask { stacks: true, native };
-    let result = rallypoint_launch::stacks::request(&client, &ask, None, STACKS_WAIT.min(settings.timeout)).await;
-    let collected = finish(client, result).await?;
-    Ok(collected.render(&rallypoint_stacks::Render::default()))
-}
-
-fn quoted(names: &[String]) -> String {
+pub(crate) fn quoted(names: &[String]) -> String {
     names.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
 }
 
 /// Whether the environment names a coordinator, as `Settings` reads it.
-fn address_in_env() -> bool {
+pub(crate) fn address_in_env() -> bool {
     ["RALLYPOINT_ADDR", "MASTER_ADDR"].iter().any(|v| std::env::var_os(v).is_some_and(|a| !a.is_empty()))
 }
 
 /// The one launcher of this user on this machine (the one running `job`, if given).
-fn find_launcher(job: Option<&str>) -> anyhow::Result<discovery::Entry> {
+pub(crate) fn find_launcher(job: Option<&str>) -> anyhow::Result<discovery::Entry> {
     let all = discovery::launchers();
     let mut matching: Vec<discovery::Entry> =
         all.iter().filter(|l| job.is_none_or(|j| l.job == j || l.attempt_job == j)).cloned().collect();
@@ -450,7 +392,7 @@ fn describe(launchers: &[discovery::Entry]) -> String {
 
 impl Conn {
     /// Flags over environment, resolved by the library so both agree.
-    fn settings(&self, role: Option<&str>) -> anyhow::Result<Settings> {
+    pub(crate) fn settings(&self, role: Option<&str>) -> anyhow::Result<Settings> {
         // Also checks that the rank is below the world size, wherever each came from.
         let settings = Settings::resolve(Overrides {
             addr: self.addr.clone(),
@@ -511,7 +453,7 @@ async fn collective(conn: &Conn, members: &MembersArgs, what: &str) -> anyhow::R
 
 /// Connects, saying on stderr after a second, and then now and again, that it is
 /// still trying: a verb waiting for a coordinator not up yet looks hung otherwise.
-async fn connect(settings: &Settings) -> Result<Client, Error> {
+pub(crate) async fn connect(settings: &Settings) -> Result<Client, Error> {
     let connecting = Client::connect_with(settings.connect_options());
     tokio::pin!(connecting);
     let started = tokio::time::Instant::now();
@@ -532,7 +474,7 @@ async fn connect(settings: &Settings) -> Result<Client, Error> {
 
 /// Leaves cleanly whatever the operation's outcome, so the coordinator counts this
 /// rank as gone, not dead; the outcome alone decides the exit code.
-async fn finish<T>(client: Client, result: Result<T, Error>) -> Result<T, Error> {
+pub(crate) async fn finish<T>(client: Client, result: Result<T, Error>) -> Result<T, Error> {
     if let Err(err) = client.close().await {
         if result.is_ok() {
             tracing::warn!("could not leave cleanly: {err}");

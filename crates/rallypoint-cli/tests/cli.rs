@@ -464,6 +464,107 @@ fn status_names_who_waits_in_a_barrier_and_who_is_missing() {
     assert!(!run.stdout.contains("waiting: "), "{run:#?}");
 }
 
+/// `rallypoint status --json` of `job`, parsed, once `ready` holds of it (at most [`LIMIT`]).
+fn status_json_when(server: &Server, job: &str, ready: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        let run = exec(server.cmd(job, &["status", "--json"]));
+        assert_code(&run, 0);
+        let doc: serde_json::Value = serde_json::from_str(&run.stdout).unwrap_or_else(|e| panic!("{e}: {run:#?}"));
+        if ready(&doc) {
+            return doc;
+        }
+        assert!(Instant::now() < deadline, "status never showed what was expected: {doc:#}");
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn status_json_shows_a_missing_rank_and_the_ranks_waiting_in_a_barrier() {
+    let server = Server::start();
+    let mut waiting: Vec<Guard> = (0..2).map(|r| spawn(server.ranked("jhang", r, 3, &["barrier", "setup"]))).collect();
+    let doc = status_json_when(&server, "jhang", |d| d["job"]["waits"][0]["arrived"] == 2);
+    assert_eq!(doc["schema"], 1, "{doc:#}");
+    assert_eq!(doc["coordinator"], server.addr.as_str());
+    assert!(doc["generated_unix_ms"].as_u64().is_some_and(|t| t > 0), "{doc:#}");
+    assert_eq!((doc["jobs"].clone(), doc["jobs_complete"].clone()), (serde_json::json!(["jhang"]), true.into()));
+    let job = &doc["job"];
+    assert_eq!((job["name"].as_str(), job["world_size"].as_u64()), (Some("jhang"), Some(3)), "{job:#}");
+    assert_eq!(job["sessions"]["native"], 2, "the status tool's own session is not counted: {job:#}");
+    let summary = &job["ranks_summary"];
+    assert_eq!((summary["connected"].as_u64(), summary["never_connected"].as_u64()), (Some(2), Some(1)));
+    assert_eq!(summary["in_collective"], 2);
+    let ranks = job["ranks"].as_array().expect("ranks");
+    assert_eq!(ranks.len(), 3);
+    for (r, rank) in ranks.iter().enumerate().take(2) {
+        assert_eq!((rank["rank"].as_u64(), rank["state"].as_str()), (Some(r as u64), Some("connected")), "{rank:#}");
+        assert_eq!(rank["pid"].as_u64(), Some(u64::from(waiting[r].pid())), "{rank:#}");
+        assert!(rank["host"].is_string() && rank["last_seen_ms_ago"].is_u64(), "{rank:#}");
+        assert_eq!(rank["wait"], 0, "it waits in waits[0]: {rank:#}");
+    }
+    assert_eq!((ranks[2]["rank"].as_u64(), ranks[2]["state"].as_str()), (Some(2), Some("never_connected")));
+    assert!(ranks[2].get("wait").is_none() && ranks[2].get("host").is_none(), "{:#}", ranks[2]);
+    let wait = &job["waits"][0];
+    assert_eq!(
+        (wait["op"].as_str(), wait["name"].as_str(), wait["generation"].as_u64()),
+        (Some("barrier"), Some("setup"), Some(1))
+    );
+    assert_eq!(
+        (wait["members"].as_u64(), wait["arrived"].as_u64(), wait["missing_count"].as_u64()),
+        (Some(3), Some(2), Some(1))
+    );
+    assert!(wait["waited_ms"].is_u64(), "{wait:#}");
+    assert_eq!(
+        (wait["missing"][0]["rank"].as_u64(), wait["missing"][0]["state"].as_str()),
+        (Some(2), Some("never_connected"))
+    );
+    assert_eq!(wait["missing_more"]["count"], 0);
+    assert!(job["torch"].is_null() && job["key_waits"] == serde_json::json!([]), "{job:#}");
+    // A job the coordinator does not hold is the same usage error as without --json.
+    assert_code(&exec(server.cmd("jhnag", &["status", "--json"])), 2);
+    assert_code(&exec(server.ranked("jhang", 2, 3, &["barrier", "setup"])), 0);
+    for rank in &mut waiting {
+        assert_code(&finish(rank), 0);
+    }
+}
+
+#[test]
+fn status_watch_without_a_terminal_prints_snapshot_after_snapshot_and_stops_on_ctrl_c() {
+    let server = Server::start();
+    let _rank = spawn(server.ranked("watched", 0, 2, &["barrier", "b"]));
+    status_json_when(&server, "watched", |d| d["job"]["waits"][0]["arrived"] == 1);
+    let run = exec(server.cmd("watched", &["status", "--watch", "--interval", "0.2", "--count", "3"]));
+    assert_code(&run, 0);
+    assert_eq!(run.stdout.matches("Every 0.2 s: rallypoint status --job watched").count(), 3, "{run:#?}");
+    assert_eq!(run.stdout.matches("waiting: barrier 'b' (generation 1)").count(), 3, "{run:#?}");
+    assert!(!run.stdout.contains('\x1b'), "no terminal escapes without a terminal: {run:#?}");
+    // --json: a document per line (JSON Lines).
+    let run = exec(server.cmd("watched", &["status", "--watch", "--json", "--interval", "0.2", "--count", "2"]));
+    assert_code(&run, 0);
+    let docs: Vec<serde_json::Value> =
+        run.stdout.lines().map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}"))).collect();
+    assert_eq!(docs.len(), 2, "{run:#?}");
+    let ages: Vec<u64> = docs.iter().map(|d| d["job"]["waits"][0]["waited_ms"].as_u64().expect("waited_ms")).collect();
+    assert!(ages[1] > ages[0], "ages tick from one snapshot to the next: {ages:?}");
+    // Until interrupted: SIGINT ends it cleanly.
+    let mut watching = spawn(server.cmd("watched", &["status", "--watch", "--interval", "0.2"]));
+    let stdout = watching.0.stdout.take().expect("piped stdout");
+    let mut lines = BufReader::new(stdout).lines();
+    let first = lines.next().expect("a first snapshot").expect("readable");
+    assert!(first.starts_with("Every 0.2 s"), "{first}");
+    // SAFETY: kill(2) on a child we own and have not reaped.
+    assert_eq!(unsafe { libc::kill(watching.pid() as i32, libc::SIGINT) }, 0);
+    let deadline = Instant::now() + LIMIT;
+    let code = loop {
+        if let Some(status) = watching.0.try_wait().expect("try_wait") {
+            break status.code();
+        }
+        assert!(Instant::now() < deadline, "status --watch did not stop on SIGINT");
+        thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(code, Some(0));
+}
+
 #[test]
 fn serve_stops_cleanly_on_sigterm_and_sigint() {
     for signal in [libc::SIGTERM, libc::SIGINT] {

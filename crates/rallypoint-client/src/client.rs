@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use rallypoint_core::snapshot::JobSnapshot;
 use rallypoint_core::{Identity, Members, Request, Response};
 use tokio::sync::{mpsc, oneshot};
 
@@ -333,6 +334,17 @@ impl Client {
         match self.call_now(Request::Jobs).await? {
             Response::Values(names) => Ok(names.iter().map(|n| String::from_utf8_lossy(n).into_owned()).collect()),
             other => Err(unexpected("jobs", other)),
+        }
+    }
+
+    /// This job as data (docs/STATUS.md's `job`): its ranks, who waits where, who is
+    /// missing, what is inferred of its PyTorch processes; as seen by everyone but
+    /// this client.
+    pub async fn snapshot(&self) -> Result<JobSnapshot, Error> {
+        match self.call_now(Request::Snapshot).await? {
+            Response::Value(json) => serde_json::from_slice(&json)
+                .map_err(|e| Error::Protocol(format!("the coordinator's snapshot is not JSON of its schema: {e}"))),
+            other => Err(unexpected("snapshot", other)),
         }
     }
 

@@ -8,14 +8,17 @@
 //! caller passes the time in, so every behaviour is reproducible in a test.
 
 mod config;
+pub mod counters;
 mod engine;
 mod error;
 mod identity;
 mod ranges;
+mod rendezvous;
 mod request;
+pub mod snapshot;
 
 pub use config::{Config, Limits, ReplyCache};
-pub use engine::{Departure, Engine};
+pub use engine::{Departure, Engine, JobMetrics};
 pub use error::{
     AbortInfo, AuthRefusal, CallShape, CollectiveKind, JobIncarnation, LossReason, Missing, OpError, OpRef,
     ProcessInfo, RankInfo, RankRanges, RankState,

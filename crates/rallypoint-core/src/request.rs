@@ -147,6 +147,9 @@ pub enum Request {
     /// caller's session (keys, ranks, other sessions), so that asking creates no job.
     /// Replies `Values`.
     Jobs,
+    /// The caller's job as data: a [`crate::snapshot::JobSnapshot`] encoded as JSON
+    /// (docs/STATUS.md), as seen by everyone but the caller. Replies `Value`.
+    Snapshot,
     /// Keeps the session's rank alive (any request does).
     Heartbeat,
     /// The session is about to close cleanly: its rank has left, not died.
@@ -185,6 +188,7 @@ impl Request {
             Request::Status => "status",
             Request::Reset { .. } => "reset",
             Request::Jobs => "jobs",
+            Request::Snapshot => "snapshot",
             Request::Heartbeat => "heartbeat",
             Request::Leave => "leave",
             Request::Abandon => "abandon",
@@ -220,6 +224,7 @@ impl Request {
             | Request::QueueLen { .. }
             | Request::Status
             | Request::Jobs
+            | Request::Snapshot
             | Request::Heartbeat
             | Request::Leave
             | Request::Abandon => false,

@@ -30,8 +30,9 @@ use std::time::Duration;
 use tokio::signal::unix::{signal, SignalKind};
 use tokio::sync::mpsc;
 
+use rallypoint_core::snapshot::{LauncherView, StacksView};
 use rallypoint_core::Config;
-use rallypoint_server::{IpNet, Server, ServerConfig, ServerHandle, Token};
+use rallypoint_server::{IpNet, Observer, Server, ServerConfig, ServerHandle, Token};
 
 pub use outcome::{Exit, Failure, FailureKind, Loss, HANG_EXIT};
 pub use streams::{BadStreams, LinePrefix, PerRank, Route, Streams};
@@ -108,6 +109,19 @@ pub struct LaunchOptions {
     /// coordinator serves (they cannot prove a token): the other nodes of a torch job.
     pub tcpstore_allow: Vec<IpNet>,
     pub command: Vec<OsString>,
+    /// Told what the launch does, for a live page (`launch --http`).
+    pub observe: Option<Arc<dyn LaunchObserver>>,
+}
+
+/// Follows a launch as it goes: what `rallypoint launch --http` serves its page
+/// from. Called from the launcher's tasks: each call must return at once.
+pub trait LaunchObserver: Send + Sync + std::fmt::Debug {
+    /// The coordinator this launcher hosts is up (node 0 only), with the job's token.
+    fn coordinator(&self, observer: Observer, token: Option<Arc<Token>>);
+    /// This node's workers started or ended, or the attempt ended.
+    fn launcher(&self, view: LauncherView);
+    /// The workers' stacks were captured (grouped, the smallest group first).
+    fn stacks(&self, _stacks: StacksView) {}
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -201,6 +215,15 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
         None => resolve(&addr).await?,
     };
     console.message(start_line(options, coordinator, node_rank));
+    if let Some(observe) = &options.observe {
+        match &server {
+            Some(server) => observe.coordinator(server.observer(), token.clone()),
+            None => console.message(
+                "rallypoint: no live page on this node: node 0, which hosts the coordinator, serves it (its --http)"
+                    .to_owned(),
+            ),
+        }
+    }
     let mut registration = register(options, coordinator, node_rank, token_file.as_ref().map(|file| file.path.clone()));
     let join = Join {
         addr: &addr,

@@ -30,6 +30,7 @@ use serde::{Deserialize, Serialize};
 use tokio::task::JoinHandle;
 
 use rallypoint_client::{Client, Error, OpError};
+use rallypoint_core::snapshot::{RangeSet, StackGroup, StacksView};
 use rallypoint_stacks::capture::{self, Options};
 use rallypoint_stacks::{Grouped, RankStack, Render};
 
@@ -95,6 +96,20 @@ pub struct Unanswered {
     pub host: Option<String>,
 }
 
+/// `grouped` as the status document carries it: groups in the same order.
+pub fn view_of(grouped: &Grouped, captured_unix_ms: u64) -> StacksView {
+    let groups = grouped
+        .groups
+        .iter()
+        .map(|g| StackGroup {
+            ranks: RangeSet::of_ranks(g.ranks.iter().copied()),
+            of: u64::from(grouped.ranks),
+            frames: rallypoint_stacks::frame_texts(&g.stack),
+        })
+        .collect();
+    StacksView { captured_unix_ms, groups }
+}
+
 /// Every node's answer to one request.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Collected {
@@ -110,6 +125,11 @@ impl Collected {
     /// The stacks of every node that answered, as one view.
     pub fn grouped(&self) -> Grouped {
         Grouped::merge(self.answers.iter().filter_map(|a| a.stacks.clone()))
+    }
+
+    /// The grouped stacks as the status document and the live page carry them.
+    pub fn view(&self, captured_unix_ms: u64) -> StacksView {
+        view_of(&self.grouped(), captured_unix_ms)
     }
 
     /// How long the whole job has been quiet: its least quiet node's figure.

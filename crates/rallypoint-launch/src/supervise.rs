@@ -47,7 +47,7 @@ const HANG_ASK_WAIT: Duration = Duration::from_secs(10);
 const CAPTURE_BOUND: Duration = Duration::from_secs(10);
 
 use crate::console::Console;
-use crate::outcome::{stacks_text, summary, unix_ms, Failure, FailureKind, Loss, RankOutcome, STACKS_HEADING};
+use crate::outcome::{self, stacks_text, summary, unix_ms, Failure, FailureKind, Loss, RankOutcome, STACKS_HEADING};
 use crate::procs::{self, Family, LAUNCH_ID_VAR};
 use crate::rendezvous::{Launchers, Remote, Report};
 use crate::stacks::{self, Ask, Collected, Roster};
@@ -56,6 +56,7 @@ use crate::worker::{self, Exited, Running, Spec};
 use crate::{Exit, LaunchError, LaunchOptions, Route};
 use rallypoint_client::env::{live_output_env, worker_env, JobEnv, Placement};
 use rallypoint_client::Token;
+use rallypoint_core::snapshot::{LauncherView, WorkerView};
 use rallypoint_stacks::Grouped;
 
 pub enum AttemptResult {
@@ -124,6 +125,7 @@ impl Attempt<'_> {
             std::fs::create_dir_all(dir).map_err(|e| LaunchError::LogDir { dir: dir.clone(), source: e })?;
         }
         self.spawn_workers(&mut state, &mut workers, log_dir, exits_tx);
+        self.publish(&state, &workers, None);
         while let Some(verdict_by) = self.waits_for_more(&mut state, &workers) {
             // The teardown signal waits for this node's stacks to be read.
             let term_at = state.term_at.filter(|_| !state.capturing);
@@ -142,7 +144,10 @@ impl Attempt<'_> {
                 }
             };
             tokio::select! {
-                Some(exited) = exits.recv() => self.on_exit(&mut state, &mut workers, exited),
+                Some(exited) = exits.recv() => {
+                    self.on_exit(&mut state, &mut workers, exited);
+                    self.publish(&state, &workers, None);
+                }
                 Some(event) = remote.recv() => self.on_remote(&mut state, &workers, event),
                 Some(sig) = signals.recv() => self.on_signal(&mut state, &workers, sig),
                 Some(event) = events.recv() => self.on_event(&mut state, &workers, event),
@@ -526,8 +531,11 @@ impl Attempt<'_> {
         }
         state.outcomes.sort_by_key(|o| o.rank);
         self.roster.end_attempt();
-        match state.first {
-            None => AttemptResult::Succeeded,
+        match state.first.take() {
+            None => {
+                self.publish(&state, workers, Some(("succeeded", None)));
+                AttemptResult::Succeeded
+            }
             Some(first) => {
                 let o = self.options;
                 let local = state.local_stacks.as_ref();
@@ -538,10 +546,65 @@ impl Attempt<'_> {
                 if let Some(path) = self.write_stacks(&first, local) {
                     text.push_str(&format!("stacks, all of them: {}\n", path.display()));
                 }
+                let captured = match &first.what {
+                    FailureKind::Hung { stacks, .. } => Some(stacks),
+                    _ => local,
+                };
+                if let (Some(observe), Some(grouped)) = (&o.observe, captured) {
+                    observe.stacks(stacks::view_of(grouped, unix_ms(std::time::SystemTime::now())));
+                }
+                let phase = if self.attempt < o.max_restarts { "restarting" } else { "failed" };
+                self.publish(&state, workers, Some((phase, Some(text.clone()))));
                 self.console.message(text);
                 AttemptResult::Failed { first }
             }
         }
+    }
+
+    /// Tells the launch's observer (a live page) where this node's workers stand;
+    /// `ended`: the attempt's end and its summary.
+    fn publish(&self, state: &State, workers: &Workers, ended: Option<(&str, Option<String>)>) {
+        let Some(observe) = &self.options.observe else { return };
+        let o = self.options;
+        let views = (0..o.nproc_per_node)
+            .map(|local_rank| {
+                let rank = self.base_rank + local_rank;
+                let pid = workers.pids.get(local_rank as usize).copied();
+                let running = workers.running.get(local_rank as usize).is_some_and(Option::is_some);
+                let outcome = state.outcomes.iter().find(|x| x.rank == rank);
+                let (state, exit_code, signal, text) = match (running, outcome, pid) {
+                    (true, _, _) => ("running", None, None, None),
+                    (false, Some(x), _) => match x.exit {
+                        Exit::Code(code) => ("exited", Some(code), None, Some(x.exit.to_string())),
+                        Exit::Signal(sig) if x.signalled_by_launcher == Some(sig) => {
+                            let text = format!("killed by the launcher ({})", outcome::signal_name(sig));
+                            ("signalled", None, Some(sig), Some(text))
+                        }
+                        Exit::Signal(sig) => ("signalled", None, Some(sig), Some(x.exit.to_string())),
+                    },
+                    (false, None, None) => ("not_started", None, None, None),
+                    (false, None, Some(_)) => ("exiting", None, None, None),
+                };
+                WorkerView { rank, local_rank, pid, state: state.to_owned(), exit_code, signal, text }
+            })
+            .collect();
+        let (phase, summary) = match ended {
+            Some((phase, summary)) => (phase, summary),
+            None if state.first.is_some() => ("failing", None),
+            None => ("running", None),
+        };
+        observe.launcher(LauncherView {
+            job: o.job.clone(),
+            attempt_job: self.job.attempt_job.clone(),
+            node: Some(self.launchers.node),
+            nnodes: self.launchers.nnodes,
+            host: self.host.to_owned(),
+            attempt: self.attempt + 1,
+            max_restarts: o.max_restarts,
+            state: phase.to_owned(),
+            workers: views,
+            summary,
+        });
     }
 
     fn worker_failure(&self, local_rank: u32, pid: u32, exit: Exit, stderr_tail: Vec<String>) -> Failure {

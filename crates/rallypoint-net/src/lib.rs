@@ -7,6 +7,7 @@
 //! - [`budget`]: the bytes of unfinished requests all connections may hold together;
 //! - [`conn`]: what every connection goes through: reading into its buffer, the
 //!   handshake, the frame loop, and how it ends ([`conn::End`]);
+//! - [`meter`]: the bytes and connections a server's connections moved, by protocol and job;
 //! - [`procnet`]: which user owns the other end of a TCP connection on this machine;
 //! - [`shm`]: large replies through shared memory, passed over Unix sockets;
 //! - [`sync`]: the poison-tolerant lock and the reconnect backoff everyone uses;
@@ -17,6 +18,7 @@ pub mod auth;
 pub mod budget;
 pub mod conn;
 mod fdlimit;
+pub mod meter;
 pub mod process;
 pub mod procnet;
 pub mod shm;

@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 use tokio_rustls::{TlsAcceptor, TlsConnector};
 
@@ -83,7 +84,10 @@ impl TlsServer {
     }
 
     /// The TLS handshake of an accepted connection whose first byte was 0x16.
-    pub async fn accept(&self, stream: TcpStream) -> io::Result<tokio_rustls::server::TlsStream<TcpStream>> {
+    pub async fn accept<S: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        stream: S,
+    ) -> io::Result<tokio_rustls::server::TlsStream<S>> {
         self.acceptor.accept(stream).await
     }
 }

@@ -143,6 +143,7 @@ fn auth_frames() {
 #[test]
 fn jobs_request_and_reply() {
     client(ClientFrame::Request { id: 2, request: Request::Jobs }, "0a 00 00 00 02 02 00 00 00 00 00 00 00 1b");
+    client(ClientFrame::Request { id: 3, request: Request::Snapshot }, "0a 00 00 00 02 03 00 00 00 00 00 00 00 1c");
     server(
         ServerFrame::Reply { id: 2, reply: Ok(Response::Values(vec![Bytes::from("a"), Bytes::from("b/launch")])) },
         "1f 00 00 00 83 02 00 00 00 00 00 00 00 05 02 00 00 00 01 00 00 00 61 08 00 00 00 62 2f 6c 61 75 6e 63 68",

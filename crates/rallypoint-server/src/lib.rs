@@ -53,7 +53,9 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use rallypoint_core::{Config, RankInfo};
+use rallypoint_core::snapshot::JobSnapshot;
+use rallypoint_core::{Config, JobMetrics, RankInfo};
+pub use rallypoint_net::meter::{Protocol, ProtocolCounts, TrafficSnapshot};
 use rallypoint_proto::native::FrameLimits;
 use rallypoint_proto::tcpstore::TcpLimits;
 use tokio::net::{TcpListener, TcpSocket};
@@ -193,6 +195,11 @@ impl Server {
         self.local_addr
     }
 
+    /// What the live page and the metrics endpoint read of this server.
+    pub fn observer(&self) -> Observer {
+        Observer { shared: Arc::clone(&self.shared), local_addr: self.local_addr }
+    }
+
     /// Serves until `shutdown` completes, then stops accepting, closes every
     /// connection (their ranks count as lost, not left) and returns.
     pub async fn run_until(self, shutdown: impl Future<Output = ()>) -> io::Result<()> {
@@ -268,6 +275,11 @@ impl ServerHandle {
         self.local_addr
     }
 
+    /// What the live page and the metrics endpoint read of this server.
+    pub fn observer(&self) -> Observer {
+        Observer { shared: Arc::clone(&self.shared), local_addr: self.local_addr }
+    }
+
     /// Bytes of unfinished requests all connections hold now (see
     /// [`ServerConfig::max_pending_bytes`]).
     pub fn pending_bytes(&self) -> usize {
@@ -303,6 +315,56 @@ impl ServerHandle {
             Ok(Err(error)) => error!(%error, "the server failed"),
             Err(error) => error!(%error, "the server task failed"),
         }
+    }
+}
+
+/// A read-only view of a running server, for the live page and the metrics
+/// endpoint (crate `rallypoint-http`): each call takes the engine's lock once,
+/// for as long as copying out what it returns takes (a snapshot costs the job's
+/// ranks, bounded by `snapshot::MAX_RANKS_LISTED`, and its blocked waits).
+#[derive(Clone)]
+pub struct Observer {
+    shared: Arc<Shared>,
+    local_addr: SocketAddr,
+}
+
+/// Everything `/metrics` shows of a server.
+#[derive(Debug, Clone)]
+pub struct ServerMetrics {
+    /// Every job, oldest first.
+    pub jobs: Vec<JobMetrics>,
+    pub traffic: TrafficSnapshot,
+}
+
+impl Observer {
+    /// The address the server listens on.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.local_addr
+    }
+
+    /// Job `job` as data, or None if the server holds no such job.
+    pub fn snapshot(&self, job: &str) -> Option<JobSnapshot> {
+        self.shared.snapshot(job)
+    }
+
+    /// The names of the jobs the server holds, sorted (at most
+    /// `rallypoint_core::MAX_JOBS_LISTED`), and whether that is all of them.
+    pub fn jobs(&self) -> (Vec<String>, bool) {
+        self.shared.jobs()
+    }
+
+    /// The job PyTorch TCPStore clients join now.
+    pub fn tcpstore_job(&self) -> String {
+        self.shared.tcpstore_job()
+    }
+
+    /// Every job's counters, and the connections' traffic.
+    pub fn metrics(&self) -> ServerMetrics {
+        let jobs = self.shared.job_metrics();
+        let traffic = self.shared.traffic();
+        // The cap on per-job byte meters counts jobs that exist.
+        traffic.prune_jobs(|name| jobs.iter().any(|m| m.name == name));
+        ServerMetrics { jobs, traffic: traffic.snapshot() }
     }
 }
 

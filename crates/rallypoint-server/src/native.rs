@@ -15,6 +15,7 @@ use rallypoint_net::conn::{
     accept_hello, after_read, decode_requests, peek_first_byte, read_some, stall, Accepts, Buffering, End, Gate, Hello,
     Inbound,
 };
+use rallypoint_net::meter::{Counted, Protocol};
 use rallypoint_net::tls::TLS_FIRST_BYTE;
 use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
 use rallypoint_proto::native::{encode_reply, encode_reply_shared, encode_server_frame, ServerFrame};
@@ -46,6 +47,8 @@ pub(crate) fn serve(
     settings: ConnSettings,
     reactor: Arc<Reactor>,
 ) -> impl Future<Output = ()> + Send {
+    // Every byte of the connection is counted from here (module `rallypoint_net::meter`).
+    let stream = Counted::new(stream, Arc::clone(shared.traffic()));
     let opening = Box::pin(open(stream, peer, shared, settings, reactor));
     async move {
         match opening.await {
@@ -77,12 +80,32 @@ async fn run<S: AsyncRead + AsyncWrite + Unpin>(mut session: Session<S>, peer: S
     log_end(peer, Some(guard.session), &end);
 }
 
+/// A TCP connection, its bytes counted.
+type Tcp = Counted<TcpStream>;
+
 /// A TLS connection, boxed: its state is large, and most connections are plaintext.
-type TlsConn = Box<tokio_rustls::server::TlsStream<TcpStream>>;
+type TlsConn = Box<tokio_rustls::server::TlsStream<Tcp>>;
+
+/// The counted TCP stream under a connection's stream, to say what it carries.
+pub(crate) trait Metered {
+    fn counted(&mut self) -> &mut Tcp;
+}
+
+impl Metered for Tcp {
+    fn counted(&mut self) -> &mut Tcp {
+        self
+    }
+}
+
+impl Metered for TlsConn {
+    fn counted(&mut self) -> &mut Tcp {
+        self.get_mut().0
+    }
+}
 
 /// An admitted session, over whichever stream it came.
 enum Opened {
-    Plain(Session<TcpStream>),
+    Plain(Session<Tcp>),
     Tls(Session<TlsConn>),
 }
 
@@ -100,7 +123,7 @@ enum Admission<S> {
 /// the connection is done here (refused, closed, served to its end as a node
 /// agent, or handed to the TCPStore reactor).
 async fn open(
-    stream: TcpStream,
+    stream: Tcp,
     peer: SocketAddr,
     shared: Arc<Shared>,
     settings: ConnSettings,
@@ -110,7 +133,7 @@ async fn open(
     let timed_out = || End::HandshakeTimeout(HANDSHAKE_TIMEOUT);
     let auth = Arc::clone(&settings.auth);
     if let Some(tls) = &auth.tls {
-        let first = tokio::time::timeout_at(deadline, peek_first_byte(&stream)).await;
+        let first = tokio::time::timeout_at(deadline, peek_first_byte(stream.get_ref())).await;
         match first {
             Ok(Ok(Some(TLS_FIRST_BYTE))) => {
                 let stream = match tokio::time::timeout_at(deadline, tls.accept(stream)).await {
@@ -148,7 +171,7 @@ async fn open(
         Admission::Session(session) => Some(Opened::Plain(session)),
         Admission::TcpStore(stream, rbuf, charge) => {
             if let Some(access) = &auth.tcpstore {
-                if !access.admits(&stream, peer).await {
+                if !access.admits(stream.get_ref(), peer).await {
                     return None;
                 }
             }
@@ -164,7 +187,7 @@ async fn open(
 
 /// The handshake over `stream` (plaintext or TLS) and, for a native client, its
 /// admission by the engine; a node agent is served here to its end.
-async fn admit<S: AsyncRead + AsyncWrite + Unpin + Send>(
+async fn admit<S: AsyncRead + AsyncWrite + Unpin + Send + Metered>(
     mut stream: S,
     peer: SocketAddr,
     shared: Arc<Shared>,
@@ -180,12 +203,19 @@ async fn admit<S: AsyncRead + AsyncWrite + Unpin + Send>(
     let mut conn =
         Connection { stream, peer, settings, rbuf, wbuf: BytesMut::new(), warnings: WarnLimit::new(), charge };
     let identity = match hello {
-        Ok(Hello::Native(identity)) => identity,
+        Ok(Hello::Native(identity)) => {
+            conn.stream.counted().classify(Protocol::Native);
+            identity
+        }
         Ok(Hello::Agent) => {
+            conn.stream.counted().classify(Protocol::Agent);
             Box::pin(crate::agent_link::serve(conn.stream, peer, conn.rbuf, shared, conn.settings, conn.charge)).await;
             return Admission::Done;
         }
-        Ok(Hello::TcpStore) => return Admission::TcpStore(conn.stream, conn.rbuf, conn.charge),
+        Ok(Hello::TcpStore) => {
+            conn.stream.counted().classify(Protocol::TcpStore);
+            return Admission::TcpStore(conn.stream, conn.rbuf, conn.charge);
+        }
         Err(end) => {
             if let End::Refused(error) = &end {
                 conn.refuse(error).await;
@@ -206,6 +236,7 @@ async fn admit<S: AsyncRead + AsyncWrite + Unpin + Send>(
         }
     };
     let id = welcome.session;
+    conn.stream.counted().set_job(shared.traffic().job(&identity.job));
     debug!(%peer, session = %id, job = %identity.job, rank = ?identity.rank, host = %identity.host, pid = identity.pid, "session opened");
     encode_server_frame(&ServerFrame::Welcome(welcome), &mut conn.wbuf);
     let process = Process::of(&shared, &identity);

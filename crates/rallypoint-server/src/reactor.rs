@@ -35,6 +35,7 @@ use tracing::{debug, error};
 
 use rallypoint_net::budget::Charge;
 use rallypoint_net::conn::Buffering;
+use rallypoint_net::meter::{Account, Counted};
 use rallypoint_net::sync::lock;
 
 use crate::shared::Shared;
@@ -60,7 +61,7 @@ struct Mailbox {
 
 #[derive(Default)]
 struct Inbox {
-    adopt: Vec<(std::net::TcpStream, SocketAddr, BytesMut, Charge)>,
+    adopt: Vec<(std::net::TcpStream, Account, SocketAddr, BytesMut, Charge)>,
     /// Connections whose outbox received replies.
     dirty: Vec<usize>,
     stop: bool,
@@ -120,18 +121,19 @@ impl Reactor {
     /// counted in `charge`.
     pub(crate) fn adopt(
         &self,
-        stream: tokio::net::TcpStream,
+        stream: Counted<tokio::net::TcpStream>,
         peer: SocketAddr,
         rbuf: BytesMut,
         charge: Charge,
     ) -> io::Result<()> {
-        // Leaves tokio's driver; stays non-blocking.
+        // Leaves tokio's driver; stays non-blocking (and counted).
+        let (stream, account) = stream.into_parts();
         let stream = stream.into_std()?;
         let mut inbox = self.mailbox.lock();
         if inbox.stop {
             return Err(io::Error::other("the server is shutting down"));
         }
-        inbox.adopt.push((stream, peer, rbuf, charge));
+        inbox.adopt.push((stream, account, peer, rbuf, charge));
         drop(inbox);
         self.mailbox.wake();
         Ok(())
@@ -269,12 +271,12 @@ impl Loop {
             return false;
         }
         self.runnable.extend(dirty);
-        for (stream, peer, rbuf, charge) in adopt {
-            let mut stream = TcpStream::from_std(stream);
+        for (stream, account, peer, rbuf, charge) in adopt {
+            let mut stream = Counted::from_parts(TcpStream::from_std(stream), account);
             let entry = self.conns.vacant_entry();
             let key = entry.key();
             if let Err(error) =
-                self.poll.registry().register(&mut stream, Token(key), Interest::READABLE | Interest::WRITABLE)
+                self.poll.registry().register(stream.get_mut(), Token(key), Interest::READABLE | Interest::WRITABLE)
             {
                 debug!(%peer, %error, "cannot watch a TCPStore connection; closing it");
                 continue;

@@ -8,9 +8,11 @@ use std::task::{Poll, Waker};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use atomic_waker::AtomicWaker;
+use rallypoint_core::snapshot::JobSnapshot;
 use rallypoint_core::{
-    Config, Departure, Engine, Identity, Millis, OpError, RankInfo, Reply, Request, SessionId, Welcome,
+    Config, Departure, Engine, Identity, JobMetrics, Millis, OpError, RankInfo, Reply, Request, SessionId, Welcome,
 };
+use rallypoint_net::meter::Traffic;
 use rallypoint_net::sync::lock;
 use tracing::debug;
 
@@ -32,6 +34,8 @@ pub(crate) struct Shared {
     ticker_alarm: Alarm,
     /// The job TCPStore connections join.
     tcpstore_job: Mutex<String>,
+    /// Bytes and connections, counted by each connection's stream.
+    traffic: Arc<Traffic>,
     /// This machine's name: a session stating it ran here, and its process can be
     /// looked up to tell a death from a cut connection.
     host: String,
@@ -169,6 +173,7 @@ impl Shared {
             ticker_plan: AtomicU64::new(u64::MAX),
             ticker_alarm: Alarm::default(),
             tcpstore_job: Mutex::new(DEFAULT_TCPSTORE_JOB.to_owned()),
+            traffic: Traffic::new(),
             host: rallypoint_net::hostname(),
         }
     }
@@ -235,6 +240,47 @@ impl Shared {
     /// A fresh session id, for a rank behind a node agent.
     pub(crate) fn new_session_id(&self) -> SessionId {
         SessionId(self.next_session.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// A snapshot of job `job` (see [`crate::Observer::snapshot`]).
+    pub(crate) fn snapshot(&self, job: &str) -> Option<JobSnapshot> {
+        let state = lock(&self.state);
+        let now = self.now();
+        let mut snapshot = state.engine.snapshot(job, now)?;
+        snapshot.sessions.via_agent = state
+            .outboxes
+            .iter()
+            .filter(|(session, sink)| {
+                matches!(sink, Sink::Agent(_)) && state.engine.session_job(**session) == Some(job)
+            })
+            .count();
+        Some(snapshot)
+    }
+
+    /// The jobs the engine holds, and whether that is all of them.
+    pub(crate) fn jobs(&self) -> (Vec<String>, bool) {
+        lock(&self.state).engine.job_list()
+    }
+
+    /// Every job's counts, with the sessions node agents carry.
+    pub(crate) fn job_metrics(&self) -> Vec<JobMetrics> {
+        let state = lock(&self.state);
+        let mut metrics = state.engine.metrics();
+        let mut via_agent: HashMap<&str, usize> = HashMap::new();
+        for (session, sink) in &state.outboxes {
+            if let (Sink::Agent(_), Some(job)) = (sink, state.engine.session_job(*session)) {
+                *via_agent.entry(job).or_default() += 1;
+            }
+        }
+        for m in &mut metrics {
+            m.sessions.via_agent = via_agent.get(m.name.as_str()).copied().unwrap_or(0);
+        }
+        metrics
+    }
+
+    /// The job TCPStore connections join now.
+    pub(crate) fn tcpstore_job(&self) -> String {
+        lock(&self.tcpstore_job).clone()
     }
 
     /// See [`super::ServerHandle::lost_ranks`].
@@ -342,8 +388,13 @@ impl Shared {
         job.clone_into(&mut lock(&self.tcpstore_job));
     }
 
-    /// Admits a PyTorch TCPStore connection into the TCPStore job.
-    pub(crate) fn open_tcpstore(&self, host: &str, pid: u32, outbox: Arc<Outbox>) -> Result<Welcome, OpError> {
+    /// Admits a PyTorch TCPStore connection into the TCPStore job, which it returns.
+    pub(crate) fn open_tcpstore(
+        &self,
+        host: &str,
+        pid: u32,
+        outbox: Arc<Outbox>,
+    ) -> Result<(Welcome, String), OpError> {
         let job = lock(&self.tcpstore_job).clone();
         let session = self.new_session_id();
         let mut state = lock(&self.state);
@@ -351,7 +402,12 @@ impl Shared {
         let welcome = state.engine.open_tcpstore(session, &job, host, pid, now)?;
         state.outboxes.insert(session, Sink::Direct(outbox));
         self.after_input(&mut state);
-        Ok(welcome)
+        Ok((welcome, job))
+    }
+
+    /// What the server's connections moved.
+    pub(crate) fn traffic(&self) -> &Arc<Traffic> {
+        &self.traffic
     }
 
     /// Feeds a batch of requests of one session under a single lock. Replies to

@@ -19,6 +19,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use rallypoint_core::{OpError, Reply, Request, Response, SessionId};
 use rallypoint_net::budget::{Charge, OverBudget};
 use rallypoint_net::conn::Buffering;
+use rallypoint_net::meter::Counted;
 use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
 use rallypoint_proto::tcpstore::{encode_answer, Answer, Command, CommandDecoder, TcpError, TcpLimits, VALIDATE_MAGIC};
 use tracing::{debug, warn};
@@ -89,7 +90,7 @@ pub(crate) struct Conn {
     /// The bytes of the unfinished request this connection holds; dropped first, so
     /// given back before the peer sees the close.
     charge: Charge,
-    stream: mio::net::TcpStream,
+    stream: Counted<mio::net::TcpStream>,
     peer: SocketAddr,
     shared: Arc<Shared>,
     outbox: Arc<Outbox>,
@@ -123,7 +124,7 @@ pub(crate) enum Progress {
 impl Conn {
     /// A connection whose first byte (0x00, VALIDATE) is in `rbuf`.
     pub(crate) fn new(
-        stream: mio::net::TcpStream,
+        stream: Counted<mio::net::TcpStream>,
         peer: SocketAddr,
         rbuf: BytesMut,
         charge: Charge,
@@ -150,7 +151,7 @@ impl Conn {
     }
 
     pub(crate) fn stream(&mut self) -> &mut mio::net::TcpStream {
-        &mut self.stream
+        self.stream.get_mut()
     }
 
     /// An event said the socket has bytes (or an end) to read.
@@ -344,8 +345,9 @@ impl Conn {
             return Ok(());
         }
         let host = self.peer.ip().to_string();
-        let welcome =
+        let (welcome, job) =
             self.shared.open_tcpstore(&host, pid, Arc::clone(&self.outbox)).map_err(|e| End::Refused(Box::new(e)))?;
+        self.stream.set_job(self.shared.traffic().job(&job));
         let session = welcome.session;
         debug!(peer = %self.peer, %session, pid, "TCPStore session opened");
         // TCPStore clients state no incarnation: their sessions cannot resume, so

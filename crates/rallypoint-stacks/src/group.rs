@@ -221,6 +221,17 @@ fn describe(captured: &Captured, max_frames: usize) -> String {
     }
 }
 
+/// A stack as one string per frame, innermost first, as [`render`] shows them (all of
+/// them); a stack that could not be read is one string saying why.
+pub fn frame_texts(captured: &Captured) -> Vec<String> {
+    match captured {
+        Captured::Python { frames, .. } | Captured::Native { frames, .. } if !frames.is_empty() => {
+            fold(frames).iter().map(|(frame, times)| frame_text(frame, *times)).collect()
+        }
+        other => vec![describe(other, usize::MAX)],
+    }
+}
+
 fn frames_text(folded: &[(Frame, u32)], max_frames: usize) -> String {
     let shown: Vec<String> = folded.iter().map(|(frame, times)| frame_text(frame, *times)).collect();
     let max = max_frames.max(2);

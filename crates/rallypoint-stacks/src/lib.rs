@@ -16,5 +16,5 @@ pub mod capture;
 mod group;
 mod stack;
 
-pub use group::{fold, group, rank_list, render, Group, Grouped, Render};
+pub use group::{fold, frame_texts, group, rank_list, render, Group, Grouped, Render};
 pub use stack::{Captured, Frame, RankStack, ThreadChoice};

@@ -12,6 +12,7 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 
+use crate::counters::{op, OpCounters};
 use crate::error::Secs;
 use crate::ranges::split;
 use crate::{
@@ -79,15 +80,33 @@ pub(crate) struct Collectives {
     by_name: HashMap<(CollectiveKind, String), Collective>,
     failed_kept: usize,
     max_gather_bytes: usize,
+    /// Per kind (see [`counted`]): what `rallypoint_*_total` and the wait histogram show.
+    pub counters: [OpCounters; 3],
+}
+
+/// Index of a kind in [`Collectives::counters`] (as in `counters::WAIT_OPS`).
+pub(crate) fn counted(kind: CollectiveKind) -> usize {
+    match kind {
+        CollectiveKind::Barrier => op::BARRIER,
+        CollectiveKind::AllGather => op::ALL_GATHER,
+        CollectiveKind::Broadcast => op::BROADCAST,
+    }
 }
 
 impl Collectives {
     pub fn new(failed_kept: usize, max_gather_bytes: usize) -> Self {
-        Collectives { by_name: HashMap::default(), failed_kept: failed_kept.max(1), max_gather_bytes }
+        Collectives {
+            by_name: HashMap::default(),
+            failed_kept: failed_kept.max(1),
+            max_gather_bytes,
+            counters: Default::default(),
+        }
     }
 
     pub fn arrive(&mut self, kind: CollectiveKind, name: &str, call: Call, ranks: &Ranks, ctx: &mut Ctx<'_>) {
         let failed_kept = self.failed_kept;
+        let counters = &mut self.counters[counted(kind)];
+        counters.arrivals += 1;
         let coll = self.by_name.entry((kind, name.to_owned())).or_default();
         let counter = coll.calls.entry(call.rank).or_insert(0);
         *counter += 1;
@@ -123,6 +142,7 @@ impl Collectives {
                     None => members.contains(r, ranks),
                 };
                 if let Some(dead) = ranks.lost().find(|&r| needed(r)) {
+                    counters.peer_lost += 1;
                     let error = OpError::PeerLost { op: op.clone(), peer: ranks.info(dead, ctx.now) };
                     ctx.reply(caller, Err(error.clone()));
                     coll.remember_failure(op.generation, error, failed_kept);
@@ -174,7 +194,7 @@ impl Collectives {
                 );
             }
         }
-        coll.progress(kind, op.generation, ctx);
+        coll.progress(kind, op.generation, counters, ctx);
     }
 
     /// A rank of the job connected: role member sets waiting on it may now be known.
@@ -187,7 +207,7 @@ impl Collectives {
                 .filter_map(|(gen, g)| g.members.resolve(ranks).then_some(*gen))
                 .collect();
             for generation in unresolved {
-                coll.progress(*kind, generation, ctx);
+                coll.progress(*kind, generation, &mut self.counters[counted(*kind)], ctx);
             }
         }
     }
@@ -206,6 +226,7 @@ impl Collectives {
                 .map(|(gen, _)| *gen)
                 .collect();
             for generation in doomed {
+                self.counters[counted(*kind)].peer_lost += 1;
                 let op = OpRef { kind: *kind, name: name.clone(), generation };
                 let error = OpError::PeerLost { op, peer: ranks.info(rank, ctx.now) };
                 coll.fail(generation, error, failed_kept, ctx);
@@ -231,6 +252,7 @@ impl Collectives {
             return;
         }
         let members = g.members.count().unwrap_or(g.shape.world_size as usize);
+        self.counters[counted(kind)].timeouts += 1;
         let error = OpError::CollectiveTimeout {
             op: OpRef { kind, name: name.to_owned(), generation },
             waited_ms: ctx.now.saturating_sub(g.started),
@@ -316,9 +338,10 @@ impl Generation {
 
 impl Collective {
     /// Releases the generation if everyone it waits for is there.
-    fn progress(&mut self, kind: CollectiveKind, generation: u64, ctx: &mut Ctx<'_>) {
+    fn progress(&mut self, kind: CollectiveKind, generation: u64, counters: &mut OpCounters, ctx: &mut Ctx<'_>) {
         let Some(g) = self.pending.get_mut(&generation) else { return };
         let complete = g.members.count() == Some(g.arrivals.count());
+        let waited = ctx.now.saturating_sub(g.started);
         match kind {
             CollectiveKind::Broadcast => {
                 let root = g.shape.root.unwrap_or(0);
@@ -328,14 +351,20 @@ impl Collective {
                         ctx.reply(waiter, Ok(Response::Value(value.clone())));
                     }
                     g.released = true;
+                    counters.releases += 1;
+                    counters.wait.observe(waited);
                 }
             }
             CollectiveKind::Barrier if complete => {
+                counters.releases += 1;
+                counters.wait.observe(waited);
                 for waiter in g.waiters.drain(..) {
                     ctx.reply(waiter, Ok(Response::Done));
                 }
             }
             CollectiveKind::AllGather if complete => {
+                counters.releases += 1;
+                counters.wait.observe(waited);
                 let values: Arc<[Bytes]> =
                     g.members.in_order().map(|r| g.arrivals.get(r).cloned().unwrap_or_default()).collect();
                 // One result for all: each waiter's reply is an O(1) clone of it.
@@ -379,4 +408,45 @@ fn member_set(members: &Members, world_size: u32) -> MemberSet {
 /// Two calls belong to the same generation only if they agree on everything but the caller.
 fn same_call(a: &CallShape, b: &CallShape) -> bool {
     a.members == b.members && a.world_size == b.world_size && a.root == b.root
+}
+
+/// A generation somebody is blocked in, for a snapshot: what it waits for, and the
+/// ranks that arrived in it.
+pub(crate) struct Blocked {
+    pub wait: crate::snapshot::CollectiveWait,
+    pub arrived: Vec<u32>,
+}
+
+impl Collectives {
+    /// Every generation somebody is blocked in, ordered as [`Collectives::report`].
+    pub fn blocked(&self, ranks: &Ranks, now: Millis) -> Vec<Blocked> {
+        let mut blocked: Vec<(&str, CollectiveKind, u64, &Generation)> = Vec::new();
+        for ((kind, name), coll) in &self.by_name {
+            let waiting = coll.pending.iter().filter(|(_, g)| !g.waiters.is_empty());
+            blocked.extend(waiting.map(|(generation, g)| (name.as_str(), *kind, *generation, g)));
+        }
+        blocked.sort_by_key(|&(name, kind, generation, _)| (name, kind.to_string(), generation));
+        blocked
+            .into_iter()
+            .map(|(name, kind, generation, g)| {
+                let missing = g.missing(kind, ranks, now);
+                let wait = crate::snapshot::CollectiveWait {
+                    op: crate::counters::WAIT_OPS[counted(kind)].to_owned(),
+                    name: name.to_owned(),
+                    generation,
+                    waited_ms: now.saturating_sub(g.started),
+                    members: g.members.count().map(|n| n as u64),
+                    arrived: g.arrivals.count() as u64,
+                    root: g.shape.root.filter(|_| kind == CollectiveKind::Broadcast),
+                    missing_count: missing.count(),
+                    missing: missing.named().iter().map(|info| super::snapshot::rank_view(info, None)).collect(),
+                    missing_more: crate::snapshot::RangeSet {
+                        ranges: missing.rest().ranges.clone(),
+                        count: missing.rest().count,
+                    },
+                };
+                Blocked { wait, arrived: g.arrivals.ranks() }
+            })
+            .collect()
+    }
 }

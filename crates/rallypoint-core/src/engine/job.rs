@@ -1,5 +1,6 @@
 //! One job: its keys, its collectives, its ranks, and whether it was aborted.
 
+use crate::counters::{op, JobCounters, KV_OPS};
 use crate::{AbortInfo, Config, JobIncarnation, Millis, OpError, Outgoing, SessionId};
 
 use super::collective::{Collectives, Ctx};
@@ -36,6 +37,13 @@ pub(crate) struct Job {
     /// blocked torch wait (otherwise every waiting torch rank puts one in the heap each
     /// round). A sweep timer due at another time is stale.
     pub stall_sweep_at: Option<Millis>,
+    /// The largest world size a session of the job stated.
+    pub world_size: Option<u32>,
+    /// Key-value requests by type (`counters::KV_OPS`).
+    pub kv_ops: [u64; KV_OPS.len()],
+    /// The id of the job's first incarnation: the order jobs keep in the metrics,
+    /// across resets.
+    pub first_id: JobId,
 }
 
 impl Job {
@@ -54,7 +62,32 @@ impl Job {
             last_request: now,
             stall_noted: HashMap::default(),
             stall_sweep_at: None,
+            world_size: None,
+            kv_ops: [0; KV_OPS.len()],
+            first_id: id,
         }
+    }
+
+    /// Everything counted for the job (module `counters`).
+    pub fn counters(&self) -> JobCounters {
+        let mut counters = JobCounters { kv_ops: self.kv_ops, ..JobCounters::default() };
+        for (i, c) in self.collectives.counters.iter().enumerate() {
+            counters.ops[i] = c.clone();
+        }
+        for (i, c) in self.store.counters.iter().enumerate() {
+            counters.ops[op::STORE_BARRIER + i] = c.clone();
+        }
+        (counters.ranks_lost_disconnected, counters.ranks_lost_lease) = self.ranks.lost_counts;
+        counters
+    }
+
+    /// A reset made this job the new incarnation of `old`: it counts on from there.
+    pub fn continue_counting(&mut self, old: &Job) {
+        self.kv_ops = old.kv_ops;
+        self.collectives.counters = old.collectives.counters.clone();
+        self.store.counters = old.store.counters.clone();
+        self.ranks.lost_counts = old.ranks.lost_counts;
+        self.first_id = old.first_id;
     }
 
     pub fn abort_error(&self) -> Option<OpError> {

@@ -7,6 +7,7 @@ mod job;
 mod members;
 mod ranks;
 mod resume;
+mod snapshot;
 mod step;
 mod store;
 mod timers;
@@ -19,6 +20,8 @@ use crate::{
     Config, Identity, JobIncarnation, Millis, OpError, Outgoing, ProcessInfo, RankInfo, Reply, Request, Response,
     SessionId, Welcome,
 };
+
+pub use snapshot::JobMetrics;
 
 use collective::Ctx;
 use job::Job;
@@ -399,6 +402,11 @@ impl Engine {
             self.outgoing.push(Outgoing { session, request_id, reply: Ok(Response::Values(names)) });
             return;
         }
+        if let Request::Snapshot = request {
+            let reply = self.snapshot_reply(session, now);
+            self.outgoing.push(Outgoing { session, request_id, reply });
+            return;
+        }
         let caller = Caller { session, request_id, rank: sess.identity.rank, torch: sess.torch };
         if let Some(mut step) = self.step(sess.job, now) {
             step.request(caller, request);
@@ -419,13 +427,31 @@ impl Engine {
         let name = job.name.clone();
         let to = JobIncarnation { incarnation, since_unix_ms: self.unix_ms(now), by, reset: true };
         let new = self.new_job(&name, now);
-        if let Some(job) = self.jobs.get_mut(&new) {
+        if let Some(mut job) = self.jobs.remove(&new) {
             job.incarnation = Some(Box::new(to.clone()));
+            if let Some(old) = self.jobs.get(&old) {
+                job.continue_counting(old);
+            }
+            self.jobs.insert(new, job);
         }
         if let Some(mut step) = self.step(old, now) {
             step.job.supersede(to, &mut step.ctx);
         }
         Ok(Response::Done)
+    }
+
+    /// The job of `session` as JSON (see `Request::Snapshot`).
+    fn snapshot_reply(&self, session: SessionId, now: Millis) -> Reply {
+        let Some(sess) = self.sessions.get(&session) else { return Ok(Response::Done) };
+        let Some(job) = self.jobs.get(&sess.job) else { return Ok(Response::Done) };
+        if let Some(error) = job.reset_error() {
+            return Err(error);
+        }
+        let snapshot = self.snapshot_of(sess.job, Some(session), now);
+        match serde_json::to_vec(&snapshot) {
+            Ok(json) => Ok(Response::Value(json.into())),
+            Err(error) => Err(OpError::Invalid(format!("cannot encode the snapshot: {error}"))),
+        }
     }
 
     /// The jobs a `Jobs` request lists, in byte order, capped: those holding anything
@@ -444,6 +470,12 @@ impl Engine {
         names.sort_unstable();
         names.truncate(crate::MAX_JOBS_LISTED);
         names.into_iter().map(|name| bytes::Bytes::copy_from_slice(name.as_bytes())).collect()
+    }
+
+    /// The name of the job of `session`, if it is open.
+    pub fn session_job(&self, session: SessionId) -> Option<&str> {
+        let sess = self.sessions.get(&session)?;
+        self.jobs.get(&sess.job).map(|job| job.name.as_str())
     }
 
     /// The session's connection is gone, and whether its process is alive is not known:

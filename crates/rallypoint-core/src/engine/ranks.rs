@@ -51,6 +51,8 @@ pub(crate) struct Ranks {
     entries: HashMap<u32, Entry>,
     /// Ranks currently lost, so that a new generation checks only these.
     lost: BTreeSet<u32>,
+    /// Ranks lost so far: (connection dropped, lease expired).
+    pub lost_counts: (u64, u64),
 }
 
 /// What the caller must do after a liveness change.
@@ -139,6 +141,7 @@ impl Ranks {
             _ => {
                 entry.state = RankState::Lost(LossReason::Disconnected);
                 self.lost.insert(rank);
+                self.lost_counts.0 += 1;
                 Change::Lost
             }
         }
@@ -158,6 +161,7 @@ impl Ranks {
         }
         entry.state = RankState::Lost(LossReason::LeaseExpired { lease_ms });
         self.lost.insert(rank);
+        self.lost_counts.1 += 1;
         Change::Lost
     }
 
@@ -217,6 +221,11 @@ impl Ranks {
 
     pub fn has_connected(&self, rank: u32) -> bool {
         self.entries.contains_key(&rank)
+    }
+
+    /// The highest rank that ever connected.
+    pub fn highest(&self) -> Option<u32> {
+        self.entries.keys().max().copied()
     }
 
     /// How many ranks ever connected.

@@ -12,6 +12,7 @@ use crate::{
     Response, SessionId,
 };
 
+use crate::counters;
 use crate::ranges::{runs, split};
 
 use super::collective::{Call, Ctx};
@@ -74,6 +75,9 @@ impl<'a> Step<'a> {
         // A rank connecting is the job at work; a tool (`rallypoint status`) is not.
         if identity.rank.is_some() {
             self.job.last_request = self.ctx.now;
+        }
+        if let Some(world_size) = identity.world_size {
+            self.job.world_size = Some(self.job.world_size.map_or(world_size, |w| w.max(world_size)));
         }
         if let Some(rank) = identity.rank {
             let lease_ms = self.config.lease_ms;
@@ -171,9 +175,20 @@ impl<'a> Step<'a> {
             let lease_ms = if caller.torch { 0 } else { self.config.lease_ms };
             self.touch(rank, lease_ms);
         }
-        if !matches!(request, Request::Heartbeat | Request::Leave | Request::Abandon | Request::Status | Request::Jobs)
-        {
+        if !matches!(
+            request,
+            Request::Heartbeat
+                | Request::Leave
+                | Request::Abandon
+                | Request::Status
+                | Request::Jobs
+                | Request::Snapshot
+        ) {
             self.job.last_request = self.ctx.now;
+        }
+        self.job.store.now = self.ctx.now;
+        if let Some(op) = counters::kv_op(request.name()) {
+            self.job.kv_ops[op] += 1;
         }
         let reply = match self.admit(&request) {
             Ok(()) => self.apply(&caller, request),
@@ -213,8 +228,8 @@ impl<'a> Step<'a> {
             Request::Leave => self.leave(caller),
             Request::Abandon => self.abandon(caller),
             Request::Status => value(self.status(caller).into()),
-            // Answered by the engine, which sees every job.
-            Request::Jobs => None,
+            // Answered by the engine, which sees every job and session.
+            Request::Jobs | Request::Snapshot => None,
             Request::Set { key, value } => self.set(key, value),
             Request::Append { key, value } => self.append(key, value),
             Request::MultiSet { entries } => self.multi_set(entries),
@@ -301,7 +316,7 @@ impl<'a> Step<'a> {
             .map(|(id, s)| (*id, &s.identity, s.torch))
             .collect();
         others.sort_by_key(|(id, _, _)| *id);
-        let mut out = torch::report(job, &others, now);
+        let mut out = torch::report(job, &others, now, self.config.epoch_unix_ms.saturating_add(now));
         let (connected, left, lost) = job.ranks.tally();
         out.push_str(&format!("ranks: {connected} connected, {left} left cleanly, {lost} lost\n"));
         for line in job.collectives.report(&job.ranks, now) {

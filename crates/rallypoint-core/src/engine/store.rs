@@ -7,6 +7,7 @@ use super::HashMap;
 
 use bytes::{Bytes, BytesMut};
 
+use crate::counters::{op, OpCounters};
 use crate::{Millis, OpError, Reply, Response, SessionId};
 
 /// What a blocked request returns once its keys exist.
@@ -47,6 +48,24 @@ pub(crate) struct Store {
     barrier_waiters: HashMap<Bytes, BTreeSet<(i64, WaitId)>>,
     /// Keys ever used as store-barrier counters, for status reports.
     barrier_keys: BTreeSet<Bytes>,
+    /// The time of the request being handled (set by the caller before each): when a
+    /// wait it completes ends.
+    pub now: Millis,
+    /// Store barriers, gets, waits and multi-gets (see [`WaitKind::counted`]).
+    pub counters: [OpCounters; 4],
+}
+
+impl WaitKind {
+    /// Index in [`Store::counters`]; `counters::WAIT_OPS` names them from `op::STORE_BARRIER` on.
+    pub fn counted(self) -> usize {
+        let index = match self {
+            WaitKind::Barrier { .. } => op::STORE_BARRIER,
+            WaitKind::Get => op::GET,
+            WaitKind::Wait => op::WAIT,
+            WaitKind::MultiGet => op::MULTI_GET,
+        };
+        index - op::STORE_BARRIER
+    }
 }
 
 impl Store {
@@ -117,7 +136,10 @@ impl Store {
         let key = own(key);
         self.barrier_keys.insert(key.clone());
         let count = self.add(key.clone(), 1, done)?;
+        let counters = &mut self.counters[WaitKind::Barrier { world_size }.counted()];
+        counters.arrivals += 1;
         if count >= world_size {
+            counters.releases += 1;
             return Ok(Some(Ok(Response::Done)));
         }
         self.barrier_waiters.entry(key.clone()).or_default().insert((world_size, id));
@@ -239,6 +261,13 @@ impl Store {
         self.data.remove(key).is_some()
     }
 
+    /// Keys for which `pred` holds, sorted.
+    pub fn keys_where(&self, pred: impl Fn(&[u8]) -> bool) -> Vec<Bytes> {
+        let mut keys: Vec<Bytes> = self.data.keys().filter(|k| pred(k)).cloned().collect();
+        keys.sort();
+        keys
+    }
+
     pub fn list(&self, prefix: &[u8]) -> Vec<Bytes> {
         let mut keys: Vec<Bytes> = self.data.keys().filter(|k| k.starts_with(prefix)).cloned().collect();
         keys.sort();
@@ -268,6 +297,7 @@ impl Store {
     /// The wait's deadline passed: fail it naming the keys still absent.
     pub fn expire(&mut self, id: WaitId, now: Millis) -> Option<Reply> {
         let wait = self.remove_wait(id)?;
+        self.counters[wait.kind.counted()].timeouts += 1;
         let missing = match wait.kind {
             // The counter exists; what is missing is its release.
             WaitKind::Barrier { .. } => wait.keys,
@@ -383,7 +413,10 @@ impl Store {
             self.barrier_waiters.remove(key);
         }
         for (_, id) in released {
-            if self.waits.remove(&id).is_some() {
+            if let Some(wait) = self.waits.remove(&id) {
+                let counters = &mut self.counters[wait.kind.counted()];
+                counters.releases += 1;
+                counters.wait.observe(self.now.saturating_sub(wait.started));
                 done.push((id, Ok(Response::Done)));
             }
         }
@@ -404,6 +437,9 @@ impl Store {
             absent.retain(|k| Some(k) != present);
             if absent.is_empty() {
                 if let Some(wait) = self.waits.remove(&id) {
+                    let counters = &mut self.counters[wait.kind.counted()];
+                    counters.releases += 1;
+                    counters.wait.observe(self.now.saturating_sub(wait.started));
                     done.push((id, Ok(self.answer(wait.kind, &keys))));
                 }
             } else {

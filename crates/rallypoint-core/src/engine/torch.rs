@@ -3,14 +3,16 @@
 //! gloo address keys name the rank that writes them and the ranks others wait for,
 //! `init/` counts the processes that connected, store-barrier counters count arrivals.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write;
 
 use bytes::Bytes;
 
 use crate::error::{Secs, Show};
 use crate::ranges::{gaps, runs, RankList};
-use crate::{Identity, Millis, SessionId};
+use crate::rendezvous;
+use crate::snapshot::{ProcessGroupView, RangeSet, RendezvousView, StoreBarrierView, TorchView};
+use crate::{Identity, Millis, Missing, SessionId};
 
 use super::job::Job;
 use super::store::{KeyWait, WaitKind};
@@ -222,11 +224,12 @@ pub(crate) fn stall_notice(
 
 /// `rallypoint status`: everything known or inferred about the job's torch processes
 /// (for a job without any, only its connections).
-pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: Millis) -> String {
+pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: Millis, now_unix_ms: u64) -> String {
     let mut out = format!("job '{}'\n", job.name);
     let torch: Vec<(SessionId, &Identity)> = sessions.iter().filter(|(_, _, t)| *t).map(|(s, i, _)| (*s, *i)).collect();
     if torch.is_empty() && arrived_at_init(job).is_none() {
         let _ = writeln!(out, "connections: {} native", sessions.len());
+        rendezvous_lines(job, &mut out, now_unix_ms);
         return out;
     }
     let attributed: BTreeSet<u32> = torch.iter().filter_map(|(_, i)| i.rank).collect();
@@ -270,6 +273,7 @@ pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: 
         }
     }
     prefixes.sort();
+    rendezvous_lines(job, &mut out, now_unix_ms);
     for prefix in &prefixes {
         let _ =
             write!(out, "process group {}: address written by ranks {}", Show(prefix), ranks(&written(job, prefix)));
@@ -303,6 +307,142 @@ pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: 
         );
     }
     out
+}
+
+/// The job's torch processes as data (the snapshot's `torch`), or None for a job
+/// without TCPStore clients or torch's keys. `sessions`: the job's open sessions
+/// (the one asking excluded) with whether each is a TCPStore connection.
+pub(crate) fn view(job: &Job, sessions: &[(SessionId, &Identity, bool)]) -> Option<TorchView> {
+    let torch: Vec<(SessionId, &Identity)> = sessions.iter().filter(|(_, _, t)| *t).map(|(s, i, _)| (*s, *i)).collect();
+    let rendezvous: Vec<RendezvousView> = rendezvous_keys(job)
+        .iter()
+        .filter_map(|key| job.store.get(key).map(|value| rendezvous::view(key, value)))
+        .collect();
+    if torch.is_empty() && arrived_at_init(job).is_none() && rendezvous.is_empty() {
+        return None;
+    }
+    let by_session: HashMap<SessionId, &Identity> = torch.iter().copied().collect();
+    let rank_of = |session: SessionId| by_session.get(&session).and_then(|i| i.rank);
+    let attributed: BTreeSet<u32> = torch.iter().filter_map(|(_, i)| i.rank).collect();
+    // By prefix, so that a store of many keys costs a lookup per key, not a scan.
+    let mut groups: BTreeMap<Bytes, (BTreeSet<u32>, BTreeSet<u32>)> = BTreeMap::new();
+    for key in job.store.list(b"") {
+        if let Some((prefix, rank)) = address_key(&key) {
+            groups.entry(Bytes::copy_from_slice(prefix)).or_default().0.insert(rank);
+        }
+    }
+    for (_, wait) in job.store.waits() {
+        for (prefix, missing) in missing_addresses(job, wait) {
+            groups.entry(prefix).or_default().1.extend(missing);
+        }
+    }
+    let process_groups = groups
+        .into_iter()
+        .take(MAX_TORCH_LISTED)
+        .map(|(prefix, (written, missing))| ProcessGroupView {
+            prefix: text(&prefix),
+            written: RangeSet::of_ranks(written),
+            missing: RangeSet::of_ranks(missing),
+        })
+        .collect();
+    let store_barriers = job
+        .store
+        .barrier_keys()
+        .take(MAX_TORCH_LISTED)
+        .map(|key| {
+            let counter = job.store.get(key).map(|v| String::from_utf8_lossy(v).into_owned()).unwrap_or_default();
+            let (waiting, world, arrived, all_known) = barrier_arrivals(job, key, &rank_of);
+            let missing = match (world, all_known && waiting > 0) {
+                (Some(world), true) => {
+                    let world = u32::try_from(world).unwrap_or(0);
+                    Some(RangeSet::collect(gaps(world, arrived.iter().copied())))
+                }
+                _ => None,
+            };
+            StoreBarrierView {
+                key: text(key),
+                counter,
+                waiting,
+                world_size: world,
+                arrived: RangeSet::of_ranks(arrived),
+                missing,
+            }
+        })
+        .collect();
+    Some(TorchView {
+        tcpstore_connections: torch.len(),
+        attributed: RangeSet::of_ranks(attributed),
+        init_arrivals: arrived_at_init(job),
+        process_groups,
+        store_barriers,
+        rendezvous,
+    })
+}
+
+/// Most process groups and store barriers a snapshot lists (in key order): a
+/// snapshot stays cheap whatever keys a job writes.
+const MAX_TORCH_LISTED: usize = 64;
+
+/// Most rendezvous states a snapshot decodes.
+const MAX_RENDEZVOUS_LISTED: usize = 16;
+
+/// The keys holding torchrun rendezvous states, in key order (at most
+/// [`MAX_RENDEZVOUS_LISTED`]).
+fn rendezvous_keys(job: &Job) -> Vec<Bytes> {
+    let mut keys = job.store.keys_where(rendezvous::is_state_key);
+    keys.truncate(MAX_RENDEZVOUS_LISTED);
+    keys
+}
+
+/// A key as text: printable ASCII as it is, other bytes escaped; long keys cut.
+pub(crate) fn text(key: &[u8]) -> String {
+    const SHOWN: usize = 256;
+    let mut out = key[..key.len().min(SHOWN)].escape_ascii().to_string();
+    if key.len() > SHOWN {
+        out.push_str(&format!("... ({} bytes)", key.len()));
+    }
+    out
+}
+
+/// The rendezvous rounds of the job, for the text report.
+fn rendezvous_lines(job: &Job, out: &mut String, now_unix_ms: u64) {
+    for key in &rendezvous_keys(job) {
+        let Some(value) = job.store.get(key) else { continue };
+        let view = rendezvous::view(key, value);
+        let _ = write!(out, "torchrun rendezvous '{}': ", view.run_id);
+        let Some(state) = view.state else {
+            let _ = writeln!(out, "undecodable ({})", view.error.unwrap_or_default());
+            continue;
+        };
+        let _ = write!(
+            out,
+            "round {}, {}{}, {} participant(s)",
+            state.round,
+            if state.complete { "complete" } else { "incomplete" },
+            if state.closed { ", closed" } else { "" },
+            state.participants.len()
+        );
+        let ago = |at: Option<i64>| match at {
+            Some(at) => {
+                format!("last heartbeat {} ago", Secs(now_unix_ms.saturating_sub(u64::try_from(at).unwrap_or(0))))
+            }
+            None => "no heartbeat".to_owned(),
+        };
+        let nodes: Vec<String> = state
+            .participants
+            .iter()
+            .take(Missing::NAMED)
+            .map(|n| format!("{} (rank {}, {})", n.node, n.rank.unwrap_or(-1), ago(n.last_heartbeat_unix_ms)))
+            .collect();
+        if !nodes.is_empty() {
+            let _ = write!(out, ": {}", nodes.join(", "));
+        }
+        if !state.wait_list.is_empty() {
+            let waiting: Vec<&str> = state.wait_list.iter().take(Missing::NAMED).map(|n| n.node.as_str()).collect();
+            let _ = write!(out, "; waiting for the next round: {}", waiting.join(", "));
+        }
+        out.push('\n');
+    }
 }
 
 #[cfg(test)]

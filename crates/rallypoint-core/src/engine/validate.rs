@@ -80,6 +80,7 @@ pub(crate) fn request(request: &Request, limits: &Limits) -> Result<(), OpError>
         Request::NumKeys
         | Request::CancelWait
         | Request::Status
+        | Request::Snapshot
         | Request::Jobs
         | Request::Heartbeat
         | Request::Leave

@@ -34,6 +34,7 @@ mod op {
     pub const RESET: u8 = 0x19;
     pub const ABANDON: u8 = 0x1a;
     pub const JOBS: u8 = 0x1b;
+    pub const SNAPSHOT: u8 = 0x1c;
 }
 
 mod members {
@@ -142,6 +143,7 @@ pub(crate) fn encode_request(request: &Request, dst: &mut BytesMut) {
         }
         Request::Status => w.op(op::STATUS),
         Request::Jobs => w.op(op::JOBS),
+        Request::Snapshot => w.op(op::SNAPSHOT),
         Request::Reset { incarnation } => w.op(op::RESET).u64(*incarnation),
         Request::Heartbeat => w.op(op::HEARTBEAT),
         Request::Leave => w.op(op::LEAVE),
@@ -195,6 +197,7 @@ pub(crate) fn decode_request(r: &mut Reader) -> DecodeResult<Request> {
         op::STATUS => Request::Status,
         op::RESET => Request::Reset { incarnation: r.u64("incarnation")? },
         op::JOBS => Request::Jobs,
+        op::SNAPSHOT => Request::Snapshot,
         op::HEARTBEAT => Request::Heartbeat,
         op::LEAVE => Request::Leave,
         op::ABANDON => Request::Abandon,

@@ -92,6 +92,7 @@ pub fn request() -> impl Strategy<Value = Request> {
         Just(Request::Status),
         any::<u64>().prop_map(|incarnation| Request::Reset { incarnation }),
         Just(Request::Jobs),
+        Just(Request::Snapshot),
     ]
 }
 
