@@ -10,25 +10,12 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+mod common;
+use common::SCRUB;
+
 const BIN: &str = env!("CARGO_BIN_EXE_rallypoint");
 /// No launcher in these tests may run longer than this.
 const LIMIT: Duration = Duration::from_secs(60);
-
-/// Variables a worker would otherwise inherit from the test's own environment.
-const SCRUB: &[&str] = &[
-    "RALLYPOINT_ADDR",
-    "RALLYPOINT_JOB",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "RANK",
-    "WORLD_SIZE",
-    "TORCHELASTIC_RUN_ID",
-    "OMP_NUM_THREADS",
-    "RUST_LOG",
-    "RALLYPOINT_TOKEN",
-    "RALLYPOINT_TOKEN_FILE",
-    "RALLYPOINT_TLS_CA",
-];
 
 /// The token the launchers of a test's multi-node job share (a job of several
 /// nodes needs one given to each; one node makes its own).

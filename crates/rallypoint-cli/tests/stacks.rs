@@ -11,27 +11,12 @@ use std::sync::{Arc, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
 
+mod common;
+use common::SCRUB;
+
 const BIN: &str = env!("CARGO_BIN_EXE_rallypoint");
 /// Bounds every wait of a test (never asserted on: the machine may be slow).
 const LIMIT: Duration = Duration::from_secs(240);
-
-const SCRUB: &[&str] = &[
-    "RALLYPOINT_ADDR",
-    "RALLYPOINT_JOB",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "RANK",
-    "WORLD_SIZE",
-    "TORCHELASTIC_RUN_ID",
-    "OMP_NUM_THREADS",
-    "PYTHON_EXEC",
-    "RUST_LOG",
-    "RALLYPOINT_TOKEN",
-    "RALLYPOINT_TOKEN_FILE",
-    "RALLYPOINT_TLS_CA",
-    "SLURM_JOB_ID",
-    "PET_HANG_TIMEOUT",
-];
 
 /// What the launchers of a two-node test share.
 const SHARED_TOKEN: &str = "stacks-test-token-shared-by-every-node";
@@ -93,6 +78,16 @@ if rank == 3 and os.environ.get("FAIL"):
     sys.exit(3)
 stuck() if rank == 1 else wait_for_peers()
 "#;
+
+/// The system's Python itself: a `python3` first on PATH may be a shell script that
+/// runs it (pyenv's shim), slow to start on a loaded machine, whose stack is the shell's.
+fn python3() -> &'static str {
+    if Path::new("/usr/bin/python3").exists() {
+        "/usr/bin/python3"
+    } else {
+        "python3"
+    }
+}
 
 /// A running launcher whose output is read as it comes.
 struct Job {
@@ -395,7 +390,7 @@ fn two_nodes_stacks_come_from_both_launchers_and_both_summaries_name_the_hang() 
 fn a_hung_python_job_is_named_by_its_stacks_and_a_failure_lists_the_ranks_still_running() {
     let dir = temp_dir("py-hang");
     std::fs::write(dir.join("hang.py"), PY_HANG).expect("script");
-    let args = ["--nproc-per-node", "4", "--hang-timeout", "3", "--", "python3", "hang.py"];
+    let args = ["--nproc-per-node", "4", "--hang-timeout", "3", "--", python3(), "hang.py"];
     let done = Job::start(&args, &dir, &[]).finish();
     assert_eq!(done.code, Some(124), "{}", done.stderr);
     let odd = line_of(&done.stderr, "rank 1 (1 of 4):");
@@ -404,7 +399,7 @@ fn a_hung_python_job_is_named_by_its_stacks_and_a_failure_lists_the_ranks_still_
     assert!(rest.starts_with("ranks 0,2-3 (3 of 4): wait_for_peers (hang.py:9) ← <module> (hang.py:16)"), "{rest}");
 
     // A failure: the ranks still running are read before they are killed.
-    let args = ["--nproc-per-node", "4", "--hang-timeout", "600", "--", "python3", "hang.py"];
+    let args = ["--nproc-per-node", "4", "--hang-timeout", "600", "--", python3(), "hang.py"];
     let done = Job::start(&args, &dir, &[("FAIL", "1")]).finish();
     assert_eq!(done.code, Some(3), "{}", done.stderr);
     assert!(done.stderr.contains("FAILED (attempt 1 of 1): rank 3 exited with code 3"), "{}", done.stderr);
@@ -479,7 +474,7 @@ fn status_stacks_of_many_python_workers_is_one_group_and_timed() {
     let ranks: u32 = std::env::var("RALLYPOINT_STACKS_RANKS").ok().and_then(|n| n.parse().ok()).unwrap_or(64);
     let job = format!("many-{}", std::process::id());
     let nproc = ranks.to_string();
-    let mut launched = Job::start(&["--job", &job, "--nproc-per-node", &nproc, "--", "python3", "wait.py"], &dir, &[]);
+    let mut launched = Job::start(&["--job", &job, "--nproc-per-node", &nproc, "--", python3(), "wait.py"], &dir, &[]);
     launched.wait_stdout(&(0..ranks).map(|r| format!("[rank{r}]: up")).collect::<Vec<_>>());
     let all = format!("ranks 0-{} ({ranks} of {ranks}): idle (wait.py:5)", ranks - 1);
     let started = Instant::now();

@@ -13,31 +13,11 @@ use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
+mod common;
+use common::SCRUB;
+
 const BIN: &str = env!("CARGO_BIN_EXE_rallypoint");
 const LIMIT: Duration = Duration::from_secs(120);
-
-/// Variables a launcher would otherwise inherit from the test's environment.
-const SCRUB: &[&str] = &[
-    "RALLYPOINT_ADDR",
-    "RALLYPOINT_JOB",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "RANK",
-    "WORLD_SIZE",
-    "LOCAL_RANK",
-    "TORCHELASTIC_RUN_ID",
-    "OMP_NUM_THREADS",
-    "PYTHON_EXEC",
-    "RUST_LOG",
-    "SLURM_JOB_ID",
-    "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE",
-    "PET_NPROC_PER_NODE",
-    "PET_NNODES",
-    "PET_RDZV_ID",
-    "PET_STANDALONE",
-    "RALLYPOINT_TOKEN_FILE",
-    "RALLYPOINT_TLS_CA",
-];
 
 /// What every launcher of a test is given: a job of several nodes needs a token its
 /// launchers share (torchrun has none; see README, Authentication).

@@ -262,10 +262,8 @@ impl Collectives {
         coll.fail(generation, error, failed_kept, ctx);
     }
 
-    /// For `rallypoint status`: a line per generation that somebody is blocked in,
-    /// saying how long, how many arrived, and who is missing (what is known of each,
-    /// the first [`Missing::NAMED`] by name), ordered by name and generation.
-    pub fn report(&self, ranks: &Ranks, now: Millis) -> Vec<String> {
+    /// Every generation somebody is blocked in, by name, kind and generation.
+    fn waited_in(&self) -> Vec<(&str, CollectiveKind, u64, &Generation)> {
         let mut blocked: Vec<(&str, CollectiveKind, u64, &Generation)> = Vec::new();
         for ((kind, name), coll) in &self.by_name {
             // A broadcast released to the waiters stays pending until every member
@@ -275,6 +273,13 @@ impl Collectives {
         }
         blocked.sort_by_key(|&(name, kind, generation, _)| (name, kind.to_string(), generation));
         blocked
+    }
+
+    /// For `rallypoint status`: a line per generation that somebody is blocked in,
+    /// saying how long, how many arrived, and who is missing (what is known of each,
+    /// the first [`Missing::NAMED`] by name), ordered by name and generation.
+    pub fn report(&self, ranks: &Ranks, now: Millis) -> Vec<String> {
+        self.waited_in()
             .into_iter()
             .map(|(name, kind, generation, g)| {
                 let op = OpRef { kind, name: name.to_owned(), generation };
@@ -420,13 +425,7 @@ pub(crate) struct Blocked {
 impl Collectives {
     /// Every generation somebody is blocked in, ordered as [`Collectives::report`].
     pub fn blocked(&self, ranks: &Ranks, now: Millis) -> Vec<Blocked> {
-        let mut blocked: Vec<(&str, CollectiveKind, u64, &Generation)> = Vec::new();
-        for ((kind, name), coll) in &self.by_name {
-            let waiting = coll.pending.iter().filter(|(_, g)| !g.waiters.is_empty());
-            blocked.extend(waiting.map(|(generation, g)| (name.as_str(), *kind, *generation, g)));
-        }
-        blocked.sort_by_key(|&(name, kind, generation, _)| (name, kind.to_string(), generation));
-        blocked
+        self.waited_in()
             .into_iter()
             .map(|(name, kind, generation, g)| {
                 let missing = g.missing(kind, ranks, now);
