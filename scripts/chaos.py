@@ -357,8 +357,9 @@ class Procs:
 PROCS = Procs()
 
 
-def group_gone(pgid: int, limit: float = 2.0) -> bool:
-    """No process of the group is left (killed members may take a moment to be reaped)."""
+def group_gone(pgid: int, limit: float = 10.0) -> bool:
+    """No process of the group is left (killed members may take a moment to be reaped:
+    orphans by init, seconds later on a loaded machine)."""
     end = time.monotonic() + limit
     while True:
         try:
@@ -899,7 +900,10 @@ class Checker:
             own = [(ft, k) for ft, k in self.faults[r] if k in ("kill", "stop")]
             if own:
                 ft, kind = own[0]
-                if kind == "kill" and rc != -signal.SIGKILL and not (log.done is not None and log.done <= ft):
+                # A kill after the rank's last act (its rounds done, or its client closed
+                # after a failure) may reach a process already exiting on its own.
+                ended = log.done if log.done is not None else log.closed
+                if kind == "kill" and rc != -signal.SIGKILL and not (ended is not None and ended <= ft):
                     out.add("other", f"rank {r} was killed but exited with {rc}")
                 continue
             if self.agent_fault(r) is not None and log.done is not None and rc != 0:
