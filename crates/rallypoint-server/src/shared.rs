@@ -539,6 +539,8 @@ type Immediate<'a> = &'a mut dyn FnMut(u64, Reply);
 /// rest into outboxes.
 fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
     let State { engine, outboxes, routed, .. } = state;
+    // Agents are woken once every reply of this input is queued (see `AgentOutbox::push`).
+    let mut agents: Vec<Arc<AgentOutbox>> = Vec::new();
     for notice in engine.drain_notices() {
         tracing::warn!("{notice}");
     }
@@ -555,8 +557,16 @@ fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
             Some(Sink::Reactor(_, route)) => {
                 routed.push(Routed { route: *route, request_id: out.request_id, reply: out.reply });
             }
-            Some(Sink::Agent(outbox)) => outbox.push(out.session, out.request_id, out.reply),
+            Some(Sink::Agent(outbox)) => {
+                let first = outbox.push(out.session, out.request_id, out.reply);
+                if first {
+                    agents.push(Arc::clone(outbox));
+                }
+            }
             None => {}
         }
+    }
+    for agent in agents {
+        agent.notify();
     }
 }
