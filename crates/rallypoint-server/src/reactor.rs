@@ -136,7 +136,7 @@ impl Reactor {
             let mailbox = Arc::clone(&mailbox);
             move || {
                 let _runtime = runtime.enter();
-                let stalls = Stalls { timeout: read_timeout, mid_request: HashSet::new(), next_check: None };
+                let stalls = Stalls { timeout: read_timeout, mid_request: HashSet::default(), next_check: None };
                 Loop {
                     poll,
                     mailbox,
@@ -230,7 +230,7 @@ struct Loop {
 /// has no timer of its own while none does: it wakes for these checks only.
 struct Stalls {
     timeout: Duration,
-    mid_request: HashSet<usize>,
+    mid_request: HashSet<usize, foldhash::fast::RandomState>,
     next_check: Option<std::time::Instant>,
 }
 

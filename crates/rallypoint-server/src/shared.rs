@@ -49,7 +49,8 @@ pub(crate) struct Shared {
 
 struct State {
     engine: Engine,
-    outboxes: HashMap<SessionId, Sink>,
+    /// Looked up for every request and reply: a fast hash (session ids are ours).
+    outboxes: HashMap<SessionId, Sink, foldhash::fast::RandomState>,
     /// Replies for the reactor's native connections, in the engine's order.
     routed: Vec<Routed>,
     /// The reactor was woken for `routed` and has not taken them yet.
@@ -199,7 +200,7 @@ impl Shared {
         Shared {
             state: Mutex::new(State {
                 engine: Engine::new(config),
-                outboxes: HashMap::new(),
+                outboxes: HashMap::default(),
                 routed: Vec::new(),
                 reactor_woken: false,
             }),
