@@ -106,7 +106,8 @@ pub(crate) struct Link {
 }
 
 struct Pending {
-    calls: HashMap<u64, Call>,
+    /// Keyed by our own request ids (no peer chooses them): a fast hash will do.
+    calls: HashMap<u64, Call, foldhash::fast::RandomState>,
     /// Set once the connection has ended for good: why, as reported to every later call.
     closed: Option<Closed>,
     /// When the task looks next for calls past their deadline; `None`: no timer
@@ -173,7 +174,7 @@ impl Link {
         Link {
             addr,
             next_id: AtomicU64::new(1),
-            pending: Mutex::new(Pending { calls: HashMap::new(), closed: None, armed: None }),
+            pending: Mutex::new(Pending { calls: HashMap::default(), closed: None, armed: None }),
             delivered: AtomicUsize::new(0),
             reads: AtomicU64::new(0),
             welcome: Mutex::new(welcome),
@@ -238,7 +239,9 @@ impl Link {
         let ClientFrame::Request { request, .. } = frame else { unreachable!("built above") };
         // Counted as written before its bytes go, so that a cut right after finds it
         // (see `Link::written`); the task takes the writer away under this lock first.
-        self.written(vec![(id, request)]);
+        if let Some(call) = self.lock().calls.get_mut(&id) {
+            call.written = Some(request);
+        }
         let done = match writer.try_write(buf) {
             Ok(all) if all == buf.len() => DirectWrite::Written,
             Ok(part) => {
@@ -476,17 +479,31 @@ pub(crate) fn spawn(addr: String, connected: Connected, redial: Redial) -> (Arc<
     let (commands, queue) = mpsc::unbounded_channel();
     // Weak: slab releases must not keep the connection open once every client is gone.
     let releases = commands.downgrade();
+    // A task of its own: polled beside the connection's, it would be polled at every
+    // reply read, for a timer that rarely fires.
+    let expiry = tokio::spawn({
+        let link = Arc::clone(&link);
+        async move { match expire_calls(&link).await {} }
+    });
     let task = Arc::clone(&link);
     tokio::spawn(async move {
         // However the task ends (a panic, the runtime going away), its calls must not
         // wait for replies nobody will route, nor for a timer nobody runs.
         let _closing = CloseOnDrop(&task);
-        tokio::select! {
-            () = run(connected, queue, releases, &task, redial) => {}
-            never = expire_calls(&task) => match never {},
-        }
+        let _expiry = AbortOnDrop(expiry.abort_handle());
+        run(connected, queue, releases, &task, redial).await;
     });
     (link, commands)
+}
+
+/// Stops the task that fails calls past their deadline once the connection task ends
+/// (the link fails the calls still waiting then).
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// Fails every waiting call when dropped (see [`spawn`]); a no-op once the link is
