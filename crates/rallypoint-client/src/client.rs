@@ -26,7 +26,7 @@ use rallypoint_net::auth::Token;
 use rallypoint_net::conn::Credentials;
 use rallypoint_net::tls::TlsClient;
 
-use crate::connection::{self, Command, Link, Redial};
+use crate::connection::{self, Command, DirectWrite, Link, Redial};
 use crate::error::Error;
 
 /// How long to keep retrying to connect, and how long blocking operations wait
@@ -196,18 +196,24 @@ impl Client {
     /// Sends one request and waits for its reply at most `limit`.
     async fn call_within(&self, request: Request, limit: Duration) -> Result<Response, Error> {
         let link = &*self.inner.link;
-        let (id, reply) = link.register()?;
+        // The connection task fails the call past `limit` (one timer for all calls).
+        let (id, reply) = link.register(limit)?;
         let _registered = Registered { link, id };
-        if self.inner.commands.send(Command::Request { id, request }).is_err() {
+        let handed = match link.write_direct(id, request) {
+            DirectWrite::Written => Ok(()),
+            DirectWrite::Partly => self.inner.commands.send(Command::Flush),
+            DirectWrite::Queue(request) => self.inner.commands.send(Command::Request { id, request }),
+        };
+        if handed.is_err() {
             return Err(link.disconnected());
         }
-        match tokio::time::timeout(limit, reply).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(_)) => Err(link.disconnected()),
-            Err(_) => {
+        match reply.await {
+            Ok(Err(Error::Timeout(limit))) => {
                 self.inner.silent.store(true, Ordering::Relaxed);
                 Err(Error::Timeout(limit))
             }
+            Ok(result) => result,
+            Err(_) => Err(link.disconnected()),
         }
     }
 
