@@ -469,6 +469,11 @@ fn status_json_when(server: &Server, job: &str, ready: impl Fn(&serde_json::Valu
     let deadline = Instant::now() + LIMIT;
     loop {
         let run = exec(server.cmd(job, &["status", "--json"]));
+        // The job exists once its first rank has connected, which may take a while.
+        if run.code == Some(2) && run.stderr.contains("holds no job") && Instant::now() < deadline {
+            thread::sleep(Duration::from_millis(50));
+            continue;
+        }
         assert_code(&run, 0);
         let doc: serde_json::Value = serde_json::from_str(&run.stdout).unwrap_or_else(|e| panic!("{e}: {run:#?}"));
         if ready(&doc) {
