@@ -111,15 +111,19 @@ struct Inner {
 }
 
 /// Forgets a call's reply slot if the call stops waiting before its reply
-/// (timeout, or the caller's future dropped).
+/// (the caller's future dropped, or the request not handed over).
 struct Registered<'a> {
     link: &'a Link,
     id: u64,
+    /// Its slot was filled (or dropped): the link has already forgotten the call.
+    settled: bool,
 }
 
 impl Drop for Registered<'_> {
     fn drop(&mut self) {
-        self.link.unregister(self.id);
+        if !self.settled {
+            self.link.unregister(self.id);
+        }
     }
 }
 
@@ -198,7 +202,7 @@ impl Client {
         let link = &*self.inner.link;
         // The connection task fails the call past `limit` (one timer for all calls).
         let (id, reply) = link.register(limit)?;
-        let _registered = Registered { link, id };
+        let mut registered = Registered { link, id, settled: false };
         let handed = match link.write_direct(id, request) {
             DirectWrite::Written => Ok(()),
             DirectWrite::Partly => self.inner.commands.send(Command::Flush),
@@ -207,7 +211,10 @@ impl Client {
         if handed.is_err() {
             return Err(link.disconnected());
         }
-        match reply.await {
+        let result = reply.await;
+        // Whoever filled or dropped the slot took the call out of the link's map.
+        registered.settled = true;
+        match result {
             Ok(Err(Error::Timeout(limit))) => {
                 self.inner.silent.store(true, Ordering::Relaxed);
                 Err(Error::Timeout(limit))
