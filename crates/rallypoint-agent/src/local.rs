@@ -395,6 +395,10 @@ fn forward(
         // Files only pass over Unix sockets; over TCP the rank gets plain replies.
         Inbound::TakeSharedReplies => local.takes_shared.store(local.writer.is_unix(), Ordering::Relaxed),
         Inbound::ReleaseShared { slab } => hub.slabs.release(Some(slab), sub),
+        Inbound::AttachBarrier { id, .. } => {
+            let reason = "this node agent has no barrier channels yet".to_owned();
+            local.send(|out| encode_server_frame(&ServerFrame::NoBarrierChannel { id, reason }, out));
+        }
         Inbound::Invalid { id, message } => {
             if let Some(held_back) = warnings.admit() {
                 warn!(sub, %message, held_back, "bad request from a local rank");

@@ -339,9 +339,12 @@ async fn attempt(
             Ok(None) => None,
             Ok(Some(ServerFrame::Welcome(welcome))) => Some(Ok(welcome)),
             Ok(Some(ServerFrame::Refused(error))) => Some(Err(Attempt::Refused(error))),
-            Ok(Some(ServerFrame::Reply { id, .. } | ServerFrame::SharedReply { id, .. })) => {
-                Some(Err(Attempt::Protocol(format!("sent a reply (request id {id}) before its welcome"))))
-            }
+            Ok(Some(
+                ServerFrame::Reply { id, .. }
+                | ServerFrame::SharedReply { id, .. }
+                | ServerFrame::BarrierChannel { id, .. }
+                | ServerFrame::NoBarrierChannel { id, .. },
+            )) => Some(Err(Attempt::Protocol(format!("sent a reply (request id {id}) before its welcome")))),
             Ok(Some(ServerFrame::AuthChallenge { .. } | ServerFrame::AuthAccepted { .. })) => {
                 Some(Err(Attempt::Protocol("sent a token handshake frame nobody asked for".to_owned())))
             }
@@ -530,6 +533,9 @@ async fn read_loop(
                         Err(error) => Err(Error::Protocol(error.to_string())),
                     };
                     link.complete(id, reply.and_then(|reply| reply.map_err(Error::Op)));
+                }
+                Ok(Some(ServerFrame::BarrierChannel { .. } | ServerFrame::NoBarrierChannel { .. })) => {
+                    return broken("the coordinator answered a barrier channel request never made".to_owned());
                 }
                 Ok(Some(
                     ServerFrame::Welcome(_)

@@ -450,6 +450,7 @@ fn frame_name(frame: &ServerFrame) -> &'static str {
         ServerFrame::Welcome(_) => "a welcome",
         ServerFrame::Refused(_) => "a refusal",
         ServerFrame::Reply { .. } | ServerFrame::SharedReply { .. } => "a reply",
+        ServerFrame::BarrierChannel { .. } | ServerFrame::NoBarrierChannel { .. } => "a barrier channel answer",
         ServerFrame::AuthChallenge { .. } => "a challenge",
         ServerFrame::AuthAccepted { .. } => "a proof",
     }
@@ -467,6 +468,12 @@ pub enum Inbound {
     /// The rank no longer holds anything of this shared-memory slab's contents.
     ReleaseShared {
         slab: u64,
+    },
+    /// The rank asks for a barrier channel for this barrier call (docs/PROTOCOL.md,
+    /// section 15); answer `id` with a channel or without one.
+    AttachBarrier {
+        id: u64,
+        request: Request,
     },
     /// A whole frame that does not decode (skipped): answer request `id`, if it
     /// could be read, with an `Invalid` error saying `message`.
@@ -488,6 +495,7 @@ pub fn decode_requests(rbuf: &mut BytesMut, limits: &FrameLimits, mut on: impl F
             Ok(Some(ClientFrame::Request { id, request })) => on(Inbound::Request { id, request }),
             Ok(Some(ClientFrame::TakeSharedReplies)) => on(Inbound::TakeSharedReplies),
             Ok(Some(ClientFrame::ReleaseShared { slab })) => on(Inbound::ReleaseShared { slab }),
+            Ok(Some(ClientFrame::AttachBarrier { id, request })) => on(Inbound::AttachBarrier { id, request }),
             Ok(Some(ClientFrame::Hello(_))) => return Err(End::SecondHello),
             Ok(Some(ClientFrame::AuthStart { .. } | ClientFrame::AuthProof { .. })) => {
                 on(Inbound::Invalid { id: None, message: "a token handshake frame after the hello".to_owned() })
