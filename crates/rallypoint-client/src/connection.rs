@@ -37,6 +37,7 @@ use rallypoint_net::shm;
 use rallypoint_net::sync::Backoff;
 use rallypoint_net::{unix_path, ReadHalf, Stream, WriteHalf};
 
+use crate::channel::Channels;
 use crate::error::Error;
 
 /// Most bytes reserved at once for the rest of a reply whose length prefix has
@@ -58,6 +59,11 @@ pub(crate) type ReplySlot = oneshot::Sender<Result<Response, Error>>;
 /// What a call sends to the connection task.
 pub(crate) enum Command {
     Request {
+        id: u64,
+        request: Request,
+    },
+    /// Ask the node agent for a barrier channel for `request` (module `channel`).
+    AttachBarrier {
         id: u64,
         request: Request,
     },
@@ -87,6 +93,8 @@ pub(crate) struct Link {
     reads: AtomicU64,
     /// The latest welcome: the session (the resume token) and the job's incarnation.
     welcome: Mutex<Welcome>,
+    /// Barrier channels given on this connection (module `channel`).
+    pub(crate) channels: Channels,
 }
 
 struct Pending {
@@ -130,6 +138,7 @@ impl Link {
             delivered: AtomicUsize::new(0),
             reads: AtomicU64::new(0),
             welcome: Mutex::new(welcome),
+            channels: Channels::default(),
         }
     }
 
@@ -161,6 +170,15 @@ impl Link {
         let (slot, reply) = oneshot::channel();
         pending.calls.insert(id, Call { slot, written: None });
         Ok((id, reply))
+    }
+
+    /// Call `id` still waits for its reply.
+    pub(crate) fn is_waiting(&self, id: u64) -> bool {
+        self.lock().calls.contains_key(&id)
+    }
+
+    pub(crate) fn addr(&self) -> &str {
+        &self.addr
     }
 
     /// Forgets a call whose caller stopped waiting (timed out or was cancelled).
@@ -410,6 +428,7 @@ async fn run(
             why = read_loop(reader, buffered, &releases, &link, epoch) => why,
             ended = write_loop(writer, &mut queue, &link, &mut beat, epoch, std::mem::take(&mut resend)) => ended,
         };
+        link.channels.connection_ended();
         let why = match ended {
             Ended::Done(why, done) => {
                 debug!(addr = %link.addr, %why, "connection task ended");
@@ -534,8 +553,15 @@ async fn read_loop(
                     };
                     link.complete(id, reply.and_then(|reply| reply.map_err(Error::Op)));
                 }
-                Ok(Some(ServerFrame::BarrierChannel { .. } | ServerFrame::NoBarrierChannel { .. })) => {
-                    return broken("the coordinator answered a barrier channel request never made".to_owned());
+                Ok(Some(ServerFrame::BarrierChannel { id, channel, slot })) => {
+                    if let Err(why) = link.channels.answered(id, channel, slot, &mut files) {
+                        return broken(why);
+                    }
+                    link.complete(id, Ok(Response::Done));
+                }
+                Ok(Some(ServerFrame::NoBarrierChannel { id, reason })) => {
+                    debug!(addr = %link.addr, %reason, "no barrier channel; the barrier goes through messages");
+                    link.complete(id, Ok(Response::Done));
                 }
                 Ok(Some(
                     ServerFrame::Welcome(_)
@@ -679,6 +705,10 @@ fn gather(
                 if let ClientFrame::Request { id, request } = frame {
                     written.push((id, request));
                 }
+                *gathered += 1;
+            }
+            Command::AttachBarrier { id, request } => {
+                encode_client_frame(&ClientFrame::AttachBarrier { id, request }, buf);
                 *gathered += 1;
             }
             Command::Release { slab, epoch: of } if of == epoch => {

@@ -190,7 +190,7 @@ mod mapped {
 
     impl Words {
         fn u32_at(&self, offset: usize) -> &AtomicU32 {
-            debug_assert!(offset + 4 <= self.map.len() && offset % 4 == 0);
+            debug_assert!(offset + 4 <= self.map.len() && offset.is_multiple_of(4));
             // SAFETY: in bounds and aligned (the mapping is page-aligned, offsets are
             // multiples of 4); the bytes are shared memory only ever accessed
             // atomically by every process that maps them.
@@ -198,7 +198,7 @@ mod mapped {
         }
 
         fn u64_at(&self, offset: usize) -> &AtomicU64 {
-            debug_assert!(offset + 8 <= self.map.len() && offset % 8 == 0);
+            debug_assert!(offset + 8 <= self.map.len() && offset.is_multiple_of(8));
             // SAFETY: as `u32_at`, 8-byte aligned.
             unsafe { &*self.map.as_ptr().add(offset).cast::<AtomicU64>() }
         }
@@ -411,6 +411,38 @@ mod mapped {
                 // EAGAIN (released meanwhile), EINTR and ETIMEDOUT all mean: look again.
                 let _ = futex::wait(self.words.release(), futex::Flags::empty(), seen, Some(&timespec(deadline - now)));
             }
+        }
+
+        /// Spins while a spin pays (see [`RankChannel::wait`]) for `round` of `slot`
+        /// to end; its outcome if it did meanwhile.
+        pub fn spin(&self, slot: u32, round: u32) -> Option<Outcome> {
+            let spin = spin_budget(self.words.u32_at(ATTACHED).load(Ordering::Relaxed));
+            let spun = Instant::now();
+            for _ in 0..SPIN_CHECKS {
+                if let Some(outcome) = self.outcome(slot, round) {
+                    return Some(outcome);
+                }
+                if spun.elapsed() >= spin {
+                    break;
+                }
+                for _ in 0..SPINS_PER_CHECK {
+                    std::hint::spin_loop();
+                }
+            }
+            self.outcome(slot, round)
+        }
+
+        /// The release word: it moves whenever the agent finishes rounds.
+        pub fn release_word(&self) -> u32 {
+            super::release_word(&self.words)
+        }
+
+        /// Sleeps until the release word no longer reads `seen` (or `timeout`
+        /// passes, or a signal comes): for a thread that watches the channel for
+        /// waiters that cannot block, such as async tasks.
+        pub fn wait_release(&self, seen: u32, timeout: Duration) {
+            // EAGAIN (moved meanwhile), EINTR and ETIMEDOUT all mean: look again.
+            let _ = futex::wait(self.words.release(), futex::Flags::empty(), seen, Some(&timespec(timeout)));
         }
 
         /// Wakes whoever of this process waits on the channel (the connection it came

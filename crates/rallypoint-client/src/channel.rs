@@ -1,0 +1,399 @@
+//! Barriers through shared memory with this node's agent (docs/PROTOCOL.md,
+//! section 15).
+//!
+//! On a Unix socket to its node agent, the first call of a barrier (name, members,
+//! timeout) asks the agent for a *channel*; with one, every call of that barrier
+//! arrives by writing the channel's shared memory and waits on its futex instead
+//! of sending a request and reading a reply. The call still has a request id,
+//! registered like any call's: if the barrier fails, the slot says so and the
+//! coordinator's typed error (the timeout naming the missing ranks, the lost rank)
+//! arrives on the socket as that id's reply, exactly as without a channel. Where
+//! there is no channel (TCP, the coordinator itself, an agent that has none to
+//! give), the barrier goes through messages as before.
+//!
+//! Waiting: the blocking client waits on the futex in its caller's thread (the
+//! one wake-up a release costs). The async client must not block a runtime
+//! thread (a process may hold thousands of clients): a watcher thread per channel
+//! and process sleeps on the futex for all of them and wakes their tasks.
+//!
+//! A channel belongs to one connection: when it ends, every rank of this process
+//! waiting on it is woken (the agent may be gone and never wake them), and later
+//! calls ask again on the next connection.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Once, Weak};
+use std::time::{Duration, Instant};
+
+use rallypoint_core::{Request, Response};
+use rallypoint_net::shm_barrier::{Outcome, RankChannel, Waited};
+use tokio::sync::{oneshot, Notify};
+use tracing::{debug, warn};
+
+use crate::connection::{Command, Link};
+use crate::error::Error;
+
+/// This client's barrier channels.
+#[derive(Default)]
+pub(crate) struct Channels(Mutex<State>);
+
+#[derive(Default)]
+struct State {
+    /// Counts the connections ended: a seat is valid on the connection it was given on.
+    epoch: u64,
+    /// Channels of the current connection by id; `None`: one that could not be mapped.
+    mapped: HashMap<u64, Option<Arc<Mapped>>>,
+    /// Answers to attach requests, by request id, until their calls take them.
+    answers: HashMap<u64, (Arc<Mapped>, u32)>,
+    /// How each barrier call (name, members, timeout) goes.
+    uses: Vec<(Request, Use)>,
+}
+
+enum Use {
+    /// Through messages, for good: no channel for it (or it broke).
+    Messages,
+    /// A call is in flight through the channel (or attaching): others of this
+    /// client meanwhile go through messages.
+    Busy,
+    Seat(Seat),
+}
+
+/// A channel mapped into this process.
+struct Mapped {
+    channel: RankChannel,
+    /// The connection it came with ended: nobody will finish its rounds.
+    ended: AtomicBool,
+    /// Wakes the async tasks waiting on the channel (from its watcher thread).
+    moved: Notify,
+    watcher: Once,
+}
+
+impl Mapped {
+    /// Starts the thread that watches the channel for async waiters, once.
+    fn watch(self: &Arc<Self>) {
+        self.watcher.call_once(|| {
+            let mapped = Arc::downgrade(self);
+            let started =
+                std::thread::Builder::new().name("rallypoint-barrier".to_owned()).spawn(move || watch(mapped));
+            if let Err(error) = started {
+                // Waiters still wake, at each check of their deadline.
+                warn!(%error, "cannot start a barrier channel's watcher thread");
+            }
+        });
+    }
+}
+
+/// How often a watcher thread looks whether its channel is still in use.
+const WATCH_CHECK: Duration = Duration::from_secs(1);
+
+/// A watcher thread: wakes the channel's async waiters each time the release
+/// word moves, until the channel is dropped or its connection ends.
+fn watch(mapped: Weak<Mapped>) {
+    let Some(first) = mapped.upgrade() else { return };
+    let mut seen = first.channel.release_word();
+    drop(first);
+    while let Some(m) = mapped.upgrade() {
+        m.channel.wait_release(seen, WATCH_CHECK);
+        let now = m.channel.release_word();
+        if now != seen {
+            seen = now;
+            m.moved.notify_waiters();
+        }
+        if m.ended.load(Ordering::Acquire) {
+            m.moved.notify_waiters();
+            return;
+        }
+    }
+}
+
+/// How a barrier call waits for its round's end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Waiting {
+    /// Blocks the calling thread (the blocking client's caller, not a runtime's).
+    Thread,
+    /// Awaits, woken by the channel's watcher thread.
+    Task,
+}
+
+struct Seat {
+    channel: Arc<Mapped>,
+    slot: u32,
+    /// The last round arrived at.
+    round: u32,
+    epoch: u64,
+}
+
+impl Channels {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The connection's reader got a channel for attach request `id` (its files in
+    /// `files` if the channel is new to this connection). `Err`: the files are missing.
+    pub(crate) fn answered(
+        &self,
+        id: u64,
+        channel: u64,
+        slot: u32,
+        files: &mut VecDeque<OwnedFd>,
+    ) -> Result<(), String> {
+        let mut state = self.lock();
+        let mapped = match state.mapped.get(&channel) {
+            Some(mapped) => mapped.clone(),
+            None => {
+                let (Some(file), Some(doorbell)) = (files.pop_front(), files.pop_front()) else {
+                    return Err(format!("barrier channel {channel} came without its files"));
+                };
+                let mapped = match RankChannel::map(file, doorbell) {
+                    Ok(channel) => Some(Arc::new(Mapped {
+                        channel,
+                        ended: AtomicBool::new(false),
+                        moved: Notify::new(),
+                        watcher: Once::new(),
+                    })),
+                    Err(error) => {
+                        debug!(channel, %error, "cannot map a barrier channel; its barriers go through messages");
+                        None
+                    }
+                };
+                state.mapped.insert(channel, mapped.clone());
+                mapped
+            }
+        };
+        if let Some(mapped) = mapped.filter(|m| slot < m.channel.slots()) {
+            state.answers.insert(id, (mapped, slot));
+        }
+        Ok(())
+    }
+
+    /// The connection ended: its channels are given up, and whoever waits on one is
+    /// woken to find out.
+    pub(crate) fn connection_ended(&self) {
+        let mapped = {
+            let mut state = self.lock();
+            state.epoch += 1;
+            state.answers.clear();
+            std::mem::take(&mut state.mapped)
+        };
+        for mapped in mapped.into_values().flatten() {
+            mapped.ended.store(true, Ordering::Release);
+            mapped.channel.wake_waiters();
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.lock().epoch
+    }
+}
+
+/// What [`barrier`] needs of its client.
+pub(crate) struct Caller<'a> {
+    pub(crate) link: &'a Arc<Link>,
+    pub(crate) commands: &'a tokio::sync::mpsc::UnboundedSender<Command>,
+    /// How long an attach request may take before the barrier goes through messages.
+    pub(crate) attach_wait: Duration,
+}
+
+/// A barrier call through this client's channel for it: `None` if it has none (the
+/// caller sends it as a request).
+pub(crate) async fn barrier(
+    caller: Caller<'_>,
+    request: &Request,
+    wait: Duration,
+    waiting: Waiting,
+) -> Option<Result<(), Error>> {
+    let link = caller.link;
+    let channels = &link.channels;
+    let seat = {
+        let mut state = channels.lock();
+        let epoch = state.epoch;
+        match state.uses.iter_mut().find(|(r, _)| r == request) {
+            Some((_, Use::Messages | Use::Busy)) => return None,
+            Some((_, used @ Use::Seat(_))) => match std::mem::replace(used, Use::Busy) {
+                Use::Seat(seat) if seat.epoch == epoch => Some(seat),
+                _ => None,
+            },
+            None => {
+                state.uses.push((request.clone(), Use::Busy));
+                None
+            }
+        }
+    };
+    let seat = match seat {
+        Some(seat) => seat,
+        None => match attach(&caller, request).await {
+            Some(seat) => seat,
+            None => return None,
+        },
+    };
+    let (outcome, seat) = arrive_and_wait(link, seat, wait, waiting).await;
+    let mut state = channels.lock();
+    if let Some((_, used)) = state.uses.iter_mut().find(|(r, _)| r == request) {
+        *used = seat.map_or(Use::Messages, Use::Seat);
+    }
+    Some(outcome)
+}
+
+/// Asks the agent for a channel; `None` (and the barrier's use set to messages, or
+/// cleared to ask again on another connection) if there is none.
+async fn attach(caller: &Caller<'_>, request: &Request) -> Option<Seat> {
+    let link = caller.link;
+    let epoch = link.channels.epoch();
+    let set = |used: Option<Use>| {
+        let mut state = link.channels.lock();
+        let at = state.uses.iter().position(|(r, _)| r == request);
+        match (at, used) {
+            (Some(at), Some(used)) => state.uses[at].1 = used,
+            (Some(at), None) => {
+                state.uses.swap_remove(at);
+            }
+            (None, _) => {}
+        }
+    };
+    let answer = async {
+        let (id, reply) = link.register().ok()?;
+        let _registered = crate::client::Registered { link, id };
+        caller.commands.send(Command::AttachBarrier { id, request: request.clone() }).ok()?;
+        match tokio::time::timeout(caller.attach_wait, reply).await {
+            Ok(Ok(Ok(Response::Done))) => Some(link.channels.lock().answers.remove(&id)),
+            _ => None,
+        }
+    };
+    match answer.await {
+        Some(Some((channel, slot))) if link.channels.epoch() == epoch => Some(Seat { channel, slot, round: 0, epoch }),
+        // Answered without a channel: this barrier goes through messages.
+        Some(_) if link.channels.epoch() == epoch => {
+            set(Some(Use::Messages));
+            None
+        }
+        // No answer (the connection ended, or an agent that does not know the
+        // request): ask again next time, and meanwhile use messages.
+        _ => {
+            set(None);
+            None
+        }
+    }
+}
+
+/// One round through the channel; returns its outcome and the seat, unless the
+/// seat can no longer be trusted (an arrival the agent may still hold).
+async fn arrive_and_wait(
+    link: &Arc<Link>,
+    mut seat: Seat,
+    wait: Duration,
+    waiting: Waiting,
+) -> (Result<(), Error>, Option<Seat>) {
+    let mut got = None;
+    let (id, mut reply) = match link.register() {
+        Ok(registered) => registered,
+        Err(error) => return (Err(error), Some(seat)),
+    };
+    let deadline = Instant::now() + wait;
+    seat.round = seat.round.wrapping_add(1).max(1);
+    let (mapped, slot, round) = (Arc::clone(&seat.channel), seat.slot, seat.round);
+    if waiting == Waiting::Task {
+        mapped.watch();
+    }
+    mapped.channel.arrive(slot, round, id);
+    let waited = match waiting {
+        Waiting::Thread => {
+            mapped.channel.wait(slot, round, deadline, || mapped.ended.load(Ordering::Acquire) || !link.is_waiting(id))
+        }
+        Waiting::Task => wait_task(&mapped, slot, round, deadline, &mut reply, &mut got).await,
+    };
+    match waited {
+        Waited::Ended(Outcome::Released) => {
+            link.unregister(id);
+            (Ok(()), Some(seat))
+        }
+        // The error is on its way on the socket, as the reply to the call's id.
+        Waited::Ended(Outcome::Failed) => (reply_to(link, id, got, reply, deadline).await, Some(seat)),
+        Waited::Stopped => {
+            let ended = mapped.ended.load(Ordering::Acquire);
+            let kept = (!ended && mapped.channel.outcome(slot, round).is_some()).then_some(seat);
+            if ended && got.is_none() && link.is_waiting(id) {
+                // The connection ended without answering: whether the barrier took
+                // effect is unknown, as for a request whose connection was cut.
+                link.unregister(id);
+                let why = format!("the connection to the node agent at {} ended during a barrier", link.addr());
+                return (Err(Error::Disconnected(why)), kept);
+            }
+            (reply_to(link, id, got, reply, deadline).await, kept)
+        }
+        Waited::TimedOut => {
+            link.unregister(id);
+            (Err(Error::Timeout(wait)), None)
+        }
+    }
+}
+
+/// [`RankChannel::wait`] for an async task: a spin while it pays, then woken by
+/// the channel's watcher thread; stops when the call's reply or the connection's
+/// end comes first.
+async fn wait_task(
+    mapped: &Mapped,
+    slot: u32,
+    round: u32,
+    deadline: Instant,
+    reply: &mut oneshot::Receiver<Result<Response, Error>>,
+    got: &mut Option<Received>,
+) -> Waited {
+    if let Some(outcome) = mapped.channel.spin(slot, round) {
+        return Waited::Ended(outcome);
+    }
+    let deadline = tokio::time::Instant::from_std(deadline);
+    loop {
+        let moved = mapped.moved.notified();
+        tokio::pin!(moved);
+        // Registered before looking, so that a release after the look wakes it.
+        moved.as_mut().enable();
+        if let Some(outcome) = mapped.channel.outcome(slot, round) {
+            return Waited::Ended(outcome);
+        }
+        if mapped.ended.load(Ordering::Acquire) {
+            return Waited::Stopped;
+        }
+        tokio::select! {
+            () = moved => {}
+            // The reply came on the socket.
+            received = &mut *reply => {
+                *got = Some(received);
+                return Waited::Stopped;
+            }
+            () = tokio::time::sleep_until(deadline) => return Waited::TimedOut,
+        }
+    }
+}
+
+/// A reply as its call's receiver gave it.
+type Received = Result<Result<Response, Error>, oneshot::error::RecvError>;
+
+/// The reply to call `id` on the socket: `got` if it came already.
+async fn reply_to(
+    link: &Link,
+    id: u64,
+    got: Option<Received>,
+    reply: oneshot::Receiver<Result<Response, Error>>,
+    deadline: Instant,
+) -> Result<(), Error> {
+    // The error follows its slot's mark at once; the deadline only bounds a wait
+    // for an agent that broke the protocol.
+    let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(5);
+    let received = match got {
+        Some(received) => received,
+        None => match tokio::time::timeout(left, reply).await {
+            Ok(received) => received,
+            Err(_) => {
+                link.unregister(id);
+                return Err(Error::Timeout(left));
+            }
+        },
+    };
+    match received {
+        Ok(Ok(Response::Done)) => Ok(()),
+        Ok(Ok(other)) => Err(Error::Protocol(format!("unexpected reply to barrier: {other:?}"))),
+        Ok(Err(error)) => Err(error),
+        Err(_) => Err(link.disconnected()),
+    }
+}
