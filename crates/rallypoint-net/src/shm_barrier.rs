@@ -485,7 +485,7 @@ mod mapped {
     #[cfg(test)]
     mod tests {
         use std::os::fd::AsFd;
-        use std::sync::atomic::AtomicBool;
+        use std::sync::atomic::{AtomicBool, AtomicU32};
         use std::sync::Arc;
 
         use super::*;
@@ -545,6 +545,156 @@ mod mapped {
             stop.store(true, Ordering::SeqCst);
             rank.wake_waiters();
             assert_eq!(waiter.join().expect("waiter"), Waited::Stopped);
+        }
+
+        /// Waits for the doorbell (at most `wait`), then empties it.
+        fn await_bell(agent: &AgentChannel, wait: Duration) {
+            let mut fds = [rustix::event::PollFd::new(&*agent.doorbell, rustix::event::PollFlags::IN)];
+            let wait =
+                rustix::event::Timespec { tv_sec: wait.as_secs() as i64, tv_nsec: i64::from(wait.subsec_nanos()) };
+            let _ = rustix::event::poll(&mut fds, Some(&wait));
+            agent.drain_doorbell();
+        }
+
+        /// The agent's side of `rounds` rounds of every slot, as the node agent runs
+        /// it, with every rank attached; `end` says how each round ends. Checks that
+        /// a round ends only once every rank has arrived (`arrivals` counts them),
+        /// and that each arrival's call id is the rank's own.
+        fn run_agent(
+            agent: &AgentChannel,
+            ranks: u32,
+            rounds: u32,
+            arrivals: &AtomicU32,
+            end: impl Fn(u32) -> Outcome,
+        ) {
+            let mut seen = vec![0u32; ranks as usize];
+            let deadline = Instant::now() + Duration::from_secs(120);
+            for round in 1..=rounds {
+                let mut held = 0;
+                let mut look_again = false;
+                while held < ranks {
+                    assert!(Instant::now() < deadline, "round {round}: {held} of {ranks} arrivals seen");
+                    // Without a ring, only when an arrival counted is not visible yet.
+                    await_bell(agent, if look_again { Duration::from_millis(1) } else { Duration::from_secs(10) });
+                    let mut taken = 0;
+                    for slot in 0..ranks {
+                        if let Some((arrived, call)) = agent.arrival(slot, seen[slot as usize]) {
+                            assert_eq!(arrived, round, "slot {slot}");
+                            assert_eq!(call, u64::from(slot) * 1_000_000 + u64::from(round));
+                            seen[slot as usize] = arrived;
+                            taken += 1;
+                        }
+                    }
+                    held += taken;
+                    look_again = agent.took(taken, ranks - held) > 0;
+                }
+                assert_eq!(arrivals.load(Ordering::SeqCst), ranks * round, "released before everyone arrived");
+                for slot in 0..ranks {
+                    agent.finish(slot, round, end(round));
+                }
+                agent.took(0, ranks);
+                agent.release();
+            }
+        }
+
+        fn channel_of(ranks: u32) -> AgentChannel {
+            let agent = AgentChannel::create(ranks).expect("a channel");
+            for slot in 0..ranks {
+                agent.reset_slot(slot);
+            }
+            agent.set_attached(ranks);
+            agent.took(0, ranks);
+            agent
+        }
+
+        /// Many ranks, each with its own mapping as a process would have, through
+        /// many rounds: no round ends early, none is missed, no waiter sleeps
+        /// through its release.
+        #[test]
+        fn many_ranks_through_many_rounds() {
+            const RANKS: u32 = 24;
+            const ROUNDS: u32 = 300;
+            let agent = channel_of(RANKS);
+            let arrivals = Arc::new(AtomicU32::new(0));
+            let ranks: Vec<_> = (0..RANKS)
+                .map(|slot| {
+                    let rank = rank_of(&agent);
+                    let arrivals = Arc::clone(&arrivals);
+                    std::thread::spawn(move || {
+                        for round in 1..=ROUNDS {
+                            arrivals.fetch_add(1, Ordering::SeqCst);
+                            rank.arrive(slot, round, u64::from(slot) * 1_000_000 + u64::from(round));
+                            let deadline = Instant::now() + Duration::from_secs(60);
+                            assert_eq!(
+                                rank.wait(slot, round, deadline, || false),
+                                Waited::Ended(Outcome::Released),
+                                "slot {slot}, round {round}"
+                            );
+                        }
+                    })
+                })
+                .collect();
+            run_agent(&agent, RANKS, ROUNDS, &arrivals, |_| Outcome::Released);
+            for rank in ranks {
+                rank.join().expect("a rank");
+            }
+        }
+
+        /// A round that fails (a peer died) wakes every waiter with the failure, and
+        /// the channel goes on with the next round.
+        #[test]
+        fn a_failed_round_wakes_every_waiter_with_the_failure() {
+            const RANKS: u32 = 8;
+            let agent = channel_of(RANKS);
+            let arrivals = Arc::new(AtomicU32::new(0));
+            let ranks: Vec<_> = (0..RANKS)
+                .map(|slot| {
+                    let rank = rank_of(&agent);
+                    let arrivals = Arc::clone(&arrivals);
+                    std::thread::spawn(move || {
+                        (1..=3)
+                            .map(|round| {
+                                arrivals.fetch_add(1, Ordering::SeqCst);
+                                rank.arrive(slot, round, u64::from(slot) * 1_000_000 + u64::from(round));
+                                rank.wait(slot, round, Instant::now() + Duration::from_secs(60), || false)
+                            })
+                            .collect::<Vec<_>>()
+                    })
+                })
+                .collect();
+            let end = |round| if round == 2 { Outcome::Failed } else { Outcome::Released };
+            run_agent(&agent, RANKS, 3, &arrivals, end);
+            let (released, failed) = (Waited::Ended(Outcome::Released), Waited::Ended(Outcome::Failed));
+            for rank in ranks {
+                assert_eq!(rank.join().expect("a rank"), [released, failed, released]);
+            }
+        }
+
+        /// A rank waiting for peers that never come (one died before arriving) is
+        /// woken when the agent fails its round, not at its deadline.
+        #[test]
+        fn a_waiter_is_woken_with_the_failure_of_a_peer_that_never_arrived() {
+            let agent = channel_of(3);
+            let (a, b) = (rank_of(&agent), rank_of(&agent));
+            let far = Instant::now() + Duration::from_secs(600);
+            let waiters = [(a, 0), (b, 1)].map(|(rank, slot)| {
+                std::thread::spawn(move || {
+                    rank.arrive(slot, 1, 7);
+                    rank.wait(slot, 1, far, || false)
+                })
+            });
+            // Slot 2's rank dies: the agent fails the round of those that came.
+            let mut seen = 0;
+            while seen < 2 {
+                await_bell(&agent, Duration::from_millis(10));
+                seen = (0..2).filter(|&slot| agent.arrival(slot, 0).is_some()).count();
+            }
+            agent.finish(0, 1, Outcome::Failed);
+            agent.finish(1, 1, Outcome::Failed);
+            agent.release();
+            for waiter in waiters {
+                assert_eq!(waiter.join().expect("a waiter"), Waited::Ended(Outcome::Failed));
+            }
         }
 
         #[test]
