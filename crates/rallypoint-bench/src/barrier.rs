@@ -51,7 +51,7 @@ pub struct Args {
     /// Load-generator processes to spread the clients over (children of this one, each
     /// with its own file-descriptor limit; keep clients / procs below that limit, with
     /// some to spare)
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
     procs: u32,
     /// Loopback source addresses to bind clients to (127.0.0.2, 127.0.0.3, ...), each
     /// with its own ephemeral ports; default: as many as the clients need (none while

@@ -130,15 +130,15 @@ fn barrier_channel_frames() {
     let barrier = Request::Barrier { name: "b".into(), members: Members::World, timeout_ms: None };
     client(
         ClientFrame::AttachBarrier { id: 4, request: barrier },
-        "11 00 00 00 0c 04 00 00 00 00 00 00 00 0d 01 00 00 00 62 00 00",
+        "11 00 00 00 1d 04 00 00 00 00 00 00 00 0d 01 00 00 00 62 00 00",
     );
     server(
         ServerFrame::BarrierChannel { id: 4, channel: 1, slot: 3 },
-        "15 00 00 00 8c 04 00 00 00 00 00 00 00 01 00 00 00 00 00 00 00 03 00 00 00",
+        "15 00 00 00 9d 04 00 00 00 00 00 00 00 01 00 00 00 00 00 00 00 03 00 00 00",
     );
     server(
         ServerFrame::NoBarrierChannel { id: 4, reason: "tcp".into() },
-        "10 00 00 00 8d 04 00 00 00 00 00 00 00 03 00 00 00 74 63 70",
+        "10 00 00 00 9e 04 00 00 00 00 00 00 00 03 00 00 00 74 63 70",
     );
 }
 

@@ -30,10 +30,11 @@ pub(crate) mod kind {
     pub const TAKE_SHARED_REPLIES: u8 = 0x08;
     pub const RELEASE_SHARED: u8 = 0x09;
     pub const SHARED_REPLY: u8 = 0x89;
-    // Barriers through shared memory (docs/PROTOCOL.md, section 15).
-    pub const ATTACH_BARRIER: u8 = 0x0c;
-    pub const BARRIER_CHANNEL: u8 = 0x8c;
-    pub const NO_BARRIER_CHANNEL: u8 = 0x8d;
+    // Barriers through shared memory (docs/PROTOCOL.md, section 15); numbered past
+    // the request opcodes so that neither is ever mistaken for the other in a dump.
+    pub const ATTACH_BARRIER: u8 = 0x1d;
+    pub const BARRIER_CHANNEL: u8 = 0x9d;
+    pub const NO_BARRIER_CHANNEL: u8 = 0x9e;
     // Node agents (docs/PROTOCOL.md, section 12).
     pub const AGENT_HELLO: u8 = 0x03;
     pub const SUB_HELLO: u8 = 0x04;
