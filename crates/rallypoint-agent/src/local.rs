@@ -120,8 +120,8 @@ impl Local {
         }
     }
 
-    /// The answer to attach request `id`: slot `slot` of `channel`, whose memory
-    /// file and doorbell go with the first such answer to this rank.
+    /// For attach request `id`: slot `slot` of `channel`, whose memory file and
+    /// doorbell go with the first such frame to this rank.
     pub(crate) fn barrier_channel(&self, id: u64, channel: &Channel, slot: u32) {
         let mut out = lock(&self.out);
         if out.channels_given.insert(channel.id) {
@@ -429,8 +429,7 @@ fn forward(
         // Files only pass over Unix sockets; over TCP the rank gets plain replies.
         Inbound::TakeSharedReplies => local.takes_shared.store(local.writer.is_unix(), Ordering::Relaxed),
         Inbound::ReleaseShared { slab } => hub.slabs.release(Some(slab), sub),
-        // Shared memory only passes over Unix sockets (and not to a rank that says
-        // it cannot take files: one that takes no shared replies either).
+        // Shared memory only passes over Unix sockets.
         Inbound::AttachBarrier { id, request } => {
             let attached = if local.writer.is_unix() {
                 hub.channels.attach(hub, sub, job, &request)
@@ -443,6 +442,8 @@ fn forward(
                     local.send(|out| encode_server_frame(&ServerFrame::NoBarrierChannel { id, reason }, out))
                 }
             }
+            // The call itself goes up as any request; its reply follows the answer above.
+            requests.push((id, request));
         }
         Inbound::Invalid { id, message } => {
             if let Some(held_back) = warnings.admit() {

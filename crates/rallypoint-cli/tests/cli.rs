@@ -796,8 +796,10 @@ fn a_killed_process_is_lost_at_once_whatever_the_reconnect_grace() {
 }
 
 /// Ranks on a node agent's Unix socket wait in a barrier through shared memory
-/// with the agent (docs/PROTOCOL.md, section 15); one is SIGKILLed while they
-/// wait, and every other one is woken at once with the failure naming it.
+/// with the agent (docs/PROTOCOL.md, section 15: a barrier's first call goes as a
+/// request that gets the channel, its later ones through the channel); one is
+/// SIGKILLed while they wait, and every other one is woken at once with the
+/// failure naming it.
 #[test]
 fn a_rank_killed_in_a_shared_memory_barrier_is_named_by_every_peer() {
     let server = Server::start();
@@ -806,19 +808,21 @@ fn a_rank_killed_in_a_shared_memory_barrier_is_named_by_every_peer() {
     let sock = dir.join("agent.sock");
     let _agent = agent(&server, &sock);
     let addr = format!("unix:{}", sock.display());
-    // World of 5: ranks 0 to 3 wait (4 never comes), then 1 is killed.
-    let rank = |r: u32| {
+    let rank = |r: u32, times: u32| {
         let mut command = rallypoint();
-        command.args(["barrier", "b", "--addr", &addr, "--job", "shm", "--rank", &r.to_string()]);
-        command.args(["--world-size", "5", "--timeout", "300"]);
+        command.args(["barrier", "b", "--times", &times.to_string(), "--addr", &addr, "--job", "shm"]);
+        command.args(["--rank", &r.to_string(), "--world-size", "5", "--timeout", "300"]);
         command
     };
-    let mut peers: Vec<Guard> = [0, 2, 3].into_iter().map(|r| spawn(rank(r))).collect();
-    let mut victim = spawn(rank(1));
+    // World of 5: all pass the first generation; rank 4 then leaves, so ranks 0 to
+    // 3 wait in the second (through the channel) until rank 1 is killed.
+    let mut peers: Vec<Guard> = [0, 2, 3].into_iter().map(|r| spawn(rank(r, 2))).collect();
+    let mut victim = spawn(rank(1, 2));
+    assert_code(&finish(&mut spawn(rank(4, 1))), 0);
     for pid in peers.iter().map(Guard::pid).chain([victim.pid()]) {
         wait_mapped(pid, "memfd:rallypoint-barrier");
     }
-    // Mapped, then arrived at once: give the arrivals a moment to go up.
+    // Mapped with the first generation's reply; the second arrives at once after.
     thread::sleep(Duration::from_millis(300));
     victim.0.kill().expect("SIGKILL rank 1");
     let killed_at = Instant::now();

@@ -2,9 +2,9 @@
 //! section 15).
 //!
 //! On a Unix socket to its node agent, the first call of a barrier (name, members,
-//! timeout) asks the agent for a *channel*; with one, every call of that barrier
-//! arrives by writing the channel's shared memory and waits on its futex instead
-//! of sending a request and reading a reply. The call still has a request id,
+//! timeout) goes as a request that also asks the agent for a *channel*; with one,
+//! every later call of that barrier arrives by writing the channel's shared memory
+//! and waits on its futex instead of sending a request and reading a reply. The call still has a request id,
 //! registered like any call's: if the barrier fails, the slot says so and the
 //! coordinator's typed error (the timeout naming the missing ranks, the lost rank)
 //! arrives on the socket as that id's reply, exactly as without a channel. Where
@@ -44,8 +44,9 @@ struct State {
     epoch: u64,
     /// Channels of the current connection by id; `None`: one that could not be mapped.
     mapped: HashMap<u64, Option<Arc<Mapped>>>,
-    /// Answers to attach requests, by request id, until their calls take them.
-    answers: HashMap<u64, (Arc<Mapped>, u32)>,
+    /// Answers to attach requests, by request id, until their calls take them:
+    /// `None` for no channel.
+    answers: HashMap<u64, Option<(Arc<Mapped>, u32)>>,
     /// How each barrier call (name, members, timeout) goes.
     uses: Vec<(Request, Use)>,
 }
@@ -161,10 +162,14 @@ impl Channels {
                 mapped
             }
         };
-        if let Some(mapped) = mapped.filter(|m| slot < m.channel.slots()) {
-            state.answers.insert(id, (mapped, slot));
-        }
+        let answer = mapped.filter(|m| slot < m.channel.slots()).map(|mapped| (mapped, slot));
+        state.answers.insert(id, answer);
         Ok(())
+    }
+
+    /// The connection's reader was told there is no channel for attach request `id`.
+    pub(crate) fn refused(&self, id: u64) {
+        self.lock().answers.insert(id, None);
     }
 
     /// The connection ended: its channels are given up, and whoever waits on one is
@@ -191,8 +196,6 @@ impl Channels {
 pub(crate) struct Caller<'a> {
     pub(crate) link: &'a Arc<Link>,
     pub(crate) commands: &'a tokio::sync::mpsc::UnboundedSender<Command>,
-    /// How long an attach request may take before the barrier goes through messages.
-    pub(crate) attach_wait: Duration,
 }
 
 /// A barrier call through this client's channel for it: `None` if it has none (the
@@ -220,12 +223,8 @@ pub(crate) async fn barrier(
             }
         }
     };
-    let seat = match seat {
-        Some(seat) => seat,
-        None => match attach(&caller, request).await {
-            Some(seat) => seat,
-            None => return None,
-        },
+    let Some(seat) = seat else {
+        return attach(&caller, request, wait).await;
     };
     let (outcome, seat) = arrive_and_wait(link, seat, wait, waiting).await;
     let mut state = channels.lock();
@@ -235,44 +234,57 @@ pub(crate) async fn barrier(
     Some(outcome)
 }
 
-/// Asks the agent for a channel; `None` (and the barrier's use set to messages, or
-/// cleared to ask again on another connection) if there is none.
-async fn attach(caller: &Caller<'_>, request: &Request) -> Option<Seat> {
+/// Makes the call as a request that also asks the agent for a channel for the
+/// later ones, and records the answer. `None`: the peer knows no such request (an
+/// older agent), and the caller makes the call, and all later ones, as requests.
+async fn attach(caller: &Caller<'_>, request: &Request, wait: Duration) -> Option<Result<(), Error>> {
     let link = caller.link;
     let epoch = link.channels.epoch();
-    let set = |used: Option<Use>| {
-        let mut state = link.channels.lock();
-        let at = state.uses.iter().position(|(r, _)| r == request);
-        match (at, used) {
-            (Some(at), Some(used)) => state.uses[at].1 = used,
-            (Some(at), None) => {
-                state.uses.swap_remove(at);
-            }
-            (None, _) => {}
-        }
+    let (id, reply) = match link.register() {
+        Ok(registered) => registered,
+        Err(error) => return Some(Err(error)),
     };
-    let answer = async {
-        let (id, reply) = link.register().ok()?;
-        let _registered = crate::client::Registered { link, id };
-        caller.commands.send(Command::AttachBarrier { id, request: request.clone() }).ok()?;
-        match tokio::time::timeout(caller.attach_wait, reply).await {
-            Ok(Ok(Ok(Response::Done))) => Some(link.channels.lock().answers.remove(&id)),
-            _ => None,
-        }
+    let registered = crate::client::Registered { link, id };
+    if caller.commands.send(Command::AttachBarrier { id, request: request.clone() }).is_err() {
+        return Some(Err(link.disconnected()));
+    }
+    let result = match tokio::time::timeout(wait, reply).await {
+        Ok(Ok(Ok(Response::Done))) => Ok(()),
+        Ok(Ok(Ok(other))) => Err(Error::Protocol(format!("unexpected reply to barrier: {other:?}"))),
+        Ok(Ok(Err(error))) => Err(error),
+        Ok(Err(_)) => Err(link.disconnected()),
+        Err(_) => Err(Error::Timeout(wait)),
     };
-    match answer.await {
-        Some(Some((channel, slot))) if link.channels.epoch() == epoch => Some(Seat { channel, slot, round: 0, epoch }),
-        // Answered without a channel: this barrier goes through messages.
-        Some(_) if link.channels.epoch() == epoch => {
-            set(Some(Use::Messages));
-            None
+    drop(registered);
+    let answer = link.channels.lock().answers.remove(&id);
+    let used = match answer {
+        Some(Some((channel, slot))) if link.channels.epoch() == epoch => {
+            Some(Use::Seat(Seat { channel, slot, round: 0, epoch }))
         }
-        // No answer (the connection ended, or an agent that does not know the
-        // request): ask again next time, and meanwhile use messages.
-        _ => {
-            set(None);
-            None
+        Some(Some(_)) => None,
+        Some(None) => Some(Use::Messages),
+        // Refused unread: a peer that does not know the frame.
+        None if matches!(result, Err(Error::Op(rallypoint_core::OpError::Invalid(_)))) => {
+            set_use(link, request, Some(Use::Messages));
+            return None;
         }
+        // No answer (the connection ended first): ask again on the next one.
+        None => None,
+    };
+    set_use(link, request, used);
+    Some(result)
+}
+
+/// Sets how `request`'s calls go (`None`: ask again at the next call).
+fn set_use(link: &Link, request: &Request, used: Option<Use>) {
+    let mut state = link.channels.lock();
+    let at = state.uses.iter().position(|(r, _)| r == request);
+    match (at, used) {
+        (Some(at), Some(used)) => state.uses[at].1 = used,
+        (Some(at), None) => {
+            state.uses.swap_remove(at);
+        }
+        (None, _) => {}
     }
 }
 

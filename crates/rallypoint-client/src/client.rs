@@ -37,10 +37,6 @@ pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
 /// the coordinator's reply (the coordinator's own timeout error normally comes first).
 const SAFETY_MARGIN: Duration = Duration::from_secs(5);
 
-/// How long a barrier's first call waits for the node agent's answer to its request
-/// for a barrier channel before going through messages.
-const ATTACH_WAIT: Duration = Duration::from_secs(10);
-
 /// How long [`Client::close`] waits for the coordinator to confirm the leave.
 pub const LEAVE_WAIT: Duration = Duration::from_secs(2);
 
@@ -377,11 +373,7 @@ impl Client {
         let (timeout_ms, wait) = self.blocking_timeout(timeout);
         let request = Request::Barrier { name: name.to_owned(), members, timeout_ms };
         if self.inner.barrier_channels {
-            let caller = channel::Caller {
-                link: &self.inner.link,
-                commands: &self.inner.commands,
-                attach_wait: self.inner.timeout.min(ATTACH_WAIT),
-            };
+            let caller = channel::Caller { link: &self.inner.link, commands: &self.inner.commands };
             if let Some(done) = channel::barrier(caller, &request, wait.saturating_add(SAFETY_MARGIN), waiting).await {
                 if matches!(done, Err(Error::Timeout(_))) {
                     self.inner.silent.store(true, Ordering::Relaxed);

@@ -62,7 +62,8 @@ pub(crate) enum Command {
         id: u64,
         request: Request,
     },
-    /// Ask the node agent for a barrier channel for `request` (module `channel`).
+    /// The barrier call `request`, asking the node agent for a barrier channel for
+    /// its later calls (module `channel`).
     AttachBarrier {
         id: u64,
         request: Request,
@@ -557,11 +558,10 @@ async fn read_loop(
                     if let Err(why) = link.channels.answered(id, channel, slot, &mut files) {
                         return broken(why);
                     }
-                    link.complete(id, Ok(Response::Done));
                 }
                 Ok(Some(ServerFrame::NoBarrierChannel { id, reason })) => {
                     debug!(addr = %link.addr, %reason, "no barrier channel; the barrier goes through messages");
-                    link.complete(id, Ok(Response::Done));
+                    link.channels.refused(id);
                 }
                 Ok(Some(
                     ServerFrame::Welcome(_)
@@ -708,7 +708,12 @@ fn gather(
                 *gathered += 1;
             }
             Command::AttachBarrier { id, request } => {
-                encode_client_frame(&ClientFrame::AttachBarrier { id, request }, buf);
+                let frame = ClientFrame::AttachBarrier { id, request };
+                encode_client_frame(&frame, buf);
+                // Sent again after a cut as the plain request it also is.
+                if let ClientFrame::AttachBarrier { id, request } = frame {
+                    written.push((id, request));
+                }
                 *gathered += 1;
             }
             Command::Release { slab, epoch: of } if of == epoch => {

@@ -469,8 +469,9 @@ pub enum Inbound {
     ReleaseShared {
         slab: u64,
     },
-    /// The rank asks for a barrier channel for this barrier call (docs/PROTOCOL.md,
-    /// section 15); answer `id` with a channel or without one.
+    /// The barrier call `request`, to be handled as a Request, and a request for a
+    /// barrier channel for its later calls (docs/PROTOCOL.md, section 15): say
+    /// whether there is one (BarrierChannel or NoBarrierChannel) before the reply.
     AttachBarrier {
         id: u64,
         request: Request,

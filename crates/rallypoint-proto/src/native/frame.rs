@@ -71,9 +71,11 @@ pub enum ClientFrame {
     /// The client holds nothing any more of what `slab` held for it: the sender
     /// may write the slab's next contents.
     ReleaseShared { slab: u64 },
-    /// Asks this node's agent for a barrier channel for `request` (a barrier call:
-    /// name, members, timeout), to arrive at its later rounds through shared memory.
-    /// Answered by [`ServerFrame::BarrierChannel`] or [`ServerFrame::NoBarrierChannel`].
+    /// The barrier call `request` (name, members, timeout), made as a Request makes
+    /// it, asking this node's agent too for a barrier channel through which to make
+    /// the barrier's later calls in shared memory. [`ServerFrame::BarrierChannel`] or
+    /// [`ServerFrame::NoBarrierChannel`] says whether there is one, before the
+    /// call's Reply.
     AttachBarrier { id: u64, request: Request },
     /// First frame after the preamble of a client (or node agent) with a token:
     /// its fresh nonce, to which the server's proof will be bound.
@@ -96,12 +98,12 @@ pub enum ServerFrame {
     /// slab's file comes over the Unix socket with the first frame that names it
     /// (decode the body with [`decode_shared_reply`]).
     SharedReply { id: u64, slab: u64, len: u64 },
-    /// The answer to [`ClientFrame::AttachBarrier`] `id`: slot `slot` of barrier
-    /// channel `channel` is the client's. The channel's memory file and doorbell come
+    /// For [`ClientFrame::AttachBarrier`] `id` (whose reply still follows): slot
+    /// `slot` of barrier channel `channel` is the client's for that barrier's later calls. The channel's memory file and doorbell come
     /// over the Unix socket with the first frame that names the channel.
     BarrierChannel { id: u64, channel: u64, slot: u32 },
-    /// The answer to [`ClientFrame::AttachBarrier`] `id`: no channel (the barrier
-    /// goes through messages); `reason` says why.
+    /// For [`ClientFrame::AttachBarrier`] `id` (whose reply still follows): no
+    /// channel (the barrier's calls go through messages); `reason` says why.
     NoBarrierChannel { id: u64, reason: String },
     /// The answer to [`ClientFrame::AuthStart`]: the server's fresh nonce.
     AuthChallenge { nonce: [u8; NONCE_LEN] },
