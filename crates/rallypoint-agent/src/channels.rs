@@ -38,6 +38,12 @@ use crate::hub::Hub;
 const MAX_CHANNELS: usize = 256;
 /// Slots per channel: as many ranks as a node runs, and more go to another channel.
 const SLOTS: u32 = rallypoint_net::shm_barrier::MAX_SLOTS;
+/// After a first arrival, how long the task gathers the node's arrivals before it
+/// forwards those it has: a round cannot end before the node's last rank arrives
+/// (whose arrival it forwards at once), so gathering costs the barrier nothing and
+/// saves the coordinator a frame per rank; bounded, so that the coordinator soon
+/// knows who arrived (for the timeout naming the missing ranks, and `status`).
+const GATHER: Duration = Duration::from_millis(5);
 /// While the channel's count says an arrival is on its way that its slot does not
 /// show yet (the rank was preempted between the two), the task looks again: at
 /// once a few times, then at this pace.
@@ -229,10 +235,14 @@ impl Channel {
         let seat = seats.slots[at].take()?;
         seats.free.push(slot);
         seats.attached -= 1;
+        let call = seat.held.map(|(_, call)| call);
+        if call.is_some() {
+            seats.held -= 1;
+        }
         self.shm.set_attached(seats.attached);
-        let (_, call) = seat.held?;
-        seats.held -= 1;
-        Some(call)
+        // One rank fewer to wait for: the node may be complete now.
+        self.shm.took(0, seats.attached - seats.held);
+        call
     }
 
     fn finish(&self, sub: u64, slot: u32, round: u32, outcome: Outcome) {
@@ -288,8 +298,13 @@ impl Channel {
 /// A channel's task: takes arrivals when the doorbell rings and forwards them.
 async fn serve(channel: Arc<Channel>, doorbell: AsyncFd<OwnedFd>, hub: Arc<Hub>) {
     let mut look_again = 0u32;
+    // Gathering arrivals until then.
+    let mut gather_until: Option<tokio::time::Instant> = None;
     loop {
-        if look_again == 0 {
+        if (1..=LOOK_AGAIN_AT_ONCE).contains(&look_again) {
+            tokio::task::yield_now().await;
+        } else {
+            let wake_at = if look_again > 0 { Some(tokio::time::Instant::now() + LOOK_AGAIN) } else { gather_until };
             tokio::select! {
                 ready = doorbell.readable() => match ready {
                     Ok(mut guard) => guard.clear_ready(),
@@ -299,24 +314,33 @@ async fn serve(channel: Arc<Channel>, doorbell: AsyncFd<OwnedFd>, hub: Arc<Hub>)
                     }
                 },
                 () = channel.poke.notified() => {}
-            }
-        } else if look_again <= LOOK_AGAIN_AT_ONCE {
-            tokio::task::yield_now().await;
-        } else {
-            tokio::select! {
-                () = tokio::time::sleep(LOOK_AGAIN) => {}
-                () = channel.poke.notified() => {}
+                () = sleep_until(wake_at) => {}
             }
         }
         if lock(&channel.seats).closed {
             return;
         }
         channel.shm.drain_doorbell();
+        let due = gather_until.is_some_and(|at| tokio::time::Instant::now() >= at);
+        if look_again == 0 && !due && !channel.shm.all_counted() {
+            // More of the node's ranks are on their way: the last one rings.
+            gather_until.get_or_insert_with(|| tokio::time::Instant::now() + GATHER);
+            continue;
+        }
+        gather_until = None;
         let (taken, pending) = channel.take_arrivals();
         look_again = if pending { look_again + 1 } else { 0 };
         if !taken.is_empty() {
             forward(&hub, &channel, taken);
         }
+    }
+}
+
+/// Sleeps until `at`; forever without one.
+async fn sleep_until(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
     }
 }
 

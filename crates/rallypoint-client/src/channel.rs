@@ -34,6 +34,10 @@ use tracing::{debug, warn};
 use crate::connection::{Command, Link};
 use crate::error::Error;
 
+/// Barrier calls (name, members, timeout) a client keeps track of: a program that
+/// names each barrier afresh must not make the list grow without end.
+const MAX_USES: usize = 64;
+
 /// This client's barrier channels.
 #[derive(Default)]
 pub(crate) struct Channels(Mutex<State>);
@@ -218,6 +222,13 @@ pub(crate) async fn barrier(
                 _ => None,
             },
             None => {
+                if state.uses.len() >= MAX_USES {
+                    // The oldest barrier not in a call makes room: called again, it
+                    // asks for a channel again (its old slot stays the agent's, idle,
+                    // until the connection ends).
+                    let idle = state.uses.iter().position(|(_, used)| !matches!(used, Use::Busy))?;
+                    state.uses.remove(idle);
+                }
                 state.uses.push((request.clone(), Use::Busy));
                 None
             }
