@@ -79,8 +79,11 @@ impl Mapped {
     fn watch(self: &Arc<Self>) {
         self.watcher.call_once(|| {
             let mapped = Arc::downgrade(self);
+            // Read here, before the caller arrives: any release from then on wakes it
+            // (read in the new thread, it could miss the release of this very round).
+            let seen = self.channel.release_word();
             let started =
-                std::thread::Builder::new().name("rallypoint-barrier".to_owned()).spawn(move || watch(mapped));
+                std::thread::Builder::new().name("rallypoint-barrier".to_owned()).spawn(move || watch(mapped, seen));
             if let Err(error) = started {
                 // Waiters still wake, at each check of their deadline.
                 warn!(%error, "cannot start a barrier channel's watcher thread");
@@ -94,10 +97,7 @@ const WATCH_CHECK: Duration = Duration::from_secs(1);
 
 /// A watcher thread: wakes the channel's async waiters each time the release
 /// word moves, until the channel is dropped or its connection ends.
-fn watch(mapped: Weak<Mapped>) {
-    let Some(first) = mapped.upgrade() else { return };
-    let mut seen = first.channel.release_word();
-    drop(first);
+fn watch(mapped: Weak<Mapped>, mut seen: u32) {
     while let Some(m) = mapped.upgrade() {
         m.channel.wait_release(seen, WATCH_CHECK);
         let now = m.channel.release_word();
