@@ -468,7 +468,10 @@ mod mapped {
     /// rank a release comes within microseconds and a sleep costs more than that;
     /// with more ranks than cores, spinning only takes the core a peer needs.
     fn spin_budget(attached: u32) -> Duration {
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as u32;
+        // Asked once: the answer reads files under /proc and /sys (cgroup quotas),
+        // which cost more than the wait itself would.
+        static CORES: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+        let cores = *CORES.get_or_init(|| std::thread::available_parallelism().map_or(1, |n| n.get()) as u32);
         if attached.saturating_mul(2) <= cores {
             Duration::from_micros(50)
         } else {
