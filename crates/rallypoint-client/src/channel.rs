@@ -64,26 +64,58 @@ enum Use {
     Seat(Seat),
 }
 
-/// A channel mapped into this process.
+/// A channel as one client mapped it.
 struct Mapped {
     channel: RankChannel,
     /// The connection it came with ended: nobody will finish its rounds.
     ended: AtomicBool,
+    /// Its watcher, shared with every client of this process on the same channel.
+    watched: Arc<Watched>,
+}
+
+/// A channel watched for the async waiters of this process: one thread per channel
+/// and process, however many clients of the process use it (each of them waiting
+/// in a thread of its own would wake as many threads at every release).
+struct Watched {
+    channel: RankChannel,
     /// Wakes the async tasks waiting on the channel (from its watcher thread).
     moved: Notify,
     watcher: Once,
 }
 
-impl Mapped {
+/// A channel's memory file: (device, inode).
+type FileKey = (u64, u64);
+
+/// The channels watched in this process, by their memory file.
+static WATCHED: Mutex<Vec<(FileKey, Weak<Watched>)>> = Mutex::new(Vec::new());
+
+impl Watched {
+    /// The watcher of the channel whose memory file is `file` (mapping it anew for
+    /// the watcher if this process has none yet).
+    fn of(file: &OwnedFd, doorbell: &OwnedFd) -> std::io::Result<Arc<Watched>> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::File::from(file.try_clone()?).metadata()?;
+        let key = (meta.dev(), meta.ino());
+        let mut watched = WATCHED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        watched.retain(|(_, w)| w.strong_count() > 0);
+        if let Some(live) = watched.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
+            return Ok(live);
+        }
+        let channel = RankChannel::map(file.try_clone()?, doorbell.try_clone()?)?;
+        let made = Arc::new(Watched { channel, moved: Notify::new(), watcher: Once::new() });
+        watched.push((key, Arc::downgrade(&made)));
+        Ok(made)
+    }
+
     /// Starts the thread that watches the channel for async waiters, once.
     fn watch(self: &Arc<Self>) {
         self.watcher.call_once(|| {
-            let mapped = Arc::downgrade(self);
+            let watched = Arc::downgrade(self);
             // Read here, before the caller arrives: any release from then on wakes it
             // (read in the new thread, it could miss the release of this very round).
             let seen = self.channel.release_word();
             let started =
-                std::thread::Builder::new().name("rallypoint-barrier".to_owned()).spawn(move || watch(mapped, seen));
+                std::thread::Builder::new().name("rallypoint-barrier".to_owned()).spawn(move || watch(watched, seen));
             if let Err(error) = started {
                 // Waiters still wake, at each check of their deadline.
                 warn!(%error, "cannot start a barrier channel's watcher thread");
@@ -96,18 +128,14 @@ impl Mapped {
 const WATCH_CHECK: Duration = Duration::from_secs(1);
 
 /// A watcher thread: wakes the channel's async waiters each time the release
-/// word moves, until the channel is dropped or its connection ends.
-fn watch(mapped: Weak<Mapped>, mut seen: u32) {
-    while let Some(m) = mapped.upgrade() {
-        m.channel.wait_release(seen, WATCH_CHECK);
-        let now = m.channel.release_word();
+/// word moves (a connection's end moves it too), until no client uses the channel.
+fn watch(watched: Weak<Watched>, mut seen: u32) {
+    while let Some(w) = watched.upgrade() {
+        w.channel.wait_release(seen, WATCH_CHECK);
+        let now = w.channel.release_word();
         if now != seen {
             seen = now;
-            m.moved.notify_waiters();
-        }
-        if m.ended.load(Ordering::Acquire) {
-            m.moved.notify_waiters();
-            return;
+            w.moved.notify_waiters();
         }
     }
 }
@@ -150,18 +178,16 @@ impl Channels {
                 let (Some(file), Some(doorbell)) = (files.pop_front(), files.pop_front()) else {
                     return Err(format!("barrier channel {channel} came without its files"));
                 };
-                let mapped = match RankChannel::map(file, doorbell) {
-                    Ok(channel) => Some(Arc::new(Mapped {
-                        channel,
-                        ended: AtomicBool::new(false),
-                        moved: Notify::new(),
-                        watcher: Once::new(),
-                    })),
-                    Err(error) => {
-                        debug!(channel, %error, "cannot map a barrier channel; its barriers go through messages");
-                        None
-                    }
-                };
+                let mapped =
+                    match Watched::of(&file, &doorbell).and_then(|w| Ok((w, RankChannel::map(file, doorbell)?))) {
+                        Ok((watched, channel)) => {
+                            Some(Arc::new(Mapped { channel, ended: AtomicBool::new(false), watched }))
+                        }
+                        Err(error) => {
+                            debug!(channel, %error, "cannot map a barrier channel; its barriers go through messages");
+                            None
+                        }
+                    };
                 state.mapped.insert(channel, mapped.clone());
                 mapped
             }
@@ -316,7 +342,7 @@ async fn arrive_and_wait(
     seat.round = seat.round.wrapping_add(1).max(1);
     let (mapped, slot, round) = (Arc::clone(&seat.channel), seat.slot, seat.round);
     if waiting == Waiting::Task {
-        mapped.watch();
+        mapped.watched.watch();
     }
     mapped.channel.arrive(slot, round, id);
     let waited = match waiting {
@@ -367,7 +393,7 @@ async fn wait_task(
     }
     let deadline = tokio::time::Instant::from_std(deadline);
     loop {
-        let moved = mapped.moved.notified();
+        let moved = mapped.watched.moved.notified();
         tokio::pin!(moved);
         // Registered before looking, so that a release after the look wakes it.
         moved.as_mut().enable();
