@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
-use rallypoint_client::{Client, Identity, Members};
+use rallypoint_client::{blocking, Client, Identity, Members};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
@@ -60,13 +60,17 @@ pub struct Args {
     /// Load-generator processes to spread the clients over (children of this one, each
     /// with its own file-descriptor limit; keep clients / procs below that limit, with
     /// some to spare)
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
     procs: u32,
     /// Loopback source addresses to bind clients to (127.0.0.2, 127.0.0.3, ...), each
     /// with its own ephemeral ports; default: as many as the clients need (none while
     /// they fit in 90 % of the ephemeral port range), 0 = never bind. `--protocol tcpstore` only
     #[arg(long, value_name = "K")]
     src_addrs: Option<u32>,
+    /// Native clients are the blocking client, each on its own thread (as a rank
+    /// process using the Python package has it), instead of async tasks; needs `--procs`
+    #[arg(long)]
+    blocking: bool,
     /// Internal: run as child I of `--procs`, with the clients it owns
     #[arg(long, value_name = "I", hide = true)]
     shard: Option<u32>,
@@ -97,6 +101,8 @@ struct Report {
     src_addrs: u32,
     rounds: u32,
     warmup_rounds: u32,
+    /// Native clients were blocking clients on threads of their own.
+    blocking: bool,
     #[serde(flatten)]
     round: Times,
     connect_ms: f64,
@@ -145,6 +151,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     // Each client is one socket; some slack for the runtime and stdio.
     ensure_fds(u64::from(args.clients.div_ceil(args.procs)) + 64)?;
+    if args.blocking && (args.protocol != Protocol::Native || args.procs == 1) {
+        bail!("--blocking is for native clients spread over --procs processes");
+    }
     if let Some(shard) = args.shard {
         return run_shard(&args, shard, sources).await;
     }
@@ -344,6 +353,7 @@ fn report(
         src_addrs: sources.addrs,
         rounds: args.rounds,
         warmup_rounds: args.warmup,
+        blocking: args.blocking,
         round: stats.times,
         connect_ms,
         server_rss_one_conn_bytes: one,
@@ -366,6 +376,9 @@ async fn run_shard(args: &Args, shard: u32, sources: Sources) -> anyhow::Result<
     let addr = args.addr.as_deref().context("a shard needs --addr")?;
     let job = args.job.as_deref().context("a shard needs --job")?;
     let timeout = Duration::from_secs_f64(args.timeout);
+    if args.blocking {
+        return run_blocking_shard(args, shard, addr, job, timeout).await;
+    }
     let setup = Setup { args, addr, job, sources, timeout };
     let started = Instant::now();
     let clients = setup.connect(shard_ranks(args.clients, args.procs, shard)).await?;
@@ -381,6 +394,62 @@ async fn run_shard(args: &Args, shard: u32, sources: Sources) -> anyhow::Result<
     clients.close().await;
     let round_end_ns = ends?;
     let cpu_ns = cpu_ns.unwrap_or(0);
+    println!("{}", serde_json::to_string(&ShardReport { start_ns, round_end_ns, connect_ms, cpu_ns })?);
+    Ok(())
+}
+
+/// A child with `--blocking`: as [`run_shard`], each client a blocking client
+/// whose rounds run on a thread of its own.
+async fn run_blocking_shard(args: &Args, shard: u32, addr: &str, job: &str, timeout: Duration) -> anyhow::Result<()> {
+    let (n, total, op) = (args.clients, (args.warmup + args.rounds) as usize, args.op);
+    let ranks = shard_ranks(n, args.procs, shard);
+    let (addr, job) = (addr.to_owned(), job.to_owned());
+    let started = Instant::now();
+    let clients = tokio::task::spawn_blocking(move || {
+        ranks
+            .map(|rank| blocking::Client::connect_with(options(&addr, Identity::ranked(&job, rank, n), timeout)))
+            .collect::<Result<Vec<_>, _>>()
+    })
+    .await??;
+    let connect_ms = ms(started.elapsed());
+    println!("{READY}");
+    let mut go = String::new();
+    let mut stdin = BufReader::new(tokio::io::stdin());
+    tokio::time::timeout(timeout, stdin.read_line(&mut go)).await.context("no go from the parent")??;
+    let cpu = CpuMeter::start(None);
+    let start_ns = mono_ns();
+    let threads: Vec<_> = clients
+        .into_iter()
+        .map(|client| {
+            std::thread::spawn(move || {
+                let mut released = Vec::with_capacity(total);
+                for r in 0..total {
+                    match op {
+                        Op::Barrier => client.barrier("bench", Members::World, Some(timeout)),
+                        Op::Ping => client.ping(),
+                        // Refused with --procs before any shard starts.
+                        Op::Floor => Err(rallypoint_client::Error::Protocol("--op floor has no clients".into())),
+                    }
+                    .with_context(|| format!("round {r}"))?;
+                    released.push(mono_ns());
+                }
+                client.close()?;
+                anyhow::Ok(released)
+            })
+        })
+        .collect();
+    let round_end_ns = tokio::task::spawn_blocking(move || {
+        let mut ends = vec![0u64; total];
+        for thread in threads {
+            let released = thread.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))??;
+            for (end, at) in ends.iter_mut().zip(released) {
+                *end = (*end).max(at);
+            }
+        }
+        anyhow::Ok(ends)
+    })
+    .await??;
+    let cpu_ns = cpu.stop().1.unwrap_or(0);
     println!("{}", serde_json::to_string(&ShardReport { start_ns, round_end_ns, connect_ms, cpu_ns })?);
     Ok(())
 }
@@ -402,6 +471,7 @@ async fn measure_procs(args: &Args, target: &Target, sources: Sources) -> anyhow
             .args(["--warmup", &args.warmup.to_string(), "--timeout", &args.timeout.to_string()])
             .args(["--src-addrs", &sources.addrs.to_string()])
             .args(["--op", op_name(args.op), "--protocol", protocol_name(args.protocol)])
+            .args(args.blocking.then_some("--blocking"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true);
@@ -476,6 +546,7 @@ async fn run_floor(args: &Args) -> anyhow::Result<()> {
     let measured = floor::measure(&plan).await?;
     let mut report = Report {
         op: Op::Floor,
+        blocking: false,
         protocol: None,
         clients: args.clients,
         procs: 1,

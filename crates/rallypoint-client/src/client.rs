@@ -26,6 +26,7 @@ use rallypoint_net::auth::Token;
 use rallypoint_net::conn::Credentials;
 use rallypoint_net::tls::TlsClient;
 
+use crate::channel;
 use crate::connection::{self, Command, DirectWrite, Link, Redial};
 use crate::error::Error;
 
@@ -54,6 +55,10 @@ pub struct ConnectOptions {
     /// results, large values) as shared memory mapped read-only instead of copied
     /// through the socket (docs/PROTOCOL.md, section 13). Ignored over TCP.
     pub shared_replies: bool,
+    /// Over a Unix socket (to this node's agent), synchronise barriers through shared
+    /// memory with the agent instead of messages where it gives a channel
+    /// (docs/PROTOCOL.md, section 15). Ignored over TCP.
+    pub barrier_channels: bool,
     /// The token to prove (the coordinator must prove it too), and the CA that
     /// signed the coordinator's TLS certificate: neither by default.
     pub credentials: Credentials,
@@ -68,6 +73,7 @@ impl ConnectOptions {
             identity,
             timeout: DEFAULT_TIMEOUT,
             shared_replies: true,
+            barrier_channels: std::env::var_os("RALLYPOINT_NO_BARRIER_CHANNELS").is_none(),
             credentials: Credentials::default(),
         }
     }
@@ -108,15 +114,17 @@ struct Inner {
     commands: mpsc::UnboundedSender<Command>,
     /// A call found the coordinator silent (no reply within its timeout).
     silent: AtomicBool,
+    /// Barriers may go through shared memory with the node agent (module `channel`).
+    barrier_channels: bool,
 }
 
 /// Forgets a call's reply slot if the call stops waiting before its reply
 /// (the caller's future dropped, or the request not handed over).
-struct Registered<'a> {
-    link: &'a Link,
-    id: u64,
+pub(crate) struct Registered<'a> {
+    pub(crate) link: &'a Link,
+    pub(crate) id: u64,
     /// Its slot was filled (or dropped): the link has already forgotten the call.
-    settled: bool,
+    pub(crate) settled: bool,
 }
 
 impl Drop for Registered<'_> {
@@ -150,7 +158,7 @@ impl Client {
     }
 
     pub async fn connect_with(options: ConnectOptions) -> Result<Client, Error> {
-        let ConnectOptions { addr, mut identity, timeout, shared_replies, credentials } = options;
+        let ConnectOptions { addr, mut identity, timeout, shared_replies, barrier_channels, credentials } = options;
         if identity.host.is_empty() {
             identity.host = rallypoint_net::hostname();
         }
@@ -161,8 +169,11 @@ impl Client {
         identity.resume = None;
         let connected = connection::connect(&addr, &identity, timeout, shared_replies, &credentials).await?;
         let redial = Redial { identity: identity.clone(), shared_replies, timeout, credentials };
+        // Only a node agent of this machine, over a Unix socket, can share memory.
+        let barrier_channels = barrier_channels && rallypoint_net::unix_path(&addr).is_some();
         let (link, commands) = connection::spawn(addr, connected, redial);
-        Ok(Client { inner: Arc::new(Inner { identity, timeout, link, commands, silent: AtomicBool::new(false) }) })
+        let inner = Inner { identity, timeout, link, commands, silent: AtomicBool::new(false), barrier_channels };
+        Ok(Client { inner: Arc::new(inner) })
     }
 
     /// Connects with settings from the environment (see [`crate::env::Settings`]).
@@ -373,8 +384,29 @@ impl Client {
     /// name meets the other members' n-th call). On timeout the error lists
     /// every member that had not arrived and why.
     pub async fn barrier(&self, name: &str, members: Members, timeout: Option<Duration>) -> Result<(), Error> {
+        self.barrier_waiting(name, members, timeout, channel::Waiting::Task).await
+    }
+
+    /// [`Client::barrier`], waiting for a release through shared memory as `waiting` says.
+    pub(crate) async fn barrier_waiting(
+        &self,
+        name: &str,
+        members: Members,
+        timeout: Option<Duration>,
+        waiting: channel::Waiting,
+    ) -> Result<(), Error> {
         let (timeout_ms, wait) = self.blocking_timeout(timeout);
-        match self.call(Request::Barrier { name: name.to_owned(), members, timeout_ms }, wait).await? {
+        let request = Request::Barrier { name: name.to_owned(), members, timeout_ms };
+        if self.inner.barrier_channels {
+            let caller = channel::Caller { link: &self.inner.link, commands: &self.inner.commands };
+            if let Some(done) = channel::barrier(caller, &request, wait.saturating_add(SAFETY_MARGIN), waiting).await {
+                if matches!(done, Err(Error::Timeout(_))) {
+                    self.inner.silent.store(true, Ordering::Relaxed);
+                }
+                return done;
+            }
+        }
+        match self.call(request, wait).await? {
             Response::Done => Ok(()),
             other => Err(unexpected("barrier", other)),
         }

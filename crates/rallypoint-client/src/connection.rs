@@ -44,6 +44,7 @@ use rallypoint_net::shm;
 use rallypoint_net::sync::Backoff;
 use rallypoint_net::{unix_path, ReadHalf, Stream, WriteHalf};
 
+use crate::channel::Channels;
 use crate::error::Error;
 
 /// Most bytes reserved at once for the rest of a reply whose length prefix has
@@ -68,6 +69,12 @@ pub(crate) type ReplySlot = oneshot::Sender<Result<Response, Error>>;
 /// What a call sends to the connection task.
 pub(crate) enum Command {
     Request {
+        id: u64,
+        request: Request,
+    },
+    /// The barrier call `request`, asking the node agent for a barrier channel for
+    /// its later calls (module `channel`).
+    AttachBarrier {
         id: u64,
         request: Request,
     },
@@ -103,6 +110,8 @@ pub(crate) struct Link {
     direct: Mutex<Direct>,
     /// A call's deadline comes before the task's timer ([`Pending::armed`]).
     deadline_moved: Notify,
+    /// Barrier channels given on this connection (module `channel`).
+    pub(crate) channels: Channels,
 }
 
 struct Pending {
@@ -180,6 +189,7 @@ impl Link {
             welcome: Mutex::new(welcome),
             direct: Mutex::new(Direct::default()),
             deadline_moved: Notify::new(),
+            channels: Channels::default(),
         }
     }
 
@@ -273,6 +283,15 @@ impl Link {
         for call in expired {
             let _ = call.slot.send(Err(Error::Timeout(call.limit)));
         }
+    }
+
+    /// Call `id` still waits for its reply.
+    pub(crate) fn is_waiting(&self, id: u64) -> bool {
+        self.lock().calls.contains_key(&id)
+    }
+
+    pub(crate) fn addr(&self) -> &str {
+        &self.addr
     }
 
     /// Forgets a call whose caller stopped waiting (timed out or was cancelled).
@@ -451,9 +470,12 @@ async fn attempt(
             Ok(None) => None,
             Ok(Some(ServerFrame::Welcome(welcome))) => Some(Ok(welcome)),
             Ok(Some(ServerFrame::Refused(error))) => Some(Err(Attempt::Refused(error))),
-            Ok(Some(ServerFrame::Reply { id, .. } | ServerFrame::SharedReply { id, .. })) => {
-                Some(Err(Attempt::Protocol(format!("sent a reply (request id {id}) before its welcome"))))
-            }
+            Ok(Some(
+                ServerFrame::Reply { id, .. }
+                | ServerFrame::SharedReply { id, .. }
+                | ServerFrame::BarrierChannel { id, .. }
+                | ServerFrame::NoBarrierChannel { id, .. },
+            )) => Some(Err(Attempt::Protocol(format!("sent a reply (request id {id}) before its welcome")))),
             Ok(Some(ServerFrame::AuthChallenge { .. } | ServerFrame::AuthAccepted { .. })) => {
                 Some(Err(Attempt::Protocol("sent a token handshake frame nobody asked for".to_owned())))
             }
@@ -575,6 +597,7 @@ async fn run(
         // The write half goes with its connection: calls hand their requests to the
         // task until the next one is up. Bytes a call left for it are moot.
         *link.lock_direct() = Direct::default();
+        link.channels.connection_ended();
         let why = match ended {
             Ended::Done(why, done) => {
                 debug!(addr = %link.addr, %why, "connection task ended");
@@ -698,6 +721,15 @@ async fn read_loop(
                         Err(error) => Err(Error::Protocol(error.to_string())),
                     };
                     link.complete(id, reply.and_then(|reply| reply.map_err(Error::Op)));
+                }
+                Ok(Some(ServerFrame::BarrierChannel { id, channel, slot })) => {
+                    if let Err(why) = link.channels.answered(id, channel, slot, &mut files) {
+                        return broken(why);
+                    }
+                }
+                Ok(Some(ServerFrame::NoBarrierChannel { id, reason })) => {
+                    debug!(addr = %link.addr, %reason, "no barrier channel; the barrier goes through messages");
+                    link.channels.refused(id);
                 }
                 Ok(Some(
                     ServerFrame::Welcome(_)
@@ -883,6 +915,15 @@ fn gather(
                 let frame = ClientFrame::Request { id, request };
                 encode_client_frame(&frame, buf);
                 if let ClientFrame::Request { id, request } = frame {
+                    written.push((id, request));
+                }
+                *gathered += 1;
+            }
+            Command::AttachBarrier { id, request } => {
+                let frame = ClientFrame::AttachBarrier { id, request };
+                encode_client_frame(&frame, buf);
+                // Sent again after a cut as the plain request it also is.
+                if let ClientFrame::AttachBarrier { id, request } = frame {
                     written.push((id, request));
                 }
                 *gathered += 1;

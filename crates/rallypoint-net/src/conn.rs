@@ -452,6 +452,7 @@ fn frame_name(frame: &ServerFrame) -> &'static str {
         ServerFrame::Welcome(_) => "a welcome",
         ServerFrame::Refused(_) => "a refusal",
         ServerFrame::Reply { .. } | ServerFrame::SharedReply { .. } => "a reply",
+        ServerFrame::BarrierChannel { .. } | ServerFrame::NoBarrierChannel { .. } => "a barrier channel answer",
         ServerFrame::AuthChallenge { .. } => "a challenge",
         ServerFrame::AuthAccepted { .. } => "a proof",
     }
@@ -469,6 +470,13 @@ pub enum Inbound {
     /// The rank no longer holds anything of this shared-memory slab's contents.
     ReleaseShared {
         slab: u64,
+    },
+    /// The barrier call `request`, to be handled as a Request, and a request for a
+    /// barrier channel for its later calls (docs/PROTOCOL.md, section 15): say
+    /// whether there is one (BarrierChannel or NoBarrierChannel) before the reply.
+    AttachBarrier {
+        id: u64,
+        request: Request,
     },
     /// A whole frame that does not decode (skipped): answer request `id`, if it
     /// could be read, with an `Invalid` error saying `message`.
@@ -490,6 +498,7 @@ pub fn decode_requests(rbuf: &mut BytesMut, limits: &FrameLimits, mut on: impl F
             Ok(Some(ClientFrame::Request { id, request })) => on(Inbound::Request { id, request }),
             Ok(Some(ClientFrame::TakeSharedReplies)) => on(Inbound::TakeSharedReplies),
             Ok(Some(ClientFrame::ReleaseShared { slab })) => on(Inbound::ReleaseShared { slab }),
+            Ok(Some(ClientFrame::AttachBarrier { id, request })) => on(Inbound::AttachBarrier { id, request }),
             Ok(Some(ClientFrame::Hello(_))) => return Err(End::SecondHello),
             Ok(Some(ClientFrame::AuthStart { .. } | ClientFrame::AuthProof { .. })) => {
                 on(Inbound::Invalid { id: None, message: "a token handshake frame after the hello".to_owned() })

@@ -454,6 +454,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             // Only node agents hand out shared replies: they serve the Unix sockets
             // of their node, the coordinator only TCP. Replies stay plain frames.
             Inbound::TakeSharedReplies | Inbound::ReleaseShared { .. } => {}
+            // Likewise barrier channels: the call goes through messages, as all later ones.
+            Inbound::AttachBarrier { id, request } => {
+                let reason = "barrier channels are a node agent's, over its Unix socket".to_owned();
+                encode_server_frame(&ServerFrame::NoBarrierChannel { id, reason }, wbuf);
+                requests.push((id, request));
+            }
             Inbound::Invalid { id, message } => {
                 if let Some(held_back) = warnings.admit() {
                     warn!(%peer, %session, %message, held_back, "bad request");

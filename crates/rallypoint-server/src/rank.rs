@@ -29,7 +29,7 @@ use rallypoint_net::budget::{buffered, Charge};
 use rallypoint_net::conn::{decode_requests, read_from, Buffering, End, Inbound, ReadOutcome, MAX_READ};
 use rallypoint_net::meter::{Account, Counted};
 use rallypoint_net::warn_limit::WarnLimit;
-use rallypoint_proto::native::{encode_reply_shared, FrameLimits};
+use rallypoint_proto::native::{encode_reply_shared, encode_server_frame, FrameLimits, ServerFrame};
 use tracing::warn;
 
 use crate::native::SessionGuard;
@@ -93,12 +93,20 @@ struct Output {
     head: BytesMut,
     /// Written right after `head`: the rest of its last frame, shared with others.
     tail: Option<Bytes>,
-    /// Replies to encode once `head` and `tail` are out.
-    backlog: VecDeque<(u64, Reply)>,
+    /// Frames to encode once `head` and `tail` are out.
+    backlog: VecDeque<Outgoing>,
     /// Since when the socket has been taking a long write: counted as a sign of life
     /// of the session, at most once per [`ALIVE_EVERY`], since a connection that
     /// writes does not read (and so sees no heartbeat).
     since: Option<Instant>,
+}
+
+/// A frame waiting in [`Output::backlog`].
+enum Outgoing {
+    Reply(u64, Reply),
+    /// Request `id` asked for a barrier channel: there is none here (the coordinator
+    /// serves TCP; channels are a node agent's). Goes before the request's reply.
+    NoChannel(u64),
 }
 
 impl Output {
@@ -108,15 +116,21 @@ impl Output {
 
     /// Encodes replies into `head` until one leaves a tail or the batch is full;
     /// the rest waits in the backlog.
-    fn encode(&mut self, replies: impl Iterator<Item = (u64, Reply)>) {
-        let mut replies = replies.peekable();
+    fn encode(&mut self, frames: impl Iterator<Item = Outgoing>) {
+        let mut frames = frames.peekable();
         if self.backlog.is_empty() {
             while self.tail.is_none() && self.head.len() < MAX_WRITE_BATCH {
-                let Some((id, reply)) = replies.next() else { break };
-                self.tail = encode_reply_shared(id, &reply, &mut self.head);
+                match frames.next() {
+                    Some(Outgoing::Reply(id, reply)) => self.tail = encode_reply_shared(id, &reply, &mut self.head),
+                    Some(Outgoing::NoChannel(id)) => {
+                        let reason = "barrier channels are a node agent's, over its Unix socket".to_owned();
+                        encode_server_frame(&ServerFrame::NoBarrierChannel { id, reason }, &mut self.head);
+                    }
+                    None => break,
+                }
             }
         }
-        self.backlog.extend(replies);
+        self.backlog.extend(frames);
     }
 }
 
@@ -252,11 +266,17 @@ impl RankConn {
         self.buffered = false;
         let Scratch { out, requests, replies, routed } = scratch;
         let (peer, session, warnings) = (self.peer, self.guard.session, &mut self.warnings);
+        let mut no_channel: Vec<u64> = Vec::new();
         let decoded = decode_requests(&mut self.rbuf, &self.limits, |input| match input {
             Inbound::Request { id, request } => requests.push((id, request)),
             // Only node agents hand out shared replies: they serve the Unix sockets
             // of their node, the coordinator only TCP. Replies stay plain frames.
             Inbound::TakeSharedReplies | Inbound::ReleaseShared { .. } => {}
+            // Likewise barrier channels: the call goes through messages, as all later ones.
+            Inbound::AttachBarrier { id, request } => {
+                no_channel.push(id);
+                requests.push((id, request));
+            }
             Inbound::Invalid { id, message } => {
                 if let Some(held_back) = warnings.admit() {
                     warn!(%peer, %session, %message, held_back, "bad request");
@@ -266,6 +286,9 @@ impl RankConn {
                 }
             }
         });
+        if !no_channel.is_empty() {
+            self.send_frames(no_channel.into_iter().map(Outgoing::NoChannel), out);
+        }
         if !requests.is_empty() {
             let shared = &self.guard.shared;
             let immediate = &mut |id, reply| replies.push((id, reply));
@@ -284,10 +307,14 @@ impl RankConn {
     /// Queues `replies` for writing, encoded into the reactor's buffer when nothing
     /// else is pending (the caller flushes).
     pub(crate) fn send(&mut self, replies: impl Iterator<Item = (u64, Reply)>, scratch: &mut BytesMut) {
+        self.send_frames(replies.map(|(id, reply)| Outgoing::Reply(id, reply)), scratch);
+    }
+
+    fn send_frames(&mut self, frames: impl Iterator<Item = Outgoing>, scratch: &mut BytesMut) {
         if self.out.is_empty() && self.out.head.capacity() == 0 {
             self.out.head = std::mem::take(scratch);
         }
-        self.out.encode(replies);
+        self.out.encode(frames);
     }
 
     /// Writes as much as the socket takes; true once everything is written. The
