@@ -137,6 +137,32 @@ def report(path):
                            f"| {r:,.0f} ops/s | {ratio(r, t)} |")
         out += ["", "(latency: torch ÷ rallypoint; throughput: rallypoint ÷ torch; > 1 = rallypoint faster. "
                 "`set` has no reply: its figure is the client's send)", ""]
+    # Direct connections: every barrier against the kernel's floor and torch, per N.
+    direct_ns = sorted({r["n"] for r in runs if r["run"] == "direct-floor"})
+    if direct_ns:
+        out += ["### Direct connections: barrier round vs the kernel's floor (range of the runs' medians)", "",
+                "| N | floor | torch BARRIER on torch | rallypoint TCPStore BARRIER | rallypoint native "
+                "| native: torch ÷ native | native ÷ floor | CPU µs per rank-round, native: server / load |",
+                "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+        def span(xs):
+            if not xs:
+                return "—"
+            lo, hi = min(xs), max(xs)
+            return fmt_us(lo) if lo == hi else f"{fmt_us(lo)} – {fmt_us(hi)}"
+
+        for n in direct_ns:
+            fl = [x["median_us"] for x in pick("direct-floor", "none", n)]
+            tb = [x["median_us"] for x in pick("direct-barrier", "torch", n)]
+            rb = [x["median_us"] for x in pick("direct-barrier", "rallypoint", n)]
+            nat = pick("direct-native", "rallypoint", n)
+            nb = [x["median_us"] for x in nat]
+            cpu = " ; ".join(f"{x.get('server_cpu_us_per_rank_round') or 0:.2f} / "
+                             f"{x.get('client_cpu_us_per_rank_round') or 0:.2f}" for x in nat)
+            out.append(f"| {n:,} | {span(fl)} | {span(tb)} | {span(rb)} | {span(nb)} "
+                       f"| {ratio(med(tb), med(nb))} | {ratio(med(nb), med(fl))} | {cpu} |")
+        out += ["", "(ratios of the medians over runs; target: torch ÷ native ≥ 1.0×, native ÷ floor ≤ 1.1×, "
+                "and the load generator's CPU below the server's)", ""]
     ag_t, ag_r = pick("synchronize", "torch"), pick("all-gather", "rallypoint")
     if ag_t and ag_r:
         t, r = ag_t[0], ag_r[0]

@@ -16,6 +16,7 @@ use rallypoint_proto::native::{encode_agent_frame, AgentFrame, FrameLimits};
 use tokio::sync::Notify;
 
 use crate::batch::Up;
+use crate::channels::Channels;
 use crate::local::Local;
 use crate::slabs::Slabs;
 
@@ -35,6 +36,8 @@ pub(crate) struct Hub {
     pub(crate) next_sub: AtomicU64,
     /// Shared-memory slabs (docs/PROTOCOL.md, section 13); a slab's id is its index.
     pub(crate) slabs: Slabs,
+    /// Barrier channels (docs/PROTOCOL.md, section 15).
+    pub(crate) channels: Channels,
     /// Required of every local rank.
     pub(crate) token: Option<Arc<Token>>,
     /// Local ranks over TCP come over TLS.
@@ -84,6 +87,25 @@ impl Hub {
         true
     }
 
+    /// Queues barrier calls taken from shared memory, `(sub, request id, request)`
+    /// each, merged as [`Hub::send_requests`] merges them; false if the coordinator
+    /// is already gone.
+    pub(crate) fn send_calls(&self, calls: Vec<(u64, u64, Request)>) -> bool {
+        let mut up = lock(&self.up);
+        if up.lost.is_some() {
+            return false;
+        }
+        let was_idle = up.is_idle();
+        for (sub, id, request) in calls {
+            up.merge(sub, id, request);
+        }
+        drop(up);
+        if was_idle {
+            self.up_ready.notify_one();
+        }
+        true
+    }
+
     pub(crate) fn lost_reason(&self) -> Option<String> {
         lock(&self.up).lost.clone()
     }
@@ -99,6 +121,8 @@ impl Hub {
             up.merged.clear();
             up.in_merged.clear();
         }
+        // Slots first: a rank woken by its slot's failure finds the error on its socket.
+        self.channels.fail_all();
         let locals: Vec<Arc<Local>> = lock(&self.routes).drain().map(|(_, local)| local).collect();
         for local in &locals {
             local.fail_pending(&message);

@@ -31,6 +31,7 @@
 //! so, closes the local connections and stops with [`AgentError::UpstreamLost`].
 
 mod batch;
+mod channels;
 mod hub;
 mod local;
 mod slabs;
@@ -163,6 +164,7 @@ impl Agent {
             routes: Mutex::new(HashMap::new()),
             next_sub: AtomicU64::new(1),
             slabs: Default::default(),
+            channels: Default::default(),
             token: config.token,
             tls: config.tls,
         });

@@ -24,6 +24,7 @@ use tokio::io::AsyncWriteExt;
 use tokio::sync::Notify;
 use tracing::{debug, warn};
 
+use crate::channels::Channel;
 use crate::hub::Hub;
 use crate::slabs::Placed;
 use crate::HANDSHAKE_TIMEOUT;
@@ -61,6 +62,8 @@ pub(crate) struct LocalOut {
     files: VecDeque<(u64, Arc<OwnedFd>)>,
     /// Slabs whose file this rank was given (or is queued to be).
     slabs_given: HashSet<u64>,
+    /// Barrier channels whose files this rank was given (or is queued to be).
+    channels_given: HashSet<u64>,
     /// The local task is writing `buf`: append, do not write around it.
     writing: bool,
     /// Ids of the rank's requests forwarded and not yet answered.
@@ -100,6 +103,33 @@ impl Local {
         }
         let frame = ServerFrame::SharedReply { id, slab: placed.slab, len: placed.len };
         encode_server_frame(&frame, &mut out.buf);
+        self.push(&mut out);
+    }
+
+    /// Request `id` was forwarded from a barrier channel: it waits for its reply
+    /// as any forwarded request does (and fails with them if the agent stops).
+    pub(crate) fn awaiting(&self, id: u64) {
+        lock(&self.out).pending.push(id);
+    }
+
+    /// Request `id` was answered through its barrier channel's slot.
+    pub(crate) fn answered(&self, id: u64) {
+        let mut out = lock(&self.out);
+        if let Some(at) = out.pending.iter().position(|&p| p == id) {
+            out.pending.swap_remove(at);
+        }
+    }
+
+    /// For attach request `id`: slot `slot` of `channel`, whose memory file and
+    /// doorbell go with the first such frame to this rank.
+    pub(crate) fn barrier_channel(&self, id: u64, channel: &Channel, slot: u32) {
+        let mut out = lock(&self.out);
+        if out.channels_given.insert(channel.id) {
+            let at = out.written + out.buf.len() as u64;
+            out.files.push_back((at, Arc::clone(&channel.shm.file)));
+            out.files.push_back((at, Arc::clone(&channel.shm.doorbell)));
+        }
+        encode_server_frame(&ServerFrame::BarrierChannel { id, channel: channel.id, slot }, &mut out.buf);
         self.push(&mut out);
     }
 
@@ -238,6 +268,7 @@ pub(crate) async fn serve(stream: Stream, hub: Arc<Hub>) {
     // Routed before its hello goes up: a reply can only follow the hello, and a
     // `Hub::lose` after the hello went up finds the route.
     lock(&hub.routes).insert(sub, Arc::clone(&local));
+    let job = identity.job.clone();
     if !hub.send_up(sub, |up| encode_agent_frame(&AgentFrame::SubHello { sub, identity }, up)) {
         lock(&hub.routes).remove(&sub);
         let why = hub.lost_reason().unwrap_or_default();
@@ -246,7 +277,7 @@ pub(crate) async fn serve(stream: Stream, hub: Arc<Hub>) {
         return;
     }
 
-    let end = serve_session(sub, &mut reader, rbuf, &hub, &local, &mut charge).await;
+    let end = serve_session(sub, &job, &mut reader, rbuf, &hub, &local, &mut charge).await;
     if end.is_peer_fault() {
         if let Some(held_back) = admit_shared(&END_WARNINGS) {
             warn!(sub, held_back, "closing a local rank's connection: {end}");
@@ -254,8 +285,9 @@ pub(crate) async fn serve(stream: Stream, hub: Arc<Hub>) {
     } else {
         debug!(sub, "local rank connection ended: {end}");
     }
-    // Whatever it held of the slabs is free again.
+    // Whatever it held of the slabs is free again, and its barrier channel slots.
     hub.slabs.release(None, sub);
+    hub.channels.detach(sub);
     // Still routed: the rank's connection ended on its side (or failed), not ours.
     if lock(&hub.routes).remove(&sub).is_some() {
         // The agent is on the rank's host: it can tell the coordinator that the
@@ -336,15 +368,16 @@ fn log_refused(end: &End) {
 /// returns how the connection ended.
 async fn serve_session(
     sub: u64,
+    job: &str,
     reader: &mut ReadHalf,
     mut rbuf: BytesMut,
-    hub: &Hub,
+    hub: &Arc<Hub>,
     local: &Local,
     charge: &mut Charge,
 ) -> End {
     let mut warnings = WarnLimit::new();
     // The hello may have arrived together with the first requests.
-    if let Err(end) = forward(sub, &mut rbuf, hub, local, &mut warnings, charge) {
+    if let Err(end) = forward(sub, job, &mut rbuf, hub, local, &mut warnings, charge) {
         return end;
     }
     loop {
@@ -361,7 +394,7 @@ async fn serve_session(
                 Ok(0) if rbuf.is_empty() => return End::Closed,
                 Ok(0) => return End::ClosedMidFrame { buffered: rbuf.len() },
                 Ok(read) => {
-                    if let Err(end) = forward(sub, &mut rbuf, hub, local, &mut warnings, charge) {
+                    if let Err(end) = forward(sub, job, &mut rbuf, hub, local, &mut warnings, charge) {
                         return end;
                     }
                     after_read(read).await;
@@ -378,8 +411,9 @@ async fn serve_session(
 /// append. Malformed requests are answered here exactly as the coordinator would.
 fn forward(
     sub: u64,
+    job: &str,
     rbuf: &mut BytesMut,
-    hub: &Hub,
+    hub: &Arc<Hub>,
     local: &Local,
     warnings: &mut WarnLimit,
     charge: &mut Charge,
@@ -395,6 +429,22 @@ fn forward(
         // Files only pass over Unix sockets; over TCP the rank gets plain replies.
         Inbound::TakeSharedReplies => local.takes_shared.store(local.writer.is_unix(), Ordering::Relaxed),
         Inbound::ReleaseShared { slab } => hub.slabs.release(Some(slab), sub),
+        // Shared memory only passes over Unix sockets.
+        Inbound::AttachBarrier { id, request } => {
+            let attached = if local.writer.is_unix() {
+                hub.channels.attach(hub, sub, job, &request)
+            } else {
+                Err("barrier channels are for ranks on the node agent's Unix socket".to_owned())
+            };
+            match attached {
+                Ok((channel, slot)) => local.barrier_channel(id, &channel, slot),
+                Err(reason) => {
+                    local.send(|out| encode_server_frame(&ServerFrame::NoBarrierChannel { id, reason }, out))
+                }
+            }
+            // The call itself goes up as any request; its reply follows the answer above.
+            requests.push((id, request));
+        }
         Inbound::Invalid { id, message } => {
             if let Some(held_back) = warnings.admit() {
                 warn!(sub, %message, held_back, "bad request from a local rank");

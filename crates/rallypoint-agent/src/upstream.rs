@@ -4,6 +4,7 @@
 
 use std::io;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::BytesMut;
@@ -21,6 +22,7 @@ use rallypoint_proto::native::{
 use tokio::io::AsyncWriteExt;
 use tracing::{debug, trace, warn};
 
+use crate::channels::Channel;
 use crate::hub::Hub;
 use crate::slabs::Placed;
 use crate::{AgentConfig, AgentError, HANDSHAKE_TIMEOUT};
@@ -138,6 +140,9 @@ fn answer_bad_frame(hub: &Hub, error: ProtoError) {
     let error = Err(OpError::Invalid(format!("malformed reply from the coordinator: {message}")));
     for (sub, id) in calls {
         if let Some(local) = hub.route(sub) {
+            if let Some(channel) = hub.channels.finish(sub, id, false) {
+                channel.release();
+            }
             local.reply(id, |out| encode_reply(id, &error, out));
         }
     }
@@ -150,8 +155,23 @@ fn answer_bad_frame(hub: &Hub, error: ProtoError) {
 fn fan_out(hub: &Hub, calls: &[(u64, u64)], reply: &Reply) {
     let large = reply_payload_len(reply) >= SHARED_REPLY_MIN;
     let mut placed: Option<Option<Placed>> = None;
+    // Barrier channels with a slot finished here: woken once each, at the end.
+    let mut finished: Vec<Arc<Channel>> = Vec::new();
     for &(sub, id) in calls {
         let Some(local) = hub.route(sub) else { continue };
+        // A call taken from a barrier channel (docs/PROTOCOL.md, section 15): its
+        // slot says how it ended; an error goes on the socket too, after the slot
+        // is marked, as the reply to the call's id.
+        if let Some(channel) = hub.channels.finish(sub, id, reply.is_ok()) {
+            match reply {
+                Ok(_) => local.answered(id),
+                Err(_) => local.reply(id, |out| encode_reply(id, reply, out)),
+            }
+            if !finished.iter().any(|c| Arc::ptr_eq(c, &channel)) {
+                finished.push(channel);
+            }
+            continue;
+        }
         if large && local.takes_shared.load(Ordering::Relaxed) {
             if let Some(placed) = placed.get_or_insert_with(|| hub.slabs.place(reply)) {
                 hub.slabs.hold(placed.slab, sub);
@@ -160,6 +180,9 @@ fn fan_out(hub: &Hub, calls: &[(u64, u64)], reply: &Reply) {
             }
         }
         local.reply(id, |out| encode_reply(id, reply, out));
+    }
+    for channel in finished {
+        channel.release();
     }
 }
 

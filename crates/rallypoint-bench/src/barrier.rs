@@ -1,7 +1,10 @@
 //! `rallypoint bench barrier`: N clients in one barrier, R rounds; or, with
-//! `--op ping`, the same rounds of plain round trips: the floor a barrier is
-//! measured against. Over the native protocol or torch's TCPStore protocol (its
-//! BARRIER request), from one process or spread over `--procs` child processes.
+//! `--op ping`, the same rounds of plain round trips through the same server; or,
+//! with `--op floor`, the kernel's floor under both, with no server at all (module
+//! `floor`). Over the native protocol or torch's TCPStore protocol (its BARRIER
+//! request), from one process or spread over `--procs` child processes. Reports the
+//! CPU the server and the load generator spent per rank and round, so that a
+//! figure bound by the load generator shows as such.
 
 use std::ops::Range;
 use std::process::Stdio;
@@ -9,14 +12,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context};
-use rallypoint_client::{Client, Identity, Members};
+use rallypoint_client::{blocking, Client, Identity, Members};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 use crate::tcpstore::{self, StoreConn};
 use crate::{
-    close_all, connect_many, ensure_fds, mono_ns, on_target, options, print_report, round_stats, run_rounds,
-    ClientFuture, Protocol, RoundOp, Sources, Target, Times,
+    close_all, connect_many, ensure_fds, floor, mono_ns, on_target, options, print_report, process_cpu_ns, round_stats,
+    run_rounds, ClientFuture, Protocol, RoundOp, Sources, Target, Times,
 };
 
 #[derive(clap::Args, Debug)]
@@ -40,10 +43,16 @@ pub struct Args {
     /// no server memory is reported); with `--protocol tcpstore` it may be torch's
     #[arg(long, value_name = "HOST:PORT")]
     addr: Option<String>,
-    /// What each client does per round: `barrier`, or `ping` (one round trip each, not
-    /// held in step: the cost of N requests and N replies, the floor of a barrier)
+    /// What each client does per round: `barrier`; `ping` (one round trip each, not
+    /// held in step: the cost of N requests and N replies through the server); or
+    /// `floor` (no server: N bare sockets, N 16-byte arrivals read through epoll, then
+    /// N releases; the kernel's floor under a barrier round)
     #[arg(long, value_enum, default_value_t = Op::Barrier)]
     op: Op,
+    /// The pid of the server at `--addr`, to report its CPU per rank and round (a
+    /// server this benchmark starts is measured without it)
+    #[arg(long, value_name = "PID")]
+    server_pid: Option<u32>,
     /// Wire protocol: `native` (rallypoint's barrier), or `tcpstore` (torch's BARRIER
     /// request, type 18, on a new key each round; `--op ping` sends PING)
     #[arg(long, value_enum, default_value_t = Protocol::Native)]
@@ -51,19 +60,26 @@ pub struct Args {
     /// Load-generator processes to spread the clients over (children of this one, each
     /// with its own file-descriptor limit; keep clients / procs below that limit, with
     /// some to spare)
-    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=4096))]
     procs: u32,
     /// Loopback source addresses to bind clients to (127.0.0.2, 127.0.0.3, ...), each
     /// with its own ephemeral ports; default: as many as the clients need (none while
     /// they fit in 90 % of the ephemeral port range), 0 = never bind. `--protocol tcpstore` only
     #[arg(long, value_name = "K")]
     src_addrs: Option<u32>,
+    /// Native clients are the blocking client, each on its own thread (as a rank
+    /// process using the Python package has it), instead of async tasks; needs `--procs`
+    #[arg(long)]
+    blocking: bool,
     /// Internal: run as child I of `--procs`, with the clients it owns
     #[arg(long, value_name = "I", hide = true)]
     shard: Option<u32>,
     /// Internal: the job (native) or key prefix (tcpstore) that the children share
     #[arg(long, hide = true)]
     job: Option<String>,
+    /// Internal: run as the serving process of `--op floor`
+    #[arg(long, hide = true)]
+    serve_floor: bool,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -71,18 +87,22 @@ pub struct Args {
 enum Op {
     Barrier,
     Ping,
+    Floor,
 }
 
 #[derive(Debug, Serialize)]
 struct Report {
     op: Op,
-    protocol: Protocol,
+    /// `None` for `--op floor`, which speaks no protocol.
+    protocol: Option<Protocol>,
     clients: u32,
     procs: u32,
     /// Loopback source addresses bound (0: the kernel's choice).
     src_addrs: u32,
     rounds: u32,
     warmup_rounds: u32,
+    /// Native clients were blocking clients on threads of their own.
+    blocking: bool,
     #[serde(flatten)]
     round: Times,
     connect_ms: f64,
@@ -93,6 +113,13 @@ struct Report {
     server_rss_idle_bytes: Option<u64>,
     /// The difference per connection after the first.
     server_rss_per_conn_bytes: Option<u64>,
+    /// CPU (user + system) the server process spent per rank and round, over all
+    /// rounds (warm-up included); for `--op floor`, its serving thread's. `None` for a
+    /// server given by `--addr` without `--server-pid`.
+    server_cpu_us_per_rank_round: Option<f64>,
+    /// ... and the load-generator processes together (for `--op floor`, the client
+    /// thread), over the same rounds.
+    client_cpu_us_per_rank_round: Option<f64>,
 }
 
 /// What a child load generator reports to its parent.
@@ -101,6 +128,8 @@ struct ShardReport {
     start_ns: u64,
     round_end_ns: Vec<u64>,
     connect_ms: f64,
+    /// CPU this process spent on its rounds.
+    cpu_ns: u64,
 }
 
 /// A shard's line on stdout once its clients are connected; it then waits for a
@@ -108,6 +137,9 @@ struct ShardReport {
 const READY: &str = "ready";
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    if args.op == Op::Floor {
+        return run_floor(&args).await;
+    }
     let sources = Sources::plan(args.src_addrs, args.clients);
     if args.protocol == Protocol::Native && sources.addrs > 0 {
         bail!(
@@ -119,6 +151,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     // Each client is one socket; some slack for the runtime and stdio.
     ensure_fds(u64::from(args.clients.div_ceil(args.procs)) + 64)?;
+    if args.blocking && (args.protocol != Protocol::Native || args.procs == 1) {
+        bail!("--blocking is for native clients spread over --procs processes");
+    }
     if let Some(shard) = args.shard {
         return run_shard(&args, shard, sources).await;
     }
@@ -191,6 +226,7 @@ impl Setup<'_> {
                         match op {
                             Op::Barrier => client.barrier("bench", Members::World, Some(timeout)).await?,
                             Op::Ping => client.ping().await?,
+                            Op::Floor => unreachable!("--op floor runs without a server (run_floor)"),
                         }
                         Ok(())
                     })
@@ -208,6 +244,7 @@ impl Setup<'_> {
                             match op {
                                 Op::Barrier => conn.barrier(&key, n).await,
                                 Op::Ping => conn.ping().await,
+                                Op::Floor => unreachable!("--op floor runs without a server (run_floor)"),
                             }
                         };
                         tokio::time::timeout(timeout, done).await.context("timed out")?
@@ -250,15 +287,51 @@ async fn measure(args: &Args, target: &Target, sources: Sources) -> anyhow::Resu
     if !args.json {
         eprintln!("running {} rounds (+{} warm-up) ...", args.rounds, args.warmup);
     }
+    let cpu = CpuMeter::start(target.server_pid().or(args.server_pid));
     let start = mono_ns();
     let (clients, ends) = setup.rounds(clients).await;
+    let (server_cpu, client_cpu) = cpu.stop();
     clients.close().await;
     let ends = ends.context("a barrier round failed")?;
     let per_conn = match (rss_before, rss_idle) {
         (Some(before), Some(idle)) if n > 1 => Some(idle.saturating_sub(before) / u64::from(n - 1)),
         _ => None,
     };
-    report(args, sources, start, &ends, ms(connecting), (rss_before, rss_idle, per_conn))
+    let mut report = report(args, sources, start, &ends, ms(connecting), (rss_before, rss_idle, per_conn))?;
+    report.set_cpu(server_cpu, client_cpu);
+    Ok(report)
+}
+
+/// CPU spent by the server process (if its pid is known) and by this one, from
+/// [`CpuMeter::start`] to [`CpuMeter::stop`].
+struct CpuMeter {
+    server: Option<(u32, u64)>,
+    client: Option<u64>,
+}
+
+impl CpuMeter {
+    fn start(server_pid: Option<u32>) -> CpuMeter {
+        let server = server_pid.and_then(|pid| Some((pid, process_cpu_ns(Some(pid))?)));
+        CpuMeter { server, client: process_cpu_ns(None) }
+    }
+
+    /// (server, this process) in ns.
+    fn stop(self) -> (Option<u64>, Option<u64>) {
+        let server = self.server.and_then(|(pid, at)| Some(process_cpu_ns(Some(pid))?.saturating_sub(at)));
+        let client = self.client.and_then(|at| Some(process_cpu_ns(None)?.saturating_sub(at)));
+        (server, client)
+    }
+}
+
+impl Report {
+    /// Sets the CPU figures from the ns spent over all rounds.
+    fn set_cpu(&mut self, server_ns: Option<u64>, client_ns: Option<u64>) {
+        let rank_rounds = f64::from(self.clients) * f64::from(self.rounds + self.warmup_rounds);
+        // µs with three decimals.
+        let per = |ns: u64| (ns as f64 / rank_rounds).round() / 1e3;
+        self.server_cpu_us_per_rank_round = server_ns.map(per);
+        self.client_cpu_us_per_rank_round = client_ns.map(per);
+    }
 }
 
 fn report(
@@ -274,17 +347,20 @@ fn report(
     let stats = round_stats(start_ns, round_end_ns, args.warmup as usize).context("no rounds measured")?;
     Ok(Report {
         op: args.op,
-        protocol: args.protocol,
+        protocol: Some(args.protocol),
         clients: args.clients,
         procs: args.procs,
         src_addrs: sources.addrs,
         rounds: args.rounds,
         warmup_rounds: args.warmup,
+        blocking: args.blocking,
         round: stats.times,
         connect_ms,
         server_rss_one_conn_bytes: one,
         server_rss_idle_bytes: idle,
         server_rss_per_conn_bytes: per_conn,
+        server_cpu_us_per_rank_round: None,
+        client_cpu_us_per_rank_round: None,
     })
 }
 
@@ -300,6 +376,9 @@ async fn run_shard(args: &Args, shard: u32, sources: Sources) -> anyhow::Result<
     let addr = args.addr.as_deref().context("a shard needs --addr")?;
     let job = args.job.as_deref().context("a shard needs --job")?;
     let timeout = Duration::from_secs_f64(args.timeout);
+    if args.blocking {
+        return run_blocking_shard(args, shard, addr, job, timeout).await;
+    }
     let setup = Setup { args, addr, job, sources, timeout };
     let started = Instant::now();
     let clients = setup.connect(shard_ranks(args.clients, args.procs, shard)).await?;
@@ -308,11 +387,70 @@ async fn run_shard(args: &Args, shard: u32, sources: Sources) -> anyhow::Result<
     let mut go = String::new();
     let mut stdin = BufReader::new(tokio::io::stdin());
     tokio::time::timeout(timeout, stdin.read_line(&mut go)).await.context("no go from the parent")??;
+    let cpu = CpuMeter::start(None);
     let start_ns = mono_ns();
     let (clients, ends) = setup.rounds(clients).await;
+    let (_, cpu_ns) = cpu.stop();
     clients.close().await;
     let round_end_ns = ends?;
-    println!("{}", serde_json::to_string(&ShardReport { start_ns, round_end_ns, connect_ms })?);
+    let cpu_ns = cpu_ns.unwrap_or(0);
+    println!("{}", serde_json::to_string(&ShardReport { start_ns, round_end_ns, connect_ms, cpu_ns })?);
+    Ok(())
+}
+
+/// A child with `--blocking`: as [`run_shard`], each client a blocking client
+/// whose rounds run on a thread of its own.
+async fn run_blocking_shard(args: &Args, shard: u32, addr: &str, job: &str, timeout: Duration) -> anyhow::Result<()> {
+    let (n, total, op) = (args.clients, (args.warmup + args.rounds) as usize, args.op);
+    let ranks = shard_ranks(n, args.procs, shard);
+    let (addr, job) = (addr.to_owned(), job.to_owned());
+    let started = Instant::now();
+    let clients = tokio::task::spawn_blocking(move || {
+        ranks
+            .map(|rank| blocking::Client::connect_with(options(&addr, Identity::ranked(&job, rank, n), timeout)))
+            .collect::<Result<Vec<_>, _>>()
+    })
+    .await??;
+    let connect_ms = ms(started.elapsed());
+    println!("{READY}");
+    let mut go = String::new();
+    let mut stdin = BufReader::new(tokio::io::stdin());
+    tokio::time::timeout(timeout, stdin.read_line(&mut go)).await.context("no go from the parent")??;
+    let cpu = CpuMeter::start(None);
+    let start_ns = mono_ns();
+    let threads: Vec<_> = clients
+        .into_iter()
+        .map(|client| {
+            std::thread::spawn(move || {
+                let mut released = Vec::with_capacity(total);
+                for r in 0..total {
+                    match op {
+                        Op::Barrier => client.barrier("bench", Members::World, Some(timeout)),
+                        Op::Ping => client.ping(),
+                        // Refused with --procs before any shard starts.
+                        Op::Floor => Err(rallypoint_client::Error::Protocol("--op floor has no clients".into())),
+                    }
+                    .with_context(|| format!("round {r}"))?;
+                    released.push(mono_ns());
+                }
+                client.close()?;
+                anyhow::Ok(released)
+            })
+        })
+        .collect();
+    let round_end_ns = tokio::task::spawn_blocking(move || {
+        let mut ends = vec![0u64; total];
+        for thread in threads {
+            let released = thread.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))??;
+            for (end, at) in ends.iter_mut().zip(released) {
+                *end = (*end).max(at);
+            }
+        }
+        anyhow::Ok(ends)
+    })
+    .await??;
+    let cpu_ns = cpu.stop().1.unwrap_or(0);
+    println!("{}", serde_json::to_string(&ShardReport { start_ns, round_end_ns, connect_ms, cpu_ns })?);
     Ok(())
 }
 
@@ -333,6 +471,7 @@ async fn measure_procs(args: &Args, target: &Target, sources: Sources) -> anyhow
             .args(["--warmup", &args.warmup.to_string(), "--timeout", &args.timeout.to_string()])
             .args(["--src-addrs", &sources.addrs.to_string()])
             .args(["--op", op_name(args.op), "--protocol", protocol_name(args.protocol)])
+            .args(args.blocking.then_some("--blocking"))
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true);
@@ -352,11 +491,13 @@ async fn measure_procs(args: &Args, target: &Target, sources: Sources) -> anyhow
     let connect_ms = ms(started.elapsed());
     tokio::time::sleep(Duration::from_millis(500)).await;
     let rss_idle = target.server_rss();
+    let mut server_cpu = Some(CpuMeter::start(target.server_pid().or(args.server_pid)));
     for (_, stdin, _) in &mut children {
         stdin.write_all(b"go\n").await?;
     }
     let mut start_ns = u64::MAX;
     let mut round_end_ns = vec![0u64; (args.warmup + args.rounds) as usize];
+    let (mut client_cpu, mut server_ns) = (0u64, None);
     // Generous: all rounds, each bounded by --timeout inside the children.
     let limit = timeout * (args.warmup + args.rounds + 1);
     for (i, (mut child, _, mut stdout)) in children.into_iter().enumerate() {
@@ -366,6 +507,11 @@ async fn measure_procs(args: &Args, target: &Target, sources: Sources) -> anyhow
             .with_context(|| format!("load generator {i} did not finish in time"))??;
         let shard: ShardReport = serde_json::from_str(line.trim())
             .with_context(|| format!("load generator {i} failed (its error is above)"))?;
+        if i == 0 {
+            // The first child ends its rounds with the others: every round waits for all.
+            server_ns = server_cpu.take().and_then(|meter| meter.stop().0);
+        }
+        client_cpu += shard.cpu_ns;
         start_ns = start_ns.min(shard.start_ns);
         for (end, at) in round_end_ns.iter_mut().zip(shard.round_end_ns) {
             *end = (*end).max(at);
@@ -376,13 +522,54 @@ async fn measure_procs(args: &Args, target: &Target, sources: Sources) -> anyhow
         (Some(before), Some(idle)) => Some(idle.saturating_sub(before) / u64::from(args.clients)),
         _ => None,
     };
-    report(args, sources, start_ns, &round_end_ns, connect_ms, (None, rss_idle, per_conn))
+    let mut report = report(args, sources, start_ns, &round_end_ns, connect_ms, (None, rss_idle, per_conn))?;
+    report.set_cpu(server_ns, Some(client_cpu));
+    Ok(report)
+}
+
+/// `--op floor`: the serving child, or the measurement (its client side).
+async fn run_floor(args: &Args) -> anyhow::Result<()> {
+    let plan = floor::Plan {
+        clients: args.clients,
+        rounds: args.rounds,
+        warmup: args.warmup,
+        timeout: Duration::from_secs_f64(args.timeout),
+    };
+    // Each side holds one socket per client.
+    ensure_fds(u64::from(args.clients) + 64)?;
+    if args.serve_floor {
+        return floor::serve(&plan);
+    }
+    if args.addr.is_some() || args.procs > 1 {
+        bail!("--op floor measures bare sockets without a server, from one process: --addr and --procs do not apply");
+    }
+    let measured = floor::measure(&plan).await?;
+    let mut report = Report {
+        op: Op::Floor,
+        blocking: false,
+        protocol: None,
+        clients: args.clients,
+        procs: 1,
+        src_addrs: 0,
+        rounds: args.rounds,
+        warmup_rounds: args.warmup,
+        round: measured.round,
+        connect_ms: ms(measured.connecting),
+        server_rss_one_conn_bytes: None,
+        server_rss_idle_bytes: None,
+        server_rss_per_conn_bytes: None,
+        server_cpu_us_per_rank_round: None,
+        client_cpu_us_per_rank_round: None,
+    };
+    report.set_cpu(Some(measured.server_cpu_ns), Some(measured.client_cpu_ns));
+    print_report(&report, args.json, print_text)
 }
 
 fn op_name(op: Op) -> &'static str {
     match op {
         Op::Barrier => "barrier",
         Op::Ping => "ping",
+        Op::Floor => "floor",
     }
 }
 
@@ -397,7 +584,7 @@ fn print_text(r: &Report) {
     println!(
         "{} over {}, {} clients in {} process(es), {} rounds (+{} warm-up); connecting took {:.0} ms",
         op_name(r.op),
-        protocol_name(r.protocol),
+        r.protocol.map_or("bare sockets", protocol_name),
         r.clients,
         r.procs,
         r.rounds,
@@ -405,6 +592,9 @@ fn print_text(r: &Report) {
         r.connect_ms
     );
     println!("round time: {}", r.round);
+    if let (Some(server), Some(client)) = (r.server_cpu_us_per_rank_round, r.client_cpu_us_per_rank_round) {
+        println!("CPU per rank and round: server {server:.2} µs, load generator {client:.2} µs");
+    }
     if let (Some(idle), Some(per_conn)) = (r.server_rss_idle_bytes, r.server_rss_per_conn_bytes) {
         println!(
             "server memory (RSS): {:.1} MiB with {} idle connections: {} bytes per connection",

@@ -9,6 +9,7 @@
 mod all_gather;
 mod attack;
 mod barrier;
+mod floor;
 mod handshake;
 mod hierarchy;
 mod kv;
@@ -308,6 +309,33 @@ fn mono_ns() -> u64 {
     // SAFETY: clock_gettime only writes the struct we pass; CLOCK_MONOTONIC always exists.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// CPU time (user and system, all threads) a process has spent so far, in ns: the
+/// process `pid`, or this one. `None` if it cannot be read (the process is gone).
+fn process_cpu_ns(pid: Option<u32>) -> Option<u64> {
+    let mut clock = libc::CLOCK_PROCESS_CPUTIME_ID;
+    if let Some(pid) = pid {
+        // SAFETY: writes only `clock`.
+        if unsafe { libc::clock_getcpuclockid(libc::pid_t::try_from(pid).ok()?, &mut clock) } != 0 {
+            return None;
+        }
+    }
+    read_clock_ns(clock)
+}
+
+/// CPU time the calling thread has spent so far, in ns.
+fn thread_cpu_ns() -> u64 {
+    read_clock_ns(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or(0)
+}
+
+fn read_clock_ns(clock: libc::clockid_t) -> Option<u64> {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: clock_gettime only writes the struct we pass.
+    if unsafe { libc::clock_gettime(clock, &mut ts) } != 0 {
+        return None;
+    }
+    Some(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
 }
 
 /// A future borrowing the client it runs on.

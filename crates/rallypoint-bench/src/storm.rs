@@ -248,7 +248,12 @@ async fn join_native(addr: SocketAddr, source: Option<IpAddr>, identity: &Identi
         match decode_server_frame(&mut buffered, &FrameLimits::unbounded())? {
             Some(ServerFrame::Welcome(_)) => return Ok(stream),
             Some(ServerFrame::Refused(error)) => anyhow::bail!("refused: {error}"),
-            Some(ServerFrame::Reply { .. } | ServerFrame::SharedReply { .. }) => {
+            Some(
+                ServerFrame::Reply { .. }
+                | ServerFrame::SharedReply { .. }
+                | ServerFrame::BarrierChannel { .. }
+                | ServerFrame::NoBarrierChannel { .. },
+            ) => {
                 anyhow::bail!("a reply before the welcome")
             }
             Some(ServerFrame::AuthChallenge { .. } | ServerFrame::AuthAccepted { .. }) => {

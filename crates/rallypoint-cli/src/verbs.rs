@@ -30,6 +30,9 @@ pub enum Verb {
     Barrier {
         /// The barrier's name (its calls are counted per rank: see above)
         name: String,
+        /// Pass the barrier N times in a row, as N separate calls would
+        #[arg(long, value_name = "N", default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
+        times: u32,
         #[command(flatten)]
         members: MembersArgs,
         #[command(flatten)]
@@ -251,9 +254,15 @@ pub struct MembersArgs {
 
 pub async fn run(verb: Verb) -> anyhow::Result<()> {
     match verb {
-        Verb::Barrier { name, members, conn } => {
+        Verb::Barrier { name, times, members, conn } => {
             let (client, members) = collective(&conn, &members, "barrier").await?;
-            let result = client.barrier(&name, members, None).await;
+            let mut result = Ok(());
+            for _ in 0..times {
+                result = client.barrier(&name, members.clone(), None).await;
+                if result.is_err() {
+                    break;
+                }
+            }
             finish(client, result).await?;
         }
         Verb::AllGather { value, name, members, conn } => {

@@ -901,6 +901,59 @@ fn a_killed_process_is_lost_at_once_whatever_the_reconnect_grace() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Ranks on a node agent's Unix socket wait in a barrier through shared memory
+/// with the agent (docs/PROTOCOL.md, section 15: a barrier's first call goes as a
+/// request that gets the channel, its later ones through the channel); one is
+/// SIGKILLed while they wait, and every other one is woken at once with the
+/// failure naming it.
+#[test]
+fn a_rank_killed_in_a_shared_memory_barrier_is_named_by_every_peer() {
+    let server = Server::start();
+    let dir = std::env::temp_dir().join(format!("rp-shmbar-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let sock = dir.join("agent.sock");
+    let _agent = agent(&server, &sock);
+    let addr = format!("unix:{}", sock.display());
+    let rank = |r: u32, times: u32| {
+        let mut command = rallypoint();
+        command.args(["barrier", "b", "--times", &times.to_string(), "--addr", &addr, "--job", "shm"]);
+        command.args(["--rank", &r.to_string(), "--world-size", "5", "--timeout", "300"]);
+        command
+    };
+    // World of 5: all pass the first generation; rank 4 then leaves, so ranks 0 to
+    // 3 wait in the second (through the channel) until rank 1 is killed.
+    let mut peers: Vec<Guard> = [0, 2, 3].into_iter().map(|r| spawn(rank(r, 2))).collect();
+    let mut victim = spawn(rank(1, 2));
+    assert_code(&finish(&mut spawn(rank(4, 1))), 0);
+    for pid in peers.iter().map(Guard::pid).chain([victim.pid()]) {
+        wait_mapped(pid, "memfd:rallypoint-barrier");
+    }
+    // Mapped with the first generation's reply; the second arrives at once after.
+    thread::sleep(Duration::from_millis(300));
+    victim.0.kill().expect("SIGKILL rank 1");
+    let killed_at = Instant::now();
+    for peer in &mut peers {
+        let run = finish(peer);
+        assert_code(&run, 4);
+        assert!(run.stderr.contains("rank 1"), "the error should name rank 1: {run:#?}");
+    }
+    // At once, not after the 300 s timeout.
+    assert!(killed_at.elapsed() < LIMIT, "peers took {:?}", killed_at.elapsed());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Waits until process `pid` maps a file named `name` (at most [`LIMIT`]).
+fn wait_mapped(pid: u32, name: &str) {
+    let deadline = Instant::now() + LIMIT;
+    while Instant::now() < deadline {
+        if std::fs::read_to_string(format!("/proc/{pid}/maps")).unwrap_or_default().contains(name) {
+            return;
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+    panic!("process {pid} never mapped {name}");
+}
+
 /// Waits until `rallypoint status` of `job` says `ranks: WHAT` (e.g. "2 connected"), at most [`LIMIT`].
 fn wait_for_status(server: &Server, job: &str, what: &str) {
     let deadline = Instant::now() + LIMIT;

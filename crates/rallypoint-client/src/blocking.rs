@@ -142,7 +142,10 @@ impl Client {
     }
 
     pub fn barrier(&self, name: &str, members: Members, timeout: Option<Duration>) -> Result<(), Error> {
-        self.runtime.block_on(self.inner.barrier(name, members, timeout))
+        // A release through shared memory wakes this thread itself: no runtime
+        // thread in between.
+        let waiting = crate::channel::Waiting::Thread;
+        self.runtime.block_on(self.inner.barrier_waiting(name, members, timeout, waiting))
     }
 
     pub fn all_gather(

@@ -26,7 +26,8 @@ use rallypoint_net::auth::Token;
 use rallypoint_net::conn::Credentials;
 use rallypoint_net::tls::TlsClient;
 
-use crate::connection::{self, Command, Link, Redial};
+use crate::channel;
+use crate::connection::{self, Command, DirectWrite, Link, Redial};
 use crate::error::Error;
 
 /// How long to keep retrying to connect, and how long blocking operations wait
@@ -54,6 +55,10 @@ pub struct ConnectOptions {
     /// results, large values) as shared memory mapped read-only instead of copied
     /// through the socket (docs/PROTOCOL.md, section 13). Ignored over TCP.
     pub shared_replies: bool,
+    /// Over a Unix socket (to this node's agent), synchronise barriers through shared
+    /// memory with the agent instead of messages where it gives a channel
+    /// (docs/PROTOCOL.md, section 15). Ignored over TCP.
+    pub barrier_channels: bool,
     /// The token to prove (the coordinator must prove it too), and the CA that
     /// signed the coordinator's TLS certificate: neither by default.
     pub credentials: Credentials,
@@ -68,6 +73,7 @@ impl ConnectOptions {
             identity,
             timeout: DEFAULT_TIMEOUT,
             shared_replies: true,
+            barrier_channels: std::env::var_os("RALLYPOINT_NO_BARRIER_CHANNELS").is_none(),
             credentials: Credentials::default(),
         }
     }
@@ -108,18 +114,24 @@ struct Inner {
     commands: mpsc::UnboundedSender<Command>,
     /// A call found the coordinator silent (no reply within its timeout).
     silent: AtomicBool,
+    /// Barriers may go through shared memory with the node agent (module `channel`).
+    barrier_channels: bool,
 }
 
 /// Forgets a call's reply slot if the call stops waiting before its reply
-/// (timeout, or the caller's future dropped).
-struct Registered<'a> {
-    link: &'a Link,
-    id: u64,
+/// (the caller's future dropped, or the request not handed over).
+pub(crate) struct Registered<'a> {
+    pub(crate) link: &'a Link,
+    pub(crate) id: u64,
+    /// Its slot was filled (or dropped): the link has already forgotten the call.
+    pub(crate) settled: bool,
 }
 
 impl Drop for Registered<'_> {
     fn drop(&mut self) {
-        self.link.unregister(self.id);
+        if !self.settled {
+            self.link.unregister(self.id);
+        }
     }
 }
 
@@ -146,7 +158,7 @@ impl Client {
     }
 
     pub async fn connect_with(options: ConnectOptions) -> Result<Client, Error> {
-        let ConnectOptions { addr, mut identity, timeout, shared_replies, credentials } = options;
+        let ConnectOptions { addr, mut identity, timeout, shared_replies, barrier_channels, credentials } = options;
         if identity.host.is_empty() {
             identity.host = rallypoint_net::hostname();
         }
@@ -157,8 +169,11 @@ impl Client {
         identity.resume = None;
         let connected = connection::connect(&addr, &identity, timeout, shared_replies, &credentials).await?;
         let redial = Redial { identity: identity.clone(), shared_replies, timeout, credentials };
+        // Only a node agent of this machine, over a Unix socket, can share memory.
+        let barrier_channels = barrier_channels && rallypoint_net::unix_path(&addr).is_some();
         let (link, commands) = connection::spawn(addr, connected, redial);
-        Ok(Client { inner: Arc::new(Inner { identity, timeout, link, commands, silent: AtomicBool::new(false) }) })
+        let inner = Inner { identity, timeout, link, commands, silent: AtomicBool::new(false), barrier_channels };
+        Ok(Client { inner: Arc::new(inner) })
     }
 
     /// Connects with settings from the environment (see [`crate::env::Settings`]).
@@ -196,18 +211,27 @@ impl Client {
     /// Sends one request and waits for its reply at most `limit`.
     async fn call_within(&self, request: Request, limit: Duration) -> Result<Response, Error> {
         let link = &*self.inner.link;
-        let (id, reply) = link.register()?;
-        let _registered = Registered { link, id };
-        if self.inner.commands.send(Command::Request { id, request }).is_err() {
+        // The connection task fails the call past `limit` (one timer for all calls).
+        let (id, reply) = link.register(limit)?;
+        let mut registered = Registered { link, id, settled: false };
+        let handed = match link.write_direct(id, request) {
+            DirectWrite::Written => Ok(()),
+            DirectWrite::Partly => self.inner.commands.send(Command::Flush),
+            DirectWrite::Queue(request) => self.inner.commands.send(Command::Request { id, request }),
+        };
+        if handed.is_err() {
             return Err(link.disconnected());
         }
-        match tokio::time::timeout(limit, reply).await {
-            Ok(Ok(result)) => result,
-            Ok(Err(_)) => Err(link.disconnected()),
-            Err(_) => {
+        let result = reply.await;
+        // Whoever filled or dropped the slot took the call out of the link's map.
+        registered.settled = true;
+        match result {
+            Ok(Err(Error::Timeout(limit))) => {
                 self.inner.silent.store(true, Ordering::Relaxed);
                 Err(Error::Timeout(limit))
             }
+            Ok(result) => result,
+            Err(_) => Err(link.disconnected()),
         }
     }
 
@@ -360,8 +384,29 @@ impl Client {
     /// name meets the other members' n-th call). On timeout the error lists
     /// every member that had not arrived and why.
     pub async fn barrier(&self, name: &str, members: Members, timeout: Option<Duration>) -> Result<(), Error> {
+        self.barrier_waiting(name, members, timeout, channel::Waiting::Task).await
+    }
+
+    /// [`Client::barrier`], waiting for a release through shared memory as `waiting` says.
+    pub(crate) async fn barrier_waiting(
+        &self,
+        name: &str,
+        members: Members,
+        timeout: Option<Duration>,
+        waiting: channel::Waiting,
+    ) -> Result<(), Error> {
         let (timeout_ms, wait) = self.blocking_timeout(timeout);
-        match self.call(Request::Barrier { name: name.to_owned(), members, timeout_ms }, wait).await? {
+        let request = Request::Barrier { name: name.to_owned(), members, timeout_ms };
+        if self.inner.barrier_channels {
+            let caller = channel::Caller { link: &self.inner.link, commands: &self.inner.commands };
+            if let Some(done) = channel::barrier(caller, &request, wait.saturating_add(SAFETY_MARGIN), waiting).await {
+                if matches!(done, Err(Error::Timeout(_))) {
+                    self.inner.silent.store(true, Ordering::Relaxed);
+                }
+                return done;
+            }
+        }
+        match self.call(request, wait).await? {
             Response::Done => Ok(()),
             other => Err(unexpected("barrier", other)),
         }

@@ -1,8 +1,14 @@
 //! The client's connection: connecting (with retries), the handshake, and the
 //! background task that owns the socket. Calls register a reply slot under a fresh
-//! request id and hand the request to the task; the task writes requests (and
-//! heartbeats) and routes replies to the slots by id, so any number of calls
+//! request id; the task routes replies to the slots by id, so any number of calls
 //! pipeline over one connection.
+//!
+//! A call writes its request itself when the task is not writing (see [`Direct`]):
+//! a rank that makes one call at a time (a barrier, a training step's `add`) then
+//! costs no hand-over to the task, no wake-up and no turn of its loop, only the
+//! `send`. Otherwise, and over TLS, the call hands its request to the task, which
+//! gathers what is queued into as few writes as it can, heartbeats included. The
+//! task also fails the calls whose timeout passed, with one timer for all of them.
 //!
 //! A cut connection is not the end of the session (docs/PROTOCOL.md, section 14):
 //! the task reconnects with [`Backoff`], says hello again with the session's id as a
@@ -15,6 +21,7 @@
 
 use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
+use std::convert::Infallible;
 use std::io;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -28,7 +35,7 @@ use rallypoint_proto::native::{
     ProtoError, ServerFrame,
 };
 use tokio::io::AsyncWriteExt;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 use tracing::{debug, info};
 
@@ -37,6 +44,7 @@ use rallypoint_net::shm;
 use rallypoint_net::sync::Backoff;
 use rallypoint_net::{unix_path, ReadHalf, Stream, WriteHalf};
 
+use crate::channel::Channels;
 use crate::error::Error;
 
 /// Most bytes reserved at once for the rest of a reply whose length prefix has
@@ -52,12 +60,21 @@ const SILENT_BEATS: u32 = 4;
 /// How long a cut connection is tried again when the coordinator has no lease (with
 /// a lease, for a lease: a session is not kept longer than that).
 const RESUME_WINDOW_WITHOUT_LEASE: Duration = Duration::from_secs(15);
+/// The longest a call is waited for: a deadline further out is as good as none,
+/// and must not overflow the clock.
+const LONGEST_WAIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
 pub(crate) type ReplySlot = oneshot::Sender<Result<Response, Error>>;
 
 /// What a call sends to the connection task.
 pub(crate) enum Command {
     Request {
+        id: u64,
+        request: Request,
+    },
+    /// The barrier call `request`, asking the node agent for a barrier channel for
+    /// its later calls (module `channel`).
+    AttachBarrier {
         id: u64,
         request: Request,
     },
@@ -72,6 +89,8 @@ pub(crate) enum Command {
     Shutdown(oneshot::Sender<()>),
     /// Give the session up as a crash would (Abandon), then as `Shutdown`.
     Abandon(oneshot::Sender<()>),
+    /// A call wrote part of its frame itself: the rest waits in [`Direct`].
+    Flush,
 }
 
 /// State shared by every clone of a client and its connection task.
@@ -87,12 +106,22 @@ pub(crate) struct Link {
     reads: AtomicU64,
     /// The latest welcome: the session (the resume token) and the job's incarnation.
     welcome: Mutex<Welcome>,
+    /// How calls write their requests themselves.
+    direct: Mutex<Direct>,
+    /// A call's deadline comes before the task's timer ([`Pending::armed`]).
+    deadline_moved: Notify,
+    /// Barrier channels given on this connection (module `channel`).
+    pub(crate) channels: Channels,
 }
 
 struct Pending {
-    calls: HashMap<u64, Call>,
+    /// Keyed by our own request ids (no peer chooses them): a fast hash will do.
+    calls: HashMap<u64, Call, foldhash::fast::RandomState>,
     /// Set once the connection has ended for good: why, as reported to every later call.
     closed: Option<Closed>,
+    /// When the task looks next for calls past their deadline; `None`: no timer
+    /// (nobody waited since it last looked). Never after the earliest deadline.
+    armed: Option<Instant>,
 }
 
 /// A call waiting for its reply.
@@ -101,6 +130,34 @@ struct Call {
     /// The request, once written to a connection: sent again if that connection is
     /// cut before the reply.
     written: Option<Request>,
+    /// When the caller stops waiting: the call then fails with `Error::Timeout(limit)`.
+    deadline: Instant,
+    limit: Duration,
+}
+
+/// The connection's write half, shared between its task and the calls: a call
+/// writes its frame itself when the task is not writing (nor has bytes to write
+/// first), with a non-blocking `send` under this lock, so that frames never
+/// interleave. TLS connections have no `writer` here: encrypting takes the task.
+#[derive(Default)]
+struct Direct {
+    writer: Option<Arc<WriteHalf>>,
+    /// The task is writing, or has `rest` to write first: calls hand their requests over.
+    busy: bool,
+    /// The end of a frame a call could write only in part; the task writes it next.
+    rest: BytesMut,
+    /// Where calls encode their frames, kept between calls.
+    buf: BytesMut,
+}
+
+/// What [`Link::write_direct`] did with a request.
+pub(crate) enum DirectWrite {
+    /// Written (or its end left to the task, which has been told so).
+    Written,
+    /// Written in part: the task must be told to write the rest ([`Command::Flush`]).
+    Partly,
+    /// Not written: hand it to the task.
+    Queue(Request),
 }
 
 /// Why the connection ended for good.
@@ -126,11 +183,18 @@ impl Link {
         Link {
             addr,
             next_id: AtomicU64::new(1),
-            pending: Mutex::new(Pending { calls: HashMap::new(), closed: None }),
+            pending: Mutex::new(Pending { calls: HashMap::default(), closed: None, armed: None }),
             delivered: AtomicUsize::new(0),
             reads: AtomicU64::new(0),
             welcome: Mutex::new(welcome),
+            direct: Mutex::new(Direct::default()),
+            deadline_moved: Notify::new(),
+            channels: Channels::default(),
         }
+    }
+
+    fn lock_direct(&self) -> MutexGuard<'_, Direct> {
+        self.direct.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn lock(&self) -> MutexGuard<'_, Pending> {
@@ -151,16 +215,83 @@ impl Link {
         *self.welcome.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = welcome;
     }
 
-    /// Allocates a request id and the slot its reply will arrive in.
-    pub(crate) fn register(&self) -> Result<(u64, oneshot::Receiver<Result<Response, Error>>), Error> {
+    /// Allocates a request id and the slot its reply will arrive in; past `limit`
+    /// the call fails with [`Error::Timeout`].
+    pub(crate) fn register(&self, limit: Duration) -> Result<(u64, oneshot::Receiver<Result<Response, Error>>), Error> {
+        let deadline = Instant::now() + limit.min(LONGEST_WAIT);
         let mut pending = self.lock();
         if let Some(closed) = &pending.closed {
             return Err(closed.error());
         }
         let id = self.next_id();
         let (slot, reply) = oneshot::channel();
-        pending.calls.insert(id, Call { slot, written: None });
+        pending.calls.insert(id, Call { slot, written: None, deadline, limit });
+        // Usually later than the timer (calls share one timeout): nothing to tell.
+        let earlier = pending.armed.is_none_or(|armed| deadline < armed);
+        if earlier {
+            pending.armed = Some(deadline);
+        }
+        drop(pending);
+        if earlier {
+            self.deadline_moved.notify_one();
+        }
         Ok((id, reply))
+    }
+
+    /// Writes call `id`'s request now if the task is not writing; see [`DirectWrite`].
+    pub(crate) fn write_direct(&self, id: u64, request: Request) -> DirectWrite {
+        let mut direct = self.lock_direct();
+        let Direct { writer: Some(writer), busy: false, rest, buf } = &mut *direct else {
+            return DirectWrite::Queue(request);
+        };
+        let frame = ClientFrame::Request { id, request };
+        encode_client_frame(&frame, buf);
+        let ClientFrame::Request { request, .. } = frame else { unreachable!("built above") };
+        // Counted as written before its bytes go, so that a cut right after finds it
+        // (see `Link::written`); the task takes the writer away under this lock first.
+        if let Some(call) = self.lock().calls.get_mut(&id) {
+            call.written = Some(request);
+        }
+        let done = match writer.try_write(buf) {
+            Ok(all) if all == buf.len() => DirectWrite::Written,
+            Ok(part) => {
+                *rest = buf.split_off(part);
+                direct.busy = true;
+                DirectWrite::Partly
+            }
+            // Nothing went (the socket is full, or broke: the task learns that itself).
+            Err(_) => {
+                buf.clear();
+                let request = self.lock().calls.get_mut(&id).and_then(|call| call.written.take());
+                return request.map_or(DirectWrite::Written, DirectWrite::Queue);
+            }
+        };
+        direct.buf.clear();
+        Buffering::CLIENT.release_idle(&mut direct.buf);
+        done
+    }
+
+    /// Fails the calls whose deadline has passed, and sets the timer for the next.
+    fn expire(&self, now: Instant) {
+        let expired: Vec<Call> = {
+            let mut pending = self.lock();
+            let ids: Vec<u64> = pending.calls.iter().filter(|(_, c)| c.deadline <= now).map(|(id, _)| *id).collect();
+            let expired = ids.iter().filter_map(|id| pending.calls.remove(id)).collect();
+            pending.armed = pending.calls.values().map(|call| call.deadline).min();
+            expired
+        };
+        for call in expired {
+            let _ = call.slot.send(Err(Error::Timeout(call.limit)));
+        }
+    }
+
+    /// Call `id` still waits for its reply.
+    pub(crate) fn is_waiting(&self, id: u64) -> bool {
+        self.lock().calls.contains_key(&id)
+    }
+
+    pub(crate) fn addr(&self) -> &str {
+        &self.addr
     }
 
     /// Forgets a call whose caller stopped waiting (timed out or was cancelled).
@@ -339,9 +470,12 @@ async fn attempt(
             Ok(None) => None,
             Ok(Some(ServerFrame::Welcome(welcome))) => Some(Ok(welcome)),
             Ok(Some(ServerFrame::Refused(error))) => Some(Err(Attempt::Refused(error))),
-            Ok(Some(ServerFrame::Reply { id, .. } | ServerFrame::SharedReply { id, .. })) => {
-                Some(Err(Attempt::Protocol(format!("sent a reply (request id {id}) before its welcome"))))
-            }
+            Ok(Some(
+                ServerFrame::Reply { id, .. }
+                | ServerFrame::SharedReply { id, .. }
+                | ServerFrame::BarrierChannel { id, .. }
+                | ServerFrame::NoBarrierChannel { id, .. },
+            )) => Some(Err(Attempt::Protocol(format!("sent a reply (request id {id}) before its welcome")))),
             Ok(Some(ServerFrame::AuthChallenge { .. } | ServerFrame::AuthAccepted { .. })) => {
                 Some(Err(Attempt::Protocol("sent a token handshake frame nobody asked for".to_owned())))
             }
@@ -367,8 +501,61 @@ pub(crate) fn spawn(addr: String, connected: Connected, redial: Redial) -> (Arc<
     let (commands, queue) = mpsc::unbounded_channel();
     // Weak: slab releases must not keep the connection open once every client is gone.
     let releases = commands.downgrade();
-    tokio::spawn(run(connected, queue, releases, Arc::clone(&link), redial));
+    // A task of its own: polled beside the connection's, it would be polled at every
+    // reply read, for a timer that rarely fires.
+    let expiry = tokio::spawn({
+        let link = Arc::clone(&link);
+        async move { match expire_calls(&link).await {} }
+    });
+    let task = Arc::clone(&link);
+    tokio::spawn(async move {
+        // However the task ends (a panic, the runtime going away), its calls must not
+        // wait for replies nobody will route, nor for a timer nobody runs.
+        let _closing = CloseOnDrop(&task);
+        let _expiry = AbortOnDrop(expiry.abort_handle());
+        run(connected, queue, releases, &task, redial).await;
+    });
     (link, commands)
+}
+
+/// Stops the task that fails calls past their deadline once the connection task ends
+/// (the link fails the calls still waiting then).
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Fails every waiting call when dropped (see [`spawn`]); a no-op once the link is
+/// closed.
+struct CloseOnDrop<'a>(&'a Link);
+
+impl Drop for CloseOnDrop<'_> {
+    fn drop(&mut self) {
+        let why = format!("the connection task for the coordinator at {} ended", self.0.addr);
+        self.0.close(Closed::Lost(why));
+    }
+}
+
+/// Fails the calls whose timeout passed, with one timer for the connection rather
+/// than one per call (set, and cancelled, on every request otherwise). Runs for the
+/// task's whole life, reconnections included.
+async fn expire_calls(link: &Link) -> Infallible {
+    loop {
+        let moved = link.deadline_moved.notified();
+        let armed = link.lock().armed;
+        match armed {
+            Some(at) => {
+                tokio::select! {
+                    () = tokio::time::sleep_until(at) => link.expire(Instant::now()),
+                    () = moved => {}
+                }
+            }
+            None => moved.await,
+        }
+    }
 }
 
 /// How one connection ended.
@@ -383,7 +570,7 @@ async fn run(
     mut connected: Connected,
     mut queue: mpsc::UnboundedReceiver<Command>,
     releases: mpsc::WeakUnboundedSender<Command>,
-    link: Arc<Link>,
+    link: &Link,
     redial: Redial,
 ) {
     let lease = connected.welcome.lease_ms;
@@ -404,9 +591,13 @@ async fn run(
         // Reading and writing run concurrently, so a large write never stops replies
         // from being read (which could deadlock against a server doing the same).
         let ended = tokio::select! {
-            why = read_loop(reader, buffered, &releases, &link, epoch) => why,
-            ended = write_loop(writer, &mut queue, &link, &mut beat, epoch, std::mem::take(&mut resend)) => ended,
+            why = read_loop(reader, buffered, &releases, link, epoch) => why,
+            ended = write_loop(writer, &mut queue, link, &mut beat, epoch, std::mem::take(&mut resend)) => ended,
         };
+        // The write half goes with its connection: calls hand their requests to the
+        // task until the next one is up. Bytes a call left for it are moot.
+        *link.lock_direct() = Direct::default();
+        link.channels.connection_ended();
         let why = match ended {
             Ended::Done(why, done) => {
                 debug!(addr = %link.addr, %why, "connection task ended");
@@ -420,7 +611,7 @@ async fn run(
             Ended::Cut(why) => why,
         };
         debug!(addr = %link.addr, %why, "connection cut; resuming the session");
-        match reconnect(&link, &redial, window, &why).await {
+        match reconnect(link, &redial, window, &why).await {
             Ok((again, unanswered)) => {
                 connected = again;
                 resend = unanswered;
@@ -531,6 +722,15 @@ async fn read_loop(
                     };
                     link.complete(id, reply.and_then(|reply| reply.map_err(Error::Op)));
                 }
+                Ok(Some(ServerFrame::BarrierChannel { id, channel, slot })) => {
+                    if let Err(why) = link.channels.answered(id, channel, slot, &mut files) {
+                        return broken(why);
+                    }
+                }
+                Ok(Some(ServerFrame::NoBarrierChannel { id, reason })) => {
+                    debug!(addr = %link.addr, %reason, "no barrier channel; the barrier goes through messages");
+                    link.channels.refused(id);
+                }
                 Ok(Some(
                     ServerFrame::Welcome(_)
                     | ServerFrame::Refused(_)
@@ -567,15 +767,20 @@ fn read_room(buf: &[u8]) -> usize {
 
 /// Writes `resend` (the requests a cut left unanswered, on a resumed session), then
 /// requests and heartbeats; returns how the connection ended, and whom to tell once
-/// it is fully closed if that was asked for.
+/// it is fully closed if that was asked for. Between its writes, calls write their
+/// requests themselves ([`Direct`]).
 async fn write_loop(
-    mut writer: WriteHalf,
+    writer: WriteHalf,
     queue: &mut mpsc::UnboundedReceiver<Command>,
     link: &Link,
     beat: &mut Option<Interval>,
     epoch: u64,
     resend: Vec<(u64, Request)>,
 ) -> Ended {
+    let mut writer = Arc::new(writer);
+    if !writer.is_tls() {
+        link.lock_direct().writer = Some(Arc::clone(&writer));
+    }
     let mut buf = BytesMut::new();
     for (id, request) in resend {
         encode_client_frame(&ClientFrame::Request { id, request }, &mut buf);
@@ -597,7 +802,7 @@ async fn write_loop(
                     };
                     if let Command::Abandon(done) = command {
                         abandon(&mut writer, link, &mut buf).await;
-                        let _ = writer.shutdown().await;
+                        shut_down(&mut writer, link).await;
                         return Ended::Done(format!("the client for the coordinator at {} was dropped", link.addr), Some(done));
                     }
                     let mut gathered = 0;
@@ -626,30 +831,69 @@ async fn write_loop(
                 }
             }
         }
-        if !buf.is_empty() {
-            // Flushed: TLS holds what it encrypted until then.
-            if let Err(error) = async {
-                writer.write_all(&buf).await?;
-                writer.flush().await
+        // The end of a frame a call wrote in part goes first; calls hand their
+        // requests over while this writes.
+        let rest = {
+            let mut direct = link.lock_direct();
+            let writes = !buf.is_empty() || !direct.rest.is_empty();
+            direct.busy |= writes;
+            writes.then(|| std::mem::take(&mut direct.rest))
+        };
+        if let Some(rest) = rest {
+            let wrote = async {
+                if !rest.is_empty() {
+                    writer.write_locked(&rest).await?;
+                }
+                if !buf.is_empty() {
+                    // Flushed: TLS holds what it encrypted until then.
+                    writer.write_locked(&buf).await?;
+                }
+                Ok::<(), io::Error>(())
             }
-            .await
-            {
+            .await;
+            if let Err(error) = wrote {
                 return Ended::Cut(error.to_string());
             }
+            link.lock_direct().busy = false;
             buf.clear();
             Buffering::CLIENT.release_idle(&mut buf);
         }
         if let Some(done) = shutdown {
-            let _ = writer.shutdown().await;
+            shut_down(&mut writer, link).await;
             return Ended::Done(format!("the client for the coordinator at {} was closed", link.addr), Some(done));
         }
     }
 }
 
-/// Writes an Abandon request (whatever `buf` holds is written with it).
-async fn abandon(writer: &mut WriteHalf, link: &Link, buf: &mut BytesMut) {
+/// Takes the write half back from the calls: they hand their requests to the task
+/// from now on. Returns the end of a frame a call wrote in part, to write first.
+fn take_writer(link: &Link) -> BytesMut {
+    let mut direct = link.lock_direct();
+    direct.writer = None;
+    std::mem::take(&mut direct.rest)
+}
+
+/// Shuts the write half down (a FIN, or TLS's close_notify) after what calls left.
+async fn shut_down(writer: &mut Arc<WriteHalf>, link: &Link) {
+    let rest = take_writer(link);
+    if !rest.is_empty() {
+        let _ = writer.write_locked(&rest).await;
+    }
+    // The task's is the only handle left: calls use theirs only under their lock.
+    if let Some(writer) = Arc::get_mut(writer) {
+        let _ = writer.shutdown().await;
+    }
+}
+
+/// Writes an Abandon request (whatever `buf` holds is written with it). Calls can
+/// no longer write afterwards.
+async fn abandon(writer: &mut Arc<WriteHalf>, link: &Link, buf: &mut BytesMut) {
+    let rest = take_writer(link);
     encode_client_frame(&ClientFrame::Request { id: link.next_id(), request: Request::Abandon }, buf);
-    let _ = writer.write_all(buf).await;
+    if !rest.is_empty() {
+        let _ = writer.write_locked(&rest).await;
+    }
+    let _ = writer.write_locked(buf).await;
     buf.clear();
 }
 
@@ -675,6 +919,15 @@ fn gather(
                 }
                 *gathered += 1;
             }
+            Command::AttachBarrier { id, request } => {
+                let frame = ClientFrame::AttachBarrier { id, request };
+                encode_client_frame(&frame, buf);
+                // Sent again after a cut as the plain request it also is.
+                if let ClientFrame::AttachBarrier { id, request } = frame {
+                    written.push((id, request));
+                }
+                *gathered += 1;
+            }
             Command::Release { slab, epoch: of } if of == epoch => {
                 encode_client_frame(&ClientFrame::ReleaseShared { slab }, buf)
             }
@@ -682,6 +935,8 @@ fn gather(
             Command::Shutdown(done) => return Some(done),
             // Dropping a client while another of its clones is mid-call: the call fails.
             Command::Abandon(done) => return Some(done),
+            // The task writes what the call left in `Direct` before its next write.
+            Command::Flush => {}
         }
         if buf.len() < MAX_WRITE_BATCH {
             next = queue.try_recv().ok();

@@ -5,6 +5,7 @@
 //! with explicit values, into connection settings ([`env::Settings`]).
 
 pub mod blocking;
+mod channel;
 mod client;
 mod connection;
 pub mod env;

@@ -17,6 +17,7 @@
 use std::future::Future;
 use std::io;
 use std::mem::MaybeUninit;
+use std::os::fd::AsFd;
 use std::pin::{pin, Pin};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
@@ -28,6 +29,7 @@ use rallypoint_proto::native::{
     decode_client_frame, decode_preamble, decode_server_frame, encode_client_frame, encode_preamble,
     encode_server_frame, starts_with_agent_hello, ClientFrame, FrameLimits, ProtoError, ServerFrame, VERSION,
 };
+use rustix::net::RecvFlags;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 
@@ -450,6 +452,7 @@ fn frame_name(frame: &ServerFrame) -> &'static str {
         ServerFrame::Welcome(_) => "a welcome",
         ServerFrame::Refused(_) => "a refusal",
         ServerFrame::Reply { .. } | ServerFrame::SharedReply { .. } => "a reply",
+        ServerFrame::BarrierChannel { .. } | ServerFrame::NoBarrierChannel { .. } => "a barrier channel answer",
         ServerFrame::AuthChallenge { .. } => "a challenge",
         ServerFrame::AuthAccepted { .. } => "a proof",
     }
@@ -467,6 +470,13 @@ pub enum Inbound {
     /// The rank no longer holds anything of this shared-memory slab's contents.
     ReleaseShared {
         slab: u64,
+    },
+    /// The barrier call `request`, to be handled as a Request, and a request for a
+    /// barrier channel for its later calls (docs/PROTOCOL.md, section 15): say
+    /// whether there is one (BarrierChannel or NoBarrierChannel) before the reply.
+    AttachBarrier {
+        id: u64,
+        request: Request,
     },
     /// A whole frame that does not decode (skipped): answer request `id`, if it
     /// could be read, with an `Invalid` error saying `message`.
@@ -488,6 +498,7 @@ pub fn decode_requests(rbuf: &mut BytesMut, limits: &FrameLimits, mut on: impl F
             Ok(Some(ClientFrame::Request { id, request })) => on(Inbound::Request { id, request }),
             Ok(Some(ClientFrame::TakeSharedReplies)) => on(Inbound::TakeSharedReplies),
             Ok(Some(ClientFrame::ReleaseShared { slab })) => on(Inbound::ReleaseShared { slab }),
+            Ok(Some(ClientFrame::AttachBarrier { id, request })) => on(Inbound::AttachBarrier { id, request }),
             Ok(Some(ClientFrame::Hello(_))) => return Err(End::SecondHello),
             Ok(Some(ClientFrame::AuthStart { .. } | ClientFrame::AuthProof { .. })) => {
                 on(Inbound::Invalid { id: None, message: "a token handshake frame after the hello".to_owned() })
@@ -571,6 +582,41 @@ pub fn read_some<R: AsyncRead + Unpin>(
     ready!(Pin::new(reader).poll_read(cx, &mut filled))?;
     rbuf.extend_from_slice(filled.filled());
     Poll::Ready(Ok(filled.filled().len()))
+}
+
+/// What one [`read_from`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReadOutcome {
+    /// Bytes appended to the buffer; 0 at the end of the stream.
+    pub got: usize,
+    /// The read came back short of the room it had: the socket held no more then.
+    /// (An edge-triggered poller reports the next bytes as a new event.)
+    pub drained: bool,
+}
+
+/// [`read_some`] for a non-blocking socket served by a poller thread rather than a
+/// task (the coordinator's reactor): the same sizing of `rbuf`, and the same cap of
+/// [`MAX_READ`] per read, between which the poller serves other connections.
+/// `WouldBlock` and the other errors are the socket's. (`recv`, not `read`: on a
+/// socket it skips the file-position lock a `read` takes.)
+pub fn read_from(socket: impl AsFd, rbuf: &mut BytesMut, buffering: Buffering) -> io::Result<ReadOutcome> {
+    const STACK_CHUNK: usize = 4096;
+    if !rbuf.is_empty() || buffering.chunk > STACK_CHUNK {
+        rbuf.reserve(buffering.chunk.max(rbuf.len()));
+        let spare = rbuf.spare_capacity_mut();
+        let room = spare.len().min(MAX_READ);
+        let ((filled, _), _) = rustix::net::recv(&socket, &mut spare[..room], RecvFlags::empty())?;
+        let got = filled.len();
+        // SAFETY: the read initialised the first `got` bytes of the spare capacity.
+        unsafe { rbuf.set_len(rbuf.len() + got) };
+        return Ok(ReadOutcome { got, drained: got < room });
+    }
+    // As in `read_some`: into an empty buffer through the stack, so that the buffer
+    // is allocated at the size received; the stack chunk is not zeroed.
+    let mut chunk = [MaybeUninit::<u8>::uninit(); STACK_CHUNK];
+    let ((filled, _), _) = rustix::net::recv(&socket, &mut chunk[..buffering.chunk], RecvFlags::empty())?;
+    rbuf.extend_from_slice(filled);
+    Ok(ReadOutcome { got: filled.len(), drained: filled.len() < buffering.chunk })
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@
 //! - [`meter`]: the bytes and connections a server's connections moved, by protocol and job;
 //! - [`procnet`]: which user owns the other end of a TCP connection on this machine;
 //! - [`shm`]: large replies through shared memory, passed over Unix sockets;
+//! - [`shm_barrier`]: barriers of a node's ranks through shared memory with their agent;
 //! - [`sync`]: the poison-tolerant lock and the reconnect backoff everyone uses;
 //! - [`warn_limit`]: warnings a peer can cause, limited so that it cannot flood the log;
 //! - [`hostname`], [`raise_fd_limit`] and [`process`]: facts about this process's machine.
@@ -22,6 +23,7 @@ pub mod meter;
 pub mod process;
 pub mod procnet;
 pub mod shm;
+pub mod shm_barrier;
 pub mod stream;
 pub mod sync;
 pub mod tls;

@@ -259,6 +259,12 @@ impl<S> Counted<S> {
         self.account.job = Some(meter);
     }
 
+    /// Counts `n` bytes received that were read from the socket beside this wrapper
+    /// (a read straight from its descriptor).
+    pub fn received(&mut self, n: usize) {
+        self.account.add(n as u64, 0);
+    }
+
     pub fn get_ref(&self) -> &S {
         &self.inner
     }
@@ -338,6 +344,12 @@ impl<S: io::Read> io::Read for Counted<S> {
 impl<S: io::Write> io::Write for Counted<S> {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         let n = self.inner.write(buf)?;
+        self.account.add(0, n as u64);
+        Ok(n)
+    }
+
+    fn write_vectored(&mut self, bufs: &[io::IoSlice<'_>]) -> io::Result<usize> {
+        let n = self.inner.write_vectored(bufs)?;
         self.account.add(0, n as u64);
         Ok(n)
     }

@@ -2,7 +2,7 @@
 //! the document must change with it (and the protocol version, if deployed).
 
 use bytes::{Bytes, BytesMut};
-use rallypoint_core::{Identity, JobIncarnation, OpError, ProcessInfo, Request, Response, SessionId, Welcome};
+use rallypoint_core::{Identity, JobIncarnation, Members, OpError, ProcessInfo, Request, Response, SessionId, Welcome};
 use rallypoint_proto::native::{
     decode_client_frame, decode_server_frame, encode_client_frame, encode_preamble, encode_server_frame, ClientFrame,
     FrameLimits, ServerFrame,
@@ -121,6 +121,24 @@ fn shared_reply_frames() {
     server(
         ServerFrame::SharedReply { id: 1, slab: 2, len: 4104 },
         "19 00 00 00 89 01 00 00 00 00 00 00 00 02 00 00 00 00 00 00 00 08 10 00 00 00 00 00 00",
+    );
+}
+
+/// The barrier channel frames of docs/PROTOCOL.md, section 15, as its example gives them.
+#[test]
+fn barrier_channel_frames() {
+    let barrier = Request::Barrier { name: "b".into(), members: Members::World, timeout_ms: None };
+    client(
+        ClientFrame::AttachBarrier { id: 4, request: barrier },
+        "11 00 00 00 1d 04 00 00 00 00 00 00 00 0d 01 00 00 00 62 00 00",
+    );
+    server(
+        ServerFrame::BarrierChannel { id: 4, channel: 1, slot: 3 },
+        "15 00 00 00 9d 04 00 00 00 00 00 00 00 01 00 00 00 00 00 00 00 03 00 00 00",
+    );
+    server(
+        ServerFrame::NoBarrierChannel { id: 4, reason: "tcp".into() },
+        "10 00 00 00 9e 04 00 00 00 00 00 00 00 03 00 00 00 74 63 70",
     );
 }
 

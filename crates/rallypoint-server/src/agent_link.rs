@@ -44,14 +44,20 @@ pub(crate) struct AgentOutbox {
 }
 
 impl AgentOutbox {
-    pub(crate) fn push(&self, session: SessionId, request_id: u64, reply: Reply) {
+    /// Queues a reply without waking the agent's task; true if the queue was empty,
+    /// and the caller must [`AgentOutbox::notify`] once it has queued the replies
+    /// that go with it: woken between two of one round's replies (from another
+    /// thread than the task's), the task would send them as two frames.
+    #[must_use]
+    pub(crate) fn push(&self, session: SessionId, request_id: u64, reply: Reply) -> bool {
         let mut queue = lock(&self.queue);
         let was_empty = queue.is_empty();
         queue.push((session, request_id, reply));
-        drop(queue);
-        if was_empty {
-            self.ready.notify();
-        }
+        was_empty
+    }
+
+    pub(crate) fn notify(&self) {
+        self.ready.notify();
     }
 
     fn take(&self) -> Vec<(SessionId, u64, Reply)> {

@@ -41,6 +41,7 @@
 mod access;
 mod agent_link;
 mod native;
+mod rank;
 mod reactor;
 mod shared;
 mod tcpstore;

@@ -1,6 +1,9 @@
-//! One client connection: protocol preamble, hello, then requests in and replies
-//! out. One task per native connection; while idle it holds no read or write buffer.
-//! TCPStore connections are recognised here and handed to the TCPStore reactor.
+//! One client connection's handshake: TLS if it starts with it, the protocol
+//! preamble, the token handshake, the hello and the session's admission. Then a
+//! plaintext rank connection goes to the reactor thread (module `rank`), a TLS one
+//! is served here by its task until it ends (while idle it holds no read or write
+//! buffer), a node agent by `agent_link`; TCPStore connections are recognised here
+//! and handed to the reactor too.
 
 use std::future::Future;
 use std::io;
@@ -24,6 +27,7 @@ use tokio::net::TcpStream;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
+use crate::rank::RankConn;
 use crate::reactor::Reactor;
 use crate::shared::{Outbox, Shared};
 use crate::write::{write_with_tail, WriteProgress};
@@ -49,13 +53,34 @@ pub(crate) fn serve(
 ) -> impl Future<Output = ()> + Send {
     // Every byte of the connection is counted from here (module `rallypoint_net::meter`).
     let stream = Counted::new(stream, Arc::clone(shared.traffic()));
-    let opening = Box::pin(open(stream, peer, shared, settings, reactor));
+    let opening = Box::pin(open(stream, peer, shared, settings, Arc::clone(&reactor)));
     async move {
         match opening.await {
-            Some(Opened::Plain(session)) => run(session, peer).await,
+            Some(Opened::Plain(session)) => hand_over(session, &reactor),
             Some(Opened::Tls(session)) => run(session, peer).await,
             None => {}
         }
+    }
+}
+
+/// Hands an admitted plaintext session to the reactor thread, which serves it from
+/// now on (module `rank`). A TLS session stays in its task: rustls encrypts and
+/// decrypts in the stream it wraps, which the reactor does not drive.
+fn hand_over(session: Session<Tcp>, reactor: &Reactor) {
+    let Session { conn, outbox, guard } = session;
+    let Connection { charge, stream, peer, settings, rbuf, wbuf, warnings } = conn;
+    // The reactor reads and writes the socket itself: its account goes with it.
+    let (stream, account) = stream.into_parts();
+    let stream = match stream.into_std() {
+        Ok(stream) => stream,
+        Err(error) => {
+            debug!(%peer, %error, "cannot hand a connection to the reactor; closing it");
+            return;
+        }
+    };
+    let rank = RankConn::new(stream, account, peer, guard, outbox, settings.limits, rbuf, wbuf, charge, warnings);
+    if let Err(error) = reactor.adopt_rank(rank) {
+        debug!(%peer, %error, "cannot serve a rank's connection; closing it");
     }
 }
 
@@ -258,7 +283,7 @@ static END_WARNINGS: Mutex<WarnLimit> = Mutex::new(WarnLimit::new());
 
 /// Logs how a connection ended: a warning if the peer misbehaved (limited), else at
 /// debug level.
-fn log_end(peer: SocketAddr, session: Option<SessionId>, end: &End) {
+pub(crate) fn log_end(peer: SocketAddr, session: Option<SessionId>, end: &End) {
     if end.is_peer_fault() {
         if let Some(held_back) = admit_shared(&END_WARNINGS) {
             warn!(%peer, ?session, held_back, "closing the connection: {end}");
@@ -299,6 +324,11 @@ impl SessionGuard {
 
     /// Drops the session's outbox without telling the engine (see [`Shared::forget`]).
     pub(crate) fn forget(mut self) {
+        self.abandoned = true;
+    }
+
+    /// As [`SessionGuard::forget`], once the guard is dropped.
+    pub(crate) fn abandon(&mut self) {
         self.abandoned = true;
     }
 }
@@ -424,6 +454,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
             // Only node agents hand out shared replies: they serve the Unix sockets
             // of their node, the coordinator only TCP. Replies stay plain frames.
             Inbound::TakeSharedReplies | Inbound::ReleaseShared { .. } => {}
+            // Likewise barrier channels: the call goes through messages, as all later ones.
+            Inbound::AttachBarrier { id, request } => {
+                let reason = "barrier channels are a node agent's, over its Unix socket".to_owned();
+                encode_server_frame(&ServerFrame::NoBarrierChannel { id, reason }, wbuf);
+                requests.push((id, request));
+            }
             Inbound::Invalid { id, message } => {
                 if let Some(held_back) = warnings.admit() {
                     warn!(%peer, %session, %message, held_back, "bad request");

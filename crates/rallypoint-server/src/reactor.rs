@@ -1,21 +1,25 @@
-//! The TCPStore reactor: one thread with a plain `mio` event loop that serves every
-//! PyTorch TCPStore connection of the server, the way torch's own server runs one
-//! libuv loop.
+//! The reactor: one thread with a plain `mio` event loop that serves every PyTorch
+//! TCPStore connection of the server and every native rank connection over plain
+//! TCP, the way torch's own server runs one libuv loop.
 //!
-//! Why not a tokio task per connection, as for native clients: torch clients send
-//! one small request at a time and wait for its answer, so a round trip is mostly
-//! fixed costs. On a request, a tokio task is woken through the runtime's I/O
-//! driver and scheduler (readiness bookkeeping, the run queue, timing statistics);
-//! here the thread that returns from `epoll_wait` reads, answers and writes
-//! directly. A torch round trip is mostly these fixed costs, so they decide whether
-//! rallypoint keeps up with torch's own server (figures: docs/BENCHMARKS.md, "The
-//! TCPStore reactor"). Native clients pipeline and batch, where a multi-threaded
-//! runtime pays off instead (the crate docs say how the threads fit together).
+//! Why not a tokio task per connection: a rank, or a torch client, sends one small
+//! request and waits for its answer, so a round trip is mostly fixed costs. On a
+//! request, a tokio task is woken through the runtime's I/O driver and scheduler
+//! (readiness bookkeeping, the run queue, timing statistics); here the thread that
+//! returns from `epoll_wait` reads, answers and writes directly. And when one
+//! request releases many ranks (the last arrival at a barrier), their replies are
+//! written by this same thread from the engine's list (module `rank`), where each
+//! would otherwise be queued, its task woken on another thread and polled. These
+//! fixed costs decide how close a barrier comes to what the kernel alone costs
+//! (figures: docs/BENCHMARKS.md, "Native barrier and its floor").
 //!
-//! Connections arrive from the tokio side once their first byte showed them to be
-//! TCPStore clients. Replies the engine produces later for a connection (a WAIT
+//! Connections arrive from the tokio side once their handshake is done: a TCPStore
+//! client once its first byte showed what it is, a rank once its hello admitted
+//! its session. Replies the engine produces later for a TCPStore connection (a WAIT
 //! released by another client's SET) are signalled through the connection's
-//! outbox, whose waker puts it on the reactor's to-do list.
+//! outbox, whose waker puts it on the reactor's to-do list; those for a rank are
+//! routed to the reactor (see `shared`), which is woken if another thread (the
+//! ticker, a node agent's task) produced them.
 
 use std::collections::HashSet;
 use std::io;
@@ -38,8 +42,10 @@ use rallypoint_net::conn::Buffering;
 use rallypoint_net::meter::{Account, Counted};
 use rallypoint_net::sync::lock;
 
-use crate::shared::Shared;
-use crate::tcpstore::{Conn, End, Progress};
+use crate::native::log_end;
+use crate::rank::{self, RankConn, Scratch};
+use crate::shared::{Route, Routed, Shared};
+use crate::tcpstore::{self, Conn, Progress};
 
 /// The token of the reactor's own waker; connections use their slab index.
 const WAKE: Token = Token(usize::MAX);
@@ -62,6 +68,7 @@ struct Mailbox {
 #[derive(Default)]
 struct Inbox {
     adopt: Vec<(std::net::TcpStream, Account, SocketAddr, BytesMut, Charge)>,
+    ranks: Vec<RankConn>,
     /// Connections whose outbox received replies.
     dirty: Vec<usize>,
     stop: bool,
@@ -76,6 +83,21 @@ impl Mailbox {
         if let Err(error) = self.waker.wake() {
             error!(%error, "cannot wake the TCPStore reactor");
         }
+    }
+}
+
+/// Wakes the loop for replies routed to its ranks (it takes them at every wake-up).
+struct RoutedWaker {
+    mailbox: Arc<Mailbox>,
+}
+
+impl Wake for RoutedWaker {
+    fn wake(self: Arc<Self>) {
+        self.mailbox.wake();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.mailbox.wake();
     }
 }
 
@@ -103,22 +125,53 @@ impl Wake for ConnWaker {
 }
 
 impl Reactor {
+    /// Starts the loop's thread. Called on the server's runtime: the thread enters
+    /// it, so that a closing rank's session can start its process watcher there.
     pub(crate) fn start(shared: Arc<Shared>, limits: TcpLimits, read_timeout: Duration) -> io::Result<Reactor> {
         let poll = Poll::new()?;
         let waker = mio::Waker::new(poll.registry(), WAKE)?;
         let mailbox = Arc::new(Mailbox { inbox: Mutex::default(), waker });
-        let thread = thread::Builder::new().name("rallypoint-tcpstore".into()).spawn({
+        shared.set_reactor_waker(Waker::from(Arc::new(RoutedWaker { mailbox: Arc::clone(&mailbox) })));
+        let runtime = tokio::runtime::Handle::current();
+        let thread = thread::Builder::new().name("rallypoint-reactor".into()).spawn({
             let mailbox = Arc::clone(&mailbox);
             move || {
-                let stalls = Stalls { timeout: read_timeout, mid_request: HashSet::new(), next_check: None };
-                Loop { poll, mailbox, shared, limits, conns: Slab::new(), runnable: Vec::new(), stalls }.run()
+                let _runtime = runtime.enter();
+                let stalls = Stalls { timeout: read_timeout, mid_request: HashSet::default(), next_check: None };
+                Loop {
+                    poll,
+                    mailbox,
+                    shared,
+                    limits,
+                    conns: Slab::new(),
+                    next_conn: 0,
+                    runnable: Vec::new(),
+                    stalls,
+                    scratch: Scratch::default(),
+                }
+                .run()
             }
         })?;
         Ok(Reactor { mailbox, thread: Mutex::new(Some(thread)) })
     }
 
-    /// Serves `stream` from now on; `rbuf` holds the bytes already read from it,
-    /// counted in `charge`.
+    /// Serves the rank connection `conn` from now on; if the server is shutting
+    /// down, closes it (its session ends as any connection's does then).
+    pub(crate) fn adopt_rank(&self, conn: RankConn) -> io::Result<()> {
+        let mut inbox = self.mailbox.lock();
+        if inbox.stop {
+            drop(inbox);
+            drop(conn);
+            return Err(io::Error::other("the server is shutting down"));
+        }
+        inbox.ranks.push(conn);
+        drop(inbox);
+        self.mailbox.wake();
+        Ok(())
+    }
+
+    /// Serves the TCPStore client on `stream` from now on; `rbuf` holds the bytes
+    /// already read from it, counted in `charge`.
     pub(crate) fn adopt(
         &self,
         stream: Counted<tokio::net::TcpStream>,
@@ -167,16 +220,19 @@ struct Loop {
     shared: Arc<Shared>,
     limits: TcpLimits,
     conns: Slab<Entry>,
+    /// The number the next connection gets (see [`Route`]).
+    next_conn: u64,
     /// Connections to service in this turn.
     runnable: Vec<usize>,
     stalls: Stalls,
+    scratch: Scratch,
 }
 
 /// Connections holding part of a request, checked for the read timeout. The loop
 /// has no timer of its own while none does: it wakes for these checks only.
 struct Stalls {
     timeout: Duration,
-    mid_request: HashSet<usize>,
+    mid_request: HashSet<usize, foldhash::fast::RandomState>,
     next_check: Option<std::time::Instant>,
 }
 
@@ -189,8 +245,26 @@ impl Stalls {
 }
 
 struct Entry {
-    conn: Conn,
+    conn: Served,
     waker: Waker,
+    /// The connection's number (see [`Route`]).
+    id: u64,
+    /// A rank's socket is watched for writability only while a write waits.
+    writable: bool,
+}
+
+/// The two kinds of connection the loop serves.
+enum Served {
+    Torch(Conn),
+    Rank(RankConn),
+}
+
+/// How a connection ended, for the log.
+enum Ended {
+    Torch(Result<(), tcpstore::End>),
+    Rank(rallypoint_net::conn::End),
+    /// It panicked (logged, and its session dropped).
+    Panicked,
 }
 
 impl Loop {
@@ -210,9 +284,9 @@ impl Loop {
                 if error.kind() == io::ErrorKind::Interrupted {
                     continue;
                 }
-                // Without the loop no TCPStore client is served: say so loudly, refuse
-                // new ones, close these.
-                error!(%error, "the TCPStore reactor cannot poll; closing its connections");
+                // Without the loop no TCPStore client or plaintext rank is served: say
+                // so loudly, refuse new ones, close these.
+                error!(%error, "the reactor cannot poll; closing its connections");
                 self.mailbox.lock().stop = true;
                 return;
             }
@@ -226,7 +300,11 @@ impl Loop {
                 let key = event.token().0;
                 if let Some(entry) = self.conns.get_mut(key) {
                     if event.is_readable() || event.is_read_closed() || event.is_error() {
-                        entry.conn.set_readable();
+                        let closed = event.is_read_closed() || event.is_error();
+                        match &mut entry.conn {
+                            Served::Torch(conn) => conn.set_readable(closed),
+                            Served::Rank(conn) => conn.set_readable(closed),
+                        }
                     }
                     self.runnable.push(key);
                 }
@@ -238,6 +316,7 @@ impl Loop {
                 if self.service(key, &mut read_buf) {
                     again.push(key);
                 }
+                self.deliver();
             }
             self.close_stalled();
         }
@@ -250,80 +329,193 @@ impl Loop {
         if self.stalls.next_check.is_some_and(|at| at > now) {
             return;
         }
-        let stalled: Vec<(usize, End)> = self
+        let timeout = self.stalls.timeout;
+        let stalled: Vec<(usize, Ended)> = self
             .stalls
             .mid_request
             .iter()
-            .filter_map(|&key| Some((key, self.conns.get(key)?.conn.stalled(now, self.stalls.timeout)?)))
+            .filter_map(|&key| {
+                let ended = match &self.conns.get(key)?.conn {
+                    Served::Torch(conn) => Ended::Torch(Err(conn.stalled(now, timeout)?)),
+                    Served::Rank(conn) => Ended::Rank(conn.stalled(now, timeout)?),
+                };
+                Some((key, ended))
+            })
             .collect();
         for (key, end) in stalled {
-            self.close(key, Some(Err(end)));
+            self.close(key, end);
         }
         self.stalls.next_check = (!self.stalls.mid_request.is_empty()).then(|| now + self.stalls.interval());
+        self.deliver();
     }
 
-    /// Adopts new connections and queues the dirty ones; false once told to stop.
+    /// Adopts new connections, queues the dirty ones and takes the replies routed to
+    /// ranks; false once told to stop.
     fn take_mail(&mut self) -> bool {
-        let Inbox { adopt, dirty, stop } = std::mem::take(&mut *self.mailbox.lock());
+        let Inbox { adopt, ranks, dirty, stop } = std::mem::take(&mut *self.mailbox.lock());
         if stop {
             // Keep refusing hand-overs while the connections close.
             self.mailbox.lock().stop = true;
             return false;
         }
+        self.shared.take_routed(&mut self.scratch.routed);
+        self.deliver();
         self.runnable.extend(dirty);
         for (stream, account, peer, rbuf, charge) in adopt {
-            let mut stream = Counted::from_parts(TcpStream::from_std(stream), account);
-            let entry = self.conns.vacant_entry();
-            let key = entry.key();
-            if let Err(error) =
-                self.poll.registry().register(stream.get_mut(), Token(key), Interest::READABLE | Interest::WRITABLE)
-            {
-                debug!(%peer, %error, "cannot watch a TCPStore connection; closing it");
-                continue;
-            }
-            let waker = Waker::from(Arc::new(ConnWaker { mailbox: Arc::clone(&self.mailbox), key }));
+            let stream = Counted::from_parts(TcpStream::from_std(stream), account);
             let conn = Conn::new(stream, peer, rbuf, charge, Arc::clone(&self.shared), self.limits);
-            entry.insert(Entry { conn, waker });
-            self.runnable.push(key);
+            self.insert(Served::Torch(conn));
+        }
+        for conn in ranks {
+            self.insert(Served::Rank(conn));
         }
         true
     }
 
+    /// Registers a new connection and queues it for its first service.
+    fn insert(&mut self, mut conn: Served) {
+        let entry = self.conns.vacant_entry();
+        let key = entry.key();
+        let (stream, peer, interest) = match &mut conn {
+            Served::Torch(conn) => {
+                let peer = conn.peer();
+                (conn.stream(), peer, Interest::READABLE | Interest::WRITABLE)
+            }
+            Served::Rank(conn) => {
+                let peer = conn.peer();
+                (conn.stream(), peer, Interest::READABLE)
+            }
+        };
+        if let Err(error) = self.poll.registry().register(stream, Token(key), interest) {
+            debug!(%peer, %error, "cannot watch a connection; closing it");
+            return;
+        }
+        let id = self.next_conn;
+        self.next_conn += 1;
+        if let Served::Rank(conn) = &conn {
+            // From now on its replies come routed. If the session moved on meanwhile,
+            // its outbox says so at the first service.
+            let route = Route { key, conn: id };
+            self.shared.move_to_reactor(conn.session(), conn.outbox(), route);
+        }
+        let waker = Waker::from(Arc::new(ConnWaker { mailbox: Arc::clone(&self.mailbox), key }));
+        entry.insert(Entry { conn, waker, id, writable: false });
+        self.runnable.push(key);
+    }
+
     /// Services one connection, closing it when it ends; true if it has more to read.
     fn service(&mut self, key: usize, read_buf: &mut [u8]) -> bool {
-        let Some(Entry { conn, waker }) = self.conns.get_mut(key) else { return false };
+        let Some(Entry { conn, waker, .. }) = self.conns.get_mut(key) else { return false };
+        let scratch = &mut self.scratch;
         // A panic (a bug in the engine) costs only this connection, as a panicking
         // tokio task would.
-        let end = match panic::catch_unwind(AssertUnwindSafe(|| conn.service(read_buf, MAX_READS_PER_TURN, waker))) {
-            Ok(Ok(progress @ (Progress::Idle | Progress::More))) => {
-                if conn.is_mid_request() {
+        let served = panic::catch_unwind(AssertUnwindSafe(|| match conn {
+            Served::Torch(conn) => match conn.service(read_buf, MAX_READS_PER_TURN, waker) {
+                Ok(Progress::Idle) => Ok(false),
+                Ok(Progress::More) => Ok(true),
+                Ok(Progress::Closed) => Err(Ended::Torch(Ok(()))),
+                Err(end) => Err(Ended::Torch(Err(end))),
+            },
+            Served::Rank(conn) => match conn.service(scratch, MAX_READS_PER_TURN, waker) {
+                Ok(rank::Progress::Idle) => Ok(false),
+                Ok(rank::Progress::More) => Ok(true),
+                Err(end) => Err(Ended::Rank(end)),
+            },
+        }));
+        let end = match served {
+            Ok(Ok(more)) => {
+                if let Err(end) = self.watch_writes(key) {
+                    self.close(key, Ended::Rank(end));
+                    return false;
+                }
+                let Some(Entry { conn, .. }) = self.conns.get(key) else { return false };
+                let mid_request = match conn {
+                    Served::Torch(conn) => conn.is_mid_request(),
+                    Served::Rank(conn) => conn.is_mid_frame(),
+                };
+                if mid_request {
                     if self.stalls.mid_request.insert(key) && self.stalls.next_check.is_none() {
                         self.stalls.next_check = Some(std::time::Instant::now() + self.stalls.interval());
                     }
                 } else {
                     self.stalls.mid_request.remove(&key);
                 }
-                return matches!(progress, Progress::More);
+                return more;
             }
-            Ok(Ok(Progress::Closed)) => Some(Ok(())),
-            Ok(Err(end)) => Some(Err(end)),
+            Ok(Err(end)) => end,
             Err(_) => {
-                error!("a TCPStore connection panicked; closing it");
-                conn.abandon();
-                None
+                error!("a connection panicked; closing it");
+                match conn {
+                    Served::Torch(conn) => conn.abandon(),
+                    Served::Rank(conn) => conn.abandon(),
+                }
+                Ended::Panicked
             }
         };
         self.close(key, end);
         false
     }
 
-    /// Closes connection `key`, logging how it ended (`None`: it panicked, logged).
-    fn close(&mut self, key: usize, end: Option<Result<(), End>>) {
+    /// Writes the replies routed to ranks (a barrier's release) to their connections.
+    fn deliver(&mut self) {
+        let mut routed = std::mem::take(&mut self.scratch.routed);
+        while !routed.is_empty() {
+            for Routed { route, request_id, reply } in routed.drain(..) {
+                let Some(Entry { conn: Served::Rank(conn), id, .. }) = self.conns.get_mut(route.key) else { continue };
+                // The connection it was for closed, and another one took its slot.
+                if *id != route.conn {
+                    continue;
+                }
+                conn.send(std::iter::once((request_id, reply)), &mut self.scratch.out);
+                if let Err(end) = conn.flush(&mut self.scratch.out).and_then(|_| self.watch_writes(route.key)) {
+                    self.close(route.key, Ended::Rank(end));
+                }
+            }
+            // Closing a connection may have routed more: its rank is lost to its peers.
+            std::mem::swap(&mut routed, &mut self.scratch.routed);
+        }
+        // Keeps its allocation for the next turn.
+        self.scratch.routed = routed;
+    }
+
+    /// Watches rank `key`'s socket for writability while a write waits, and stops
+    /// when none does.
+    fn watch_writes(&mut self, key: usize) -> Result<(), rallypoint_net::conn::End> {
+        let Some(Entry { conn: Served::Rank(conn), writable, .. }) = self.conns.get_mut(key) else { return Ok(()) };
+        let wants = conn.wants_writable();
+        if wants == *writable {
+            return Ok(());
+        }
+        let interest = if wants { Interest::READABLE | Interest::WRITABLE } else { Interest::READABLE };
+        // Re-arming reports what is ready now: no event is lost in between.
+        self.poll.registry().reregister(conn.stream(), Token(key), interest)?;
+        *writable = wants;
+        Ok(())
+    }
+
+    /// Closes connection `key`, logging how it ended.
+    fn close(&mut self, key: usize, end: Ended) {
         self.stalls.mid_request.remove(&key);
         let Some(mut entry) = self.conns.try_remove(key) else { return };
-        if let Some(end) = end {
-            entry.conn.log_end(end);
+        match (&mut entry.conn, end) {
+            (Served::Torch(conn), Ended::Torch(end)) => {
+                conn.log_end(end);
+                let _ = self.poll.registry().deregister(conn.stream());
+            }
+            (Served::Rank(conn), Ended::Rank(end)) => {
+                log_end(conn.peer(), Some(conn.session()), &end);
+                let _ = self.poll.registry().deregister(conn.stream());
+            }
+            (Served::Torch(conn), _) => {
+                let _ = self.poll.registry().deregister(conn.stream());
+            }
+            (Served::Rank(conn), _) => {
+                let _ = self.poll.registry().deregister(conn.stream());
+            }
         }
-        let _ = self.poll.registry().deregister(entry.conn.stream());
+        // Dropping the entry closes its session: a rank's loss routes replies to its
+        // peers, which the caller delivers.
+        drop(entry);
+        self.shared.take_routed(&mut self.scratch.routed);
     }
 }

@@ -1,9 +1,17 @@
 //! The state every connection task and the ticker share: the engine, where each
 //! session's replies go, and the server's clock.
+//!
+//! A session's replies go to its connection's [`Outbox`] (a task, or a TCPStore
+//! connection of the reactor, is woken to take them), to its node agent's, or, for
+//! a native connection the reactor serves, into one list of [`Routed`] replies that
+//! the reactor takes whole: when a barrier releases thousands of ranks, that is a
+//! push per rank under the lock already held, and one wake-up of the reactor (none
+//! if the reactor made the request), instead of a queue, a lock and a wake-up per
+//! rank.
 
 use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Poll, Waker};
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
@@ -39,11 +47,34 @@ pub(crate) struct Shared {
     /// This machine's name: a session stating it ran here, and its process can be
     /// looked up to tell a death from a cut connection.
     host: String,
+    /// Wakes the reactor when replies were routed to it by another thread.
+    reactor: OnceLock<Waker>,
 }
 
 struct State {
     engine: Engine,
-    outboxes: HashMap<SessionId, Sink>,
+    /// Looked up for every request and reply: a fast hash (session ids are ours).
+    outboxes: HashMap<SessionId, Sink, foldhash::fast::RandomState>,
+    /// Replies for the reactor's native connections, in the engine's order.
+    routed: Vec<Routed>,
+    /// The reactor was woken for `routed` and has not taken them yet.
+    reactor_woken: bool,
+}
+
+/// A native connection served by the reactor: its slot there, and a number no
+/// other connection of the reactor has had, so that a reply routed to a connection
+/// that closed meanwhile never reaches the one that took its slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Route {
+    pub(crate) key: usize,
+    pub(crate) conn: u64,
+}
+
+/// A reply for a session the reactor serves.
+pub(crate) struct Routed {
+    pub(crate) route: Route,
+    pub(crate) request_id: u64,
+    pub(crate) reply: Reply,
 }
 
 /// Where a session's replies go: its own connection, or the node agent carrying it.
@@ -51,12 +82,16 @@ struct State {
 /// then speaks for it no more (its close and requests are ignored).
 enum Sink {
     Direct(Arc<Outbox>),
+    /// A native connection of the reactor. Its outbox stays its identity, and says
+    /// when the session moved on (see [`Outbox::superseded`]); its replies are routed.
+    Reactor(Arc<Outbox>, Route),
     Agent(Arc<AgentOutbox>),
 }
 
 impl Sink {
+    /// Whether this is the connection whose outbox is `outbox`.
     fn is_direct(&self, outbox: &Arc<Outbox>) -> bool {
-        matches!(self, Sink::Direct(mine) if Arc::ptr_eq(mine, outbox))
+        matches!(self, Sink::Direct(mine) | Sink::Reactor(mine, _) if Arc::ptr_eq(mine, outbox))
     }
 
     fn is_agent(&self, outbox: &Arc<AgentOutbox>) -> bool {
@@ -167,7 +202,12 @@ impl Shared {
         let since_epoch = SystemTime::now().duration_since(UNIX_EPOCH).unwrap_or_default();
         config.epoch_unix_ms = u64::try_from(since_epoch.as_millis()).unwrap_or(0);
         Shared {
-            state: Mutex::new(State { engine: Engine::new(config), outboxes: HashMap::new() }),
+            state: Mutex::new(State {
+                engine: Engine::new(config),
+                outboxes: HashMap::default(),
+                routed: Vec::new(),
+                reactor_woken: false,
+            }),
             start,
             next_session: AtomicU64::new(1),
             ticker_plan: AtomicU64::new(u64::MAX),
@@ -175,7 +215,35 @@ impl Shared {
             tcpstore_job: Mutex::new(DEFAULT_TCPSTORE_JOB.to_owned()),
             traffic: Traffic::new(),
             host: rallypoint_net::hostname(),
+            reactor: OnceLock::new(),
         }
+    }
+
+    /// How the reactor is woken when another thread routed replies to it (set once,
+    /// when it starts).
+    pub(crate) fn set_reactor_waker(&self, waker: Waker) {
+        let _ = self.reactor.set(waker);
+    }
+
+    /// From now on, the replies of the session on `outbox`'s connection are routed to
+    /// the reactor at `route`; false if the session is no longer that connection's
+    /// (resumed elsewhere, or closed). Replies queued in the outbox before stay there.
+    pub(crate) fn move_to_reactor(&self, session: SessionId, outbox: &Arc<Outbox>, route: Route) -> bool {
+        let mut state = lock(&self.state);
+        match state.outboxes.get_mut(&session) {
+            Some(sink @ Sink::Direct(_)) if sink.is_direct(outbox) => {
+                *sink = Sink::Reactor(Arc::clone(outbox), route);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Takes every reply routed to the reactor (called by the reactor when woken).
+    pub(crate) fn take_routed(&self, into: &mut Vec<Routed>) {
+        let mut state = lock(&self.state);
+        state.reactor_woken = false;
+        into.append(&mut state.routed);
     }
 
     /// Whether the process that stated `identity` runs on this machine, so that its
@@ -224,7 +292,7 @@ impl Shared {
         let token = identity.resume?;
         match state.engine.resume(token, identity, now) {
             Ok(welcome) => {
-                if let Some(Sink::Direct(left)) = state.outboxes.insert(token, sink) {
+                if let Some(Sink::Direct(left) | Sink::Reactor(left, _)) = state.outboxes.insert(token, sink) {
                     left.supersede();
                 }
                 debug!(session = %token, job = %identity.job, rank = ?identity.rank, "session resumed");
@@ -423,6 +491,20 @@ impl Shared {
         requests: impl Iterator<Item = (u64, Request)>,
         immediate: Immediate<'_>,
     ) {
+        self.handle_routed(session, outbox, requests, immediate, None);
+    }
+
+    /// [`Shared::handle`] for the reactor: the replies routed to its connections
+    /// meanwhile (the ranks a barrier released) are taken into `routed` at once,
+    /// without a wake-up.
+    pub(crate) fn handle_routed(
+        &self,
+        session: SessionId,
+        outbox: &Arc<Outbox>,
+        requests: impl Iterator<Item = (u64, Request)>,
+        immediate: Immediate<'_>,
+        routed: Option<&mut Vec<Routed>>,
+    ) {
         let mut state = lock(&self.state);
         if !state.outboxes.get(&session).is_some_and(|s| s.is_direct(outbox)) {
             return;
@@ -432,6 +514,10 @@ impl Shared {
             state.engine.handle(session, id, request, now);
         }
         dispatch(&mut state, Some((session, immediate)));
+        match routed {
+            Some(routed) => routed.append(&mut state.routed),
+            None => self.wake_reactor(&mut state),
+        }
         self.plan_ticker(&state);
     }
 
@@ -471,6 +557,7 @@ impl Shared {
         let now = self.now();
         state.engine.tick(now);
         dispatch(&mut state, None);
+        self.wake_reactor(&mut state);
         let next = state.engine.next_deadline();
         self.ticker_plan.store(next.unwrap_or(u64::MAX), Ordering::Relaxed);
         next
@@ -484,7 +571,19 @@ impl Shared {
     /// deadline earlier than the one the ticker sleeps towards.
     fn after_input(&self, state: &mut State) {
         dispatch(state, None);
+        self.wake_reactor(state);
         self.plan_ticker(state);
+    }
+
+    /// Wakes the reactor if replies wait for it and it was not woken for them yet.
+    fn wake_reactor(&self, state: &mut State) {
+        if state.routed.is_empty() || state.reactor_woken {
+            return;
+        }
+        if let Some(waker) = self.reactor.get() {
+            state.reactor_woken = true;
+            waker.wake_by_ref();
+        }
     }
 
     fn plan_ticker(&self, state: &State) {
@@ -503,7 +602,9 @@ type Immediate<'a> = &'a mut dyn FnMut(u64, Reply);
 /// Routes the engine's output: replies for `caller`'s session to its callback, the
 /// rest into outboxes.
 fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
-    let State { engine, outboxes } = state;
+    let State { engine, outboxes, routed, .. } = state;
+    // Agents are woken once every reply of this input is queued (see `AgentOutbox::push`).
+    let mut agents: Vec<Arc<AgentOutbox>> = Vec::new();
     for notice in engine.drain_notices() {
         tracing::warn!("{notice}");
     }
@@ -517,8 +618,19 @@ fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
         // A reply for a session that closed meanwhile has nowhere to go.
         match outboxes.get(&out.session) {
             Some(Sink::Direct(outbox)) => outbox.push(out.request_id, out.reply),
-            Some(Sink::Agent(outbox)) => outbox.push(out.session, out.request_id, out.reply),
+            Some(Sink::Reactor(_, route)) => {
+                routed.push(Routed { route: *route, request_id: out.request_id, reply: out.reply });
+            }
+            Some(Sink::Agent(outbox)) => {
+                let first = outbox.push(out.session, out.request_id, out.reply);
+                if first {
+                    agents.push(Arc::clone(outbox));
+                }
+            }
             None => {}
         }
+    }
+    for agent in agents {
+        agent.notify();
     }
 }

@@ -105,6 +105,8 @@ pub(crate) struct Conn {
     pending: VecDeque<Pending>,
     /// The socket may hold unread bytes (epoll is edge-triggered: read until it is drained).
     readable: bool,
+    /// An event said the peer's end came: read until it shows (see [`Conn::set_readable`]).
+    read_closed: bool,
     /// `rbuf` may hold whole requests not yet handled (read, or brought by the handshake).
     buffered: bool,
     /// The stream broke after these replies: close once they are written.
@@ -145,6 +147,7 @@ impl Conn {
             next_id: 1,
             pending: VecDeque::new(),
             readable: true,
+            read_closed: false,
             buffered: true,
             broken: None,
         }
@@ -154,9 +157,16 @@ impl Conn {
         self.stream.get_mut()
     }
 
-    /// An event said the socket has bytes (or an end) to read.
-    pub(crate) fn set_readable(&mut self) {
+    pub(crate) fn peer(&self) -> SocketAddr {
+        self.peer
+    }
+
+    /// An event said the socket has bytes (or an end, `closed`) to read. After an
+    /// end, a short read no longer means the socket is drained: the end may wait
+    /// behind the bytes read, and no new edge would report it.
+    pub(crate) fn set_readable(&mut self, closed: bool) {
         self.readable = true;
+        self.read_closed |= closed;
     }
 
     /// Writes what is ready, then reads and answers until the socket would block, the
@@ -203,7 +213,7 @@ impl Conn {
                 Ok(n) => {
                     self.progress_at = Instant::now();
                     // A short read drained the socket; new bytes raise a new edge.
-                    self.readable = n == read_buf.len();
+                    self.readable = self.read_closed || n == read_buf.len();
                     self.rbuf.extend_from_slice(&read_buf[..n]);
                     self.buffered = true;
                 }

@@ -52,7 +52,7 @@ pub(crate) struct WriteProgress<'a> {
 }
 
 /// How often a long write counts as a sign of life (well inside any sensible lease).
-const ALIVE_EVERY: Duration = Duration::from_secs(1);
+pub(crate) const ALIVE_EVERY: Duration = Duration::from_secs(1);
 
 impl<'a> WriteProgress<'a> {
     pub(crate) fn new(shared: &'a Shared, sessions: &'a (dyn Fn() -> Vec<SessionId> + Sync)) -> Self {

@@ -178,7 +178,11 @@ fn collective_name(name: &str, limits: &Limits) -> Result<(), OpError> {
 }
 
 fn name(what: &str, name: &str, limits: &Limits) -> Result<(), OpError> {
-    too_large(&format!("{what} length"), name.len(), limits.max_name_len)
+    // Checked before the message is built: this runs on every named request.
+    if name.len() > limits.max_name_len {
+        return too_large(&format!("{what} length"), name.len(), limits.max_name_len);
+    }
+    Ok(())
 }
 
 fn key(key: &Bytes, limits: &Limits) -> Result<(), OpError> {

@@ -9,7 +9,7 @@ use super::identity::{decode_identity, decode_welcome, encode_identity, encode_w
 use super::op_error::{decode_op_error, encode_op_error};
 use super::reply::{blobs_len, decode_reply_body, encode_reply_body, encode_reply_body_shared, gathered_len};
 use super::request::{decode_request, encode_request};
-use super::wire::{DecodeError, DecodeResult, Reader};
+use super::wire::{DecodeError, DecodeResult, Reader, WireWrite};
 
 /// Longest body any frame may have. The length prefix is a u32 and its largest
 /// value, `u32::MAX`, is reserved: encoders saturate to it when a body does not
@@ -30,6 +30,11 @@ pub(crate) mod kind {
     pub const TAKE_SHARED_REPLIES: u8 = 0x08;
     pub const RELEASE_SHARED: u8 = 0x09;
     pub const SHARED_REPLY: u8 = 0x89;
+    // Barriers through shared memory (docs/PROTOCOL.md, section 15); numbered past
+    // the request opcodes so that neither is ever mistaken for the other in a dump.
+    pub const ATTACH_BARRIER: u8 = 0x1d;
+    pub const BARRIER_CHANNEL: u8 = 0x9d;
+    pub const NO_BARRIER_CHANNEL: u8 = 0x9e;
     // Node agents (docs/PROTOCOL.md, section 12).
     pub const AGENT_HELLO: u8 = 0x03;
     pub const SUB_HELLO: u8 = 0x04;
@@ -66,6 +71,12 @@ pub enum ClientFrame {
     /// The client holds nothing any more of what `slab` held for it: the sender
     /// may write the slab's next contents.
     ReleaseShared { slab: u64 },
+    /// The barrier call `request` (name, members, timeout), made as a Request makes
+    /// it, asking this node's agent too for a barrier channel through which to make
+    /// the barrier's later calls in shared memory. [`ServerFrame::BarrierChannel`] or
+    /// [`ServerFrame::NoBarrierChannel`] says whether there is one, before the
+    /// call's Reply.
+    AttachBarrier { id: u64, request: Request },
     /// First frame after the preamble of a client (or node agent) with a token:
     /// its fresh nonce, to which the server's proof will be bound.
     AuthStart { nonce: [u8; NONCE_LEN] },
@@ -87,6 +98,13 @@ pub enum ServerFrame {
     /// slab's file comes over the Unix socket with the first frame that names it
     /// (decode the body with [`decode_shared_reply`]).
     SharedReply { id: u64, slab: u64, len: u64 },
+    /// For [`ClientFrame::AttachBarrier`] `id` (whose reply still follows): slot
+    /// `slot` of barrier channel `channel` is the client's for that barrier's later calls. The channel's memory file and doorbell come
+    /// over the Unix socket with the first frame that names the channel.
+    BarrierChannel { id: u64, channel: u64, slot: u32 },
+    /// For [`ClientFrame::AttachBarrier`] `id` (whose reply still follows): no
+    /// channel (the barrier's calls go through messages); `reason` says why.
+    NoBarrierChannel { id: u64, reason: String },
     /// The answer to [`ClientFrame::AuthStart`]: the server's fresh nonce.
     AuthChallenge { nonce: [u8; NONCE_LEN] },
     /// The client's proof was right; this is the server's, so that the client knows
@@ -147,6 +165,11 @@ pub fn encode_client_frame(frame: &ClientFrame, dst: &mut BytesMut) {
             dst.put_u8(kind::RELEASE_SHARED);
             dst.put_u64_le(*slab);
         }
+        ClientFrame::AttachBarrier { id, request } => {
+            dst.put_u8(kind::ATTACH_BARRIER);
+            dst.put_u64_le(*id);
+            encode_request(request, dst);
+        }
         ClientFrame::AuthStart { nonce } => {
             dst.put_u8(kind::AUTH_START);
             dst.put_slice(nonce);
@@ -180,6 +203,21 @@ pub fn encode_server_frame(frame: &ServerFrame, dst: &mut BytesMut) {
                 dst.put_u64_le(*id);
                 dst.put_u64_le(*slab);
                 dst.put_u64_le(*len);
+            });
+        }
+        ServerFrame::BarrierChannel { id, channel, slot } => {
+            write_frame(dst, |dst| {
+                dst.put_u8(kind::BARRIER_CHANNEL);
+                dst.put_u64_le(*id);
+                dst.put_u64_le(*channel);
+                dst.put_u32_le(*slot);
+            });
+        }
+        ServerFrame::NoBarrierChannel { id, reason } => {
+            write_frame(dst, |dst| {
+                dst.put_u8(kind::NO_BARRIER_CHANNEL);
+                dst.put_u64_le(*id);
+                dst.put_str(reason);
             });
         }
         ServerFrame::AuthChallenge { nonce } => {
@@ -360,6 +398,14 @@ fn client_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ClientFrame
         }
         kind::TAKE_SHARED_REPLIES => ClientFrame::TakeSharedReplies,
         kind::RELEASE_SHARED => ClientFrame::ReleaseShared { slab: r.u64("slab")? },
+        kind::ATTACH_BARRIER => {
+            let request_id = r.u64("request id")?;
+            *id = Some(request_id);
+            match decode_request(r)? {
+                request @ Request::Barrier { .. } => ClientFrame::AttachBarrier { id: request_id, request },
+                other => return Err(DecodeError(format!("attach-barrier names a {}, not a barrier", other.name()))),
+            }
+        }
         kind::AUTH_START => ClientFrame::AuthStart { nonce: r.array("nonce")? },
         kind::AUTH_PROOF => ClientFrame::AuthProof { proof: r.array("proof")? },
         other => return Err(DecodeError::unknown("client frame kind", other)),
@@ -369,6 +415,7 @@ fn client_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ClientFrame
         ClientFrame::Request { request, .. } => request.name(),
         ClientFrame::TakeSharedReplies => "take-shared-replies",
         ClientFrame::ReleaseShared { .. } => "release-shared",
+        ClientFrame::AttachBarrier { .. } => "attach-barrier",
         ClientFrame::AuthStart { .. } => "auth-start",
         ClientFrame::AuthProof { .. } => "auth-proof",
     })?;
@@ -390,6 +437,18 @@ fn server_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ServerFrame
             let slab = r.u64("slab")?;
             let len = r.u64("shared reply length")?;
             (ServerFrame::SharedReply { id: request_id, slab, len }, "shared reply")
+        }
+        kind::BARRIER_CHANNEL => {
+            let request_id = r.u64("request id")?;
+            *id = Some(request_id);
+            let channel = r.u64("channel")?;
+            let slot = r.u32("slot")?;
+            (ServerFrame::BarrierChannel { id: request_id, channel, slot }, "barrier channel")
+        }
+        kind::NO_BARRIER_CHANNEL => {
+            let request_id = r.u64("request id")?;
+            *id = Some(request_id);
+            (ServerFrame::NoBarrierChannel { id: request_id, reason: r.string("reason")? }, "no barrier channel")
         }
         kind::AUTH_CHALLENGE => (ServerFrame::AuthChallenge { nonce: r.array("nonce")? }, "auth challenge"),
         kind::AUTH_ACCEPTED => (ServerFrame::AuthAccepted { proof: r.array("proof")? }, "auth accepted"),

@@ -536,3 +536,84 @@ async fn aggregated_barrier_frames_keep_every_rank_its_own_session() {
     }
     server.shutdown().await;
 }
+
+/// Whether this process maps a barrier channel (docs/PROTOCOL.md, section 15).
+fn maps_a_barrier_channel() -> bool {
+    std::fs::read_to_string("/proc/self/maps").expect("own maps").contains("memfd:rallypoint-barrier")
+}
+
+/// Ranks on a Unix-socket agent pass a barrier through shared memory from its
+/// second call on, async and blocking clients alike, round after round together
+/// with peers behind a TCP agent and connected directly; when one of them drops
+/// out mid-barrier, every peer (waiting in the channel or not) is told at once, by name.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn barriers_through_shared_memory_with_every_kind_of_peer() {
+    const WORLD: u32 = 6;
+    let server = start_server().await;
+    let unix = start_agent(&server, true).await;
+    let tcp = start_agent(&server, false).await;
+    // Ranks 0 and 1 async on the Unix socket, 2 and 3 blocking there, 4 behind the
+    // TCP agent, 5 direct.
+    let mut clients =
+        vec![connect_via(&unix, rank("shm", 0, WORLD)).await, connect_via(&unix, rank("shm", 1, WORLD)).await];
+    let blocking: Vec<rallypoint::blocking::Client> = {
+        let addr = unix.local_addr().to_owned();
+        tokio::task::spawn_blocking(move || {
+            (2..4)
+                .map(|r| {
+                    let options =
+                        ConnectOptions::new(addr.clone(), rank("shm", r, WORLD)).with_timeout(Duration::from_secs(20));
+                    rallypoint::blocking::Client::connect_with(options).expect("a blocking client")
+                })
+                .collect()
+        })
+        .await
+        .expect("connecting")
+    };
+    clients.push(connect_via(&tcp, rank("shm", 4, WORLD)).await);
+    clients.push(connect(&server, rank("shm", 5, WORLD)).await);
+    let round = |clients: &[Client], blocking: &[rallypoint::blocking::Client]| {
+        let mut waiting = JoinSet::new();
+        for client in clients {
+            let client = client.clone();
+            waiting.spawn(async move { client.barrier("step", Members::World, WAIT).await });
+        }
+        for client in blocking {
+            let client = client.clone();
+            waiting.spawn_blocking(move || client.barrier("step", Members::World, WAIT));
+        }
+        waiting
+    };
+    for r in 0..30 {
+        let mut waiting = round(&clients, &blocking);
+        bounded("barrier round", async {
+            while let Some(passed) = waiting.join_next().await {
+                passed.expect("task").unwrap_or_else(|e| panic!("round {r}: {e}"));
+            }
+        })
+        .await;
+    }
+    assert!(maps_a_barrier_channel(), "the Unix-socket ranks were given a barrier channel");
+
+    // Rank 0 drops out while everyone else waits in the next round.
+    let victim = clients.remove(0);
+    let mut waiting = round(&clients, &blocking);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(victim);
+    bounded("every peer told", async {
+        let mut told = 0;
+        while let Some(ended) = waiting.join_next().await {
+            match ended.expect("task") {
+                Err(Error::Op(OpError::PeerLost { op, peer })) => {
+                    assert_eq!((op.name.as_str(), op.generation), ("step", 31));
+                    assert_eq!((peer.rank, peer.host.as_deref()), (0, Some("host-0")));
+                    told += 1;
+                }
+                other => panic!("expected PeerLost naming rank 0, got {other:?}"),
+            }
+        }
+        assert_eq!(told, WORLD - 1);
+    })
+    .await;
+    server.shutdown().await;
+}

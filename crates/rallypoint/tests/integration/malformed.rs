@@ -295,3 +295,28 @@ async fn partial_frames_are_held_within_the_pending_budget() {
     healthy.close().await.expect("close");
     server.shutdown().await;
 }
+
+/// A barrier-channel request (docs/PROTOCOL.md, section 15) sent straight to the
+/// coordinator, which has no channels to give: it says so before the call's reply,
+/// and the call itself is answered as any barrier is, on whichever thread serves
+/// the connection (the reactor for plaintext ranks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_coordinator_answers_a_barrier_channel_request_with_none_then_the_reply() {
+    let server = start_server().await;
+    let mut s = raw(&server).await;
+    let mut out = hello(rank("chan", 0, 1));
+    let request = Request::Barrier { name: "b".into(), members: Members::World, timeout_ms: Some(30_000) };
+    encode_client_frame(&ClientFrame::AttachBarrier { id: 3, request }, &mut out);
+    send(&mut s, &out).await;
+    let mut buf = BytesMut::new();
+    assert!(matches!(read_frame(&mut s, &mut buf).await, ServerFrame::Welcome(_)));
+    match read_frame(&mut s, &mut buf).await {
+        ServerFrame::NoBarrierChannel { id: 3, reason } => assert!(reason.contains("node agent"), "{reason}"),
+        other => panic!("expected NoBarrierChannel for request 3 first, got {other:?}"),
+    }
+    match read_frame(&mut s, &mut buf).await {
+        ServerFrame::Reply { id: 3, reply: Ok(Response::Done) } => {}
+        other => panic!("expected the barrier's reply, got {other:?}"),
+    }
+    server.shutdown().await;
+}

@@ -1,0 +1,231 @@
+//! `rallypoint bench barrier --op floor`: what the kernel alone costs for a barrier
+//! round with one TCP connection per rank, measured in the same run as the barriers
+//! it bounds. No coordinator, no runtime, no client library, no protocol: one thread
+//! holds N blocking connections and writes a 16-byte arrival on each; a server
+//! thread (in a child process, so that each side has its own file-descriptor limit,
+//! as a coordinator and its load generator do) reads them all through epoll, one
+//! read per ready connection, and once all N arrived writes a 16-byte release on
+//! each; the client thread reads the N releases in order. A barrier that keeps one
+//! connection per rank sends these 2N messages, and nothing it does can take less.
+
+use std::io::{self, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::OwnedFd;
+use std::process::Stdio;
+use std::time::Duration;
+
+use anyhow::{bail, ensure, Context};
+use rustix::event::epoll;
+use serde::{Deserialize, Serialize};
+use tokio::io::{AsyncBufReadExt, BufReader};
+
+use crate::{mono_ns, round_stats, thread_cpu_ns, Times};
+
+/// The arrival and the release: the size of a small frame.
+const MESSAGE: usize = 16;
+/// Queued connections the listener takes: the client connects all N at once.
+const BACKLOG: i32 = 4096;
+
+/// What one floor measurement is run with.
+pub(crate) struct Plan {
+    pub(crate) clients: u32,
+    pub(crate) rounds: u32,
+    pub(crate) warmup: u32,
+    pub(crate) timeout: Duration,
+}
+
+impl Plan {
+    fn total(&self) -> usize {
+        (self.warmup + self.rounds) as usize
+    }
+}
+
+/// The floor's figures, as the barrier report carries them.
+pub(crate) struct Measured {
+    pub(crate) round: Times,
+    pub(crate) connecting: Duration,
+    /// CPU of the serving thread, and of the client thread, over all rounds (ns).
+    pub(crate) server_cpu_ns: u64,
+    pub(crate) client_cpu_ns: u64,
+}
+
+/// What the serving child reports once all rounds are done.
+#[derive(Debug, Serialize, Deserialize)]
+struct ServerReport {
+    /// CPU its serving thread spent from the first round to the last.
+    cpu_ns: u64,
+}
+
+/// Runs the floor: a serving child process, and the clients on a thread of this one.
+pub(crate) async fn measure(plan: &Plan) -> anyhow::Result<Measured> {
+    let (n, total) = (plan.clients, plan.total());
+    let mut command = crate::bench_child(&["barrier", "--op", "floor", "--serve-floor", "--json"])?;
+    command
+        .args(["--clients", &n.to_string(), "--rounds", &plan.rounds.to_string()])
+        .args(["--warmup", &plan.warmup.to_string(), "--timeout", &plan.timeout.as_secs_f64().to_string()])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .kill_on_drop(true);
+    let mut child = command.spawn().context("starting the floor's serving process")?;
+    let mut stdout = BufReader::new(child.stdout.take().context("child stdout")?);
+    let mut line = String::new();
+    tokio::time::timeout(plan.timeout, stdout.read_line(&mut line))
+        .await
+        .context("the floor's serving process did not start in time")??;
+    let port: u16 = line.trim().parse().with_context(|| format!("the floor's serving process said {line:?}"))?;
+    let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+    let timeout = plan.timeout;
+    let clients = tokio::task::spawn_blocking(move || run_clients(addr, n as usize, total, timeout)).await??;
+    line.clear();
+    tokio::time::timeout(plan.timeout, stdout.read_line(&mut line))
+        .await
+        .context("the floor's serving process did not finish in time")??;
+    let server: ServerReport =
+        serde_json::from_str(line.trim()).context("the floor's serving process failed (its error is above)")?;
+    child.wait().await?;
+    let stats = round_stats(clients.start_ns, &clients.round_end_ns, plan.warmup as usize).context("no rounds")?;
+    Ok(Measured {
+        round: stats.times,
+        connecting: clients.connecting,
+        server_cpu_ns: server.cpu_ns,
+        client_cpu_ns: clients.cpu_ns,
+    })
+}
+
+/// What the client thread measured.
+struct ClientTimes {
+    start_ns: u64,
+    round_end_ns: Vec<u64>,
+    connecting: Duration,
+    cpu_ns: u64,
+}
+
+/// The client side: N blocking connections, then `total` rounds of N arrivals
+/// written and N releases read.
+fn run_clients(addr: SocketAddr, n: usize, total: usize, timeout: Duration) -> io::Result<ClientTimes> {
+    let started = std::time::Instant::now();
+    let mut conns = Vec::with_capacity(n);
+    for _ in 0..n {
+        let conn = TcpStream::connect_timeout(&addr, timeout)?;
+        conn.set_nodelay(true)?;
+        // A stuck round fails the benchmark instead of hanging it.
+        conn.set_read_timeout(Some(timeout))?;
+        conns.push(conn);
+    }
+    let connecting = started.elapsed();
+    let arrival = [1u8; MESSAGE];
+    let mut release = [0u8; MESSAGE];
+    let mut round_end_ns = Vec::with_capacity(total);
+    let (start_ns, cpu_start) = (mono_ns(), thread_cpu_ns());
+    for _ in 0..total {
+        for conn in &mut conns {
+            conn.write_all(&arrival)?;
+        }
+        for conn in &mut conns {
+            conn.read_exact(&mut release)?;
+        }
+        round_end_ns.push(mono_ns());
+    }
+    let cpu_ns = thread_cpu_ns().saturating_sub(cpu_start);
+    Ok(ClientTimes { start_ns, round_end_ns, connecting, cpu_ns })
+}
+
+/// The serving child: prints its port, takes N connections, serves `total` rounds,
+/// then prints a [`ServerReport`].
+pub(crate) fn serve(plan: &Plan) -> anyhow::Result<()> {
+    let (n, total) = (plan.clients as usize, plan.total());
+    let listener = listen()?;
+    println!("{}", listener.local_addr()?.port());
+    io::stdout().flush()?;
+    let poll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+    let mut conns = Vec::with_capacity(n);
+    for i in 0..n {
+        let (conn, _) = listener.accept()?;
+        conn.set_nodelay(true)?;
+        conn.set_nonblocking(true)?;
+        // Level-triggered: one read per ready connection, as a server reading one
+        // small request at a time does; no second read to learn that it is drained.
+        epoll::add(&poll, &conn, epoll::EventData::new_u64(i as u64), epoll::EventFlags::IN)?;
+        conns.push(conn);
+    }
+    drop(listener);
+    let cpu_start = thread_cpu_ns();
+    for round in 0..total {
+        read_arrivals(&poll, &mut conns, plan.timeout).with_context(|| format!("round {round}"))?;
+        for conn in &mut conns {
+            let written = conn.write(&[2u8; MESSAGE])?;
+            // 16 bytes into a socket whose peer read everything before: always whole.
+            ensure!(written == MESSAGE, "a release did not fit into its socket");
+        }
+    }
+    let cpu_ns = thread_cpu_ns().saturating_sub(cpu_start);
+    println!("{}", serde_json::to_string(&ServerReport { cpu_ns })?);
+    Ok(())
+}
+
+/// Reads until every connection's arrival is in.
+fn read_arrivals(poll: &OwnedFd, conns: &mut [TcpStream], timeout: Duration) -> anyhow::Result<()> {
+    let mut missing = conns.len() * MESSAGE;
+    let mut events = Vec::with_capacity(1024);
+    let mut buf = [0u8; 64];
+    let limit = rustix::time::Timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: 0 };
+    while missing > 0 {
+        events.clear();
+        epoll::wait(poll, rustix::buffer::spare_capacity(&mut events), Some(&limit))?;
+        if events.is_empty() {
+            bail!("no arrival for {timeout:?}");
+        }
+        for event in &events {
+            let conn = &mut conns[event.data.u64() as usize];
+            match conn.read(&mut buf) {
+                Ok(0) => bail!("a client closed its connection"),
+                Ok(got) => missing = missing.saturating_sub(got),
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                Err(error) => return Err(error.into()),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A listener on an ephemeral loopback port with a backlog for N connects at once
+/// (the standard library's is 128, and a full backlog costs a connect a second).
+fn listen() -> io::Result<TcpListener> {
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    socket.bind(&SocketAddr::from((Ipv4Addr::LOCALHOST, 0)).into())?;
+    socket.listen(BACKLOG)?;
+    Ok(socket.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_round_is_every_arrival_in_and_every_release_out() {
+        // The serving side in a thread of the test, the clients on another.
+        let listener = listen().expect("listen");
+        let addr = listener.local_addr().expect("addr");
+        let n = 8;
+        let server = std::thread::spawn(move || {
+            let poll = epoll::create(epoll::CreateFlags::CLOEXEC).expect("epoll");
+            let mut conns = Vec::new();
+            for i in 0..n {
+                let (conn, _) = listener.accept().expect("accept");
+                conn.set_nonblocking(true).expect("nonblocking");
+                epoll::add(&poll, &conn, epoll::EventData::new_u64(i as u64), epoll::EventFlags::IN).expect("add");
+                conns.push(conn);
+            }
+            for _ in 0..3 {
+                read_arrivals(&poll, &mut conns, Duration::from_secs(30)).expect("arrivals");
+                for conn in &mut conns {
+                    conn.write_all(&[2u8; MESSAGE]).expect("release");
+                }
+            }
+        });
+        let times = run_clients(addr, n, 3, Duration::from_secs(30)).expect("clients");
+        server.join().expect("server");
+        assert_eq!(times.round_end_ns.len(), 3);
+        assert!(times.round_end_ns.windows(2).all(|w| w[0] <= w[1]));
+    }
+}

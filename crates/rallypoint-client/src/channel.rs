@@ -1,0 +1,448 @@
+//! Barriers through shared memory with this node's agent (docs/PROTOCOL.md,
+//! section 15).
+//!
+//! On a Unix socket to its node agent, the first call of a barrier (name, members,
+//! timeout) goes as a request that also asks the agent for a *channel*; with one,
+//! every later call of that barrier arrives by writing the channel's shared memory
+//! and waits on its futex instead of sending a request and reading a reply. The call still has a request id,
+//! registered like any call's: if the barrier fails, the slot says so and the
+//! coordinator's typed error (the timeout naming the missing ranks, the lost rank)
+//! arrives on the socket as that id's reply, exactly as without a channel. Where
+//! there is no channel (TCP, the coordinator itself, an agent that has none to
+//! give), the barrier goes through messages as before.
+//!
+//! Waiting: the blocking client waits on the futex in its caller's thread (the
+//! one wake-up a release costs). The async client must not block a runtime
+//! thread (a process may hold thousands of clients): a watcher thread per channel
+//! and process sleeps on the futex for all of them and wakes their tasks.
+//!
+//! A channel belongs to one connection: when it ends, every rank of this process
+//! waiting on it is woken (the agent may be gone and never wake them), and later
+//! calls ask again on the next connection.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::OwnedFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Once, Weak};
+use std::time::{Duration, Instant};
+
+use rallypoint_core::{Request, Response};
+use rallypoint_net::shm_barrier::{Outcome, RankChannel, Waited};
+use tokio::sync::{oneshot, Notify};
+use tracing::{debug, warn};
+
+use crate::connection::{Command, Link};
+use crate::error::Error;
+
+/// Barrier calls (name, members, timeout) a client keeps track of: a program that
+/// names each barrier afresh must not make the list grow without end.
+const MAX_USES: usize = 64;
+
+/// This client's barrier channels.
+#[derive(Default)]
+pub(crate) struct Channels(Mutex<State>);
+
+#[derive(Default)]
+struct State {
+    /// Counts the connections ended: a seat is valid on the connection it was given on.
+    epoch: u64,
+    /// Channels of the current connection by id; `None`: one that could not be mapped.
+    mapped: HashMap<u64, Option<Arc<Mapped>>>,
+    /// Answers to attach requests, by request id, until their calls take them:
+    /// `None` for no channel.
+    answers: HashMap<u64, Option<(Arc<Mapped>, u32)>>,
+    /// How each barrier call (name, members, timeout) goes.
+    uses: Vec<(Request, Use)>,
+}
+
+enum Use {
+    /// Through messages, for good: no channel for it (or it broke).
+    Messages,
+    /// A call is in flight through the channel (or attaching): others of this
+    /// client meanwhile go through messages.
+    Busy,
+    Seat(Seat),
+}
+
+/// A channel as one client mapped it.
+struct Mapped {
+    channel: RankChannel,
+    /// The connection it came with ended: nobody will finish its rounds.
+    ended: AtomicBool,
+    /// Its watcher, shared with every client of this process on the same channel.
+    watched: Arc<Watched>,
+}
+
+/// A channel watched for the async waiters of this process: one thread per channel
+/// and process, however many clients of the process use it (each of them waiting
+/// in a thread of its own would wake as many threads at every release).
+struct Watched {
+    channel: RankChannel,
+    /// Wakes the async tasks waiting on the channel (from its watcher thread).
+    moved: Notify,
+    watcher: Once,
+}
+
+/// A channel's memory file: (device, inode).
+type FileKey = (u64, u64);
+
+/// The channels watched in this process, by their memory file.
+static WATCHED: Mutex<Vec<(FileKey, Weak<Watched>)>> = Mutex::new(Vec::new());
+
+impl Watched {
+    /// The watcher of the channel whose memory file is `file` (mapping it anew for
+    /// the watcher if this process has none yet).
+    fn of(file: &OwnedFd, doorbell: &OwnedFd) -> std::io::Result<Arc<Watched>> {
+        use std::os::unix::fs::MetadataExt;
+        let meta = std::fs::File::from(file.try_clone()?).metadata()?;
+        let key = (meta.dev(), meta.ino());
+        let mut watched = WATCHED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        watched.retain(|(_, w)| w.strong_count() > 0);
+        if let Some(live) = watched.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
+            return Ok(live);
+        }
+        let channel = RankChannel::map(file.try_clone()?, doorbell.try_clone()?)?;
+        let made = Arc::new(Watched { channel, moved: Notify::new(), watcher: Once::new() });
+        watched.push((key, Arc::downgrade(&made)));
+        Ok(made)
+    }
+
+    /// Starts the thread that watches the channel for async waiters, once.
+    fn watch(self: &Arc<Self>) {
+        self.watcher.call_once(|| {
+            let watched = Arc::downgrade(self);
+            // Read here, before the caller arrives: any release from then on wakes it
+            // (read in the new thread, it could miss the release of this very round).
+            let seen = self.channel.release_word();
+            let started =
+                std::thread::Builder::new().name("rallypoint-barrier".to_owned()).spawn(move || watch(watched, seen));
+            if let Err(error) = started {
+                // Waiters still wake, at each check of their deadline.
+                warn!(%error, "cannot start a barrier channel's watcher thread");
+            }
+        });
+    }
+}
+
+/// How often a watcher thread looks whether its channel is still in use.
+const WATCH_CHECK: Duration = Duration::from_secs(1);
+
+/// A watcher thread: wakes the channel's async waiters each time the release
+/// word moves (a connection's end moves it too), until no client uses the channel.
+fn watch(watched: Weak<Watched>, mut seen: u32) {
+    while let Some(w) = watched.upgrade() {
+        w.channel.wait_release(seen, WATCH_CHECK);
+        let now = w.channel.release_word();
+        if now != seen {
+            seen = now;
+            w.moved.notify_waiters();
+        }
+    }
+}
+
+/// How a barrier call waits for its round's end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Waiting {
+    /// Blocks the calling thread (the blocking client's caller, not a runtime's).
+    Thread,
+    /// Awaits, woken by the channel's watcher thread.
+    Task,
+}
+
+struct Seat {
+    channel: Arc<Mapped>,
+    slot: u32,
+    /// The last round arrived at.
+    round: u32,
+    epoch: u64,
+}
+
+impl Channels {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The connection's reader got a channel for attach request `id` (its files in
+    /// `files` if the channel is new to this connection). `Err`: the files are missing.
+    pub(crate) fn answered(
+        &self,
+        id: u64,
+        channel: u64,
+        slot: u32,
+        files: &mut VecDeque<OwnedFd>,
+    ) -> Result<(), String> {
+        let mut state = self.lock();
+        let mapped = match state.mapped.get(&channel) {
+            Some(mapped) => mapped.clone(),
+            None => {
+                let (Some(file), Some(doorbell)) = (files.pop_front(), files.pop_front()) else {
+                    return Err(format!("barrier channel {channel} came without its files"));
+                };
+                let mapped =
+                    match Watched::of(&file, &doorbell).and_then(|w| Ok((w, RankChannel::map(file, doorbell)?))) {
+                        Ok((watched, channel)) => {
+                            Some(Arc::new(Mapped { channel, ended: AtomicBool::new(false), watched }))
+                        }
+                        Err(error) => {
+                            debug!(channel, %error, "cannot map a barrier channel; its barriers go through messages");
+                            None
+                        }
+                    };
+                state.mapped.insert(channel, mapped.clone());
+                mapped
+            }
+        };
+        let answer = mapped.filter(|m| slot < m.channel.slots()).map(|mapped| (mapped, slot));
+        state.answers.insert(id, answer);
+        Ok(())
+    }
+
+    /// The connection's reader was told there is no channel for attach request `id`.
+    pub(crate) fn refused(&self, id: u64) {
+        self.lock().answers.insert(id, None);
+    }
+
+    /// The connection ended: its channels are given up, and whoever waits on one is
+    /// woken to find out.
+    pub(crate) fn connection_ended(&self) {
+        let mapped = {
+            let mut state = self.lock();
+            state.epoch += 1;
+            state.answers.clear();
+            std::mem::take(&mut state.mapped)
+        };
+        for mapped in mapped.into_values().flatten() {
+            mapped.ended.store(true, Ordering::Release);
+            mapped.channel.wake_waiters();
+        }
+    }
+
+    fn epoch(&self) -> u64 {
+        self.lock().epoch
+    }
+}
+
+/// What [`barrier`] needs of its client.
+pub(crate) struct Caller<'a> {
+    pub(crate) link: &'a Arc<Link>,
+    pub(crate) commands: &'a tokio::sync::mpsc::UnboundedSender<Command>,
+}
+
+/// A barrier call through this client's channel for it: `None` if it has none (the
+/// caller sends it as a request).
+pub(crate) async fn barrier(
+    caller: Caller<'_>,
+    request: &Request,
+    wait: Duration,
+    waiting: Waiting,
+) -> Option<Result<(), Error>> {
+    let link = caller.link;
+    let channels = &link.channels;
+    let seat = {
+        let mut state = channels.lock();
+        let epoch = state.epoch;
+        match state.uses.iter_mut().find(|(r, _)| r == request) {
+            Some((_, Use::Messages | Use::Busy)) => return None,
+            Some((_, used @ Use::Seat(_))) => match std::mem::replace(used, Use::Busy) {
+                Use::Seat(seat) if seat.epoch == epoch => Some(seat),
+                _ => None,
+            },
+            None => {
+                if state.uses.len() >= MAX_USES {
+                    // The oldest barrier not in a call makes room: called again, it
+                    // asks for a channel again (its old slot stays the agent's, idle,
+                    // until the connection ends).
+                    let idle = state.uses.iter().position(|(_, used)| !matches!(used, Use::Busy))?;
+                    state.uses.remove(idle);
+                }
+                state.uses.push((request.clone(), Use::Busy));
+                None
+            }
+        }
+    };
+    let Some(seat) = seat else {
+        return attach(&caller, request, wait).await;
+    };
+    let (outcome, seat) = arrive_and_wait(link, seat, wait, waiting).await;
+    let mut state = channels.lock();
+    if let Some((_, used)) = state.uses.iter_mut().find(|(r, _)| r == request) {
+        *used = seat.map_or(Use::Messages, Use::Seat);
+    }
+    Some(outcome)
+}
+
+/// Makes the call as a request that also asks the agent for a channel for the
+/// later ones, and records the answer. `None`: the peer knows no such request (an
+/// older agent), and the caller makes the call, and all later ones, as requests.
+async fn attach(caller: &Caller<'_>, request: &Request, wait: Duration) -> Option<Result<(), Error>> {
+    let link = caller.link;
+    let epoch = link.channels.epoch();
+    let (id, reply) = match link.register(wait) {
+        Ok(registered) => registered,
+        Err(error) => return Some(Err(error)),
+    };
+    let registered = crate::client::Registered { link, id, settled: false };
+    if caller.commands.send(Command::AttachBarrier { id, request: request.clone() }).is_err() {
+        return Some(Err(link.disconnected()));
+    }
+    let result = match tokio::time::timeout(wait, reply).await {
+        Ok(Ok(Ok(Response::Done))) => Ok(()),
+        Ok(Ok(Ok(other))) => Err(Error::Protocol(format!("unexpected reply to barrier: {other:?}"))),
+        Ok(Ok(Err(error))) => Err(error),
+        Ok(Err(_)) => Err(link.disconnected()),
+        Err(_) => Err(Error::Timeout(wait)),
+    };
+    drop(registered);
+    let answer = link.channels.lock().answers.remove(&id);
+    let used = match answer {
+        Some(Some((channel, slot))) if link.channels.epoch() == epoch => {
+            Some(Use::Seat(Seat { channel, slot, round: 0, epoch }))
+        }
+        Some(Some(_)) => None,
+        Some(None) => Some(Use::Messages),
+        // Refused unread: a peer that does not know the frame.
+        None if matches!(result, Err(Error::Op(rallypoint_core::OpError::Invalid(_)))) => {
+            set_use(link, request, Some(Use::Messages));
+            return None;
+        }
+        // No answer (the connection ended first): ask again on the next one.
+        None => None,
+    };
+    set_use(link, request, used);
+    Some(result)
+}
+
+/// Sets how `request`'s calls go (`None`: ask again at the next call).
+fn set_use(link: &Link, request: &Request, used: Option<Use>) {
+    let mut state = link.channels.lock();
+    let at = state.uses.iter().position(|(r, _)| r == request);
+    match (at, used) {
+        (Some(at), Some(used)) => state.uses[at].1 = used,
+        (Some(at), None) => {
+            state.uses.swap_remove(at);
+        }
+        (None, _) => {}
+    }
+}
+
+/// One round through the channel; returns its outcome and the seat, unless the
+/// seat can no longer be trusted (an arrival the agent may still hold).
+async fn arrive_and_wait(
+    link: &Arc<Link>,
+    mut seat: Seat,
+    wait: Duration,
+    waiting: Waiting,
+) -> (Result<(), Error>, Option<Seat>) {
+    let mut got = None;
+    let (id, mut reply) = match link.register(wait) {
+        Ok(registered) => registered,
+        Err(error) => return (Err(error), Some(seat)),
+    };
+    let deadline = Instant::now() + wait;
+    seat.round = seat.round.wrapping_add(1).max(1);
+    let (mapped, slot, round) = (Arc::clone(&seat.channel), seat.slot, seat.round);
+    if waiting == Waiting::Task {
+        mapped.watched.watch();
+    }
+    mapped.channel.arrive(slot, round, id);
+    let waited = match waiting {
+        Waiting::Thread => {
+            mapped.channel.wait(slot, round, deadline, || mapped.ended.load(Ordering::Acquire) || !link.is_waiting(id))
+        }
+        Waiting::Task => wait_task(&mapped, slot, round, deadline, &mut reply, &mut got).await,
+    };
+    match waited {
+        Waited::Ended(Outcome::Released) => {
+            link.unregister(id);
+            (Ok(()), Some(seat))
+        }
+        // The error is on its way on the socket, as the reply to the call's id.
+        Waited::Ended(Outcome::Failed) => (reply_to(link, id, got, reply, deadline).await, Some(seat)),
+        Waited::Stopped => {
+            let ended = mapped.ended.load(Ordering::Acquire);
+            let kept = (!ended && mapped.channel.outcome(slot, round).is_some()).then_some(seat);
+            if ended && got.is_none() && link.is_waiting(id) {
+                // The connection ended without answering: whether the barrier took
+                // effect is unknown, as for a request whose connection was cut.
+                link.unregister(id);
+                let why = format!("the connection to the node agent at {} ended during a barrier", link.addr());
+                return (Err(Error::Disconnected(why)), kept);
+            }
+            (reply_to(link, id, got, reply, deadline).await, kept)
+        }
+        Waited::TimedOut => {
+            link.unregister(id);
+            (Err(Error::Timeout(wait)), None)
+        }
+    }
+}
+
+/// [`RankChannel::wait`] for an async task: a spin while it pays, then woken by
+/// the channel's watcher thread; stops when the call's reply or the connection's
+/// end comes first.
+async fn wait_task(
+    mapped: &Mapped,
+    slot: u32,
+    round: u32,
+    deadline: Instant,
+    reply: &mut oneshot::Receiver<Result<Response, Error>>,
+    got: &mut Option<Received>,
+) -> Waited {
+    if let Some(outcome) = mapped.channel.spin(slot, round) {
+        return Waited::Ended(outcome);
+    }
+    let deadline = tokio::time::Instant::from_std(deadline);
+    loop {
+        let moved = mapped.watched.moved.notified();
+        tokio::pin!(moved);
+        // Registered before looking, so that a release after the look wakes it.
+        moved.as_mut().enable();
+        if let Some(outcome) = mapped.channel.outcome(slot, round) {
+            return Waited::Ended(outcome);
+        }
+        if mapped.ended.load(Ordering::Acquire) {
+            return Waited::Stopped;
+        }
+        tokio::select! {
+            () = moved => {}
+            // The reply came on the socket.
+            received = &mut *reply => {
+                *got = Some(received);
+                return Waited::Stopped;
+            }
+            () = tokio::time::sleep_until(deadline) => return Waited::TimedOut,
+        }
+    }
+}
+
+/// A reply as its call's receiver gave it.
+type Received = Result<Result<Response, Error>, oneshot::error::RecvError>;
+
+/// The reply to call `id` on the socket: `got` if it came already.
+async fn reply_to(
+    link: &Link,
+    id: u64,
+    got: Option<Received>,
+    reply: oneshot::Receiver<Result<Response, Error>>,
+    deadline: Instant,
+) -> Result<(), Error> {
+    // The error follows its slot's mark at once; the deadline only bounds a wait
+    // for an agent that broke the protocol.
+    let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(5);
+    let received = match got {
+        Some(received) => received,
+        None => match tokio::time::timeout(left, reply).await {
+            Ok(received) => received,
+            Err(_) => {
+                link.unregister(id);
+                return Err(Error::Timeout(left));
+            }
+        },
+    };
+    match received {
+        Ok(Ok(Response::Done)) => Ok(()),
+        Ok(Ok(other)) => Err(Error::Protocol(format!("unexpected reply to barrier: {other:?}"))),
+        Ok(Err(error)) => Err(error),
+        Err(_) => Err(link.disconnected()),
+    }
+}
