@@ -63,6 +63,11 @@ pub struct ServeArgs {
     /// Print the bound address as the first line on stdout (for scripts using port 0)
     #[arg(long)]
     print_addr: bool,
+    /// Serve plaintext native ranks on the TCPStore clients' reactor thread: less CPU
+    /// per barrier round, but a client streaming large requests then slows every rank
+    /// (see docs/BENCHMARKS.md); for clusters whose clients are all trusted
+    #[arg(long)]
+    native_on_reactor: bool,
     #[command(flatten)]
     auth: crate::auth::ServeAuth,
     /// With a token: serve PyTorch TCPStore clients (which cannot send one) from this
@@ -119,6 +124,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     config.token = args.auth.token()?;
     config.tls = args.auth.tls()?;
     config.tcpstore_allow = args.tcpstore_allow;
+    config.native_on_reactor = args.native_on_reactor;
     if config.token.is_none() && !args.listen.ip().is_loopback() {
         tracing::warn!(
             listen = %args.listen,

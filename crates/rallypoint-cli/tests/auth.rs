@@ -14,22 +14,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::Duration;
 
+mod common;
+use common::SCRUB;
+
 const BIN: &str = env!("CARGO_BIN_EXE_rallypoint");
 const NOBODY: u32 = 65534;
-
-/// Variables the processes would otherwise inherit from the test's environment.
-const SCRUB: &[&str] = &[
-    "RALLYPOINT_ADDR",
-    "RALLYPOINT_JOB",
-    "RALLYPOINT_TOKEN",
-    "RALLYPOINT_TOKEN_FILE",
-    "RALLYPOINT_TLS_CA",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "RANK",
-    "WORLD_SIZE",
-    "TORCHELASTIC_RUN_ID",
-];
 
 /// A TCPStore client as torch's: VALIDATE, PING (echoed), then LIST_KEYS. Prints
 /// `refused` if the connection closes before the echo, else the keys it got.

@@ -12,7 +12,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::SCRUB;
+use common::{torch_python, SCRUB};
 
 const BIN: &str = env!("CARGO_BIN_EXE_rallypoint");
 /// Bounds every wait of a test (never asserted on: the machine may be slow).
@@ -256,19 +256,6 @@ fn line_of(text: &str, label: &str) -> String {
         .map(squeeze)
         .find(|l| l.starts_with(label))
         .unwrap_or_else(|| panic!("no line starting with {label:?} in:\n{text}"))
-}
-
-/// torch with gloo, when the project's venv is there (scripts/test makes it).
-fn torch_python() -> Option<PathBuf> {
-    let home = std::env::var_os("HOME")?;
-    let python = Path::new(&home).join(".cache/rallypoint/venv/bin/python");
-    let has_torch = Command::new(&python)
-        .args(["-c", "import torch.distributed"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    has_torch.then_some(python)
 }
 
 /// What the torch tests expect of the grouped stacks, given the file's name.

@@ -14,7 +14,7 @@ use std::thread;
 use std::time::{Duration, Instant};
 
 mod common;
-use common::SCRUB;
+use common::{torch_python, SCRUB};
 
 const BIN: &str = env!("CARGO_BIN_EXE_rallypoint");
 const LIMIT: Duration = Duration::from_secs(120);
@@ -446,19 +446,6 @@ fn slurm_variables_place_each_launcher() {
     let done = t.run(&["check_env.py"], &batch);
     assert_eq!(done.code, Some(2), "{}", done.stderr);
     assert!(done.stderr.contains("srun --ntasks-per-node=1 rallypoint launch"), "{}", done.stderr);
-}
-
-/// torch with gloo, when the project's venv is there (scripts/test makes it).
-fn torch_python() -> Option<PathBuf> {
-    let home = std::env::var_os("HOME")?;
-    let python = Path::new(&home).join(".cache/rallypoint/venv/bin/python");
-    let has_torch = Command::new(&python)
-        .args(["-c", "import torch.distributed"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    has_torch.then_some(python)
 }
 
 const GLOO: &str = r#"

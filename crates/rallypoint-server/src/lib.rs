@@ -104,6 +104,12 @@ pub struct ServerConfig {
     pub tls: Option<TlsServer>,
     /// With a token: networks of other machines whose TCPStore clients are served.
     pub tcpstore_allow: Vec<IpNet>,
+    /// Serve plaintext native rank connections on the reactor thread, beside the
+    /// TCPStore clients, instead of as tasks: a barrier round costs the coordinator
+    /// less CPU, but every connection on that thread waits for the others' turns, so
+    /// a peer streaming large requests slows every rank (docs/BENCHMARKS.md, the
+    /// attack bench). Off unless asked for.
+    pub native_on_reactor: bool,
 }
 
 impl ServerConfig {
@@ -120,6 +126,7 @@ impl ServerConfig {
             token: None,
             tls: None,
             tcpstore_allow: Vec::new(),
+            native_on_reactor: false,
         }
     }
 }
@@ -131,6 +138,8 @@ pub(crate) struct ConnSettings {
     pub(crate) read_timeout: Duration,
     pub(crate) budget: Arc<PendingBudget>,
     pub(crate) auth: Arc<AuthSettings>,
+    /// [`ServerConfig::native_on_reactor`].
+    pub(crate) native_on_reactor: bool,
 }
 
 /// What a connection must prove before its hello counts (shared: per connection it
@@ -181,6 +190,7 @@ impl Server {
             read_timeout: config.read_timeout,
             budget: PendingBudget::new(config.max_pending_bytes),
             auth,
+            native_on_reactor: config.native_on_reactor,
         };
         let tcp_limits = TcpLimits::from_limits(&config.engine.limits);
         Ok(Server { listener, local_addr, shared: Arc::new(Shared::new(config.engine)), settings, tcp_limits })

@@ -53,10 +53,12 @@ pub(crate) fn serve(
 ) -> impl Future<Output = ()> + Send {
     // Every byte of the connection is counted from here (module `rallypoint_net::meter`).
     let stream = Counted::new(stream, Arc::clone(shared.traffic()));
+    let on_reactor = settings.native_on_reactor;
     let opening = Box::pin(open(stream, peer, shared, settings, Arc::clone(&reactor)));
     async move {
         match opening.await {
-            Some(Opened::Plain(session)) => hand_over(session, &reactor),
+            Some(Opened::Plain(session)) if on_reactor => hand_over(session, &reactor),
+            Some(Opened::Plain(session)) => run(session, peer).await,
             Some(Opened::Tls(session)) => run(session, peer).await,
             None => {}
         }

@@ -384,6 +384,11 @@ impl RankConn {
     }
 
     /// The end of a connection that stopped in the middle of a frame for `timeout`.
+    /// Bytes read and not yet handled (of an unfinished request, between turns).
+    pub(crate) fn buffered_bytes(&self) -> usize {
+        self.rbuf.len()
+    }
+
     pub(crate) fn stalled(&self, now: Instant, timeout: Duration) -> Option<End> {
         let waited = now.saturating_duration_since(self.progress_at);
         (self.is_mid_frame() && waited >= timeout).then(|| End::Stalled { buffered: self.rbuf.len(), waited })

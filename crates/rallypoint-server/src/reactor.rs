@@ -52,6 +52,10 @@ const WAKE: Token = Token(usize::MAX);
 /// Reads per connection before others get their turn (a client that floods
 /// pipelined requests must not starve the rest).
 const MAX_READS_PER_TURN: usize = 16;
+/// A connection holding more than this of an unfinished request is streaming one.
+const STREAMING: usize = 256 * 1024;
+/// Streaming connections served in one pass of the loop; the rest wait for the next.
+const BULK_PER_PASS: usize = 2;
 
 /// The handle the tokio side holds: hands connections over, stops the loop.
 pub(crate) struct Reactor {
@@ -312,7 +316,18 @@ impl Loop {
             if woken && !self.take_mail() {
                 return; // stopping: dropping `self` closes every connection
             }
+            let mut bulk = 0;
             for key in std::mem::take(&mut self.runnable) {
+                // Connections streaming a large request take turns, a few per pass, so
+                // that one pass of the loop (what every other connection waits for)
+                // stays short however many of them there are.
+                if self.is_streaming(key) {
+                    if bulk == BULK_PER_PASS {
+                        again.push(key);
+                        continue;
+                    }
+                    bulk += 1;
+                }
                 if self.service(key, &mut read_buf) {
                     again.push(key);
                 }
@@ -404,6 +419,14 @@ impl Loop {
     }
 
     /// Services one connection, closing it when it ends; true if it has more to read.
+    /// Whether connection `key` holds a large part of an unfinished request.
+    fn is_streaming(&self, key: usize) -> bool {
+        self.conns.get(key).is_some_and(|entry| match &entry.conn {
+            Served::Torch(conn) => conn.buffered_bytes() > STREAMING,
+            Served::Rank(conn) => conn.buffered_bytes() > STREAMING,
+        })
+    }
+
     fn service(&mut self, key: usize, read_buf: &mut [u8]) -> bool {
         let Some(Entry { conn, waker, .. }) = self.conns.get_mut(key) else { return false };
         let scratch = &mut self.scratch;

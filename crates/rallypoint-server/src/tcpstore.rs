@@ -204,7 +204,9 @@ impl Conn {
                 self.shrink_idle_buffers();
                 return Ok(Progress::Idle);
             }
-            if reads == max_reads {
+            // A peer streaming a large request takes one read per turn: the others on
+            // this thread (native ranks too) are not held up behind its bytes.
+            if reads == max_reads || (reads > 0 && self.rbuf.len() > read_buf.len()) {
                 return Ok(Progress::More);
             }
             reads += 1;
@@ -222,6 +224,11 @@ impl Conn {
                 Err(error) => return Err(error.into()),
             }
         }
+    }
+
+    /// Bytes read and not yet handled (of an unfinished request, between turns).
+    pub(crate) fn buffered_bytes(&self) -> usize {
+        self.rbuf.len()
     }
 
     /// Whether part of a request is buffered, waiting for the rest.

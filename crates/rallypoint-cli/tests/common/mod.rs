@@ -1,5 +1,8 @@
 //! What the integration tests that start launchers and verbs share.
 
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
 /// Variables a launcher, a verb or a worker would otherwise inherit from the test's
 /// own environment (a test run inside a job, or with a token set): removed from
 /// every command a test starts, before the test sets its own.
@@ -26,3 +29,17 @@ pub const SCRUB: &[&str] = &[
     "RUST_LOG",
     "SLURM_JOB_ID",
 ];
+
+/// The project's venv Python with torch (scripts/test makes it), if it is there.
+#[allow(dead_code)] // not every test file runs torch
+pub fn torch_python() -> Option<PathBuf> {
+    let home = std::env::var_os("HOME")?;
+    let python = Path::new(&home).join(".cache/rallypoint/venv/bin/python");
+    let has_torch = Command::new(&python)
+        .args(["-c", "import torch.distributed"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    has_torch.then_some(python)
+}

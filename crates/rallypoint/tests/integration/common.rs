@@ -33,8 +33,15 @@ pub async fn start_server_with(engine: Config) -> ServerHandle {
     start_server_configured(ServerConfig::new("127.0.0.1:0".parse().expect("loopback address"), engine)).await
 }
 
-pub async fn start_server_configured(config: ServerConfig) -> ServerHandle {
+/// Every server of the suite serves its plaintext native ranks on the reactor thread
+/// when this is set (scripts/test runs the suite both ways).
+pub const NATIVE_ON_REACTOR: &str = "RALLYPOINT_TEST_NATIVE_ON_REACTOR";
+
+pub async fn start_server_configured(mut config: ServerConfig) -> ServerHandle {
     init_tracing();
+    if std::env::var_os(NATIVE_ON_REACTOR).is_some_and(|v| v == "1") {
+        config.native_on_reactor = true;
+    }
     Server::bind(config).await.expect("bind on loopback").spawn()
 }
 

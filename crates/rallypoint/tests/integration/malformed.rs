@@ -299,10 +299,17 @@ async fn partial_frames_are_held_within_the_pending_budget() {
 /// A barrier-channel request (docs/PROTOCOL.md, section 15) sent straight to the
 /// coordinator, which has no channels to give: it says so before the call's reply,
 /// and the call itself is answered as any barrier is, on whichever thread serves
-/// the connection (the reactor for plaintext ranks).
+/// the connection (a task, or the reactor with `native_on_reactor`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_coordinator_answers_a_barrier_channel_request_with_none_then_the_reply() {
-    let server = start_server().await;
+    for on_reactor in [false, true] {
+        let mut config = ServerConfig::new("127.0.0.1:0".parse().expect("loopback"), Default::default());
+        config.native_on_reactor = on_reactor;
+        answers_a_channel_request_with_none(start_server_configured(config).await).await;
+    }
+}
+
+async fn answers_a_channel_request_with_none(server: ServerHandle) {
     let mut s = raw(&server).await;
     let mut out = hello(rank("chan", 0, 1));
     let request = Request::Barrier { name: "b".into(), members: Members::World, timeout_ms: Some(30_000) };
