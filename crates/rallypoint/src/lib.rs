@@ -12,12 +12,15 @@
 //! rallypoint-net      the connection layer: streams, handshake, frame loop, shared memory, locks, backoff
 //! rallypoint-client   Client (async), blocking::Client, env (the launcher/worker contract)   -> [`client`]
 //! rallypoint-server   the coordinator: listeners, connections, the engine's driver            -> [`server`]
+//! rallypoint-http     the live page, its JSON API and Prometheus metrics (`serve --http`)
 //! rallypoint-agent    the node agent: one connection per node for that node's ranks           -> [`agent`]
+//! rallypoint-stacks   where a process is: its stacks read from outside (py-spy), grouped
 //! rallypoint-launch   `rallypoint launch`: workers, fail-fast, the summary                    -> [`launch`]
 //! ```
 //!
 //! The `rallypoint` command (crate `rallypoint-cli`) is a thin binary over these;
-//! the benchmarks (`rallypoint-bench`) are a binary of their own.
+//! the benchmarks (`rallypoint-bench`) are a binary of their own; the page and the
+//! stacks are the command's, not re-exported here.
 
 pub use rallypoint_client::{blocking, env, Client, ConnectOptions, Error, DEFAULT_TIMEOUT};
 pub use rallypoint_core::{
