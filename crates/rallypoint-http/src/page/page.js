@@ -35,8 +35,13 @@ function tick() {
   }
 }
 
-// Ranges [[a, b], ...] as "a-b,c".
-const ranges = (list) => list.map(([a, b]) => (a === b ? `${a}` : `${a}-${b}`)).join(",");
+// Ranges [[a, b], ...] as "a-b,c": the first MAX_RUNS of them, so that thousands of
+// ranks in scattered states stay a line or two and the grid stays in view.
+const MAX_RUNS = 12;
+function ranges(list) {
+  const shown = list.slice(0, MAX_RUNS).map(([a, b]) => (a === b ? `${a}` : `${a}-${b}`)).join(",");
+  return list.length > MAX_RUNS ? `${shown},… (${list.length - MAX_RUNS} more runs)` : shown;
+}
 function rangesOf(sorted) {
   const out = [];
   for (const r of sorted) {
@@ -149,13 +154,18 @@ function showDetail(j, rank) {
   d.hidden = false;
 }
 
+const NAMED_MISSING = 8;
+
 function renderWaits(j) {
   if (j.waits.length === 0) { $("waits").innerHTML = `<p class="muted">Nobody waits in a barrier or collective.</p>`; return; }
   $("waits").innerHTML = j.waits.map((w) => {
     const members = w.members === null ? "?" : w.members;
     const what = w.root !== undefined ? `the root (rank ${w.root}) has not arrived` : "missing";
-    const named = w.missing.map(rankLine);
-    if (w.missing_more.count > 0) named.push(`and ${w.missing_more.count} more: ${setText(w.missing_more)}`);
+    // The first few by name, the rest as ranges (the server names up to 64).
+    const named = w.missing.slice(0, NAMED_MISSING).map(rankLine);
+    const rest = rangesOf(w.missing.slice(NAMED_MISSING).map((r) => r.rank)).concat(w.missing_more.ranges);
+    const restCount = Math.max(w.missing.length - NAMED_MISSING, 0) + w.missing_more.count;
+    if (restCount > 0) named.push(`and ${restCount} more: ${restCount === 1 ? "rank" : "ranks"} ${ranges(rest)}`);
     return `<div class="wait${w.missing_count > 0 ? " stuck" : ""}"><b>${waitName(w)}</b> for ${age(w.waited_ms)}: ` +
       `${w.arrived} of ${members} arrived; <span class="missing-list">${what} (${w.missing_count}): ${named.join("; ")}</span></div>`;
   }).join("");
