@@ -315,35 +315,16 @@ impl Collector for Scrape {
         )?;
 
         let process = Process::read();
-        if let Some(rss) = process.rss_bytes {
-            gauges(
-                &mut e,
-                "process_resident_memory",
-                "Resident memory size.",
-                Some(&Unit::Bytes),
-                vec![(Labels::new(), rss)],
-            )?;
-        }
-        if let Some(vsize) = process.virtual_bytes {
-            gauges(
-                &mut e,
-                "process_virtual_memory",
-                "Virtual memory size.",
-                Some(&Unit::Bytes),
-                vec![(Labels::new(), vsize)],
-            )?;
-        }
-        if let Some(fds) = process.open_fds {
-            gauges(&mut e, "process_open_fds", "Open file descriptors.", None, vec![(Labels::new(), fds)])?;
-        }
-        if let Some(max) = process.max_fds {
-            gauges(
-                &mut e,
-                "process_max_fds",
-                "Most file descriptors this process may open.",
-                None,
-                vec![(Labels::new(), max)],
-            )?;
+        let bytes = Some(&Unit::Bytes);
+        for (name, help, unit, value) in [
+            ("process_resident_memory", "Resident memory size.", bytes, process.rss_bytes),
+            ("process_virtual_memory", "Virtual memory size.", bytes, process.virtual_bytes),
+            ("process_open_fds", "Open file descriptors.", None, process.open_fds),
+            ("process_max_fds", "Most file descriptors this process may open.", None, process.max_fds),
+        ] {
+            if let Some(value) = value {
+                gauges(&mut e, name, help, unit, vec![(Labels::new(), value)])?;
+            }
         }
         if let Some(cpu) = process.cpu_seconds {
             counters(
