@@ -317,13 +317,15 @@ impl Loop {
                 return; // stopping: dropping `self` closes every connection
             }
             let mut bulk = 0;
+            let mut deferred = Vec::new();
             for key in std::mem::take(&mut self.runnable) {
                 // Connections streaming a large request take turns, a few per pass, so
                 // that one pass of the loop (what every other connection waits for)
-                // stays short however many of them there are.
+                // stays short however many of them there are. Those deferred go first
+                // next pass: each gets its turn.
                 if self.is_streaming(key) {
                     if bulk == BULK_PER_PASS {
-                        again.push(key);
+                        deferred.push(key);
                         continue;
                     }
                     bulk += 1;
@@ -333,6 +335,8 @@ impl Loop {
                 }
                 self.deliver();
             }
+            deferred.append(&mut again);
+            again = deferred;
             self.close_stalled();
         }
     }
