@@ -383,10 +383,7 @@ async fn run_shard(args: &Args, shard: u32, sources: Sources) -> anyhow::Result<
     let started = Instant::now();
     let clients = setup.connect(shard_ranks(args.clients, args.procs, shard)).await?;
     let connect_ms = ms(started.elapsed());
-    println!("{READY}");
-    let mut go = String::new();
-    let mut stdin = BufReader::new(tokio::io::stdin());
-    tokio::time::timeout(timeout, stdin.read_line(&mut go)).await.context("no go from the parent")??;
+    ready_then_go(timeout).await?;
     let cpu = CpuMeter::start(None);
     let start_ns = mono_ns();
     let (clients, ends) = setup.rounds(clients).await;
@@ -395,6 +392,16 @@ async fn run_shard(args: &Args, shard: u32, sources: Sources) -> anyhow::Result<
     let round_end_ns = ends?;
     let cpu_ns = cpu_ns.unwrap_or(0);
     println!("{}", serde_json::to_string(&ShardReport { start_ns, round_end_ns, connect_ms, cpu_ns })?);
+    Ok(())
+}
+
+/// A child's clients are connected: tells the parent, and waits for its go (so that
+/// every child's first round starts together).
+async fn ready_then_go(timeout: Duration) -> anyhow::Result<()> {
+    println!("{READY}");
+    let mut go = String::new();
+    let mut stdin = BufReader::new(tokio::io::stdin());
+    tokio::time::timeout(timeout, stdin.read_line(&mut go)).await.context("no go from the parent")??;
     Ok(())
 }
 
@@ -412,10 +419,7 @@ async fn run_blocking_shard(args: &Args, shard: u32, addr: &str, job: &str, time
     })
     .await??;
     let connect_ms = ms(started.elapsed());
-    println!("{READY}");
-    let mut go = String::new();
-    let mut stdin = BufReader::new(tokio::io::stdin());
-    tokio::time::timeout(timeout, stdin.read_line(&mut go)).await.context("no go from the parent")??;
+    ready_then_go(timeout).await?;
     let cpu = CpuMeter::start(None);
     let start_ns = mono_ns();
     let threads: Vec<_> = clients
