@@ -245,6 +245,11 @@ impl Request {
                 | Request::StoreBarrier { .. }
         )
     }
+
+    /// A barrier, all-gather or broadcast: a call of a named collective.
+    pub fn is_collective(&self) -> bool {
+        matches!(self, Request::Barrier { .. } | Request::AllGather { .. } | Request::Broadcast { .. })
+    }
 }
 
 /// Most job names one `Jobs` reply holds.

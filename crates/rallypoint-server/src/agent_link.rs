@@ -6,7 +6,9 @@
 //! the engine under one lock, in stream order; the replies for all its ranks go
 //! out in one write, identical consecutive replies (a barrier's release for this
 //! node's ranks) as one SubReplies frame. A SubRequests frame (a node's ranks at
-//! one barrier) is expanded into each rank's own call before the engine sees it.
+//! one barrier) goes to the engine as one input, in which each rank's call is its
+//! own (so the engine names missing or dead ranks exactly) while what all share is
+//! checked once.
 //! When the connection ends, every sub-session still open
 //! closes with it: the engine counts those ranks as lost (unless they left).
 
@@ -36,23 +38,30 @@ use crate::ConnSettings;
 /// Stop gathering replies into one write past this size and send what we have.
 const MAX_WRITE_BATCH: usize = 4 << 20;
 
+/// Replies for ranks behind an agent: `(session, request id, reply)`.
+pub(crate) type AgentReplies = Vec<(SessionId, u64, Reply)>;
+
 /// Replies the engine addressed to the sub-sessions of one agent connection.
 #[derive(Default)]
 pub(crate) struct AgentOutbox {
-    queue: Mutex<Vec<(SessionId, u64, Reply)>>,
+    queue: Mutex<AgentReplies>,
     pub(crate) ready: Ready,
 }
 
 impl AgentOutbox {
-    /// Queues a reply without waking the agent's task; true if the queue was empty,
+    /// Queues replies without waking the agent's task; true if the queue was empty,
     /// and the caller must [`AgentOutbox::notify`] once it has queued the replies
-    /// that go with it: woken between two of one round's replies (from another
+    /// that go with them: woken between two of one round's replies (from another
     /// thread than the task's), the task would send them as two frames.
     #[must_use]
-    pub(crate) fn push(&self, session: SessionId, request_id: u64, reply: Reply) -> bool {
+    pub(crate) fn push_all(&self, replies: AgentReplies) -> bool {
         let mut queue = lock(&self.queue);
         let was_empty = queue.is_empty();
-        queue.push((session, request_id, reply));
+        if was_empty {
+            *queue = replies;
+        } else {
+            queue.extend(replies);
+        }
         was_empty
     }
 
@@ -60,16 +69,18 @@ impl AgentOutbox {
         self.ready.notify();
     }
 
-    fn take(&self) -> Vec<(SessionId, u64, Reply)> {
+    fn take(&self) -> AgentReplies {
         std::mem::take(&mut *lock(&self.queue))
     }
 }
 
-/// The sub-sessions of one agent connection, both ways.
+/// The sub-sessions of one agent connection, both ways: looked up for every call
+/// and reply of the node's ranks, with a fast hash (the keys are the agent's and
+/// the coordinator's own numbers).
 #[derive(Default)]
 struct Subs {
-    by_sub: HashMap<u64, SessionId>,
-    by_session: HashMap<SessionId, u64>,
+    by_sub: HashMap<u64, SessionId, foldhash::fast::RandomState>,
+    by_session: HashMap<SessionId, u64, foldhash::fast::RandomState>,
 }
 
 impl Subs {
@@ -86,13 +97,16 @@ impl Subs {
 
     /// Sub-session `sub`'s request, if the engine knows it (its hello may have been refused).
     fn request(&self, peer: SocketAddr, sub: u64, id: u64, request: Request) -> Option<AgentInput> {
-        match self.by_sub.get(&sub) {
-            Some(&session) => Some(AgentInput::Request { session, id, request }),
-            None => {
-                debug!(%peer, sub, id, "request of an unknown sub-session ignored");
-                None
-            }
+        Some(AgentInput::Request { session: self.session(peer, sub, id)?, id, request })
+    }
+
+    /// The session of sub-session `sub`, whose request `id` came, if the engine knows it.
+    fn session(&self, peer: SocketAddr, sub: u64, id: u64) -> Option<SessionId> {
+        let session = self.by_sub.get(&sub).copied();
+        if session.is_none() {
+            debug!(%peer, sub, id, "request of an unknown sub-session ignored");
         }
+        session
     }
 
     fn remove(&mut self, sub: u64) -> Option<SessionId> {
@@ -246,9 +260,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
         Ok(self.charge.hold(buffered(&self.rbuf))?)
     }
 
-    /// One frame of the agent as inputs for the engine: each rank's own request, in
-    /// order (a SubRequests frame is expanded into its ranks' calls, so the engine
-    /// keeps one session per rank and names missing or dead ranks exactly).
+    /// One frame of the agent as inputs for the engine, in order: a SubRequests
+    /// frame as its ranks' calls, each with the rank's own session (so the engine
+    /// names missing or dead ranks exactly).
     fn take(&mut self, frame: AgentFrame, inputs: &mut Vec<AgentInput>) -> Result<(), End> {
         let (peer, subs) = (self.peer, &mut self.guard.subs);
         let request = |subs: &Subs, sub, id, request| subs.request(peer, sub, id, request);
@@ -260,7 +274,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
             }
             AgentFrame::SubRequest { sub, id, request: r } => inputs.extend(request(subs, sub, id, r)),
             AgentFrame::SubRequests { calls, request: r } => {
-                inputs.extend(calls.into_iter().filter_map(|(sub, id)| request(subs, sub, id, r.clone())));
+                let mut sessions = Vec::with_capacity(calls.len());
+                sessions.extend(calls.into_iter().filter_map(|(sub, id)| Some((subs.session(peer, sub, id)?, id))));
+                inputs.push(AgentInput::Calls { calls: sessions, request: r });
             }
             AgentFrame::SubClose { sub, gone } => {
                 let departure = if gone { Departure::ProcessGone } else { Departure::Unknown };

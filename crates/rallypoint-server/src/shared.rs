@@ -24,7 +24,7 @@ use rallypoint_net::meter::Traffic;
 use rallypoint_net::sync::lock;
 use tracing::debug;
 
-use crate::agent_link::AgentOutbox;
+use crate::agent_link::{AgentOutbox, AgentReplies};
 use crate::ticker::Alarm;
 
 /// The job of TCPStore connections unless the server is told otherwise.
@@ -109,6 +109,12 @@ pub(crate) enum AgentInput {
     Request {
         session: SessionId,
         id: u64,
+        request: Request,
+    },
+    /// Ranks behind the agent making one identical call, `(session, request id)` each
+    /// in order (a SubRequests frame).
+    Calls {
+        calls: Vec<(SessionId, u64)>,
         request: Request,
     },
     Close {
@@ -409,6 +415,13 @@ impl Shared {
                         state.engine.handle(session, id, request, now);
                     }
                 }
+                AgentInput::Calls { mut calls, request } => {
+                    for (session, _) in &mut calls {
+                        *session = resumed.iter().find(|(sub, _)| sub == session).map_or(*session, |(_, s)| *s);
+                    }
+                    calls.retain(|&(session, _)| carried(&state, session));
+                    state.engine.handle_calls(&calls, &request, now);
+                }
                 AgentInput::Close { session, departure } => {
                     // The close of the sub-session a session was resumed from, in the same batch: stale.
                     if resumed.iter().any(|(_, target)| *target == session) {
@@ -603,12 +616,15 @@ type Immediate<'a> = &'a mut dyn FnMut(u64, Reply);
 /// rest into outboxes.
 fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
     let State { engine, outboxes, routed, .. } = state;
-    // Agents are woken once every reply of this input is queued (see `AgentOutbox::push`).
-    let mut agents: Vec<Arc<AgentOutbox>> = Vec::new();
+    // Replies for ranks behind agents, gathered per agent and queued with one lock
+    // each; agents are woken once every reply of this input is queued (see
+    // `AgentOutbox::push`).
+    let mut agents: Vec<(Arc<AgentOutbox>, AgentReplies)> = Vec::new();
     for notice in engine.drain_notices() {
         tracing::warn!("{notice}");
     }
-    for out in engine.drain_outgoing() {
+    let mut outgoing = engine.drain_outgoing();
+    while let Some(out) = outgoing.next() {
         if let Some((session, immediate)) = caller.as_mut() {
             if out.session == *session {
                 immediate(out.request_id, out.reply);
@@ -622,15 +638,24 @@ fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
                 routed.push(Routed { route: *route, request_id: out.request_id, reply: out.reply });
             }
             Some(Sink::Agent(outbox)) => {
-                let first = outbox.push(out.session, out.request_id, out.reply);
-                if first {
-                    agents.push(Arc::clone(outbox));
+                // A release's replies come in runs of one agent's ranks: look at the last first.
+                let reply = (out.session, out.request_id, out.reply);
+                match agents.iter_mut().rev().find(|(agent, _)| Arc::ptr_eq(agent, outbox)) {
+                    Some((_, replies)) => replies.push(reply),
+                    None => {
+                        // Room for the rest, so that a release's run does not grow it step by step.
+                        let mut replies = Vec::with_capacity(outgoing.len() + 1);
+                        replies.push(reply);
+                        agents.push((Arc::clone(outbox), replies));
+                    }
                 }
             }
             None => {}
         }
     }
-    for agent in agents {
-        agent.notify();
+    for (agent, replies) in agents {
+        if agent.push_all(replies) {
+            agent.notify();
+        }
     }
 }

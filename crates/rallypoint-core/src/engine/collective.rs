@@ -77,11 +77,24 @@ struct Collective {
 
 #[derive(Debug, Default)]
 pub(crate) struct Collectives {
-    by_name: HashMap<(CollectiveKind, String), Collective>,
+    /// Per kind (see [`KINDS`]), by name: looked up by `&str`, with no key to build
+    /// for each call.
+    by_name: [HashMap<String, Collective>; 3],
     failed_kept: usize,
     max_gather_bytes: usize,
     /// Per kind (see [`counted`]): what `rallypoint_*_total` and the wait histogram show.
     pub counters: [OpCounters; 3],
+}
+
+/// The kinds in the order of [`Collectives::by_name`].
+const KINDS: [CollectiveKind; 3] = [CollectiveKind::Barrier, CollectiveKind::AllGather, CollectiveKind::Broadcast];
+
+fn kind_index(kind: CollectiveKind) -> usize {
+    match kind {
+        CollectiveKind::Barrier => 0,
+        CollectiveKind::AllGather => 1,
+        CollectiveKind::Broadcast => 2,
+    }
 }
 
 /// Index of a kind in [`Collectives::counters`] (as in `counters::WAIT_OPS`).
@@ -96,7 +109,7 @@ pub(crate) fn counted(kind: CollectiveKind) -> usize {
 impl Collectives {
     pub fn new(failed_kept: usize, max_gather_bytes: usize) -> Self {
         Collectives {
-            by_name: HashMap::default(),
+            by_name: Default::default(),
             failed_kept: failed_kept.max(1),
             max_gather_bytes,
             counters: Default::default(),
@@ -107,28 +120,38 @@ impl Collectives {
         let failed_kept = self.failed_kept;
         let counters = &mut self.counters[counted(kind)];
         counters.arrivals += 1;
-        let coll = self.by_name.entry((kind, name.to_owned())).or_default();
+        let by_name = &mut self.by_name[kind_index(kind)];
+        let coll = match by_name.get_mut(name) {
+            Some(coll) => coll,
+            None => by_name.entry(name.to_owned()).or_default(),
+        };
         let counter = coll.calls.entry(call.rank).or_insert(0);
         *counter += 1;
-        let op = OpRef { kind, name: name.to_owned(), generation: *counter };
+        let number = *counter;
+        // Only a failure names the operation: most calls never build it.
+        let op = || OpRef { kind, name: name.to_owned(), generation: number };
         let caller = (call.session, call.request_id);
 
-        if let Some(error) = coll.failed.get(&op.generation) {
+        if let Some(error) = coll.failed.get(&number) {
             ctx.reply(caller, Err(error.clone()));
             return;
         }
-        let shape =
-            CallShape { rank: call.rank, members: call.members.clone(), world_size: call.world_size, root: call.root };
-        let generation = match coll.pending.get_mut(&op.generation) {
+        let shape = || CallShape {
+            rank: call.rank,
+            members: call.members.clone(),
+            world_size: call.world_size,
+            root: call.root,
+        };
+        let generation = match coll.pending.get_mut(&number) {
             Some(generation) => {
-                if !same_call(&generation.shape, &shape) {
+                if !same_call(&generation.shape, &call) {
                     let error = OpError::Mismatch {
-                        op: op.clone(),
-                        mine: Box::new(shape),
+                        op: op(),
+                        mine: Box::new(shape()),
                         theirs: Box::new(generation.shape.clone()),
                     };
                     ctx.reply(caller, Err(error.clone()));
-                    coll.fail(op.generation, error, failed_kept, ctx);
+                    coll.fail(number, error, failed_kept, ctx);
                     return;
                 }
                 generation
@@ -143,14 +166,14 @@ impl Collectives {
                 };
                 if let Some(dead) = ranks.lost().find(|&r| needed(r)) {
                     counters.peer_lost += 1;
-                    let error = OpError::PeerLost { op: op.clone(), peer: ranks.info(dead, ctx.now) };
+                    let error = OpError::PeerLost { op: op(), peer: ranks.info(dead, ctx.now) };
                     ctx.reply(caller, Err(error.clone()));
-                    coll.remember_failure(op.generation, error, failed_kept);
+                    coll.remember_failure(number, error, failed_kept);
                     return;
                 }
                 let arrivals = Arrivals::for_members(&members, ranks);
-                coll.pending.entry(op.generation).or_insert(Generation {
-                    shape,
+                coll.pending.entry(number).or_insert(Generation {
+                    shape: shape(),
                     members,
                     arrivals,
                     waiters: Vec::new(),
@@ -165,12 +188,12 @@ impl Collectives {
         generation.bytes = generation.bytes.saturating_add(call.value.len());
         if generation.bytes > self.max_gather_bytes {
             let error = OpError::TooLarge {
-                what: format!("{op}: the gathered values' total size"),
+                what: format!("{}: the gathered values' total size", op()),
                 len: generation.bytes as u64,
                 limit: self.max_gather_bytes as u64,
             };
             ctx.reply(caller, Err(error.clone()));
-            coll.fail(op.generation, error, failed_kept, ctx);
+            coll.fail(number, error, failed_kept, ctx);
             return;
         }
         generation.arrivals.insert(call.rank, call.value);
@@ -190,16 +213,16 @@ impl Collectives {
                 generation.deadline = Some(deadline);
                 ctx.timers.schedule(
                     deadline,
-                    Timer::Collective { job: ctx.job, kind, name: op.name.clone(), generation: op.generation },
+                    Timer::Collective { job: ctx.job, kind, name: name.to_owned(), generation: number },
                 );
             }
         }
-        coll.progress(kind, op.generation, counters, ctx);
+        coll.progress(kind, number, counters, ctx);
     }
 
     /// A rank of the job connected: role member sets waiting on it may now be known.
     pub fn rank_connected(&mut self, ranks: &Ranks, ctx: &mut Ctx<'_>) {
-        for ((kind, _), coll) in self.by_name.iter_mut() {
+        for (kind, coll) in KINDS.iter().zip(&mut self.by_name).flat_map(|(k, m)| m.values_mut().map(move |c| (k, c))) {
             let unresolved: Vec<u64> = coll
                 .pending
                 .iter_mut()
@@ -215,7 +238,8 @@ impl Collectives {
     /// `rank` was lost: fail every pending generation that still needs it.
     pub fn rank_lost(&mut self, rank: u32, ranks: &Ranks, ctx: &mut Ctx<'_>) {
         let failed_kept = self.failed_kept;
-        for ((kind, name), coll) in self.by_name.iter_mut() {
+        let all = KINDS.iter().zip(&mut self.by_name).flat_map(|(k, m)| m.iter_mut().map(move |(n, c)| (k, n, c)));
+        for (kind, name, coll) in all {
             let doomed: Vec<u64> = coll
                 .pending
                 .iter()
@@ -246,7 +270,7 @@ impl Collectives {
         ctx: &mut Ctx<'_>,
     ) {
         let failed_kept = self.failed_kept;
-        let Some(coll) = self.by_name.get_mut(&(kind, name.to_owned())) else { return };
+        let Some(coll) = self.by_name[kind_index(kind)].get_mut(name) else { return };
         let Some(g) = coll.pending.get(&generation) else { return };
         if g.deadline != Some(at) || g.released {
             return;
@@ -265,7 +289,9 @@ impl Collectives {
     /// Every generation somebody is blocked in, by name, kind and generation.
     fn waited_in(&self) -> Vec<(&str, CollectiveKind, u64, &Generation)> {
         let mut blocked: Vec<(&str, CollectiveKind, u64, &Generation)> = Vec::new();
-        for ((kind, name), coll) in &self.by_name {
+        for (kind, name, coll) in
+            KINDS.iter().zip(&self.by_name).flat_map(|(k, m)| m.iter().map(move |(n, c)| (k, n, c)))
+        {
             // A broadcast released to the waiters stays pending until every member
             // came, but blocks nobody.
             let waiting = coll.pending.iter().filter(|(_, g)| !g.waiters.is_empty());
@@ -304,7 +330,7 @@ impl Collectives {
 
     /// Fails the waits of `session` with `error`, leaving its arrivals counted.
     pub fn fail_session(&mut self, session: SessionId, error: &OpError, ctx: &mut Ctx<'_>) {
-        for coll in self.by_name.values_mut() {
+        for coll in self.by_name.iter_mut().flat_map(|m| m.values_mut()) {
             for g in coll.pending.values_mut() {
                 g.waiters.retain(|&(s, id)| {
                     if s != session {
@@ -319,7 +345,7 @@ impl Collectives {
 
     /// The job was aborted: fail everything pending.
     pub fn fail_all(&mut self, error: &OpError, ctx: &mut Ctx<'_>) {
-        for coll in self.by_name.values_mut() {
+        for coll in self.by_name.iter_mut().flat_map(|m| m.values_mut()) {
             for (_, g) in std::mem::take(&mut coll.pending) {
                 for waiter in g.waiters {
                     ctx.reply(waiter, Err(error.clone()));
@@ -411,7 +437,7 @@ fn member_set(members: &Members, world_size: u32) -> MemberSet {
 }
 
 /// Two calls belong to the same generation only if they agree on everything but the caller.
-fn same_call(a: &CallShape, b: &CallShape) -> bool {
+fn same_call(a: &CallShape, b: &Call) -> bool {
     a.members == b.members && a.world_size == b.world_size && a.root == b.root
 }
 

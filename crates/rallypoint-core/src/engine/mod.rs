@@ -357,7 +357,36 @@ impl Engine {
         if let Some(rank) = self.revealed_rank(session, &request) {
             self.attribute(session, rank, now);
         }
-        let Some(sess) = self.sessions.get_mut(&session) else { return };
+        if self.gate(session, request_id, &request, now).is_none() {
+            return;
+        }
+        if let Request::Reset { incarnation } = request {
+            let reply = self.reset(session, incarnation, now);
+            return self.outgoing.push(Outgoing { session, request_id, reply });
+        }
+        let Some(sess) = self.sessions.get(&session) else { return };
+        if let Request::Jobs = request {
+            let names = self.job_names(sess.job);
+            self.outgoing.push(Outgoing { session, request_id, reply: Ok(Response::Values(names)) });
+            return;
+        }
+        if let Request::Snapshot = request {
+            let reply = self.snapshot_reply(session, now);
+            self.outgoing.push(Outgoing { session, request_id, reply });
+            return;
+        }
+        let caller = Caller::of(session, sess, request_id);
+        if let Some(mut step) = self.step(sess.job, now) {
+            step.request(caller, request);
+        }
+    }
+
+    /// What a request of `session` meets before it runs: a resent request is answered
+    /// from what was kept (or waits on as before), and a session taken over gets its
+    /// error. The caller and its job if the request runs; None if it was answered
+    /// here, or its session is unknown.
+    fn gate(&mut self, session: SessionId, request_id: u64, request: &Request, now: Millis) -> Option<(Caller, JobId)> {
+        let sess = self.sessions.get_mut(&session)?;
         if let Some(resume) = sess.resume.as_deref_mut() {
             let limits = &self.config.reply_cache;
             let changes_state = request.changes_state();
@@ -377,14 +406,18 @@ impl Engine {
                 };
                 match resent {
                     Resent::Run => {}
-                    Resent::Waiting => return,
-                    Resent::Replay(reply) => return self.outgoing.push(Outgoing { session, request_id, reply }),
+                    Resent::Waiting => return None,
+                    Resent::Replay(reply) => {
+                        self.outgoing.push(Outgoing { session, request_id, reply });
+                        return None;
+                    }
                 }
             }
             if let Some(error) = &sess.taken_over {
                 if !matches!(request, Request::Leave | Request::Heartbeat) {
                     let reply = Err((**error).clone());
-                    return self.outgoing.push(Outgoing { session, request_id, reply });
+                    self.outgoing.push(Outgoing { session, request_id, reply });
+                    return None;
                 }
             }
             if changes_state {
@@ -392,24 +425,46 @@ impl Engine {
                 self.tracked += 1;
             }
         }
-        if let Request::Reset { incarnation } = request {
-            let reply = self.reset(session, incarnation, now);
-            return self.outgoing.push(Outgoing { session, request_id, reply });
-        }
-        let Some(sess) = self.sessions.get(&session) else { return };
-        if let Request::Jobs = request {
-            let names = self.job_names(sess.job);
-            self.outgoing.push(Outgoing { session, request_id, reply: Ok(Response::Values(names)) });
+        Some((Caller::of(session, sess, request_id), sess.job))
+    }
+
+    /// The same collective call (a barrier, all-gather or broadcast request) made by
+    /// several sessions, `calls` as `(session, request id)` in order: a node agent's
+    /// ranks at one barrier, which it sends as one frame. Each call is its own, as if
+    /// handled by [`Engine::handle`] one after another: what a call meets before it
+    /// runs (see [`Engine::gate`]) no collective call changes, so all are gated
+    /// first; what does not depend on the caller (the request's checks, the job) is
+    /// done once per run of calls of one job. Any other request is handled one call
+    /// at a time.
+    pub fn handle_calls(&mut self, calls: &[(SessionId, u64)], request: &Request, now: Millis) {
+        if !request.is_collective() {
+            for &(session, request_id) in calls {
+                self.handle(session, request_id, request.clone(), now);
+            }
             return;
         }
-        if let Request::Snapshot = request {
-            let reply = self.snapshot_reply(session, now);
-            self.outgoing.push(Outgoing { session, request_id, reply });
-            return;
+        self.now = now;
+        let mut callers = Vec::with_capacity(calls.len());
+        let mut job = None;
+        for &(session, request_id) in calls {
+            let Some((caller, of)) = self.gate(session, request_id, request, now) else { continue };
+            if job != Some(of) {
+                if let Some(job) = job {
+                    self.run_calls(job, &mut callers, request, now);
+                }
+                job = Some(of);
+            }
+            callers.push(caller);
         }
-        let caller = Caller { session, request_id, rank: sess.identity.rank, torch: sess.torch };
-        if let Some(mut step) = self.step(sess.job, now) {
-            step.request(caller, request);
+        if let Some(job) = job {
+            self.run_calls(job, &mut callers, request, now);
+        }
+    }
+
+    fn run_calls(&mut self, job: JobId, callers: &mut Vec<Caller>, request: &Request, now: Millis) {
+        match self.step(job, now) {
+            Some(mut step) => step.calls(callers.drain(..), request),
+            None => callers.clear(),
         }
     }
 

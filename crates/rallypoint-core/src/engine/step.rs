@@ -38,21 +38,28 @@ pub(crate) struct Caller {
     pub session: SessionId,
     pub request_id: u64,
     pub rank: Option<u32>,
+    pub world_size: Option<u32>,
     /// A PyTorch TCPStore session (module `torch`).
     pub torch: bool,
 }
 
 impl Caller {
+    /// Request `request_id` of session `id`, which is `session`.
+    pub fn of(id: SessionId, session: &Session, request_id: u64) -> Caller {
+        let (rank, world_size) = (session.identity.rank, session.identity.world_size);
+        Caller { session: id, request_id, rank, world_size, torch: session.torch }
+    }
+
     fn wait_id(&self) -> WaitId {
         (self.session, self.request_id)
     }
 }
 
 /// A collective call as the request states it, before it is checked.
-struct Joining {
+struct Joining<'r> {
     kind: CollectiveKind,
-    name: String,
-    members: Members,
+    name: &'r str,
+    members: &'r Members,
     root: Option<u32>,
     value: Bytes,
     timeout_ms: Option<u64>,
@@ -170,11 +177,7 @@ impl<'a> Step<'a> {
 
     /// Handles one request; its reply, now or later, goes to the context.
     pub fn request(&mut self, caller: Caller, request: Request) {
-        if let Some(rank) = caller.rank {
-            // Torch clients never heartbeat: their ranks live by their connections alone.
-            let lease_ms = if caller.torch { 0 } else { self.config.lease_ms };
-            self.touch(rank, lease_ms);
-        }
+        self.seen(&caller);
         if !matches!(
             request,
             Request::Heartbeat
@@ -197,6 +200,34 @@ impl<'a> Step<'a> {
         send_key_replies(std::mem::take(&mut self.woken), self.ctx.out);
         if let Some(reply) = reply {
             self.ctx.reply(caller.wait_id(), reply);
+        }
+    }
+
+    /// A request is a sign of life of the caller's rank.
+    fn seen(&mut self, caller: &Caller) {
+        if let Some(rank) = caller.rank {
+            // Torch clients never heartbeat: their ranks live by their connections alone.
+            let lease_ms = if caller.torch { 0 } else { self.config.lease_ms };
+            self.touch(rank, lease_ms);
+        }
+    }
+
+    /// The same collective call made by several sessions of this job, in order (a
+    /// node agent's ranks at one barrier): each caller is handled as by
+    /// [`Step::request`], with what does not depend on the caller checked once.
+    pub fn calls(&mut self, callers: impl Iterator<Item = Caller>, request: &Request) {
+        let admitted = self.admit(request);
+        self.job.store.now = self.ctx.now;
+        for caller in callers {
+            self.seen(&caller);
+            self.job.last_request = self.ctx.now;
+            let reply = match &admitted {
+                Ok(()) => self.collective(&caller, request),
+                Err(error) => Some(Err(error.clone())),
+            };
+            if let Some(reply) = reply {
+                self.ctx.reply(caller.wait_id(), reply);
+            }
         }
     }
 
@@ -249,12 +280,8 @@ impl<'a> Step<'a> {
             Request::StoreBarrier { key, world_size, timeout_ms } => {
                 self.store_barrier(caller, key, world_size, timeout_ms)
             }
-            Request::Barrier { name, members, timeout_ms } => self.barrier(caller, name, members, timeout_ms),
-            Request::AllGather { name, members, value, timeout_ms } => {
-                self.all_gather(caller, name, members, value, timeout_ms)
-            }
-            Request::Broadcast { name, members, root, value, timeout_ms } => {
-                self.broadcast(caller, name, members, root, value, timeout_ms)
+            Request::Barrier { .. } | Request::AllGather { .. } | Request::Broadcast { .. } => {
+                self.collective(caller, &request)
             }
             Request::Abort { reason } => self.abort(caller, reason),
             // The engine resets a job itself (it makes a new one); never routed here.
@@ -392,62 +419,55 @@ impl<'a> Step<'a> {
         }
     }
 
-    fn barrier(&mut self, caller: &Caller, name: String, members: Members, timeout_ms: Option<u64>) -> Option<Reply> {
-        let kind = CollectiveKind::Barrier;
-        self.join(caller, Joining { kind, name, members, root: None, value: Bytes::new(), timeout_ms })
-    }
-
-    fn all_gather(
-        &mut self,
-        caller: &Caller,
-        name: String,
-        members: Members,
-        value: Bytes,
-        timeout_ms: Option<u64>,
-    ) -> Option<Reply> {
-        let kind = CollectiveKind::AllGather;
-        self.join(caller, Joining { kind, name, members, root: None, value, timeout_ms })
-    }
-
-    /// A broadcast: the root must bring the value, which the others' calls do not carry.
-    fn broadcast(
-        &mut self,
-        caller: &Caller,
-        name: String,
-        members: Members,
-        root: u32,
-        value: Option<Bytes>,
-        timeout_ms: Option<u64>,
-    ) -> Option<Reply> {
-        let is_root = caller.rank == Some(root);
-        let value = match (is_root, value) {
-            (true, None) => {
-                return Some(Err(OpError::Invalid(format!(
-                    "broadcast '{name}': the root (rank {root}) must provide a value"
-                ))))
+    /// A collective call (barrier, all-gather, broadcast); None for any other request.
+    fn collective(&mut self, caller: &Caller, request: &Request) -> Option<Reply> {
+        let joining = match request {
+            Request::Barrier { name, members, timeout_ms } => {
+                let kind = CollectiveKind::Barrier;
+                Joining { kind, name, members, root: None, value: Bytes::new(), timeout_ms: *timeout_ms }
             }
-            (true, Some(value)) => value,
-            (false, _) => Bytes::new(),
+            Request::AllGather { name, members, value, timeout_ms } => {
+                let kind = CollectiveKind::AllGather;
+                Joining { kind, name, members, root: None, value: value.clone(), timeout_ms: *timeout_ms }
+            }
+            // The root must bring the value, which the others' calls do not carry.
+            Request::Broadcast { name, members, root, value, timeout_ms } => {
+                let value = match (caller.rank == Some(*root), value) {
+                    (true, None) => {
+                        return Some(Err(OpError::Invalid(format!(
+                            "broadcast '{name}': the root (rank {root}) must provide a value"
+                        ))))
+                    }
+                    (true, Some(value)) => value.clone(),
+                    (false, _) => Bytes::new(),
+                };
+                let kind = CollectiveKind::Broadcast;
+                Joining { kind, name, members, root: Some(*root), value, timeout_ms: *timeout_ms }
+            }
+            _ => return None,
         };
-        let kind = CollectiveKind::Broadcast;
-        self.join(caller, Joining { kind, name, members, root: Some(root), value, timeout_ms })
+        self.join(caller, joining)
     }
 
     /// Checks that the caller may take part as it asks, then has it arrive.
     fn join(&mut self, caller: &Caller, joining: Joining) -> Option<Reply> {
         let Joining { kind, name, members, root, value, timeout_ms } = joining;
-        let identity = &self.sessions.get(&caller.session)?.identity;
-        let (Some(rank), Some(world_size)) = (identity.rank, identity.world_size) else {
+        let (Some(rank), Some(world_size)) = (caller.rank, caller.world_size) else {
             return Some(Err(OpError::NoRank { op: format!("{kind} '{name}'") }));
         };
+        // Only a role's members depend on more of the caller than its rank.
+        let role = match members {
+            Members::Role(_) => &self.sessions.get(&caller.session)?.identity.role,
+            _ => &None,
+        };
         let ranks = &self.job.ranks;
-        let members = match validate::members(kind, &name, rank, world_size, &identity.role, members, root, ranks) {
+        let members = match validate::members(kind, name, rank, world_size, role, members.clone(), root, ranks) {
             Ok(members) => members,
             Err(error) => return Some(Err(error)),
         };
         let (session, request_id) = caller.wait_id();
         let call = Call { session, request_id, rank, world_size, members, value, root, timeout_ms };
-        self.job.collectives.arrive(kind, &name, call, &self.job.ranks, &mut self.ctx);
+        self.job.collectives.arrive(kind, name, call, &self.job.ranks, &mut self.ctx);
         None
     }
 }
