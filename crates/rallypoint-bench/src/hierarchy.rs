@@ -107,7 +107,7 @@ struct Report {
     round: Times,
     /// From starting the generators until every rank was welcomed.
     connect_ms: f64,
-    /// CPU time (user + system) per rank per round, warm-up included, of the
+    /// CPU time (user + system) per rank per measured round (warm-up excluded) of the
     /// coordinator, of all agents and of all generators: on a shared machine a
     /// steadier figure than wall time. Their sum ÷ cores bounds the round from below.
     cpu_us_per_rank_round: CpuSplit,
@@ -140,7 +140,7 @@ fn cpu_of<'a>(children: impl Iterator<Item = &'a Child>) -> u64 {
 struct GeneratorReport {
     /// Per round, when this generator's last rank was released (CLOCK_MONOTONIC ns).
     round_end_ns: Vec<u64>,
-    /// When it started the first round.
+    /// When it started the first measured round (after the warm-up).
     start_ns: u64,
     /// Its ranks that arrive through barrier channels.
     through_channels: u32,
@@ -289,16 +289,28 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
         }
     }
     let connect_ms = started.elapsed().as_secs_f64() * 1000.0;
-    let cpu_before = [
-        cpu_ticks(&root.child),
-        cpu_of(agents.children.iter().map(|a| &a.child)),
-        cpu_of(gens.iter().map(|g| &g.child)),
-    ];
+    let cpu_sample = |gens: &[Spawned]| {
+        [
+            cpu_ticks(&root.child),
+            cpu_of(agents.children.iter().map(|a| &a.child)),
+            cpu_of(gens.iter().map(|g| &g.child)),
+        ]
+    };
+    let mut cpu_before = cpu_sample(&gens);
     // Every rank is connected: start all generators at once.
-    for generator in &mut gens {
-        let stdin = generator.child.stdin.as_mut().context("stdin is not piped")?;
-        stdin.write_all(b"go\n").await?;
-        stdin.flush().await?;
+    go(&mut gens).await?;
+    if args.warmup > 0 {
+        // Each generator holds its ranks after the warm-up rounds (and so, the
+        // barrier being one, does every other): the CPU time of the measured rounds
+        // alone, without the warm-up's (with --channels, the attach calls).
+        for generator in &mut gens {
+            let warm = generator.line("a load generator").await?;
+            if warm != "warm" {
+                bail!("a load generator said {warm:?} instead of warm");
+            }
+        }
+        cpu_before = cpu_sample(&gens);
+        go(&mut gens).await?;
     }
     let mut reports = Vec::new();
     let mut gen_cpu_after = 0;
@@ -310,17 +322,15 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
         reports.push(report);
     }
     let total = (args.warmup + args.rounds) as usize;
+    // When the last generator was let go into the measured rounds.
     let start_ns = reports.iter().map(|r| r.start_ns).max().unwrap_or(0);
     let ends: Vec<u64> = (0..total)
         .map(|k| reports.iter().map(|r| r.round_end_ns.get(k).copied().unwrap_or(0)).max().unwrap_or(0))
         .collect();
     let mut rounds: Vec<Duration> = Vec::new();
-    let mut previous = start_ns;
-    for (k, &end) in ends.iter().enumerate() {
-        if k >= args.warmup as usize {
-            rounds.push(Duration::from_nanos(end.saturating_sub(previous)));
-        }
-        previous = end;
+    for k in args.warmup as usize..total {
+        let previous = if k == args.warmup as usize { start_ns } else { ends[k - 1] };
+        rounds.push(Duration::from_nanos(ends[k].saturating_sub(previous)));
     }
     // Generators exit after reporting: sample them before reading their last line.
     let cpu_after = [cpu_ticks(&root.child), cpu_of(agents.children.iter().map(|a| &a.child)), gen_cpu_after];
@@ -328,7 +338,7 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
     let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     let per_rank_round = |i: usize| {
         let us = (cpu_after[i].saturating_sub(cpu_before[i])) as f64 / ticks_per_s * 1e6;
-        (us / f64::from(args.ranks) / total as f64 * 10.0).round() / 10.0
+        (us / f64::from(args.ranks) / f64::from(args.rounds) * 10.0).round() / 10.0
     };
     let cpu = CpuSplit { coordinator: per_rank_round(0), agents: per_rank_round(1), generators: per_rank_round(2) };
     for mut generator in gens {
@@ -352,6 +362,16 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
         connect_ms: (connect_ms * 10.0).round() / 10.0,
         cpu_us_per_rank_round: cpu,
     })
+}
+
+/// Tells every generator to go on (start, or end its pause after the warm-up).
+async fn go(gens: &mut [Spawned]) -> anyhow::Result<()> {
+    for generator in gens {
+        let stdin = generator.child.stdin.as_mut().context("stdin is not piped")?;
+        stdin.write_all(b"go\n").await?;
+        stdin.flush().await?;
+    }
+    Ok(())
 }
 
 /// One rank's connection to its agent.
@@ -415,6 +435,8 @@ struct RankSetup {
     ranks: u32,
     /// Rounds, warm-up included.
     total: usize,
+    /// Warm-up rounds: the ranks pause before the first measured round.
+    warmup: usize,
     /// Ranks of this generator.
     count: u32,
     released: Vec<AtomicU32>,
@@ -424,21 +446,26 @@ struct RankSetup {
     /// Ranks connected and welcomed.
     ready: AtomicU32,
     ready_moved: tokio::sync::Notify,
-    go: tokio::sync::watch::Receiver<bool>,
+    /// The round that just ended for every rank of this generator (woken).
+    round_done: tokio::sync::Notify,
+    /// 1: start; 2: go on after the warm-up.
+    go: tokio::sync::watch::Receiver<u8>,
 }
 
 impl RankSetup {
-    fn new(args: &Args, count: u32, go: tokio::sync::watch::Receiver<bool>) -> RankSetup {
+    fn new(args: &Args, count: u32, go: tokio::sync::watch::Receiver<u8>) -> RankSetup {
         let total = (args.warmup + args.rounds) as usize;
         RankSetup {
             ranks: args.ranks,
             total,
+            warmup: args.warmup as usize,
             count,
             released: (0..total).map(|_| AtomicU32::new(0)).collect(),
             round_end: (0..total).map(|_| AtomicU64::new(0)).collect(),
             connecting: tokio::sync::Semaphore::new(CONNECTING),
             ready: AtomicU32::new(0),
             ready_moved: tokio::sync::Notify::new(),
+            round_done: tokio::sync::Notify::new(),
             go,
         }
     }
@@ -460,22 +487,65 @@ impl RankSetup {
         };
         self.ready.fetch_add(1, Ordering::AcqRel);
         self.ready_moved.notify_one();
-        self.go.clone().wait_for(|go| *go).await?;
+        self.go.clone().wait_for(|&go| go >= 1).await?;
         Ok((conn, buf))
+    }
+
+    /// Before round `k`: after the warm-up, waits until the parent lets the
+    /// measured rounds start.
+    async fn before_round(&self, k: usize) -> anyhow::Result<()> {
+        if k == self.warmup && k > 0 {
+            self.go.clone().wait_for(|&go| go >= 2).await?;
+        }
+        Ok(())
+    }
+
+    /// Whether every rank of this generator is through the warm-up.
+    fn warm(&self) -> bool {
+        self.warmup == 0 || self.round_end[self.warmup - 1].load(Ordering::Acquire) != 0
     }
 
     /// `n` more ranks of this generator were released from round `k`.
     fn released(&self, k: usize, n: u32) {
         if self.released[k].fetch_add(n, Ordering::AcqRel) + n == self.count {
             self.round_end[k].store(mono_ns(), Ordering::Release);
+            self.round_done.notify_waiters();
         }
     }
 }
 
 /// The generator's start, once every rank is connected.
 struct Started {
+    /// When the measured rounds started (the warm-up's, until they do).
     start_ns: u64,
     stdin: tokio::io::Lines<BufReader<tokio::io::Stdin>>,
+    go: tokio::sync::watch::Sender<u8>,
+    /// The ranks were let go on after the warm-up (or there is none).
+    measuring: bool,
+}
+
+impl Started {
+    /// After the warm-up, once every rank of this generator is through it: says
+    /// "warm", waits for "go" (the parent reads every process's CPU time meanwhile)
+    /// and lets the ranks go on. Returns whether it did so now.
+    async fn measure_when_warm(&mut self, setup: &RankSetup) -> anyhow::Result<bool> {
+        if self.measuring || !setup.warm() {
+            return Ok(false);
+        }
+        println!("warm");
+        expect_go(&mut self.stdin).await?;
+        self.start_ns = mono_ns();
+        self.measuring = true;
+        self.go.send(2)?;
+        Ok(true)
+    }
+}
+
+async fn expect_go(stdin: &mut tokio::io::Lines<BufReader<tokio::io::Stdin>>) -> anyhow::Result<()> {
+    match stdin.next_line().await? {
+        Some(line) if line.trim() == "go" => Ok(()),
+        other => bail!("expected go on stdin, got {other:?}"),
+    }
 }
 
 /// Waits until every rank of the generator is connected (failing with the first
@@ -483,7 +553,7 @@ struct Started {
 async fn ready_and_go(
     setup: &RankSetup,
     ranks: &mut JoinSet<anyhow::Result<Conn>>,
-    go: tokio::sync::watch::Sender<bool>,
+    go: tokio::sync::watch::Sender<u8>,
 ) -> anyhow::Result<Started> {
     loop {
         let moved = setup.ready_moved.notified();
@@ -502,19 +572,16 @@ async fn ready_and_go(
     }
     println!("ready");
     let mut stdin = BufReader::new(tokio::io::stdin()).lines();
-    match stdin.next_line().await? {
-        Some(line) if line.trim() == "go" => {}
-        other => bail!("expected go on stdin, got {other:?}"),
-    }
+    expect_go(&mut stdin).await?;
     let start_ns = mono_ns();
-    go.send(true)?;
-    Ok(Started { start_ns, stdin })
+    go.send(1)?;
+    Ok(Started { start_ns, stdin, go, measuring: setup.warmup == 0 })
 }
 
 /// Prints the generator's report, then stays (with the connections the caller
 /// holds) until the parent has read this process's CPU time and kills it.
 async fn report(setup: &RankSetup, started: Started, through_channels: u32) -> anyhow::Result<()> {
-    let Started { start_ns, mut stdin } = started;
+    let Started { start_ns, mut stdin, .. } = started;
     let report = GeneratorReport {
         round_end_ns: setup.round_end.iter().map(|t| t.load(Ordering::Acquire)).collect(),
         start_ns,
@@ -530,7 +597,7 @@ async fn report(setup: &RankSetup, started: Started, through_channels: u32) -> a
 async fn generator(args: &Args, first: u32, count: u32) -> anyhow::Result<()> {
     rallypoint_net::raise_fd_limit();
     let addrs: Vec<String> = args.agent_addrs.as_deref().unwrap_or_default().split(',').map(str::to_owned).collect();
-    let (go_tx, go_rx) = tokio::sync::watch::channel(false);
+    let (go_tx, go_rx) = tokio::sync::watch::channel(0);
     let setup = RankSetup::new(args, count, go_rx);
     if args.channels {
         return channels::generator(setup, go_tx, addrs, first, count).await;
@@ -545,6 +612,7 @@ async fn generator(args: &Args, first: u32, count: u32) -> anyhow::Result<()> {
             let mut request = BytesMut::new();
             encode_client_frame(&ClientFrame::Request { id: 1, request: bench_barrier() }, &mut request);
             for k in 0..setup.total {
+                setup.before_round(k).await?;
                 conn.write_all(&request).await?;
                 match conn.frame(&mut buf).await? {
                     ServerFrame::Reply { reply: Ok(Response::Done), .. } => {}
@@ -555,10 +623,19 @@ async fn generator(args: &Args, first: u32, count: u32) -> anyhow::Result<()> {
             Ok(conn)
         });
     }
-    let started = ready_and_go(&setup, &mut ranks, go_tx).await?;
+    let mut started = ready_and_go(&setup, &mut ranks, go_tx).await?;
     let mut conns = Vec::with_capacity(count as usize);
-    while let Some(done) = ranks.join_next().await {
-        conns.push(done??);
+    while conns.len() < count as usize {
+        let round_done = setup.round_done.notified();
+        tokio::pin!(round_done);
+        round_done.as_mut().enable();
+        if started.measure_when_warm(&setup).await? {
+            continue;
+        }
+        tokio::select! {
+            () = round_done => {}
+            Some(done) = ranks.join_next() => conns.push(done??),
+        }
     }
     report(&setup, started, 0).await?;
     drop(conns);

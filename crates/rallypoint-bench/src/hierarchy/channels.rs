@@ -106,7 +106,7 @@ struct Shared {
 /// header); the rest as [`super::generator`].
 pub(super) async fn generator(
     setup: RankSetup,
-    go: tokio::sync::watch::Sender<bool>,
+    go: tokio::sync::watch::Sender<u8>,
     addrs: Vec<String>,
     first: u32,
     count: u32,
@@ -140,6 +140,7 @@ pub(super) async fn generator(
                     let _ = attached_tx.send(None);
                     drop(attached_tx);
                     for k in 1..total {
+                        shared.setup.before_round(k).await?;
                         call(
                             &mut conn,
                             &mut buf,
@@ -156,7 +157,10 @@ pub(super) async fn generator(
         });
     }
     drop(attached_tx);
-    let started = ready_and_go(&shared.setup, &mut ranks, go).await?;
+    let mut started = ready_and_go(&shared.setup, &mut ranks, go).await?;
+    let setup = &shared.setup;
+    // The driver waits on this before the first measured round.
+    let (resume_tx, resume_rx) = std::sync::mpsc::channel::<()>();
 
     // Round 0 (the attach calls, through the sockets) ends once every rank is seated
     // or refused a channel.
@@ -185,38 +189,60 @@ pub(super) async fn generator(
         std::thread::Builder::new()
             .name("channel-driver".to_owned())
             .spawn(move || {
-                let _ = done_tx.send(drive(&shared, seats, &abort));
+                let _ = done_tx.send(drive(&shared, seats, &resume_rx, &abort));
             })
             .context("starting the barrier channels' driver thread")?;
     }
+    // The driver stops at its next look if this returns early.
+    let _stop = StopOnDrop(&abort);
     let mut driven = false;
     while !driven || conns.len() < by_messages as usize {
+        let round_done = setup.round_done.notified();
+        tokio::pin!(round_done);
+        round_done.as_mut().enable();
+        if started.measure_when_warm(setup).await? {
+            // Ranks through messages were let go by `measure_when_warm`.
+            let _ = resume_tx.send(());
+            continue;
+        }
         tokio::select! {
+            () = round_done => {}
             done = &mut done_rx, if !driven => {
                 match done.context("the driver thread ended without a word")? {
                     Ok(()) => driven = true,
-                    Err(failed) => {
-                        // The error itself comes on that rank's socket: its task reports it.
-                        let reported = tokio::time::timeout(ERROR_FOLLOWS, ranks.join_next()).await;
-                        if let Ok(Some(Ok(Err(error)))) = reported {
-                            return Err(error.context(failed.to_string()));
-                        }
-                        bail!("{failed} (and no error came on the rank's socket within {ERROR_FOLLOWS:?})");
-                    }
+                    Err(failed) => return Err(failed_with_its_error(failed, &mut ranks).await),
                 }
             }
-            Some(done) = ranks.join_next() => match done? {
-                Ok(conn) => conns.push(conn),
-                Err(error) => {
-                    abort.store(true, Ordering::Release);
-                    return Err(error);
-                }
-            },
+            Some(done) = ranks.join_next() => conns.push(done??),
         }
     }
-    report(&shared.setup, started, through_channels).await?;
+    report(setup, started, through_channels).await?;
     drop(conns);
     Ok(())
+}
+
+/// Sets the driver's stop flag when the generator ends (early: a rank failed).
+struct StopOnDrop<'a>(&'a AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::Release);
+    }
+}
+
+/// The driver stopped at `failed`: the error, with what came on a rank's socket
+/// (the coordinator's error, the reply to a failed slot's call) if it comes soon.
+async fn failed_with_its_error(failed: Failed, ranks: &mut JoinSet<anyhow::Result<Conn>>) -> anyhow::Error {
+    let until = tokio::time::Instant::now() + ERROR_FOLLOWS;
+    while let Ok(Some(done)) = tokio::time::timeout_at(until, ranks.join_next()).await {
+        match done {
+            // A rank through messages that finished its rounds.
+            Ok(Ok(_)) => {}
+            Ok(Err(error)) => return error.context(failed.to_string()),
+            Err(error) => return anyhow::Error::from(error).context(failed.to_string()),
+        }
+    }
+    anyhow::anyhow!("{failed} (and nothing came on the rank's socket within {ERROR_FOLLOWS:?})")
 }
 
 /// The barrier request every round makes.
@@ -285,18 +311,20 @@ enum Failed {
     Slot { rank: u32, round: usize },
     /// The agent did not finish a slot in time.
     TimedOut { rank: u32, round: usize, waited: Duration },
-    /// A rank's task failed: it reports why.
+    /// The generator is ending (a rank failed: it reports why).
     Aborted,
 }
 
 impl std::fmt::Display for Failed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Failed::Slot { rank, round } => write!(f, "rank {rank}: barrier round {round} failed (its channel slot)"),
+            Failed::Slot { rank, round } => {
+                write!(f, "barrier round {round} failed (rank {rank}'s channel slot says so)")
+            }
             Failed::TimedOut { rank, round, waited } => {
                 write!(f, "rank {rank}: barrier round {round} not finished by the agent within {waited:?}")
             }
-            Failed::Aborted => write!(f, "stopped: a rank failed"),
+            Failed::Aborted => write!(f, "stopped: the generator is ending"),
         }
     }
 }
@@ -310,7 +338,12 @@ struct Group {
 
 /// Rounds 1.. of every seated rank: arrive all, then wait for each channel's
 /// release of this process's slots and check their outcomes.
-fn drive(shared: &Shared, seats: Vec<Seat>, abort: &AtomicBool) -> Result<(), Failed> {
+fn drive(
+    shared: &Shared,
+    seats: Vec<Seat>,
+    resume: &std::sync::mpsc::Receiver<()>,
+    abort: &AtomicBool,
+) -> Result<(), Failed> {
     let seated = seats.len() as u32;
     let mut groups: Vec<Group> = Vec::new();
     for Seat { rank, channel, slot } in seats {
@@ -321,6 +354,10 @@ fn drive(shared: &Shared, seats: Vec<Seat>, abort: &AtomicBool) -> Result<(), Fa
     }
     let limit = Duration::from_millis(super::BARRIER_TIMEOUT_MS) + AGENT_SLACK;
     for k in 1..shared.setup.total {
+        if k == shared.setup.warmup && resume.recv().is_err() {
+            // The generator ended during the pause after the warm-up.
+            return Err(Failed::Aborted);
+        }
         shared.round.store(k as u32, Ordering::Release);
         // A slot's rounds count from 1 after the attach call; each call has a fresh id.
         let (round, id) = (k as u32, k as u64 + 1);
