@@ -103,7 +103,7 @@ struct Shared {
 }
 
 /// Runs ranks `first..first + count` through barrier channels (see the module's
-/// header); the rest as [`super::generator`].
+/// header); ranks given no channel through messages.
 pub(super) async fn generator(
     setup: RankSetup,
     go: tokio::sync::watch::Sender<u8>,
