@@ -35,6 +35,8 @@ use tokio::task::JoinSet;
 
 use crate::{mono_ns, print_report, Stats, Times};
 
+mod channels;
+
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Ranks in the one barrier, each with its own connection to an agent
@@ -56,6 +58,11 @@ pub struct Args {
     /// How the ranks reach their agent: `unix` (a Unix domain socket per agent) or `tcp` (loopback)
     #[arg(long, value_enum, default_value_t = Transport::Unix)]
     transport: Transport,
+    /// Ranks arrive through the agents' barrier channels (shared memory, docs/PROTOCOL.md
+    /// section 15) after their first call, as the client library does on a Unix socket;
+    /// ranks the agent gives no channel (over TCP) go through messages
+    #[arg(long)]
+    channels: bool,
     /// Seconds the whole run may take before the benchmark fails
     #[arg(long, value_name = "SECS", default_value = "600", value_parser = crate::secs)]
     timeout: f64,
@@ -90,13 +97,17 @@ struct Report {
     agents: u32,
     generators: u32,
     transport: Transport,
+    /// Whether the ranks asked for barrier channels (`--channels`).
+    channels: bool,
+    /// Of the ranks, how many got a channel (the rest went through messages).
+    ranks_through_channels: u32,
     rounds: u32,
     warmup_rounds: u32,
     #[serde(flatten)]
     round: Times,
     /// From starting the generators until every rank was welcomed.
     connect_ms: f64,
-    /// CPU time (user + system) per rank per round, warm-up included, of the
+    /// CPU time (user + system) per rank per measured round (warm-up excluded) of the
     /// coordinator, of all agents and of all generators: on a shared machine a
     /// steadier figure than wall time. Their sum ÷ cores bounds the round from below.
     cpu_us_per_rank_round: CpuSplit,
@@ -129,8 +140,10 @@ fn cpu_of<'a>(children: impl Iterator<Item = &'a Child>) -> u64 {
 struct GeneratorReport {
     /// Per round, when this generator's last rank was released (CLOCK_MONOTONIC ns).
     round_end_ns: Vec<u64>,
-    /// When it started the first round.
+    /// When it started the first measured round (after the warm-up).
     start_ns: u64,
+    /// Its ranks that arrive through barrier channels.
+    through_channels: u32,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -141,10 +154,15 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     match tokio::time::timeout(limit, coordinate(&args)).await {
         Ok(report) => print_report(&report?, args.json, |report| {
             println!(
-                "{} ranks through {} agents ({:?}), {} rounds: median {:.2} ms, p99 {:.2} ms, mean {:.2} ms (connecting all: {:.0} ms)",
+                "{} ranks through {} agents ({:?}{}), {} rounds: median {:.2} ms, p99 {:.2} ms, mean {:.2} ms (connecting all: {:.0} ms)",
                 report.ranks,
                 report.agents,
                 report.transport,
+                if report.channels {
+                    format!(", {} of them through barrier channels", report.ranks_through_channels)
+                } else {
+                    String::new()
+                },
                 report.rounds,
                 report.round.median_us / 1000.0,
                 report.round.p99_us / 1000.0,
@@ -244,7 +262,7 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
     for g in 0..generators {
         let first = g * per;
         let count = per.min(args.ranks - first);
-        let argv = [
+        let mut argv = vec![
             "hierarchy".to_owned(),
             "--ranks".to_owned(),
             args.ranks.to_string(),
@@ -258,6 +276,9 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
             "--agent-addrs".to_owned(),
             agents.addrs.join(","),
         ];
+        if args.channels {
+            argv.push("--channels".to_owned());
+        }
         let me = std::env::current_exe().context("finding the rallypoint-bench executable")?;
         gens.push(spawn(&me, &argv, "a load generator").await?);
     }
@@ -268,16 +289,28 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
         }
     }
     let connect_ms = started.elapsed().as_secs_f64() * 1000.0;
-    let cpu_before = [
-        cpu_ticks(&root.child),
-        cpu_of(agents.children.iter().map(|a| &a.child)),
-        cpu_of(gens.iter().map(|g| &g.child)),
-    ];
+    let cpu_sample = |gens: &[Spawned]| {
+        [
+            cpu_ticks(&root.child),
+            cpu_of(agents.children.iter().map(|a| &a.child)),
+            cpu_of(gens.iter().map(|g| &g.child)),
+        ]
+    };
+    let mut cpu_before = cpu_sample(&gens);
     // Every rank is connected: start all generators at once.
-    for generator in &mut gens {
-        let stdin = generator.child.stdin.as_mut().context("stdin is not piped")?;
-        stdin.write_all(b"go\n").await?;
-        stdin.flush().await?;
+    go(&mut gens).await?;
+    if args.warmup > 0 {
+        // Each generator holds its ranks after the warm-up rounds (and so, the
+        // barrier being one, does every other): the CPU time of the measured rounds
+        // alone, without the warm-up's (with --channels, the attach calls).
+        for generator in &mut gens {
+            let warm = generator.line("a load generator").await?;
+            if warm != "warm" {
+                bail!("a load generator said {warm:?} instead of warm");
+            }
+        }
+        cpu_before = cpu_sample(&gens);
+        go(&mut gens).await?;
     }
     let mut reports = Vec::new();
     let mut gen_cpu_after = 0;
@@ -289,17 +322,15 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
         reports.push(report);
     }
     let total = (args.warmup + args.rounds) as usize;
+    // When the last generator was let go into the measured rounds.
     let start_ns = reports.iter().map(|r| r.start_ns).max().unwrap_or(0);
     let ends: Vec<u64> = (0..total)
         .map(|k| reports.iter().map(|r| r.round_end_ns.get(k).copied().unwrap_or(0)).max().unwrap_or(0))
         .collect();
     let mut rounds: Vec<Duration> = Vec::new();
-    let mut previous = start_ns;
-    for (k, &end) in ends.iter().enumerate() {
-        if k >= args.warmup as usize {
-            rounds.push(Duration::from_nanos(end.saturating_sub(previous)));
-        }
-        previous = end;
+    for k in args.warmup as usize..total {
+        let previous = if k == args.warmup as usize { start_ns } else { ends[k - 1] };
+        rounds.push(Duration::from_nanos(ends[k].saturating_sub(previous)));
     }
     // Generators exit after reporting: sample them before reading their last line.
     let cpu_after = [cpu_ticks(&root.child), cpu_of(agents.children.iter().map(|a| &a.child)), gen_cpu_after];
@@ -307,7 +338,7 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
     let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     let per_rank_round = |i: usize| {
         let us = (cpu_after[i].saturating_sub(cpu_before[i])) as f64 / ticks_per_s * 1e6;
-        (us / f64::from(args.ranks) / total as f64 * 10.0).round() / 10.0
+        (us / f64::from(args.ranks) / f64::from(args.rounds) * 10.0).round() / 10.0
     };
     let cpu = CpuSplit { coordinator: per_rank_round(0), agents: per_rank_round(1), generators: per_rank_round(2) };
     for mut generator in gens {
@@ -323,12 +354,24 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
         agents: args.agents,
         generators,
         transport: args.transport,
+        channels: args.channels,
+        ranks_through_channels: reports.iter().map(|r| r.through_channels).sum(),
         rounds: args.rounds,
         warmup_rounds: args.warmup,
         round: stats.times,
         connect_ms: (connect_ms * 10.0).round() / 10.0,
         cpu_us_per_rank_round: cpu,
     })
+}
+
+/// Tells every generator to go on (start, or end its pause after the warm-up).
+async fn go(gens: &mut [Spawned]) -> anyhow::Result<()> {
+    for generator in gens {
+        let stdin = generator.child.stdin.as_mut().context("stdin is not piped")?;
+        stdin.write_all(b"go\n").await?;
+        stdin.flush().await?;
+    }
+    Ok(())
 }
 
 /// One rank's connection to its agent.
@@ -377,82 +420,224 @@ impl Conn {
     }
 }
 
+/// The barrier every rank of a generator calls each round.
+fn bench_barrier() -> Request {
+    Request::Barrier { name: "bench".into(), members: Members::World, timeout_ms: Some(BARRIER_TIMEOUT_MS) }
+}
+
+/// The timeout of the barrier every round calls.
+const BARRIER_TIMEOUT_MS: u64 = 120_000;
+
+/// What the rank tasks of a generator share: the start signal, and per round how
+/// many of them were released and when the last one was.
+struct RankSetup {
+    /// Ranks in the barrier (every process's).
+    ranks: u32,
+    /// Rounds, warm-up included.
+    total: usize,
+    /// Warm-up rounds: the ranks pause before the first measured round.
+    warmup: usize,
+    /// Ranks of this generator.
+    count: u32,
+    released: Vec<AtomicU32>,
+    round_end: Vec<AtomicU64>,
+    /// Connection attempts in flight (the listen backlogs are finite).
+    connecting: tokio::sync::Semaphore,
+    /// Ranks connected and welcomed.
+    ready: AtomicU32,
+    ready_moved: tokio::sync::Notify,
+    /// The round that just ended for every rank of this generator (woken).
+    round_done: tokio::sync::Notify,
+    /// 1: start; 2: go on after the warm-up.
+    go: tokio::sync::watch::Receiver<u8>,
+}
+
+impl RankSetup {
+    fn new(args: &Args, count: u32, go: tokio::sync::watch::Receiver<u8>) -> RankSetup {
+        let total = (args.warmup + args.rounds) as usize;
+        RankSetup {
+            ranks: args.ranks,
+            total,
+            warmup: args.warmup as usize,
+            count,
+            released: (0..total).map(|_| AtomicU32::new(0)).collect(),
+            round_end: (0..total).map(|_| AtomicU64::new(0)).collect(),
+            connecting: tokio::sync::Semaphore::new(CONNECTING),
+            ready: AtomicU32::new(0),
+            ready_moved: tokio::sync::Notify::new(),
+            round_done: tokio::sync::Notify::new(),
+            go,
+        }
+    }
+
+    /// Connects `rank` to the agent at `addr`, reads its welcome, says it is ready
+    /// and waits for the start: the connection and its read buffer.
+    async fn connected(&self, rank: u32, addr: &str) -> anyhow::Result<(Conn, BytesMut)> {
+        let identity =
+            Identity { host: "bench".into(), pid: std::process::id(), ..Identity::ranked("bench", rank, self.ranks) };
+        let mut buf = BytesMut::new();
+        let conn = {
+            let _slot = self.connecting.acquire().await?;
+            let mut conn = connect_rank(addr, &identity).await?;
+            match conn.frame(&mut buf).await? {
+                ServerFrame::Welcome(_) => {}
+                other => bail!("rank {rank}: expected a welcome, got {other:?}"),
+            }
+            conn
+        };
+        self.ready.fetch_add(1, Ordering::AcqRel);
+        self.ready_moved.notify_one();
+        self.go.clone().wait_for(|&go| go >= 1).await?;
+        Ok((conn, buf))
+    }
+
+    /// Before round `k`: after the warm-up, waits until the parent lets the
+    /// measured rounds start.
+    async fn before_round(&self, k: usize) -> anyhow::Result<()> {
+        if k == self.warmup && k > 0 {
+            self.go.clone().wait_for(|&go| go >= 2).await?;
+        }
+        Ok(())
+    }
+
+    /// Whether every rank of this generator is through the warm-up.
+    fn warm(&self) -> bool {
+        self.warmup == 0 || self.round_end[self.warmup - 1].load(Ordering::Acquire) != 0
+    }
+
+    /// `n` more ranks of this generator were released from round `k`.
+    fn released(&self, k: usize, n: u32) {
+        if self.released[k].fetch_add(n, Ordering::AcqRel) + n == self.count {
+            self.round_end[k].store(mono_ns(), Ordering::Release);
+            self.round_done.notify_waiters();
+        }
+    }
+}
+
+/// The generator's start, once every rank is connected.
+struct Started {
+    /// When the measured rounds started (the warm-up's, until they do).
+    start_ns: u64,
+    stdin: tokio::io::Lines<BufReader<tokio::io::Stdin>>,
+    go: tokio::sync::watch::Sender<u8>,
+    /// The ranks were let go on after the warm-up (or there is none).
+    measuring: bool,
+}
+
+impl Started {
+    /// After the warm-up, once every rank of this generator is through it: says
+    /// "warm", waits for "go" (the parent reads every process's CPU time meanwhile)
+    /// and lets the ranks go on. Returns whether it did so now.
+    async fn measure_when_warm(&mut self, setup: &RankSetup) -> anyhow::Result<bool> {
+        if self.measuring || !setup.warm() {
+            return Ok(false);
+        }
+        println!("warm");
+        expect_go(&mut self.stdin).await?;
+        self.start_ns = mono_ns();
+        self.measuring = true;
+        self.go.send(2)?;
+        Ok(true)
+    }
+}
+
+async fn expect_go(stdin: &mut tokio::io::Lines<BufReader<tokio::io::Stdin>>) -> anyhow::Result<()> {
+    match stdin.next_line().await? {
+        Some(line) if line.trim() == "go" => Ok(()),
+        other => bail!("expected go on stdin, got {other:?}"),
+    }
+}
+
+/// Waits until every rank of the generator is connected (failing with the first
+/// rank that could not), says "ready", waits for "go" on stdin and starts the ranks.
+async fn ready_and_go(
+    setup: &RankSetup,
+    ranks: &mut JoinSet<anyhow::Result<Conn>>,
+    go: tokio::sync::watch::Sender<u8>,
+) -> anyhow::Result<Started> {
+    loop {
+        let moved = setup.ready_moved.notified();
+        tokio::pin!(moved);
+        moved.as_mut().enable();
+        if setup.ready.load(Ordering::Acquire) == setup.count {
+            break;
+        }
+        tokio::select! {
+            () = moved => {}
+            Some(ended) = ranks.join_next() => {
+                ended??;
+                bail!("a rank ended before the start");
+            }
+        }
+    }
+    println!("ready");
+    let mut stdin = BufReader::new(tokio::io::stdin()).lines();
+    expect_go(&mut stdin).await?;
+    let start_ns = mono_ns();
+    go.send(1)?;
+    Ok(Started { start_ns, stdin, go, measuring: setup.warmup == 0 })
+}
+
+/// Prints the generator's report, then stays (with the connections the caller
+/// holds) until the parent has read this process's CPU time and kills it.
+async fn report(setup: &RankSetup, started: Started, through_channels: u32) -> anyhow::Result<()> {
+    let Started { start_ns, mut stdin, .. } = started;
+    let report = GeneratorReport {
+        round_end_ns: setup.round_end.iter().map(|t| t.load(Ordering::Acquire)).collect(),
+        start_ns,
+        through_channels,
+    };
+    println!("{}", serde_json::to_string(&report)?);
+    let _ = stdin.next_line().await;
+    Ok(())
+}
+
 /// Runs ranks `first..first + count`: connects them, says "ready", waits for "go",
 /// runs the rounds and prints a [`GeneratorReport`].
 async fn generator(args: &Args, first: u32, count: u32) -> anyhow::Result<()> {
     rallypoint_net::raise_fd_limit();
     let addrs: Vec<String> = args.agent_addrs.as_deref().unwrap_or_default().split(',').map(str::to_owned).collect();
-    let total = (args.warmup + args.rounds) as usize;
-    let released: Arc<Vec<AtomicU32>> = Arc::new((0..total).map(|_| AtomicU32::new(0)).collect());
-    let round_end: Arc<Vec<AtomicU64>> = Arc::new((0..total).map(|_| AtomicU64::new(0)).collect());
-    let (go_tx, go_rx) = tokio::sync::watch::channel(false);
-    let slots = Arc::new(tokio::sync::Semaphore::new(CONNECTING));
-    let (ready_tx, mut ready_rx) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let (go_tx, go_rx) = tokio::sync::watch::channel(0);
+    let setup = RankSetup::new(args, count, go_rx);
+    if args.channels {
+        return channels::generator(setup, go_tx, addrs, first, count).await;
+    }
+    let setup = Arc::new(setup);
     let mut ranks = JoinSet::new();
     for rank in first..first + count {
         let addr = addrs[rank as usize % addrs.len()].clone();
-        let identity =
-            Identity { host: "bench".into(), pid: std::process::id(), ..Identity::ranked("bench", rank, args.ranks) };
-        let (released, round_end, slots, ready_tx, mut go_rx) =
-            (Arc::clone(&released), Arc::clone(&round_end), Arc::clone(&slots), ready_tx.clone(), go_rx.clone());
+        let setup = Arc::clone(&setup);
         ranks.spawn(async move {
-            let mut buf = BytesMut::new();
-            let mut conn = {
-                let _slot = slots.acquire().await?;
-                let mut conn = connect_rank(&addr, &identity).await?;
-                match conn.frame(&mut buf).await? {
-                    ServerFrame::Welcome(_) => {}
-                    other => bail!("rank {rank}: expected a welcome, got {other:?}"),
-                }
-                conn
-            };
-            let _ = ready_tx.send(());
-            drop(ready_tx);
-            go_rx.wait_for(|go| *go).await?;
+            let (mut conn, mut buf) = setup.connected(rank, &addr).await?;
             let mut request = BytesMut::new();
-            let barrier = Request::Barrier { name: "bench".into(), members: Members::World, timeout_ms: Some(120_000) };
-            encode_client_frame(&ClientFrame::Request { id: 1, request: barrier }, &mut request);
-            for k in 0..total {
+            encode_client_frame(&ClientFrame::Request { id: 1, request: bench_barrier() }, &mut request);
+            for k in 0..setup.total {
+                setup.before_round(k).await?;
                 conn.write_all(&request).await?;
                 match conn.frame(&mut buf).await? {
                     ServerFrame::Reply { reply: Ok(Response::Done), .. } => {}
                     other => bail!("rank {rank}: barrier round {k} failed: {other:?}"),
                 }
-                if released[k].fetch_add(1, Ordering::AcqRel) + 1 == count {
-                    round_end[k].store(mono_ns(), Ordering::Release);
-                }
+                setup.released(k, 1);
             }
             Ok(conn)
         });
     }
-    drop(ready_tx);
-    for _ in 0..count {
-        if ready_rx.recv().await.is_none() {
-            break;
-        }
-        // A rank that failed to connect ends the run with its error below.
-        if let Some(failed) = ranks.try_join_next() {
-            failed??;
-        }
-    }
-    println!("ready");
-    let mut stdin = BufReader::new(tokio::io::stdin()).lines();
-    match stdin.next_line().await? {
-        Some(line) if line.trim() == "go" => {}
-        other => bail!("expected go on stdin, got {other:?}"),
-    }
-    let start_ns = mono_ns();
-    go_tx.send(true)?;
+    let mut started = ready_and_go(&setup, &mut ranks, go_tx).await?;
     let mut conns = Vec::with_capacity(count as usize);
-    while let Some(done) = ranks.join_next().await {
-        conns.push(done??);
+    while conns.len() < count as usize {
+        let round_done = setup.round_done.notified();
+        tokio::pin!(round_done);
+        round_done.as_mut().enable();
+        if started.measure_when_warm(&setup).await? {
+            continue;
+        }
+        tokio::select! {
+            () = round_done => {}
+            Some(done) = ranks.join_next() => conns.push(done??),
+        }
     }
-    let report =
-        GeneratorReport { round_end_ns: round_end.iter().map(|t| t.load(Ordering::Acquire)).collect(), start_ns };
-    println!("{}", serde_json::to_string(&report)?);
-    // Stay (and keep the connections) until the parent has read this process's CPU
-    // time and kills it.
-    let _ = stdin.next_line().await;
+    report(&setup, started, 0).await?;
     drop(conns);
     Ok(())
 }

@@ -112,3 +112,90 @@ fn benches_report_json() {
     assert_eq!(report["add_throughput"][0]["clients"], 2, "{report}");
     assert_eq!(report["add_throughput"][0]["ops"], 40, "{report}");
 }
+
+/// Runs `rallypoint bench hierarchy --channels` of `ranks` ranks over two agents
+/// and two load generators, with `extra` flags; returns its report.
+fn hierarchy_through_channels(ranks: &str, extra: &[&str]) -> Value {
+    let mut args = vec!["hierarchy", "--ranks", ranks, "--agents", "2", "--generators", "2", "--channels"];
+    args.extend_from_slice(&["--rounds", "3", "--warmup", "1", "--timeout", "120"]);
+    args.extend_from_slice(extra);
+    bench(&args)
+}
+
+#[test]
+fn hierarchy_ranks_arrive_through_barrier_channels_or_fall_back_to_messages() {
+    let report = hierarchy_through_channels("512", &[]);
+    assert_eq!(report["channels"], true, "{report}");
+    assert_eq!(report["ranks_through_channels"], 512, "{report}");
+    assert!(report["median_us"].as_f64().is_some_and(|us| us > 0.0), "{report}");
+    for group in ["coordinator", "agents", "generators"] {
+        assert!(report["cpu_us_per_rank_round"][group].is_f64(), "{group}: {report}");
+    }
+    // Over TCP the agents give no channel: every rank goes through messages.
+    let report = hierarchy_through_channels("64", &["--transport", "tcp"]);
+    assert_eq!(report["ranks_through_channels"], 0, "{report}");
+    assert!(report["median_us"].as_f64().is_some_and(|us| us > 0.0), "{report}");
+}
+
+/// The children of process `pid` with their command lines.
+fn children(pid: u32) -> Vec<(u32, String)> {
+    let list = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
+    list.split_whitespace()
+        .filter_map(|child| child.parse::<u32>().ok())
+        .map(|child| {
+            let cmdline = std::fs::read(format!("/proc/{child}/cmdline")).unwrap_or_default();
+            (child, String::from_utf8_lossy(&cmdline).replace('\0', " "))
+        })
+        .collect()
+}
+
+/// A node agent killed while its ranks wait in barrier channels fails the run with
+/// the rank and what happened, well before the run's own timeout.
+#[test]
+fn hierarchy_through_channels_fails_clearly_when_an_agent_dies() {
+    let mut child = Command::new(BIN)
+        .args(["hierarchy", "--ranks", "256", "--agents", "2", "--channels", "--rounds", "100000000"])
+        .args(["--warmup", "1", "--timeout", "90"])
+        .env("RUST_LOG", "warn")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start rallypoint bench");
+    let pid = child.id();
+    let started = Instant::now();
+    // Once the generator has mapped a channel, its ranks are past their attach calls.
+    let agent = loop {
+        assert!(started.elapsed() < LIMIT, "the generator never mapped a barrier channel");
+        assert!(child.try_wait().expect("wait").is_none(), "rallypoint bench ended before the agent was killed");
+        let kids = children(pid);
+        let mapped = kids.iter().filter(|(_, cmd)| cmd.contains("--generator")).any(|(generator, _)| {
+            std::fs::read_to_string(format!("/proc/{generator}/maps"))
+                .is_ok_and(|maps| maps.contains("rallypoint-barrier"))
+        });
+        if let Some(&(agent, _)) = kids.iter().find(|(_, cmd)| cmd.contains(" agent ")).filter(|_| mapped) {
+            break agent;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    // Some rounds through the channels first.
+    std::thread::sleep(Duration::from_millis(300));
+    // SAFETY: kill has no memory-safety preconditions; `agent` is our grandchild.
+    assert_eq!(unsafe { libc::kill(agent as libc::pid_t, libc::SIGKILL) }, 0);
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for rallypoint bench") {
+            break status;
+        }
+        if started.elapsed() > LIMIT {
+            let _ = child.kill();
+            panic!("rallypoint bench did not end after its agent was killed");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    child.stderr.take().expect("piped stderr").read_to_string(&mut err).expect("read stderr");
+    assert!(!status.success(), "a run whose agent died succeeded; stderr: {err}");
+    assert!(!err.contains("did not finish within"), "it hung until its timeout: {err}");
+    assert!(err.contains("rank ") && err.contains("barrier round"), "no rank and round named: {err}");
+    assert!(err.contains("closed the connection") || err.contains("failed"), "not said what happened: {err}");
+}
