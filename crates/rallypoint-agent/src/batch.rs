@@ -4,6 +4,8 @@
 
 use std::collections::HashSet;
 
+use foldhash::fast::RandomState;
+
 use bytes::BytesMut;
 use rallypoint_core::Request;
 use rallypoint_proto::native::{encode_agent_frame, AgentFrame, MAX_CALLS_PER_FRAME};
@@ -21,7 +23,7 @@ pub(crate) struct Up {
     /// [`Up::seal`] appends them to `buf`.
     pub(crate) merged: Vec<Merged>,
     /// Sub-sessions with a call in `merged`: their next frame must not overtake it.
-    pub(crate) in_merged: HashSet<u64>,
+    pub(crate) in_merged: HashSet<u64, RandomState>,
     /// Set once the coordinator connection has ended: why.
     pub(crate) lost: Option<String>,
 }
@@ -62,6 +64,35 @@ impl Up {
             }
         }
         self.in_merged.insert(sub);
+    }
+
+    /// Adds the calls `(sub, request id)`, all of `request`, as [`Up::merge`] would one
+    /// by one, comparing the request once per frame instead of once per call.
+    pub(crate) fn merge_all(&mut self, calls: &[(u64, u64)], request: &Request) {
+        let mut at = None;
+        for &(sub, id) in calls {
+            if self.in_merged.contains(&sub) {
+                self.seal();
+                at = None;
+            }
+            let full = |m: &Merged| m.calls.len() >= MAX_CALLS_PER_FRAME;
+            let index = match at.filter(|&i| !full(&self.merged[i])) {
+                Some(i) => i,
+                None => match self.merged.iter().position(|m| !full(m) && m.request == *request) {
+                    Some(i) => i,
+                    None => {
+                        if self.merged.len() >= MAX_MERGED {
+                            self.seal();
+                        }
+                        self.merged.push(Merged { request: request.clone(), calls: Vec::with_capacity(calls.len()) });
+                        self.merged.len() - 1
+                    }
+                },
+            };
+            at = Some(index);
+            self.merged[index].calls.push((sub, id));
+            self.in_merged.insert(sub);
+        }
     }
 
     /// Appends the merged calls to `buf`: a call made by one rank alone as the plain
@@ -136,6 +167,30 @@ mod tests {
                 AgentFrame::SubRequest { sub: 2, id: 21, request: barrier("a") },
             ]
         );
+    }
+
+    #[test]
+    fn merging_calls_all_at_once_makes_the_frames_merging_one_by_one_makes() {
+        let n = MAX_CALLS_PER_FRAME as u64;
+        // Calls already held: another barrier, and this one, of ranks that come again.
+        let before = [(1, 5, "b"), (7, 5, "a"), (2, 5, "a")];
+        let batches: [Vec<(u64, u64)>; 3] = [
+            (10..20).map(|sub| (sub, 1)).collect(),
+            vec![(3, 1), (2, 6), (4, 1), (1, 6)],
+            (100..100 + n + 3).map(|sub| (sub, 1)).collect(),
+        ];
+        for calls in batches {
+            let (mut all, mut one) = (Up::default(), Up::default());
+            for (sub, id, name) in before {
+                all.merge(sub, id, barrier(name));
+                one.merge(sub, id, barrier(name));
+            }
+            all.merge_all(&calls, &barrier("a"));
+            for &(sub, id) in &calls {
+                one.merge(sub, id, barrier("a"));
+            }
+            assert_eq!(sealed(&mut all), sealed(&mut one), "calls {calls:?}");
+        }
     }
 
     #[test]

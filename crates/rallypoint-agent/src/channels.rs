@@ -17,7 +17,6 @@
 //! rank on its socket). When the agent stops serving, every slot waiting is
 //! failed and woken before the connections close.
 
-use std::collections::HashMap;
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -30,7 +29,7 @@ use tokio::io::Interest;
 use tokio::sync::Notify;
 use tracing::{debug, warn};
 
-use crate::hub::Hub;
+use crate::hub::{FastMap, Hub};
 
 /// Channels an agent makes at most: one per distinct barrier call its ranks make
 /// through shared memory (and one more per [`SLOTS`] ranks at the same call).
@@ -55,9 +54,9 @@ const LOOK_AGAIN_AT_ONCE: u32 = 16;
 pub(crate) struct Channels {
     registry: Mutex<Registry>,
     /// Barrier calls forwarded from a slot and not yet answered, by `(sub, request id)`.
-    calls: Mutex<HashMap<(u64, u64), Forwarded>>,
+    calls: Mutex<FastMap<(u64, u64), Forwarded>>,
     /// The slots of each sub-session.
-    seated: Mutex<HashMap<u64, Vec<Seated>>>,
+    seated: Mutex<FastMap<u64, Vec<Seated>>>,
 }
 
 #[derive(Default)]
@@ -70,10 +69,20 @@ struct Registry {
 type Seated = (Arc<Channel>, u32);
 
 /// A call forwarded from a slot: where to write its outcome.
-struct Forwarded {
+pub(crate) struct Forwarded {
     channel: Arc<Channel>,
     slot: u32,
     round: u32,
+}
+
+impl Forwarded {
+    /// Marks the slot's round released (`ok`) or failed, and returns its channel
+    /// for the caller to [`Channel::release`] once every call of the reply is marked.
+    pub(crate) fn finish(self, sub: u64, ok: bool) -> Arc<Channel> {
+        let Forwarded { channel, slot, round } = self;
+        channel.finish(sub, slot, round, if ok { Outcome::Released } else { Outcome::Failed });
+        channel
+    }
 }
 
 /// One channel: the shared memory, its slots' owners, and its task's wake-up.
@@ -179,9 +188,18 @@ impl Channels {
     /// released (`ok`) or failed, and returns its channel for the caller to
     /// [`Channel::release`] once every call of the reply is marked.
     pub(crate) fn finish(&self, sub: u64, id: u64, ok: bool) -> Option<Arc<Channel>> {
-        let Forwarded { channel, slot, round } = lock(&self.calls).remove(&(sub, id))?;
-        channel.finish(sub, slot, round, if ok { Outcome::Released } else { Outcome::Failed });
-        Some(channel)
+        let forwarded = lock(&self.calls).remove(&(sub, id))?;
+        Some(forwarded.finish(sub, ok))
+    }
+
+    /// Of the calls `(sub, id)`, those forwarded from a slot, taken under one lock:
+    /// [`Forwarded::finish`] each.
+    pub(crate) fn take_forwarded(&self, calls: &[(u64, u64)]) -> Vec<Option<Forwarded>> {
+        let mut forwarded = lock(&self.calls);
+        if forwarded.is_empty() {
+            return calls.iter().map(|_| None).collect();
+        }
+        calls.iter().map(|call| forwarded.remove(call)).collect()
     }
 
     /// The agent stops serving: every forwarded call fails (its error goes on the
@@ -346,16 +364,18 @@ async fn sleep_until(at: Option<tokio::time::Instant>) {
 
 /// Sends the arrivals up as their ranks' barrier requests.
 fn forward(hub: &Hub, channel: &Arc<Channel>, taken: Vec<(u64, u64, u32, u32)>) {
+    let ids: Vec<(u64, u64)> = taken.iter().map(|&(sub, id, ..)| (sub, id)).collect();
+    let locals = hub.routes(&ids);
     let mut calls = lock(&hub.channels.calls);
     let mut requests = Vec::with_capacity(taken.len());
-    for (sub, id, slot, round) in taken {
-        let Some(local) = hub.route(sub) else { continue };
+    for ((sub, id, slot, round), local) in taken.into_iter().zip(locals) {
+        let Some(local) = local else { continue };
         calls.insert((sub, id), Forwarded { channel: Arc::clone(channel), slot, round });
         local.awaiting(id);
-        requests.push((sub, id, channel.request.clone()));
+        requests.push((sub, id));
     }
     drop(calls);
-    if !hub.send_calls(requests) {
+    if !hub.send_calls(&requests, &channel.request) {
         // Lost meanwhile: `Hub::lose` failed what it found; these may have come after.
         hub.channels.fail_all();
     }

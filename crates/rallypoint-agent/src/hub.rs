@@ -2,6 +2,10 @@
 //! go up, the route from a sub-session to its rank's connection, and the slabs.
 
 use std::collections::HashMap;
+
+/// The agent's maps, looked up for every call of every local rank: keyed by its
+/// own numbers (sub-session and request ids), so a fast hash will do.
+pub(crate) type FastMap<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -32,7 +36,7 @@ pub(crate) struct Hub {
     /// Wakes the upstream writer: `up.buf` has bytes.
     pub(crate) up_ready: Notify,
     /// Local connections by sub-session id.
-    pub(crate) routes: Mutex<HashMap<u64, Arc<Local>>>,
+    pub(crate) routes: Mutex<FastMap<u64, Arc<Local>>>,
     pub(crate) next_sub: AtomicU64,
     /// Shared-memory slabs (docs/PROTOCOL.md, section 13); a slab's id is its index.
     pub(crate) slabs: Slabs,
@@ -87,18 +91,16 @@ impl Hub {
         true
     }
 
-    /// Queues barrier calls taken from shared memory, `(sub, request id, request)`
-    /// each, merged as [`Hub::send_requests`] merges them; false if the coordinator
-    /// is already gone.
-    pub(crate) fn send_calls(&self, calls: Vec<(u64, u64, Request)>) -> bool {
+    /// Queues barrier calls taken from shared memory, all of `request` (a channel's
+    /// barrier call), `(sub, request id)` each, merged as [`Hub::send_requests`]
+    /// merges them; false if the coordinator is already gone.
+    pub(crate) fn send_calls(&self, calls: &[(u64, u64)], request: &Request) -> bool {
         let mut up = lock(&self.up);
         if up.lost.is_some() {
             return false;
         }
         let was_idle = up.is_idle();
-        for (sub, id, request) in calls {
-            up.merge(sub, id, request);
-        }
+        up.merge_all(calls, request);
         drop(up);
         if was_idle {
             self.up_ready.notify_one();
@@ -132,5 +134,11 @@ impl Hub {
 
     pub(crate) fn route(&self, sub: u64) -> Option<Arc<Local>> {
         lock(&self.routes).get(&sub).cloned()
+    }
+
+    /// The local connection of each of `calls`' sub-sessions, under one lock.
+    pub(crate) fn routes(&self, calls: &[(u64, u64)]) -> Vec<Option<Arc<Local>>> {
+        let routes = lock(&self.routes);
+        calls.iter().map(|(sub, _)| routes.get(sub).cloned()).collect()
     }
 }

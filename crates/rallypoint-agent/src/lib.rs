@@ -37,7 +37,6 @@ mod local;
 mod slabs;
 mod upstream;
 
-use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::sync::atomic::AtomicU64;
@@ -161,7 +160,7 @@ impl Agent {
             budget: PendingBudget::new(config.max_pending_bytes),
             up: Mutex::new(Up::default()),
             up_ready: Notify::new(),
-            routes: Mutex::new(HashMap::new()),
+            routes: Mutex::default(),
             next_sub: AtomicU64::new(1),
             slabs: Default::default(),
             channels: Default::default(),

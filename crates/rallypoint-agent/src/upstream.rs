@@ -157,12 +157,15 @@ fn fan_out(hub: &Hub, calls: &[(u64, u64)], reply: &Reply) {
     let mut placed: Option<Option<Placed>> = None;
     // Barrier channels with a slot finished here: woken once each, at the end.
     let mut finished: Vec<Arc<Channel>> = Vec::new();
-    for &(sub, id) in calls {
-        let Some(local) = hub.route(sub) else { continue };
+    // Looked up for all the calls at once: a release's reply names every rank of the node.
+    let locals = hub.routes(calls);
+    let forwarded = hub.channels.take_forwarded(calls);
+    for ((&(sub, id), local), forwarded) in calls.iter().zip(locals).zip(forwarded) {
+        let Some(local) = local else { continue };
         // A call taken from a barrier channel (docs/PROTOCOL.md, section 15): its
         // slot says how it ended; an error goes on the socket too, after the slot
         // is marked, as the reply to the call's id.
-        if let Some(channel) = hub.channels.finish(sub, id, reply.is_ok()) {
+        if let Some(channel) = forwarded.map(|f| f.finish(sub, reply.is_ok())) {
             match reply {
                 Ok(_) => local.answered(id),
                 Err(_) => local.reply(id, |out| encode_reply(id, reply, out)),
