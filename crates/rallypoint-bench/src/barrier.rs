@@ -19,7 +19,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use crate::tcpstore::{self, StoreConn};
 use crate::{
     close_all, connect_many, ensure_fds, floor, mono_ns, on_target, options, print_report, process_cpu_ns, round_stats,
-    run_rounds, ClientFuture, Protocol, RoundOp, Sources, Target, Times,
+    run_rounds, wake_floor, ClientFuture, Protocol, RoundOp, Sources, Target, Times,
 };
 
 #[derive(clap::Args, Debug)]
@@ -46,7 +46,9 @@ pub struct Args {
     /// What each client does per round: `barrier`; `ping` (one round trip each, not
     /// held in step: the cost of N requests and N replies through the server); or
     /// `floor` (no server: N bare sockets, N 16-byte arrivals read through epoll, then
-    /// N releases; the kernel's floor under a barrier round)
+    /// N releases; the kernel's floor under a barrier round); or `wake-floor` (no
+    /// server, no sockets: `--procs` rank processes counting themselves in one shared
+    /// word and woken by one futex wake; the floor under a barrier of processes)
     #[arg(long, value_enum, default_value_t = Op::Barrier)]
     op: Op,
     /// The pid of the server at `--addr`, to report its CPU per rank and round (a
@@ -80,6 +82,9 @@ pub struct Args {
     /// Internal: run as the serving process of `--op floor`
     #[arg(long, hide = true)]
     serve_floor: bool,
+    /// Internal: run as a rank process of `--op wake-floor`, on this shared file
+    #[arg(long, value_name = "PATH", hide = true)]
+    wake_child: Option<std::path::PathBuf>,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -88,6 +93,8 @@ enum Op {
     Barrier,
     Ping,
     Floor,
+    #[serde(rename = "wake-floor")]
+    WakeFloor,
 }
 
 #[derive(Debug, Serialize)]
@@ -139,6 +146,9 @@ const READY: &str = "ready";
 pub async fn run(args: Args) -> anyhow::Result<()> {
     if args.op == Op::Floor {
         return run_floor(&args).await;
+    }
+    if args.op == Op::WakeFloor {
+        return run_wake_floor(&args).await;
     }
     let sources = Sources::plan(args.src_addrs, args.clients);
     if args.protocol == Protocol::Native && sources.addrs > 0 {
@@ -226,7 +236,9 @@ impl Setup<'_> {
                         match op {
                             Op::Barrier => client.barrier("bench", Members::World, Some(timeout)).await?,
                             Op::Ping => client.ping().await?,
-                            Op::Floor => unreachable!("--op floor runs without a server (run_floor)"),
+                            Op::Floor | Op::WakeFloor => {
+                                unreachable!("the floors run without a server (run_floor, run_wake_floor)")
+                            }
                         }
                         Ok(())
                     })
@@ -244,7 +256,9 @@ impl Setup<'_> {
                             match op {
                                 Op::Barrier => conn.barrier(&key, n).await,
                                 Op::Ping => conn.ping().await,
-                                Op::Floor => unreachable!("--op floor runs without a server (run_floor)"),
+                                Op::Floor | Op::WakeFloor => {
+                                    unreachable!("the floors run without a server (run_floor, run_wake_floor)")
+                                }
                             }
                         };
                         tokio::time::timeout(timeout, done).await.context("timed out")?
@@ -432,7 +446,9 @@ async fn run_blocking_shard(args: &Args, shard: u32, addr: &str, job: &str, time
                         Op::Barrier => client.barrier("bench", Members::World, Some(timeout)),
                         Op::Ping => client.ping(),
                         // Refused with --procs before any shard starts.
-                        Op::Floor => Err(rallypoint_client::Error::Protocol("--op floor has no clients".into())),
+                        Op::Floor | Op::WakeFloor => {
+                            Err(rallypoint_client::Error::Protocol("the floors have no clients".into()))
+                        }
                     }
                     .with_context(|| format!("round {r}"))?;
                     released.push(mono_ns());
@@ -569,11 +585,47 @@ async fn run_floor(args: &Args) -> anyhow::Result<()> {
     print_report(&report, args.json, print_text)
 }
 
+/// `--op wake-floor`: a rank process, or the measurement (their parent).
+async fn run_wake_floor(args: &Args) -> anyhow::Result<()> {
+    let plan = wake_floor::Plan {
+        procs: args.procs,
+        rounds: args.rounds,
+        warmup: args.warmup,
+        timeout: Duration::from_secs_f64(args.timeout),
+    };
+    if let Some(path) = &args.wake_child {
+        return wake_floor::child(&plan, path);
+    }
+    if args.addr.is_some() {
+        bail!("--op wake-floor measures processes and shared memory without a server: --addr does not apply");
+    }
+    let round = wake_floor::measure(&plan).await?;
+    let report = Report {
+        op: Op::WakeFloor,
+        blocking: false,
+        protocol: None,
+        clients: args.procs,
+        procs: args.procs,
+        src_addrs: 0,
+        rounds: args.rounds,
+        warmup_rounds: args.warmup,
+        round,
+        connect_ms: 0.0,
+        server_rss_one_conn_bytes: None,
+        server_rss_idle_bytes: None,
+        server_rss_per_conn_bytes: None,
+        server_cpu_us_per_rank_round: None,
+        client_cpu_us_per_rank_round: None,
+    };
+    print_report(&report, args.json, print_text)
+}
+
 fn op_name(op: Op) -> &'static str {
     match op {
         Op::Barrier => "barrier",
         Op::Ping => "ping",
         Op::Floor => "floor",
+        Op::WakeFloor => "wake-floor",
     }
 }
 

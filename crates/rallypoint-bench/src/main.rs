@@ -16,6 +16,7 @@ mod kv;
 mod plot;
 mod storm;
 mod tcpstore;
+mod wake_floor;
 
 use std::future::Future;
 use std::io;

@@ -113,6 +113,27 @@ fn benches_report_json() {
     assert_eq!(report["add_throughput"][0]["ops"], 40, "{report}");
 }
 
+/// The floor under a barrier of processes: every round of 64 processes released by
+/// its last arrival, and no shared file left behind.
+#[test]
+fn wake_floor_runs_its_processes_through_every_round() {
+    let leftovers = || {
+        std::fs::read_dir(std::env::temp_dir())
+            .map(|dir| {
+                dir.flatten().filter(|e| e.file_name().to_string_lossy().starts_with("rallypoint-wake-floor-")).count()
+            })
+            .unwrap_or(0)
+    };
+    let before = leftovers();
+    let report = bench(&["barrier", "--op", "wake-floor", "--procs", "64", "--rounds", "25", "--warmup", "2"]);
+    assert_eq!(report["op"], "wake-floor", "{report}");
+    assert_eq!((report["procs"].as_u64(), report["rounds"].as_u64()), (Some(64), Some(25)), "{report}");
+    for field in ["median_us", "min_us", "max_us"] {
+        assert!(report[field].as_f64().is_some_and(|v| v > 0.0), "{field}: {report}");
+    }
+    assert!(leftovers() <= before, "the shared file was left in {}", std::env::temp_dir().display());
+}
+
 /// Runs `rallypoint bench hierarchy --channels` of `ranks` ranks over two agents
 /// and two load generators, with `extra` flags; returns its report.
 fn hierarchy_through_channels(ranks: &str, extra: &[&str]) -> Value {
