@@ -203,6 +203,11 @@ impl Client {
         self.inner.timeout
     }
 
+    #[cfg(test)]
+    pub(crate) fn link(&self) -> &Arc<Link> {
+        &self.inner.link
+    }
+
     /// Sends one request and waits for its reply, at most `wait` plus a safety margin.
     async fn call(&self, request: Request, wait: Duration) -> Result<Response, Error> {
         self.call_within(request, wait.saturating_add(SAFETY_MARGIN)).await
@@ -222,7 +227,7 @@ impl Client {
         if handed.is_err() {
             return Err(link.disconnected());
         }
-        let result = reply.await;
+        let result = connection::WaitReply::new(link, id, reply).await;
         // Whoever filled or dropped the slot took the call out of the link's map.
         registered.settled = true;
         match result {
