@@ -1,14 +1,16 @@
 //! The client's connection: connecting (with retries), the handshake, and the
-//! background task that owns the socket. Calls register a reply slot under a fresh
-//! request id; the task routes replies to the slots by id, so any number of calls
+//! background task that serves the socket. Calls register a reply slot under a
+//! fresh request id; replies are routed to the slots by id, so any number of calls
 //! pipeline over one connection.
 //!
-//! A call writes its request itself when the task is not writing (see [`Direct`]):
-//! a rank that makes one call at a time (a barrier, a training step's `add`) then
-//! costs no hand-over to the task, no wake-up and no turn of its loop, only the
-//! `send`. Otherwise, and over TLS, the call hands its request to the task, which
-//! gathers what is queued into as few writes as it can, heartbeats included. The
-//! task also fails the calls whose timeout passed, with one timer for all of them.
+//! A call writes its request itself when the task is not writing (see [`Direct`]),
+//! and reads the socket itself while it is the only call waiting (see
+//! [`ReadSide`]): a rank that makes one call at a time (a barrier, a training
+//! step's `add`) then costs no hand-over to the task, no wake-up and no turn of its
+//! loop, only the `send` and the `recv`. Otherwise, and over TLS, the call hands its
+//! request to the task, which gathers what is queued into as few writes as it can,
+//! heartbeats included, and the task reads the replies. A separate task fails the
+//! calls whose timeout passed, with one timer for all of them.
 //!
 //! A cut connection is not the end of the session (docs/PROTOCOL.md, section 14):
 //! the task reconnects with [`Backoff`], says hello again with the session's id as a
