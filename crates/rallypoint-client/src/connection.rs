@@ -591,7 +591,7 @@ impl Link {
     /// and no hand-over. While it reads, the call routes every frame that comes, as
     /// the task would (others' replies, a heartbeat's); the socket's wake-ups go to
     /// it. It gives reading back to the task when its reply comes, when it is
-    /// dropped ([`WaitReply`]), or when the task runs (a heartbeat's tick).
+    /// dropped ([`WaitReply`]), or when the task runs ([`Link::poll_task_read`]).
     /// `reading`: the call may be reading (kept by the caller between polls).
     fn poll_reply(&self, id: u64, reply: &Reply, reading: &mut bool, cx: &mut Context<'_>) -> Poll<Received> {
         if let Poll::Ready(received) = reply.poll_cell(cx.waker()) {
@@ -613,7 +613,8 @@ impl Link {
             side.call = Some(id);
             *reading = true;
             // The last read left the socket's wake-up registered: nothing to read
-            // until it comes (to this call from now on).
+            // until it comes (to this call from now on). Had it come to the task
+            // already, the task takes reading back when it runs, and reads.
             keep_waker(&mut self.read_wake.lock().call, cx.waker());
             return Poll::Pending;
         }
@@ -647,9 +648,10 @@ impl Link {
     }
 
     /// The task's turn at reading: it reads whenever it runs (a heartbeat's tick,
-    /// a request handed over), a call reading for everyone giving way to it, so
-    /// that silence is told from a caller that is not polled. Ready once the
-    /// connection has ended.
+    /// a request handed over, the socket's wake-up before a call took reading
+    /// over), a call reading for everyone giving way to it. So a wake-up the task
+    /// had is never lost to a call that took reading over meanwhile, and silence
+    /// is told from a caller that is not polled. Ready once the connection has ended.
     fn poll_task_read(&self, cx: &mut Context<'_>) -> Poll<Ended> {
         let mut side = self.lock_read();
         {
@@ -667,7 +669,7 @@ impl Link {
         }
     }
 
-    /// A call's read found the connection ended: the task must act on it.
+    /// A read outside the task's own found the connection ended: the task must act on it.
     fn settle(&self, side: &mut ReadSide, ended: Option<Ended>) {
         let Some(ended) = ended else { return };
         #[cfg(test)]

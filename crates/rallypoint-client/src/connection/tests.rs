@@ -97,12 +97,22 @@ async fn bounded<F: std::future::Future>(future: F) -> F::Output {
 
 /// Waits until call `id` reads the socket itself.
 async fn until_reading(link: &Link, id: u64) {
-    bounded(async {
-        while link.lock_read().call != Some(id) {
+    until(link, |side| side.call == Some(id)).await;
+}
+
+/// Waits until the link's read side is as `ready` says.
+async fn until(link: &Link, ready: impl Fn(&super::ReadSide) -> bool) {
+    let waited = tokio::time::timeout(BOUND, async {
+        while !ready(&link.lock_read()) {
             tokio::time::sleep(Duration::from_millis(1)).await;
         }
     })
     .await;
+    if waited.is_err() {
+        let side = link.lock_read();
+        let calls: Vec<u64> = link.lock().calls.keys().copied().collect();
+        panic!("the read side never got there: reading call {:?}, calls {calls:?}", side.call);
+    }
 }
 
 async fn listen() -> (TcpListener, String) {
@@ -125,6 +135,9 @@ async fn connected(lease_ms: u64) -> (TcpListener, Client, Conn) {
         (conn, identity)
     });
     assert_eq!(identity.resume, None);
+    // The task hands the read half over once it runs: a call before that is read
+    // for by the task.
+    until(client.link(), |side| side.reader.is_some()).await;
     (listener, client, conn)
 }
 
