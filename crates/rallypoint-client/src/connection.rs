@@ -103,6 +103,11 @@ impl ReplySlot {
         self.fill(Cell::Filled(result), false);
     }
 
+    /// Drops the slot without telling the call (which no longer waits).
+    fn forget(mut self) {
+        self.sent = true;
+    }
+
     fn fill(mut self, filled: Cell, wake: bool) {
         self.sent = true;
         let waker = match std::mem::replace(&mut *self.cell.lock(), filled) {
@@ -499,7 +504,11 @@ impl Link {
 
     /// Forgets a call whose caller stopped waiting (timed out or was cancelled).
     pub(crate) fn unregister(&self, id: u64) {
-        self.lock().calls.remove(&id);
+        let call = self.lock().calls.remove(&id);
+        // The caller is the one that stopped waiting: nobody to wake.
+        if let Some(call) = call {
+            call.slot.forget();
+        }
     }
 
     /// The error for a call that finds the connection gone.
