@@ -439,9 +439,13 @@ impl Link {
         if earlier {
             pending.armed = Some(deadline);
         }
+        let shared = pending.calls.len() > 1;
         drop(pending);
         if earlier {
             self.deadline_moved.notify_one();
+        }
+        if shared {
+            self.share_reading();
         }
         Ok((id, reply))
     }
@@ -596,11 +600,12 @@ impl Link {
     }
 
     /// Waits for call `id`'s reply, reading it from the socket itself when no other
-    /// call waits (nor the task reads): the reply then costs no wake-up of the task
-    /// and no hand-over. While it reads, the call routes every frame that comes, as
-    /// the task would (others' replies, a heartbeat's); the socket's wake-ups go to
-    /// it. It gives reading back to the task when its reply comes, when it is
-    /// dropped ([`WaitReply`]), or when the task runs ([`Link::poll_task_read`]).
+    /// call waits: the reply then costs no wake-up of the task and no hand-over.
+    /// While it reads, the call routes every frame that comes, as the task would (a
+    /// heartbeat's reply); the socket's wake-ups go to it. Reading goes back to the
+    /// task when the call's reply comes, when it is dropped ([`WaitReply`]), when
+    /// another call registers ([`Link::share_reading`]), or when the task runs
+    /// ([`Link::poll_task_read`]).
     /// `reading`: the call may be reading (kept by the caller between polls).
     fn poll_reply(&self, id: u64, reply: &Reply, reading: &mut bool, cx: &mut Context<'_>) -> Poll<Received> {
         if let Poll::Ready(received) = reply.poll_cell(cx.waker()) {
@@ -634,6 +639,23 @@ impl Link {
         self.give_back(&mut side, id);
         *reading = false;
         Poll::Ready(received)
+    }
+
+    /// Another call waits now: the task reads for all of them. A call reading for
+    /// everyone may be held unpolled while the others wait (a future polled once,
+    /// then kept while the same task makes another call): their replies must not
+    /// wait for it.
+    fn share_reading(&self) {
+        let mut side = self.lock_read();
+        if side.call.take().is_none() {
+            return;
+        }
+        self.read_wake.lock().call = None;
+        // A wake-up since the last read went to that call: read what came now.
+        if self.read_wake.wakes.load(Ordering::Acquire) != side.seen_wakes {
+            let ended = self.drive(&mut side, None);
+            self.settle(&mut side, ended);
+        }
     }
 
     /// Call `id` no longer waits: if it was reading, the task reads from now on.

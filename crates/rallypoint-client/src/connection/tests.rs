@@ -163,7 +163,7 @@ async fn a_lone_call_reads_its_own_reply() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reading_call_routes_the_replies_of_calls_pipelined_behind_it() {
+async fn calls_pipelined_behind_a_reading_call_are_read_for_by_the_task() {
     let (_listener, client, mut conn) = connected(0).await;
     let link = Arc::clone(client.link());
     for round in 0..5i64 {
@@ -176,8 +176,9 @@ async fn a_reading_call_routes_the_replies_of_calls_pipelined_behind_it() {
         for _ in 0..others.len() {
             requests.push(conn.request().await);
         }
-        // Answered in reverse, the reading call's own last: it routes every other
-        // reply before its own.
+        // Registered before they were written: reading is the task's again.
+        assert_eq!(link.lock_read().call, None);
+        // Answered in reverse, the first call's last.
         for (id, request) in requests.iter().rev() {
             conn.answer(*id, request).await;
         }
@@ -185,16 +186,42 @@ async fn a_reading_call_routes_the_replies_of_calls_pipelined_behind_it() {
         for (delta, call) in others {
             assert_eq!(bounded(call).await.expect("a pipelined call"), delta * 10);
         }
-        assert_eq!(bounded(first).await.expect("the reading call"), round * 1000);
-        // Then a lone call again, after the reading call gave the socket back.
+        assert_eq!(bounded(first).await.expect("the first call"), round * 1000);
+        // Then a lone call again reads its own.
         let lone = spawn_add(&client, -1);
         let (id, request) = conn.request().await;
         until_reading(&link, id).await;
         conn.answer(id, &request).await;
         assert_eq!(bounded(lone).await.expect("a lone call"), -10);
     }
-    // The reading calls' own replies, and the lone calls'.
-    assert_eq!(link.own_replies.load(Ordering::Relaxed), 10);
+    // The lone calls' own replies.
+    assert_eq!(link.own_replies.load(Ordering::Relaxed), 5);
+    drop(client);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reading_call_held_unpolled_holds_up_no_other_call() {
+    let (_listener, client, mut conn) = connected(0).await;
+    let link = Arc::clone(client.link());
+    let held = client.clone();
+    let mut first = Box::pin(async move { held.add("k", 1).await });
+    // Polled once: it writes its request and reads; then held, not polled.
+    tokio::select! {
+        biased;
+        _ = &mut first => panic!("the call finished before its reply"),
+        () = std::future::ready(()) => {}
+    }
+    let (first_id, first_request) = conn.request().await;
+    until_reading(&link, first_id).await;
+    // Another call of the same task: its reply must not wait for the first.
+    let answer = async {
+        let (id, request) = conn.request().await;
+        conn.answer(id, &request).await;
+    };
+    let (second, ()) = bounded(async { tokio::join!(client.add("k", 2), answer) }).await;
+    assert_eq!(second.expect("the second call"), 20);
+    conn.answer(first_id, &first_request).await;
+    assert_eq!(bounded(first).await.expect("the first call"), 10);
     drop(client);
 }
 
