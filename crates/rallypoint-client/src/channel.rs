@@ -28,10 +28,10 @@ use std::time::{Duration, Instant};
 
 use rallypoint_core::{Request, Response};
 use rallypoint_net::shm_barrier::{Outcome, RankChannel, Waited};
-use tokio::sync::{oneshot, Notify};
+use tokio::sync::Notify;
 use tracing::{debug, warn};
 
-use crate::connection::{Command, Link};
+use crate::connection::{Command, Link, Received, Reply};
 use crate::error::Error;
 
 /// Barrier calls (name, members, timeout) a client keeps track of: a program that
@@ -385,7 +385,7 @@ async fn wait_task(
     slot: u32,
     round: u32,
     deadline: Instant,
-    reply: &mut oneshot::Receiver<Result<Response, Error>>,
+    reply: &mut Reply,
     got: &mut Option<Received>,
 ) -> Waited {
     if let Some(outcome) = mapped.channel.spin(slot, round) {
@@ -415,17 +415,8 @@ async fn wait_task(
     }
 }
 
-/// A reply as its call's receiver gave it.
-type Received = Result<Result<Response, Error>, oneshot::error::RecvError>;
-
 /// The reply to call `id` on the socket: `got` if it came already.
-async fn reply_to(
-    link: &Link,
-    id: u64,
-    got: Option<Received>,
-    reply: oneshot::Receiver<Result<Response, Error>>,
-    deadline: Instant,
-) -> Result<(), Error> {
+async fn reply_to(link: &Link, id: u64, got: Option<Received>, reply: Reply, deadline: Instant) -> Result<(), Error> {
     // The error follows its slot's mark at once; the deadline only bounds a wait
     // for an agent that broke the protocol.
     let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(5);

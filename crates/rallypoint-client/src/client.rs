@@ -13,6 +13,7 @@
 //! coordinator considers the rank lost and fails whatever its peers wait for with
 //! [`crate::OpError::PeerLost`].
 
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -203,9 +204,17 @@ impl Client {
         self.inner.timeout
     }
 
+    #[cfg(test)]
+    pub(crate) fn link(&self) -> &Arc<Link> {
+        &self.inner.link
+    }
+
     /// Sends one request and waits for its reply, at most `wait` plus a safety margin.
-    async fn call(&self, request: Request, wait: Duration) -> Result<Response, Error> {
-        self.call_within(request, wait.saturating_add(SAFETY_MARGIN)).await
+    ///
+    /// Not an `async fn`, nor `call_now`: each level of `async fn` would keep its
+    /// own copy of the request in the future, which every call moves and touches.
+    fn call(&self, request: Request, wait: Duration) -> impl Future<Output = Result<Response, Error>> + '_ {
+        self.call_within(request, wait.saturating_add(SAFETY_MARGIN))
     }
 
     /// Sends one request and waits for its reply at most `limit`.
@@ -222,7 +231,7 @@ impl Client {
         if handed.is_err() {
             return Err(link.disconnected());
         }
-        let result = reply.await;
+        let result = connection::WaitReply::new(link, id, reply).await;
         // Whoever filled or dropped the slot took the call out of the link's map.
         registered.settled = true;
         match result {
@@ -236,8 +245,8 @@ impl Client {
     }
 
     /// A request that does not block on the coordinator's side.
-    async fn call_now(&self, request: Request) -> Result<Response, Error> {
-        self.call(request, self.inner.timeout).await
+    fn call_now(&self, request: Request) -> impl Future<Output = Result<Response, Error>> + '_ {
+        self.call(request, self.inner.timeout)
     }
 
     /// The timeout sent with a blocking request, and how long to wait for its reply.
@@ -399,7 +408,9 @@ impl Client {
         let request = Request::Barrier { name: name.to_owned(), members, timeout_ms };
         if self.inner.barrier_channels {
             let caller = channel::Caller { link: &self.inner.link, commands: &self.inner.commands };
-            if let Some(done) = channel::barrier(caller, &request, wait.saturating_add(SAFETY_MARGIN), waiting).await {
+            // Boxed: its future is large, and every barrier's future would carry it.
+            let through = Box::pin(channel::barrier(caller, &request, wait.saturating_add(SAFETY_MARGIN), waiting));
+            if let Some(done) = through.await {
                 if matches!(done, Err(Error::Timeout(_))) {
                     self.inner.silent.store(true, Ordering::Relaxed);
                 }

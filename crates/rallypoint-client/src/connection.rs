@@ -1,14 +1,16 @@
 //! The client's connection: connecting (with retries), the handshake, and the
-//! background task that owns the socket. Calls register a reply slot under a fresh
-//! request id; the task routes replies to the slots by id, so any number of calls
+//! background task that serves the socket. Calls register a reply slot under a
+//! fresh request id; replies are routed to the slots by id, so any number of calls
 //! pipeline over one connection.
 //!
-//! A call writes its request itself when the task is not writing (see [`Direct`]):
-//! a rank that makes one call at a time (a barrier, a training step's `add`) then
-//! costs no hand-over to the task, no wake-up and no turn of its loop, only the
-//! `send`. Otherwise, and over TLS, the call hands its request to the task, which
-//! gathers what is queued into as few writes as it can, heartbeats included. The
-//! task also fails the calls whose timeout passed, with one timer for all of them.
+//! A call writes its request itself when the task is not writing (see [`Direct`]),
+//! and reads the socket itself while it is the only call waiting (see
+//! [`ReadSide`]): a rank that makes one call at a time (a barrier, a training
+//! step's `add`) then costs no hand-over to the task, no wake-up and no turn of its
+//! loop, only the `send` and the `recv`. Otherwise, and over TLS, the call hands its
+//! request to the task, which gathers what is queued into as few writes as it can,
+//! heartbeats included, and the task reads the replies. A separate task fails the
+//! calls whose timeout passed, with one timer for all of them.
 //!
 //! A cut connection is not the end of the session (docs/PROTOCOL.md, section 14):
 //! the task reconnects with [`Backoff`], says hello again with the session's id as a
@@ -23,9 +25,10 @@ use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::io;
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::task::Poll;
+use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -64,7 +67,108 @@ const RESUME_WINDOW_WITHOUT_LEASE: Duration = Duration::from_secs(15);
 /// and must not overflow the clock.
 const LONGEST_WAIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 
-pub(crate) type ReplySlot = oneshot::Sender<Result<Response, Error>>;
+/// Where a call's reply goes: filled by whoever reads it from the socket (the task,
+/// or a call reading for everyone) or fails the call, taken by the call ([`Reply`]).
+struct ReplyCell(Mutex<Cell>);
+
+enum Cell {
+    Waiting(Option<Waker>),
+    Filled(Result<Response, Error>),
+    /// The call was forgotten without a reply (the connection task is gone).
+    Dropped,
+    Taken,
+}
+
+impl ReplyCell {
+    fn lock(&self) -> MutexGuard<'_, Cell> {
+        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// The filling side of a call's [`ReplyCell`], kept with the call; dropped unfilled,
+/// it tells the call so.
+pub(crate) struct ReplySlot {
+    cell: Arc<ReplyCell>,
+    sent: bool,
+}
+
+impl ReplySlot {
+    /// Fills the cell and wakes the call.
+    fn send(self, result: Result<Response, Error>) {
+        self.fill(Cell::Filled(result), true);
+    }
+
+    /// Fills the cell of the call that is reading it, running now: no wake-up.
+    fn send_quietly(self, result: Result<Response, Error>) {
+        self.fill(Cell::Filled(result), false);
+    }
+
+    /// Drops the slot without telling the call (which no longer waits).
+    fn forget(mut self) {
+        self.sent = true;
+    }
+
+    fn fill(mut self, filled: Cell, wake: bool) {
+        self.sent = true;
+        let waker = match std::mem::replace(&mut *self.cell.lock(), filled) {
+            Cell::Waiting(waker) => waker,
+            _ => None,
+        };
+        if let Some(waker) = waker.filter(|_| wake) {
+            waker.wake();
+        }
+    }
+}
+
+impl Drop for ReplySlot {
+    fn drop(&mut self) {
+        if !self.sent {
+            let waker = match std::mem::replace(&mut *self.cell.lock(), Cell::Dropped) {
+                Cell::Waiting(waker) => waker,
+                _ => None,
+            };
+            if let Some(waker) = waker {
+                waker.wake();
+            }
+        }
+    }
+}
+
+/// A call's reply, as a future; [`Link::poll_reply`] reads it from the socket too.
+pub(crate) struct Reply(Arc<ReplyCell>);
+
+/// The call was forgotten without a reply: the connection is gone.
+#[derive(Debug)]
+pub(crate) struct ReplyDropped;
+
+/// What a [`Reply`] gives.
+pub(crate) type Received = Result<Result<Response, Error>, ReplyDropped>;
+
+impl Reply {
+    fn poll_cell(&self, waker: &Waker) -> Poll<Received> {
+        let mut cell = self.0.lock();
+        match std::mem::replace(&mut *cell, Cell::Taken) {
+            Cell::Filled(result) => Poll::Ready(Ok(result)),
+            Cell::Dropped | Cell::Taken => Poll::Ready(Err(ReplyDropped)),
+            Cell::Waiting(Some(known)) if known.will_wake(waker) => {
+                *cell = Cell::Waiting(Some(known));
+                Poll::Pending
+            }
+            Cell::Waiting(_) => {
+                *cell = Cell::Waiting(Some(waker.clone()));
+                Poll::Pending
+            }
+        }
+    }
+}
+
+impl std::future::Future for Reply {
+    type Output = Received;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Received> {
+        self.poll_cell(cx.waker())
+    }
+}
 
 /// What a call sends to the connection task.
 pub(crate) enum Command {
@@ -112,6 +216,89 @@ pub(crate) struct Link {
     deadline_moved: Notify,
     /// Barrier channels given on this connection (module `channel`).
     pub(crate) channels: Channels,
+    /// The read half and what reading it needs, for the task and calls alike.
+    read: Mutex<ReadSide>,
+    /// Whom the socket's read readiness wakes: the waker every read registers.
+    read_wake: Arc<ReadWake>,
+    read_waker: Waker,
+    /// Replies read by their own calls.
+    #[cfg(test)]
+    own_replies: AtomicUsize,
+    /// Ends of connections found by calls reading.
+    #[cfg(test)]
+    ends_found_by_calls: AtomicUsize,
+}
+
+/// The connection's read half and its state, shared between the task and the calls:
+/// a call that is the only one waiting reads the socket itself ([`Link::poll_reply`]),
+/// so that its reply costs no wake-up of the task and no hand-over. Whoever holds
+/// the lock reads; [`ReadWake`] sends the socket's wake-ups to whoever reads now.
+struct ReadSide {
+    /// `None` between connections, and once a read found the connection ended.
+    reader: Option<ReadHalf>,
+    /// Calls may read themselves (not over TLS: decrypting takes the task).
+    direct: bool,
+    /// The call reading for everyone; `None`: the task.
+    call: Option<u64>,
+    /// [`ReadWake::wakes`] before the last read that found nothing.
+    seen_wakes: u64,
+    /// How the connection ended, found by a call: for the task to act on.
+    ended: Option<Ended>,
+    buf: BytesMut,
+    /// Files of shared-memory slabs, received with (or before) the first frame
+    /// naming each, in order; and the slabs mapped so far, kept for the connection's life.
+    files: VecDeque<OwnedFd>,
+    slabs: HashMap<u64, Arc<memmap2::Mmap>>,
+    releases: mpsc::WeakUnboundedSender<Command>,
+    epoch: u64,
+}
+
+/// The waker of every read of the socket: it passes the socket's wake-up on to the
+/// call reading for everyone, else to the task. One waker whose target changes
+/// under a lock, rather than each reader registering its own, so that a wake-up
+/// is never lost between two readers, and the task is not woken for bytes a call reads.
+#[derive(Default)]
+struct ReadWake {
+    targets: Mutex<WakeTargets>,
+    /// Wake-ups so far: a call giving reading back learns whether one came to it
+    /// after its last read.
+    wakes: AtomicU64,
+}
+
+#[derive(Default)]
+struct WakeTargets {
+    task: Option<Waker>,
+    call: Option<Waker>,
+}
+
+impl ReadWake {
+    fn lock(&self) -> MutexGuard<'_, WakeTargets> {
+        self.targets.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+impl Wake for ReadWake {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        let waker = {
+            let targets = self.lock();
+            self.wakes.fetch_add(1, Ordering::AcqRel);
+            targets.call.as_ref().or(targets.task.as_ref()).cloned()
+        };
+        if let Some(waker) = waker {
+            waker.wake();
+        }
+    }
+}
+
+/// Keeps `waker` in `slot`, cloning only if it is another one.
+fn keep_waker(slot: &mut Option<Waker>, waker: &Waker) {
+    if !slot.as_ref().is_some_and(|known| known.will_wake(waker)) {
+        *slot = Some(waker.clone());
+    }
 }
 
 struct Pending {
@@ -179,8 +366,28 @@ impl Closed {
 }
 
 impl Link {
-    fn new(addr: String, welcome: Welcome) -> Self {
+    fn new(addr: String, welcome: Welcome, releases: mpsc::WeakUnboundedSender<Command>) -> Self {
+        let read_wake = Arc::new(ReadWake::default());
+        let read = ReadSide {
+            reader: None,
+            direct: false,
+            call: None,
+            seen_wakes: 0,
+            ended: None,
+            buf: BytesMut::new(),
+            files: VecDeque::new(),
+            slabs: HashMap::new(),
+            releases,
+            epoch: 0,
+        };
         Link {
+            read: Mutex::new(read),
+            read_waker: Waker::from(Arc::clone(&read_wake)),
+            read_wake,
+            #[cfg(test)]
+            own_replies: AtomicUsize::new(0),
+            #[cfg(test)]
+            ends_found_by_calls: AtomicUsize::new(0),
             addr,
             next_id: AtomicU64::new(1),
             pending: Mutex::new(Pending { calls: HashMap::default(), closed: None, armed: None }),
@@ -217,23 +424,28 @@ impl Link {
 
     /// Allocates a request id and the slot its reply will arrive in; past `limit`
     /// the call fails with [`Error::Timeout`].
-    pub(crate) fn register(&self, limit: Duration) -> Result<(u64, oneshot::Receiver<Result<Response, Error>>), Error> {
+    pub(crate) fn register(&self, limit: Duration) -> Result<(u64, Reply), Error> {
         let deadline = Instant::now() + limit.min(LONGEST_WAIT);
         let mut pending = self.lock();
         if let Some(closed) = &pending.closed {
             return Err(closed.error());
         }
         let id = self.next_id();
-        let (slot, reply) = oneshot::channel();
+        let cell = Arc::new(ReplyCell(Mutex::new(Cell::Waiting(None))));
+        let (slot, reply) = (ReplySlot { cell: Arc::clone(&cell), sent: false }, Reply(cell));
         pending.calls.insert(id, Call { slot, written: None, deadline, limit });
         // Usually later than the timer (calls share one timeout): nothing to tell.
         let earlier = pending.armed.is_none_or(|armed| deadline < armed);
         if earlier {
             pending.armed = Some(deadline);
         }
+        let shared = pending.calls.len() > 1;
         drop(pending);
         if earlier {
             self.deadline_moved.notify_one();
+        }
+        if shared {
+            self.share_reading();
         }
         Ok((id, reply))
     }
@@ -281,7 +493,7 @@ impl Link {
             expired
         };
         for call in expired {
-            let _ = call.slot.send(Err(Error::Timeout(call.limit)));
+            call.slot.send(Err(Error::Timeout(call.limit)));
         }
     }
 
@@ -296,7 +508,11 @@ impl Link {
 
     /// Forgets a call whose caller stopped waiting (timed out or was cancelled).
     pub(crate) fn unregister(&self, id: u64) {
-        self.lock().calls.remove(&id);
+        let call = self.lock().calls.remove(&id);
+        // The caller is the one that stopped waiting: nobody to wake.
+        if let Some(call) = call {
+            call.slot.forget();
+        }
     }
 
     /// The error for a call that finds the connection gone.
@@ -341,18 +557,25 @@ impl Link {
             ids.iter().filter_map(|id| pending.calls.remove(id)).collect()
         };
         for call in failed {
-            let _ = call.slot.send(Err(Error::Disconnected(why.to_owned())));
+            call.slot.send(Err(Error::Disconnected(why.to_owned())));
         }
     }
 
-    fn complete(&self, id: u64, result: Result<Response, Error>) {
+    /// Hands call `id` its reply; `me`: the call reading, which needs no wake-up.
+    fn complete(&self, id: u64, result: Result<Response, Error>, me: Option<u64>) {
         // No call: a heartbeat, a call that timed out on this side, or a reply sent
         // again for a request that was re-sent after a cut.
         let call = self.lock().calls.remove(&id);
         if let Some(call) = call {
-            self.delivered.fetch_add(1, Ordering::Relaxed);
-            // The caller may have stopped waiting meanwhile; that is fine.
-            let _ = call.slot.send(result);
+            if me == Some(id) {
+                #[cfg(test)]
+                self.own_replies.fetch_add(1, Ordering::Relaxed);
+                call.slot.send_quietly(result);
+            } else {
+                self.delivered.fetch_add(1, Ordering::Relaxed);
+                // The caller may have stopped waiting meanwhile; that is fine.
+                call.slot.send(result);
+            }
         }
     }
 
@@ -364,12 +587,285 @@ impl Link {
             std::mem::take(&mut pending.calls)
         };
         for (_, call) in calls {
-            let _ = call.slot.send(Err(closed.error()));
+            call.slot.send(Err(closed.error()));
         }
     }
 
     fn lost(&self, why: impl std::fmt::Display) -> String {
         format!("connection to the coordinator at {} lost: {why}", self.addr)
+    }
+
+    fn lock_read(&self) -> MutexGuard<'_, ReadSide> {
+        self.read.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Waits for call `id`'s reply, reading it from the socket itself when no other
+    /// call waits: the reply then costs no wake-up of the task and no hand-over.
+    /// While it reads, the call routes every frame that comes, as the task would (a
+    /// heartbeat's reply); the socket's wake-ups go to it. Reading goes back to the
+    /// task when the call's reply comes, when it is dropped ([`WaitReply`]), when
+    /// another call registers ([`Link::share_reading`]), or when the task runs
+    /// ([`Link::poll_task_read`]).
+    /// `reading`: the call may be reading (kept by the caller between polls).
+    fn poll_reply(&self, id: u64, reply: &Reply, reading: &mut bool, cx: &mut Context<'_>) -> Poll<Received> {
+        if let Poll::Ready(received) = reply.poll_cell(cx.waker()) {
+            if std::mem::take(reading) {
+                self.stop_reading(id);
+            }
+            return Poll::Ready(received);
+        }
+        let mut side = self.lock_read();
+        if side.call != Some(id) {
+            let alone = side.call.is_none()
+                && side.direct
+                && side.reader.is_some()
+                && side.ended.is_none()
+                && self.lock().calls.len() == 1;
+            if !alone {
+                return Poll::Pending;
+            }
+            side.call = Some(id);
+            *reading = true;
+            // The last read left the socket's wake-up registered: nothing to read
+            // until it comes (to this call from now on). Had it come to the task
+            // already, the task takes reading back when it runs, and reads.
+            keep_waker(&mut self.read_wake.lock().call, cx.waker());
+            return Poll::Pending;
+        }
+        keep_waker(&mut self.read_wake.lock().call, cx.waker());
+        let ended = self.drive(&mut side, Some(id));
+        self.settle(&mut side, ended);
+        let received = std::task::ready!(reply.poll_cell(cx.waker()));
+        self.give_back(&mut side, id);
+        *reading = false;
+        Poll::Ready(received)
+    }
+
+    /// Another call waits now: the task reads for all of them. A call reading for
+    /// everyone may be held unpolled while the others wait (a future polled once,
+    /// then kept while the same task makes another call): their replies must not
+    /// wait for it.
+    fn share_reading(&self) {
+        let mut side = self.lock_read();
+        if side.call.take().is_none() {
+            return;
+        }
+        self.read_wake.lock().call = None;
+        // A wake-up since the last read went to that call: read what came now.
+        if self.read_wake.wakes.load(Ordering::Acquire) != side.seen_wakes {
+            let ended = self.drive(&mut side, None);
+            self.settle(&mut side, ended);
+        }
+    }
+
+    /// Call `id` no longer waits: if it was reading, the task reads from now on.
+    fn stop_reading(&self, id: u64) {
+        let mut side = self.lock_read();
+        self.give_back(&mut side, id);
+    }
+
+    fn give_back(&self, side: &mut ReadSide, id: u64) {
+        if side.call != Some(id) {
+            return;
+        }
+        side.call = None;
+        self.read_wake.lock().call = None;
+        // A wake-up since the call last read went to it, not the task: read what
+        // came now (the socket's next wake-up goes to the task).
+        if self.read_wake.wakes.load(Ordering::Acquire) != side.seen_wakes {
+            let ended = self.drive(side, None);
+            self.settle(side, ended);
+        }
+    }
+
+    /// The task's turn at reading: it reads whenever it runs (a heartbeat's tick,
+    /// a request handed over, the socket's wake-up before a call took reading
+    /// over), a call reading for everyone giving way to it. So a wake-up the task
+    /// had is never lost to a call that took reading over meanwhile, and silence
+    /// is told from a caller that is not polled. Ready once the connection has ended.
+    fn poll_task_read(&self, cx: &mut Context<'_>) -> Poll<Ended> {
+        let mut side = self.lock_read();
+        {
+            let mut targets = self.read_wake.lock();
+            keep_waker(&mut targets.task, cx.waker());
+            targets.call = None;
+        }
+        side.call = None;
+        if let Some(ended) = side.ended.take() {
+            return Poll::Ready(ended);
+        }
+        match self.drive(&mut side, None) {
+            Some(ended) => Poll::Ready(ended),
+            None => Poll::Pending,
+        }
+    }
+
+    /// A read outside the task's own found the connection ended: the task must act on it.
+    fn settle(&self, side: &mut ReadSide, ended: Option<Ended>) {
+        let Some(ended) = ended else { return };
+        #[cfg(test)]
+        self.ends_found_by_calls.fetch_add(1, Ordering::Relaxed);
+        side.ended = Some(ended);
+        side.call = None;
+        let task = {
+            let mut targets = self.read_wake.lock();
+            targets.call = None;
+            targets.task.clone()
+        };
+        if let Some(task) = task {
+            task.wake();
+        }
+    }
+
+    /// Hands the read half of a new connection over (`buffered`: what came after its welcome).
+    fn start_reading(&self, reader: ReadHalf, buffered: BytesMut, epoch: u64) {
+        let mut side = self.lock_read();
+        side.direct = !matches!(reader, ReadHalf::Tls(_));
+        side.reader = Some(reader);
+        side.buf = buffered;
+        side.epoch = epoch;
+    }
+
+    /// Drops the read half of the connection that ended, and what came on it.
+    fn end_reading(&self) {
+        let mut side = self.lock_read();
+        side.reader = None;
+        side.direct = false;
+        side.call = None;
+        side.ended = None;
+        side.buf = BytesMut::new();
+        side.files.clear();
+        side.slabs.clear();
+        self.read_wake.lock().call = None;
+    }
+
+    /// Routes what was read, and reads the socket until it has nothing more (its
+    /// next wake-up then comes through [`ReadWake`]); `me`: the call reading.
+    /// `Some` once the connection has ended (nothing reads it again).
+    fn drive(&self, side: &mut ReadSide, me: Option<u64>) -> Option<Ended> {
+        let mut cx = Context::from_waker(&self.read_waker);
+        let ended = loop {
+            if let Err(ended) = self.route(side, me) {
+                break ended;
+            }
+            let ReadSide { reader: Some(reader), buf, files, .. } = side else { return None };
+            Buffering::CLIENT.release_idle(buf);
+            let room = read_room(buf);
+            let wakes = self.read_wake.wakes.load(Ordering::Acquire);
+            match reader.poll_read_with_files(&mut cx, buf, room, files) {
+                Poll::Pending => {
+                    side.seen_wakes = wakes;
+                    return None;
+                }
+                Poll::Ready(Ok(0)) => break Ended::Cut("the coordinator closed the connection".to_owned()),
+                Poll::Ready(Ok(_)) => {
+                    self.reads.fetch_add(1, Ordering::Relaxed);
+                }
+                Poll::Ready(Err(error)) => break Ended::Cut(error.to_string()),
+            }
+        };
+        side.reader = None;
+        Some(ended)
+    }
+
+    /// Routes the frames read so far to their calls.
+    fn route(&self, side: &mut ReadSide, me: Option<u64>) -> Result<(), Ended> {
+        let broken = |why: String| Ended::Done(self.lost(why), None);
+        let limits = FrameLimits::unbounded();
+        let ReadSide { buf, files, slabs, releases, epoch, .. } = side;
+        let epoch = *epoch;
+        if buf.is_empty() {
+            return Ok(());
+        }
+        loop {
+            match decode_server_frame(buf, &limits) {
+                Ok(None) => return Ok(()),
+                Ok(Some(ServerFrame::Reply { id, reply })) => self.complete(id, reply.map_err(Error::Op), me),
+                Ok(Some(ServerFrame::SharedReply { id, slab, len })) => {
+                    let map = match slabs.entry(slab) {
+                        Entry::Occupied(known) => Arc::clone(known.get()),
+                        Entry::Vacant(new) => {
+                            let Some(file) = files.pop_front() else {
+                                return Err(broken(format!("shared-memory slab {slab} came without its file")));
+                            };
+                            match shm::map_slab(file) {
+                                Ok(map) => Arc::clone(new.insert(map)),
+                                // Later replies from it could not be read either.
+                                Err(error) => {
+                                    return Err(broken(format!("cannot map shared-memory slab {slab}: {error}")))
+                                }
+                            }
+                        }
+                    };
+                    let releases = releases.clone();
+                    let release = move || {
+                        if let Some(commands) = releases.upgrade() {
+                            let _ = commands.send(Command::Release { slab, epoch });
+                        }
+                    };
+                    let reply = match shm::held_body(map, len, release) {
+                        Ok(body) => decode_shared_reply(id, body).map_err(|error| Error::Protocol(error.to_string())),
+                        Err(error) => Err(Error::Protocol(error.to_string())),
+                    };
+                    self.complete(id, reply.and_then(|reply| reply.map_err(Error::Op)), me);
+                }
+                Ok(Some(ServerFrame::BarrierChannel { id, channel, slot })) => {
+                    if let Err(why) = self.channels.answered(id, channel, slot, files) {
+                        return Err(broken(why));
+                    }
+                }
+                Ok(Some(ServerFrame::NoBarrierChannel { id, reason })) => {
+                    debug!(addr = %self.addr, %reason, "no barrier channel; the barrier goes through messages");
+                    self.channels.refused(id);
+                }
+                Ok(Some(
+                    ServerFrame::Welcome(_)
+                    | ServerFrame::Refused(_)
+                    | ServerFrame::AuthChallenge { .. }
+                    | ServerFrame::AuthAccepted { .. },
+                )) => {
+                    return Err(broken("the coordinator sent a second handshake frame".to_owned()));
+                }
+                Err(ProtoError::BadReply { id: Some(id), message }) => {
+                    self.complete(id, Err(Error::Protocol(message)), me)
+                }
+                Err(error) if !error.is_fatal() => debug!(addr = %self.addr, %error, "skipped a malformed frame"),
+                Err(error) => return Err(broken(format!("malformed data: {error}"))),
+            }
+        }
+    }
+}
+
+/// A call's wait for its reply ([`Link::poll_reply`]); dropped before it, it gives
+/// reading back to the task.
+pub(crate) struct WaitReply<'a> {
+    link: &'a Link,
+    id: u64,
+    reply: Reply,
+    /// The call may be reading for everyone.
+    reading: bool,
+}
+
+impl<'a> WaitReply<'a> {
+    pub(crate) fn new(link: &'a Link, id: u64, reply: Reply) -> Self {
+        WaitReply { link, id, reply, reading: false }
+    }
+}
+
+impl std::future::Future for WaitReply<'_> {
+    type Output = Received;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Received> {
+        let this = self.get_mut();
+        this.link.poll_reply(this.id, &this.reply, &mut this.reading, cx)
+    }
+}
+
+impl Drop for WaitReply<'_> {
+    fn drop(&mut self) {
+        if self.reading {
+            self.link.stop_reading(self.id);
+        }
     }
 }
 
@@ -497,10 +993,9 @@ pub(crate) struct Redial {
 
 /// Starts the task that owns the connection; returns the handle calls send through.
 pub(crate) fn spawn(addr: String, connected: Connected, redial: Redial) -> (Arc<Link>, mpsc::UnboundedSender<Command>) {
-    let link = Arc::new(Link::new(addr, connected.welcome.clone()));
     let (commands, queue) = mpsc::unbounded_channel();
     // Weak: slab releases must not keep the connection open once every client is gone.
-    let releases = commands.downgrade();
+    let link = Arc::new(Link::new(addr, connected.welcome.clone(), commands.downgrade()));
     // A task of its own: polled beside the connection's, it would be polled at every
     // reply read, for a timer that rarely fires.
     let expiry = tokio::spawn({
@@ -513,7 +1008,7 @@ pub(crate) fn spawn(addr: String, connected: Connected, redial: Redial) -> (Arc<
         // wait for replies nobody will route, nor for a timer nobody runs.
         let _closing = CloseOnDrop(&task);
         let _expiry = AbortOnDrop(expiry.abort_handle());
-        run(connected, queue, releases, &task, redial).await;
+        run(connected, queue, &task, redial).await;
     });
     (link, commands)
 }
@@ -566,13 +1061,7 @@ enum Ended {
     Done(String, Option<oneshot::Sender<()>>),
 }
 
-async fn run(
-    mut connected: Connected,
-    mut queue: mpsc::UnboundedReceiver<Command>,
-    releases: mpsc::WeakUnboundedSender<Command>,
-    link: &Link,
-    redial: Redial,
-) {
+async fn run(mut connected: Connected, mut queue: mpsc::UnboundedReceiver<Command>, link: &Link, redial: Redial) {
     let lease = connected.welcome.lease_ms;
     // Heartbeat at a third of the lease so that two may be lost before it expires.
     let period = (lease > 0).then(|| Duration::from_millis((lease / 3).max(1)));
@@ -587,16 +1076,17 @@ async fn run(
     let mut resend = Vec::new();
     loop {
         let (reader, writer) = connected.stream.into_split();
-        let buffered = std::mem::take(&mut connected.buffered);
+        link.start_reading(reader, std::mem::take(&mut connected.buffered), epoch);
         // Reading and writing run concurrently, so a large write never stops replies
         // from being read (which could deadlock against a server doing the same).
         let ended = tokio::select! {
-            why = read_loop(reader, buffered, &releases, link, epoch) => why,
+            why = read_loop(link) => why,
             ended = write_loop(writer, &mut queue, link, &mut beat, epoch, std::mem::take(&mut resend)) => ended,
         };
         // The write half goes with its connection: calls hand their requests to the
         // task until the next one is up. Bytes a call left for it are moot.
         *link.lock_direct() = Direct::default();
+        link.end_reading();
         link.channels.connection_ended();
         let why = match ended {
             Ended::Done(why, done) => {
@@ -677,83 +1167,10 @@ async fn reconnect(
     }
 }
 
-/// Routes replies to their calls; returns how the connection ended.
-async fn read_loop(
-    mut reader: ReadHalf,
-    mut buf: BytesMut,
-    releases: &mpsc::WeakUnboundedSender<Command>,
-    link: &Link,
-    epoch: u64,
-) -> Ended {
-    let broken = |why: String| Ended::Done(link.lost(why), None);
-    let limits = FrameLimits::unbounded();
-    // Files of shared-memory slabs, received with (or before) the first frame naming
-    // each, in order; and the slabs mapped so far, kept for the connection's life.
-    let mut files = VecDeque::new();
-    let mut slabs = HashMap::new();
-    loop {
-        loop {
-            match decode_server_frame(&mut buf, &limits) {
-                Ok(None) => break,
-                Ok(Some(ServerFrame::Reply { id, reply })) => link.complete(id, reply.map_err(Error::Op)),
-                Ok(Some(ServerFrame::SharedReply { id, slab, len })) => {
-                    let map = match slabs.entry(slab) {
-                        Entry::Occupied(known) => Arc::clone(known.get()),
-                        Entry::Vacant(new) => {
-                            let Some(file) = files.pop_front() else {
-                                return broken(format!("shared-memory slab {slab} came without its file"));
-                            };
-                            match shm::map_slab(file) {
-                                Ok(map) => Arc::clone(new.insert(map)),
-                                // Later replies from it could not be read either.
-                                Err(error) => return broken(format!("cannot map shared-memory slab {slab}: {error}")),
-                            }
-                        }
-                    };
-                    let releases = releases.clone();
-                    let release = move || {
-                        if let Some(commands) = releases.upgrade() {
-                            let _ = commands.send(Command::Release { slab, epoch });
-                        }
-                    };
-                    let reply = match shm::held_body(map, len, release) {
-                        Ok(body) => decode_shared_reply(id, body).map_err(|error| Error::Protocol(error.to_string())),
-                        Err(error) => Err(Error::Protocol(error.to_string())),
-                    };
-                    link.complete(id, reply.and_then(|reply| reply.map_err(Error::Op)));
-                }
-                Ok(Some(ServerFrame::BarrierChannel { id, channel, slot })) => {
-                    if let Err(why) = link.channels.answered(id, channel, slot, &mut files) {
-                        return broken(why);
-                    }
-                }
-                Ok(Some(ServerFrame::NoBarrierChannel { id, reason })) => {
-                    debug!(addr = %link.addr, %reason, "no barrier channel; the barrier goes through messages");
-                    link.channels.refused(id);
-                }
-                Ok(Some(
-                    ServerFrame::Welcome(_)
-                    | ServerFrame::Refused(_)
-                    | ServerFrame::AuthChallenge { .. }
-                    | ServerFrame::AuthAccepted { .. },
-                )) => {
-                    return broken("the coordinator sent a second handshake frame".to_owned());
-                }
-                Err(ProtoError::BadReply { id: Some(id), message }) => link.complete(id, Err(Error::Protocol(message))),
-                Err(error) if !error.is_fatal() => debug!(addr = %link.addr, %error, "skipped a malformed frame"),
-                Err(error) => return broken(format!("malformed data: {error}")),
-            }
-        }
-        Buffering::CLIENT.release_idle(&mut buf);
-        let room = read_room(&buf);
-        match reader.read_with_files(&mut buf, room, &mut files).await {
-            Ok(0) => return Ended::Cut("the coordinator closed the connection".to_owned()),
-            Ok(_) => {
-                link.reads.fetch_add(1, Ordering::Relaxed);
-            }
-            Err(error) => return Ended::Cut(error.to_string()),
-        }
-    }
+/// Reads replies and routes them to their calls when no call does
+/// ([`Link::poll_reply`]); returns how the connection ended.
+async fn read_loop(link: &Link) -> Ended {
+    std::future::poll_fn(|cx| link.poll_task_read(cx)).await
 }
 
 /// Room to make in the read buffer before the next read: the rest of the reply
@@ -969,3 +1386,6 @@ async fn tick(beat: &mut Option<Interval>) {
         None => std::future::pending().await,
     }
 }
+
+#[cfg(test)]
+mod tests;

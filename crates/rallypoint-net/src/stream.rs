@@ -4,6 +4,7 @@
 //! loopback TCP.
 
 use std::collections::VecDeque;
+use std::future::Future;
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -134,6 +135,35 @@ impl ReadHalf {
                     read => return read,
                 }
             },
+        }
+    }
+
+    /// [`ReadHalf::read_with_files`] as a poll, for a reader shared by several
+    /// tasks: as with tokio's `poll_read`, only the waker of the latest `cx` given is
+    /// woken when bytes come. `Pending` only once the socket had nothing more.
+    pub fn poll_read_with_files(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut BytesMut,
+        room: usize,
+        files: &mut VecDeque<OwnedFd>,
+    ) -> Poll<io::Result<usize>> {
+        buf.reserve(room);
+        match self {
+            // The future holds nothing but its borrows: polling it once is `poll_read`.
+            ReadHalf::Tcp(r) => std::pin::pin!(r.read_buf(buf)).poll(cx),
+            ReadHalf::Tls(r) => std::pin::pin!(r.read_buf(buf)).poll(cx),
+            ReadHalf::Unix(r) => {
+                let stream: &UnixStream = r.as_ref();
+                loop {
+                    std::task::ready!(stream.poll_read_ready(cx))?;
+                    // `WouldBlock` clears the readiness: the next poll registers `cx`.
+                    match stream.try_io(Interest::READABLE, || shm::recv_with_files(stream.as_fd(), buf, room, files)) {
+                        Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                        read => return Poll::Ready(read),
+                    }
+                }
+            }
         }
     }
 }

@@ -1,0 +1,273 @@
+//! The reads calls make themselves ([`Link::poll_reply`]), against a scripted
+//! coordinator on loopback that answers only once the test has seen who reads:
+//! each reply must reach its own call whoever reads it, and a cut or a silence
+//! found while a call reads must go through the resume path.
+
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::BytesMut;
+use rallypoint_core::{Identity, Request, Response, SessionId, Welcome};
+use rallypoint_proto::native::{
+    decode_client_frame, decode_preamble, encode_server_frame, ClientFrame, FrameLimits, ServerFrame,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+use super::Link;
+use crate::{Client, ConnectOptions};
+
+/// The longest any step of these tests waits: a bound, not a timing.
+const BOUND: Duration = Duration::from_secs(20);
+
+/// One connection of the scripted coordinator.
+struct Conn {
+    stream: TcpStream,
+    buf: BytesMut,
+}
+
+impl Conn {
+    /// Accepts a connection and reads its hello.
+    async fn accept(listener: &TcpListener) -> (Conn, Identity) {
+        let (stream, _) = bounded(listener.accept()).await.expect("accept");
+        let mut conn = Conn { stream, buf: BytesMut::new() };
+        loop {
+            if decode_preamble(&mut conn.buf).expect("preamble").is_some() {
+                break;
+            }
+            conn.read().await;
+        }
+        match conn.frame().await {
+            Some(ClientFrame::Hello(identity)) => (conn, identity),
+            other => panic!("expected a hello, got {other:?}"),
+        }
+    }
+
+    async fn read(&mut self) -> usize {
+        bounded(self.stream.read_buf(&mut self.buf)).await.expect("read")
+    }
+
+    /// The next frame; `None` once the client closed the connection.
+    async fn frame(&mut self) -> Option<ClientFrame> {
+        loop {
+            if let Some(frame) = decode_client_frame(&mut self.buf, &FrameLimits::unbounded()).expect("a frame") {
+                return Some(frame);
+            }
+            if self.read().await == 0 {
+                return None;
+            }
+        }
+    }
+
+    async fn send(&mut self, frame: ServerFrame) {
+        let mut out = BytesMut::new();
+        encode_server_frame(&frame, &mut out);
+        bounded(self.stream.write_all(&out)).await.expect("write");
+    }
+
+    async fn welcome(&mut self, session: u64, lease_ms: u64) {
+        let welcome = Welcome { session: SessionId(session), lease_ms, job_incarnation: None };
+        self.send(ServerFrame::Welcome(welcome)).await;
+    }
+
+    /// The next request other than a heartbeat (those are answered).
+    async fn request(&mut self) -> (u64, Request) {
+        loop {
+            match self.frame().await {
+                Some(ClientFrame::Request { id, request: Request::Heartbeat }) => {
+                    self.send(ServerFrame::Reply { id, reply: Ok(Response::Done) }).await;
+                }
+                Some(ClientFrame::Request { id, request }) => return (id, request),
+                other => panic!("expected a request, got {other:?}"),
+            }
+        }
+    }
+
+    /// Answers an add with its delta times ten: each call can tell its own reply.
+    async fn answer(&mut self, id: u64, request: &Request) {
+        let Request::Add { delta, .. } = request else { panic!("expected an add, got {request:?}") };
+        self.send(ServerFrame::Reply { id, reply: Ok(Response::Int(delta * 10)) }).await;
+    }
+}
+
+async fn bounded<F: std::future::Future>(future: F) -> F::Output {
+    tokio::time::timeout(BOUND, future).await.expect("a step of the test took too long")
+}
+
+/// Waits until call `id` reads the socket itself.
+async fn until_reading(link: &Link, id: u64) {
+    until(link, |side| side.call == Some(id)).await;
+}
+
+/// Waits until the link's read side is as `ready` says.
+async fn until(link: &Link, ready: impl Fn(&super::ReadSide) -> bool) {
+    let waited = tokio::time::timeout(BOUND, async {
+        while !ready(&link.lock_read()) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    if waited.is_err() {
+        let side = link.lock_read();
+        let calls: Vec<u64> = link.lock().calls.keys().copied().collect();
+        panic!("the read side never got there: reading call {:?}, calls {calls:?}", side.call);
+    }
+}
+
+async fn listen() -> (TcpListener, String) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("address").to_string();
+    (listener, addr)
+}
+
+async fn client(addr: &str) -> Client {
+    let options = ConnectOptions::new(addr, Identity::ranked("job", 0, 1)).with_timeout(BOUND);
+    Client::connect_with(options).await.expect("connect")
+}
+
+/// Connects a client and says welcome with `lease_ms`; returns both ends.
+async fn connected(lease_ms: u64) -> (TcpListener, Client, Conn) {
+    let (listener, addr) = listen().await;
+    let (client, (conn, identity)) = tokio::join!(client(&addr), async {
+        let (mut conn, identity) = Conn::accept(&listener).await;
+        conn.welcome(1, lease_ms).await;
+        (conn, identity)
+    });
+    assert_eq!(identity.resume, None);
+    // The task hands the read half over once it runs: a call before that is read
+    // for by the task.
+    until(client.link(), |side| side.reader.is_some()).await;
+    (listener, client, conn)
+}
+
+fn spawn_add(client: &Client, delta: i64) -> tokio::task::JoinHandle<i64> {
+    let client = client.clone();
+    tokio::spawn(async move { client.add("k", delta).await.expect("add") })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lone_call_reads_its_own_reply() {
+    let (_listener, client, mut conn) = connected(0).await;
+    let link = Arc::clone(client.link());
+    for delta in 1..=20 {
+        let call = spawn_add(&client, delta);
+        let (id, request) = conn.request().await;
+        until_reading(&link, id).await;
+        // A reply for no call waiting (as after a local timeout) goes nowhere.
+        conn.send(ServerFrame::Reply { id: id + 1_000_000, reply: Ok(Response::Int(-1)) }).await;
+        conn.answer(id, &request).await;
+        assert_eq!(bounded(call).await.expect("the call"), delta * 10);
+    }
+    // Every reply went straight to its call, none through the task.
+    assert_eq!(link.own_replies.load(Ordering::Relaxed), 20);
+    drop(client);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_pipelined_behind_a_reading_call_are_read_for_by_the_task() {
+    let (_listener, client, mut conn) = connected(0).await;
+    let link = Arc::clone(client.link());
+    for round in 0..5i64 {
+        // The first call reads; the others come while it does.
+        let first = spawn_add(&client, round * 100);
+        let (first_id, first_request) = conn.request().await;
+        until_reading(&link, first_id).await;
+        let others: Vec<_> = (1..=40).map(|i| (round * 100 + i, spawn_add(&client, round * 100 + i))).collect();
+        let mut requests = Vec::new();
+        for _ in 0..others.len() {
+            requests.push(conn.request().await);
+        }
+        // Registered before they were written: reading is the task's again.
+        assert_eq!(link.lock_read().call, None);
+        // Answered in reverse, the first call's last.
+        for (id, request) in requests.iter().rev() {
+            conn.answer(*id, request).await;
+        }
+        conn.answer(first_id, &first_request).await;
+        for (delta, call) in others {
+            assert_eq!(bounded(call).await.expect("a pipelined call"), delta * 10);
+        }
+        assert_eq!(bounded(first).await.expect("the first call"), round * 1000);
+        // Then a lone call again reads its own.
+        let lone = spawn_add(&client, -1);
+        let (id, request) = conn.request().await;
+        until_reading(&link, id).await;
+        conn.answer(id, &request).await;
+        assert_eq!(bounded(lone).await.expect("a lone call"), -10);
+    }
+    // The lone calls' own replies.
+    assert_eq!(link.own_replies.load(Ordering::Relaxed), 5);
+    drop(client);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reading_call_held_unpolled_holds_up_no_other_call() {
+    let (_listener, client, mut conn) = connected(0).await;
+    let link = Arc::clone(client.link());
+    let held = client.clone();
+    let mut first = Box::pin(async move { held.add("k", 1).await });
+    // Polled once: it writes its request and reads; then held, not polled.
+    tokio::select! {
+        biased;
+        _ = &mut first => panic!("the call finished before its reply"),
+        () = std::future::ready(()) => {}
+    }
+    let (first_id, first_request) = conn.request().await;
+    until_reading(&link, first_id).await;
+    // Another call of the same task: its reply must not wait for the first.
+    let answer = async {
+        let (id, request) = conn.request().await;
+        conn.answer(id, &request).await;
+    };
+    let (second, ()) = bounded(async { tokio::join!(client.add("k", 2), answer) }).await;
+    assert_eq!(second.expect("the second call"), 20);
+    conn.answer(first_id, &first_request).await;
+    assert_eq!(bounded(first).await.expect("the first call"), 10);
+    drop(client);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_found_by_a_reading_call_resumes_the_session_and_resends() {
+    let (listener, client, mut conn) = connected(0).await;
+    let link = Arc::clone(client.link());
+    let call = spawn_add(&client, 7);
+    let (id, request) = conn.request().await;
+    until_reading(&link, id).await;
+    drop(conn);
+    let (mut again, identity) = Conn::accept(&listener).await;
+    assert_eq!(identity.resume, Some(SessionId(1)), "the client resumes its session");
+    again.welcome(1, 0).await;
+    // The same request again, under the same id.
+    let (resent_id, resent) = again.request().await;
+    assert_eq!((resent_id, &resent), (id, &request));
+    again.answer(id, &resent).await;
+    assert_eq!(bounded(call).await.expect("the call"), 70);
+    assert_eq!(link.ends_found_by_calls.load(Ordering::Relaxed), 1, "the reading call found the cut");
+    // The new connection serves lone calls the same way.
+    let call = spawn_add(&client, 8);
+    let (id, request) = again.request().await;
+    until_reading(&link, id).await;
+    again.answer(id, &request).await;
+    assert_eq!(bounded(call).await.expect("the call"), 80);
+    drop(client);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_coordinator_is_noticed_while_a_call_reads() {
+    // Heartbeats every 200 ms; four unanswered ones make a cut.
+    let (listener, client, mut conn) = connected(600).await;
+    let call = spawn_add(&client, 3);
+    let (id, request) = conn.request().await;
+    // Silent from now on: heartbeats are read and left unanswered.
+    let silent = tokio::spawn(async move { while conn.frame().await.is_some() {} });
+    let (mut again, identity) = Conn::accept(&listener).await;
+    assert_eq!(identity.resume, Some(SessionId(1)), "the client resumes its session");
+    again.welcome(1, 600).await;
+    let (resent_id, resent) = again.request().await;
+    assert_eq!((resent_id, &resent), (id, &request));
+    again.answer(id, &resent).await;
+    assert_eq!(bounded(call).await.expect("the call"), 30);
+    silent.abort();
+    drop(client);
+}
