@@ -142,10 +142,20 @@ impl Client {
     }
 
     pub fn barrier(&self, name: &str, members: Members, timeout: Option<Duration>) -> Result<(), Error> {
-        // A release through shared memory wakes this thread itself: no runtime
-        // thread in between.
-        let waiting = crate::channel::Waiting::Thread;
-        self.runtime.block_on(self.inner.barrier_waiting(name, members, timeout, waiting))
+        use crate::channel::OnThread;
+        // Through a channel seat already held, the whole call runs in this thread,
+        // outside the runtime: a release through shared memory wakes this thread
+        // itself, and entering the runtime for each round would cost more than the rest.
+        let outcome = match self.inner.barrier_on_thread(name, &members, timeout) {
+            OnThread::Done(outcome) => outcome,
+            OnThread::Conclude(concluding) => self.runtime.block_on(concluding.finish()),
+            OnThread::Elsewhere => {
+                let waiting = crate::channel::Waiting::Thread;
+                return self.runtime.block_on(self.inner.barrier_waiting(name, members, timeout, waiting));
+            }
+        };
+        self.inner.barrier_ended(&outcome);
+        outcome
     }
 
     pub fn all_gather(

@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, Once, Weak};
 use std::time::{Duration, Instant};
 
-use rallypoint_core::{Request, Response};
+use rallypoint_core::{Members, Request, Response};
 use rallypoint_net::shm_barrier::{Outcome, RankChannel, Waited};
 use tokio::sync::Notify;
 use tracing::{debug, warn};
@@ -237,9 +237,8 @@ pub(crate) async fn barrier(
     waiting: Waiting,
 ) -> Option<Result<(), Error>> {
     let link = caller.link;
-    let channels = &link.channels;
     let seat = {
-        let mut state = channels.lock();
+        let mut state = link.channels.lock();
         let epoch = state.epoch;
         match state.uses.iter_mut().find(|(r, _)| r == request) {
             Some((_, Use::Messages | Use::Busy)) => return None,
@@ -264,11 +263,97 @@ pub(crate) async fn barrier(
         return attach(&caller, request, wait).await;
     };
     let (outcome, seat) = arrive_and_wait(link, seat, wait, waiting).await;
-    let mut state = channels.lock();
-    if let Some((_, used)) = state.uses.iter_mut().find(|(r, _)| r == request) {
+    put_back(link, |r| r == request, seat);
+    Some(outcome)
+}
+
+/// Records how the next call of the barrier `is` picks out goes once a call through
+/// its seat ended: with the seat, or (`None`: it can no longer be trusted) through
+/// messages.
+fn put_back(link: &Link, is: impl Fn(&Request) -> bool, seat: Option<Seat>) {
+    let mut state = link.channels.lock();
+    if let Some((_, used)) = state.uses.iter_mut().find(|(r, _)| is(r)) {
         *used = seat.map_or(Use::Messages, Use::Seat);
     }
-    Some(outcome)
+}
+
+/// A barrier call as its caller states it: found among the calls a client keeps
+/// without building a request for it.
+pub(crate) struct BarrierCall<'a> {
+    pub(crate) name: &'a str,
+    pub(crate) members: &'a Members,
+    pub(crate) timeout_ms: Option<u64>,
+}
+
+impl BarrierCall<'_> {
+    fn is(&self, request: &Request) -> bool {
+        matches!(request, Request::Barrier { name, members, timeout_ms }
+            if name == self.name && members == self.members && *timeout_ms == self.timeout_ms)
+    }
+
+    fn request(&self) -> Request {
+        Request::Barrier { name: self.name.to_owned(), members: self.members.clone(), timeout_ms: self.timeout_ms }
+    }
+}
+
+/// What [`barrier_on_thread`] came to.
+pub(crate) enum OnThread {
+    /// The call ended here.
+    Done(Result<(), Error>),
+    /// The round ended and its outcome comes on the socket: await [`Concluding::finish`].
+    Conclude(Concluding),
+    /// This client holds no seat for the barrier (yet): make the call with [`barrier`].
+    Elsewhere,
+}
+
+/// A call through a channel whose outcome, an error, comes on the socket.
+pub(crate) struct Concluding {
+    link: Arc<Link>,
+    request: Request,
+    pending: Pending,
+}
+
+impl Concluding {
+    pub(crate) async fn finish(self) -> Result<(), Error> {
+        let (outcome, seat) = self.pending.reply(&self.link).await;
+        put_back(&self.link, |r| *r == self.request, seat);
+        outcome
+    }
+}
+
+/// The blocking client's barrier through the seat it holds for it, entirely in the
+/// caller's thread: a released round (the common case) needs no runtime, no task and
+/// no future; only an outcome that comes on the socket is awaited, by the caller.
+pub(crate) fn barrier_on_thread(link: &Arc<Link>, call: &BarrierCall<'_>, wait: Duration) -> OnThread {
+    let seat = {
+        let mut state = link.channels.lock();
+        let epoch = state.epoch;
+        // Left as it is otherwise: [`barrier`] deals with every other case.
+        let Some((_, used)) = state.uses.iter_mut().find(|(r, _)| call.is(r)) else { return OnThread::Elsewhere };
+        if !matches!(&*used, Use::Seat(seat) if seat.epoch == epoch) {
+            return OnThread::Elsewhere;
+        }
+        let Use::Seat(seat) = std::mem::replace(used, Use::Busy) else { unreachable!("a seat, looked at just above") };
+        seat
+    };
+    let arrival = match arrive(link, seat, wait, Waiting::Thread) {
+        Ok(arrival) => arrival,
+        Err(refused) => {
+            let (error, seat) = *refused;
+            put_back(link, |r| call.is(r), Some(seat));
+            return OnThread::Done(Err(error));
+        }
+    };
+    let waited = wait_thread(link, &arrival);
+    match settle(link, arrival, waited, None) {
+        Settled::Done(outcome, seat) => {
+            put_back(link, |r| call.is(r), seat);
+            OnThread::Done(outcome)
+        }
+        Settled::Reply(pending) => {
+            OnThread::Conclude(Concluding { link: Arc::clone(link), request: call.request(), pending })
+        }
+    }
 }
 
 /// Makes the call as a request that also asks the agent for a channel for the
@@ -329,50 +414,112 @@ fn set_use(link: &Link, request: &Request, used: Option<Use>) {
 /// seat can no longer be trusted (an arrival the agent may still hold).
 async fn arrive_and_wait(
     link: &Arc<Link>,
-    mut seat: Seat,
+    seat: Seat,
     wait: Duration,
     waiting: Waiting,
 ) -> (Result<(), Error>, Option<Seat>) {
+    let mut arrival = match arrive(link, seat, wait, waiting) {
+        Ok(arrival) => arrival,
+        Err(refused) => {
+            let (error, seat) = *refused;
+            return (Err(error), Some(seat));
+        }
+    };
     let mut got = None;
-    let (id, mut reply) = match link.register(wait) {
+    let waited = match waiting {
+        Waiting::Thread => wait_thread(link, &arrival),
+        Waiting::Task => {
+            let (mapped, slot, round) = (&arrival.seat.channel, arrival.seat.slot, arrival.seat.round);
+            wait_task(mapped, slot, round, arrival.deadline, &mut arrival.reply, &mut got).await
+        }
+    };
+    match settle(link, arrival, waited, got) {
+        Settled::Done(outcome, seat) => (outcome, seat),
+        Settled::Reply(pending) => pending.reply(link).await,
+    }
+}
+
+/// A call that arrived in its slot and waits for the round's end.
+struct Arrival {
+    id: u64,
+    reply: Reply,
+    seat: Seat,
+    deadline: Instant,
+    wait: Duration,
+}
+
+/// Registers the call (its error, if any, comes on the socket under its id) and
+/// arrives in the seat's slot for the next round.
+/// A call refused before it arrived (the connection is closed) gives its seat back.
+fn arrive(link: &Link, mut seat: Seat, wait: Duration, waiting: Waiting) -> Result<Arrival, Box<(Error, Seat)>> {
+    let (id, reply) = match link.register(wait) {
         Ok(registered) => registered,
-        Err(error) => return (Err(error), Some(seat)),
+        Err(error) => return Err(Box::new((error, seat))),
     };
     let deadline = Instant::now() + wait;
     seat.round = seat.round.wrapping_add(1).max(1);
-    let (mapped, slot, round) = (Arc::clone(&seat.channel), seat.slot, seat.round);
     if waiting == Waiting::Task {
-        mapped.watched.watch();
+        seat.channel.watched.watch();
     }
-    mapped.channel.arrive(slot, round, id);
-    let waited = match waiting {
-        Waiting::Thread => {
-            mapped.channel.wait(slot, round, deadline, || mapped.ended.load(Ordering::Acquire) || !link.is_waiting(id))
-        }
-        Waiting::Task => wait_task(&mapped, slot, round, deadline, &mut reply, &mut got).await,
-    };
+    seat.channel.channel.arrive(seat.slot, seat.round, id);
+    Ok(Arrival { id, reply, seat, deadline, wait })
+}
+
+/// Waits in this thread for the round's end (or the connection's, or the call's
+/// answer on the socket).
+fn wait_thread(link: &Link, arrival: &Arrival) -> Waited {
+    let (mapped, id) = (&arrival.seat.channel, arrival.id);
+    let stop = || mapped.ended.load(Ordering::Acquire) || !link.is_waiting(id);
+    mapped.channel.wait(arrival.seat.slot, arrival.seat.round, arrival.deadline, stop)
+}
+
+/// How a wait in the channel ended: with the call's outcome, or with the outcome
+/// still to read on the socket.
+enum Settled {
+    Done(Result<(), Error>, Option<Seat>),
+    Reply(Pending),
+}
+
+/// A call whose outcome is its reply on the socket, with the seat to keep after it.
+struct Pending {
+    id: u64,
+    reply: Reply,
+    got: Option<Received>,
+    deadline: Instant,
+    kept: Option<Seat>,
+}
+
+impl Pending {
+    async fn reply(self, link: &Link) -> (Result<(), Error>, Option<Seat>) {
+        (reply_to(link, self.id, self.got, self.reply, self.deadline).await, self.kept)
+    }
+}
+
+fn settle(link: &Link, arrival: Arrival, waited: Waited, got: Option<Received>) -> Settled {
+    let Arrival { id, reply, seat, deadline, wait } = arrival;
     match waited {
         Waited::Ended(Outcome::Released) => {
             link.unregister(id);
-            (Ok(()), Some(seat))
+            Settled::Done(Ok(()), Some(seat))
         }
         // The error is on its way on the socket, as the reply to the call's id.
-        Waited::Ended(Outcome::Failed) => (reply_to(link, id, got, reply, deadline).await, Some(seat)),
+        Waited::Ended(Outcome::Failed) => Settled::Reply(Pending { id, reply, got, deadline, kept: Some(seat) }),
         Waited::Stopped => {
-            let ended = mapped.ended.load(Ordering::Acquire);
-            let kept = (!ended && mapped.channel.outcome(slot, round).is_some()).then_some(seat);
+            let ended = seat.channel.ended.load(Ordering::Acquire);
+            let finished = seat.channel.channel.outcome(seat.slot, seat.round).is_some();
+            let kept = (!ended && finished).then_some(seat);
             if ended && got.is_none() && link.is_waiting(id) {
                 // The connection ended without answering: whether the barrier took
                 // effect is unknown, as for a request whose connection was cut.
                 link.unregister(id);
                 let why = format!("the connection to the node agent at {} ended during a barrier", link.addr());
-                return (Err(Error::Disconnected(why)), kept);
+                return Settled::Done(Err(Error::Disconnected(why)), kept);
             }
-            (reply_to(link, id, got, reply, deadline).await, kept)
+            Settled::Reply(Pending { id, reply, got, deadline, kept })
         }
         Waited::TimedOut => {
             link.unregister(id);
-            (Err(Error::Timeout(wait)), None)
+            Settled::Done(Err(Error::Timeout(wait)), None)
         }
     }
 }

@@ -396,6 +396,30 @@ impl Client {
         self.barrier_waiting(name, members, timeout, channel::Waiting::Task).await
     }
 
+    /// The blocking client's barrier through the channel seat this client holds for
+    /// it, in the caller's thread (see [`channel::barrier_on_thread`]).
+    pub(crate) fn barrier_on_thread(
+        &self,
+        name: &str,
+        members: &Members,
+        timeout: Option<Duration>,
+    ) -> channel::OnThread {
+        if !self.inner.barrier_channels {
+            return channel::OnThread::Elsewhere;
+        }
+        let (timeout_ms, wait) = self.blocking_timeout(timeout);
+        let call = channel::BarrierCall { name, members, timeout_ms };
+        channel::barrier_on_thread(&self.inner.link, &call, wait.saturating_add(SAFETY_MARGIN))
+    }
+
+    /// What a barrier through a channel that ended in a timeout tells the connection:
+    /// the coordinator may have gone silent.
+    pub(crate) fn barrier_ended(&self, outcome: &Result<(), Error>) {
+        if matches!(outcome, Err(Error::Timeout(_))) {
+            self.inner.silent.store(true, Ordering::Relaxed);
+        }
+    }
+
     /// [`Client::barrier`], waiting for a release through shared memory as `waiting` says.
     pub(crate) async fn barrier_waiting(
         &self,
@@ -411,9 +435,7 @@ impl Client {
             // Boxed: its future is large, and every barrier's future would carry it.
             let through = Box::pin(channel::barrier(caller, &request, wait.saturating_add(SAFETY_MARGIN), waiting));
             if let Some(done) = through.await {
-                if matches!(done, Err(Error::Timeout(_))) {
-                    self.inner.silent.store(true, Ordering::Relaxed);
-                }
+                self.barrier_ended(&done);
                 return done;
             }
         }

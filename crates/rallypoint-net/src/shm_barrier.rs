@@ -391,9 +391,9 @@ mod mapped {
         /// passes: a bounded spin first (longer when few ranks share the channel,
         /// as on a node with cores to spare), then futex waits on the release word.
         pub fn wait(&self, slot: u32, round: u32, deadline: Instant, stop: impl Fn() -> bool) -> Waited {
-            // Slots in use: few means spinning pays.
+            // Slots in use: few means spinning pays. (No spin, no clock read for it.)
             let spin = spin_budget(self.words.u32_at(ATTACHED).load(Ordering::Relaxed));
-            let spun = Instant::now();
+            let spun = (!spin.is_zero()).then(Instant::now);
             let mut tries = 0u32;
             loop {
                 let seen = super::release_word(&self.words);
@@ -408,7 +408,7 @@ mod mapped {
                     return Waited::TimedOut;
                 }
                 tries += 1;
-                if tries < SPIN_CHECKS && now.duration_since(spun) < spin {
+                if tries < SPIN_CHECKS && spun.is_some_and(|spun| now.duration_since(spun) < spin) {
                     for _ in 0..SPINS_PER_CHECK {
                         std::hint::spin_loop();
                     }
