@@ -549,12 +549,7 @@ async fn measure_procs(args: &Args, target: &Target, sources: Sources) -> anyhow
 
 /// `--op floor`: the serving child, or the measurement (its client side).
 async fn run_floor(args: &Args) -> anyhow::Result<()> {
-    let plan = floor::Plan {
-        clients: args.clients,
-        rounds: args.rounds,
-        warmup: args.warmup,
-        timeout: Duration::from_secs_f64(args.timeout),
-    };
+    let plan = floor_plan(args, args.clients);
     // Each side holds one socket per client.
     ensure_fds(u64::from(args.clients) + 64)?;
     if args.serve_floor {
@@ -564,35 +559,14 @@ async fn run_floor(args: &Args) -> anyhow::Result<()> {
         bail!("--op floor measures bare sockets without a server, from one process: --addr and --procs do not apply");
     }
     let measured = floor::measure(&plan).await?;
-    let mut report = Report {
-        op: Op::Floor,
-        blocking: false,
-        protocol: None,
-        clients: args.clients,
-        procs: 1,
-        src_addrs: 0,
-        rounds: args.rounds,
-        warmup_rounds: args.warmup,
-        round: measured.round,
-        connect_ms: ms(measured.connecting),
-        server_rss_one_conn_bytes: None,
-        server_rss_idle_bytes: None,
-        server_rss_per_conn_bytes: None,
-        server_cpu_us_per_rank_round: None,
-        client_cpu_us_per_rank_round: None,
-    };
+    let mut report = floor_report(args, Op::Floor, measured.round, ms(measured.connecting));
     report.set_cpu(Some(measured.server_cpu_ns), Some(measured.client_cpu_ns));
     print_report(&report, args.json, print_text)
 }
 
 /// `--op wake-floor`: a rank process, or the measurement (their parent).
 async fn run_wake_floor(args: &Args) -> anyhow::Result<()> {
-    let plan = wake_floor::Plan {
-        procs: args.procs,
-        rounds: args.rounds,
-        warmup: args.warmup,
-        timeout: Duration::from_secs_f64(args.timeout),
-    };
+    let plan = floor_plan(args, args.procs);
     if let Some(path) = &args.wake_child {
         return wake_floor::child(&plan, path);
     }
@@ -600,24 +574,33 @@ async fn run_wake_floor(args: &Args) -> anyhow::Result<()> {
         bail!("--op wake-floor measures processes and shared memory without a server: --addr does not apply");
     }
     let round = wake_floor::measure(&plan).await?;
-    let report = Report {
-        op: Op::WakeFloor,
+    let report = floor_report(args, Op::WakeFloor, round, 0.0);
+    print_report(&report, args.json, print_text)
+}
+
+fn floor_plan(args: &Args, ranks: u32) -> floor::Plan {
+    floor::Plan { ranks, rounds: args.rounds, warmup: args.warmup, timeout: Duration::from_secs_f64(args.timeout) }
+}
+
+/// The report of a floor: no protocol, no server, one rank per connection or process.
+fn floor_report(args: &Args, op: Op, round: Times, connect_ms: f64) -> Report {
+    Report {
+        op,
         blocking: false,
         protocol: None,
-        clients: args.procs,
-        procs: args.procs,
+        clients: if op == Op::WakeFloor { args.procs } else { args.clients },
+        procs: if op == Op::WakeFloor { args.procs } else { 1 },
         src_addrs: 0,
         rounds: args.rounds,
         warmup_rounds: args.warmup,
         round,
-        connect_ms: 0.0,
+        connect_ms,
         server_rss_one_conn_bytes: None,
         server_rss_idle_bytes: None,
         server_rss_per_conn_bytes: None,
         server_cpu_us_per_rank_round: None,
         client_cpu_us_per_rank_round: None,
-    };
-    print_report(&report, args.json, print_text)
+    }
 }
 
 fn op_name(op: Op) -> &'static str {

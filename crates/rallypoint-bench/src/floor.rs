@@ -26,16 +26,17 @@ const MESSAGE: usize = 16;
 /// Queued connections the listener takes: the client connects all N at once.
 const BACKLOG: i32 = 4096;
 
-/// What one floor measurement is run with.
+/// What one floor measurement (this one, or `wake_floor`'s) is run with.
 pub(crate) struct Plan {
-    pub(crate) clients: u32,
+    /// Ranks: connections here, processes for `wake_floor`.
+    pub(crate) ranks: u32,
     pub(crate) rounds: u32,
     pub(crate) warmup: u32,
     pub(crate) timeout: Duration,
 }
 
 impl Plan {
-    fn total(&self) -> usize {
+    pub(crate) fn total(&self) -> usize {
         (self.warmup + self.rounds) as usize
     }
 }
@@ -58,7 +59,7 @@ struct ServerReport {
 
 /// Runs the floor: a serving child process, and the clients on a thread of this one.
 pub(crate) async fn measure(plan: &Plan) -> anyhow::Result<Measured> {
-    let (n, total) = (plan.clients, plan.total());
+    let (n, total) = (plan.ranks, plan.total());
     let mut command = crate::bench_child(&["barrier", "--op", "floor", "--serve-floor", "--json"])?;
     command
         .args(["--clients", &n.to_string(), "--rounds", &plan.rounds.to_string()])
@@ -133,7 +134,7 @@ fn run_clients(addr: SocketAddr, n: usize, total: usize, timeout: Duration) -> i
 /// The serving child: prints its port, takes N connections, serves `total` rounds,
 /// then prints a [`ServerReport`].
 pub(crate) fn serve(plan: &Plan) -> anyhow::Result<()> {
-    let (n, total) = (plan.clients as usize, plan.total());
+    let (n, total) = (plan.ranks as usize, plan.total());
     let listener = listen()?;
     println!("{}", listener.local_addr()?.port());
     io::stdout().flush()?;

@@ -19,21 +19,8 @@ use anyhow::{bail, ensure, Context};
 use rustix::mm::{mmap, munmap, MapFlags, ProtFlags};
 use rustix::thread::futex;
 
+use crate::floor::Plan;
 use crate::{mono_ns, round_stats, Times};
-
-/// What one measurement is run with.
-pub(crate) struct Plan {
-    pub(crate) procs: u32,
-    pub(crate) rounds: u32,
-    pub(crate) warmup: u32,
-    pub(crate) timeout: Duration,
-}
-
-impl Plan {
-    fn total(&self) -> usize {
-        (self.warmup + self.rounds) as usize
-    }
-}
 
 /// The shared file: the arrival count, the round word the sleepers wait on, a
 /// failure flag, and each round's end as stamped by its last arrival.
@@ -103,10 +90,10 @@ pub(crate) async fn measure(plan: &Plan) -> anyhow::Result<Times> {
     let shared = Shared::map(&file, plan.total())?;
     let path = &path.0;
     let exe = std::env::current_exe().context("this benchmark's own path")?;
-    let mut children = Vec::with_capacity(plan.procs as usize);
-    for _ in 0..plan.procs {
+    let mut children = Vec::with_capacity(plan.ranks as usize);
+    for _ in 0..plan.ranks {
         let child = tokio::process::Command::new(&exe)
-            .args(["barrier", "--op", "wake-floor", "--procs", &plan.procs.to_string()])
+            .args(["barrier", "--op", "wake-floor", "--procs", &plan.ranks.to_string()])
             .args(["--rounds", &plan.rounds.to_string(), "--warmup", &plan.warmup.to_string()])
             .args(["--timeout", &plan.timeout.as_secs_f64().to_string()])
             .arg("--wake-child")
@@ -139,7 +126,7 @@ pub(crate) fn child(plan: &Plan, path: &Path) -> anyhow::Result<()> {
     let deadline = Instant::now() + plan.timeout;
     for round in 0..plan.total() {
         let seen = round_word.load(Ordering::Acquire);
-        if count.fetch_add(1, Ordering::AcqRel) + 1 == plan.procs {
+        if count.fetch_add(1, Ordering::AcqRel) + 1 == plan.ranks {
             shared.stamp(round).store(mono_ns(), Ordering::Release);
             count.store(0, Ordering::Release);
             round_word.store(seen.wrapping_add(1), Ordering::Release);
