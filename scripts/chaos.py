@@ -15,7 +15,8 @@ its exit code and error text. From those records each run checks:
 
   hangs           no operation of a rank that is not stopped outlives its timeout
                   plus a margin (behind a frozen agent: plus the client's 5 s reply
-                  margin), nor a Python close(); the run's deadline kills what is left
+                  margin), nor a Python close() its leave wait (2 s) plus that margin;
+                  the run's deadline kills what is left
   wrong names     every PeerLost names a rank that really died, with the right cause
                   (killed or agent killed: "connection dropped"; stopped: "no
                   heartbeat"), never a healthy rank or one that left cleanly; every
@@ -66,6 +67,9 @@ BARRIER, GATHER = "step", "vals"
 # How long a client waits for a reply beyond the operation's timeout before it gives
 # up on a silent coordinator or agent (ReplyTimeout): the client's safety margin.
 REPLY_MARGIN = 5.0
+# How long close() waits for its leave to be answered (the client's LEAVE_WAIT):
+# behind a frozen agent nobody answers, and close() returns after that wait.
+LEAVE_WAIT = 2.0
 
 
 def now() -> float:
@@ -895,7 +899,7 @@ class Checker:
                 out.add("hangs", f"rank {r} ({plan.kinds[r]}) still running {what} at the run's deadline")
                 continue
             finished = log.done if log.done is not None else (last.t if last else None)
-            if log.closed is not None and finished is not None and log.closed - finished > HANG_MARGIN:
+            if log.closed is not None and finished is not None and log.closed - finished > LEAVE_WAIT + HANG_MARGIN:
                 out.add("hangs", f"rank {r} (py): close() took {log.closed - finished:.2f}s")
             own = [(ft, k) for ft, k in self.faults[r] if k in ("kill", "stop")]
             if own:
