@@ -625,28 +625,39 @@ mod mapped {
             const ROUNDS: u32 = 300;
             let agent = channel_of(RANKS);
             let arrivals = Arc::new(AtomicU32::new(0));
-            let ranks: Vec<_> = (0..RANKS)
+            let ranks = spawn_ranks(&agent, RANKS, ROUNDS, &arrivals);
+            run_agent(&agent, RANKS, ROUNDS, &arrivals, |_| Outcome::Released);
+            for (slot, rank) in ranks.into_iter().enumerate() {
+                let waited = rank.join().expect("a rank");
+                let odd = waited.iter().position(|w| *w != Waited::Ended(Outcome::Released));
+                assert_eq!(odd.map(|at| (at + 1, waited[at])), None, "slot {slot}: (round, how it ended)");
+            }
+        }
+
+        /// `ranks` threads, each a rank with its own mapping, slot `0..ranks`, each
+        /// arriving at `rounds` rounds in turn (counted in `arrivals` first); each
+        /// returns how every round's wait ended.
+        fn spawn_ranks(
+            agent: &AgentChannel,
+            ranks: u32,
+            rounds: u32,
+            arrivals: &Arc<AtomicU32>,
+        ) -> Vec<std::thread::JoinHandle<Vec<Waited>>> {
+            (0..ranks)
                 .map(|slot| {
-                    let rank = rank_of(&agent);
-                    let arrivals = Arc::clone(&arrivals);
+                    let rank = rank_of(agent);
+                    let arrivals = Arc::clone(arrivals);
                     std::thread::spawn(move || {
-                        for round in 1..=ROUNDS {
-                            arrivals.fetch_add(1, Ordering::SeqCst);
-                            rank.arrive(slot, round, u64::from(slot) * 1_000_000 + u64::from(round));
-                            let deadline = Instant::now() + Duration::from_secs(60);
-                            assert_eq!(
-                                rank.wait(slot, round, deadline, || false),
-                                Waited::Ended(Outcome::Released),
-                                "slot {slot}, round {round}"
-                            );
-                        }
+                        (1..=rounds)
+                            .map(|round| {
+                                arrivals.fetch_add(1, Ordering::SeqCst);
+                                rank.arrive(slot, round, u64::from(slot) * 1_000_000 + u64::from(round));
+                                rank.wait(slot, round, Instant::now() + Duration::from_secs(60), || false)
+                            })
+                            .collect()
                     })
                 })
-                .collect();
-            run_agent(&agent, RANKS, ROUNDS, &arrivals, |_| Outcome::Released);
-            for rank in ranks {
-                rank.join().expect("a rank");
-            }
+                .collect()
         }
 
         /// A round that fails (a peer died) wakes every waiter with the failure, and
@@ -656,21 +667,7 @@ mod mapped {
             const RANKS: u32 = 8;
             let agent = channel_of(RANKS);
             let arrivals = Arc::new(AtomicU32::new(0));
-            let ranks: Vec<_> = (0..RANKS)
-                .map(|slot| {
-                    let rank = rank_of(&agent);
-                    let arrivals = Arc::clone(&arrivals);
-                    std::thread::spawn(move || {
-                        (1..=3)
-                            .map(|round| {
-                                arrivals.fetch_add(1, Ordering::SeqCst);
-                                rank.arrive(slot, round, u64::from(slot) * 1_000_000 + u64::from(round));
-                                rank.wait(slot, round, Instant::now() + Duration::from_secs(60), || false)
-                            })
-                            .collect::<Vec<_>>()
-                    })
-                })
-                .collect();
+            let ranks = spawn_ranks(&agent, RANKS, 3, &arrivals);
             let end = |round| if round == 2 { Outcome::Failed } else { Outcome::Released };
             run_agent(&agent, RANKS, 3, &arrivals, end);
             let (released, failed) = (Waited::Ended(Outcome::Released), Waited::Ended(Outcome::Failed));
