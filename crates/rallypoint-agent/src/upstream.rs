@@ -11,7 +11,7 @@ use bytes::BytesMut;
 use rallypoint_core::{OpError, Reply};
 use rallypoint_net::conn::AuthFailure;
 use rallypoint_net::conn::{greet, read_some, Buffering, Credentials, End, GreetError};
-use rallypoint_net::shm::SHARED_REPLY_MIN;
+use rallypoint_net::shm::through_slab;
 use rallypoint_net::sync::{lock, Backoff};
 use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
 use rallypoint_net::{ReadHalf, Stream, WriteHalf};
@@ -153,7 +153,7 @@ fn answer_bad_frame(hub: &Hub, error: ProtoError) {
 /// ranks that take shared replies (docs/PROTOCOL.md, section 13), and goes to the
 /// others as bytes on their socket.
 fn fan_out(hub: &Hub, calls: &[(u64, u64)], reply: &Reply) {
-    let large = reply_payload_len(reply) >= SHARED_REPLY_MIN;
+    let large = through_slab(reply_payload_len(reply), calls.len());
     let mut placed: Option<Option<Placed>> = None;
     // Barrier channels with a slot finished here: woken once each, at the end.
     let mut finished: Vec<Arc<Channel>> = Vec::new();

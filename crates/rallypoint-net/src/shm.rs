@@ -25,9 +25,20 @@ use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags,
 };
 
-/// Reply bodies from this size up go to ranks that take them through slabs: below
-/// it, copying through the socket costs less than the bookkeeping.
-pub const SHARED_REPLY_MIN: usize = 128 * 1024;
+/// Reply bodies from this size up may go to ranks that take them through slabs:
+/// below it, copying one through a socket costs a rank less than the frame, the
+/// file and the mapping of a slab.
+pub const SHARED_REPLY_MIN: usize = 16 * 1024;
+
+/// ... if the copies a slab saves, over all the ranks given one reply, come to this
+/// much: the slab itself is made and written once, whatever number of ranks take it.
+pub const SHARED_FAN_OUT_MIN: usize = 128 * 1024;
+
+/// Whether a reply body of `len` bytes for `recipients` ranks goes through a slab
+/// to those that take shared replies.
+pub fn through_slab(len: usize, recipients: usize) -> bool {
+    len >= SHARED_REPLY_MIN && len.saturating_mul(recipients) >= SHARED_FAN_OUT_MIN
+}
 
 /// Files passed with one write at most. A receiver makes room for as many per
 /// read; the kernel never hands over more than one write's files in one read.
@@ -187,6 +198,18 @@ mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use super::*;
+
+    #[test]
+    fn a_reply_goes_through_a_slab_when_the_copies_it_saves_outweigh_it() {
+        // Too small for a slab, however many ranks take it.
+        assert!(!through_slab(SHARED_REPLY_MIN - 1, 100_000));
+        // A mid-size reply: copied to a few ranks, shared among many.
+        assert!(!through_slab(SHARED_REPLY_MIN, 1));
+        assert!(through_slab(SHARED_REPLY_MIN, SHARED_FAN_OUT_MIN / SHARED_REPLY_MIN));
+        // A large one: shared even with one rank (its mapping stays for later rounds).
+        assert!(through_slab(SHARED_FAN_OUT_MIN, 1));
+        assert!(!through_slab(usize::MAX, 0), "no rank, nothing to share");
+    }
 
     #[test]
     fn a_slab_maps_back_and_its_release_runs_when_the_last_slice_goes() {
