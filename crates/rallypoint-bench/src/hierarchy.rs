@@ -36,6 +36,8 @@ use tokio::task::JoinSet;
 use crate::{mono_ns, print_report, Stats, Times};
 
 mod channels;
+mod start;
+mod start_floor;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -63,6 +65,17 @@ pub struct Args {
     /// ranks the agent gives no channel (over TCP) go through messages
     #[arg(long)]
     channels: bool,
+    /// Measure a job's start instead of barrier rounds: every rank connects and
+    /// registers, passes one barrier and all-gathers an address; reports when the
+    /// last rank ended each phase, from the start of the load generators
+    /// (`--rounds`, `--warmup` and `--channels` do not apply)
+    #[arg(long, conflicts_with = "channels")]
+    start: bool,
+    /// With --start: the floor under it. The same generators and ranks, but each
+    /// agent is a bare epoll loop that answers the same frames, and there is no
+    /// coordinator (Unix sockets only)
+    #[arg(long, requires = "start")]
+    floor: bool,
     /// Seconds the whole run may take before the benchmark fails
     #[arg(long, value_name = "SECS", default_value = "600", value_parser = crate::secs)]
     timeout: f64,
@@ -75,6 +88,9 @@ pub struct Args {
     /// Internal: the agents' addresses, comma-separated (for `--generator`)
     #[arg(long, hide = true)]
     agent_addrs: Option<String>,
+    /// Internal: run as a floor agent (`--start --floor`) for COUNT ranks on the Unix socket PATH
+    #[arg(long, hide = true, num_args = 2, value_names = ["PATH", "COUNT"])]
+    floor_agent: Option<Vec<String>>,
 }
 
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -150,7 +166,25 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(range) = &args.generator {
         return generator(&args, range[0], range[1]).await;
     }
+    if let Some(floor) = &args.floor_agent {
+        let count = floor[1].parse().context("--floor-agent COUNT")?;
+        let timeout = Duration::from_secs_f64(args.timeout);
+        let (path, world) = (floor[0].clone(), args.ranks);
+        return tokio::task::spawn_blocking(move || start_floor::serve(&path, count, world, timeout)).await?;
+    }
     let limit = Duration::from_secs_f64(args.timeout);
+    if args.start {
+        return match tokio::time::timeout(limit, coordinate_start(&args)).await {
+            Ok(report) => print_report(&report?, args.json, |r| {
+                println!(
+                    "{}start of {} ranks through {} agents ({:?}): all registered at {:.0} ms, through the barrier at {:.0} ms, all-gathered at {:.0} ms ({} took it as shared memory)",
+                    if r.floor { "floor under the " } else { "" },
+                    r.ranks, r.agents, r.transport, r.registered_ms, r.barrier_ms, r.all_gather_ms, r.ranks_with_shared_result
+                );
+            }),
+            Err(_) => bail!("the benchmark did not finish within {limit:?}"),
+        };
+    }
     match tokio::time::timeout(limit, coordinate(&args)).await {
         Ok(report) => print_report(&report?, args.json, |report| {
             println!(
@@ -225,6 +259,33 @@ impl Agents {
         Ok(agents)
     }
 
+    /// Starts `--start --floor`'s floor agents (this binary again) in their place:
+    /// agent `i` serves the ranks `r` with `r mod K = i`, as the generators spread them.
+    async fn start_floors(args: &Args) -> anyhow::Result<Agents> {
+        let dir = std::env::temp_dir().join(format!("rallypoint-bench-floors-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        let me = std::env::current_exe().context("finding the rallypoint-bench executable")?;
+        let mut agents = Agents { children: Vec::new(), addrs: Vec::new(), dir };
+        for i in 0..args.agents {
+            let path = agents.dir.join(format!("floor-{i}.sock")).display().to_string();
+            let count = (args.ranks + args.agents - 1 - i) / args.agents;
+            let argv = [
+                "hierarchy".to_owned(),
+                "--ranks".to_owned(),
+                args.ranks.to_string(),
+                "--timeout".to_owned(),
+                args.timeout.to_string(),
+                "--floor-agent".to_owned(),
+                path,
+                count.to_string(),
+            ];
+            let mut agent = spawn(&me, &argv, "a floor agent").await?;
+            agents.addrs.push(agent.line("a floor agent").await?);
+            agents.children.push(agent);
+        }
+        Ok(agents)
+    }
+
     /// Kills the agents and waits for them to end.
     pub(super) async fn stop(mut self) {
         for mut agent in std::mem::take(&mut self.children) {
@@ -248,15 +309,23 @@ impl Spawned {
     }
 }
 
-async fn coordinate(args: &Args) -> anyhow::Result<Report> {
-    let generators = args.generators.unwrap_or(args.ranks.div_ceil(PER_GENERATOR)).min(args.ranks);
+/// Load generators by default: enough for [`PER_GENERATOR`] connections each.
+fn generator_count(args: &Args) -> u32 {
+    args.generators.unwrap_or(args.ranks.div_ceil(PER_GENERATOR)).min(args.ranks)
+}
+
+/// Starts the coordinator and the agents under test.
+async fn start_servers(args: &Args) -> anyhow::Result<(Spawned, Agents)> {
     let serve = ["serve", "--listen", "127.0.0.1:0", "--print-addr"].map(String::from);
     let mut root = spawn(&crate::rallypoint_exe()?, &serve, "the coordinator").await?;
     let root_addr = root.line("the coordinator").await?;
-
     let agents = Agents::start(args.agents, &root_addr, args.transport).await?;
+    Ok((root, agents))
+}
 
-    let started = Instant::now();
+/// Starts the load generators (this binary again), each with its share of the ranks.
+async fn spawn_generators(args: &Args, generators: u32, agents: &Agents) -> anyhow::Result<Vec<Spawned>> {
+    let me = std::env::current_exe().context("finding the rallypoint-bench executable")?;
     let mut gens = Vec::new();
     let per = args.ranks.div_ceil(generators);
     for g in 0..generators {
@@ -279,9 +348,106 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
         if args.channels {
             argv.push("--channels".to_owned());
         }
-        let me = std::env::current_exe().context("finding the rallypoint-bench executable")?;
+        if args.start {
+            argv.push("--start".to_owned());
+        }
         gens.push(spawn(&me, &argv, "a load generator").await?);
     }
+    Ok(gens)
+}
+
+/// What `--start` reports.
+#[derive(Debug, Serialize)]
+struct StartReport {
+    op: &'static str,
+    ranks: u32,
+    agents: u32,
+    generators: u32,
+    transport: Transport,
+    /// The floor under a start (`--floor`): bare epoll loops for agents, no coordinator.
+    floor: bool,
+    /// Bytes of the address each rank contributes to the all-gather.
+    value_bytes: usize,
+    /// Of the ranks, how many took the all-gather's result as shared memory (the
+    /// others were sent it on their sockets).
+    ranks_with_shared_result: u32,
+    /// From starting the load generators until the last rank was welcomed.
+    registered_ms: f64,
+    /// ... until the last rank was released from the first barrier.
+    barrier_ms: f64,
+    /// ... until the last rank held the all-gather's result: the start, end to end.
+    all_gather_ms: f64,
+    /// CPU time (user + system) of the coordinator, of all agents and of all
+    /// generators over the whole start.
+    cpu_ms: CpuSplit,
+}
+
+async fn coordinate_start(args: &Args) -> anyhow::Result<StartReport> {
+    let generators = generator_count(args);
+    let (mut root, agents) = if args.floor {
+        if args.transport != Transport::Unix {
+            bail!("the floor of a start (--floor) is measured over Unix sockets only");
+        }
+        (None, Agents::start_floors(args).await?)
+    } else {
+        let (root, agents) = start_servers(args).await?;
+        (Some(root), agents)
+    };
+    let cpu_sample = |gens: &[Spawned]| {
+        [
+            root.as_ref().map_or(0, |root| cpu_ticks(&root.child)),
+            cpu_of(agents.children.iter().map(|a| &a.child)),
+            cpu_of(gens.iter().map(|g| &g.child)),
+        ]
+    };
+    let cpu_before = cpu_sample(&[]);
+    let t0 = mono_ns();
+    let mut gens = spawn_generators(args, generators, &agents).await?;
+    let mut stamps = Vec::new();
+    for generator in &mut gens {
+        let line = generator.line("a load generator").await?;
+        let report: start::Stamps =
+            serde_json::from_str(&line).with_context(|| format!("a generator reported {line:?}"))?;
+        stamps.push(report);
+    }
+    let cpu_after = cpu_sample(&gens);
+    for mut generator in gens {
+        let _ = generator.child.kill().await;
+    }
+    agents.stop().await;
+    if let Some(root) = &mut root {
+        let _ = root.child.kill().await;
+    }
+
+    // SAFETY: sysconf has no preconditions.
+    let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let cpu_ms = |i: usize| (cpu_after[i].saturating_sub(cpu_before[i])) as f64 / ticks_per_s * 1e3;
+    let phase_ms = |p: usize| {
+        let end = stamps.iter().map(|s| s.phase_end_ns[p]).max().unwrap_or(0);
+        (end.saturating_sub(t0) as f64 / 1e5).round() / 10.0
+    };
+    Ok(StartReport {
+        op: "start",
+        ranks: args.ranks,
+        agents: args.agents,
+        generators,
+        transport: args.transport,
+        floor: args.floor,
+        value_bytes: start::address(0).len(),
+        ranks_with_shared_result: stamps.iter().map(|s| s.shared).sum(),
+        registered_ms: phase_ms(0),
+        barrier_ms: phase_ms(1),
+        all_gather_ms: phase_ms(2),
+        cpu_ms: CpuSplit { coordinator: cpu_ms(0), agents: cpu_ms(1), generators: cpu_ms(2) },
+    })
+}
+
+async fn coordinate(args: &Args) -> anyhow::Result<Report> {
+    let generators = generator_count(args);
+    let (mut root, agents) = start_servers(args).await?;
+
+    let started = Instant::now();
+    let mut gens = spawn_generators(args, generators, &agents).await?;
     for generator in &mut gens {
         let ready = generator.line("a load generator").await?;
         if ready != "ready" {
@@ -597,6 +763,9 @@ async fn report(setup: &RankSetup, started: Started, through_channels: u32) -> a
 async fn generator(args: &Args, first: u32, count: u32) -> anyhow::Result<()> {
     rallypoint_net::raise_fd_limit();
     let addrs: Vec<String> = args.agent_addrs.as_deref().unwrap_or_default().split(',').map(str::to_owned).collect();
+    if args.start {
+        return start::generator(args.ranks, first, count, addrs).await;
+    }
     let (go_tx, go_rx) = tokio::sync::watch::channel(0);
     let setup = RankSetup::new(args, count, go_rx);
     if args.channels {

@@ -16,6 +16,7 @@ mod kv;
 mod plot;
 mod storm;
 mod tcpstore;
+mod tcpstore_start;
 mod wake_floor;
 
 use std::future::Future;
@@ -70,6 +71,10 @@ enum BenchCommand {
     /// N ranks in one barrier through K node agents (`rallypoint agent`), their
     /// connections spread over several load-generator processes.
     Hierarchy(hierarchy::Args),
+    /// A job's start on a TCPStore server (torch's or rallypoint's) as torch's elastic
+    /// utilities do it: N ranks connect, pass the store barrier and all-gather an
+    /// address with `synchronize`; the anchor of `hierarchy --start`.
+    TcpstoreStart(tcpstore_start::Args),
 }
 
 async fn run(command: BenchCommand) -> anyhow::Result<()> {
@@ -82,6 +87,7 @@ async fn run(command: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Attack(args) => attack::run(args).await,
         BenchCommand::Hierarchy(args) => hierarchy::run(args).await,
         BenchCommand::Handshake(args) => handshake::run(args).await,
+        BenchCommand::TcpstoreStart(args) => tcpstore_start::run(args).await,
     }
 }
 

@@ -153,18 +153,34 @@ impl StoreConn {
 
     /// What torch's `multi_get` does: WAIT for all keys, then MULTI_GET.
     pub async fn multi_get(&mut self, keys: &[String]) -> anyhow::Result<Vec<Vec<u8>>> {
+        let mut values = Vec::with_capacity(keys.len());
+        self.multi_get_each(keys, |_, value| values.push(value)).await?;
+        Ok(values)
+    }
+
+    /// [`StoreConn::multi_get`], handing each value to `each` (with its index) as it
+    /// is read instead of keeping them all.
+    pub async fn multi_get_each(
+        &mut self,
+        keys: &[String],
+        mut each: impl FnMut(usize, Vec<u8>),
+    ) -> anyhow::Result<()> {
         let keys: Vec<Bytes> = keys.iter().map(|k| key(k)).collect();
-        self.push(&Command::Wait { keys: keys.clone() });
-        self.flush().await?;
-        self.read_stop_waiting("WAIT").await?;
+        self.wait(&keys).await?;
         let n = keys.len();
         self.push(&Command::MultiGet { keys });
         self.flush().await?;
-        let mut values = Vec::with_capacity(n);
-        for _ in 0..n {
-            values.push(self.read_blob().await?);
+        for i in 0..n {
+            each(i, self.read_blob().await?);
         }
-        Ok(values)
+        Ok(())
+    }
+
+    /// WAIT: returns once every key exists.
+    pub async fn wait(&mut self, keys: &[Bytes]) -> anyhow::Result<()> {
+        self.push(&Command::Wait { keys: keys.to_vec() });
+        self.flush().await?;
+        self.read_stop_waiting("WAIT").await
     }
 
     /// The server-side BARRIER request (type 18): returns once `world_size` arrivals

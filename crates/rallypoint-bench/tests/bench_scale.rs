@@ -158,6 +158,53 @@ fn hierarchy_ranks_arrive_through_barrier_channels_or_fall_back_to_messages() {
     assert!(report["median_us"].as_f64().is_some_and(|us| us > 0.0), "{report}");
 }
 
+/// A job's start (`hierarchy --start`): every rank registered, through the barrier and
+/// given the all-gather's result, the phases in order; its floor the same way; and
+/// the TCPStore anchor against `rallypoint serve`, whose ranks check every address.
+#[test]
+fn a_jobs_start_reports_its_phases_in_order_and_its_floor_and_anchor_run() {
+    let phases_in_order = |report: &Value| {
+        let at: Vec<f64> = ["registered_ms", "barrier_ms", "all_gather_ms"]
+            .iter()
+            .map(|phase| report[phase].as_f64().unwrap_or_else(|| panic!("{phase}: {report}")))
+            .collect();
+        assert!(0.0 < at[0] && at[0] <= at[1] && at[1] <= at[2], "{report}");
+    };
+    // 6,000 ranks: the result (6,000 addresses) is large enough to go as shared memory.
+    let start = ["hierarchy", "--start", "--ranks", "6000", "--agents", "3", "--generators", "2", "--timeout", "150"];
+    let report = bench(&start);
+    assert_eq!((report["op"].as_str(), report["floor"].as_bool()), (Some("start"), Some(false)), "{report}");
+    assert_eq!(report["ranks_with_shared_result"], 6000, "{report}");
+    phases_in_order(&report);
+    assert!(report["cpu_ms"]["coordinator"].is_f64(), "{report}");
+    let report = bench(&[&start[..], &["--floor"]].concat());
+    assert_eq!(report["floor"], true, "{report}");
+    assert_eq!(report["ranks_with_shared_result"], 6000, "{report}");
+    phases_in_order(&report);
+    // A small start takes its result on the socket.
+    let report = bench(&["hierarchy", "--start", "--ranks", "50", "--agents", "2"]);
+    assert_eq!(report["ranks_with_shared_result"], 0, "{report}");
+    phases_in_order(&report);
+
+    let mut serve = Command::new(std::path::Path::new(BIN).with_file_name("rallypoint"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--print-addr"])
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("start rallypoint serve");
+    let mut addr = String::new();
+    let mut stdout = serve.stdout.take().expect("piped stdout");
+    let mut byte = [0u8; 1];
+    while stdout.read(&mut byte).expect("read the address") == 1 && byte[0] != b'\n' {
+        addr.push(byte[0] as char);
+    }
+    let report = bench(&["tcpstore-start", "--addr", addr.trim(), "--ranks", "300", "--timeout", "120"]);
+    let _ = serve.kill();
+    let _ = serve.wait();
+    assert_eq!((report["op"].as_str(), report["ranks"].as_u64()), (Some("start"), Some(300)), "{report}");
+    phases_in_order(&report);
+}
+
 /// The children of process `pid` with their command lines.
 fn children(pid: u32) -> Vec<(u32, String)> {
     let list = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")).unwrap_or_default();
