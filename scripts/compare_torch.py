@@ -9,11 +9,6 @@
                               torch.distributed.elastic.utils.store.synchronize of SIZE
                               bytes each, ROUNDS times; prints one JSON line like
                               `rallypoint bench all-gather --json`
-  start HOST PORT N           a job's start with N torch clients (threads): each connects
-                              (TCPStore's constructor), passes the elastic store barrier
-                              and all-gathers a 23-byte address with the elastic
-                              `synchronize`; prints one JSON line like `rallypoint bench
-                              hierarchy --start --json`
   report RESULTS              reads the raw JSON lines compare-torch wrote, prints the
                               ratio table (markdown) and appends the barrier-vs-N sweep
                               lines {"system", "n", "median_us", "mean_us"} to RESULTS
@@ -77,44 +72,6 @@ def synchronize(host, port, n, rounds, size):
                       "median_us": round(rt[len(rt) // 2] * 1e6, 1),
                       "mean_us": round(statistics.fmean(rt) * 1e6, 1),
                       "max_us": round(rt[-1] * 1e6, 1), "connect_ms": round(connect_ms, 1)}))
-
-
-def start(host, port, n):
-    import torch.distributed as dist
-    from torch.distributed.elastic.utils import store as estore
-
-    timeout = 900  # seconds; every call is bounded by it
-    threading.stack_size(512 * 1024)  # thousands of threads
-    tag = str(time.time_ns())
-    stamps = [[0.0, 0.0, 0.0] for _ in range(n)]
-    errors = []
-
-    def rank(i):
-        try:
-            store = dist.TCPStore(host, port, None, False, datetime.timedelta(seconds=timeout),
-                                  wait_for_workers=False)
-            stamps[i][0] = time.perf_counter()
-            estore.barrier(store, n, key_prefix=f"start{tag}/barrier/", barrier_timeout=timeout)
-            stamps[i][1] = time.perf_counter()
-            address = f"node-{i % 1000000:06}.bench:29500".encode()
-            got = estore.synchronize(store, address, i, n, key_prefix=f"start{tag}/addr/", timeout=timeout)
-            stamps[i][2] = time.perf_counter()
-            peer = (i + 1) % n
-            assert len(got) == n and got[peer] == f"node-{peer % 1000000:06}.bench:29500".encode(), "wrong data"
-        except Exception as e:  # noqa: BLE001 - reported below
-            errors.append(repr(e))
-
-    ths = [threading.Thread(target=rank, args=(i,), daemon=True) for i in range(n)]
-    t0 = time.perf_counter()
-    for t in ths:
-        t.start()
-    for t in ths:
-        t.join(timeout=timeout)
-    if errors or any(t.is_alive() for t in ths):
-        raise SystemExit(f"start failed: {errors[:3]}")
-    phase = [round((max(s[p] for s in stamps) - t0) * 1e3, 1) for p in range(3)]
-    print(json.dumps({"op": "start", "system": "torch", "ranks": n, "value_bytes": 23,
-                      "registered_ms": phase[0], "barrier_ms": phase[1], "all_gather_ms": phase[2]}))
 
 
 def report(path):
@@ -244,8 +201,6 @@ def main():
     cmd, args = sys.argv[1], sys.argv[2:]
     if cmd == "serve-torch":
         serve_torch()
-    elif cmd == "start":
-        start(args[0], int(args[1]), int(args[2]))
     elif cmd == "synchronize":
         synchronize(args[0], int(args[1]), int(args[2]), int(args[3]), int(args[4]))
     elif cmd == "report":
