@@ -54,7 +54,8 @@ pub struct ServeArgs {
     #[arg(long, value_name = "SECS", default_value = "30", value_parser = parse::secs)]
     read_timeout: f64,
     /// Bytes of unfinished requests all connections together may hold; past it, the
-    /// connection holding the most is closed [default: 268435456]
+    /// connection holding the most is closed [default: an eighth of the machine's
+    /// memory, at least 268435456]
     #[arg(long, value_name = "BYTES")]
     max_pending_bytes: Option<usize>,
     /// Job that PyTorch TCPStore clients (which cannot name one) join

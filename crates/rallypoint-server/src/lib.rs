@@ -114,7 +114,21 @@ pub struct ServerConfig {
 
 impl ServerConfig {
     pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(30);
+    /// The least [`ServerConfig::default_max_pending_bytes`] gives.
     pub const DEFAULT_MAX_PENDING_BYTES: usize = 256 << 20;
+
+    /// The default budget of unfinished requests: an eighth of this machine's
+    /// memory, at least [`Self::DEFAULT_MAX_PENDING_BYTES`]. A job's ranks may hold
+    /// large requests at once without any of them being hostile: torch's elastic
+    /// `synchronize` has every rank WAIT for, then MULTI_GET, all N keys, a request
+    /// of N keys per rank (8,192 ranks: 2 GB together); a fixed budget closed their
+    /// connections. The largest holder is still closed past it.
+    pub fn default_max_pending_bytes() -> usize {
+        // SAFETY: sysconf has no preconditions.
+        let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
+        let memory = usize::try_from(pages).unwrap_or(0).saturating_mul(usize::try_from(page).unwrap_or(0));
+        (memory / 8).max(Self::DEFAULT_MAX_PENDING_BYTES)
+    }
 
     /// Listens on `listen` with the engine's `engine` settings and default I/O settings.
     pub fn new(listen: SocketAddr, engine: Config) -> ServerConfig {
@@ -122,7 +136,7 @@ impl ServerConfig {
             listen,
             engine,
             read_timeout: Self::DEFAULT_READ_TIMEOUT,
-            max_pending_bytes: Self::DEFAULT_MAX_PENDING_BYTES,
+            max_pending_bytes: Self::default_max_pending_bytes(),
             token: None,
             tls: None,
             tcpstore_allow: Vec::new(),
