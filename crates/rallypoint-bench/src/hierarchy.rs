@@ -36,7 +36,7 @@ use tokio::task::JoinSet;
 use crate::{mono_ns, print_report, Stats, Times};
 
 mod channels;
-mod start;
+pub(crate) mod start;
 mod start_floor;
 
 #[derive(clap::Args, Debug)]

@@ -13,7 +13,6 @@
 //! Each rank checks that it got every address, its neighbour's included, then
 //! drops the values as it reads them.
 
-use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -23,6 +22,7 @@ use serde::Serialize;
 use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
+use crate::hierarchy::start::{address, Phases};
 use crate::tcpstore::{resolve, StoreConn};
 use crate::{ensure_fds, mono_ns, print_report};
 
@@ -59,31 +59,12 @@ struct Report {
 /// Connections being opened at once: what the listen backlog takes.
 const CONNECTING: usize = 256;
 
-/// The address rank `rank` contributes (as `bench hierarchy --start`'s ranks do).
-fn address(rank: u32) -> Vec<u8> {
-    format!("node-{:06}.bench:29500", rank % 1_000_000).into_bytes()
-}
-
-struct Phases {
-    count: u32,
-    passed: [AtomicU32; 3],
-    end_ns: [AtomicU64; 3],
-}
-
-impl Phases {
-    fn passed(&self, phase: usize) {
-        if self.passed[phase].fetch_add(1, Ordering::AcqRel) + 1 == self.count {
-            self.end_ns[phase].store(mono_ns(), Ordering::Release);
-        }
-    }
-}
-
 pub async fn run(args: Args) -> anyhow::Result<()> {
     ensure_fds(u64::from(args.ranks) + 64)?;
     let addr = resolve(&args.addr)?;
     let limit = Duration::from_secs_f64(args.timeout);
     let n = args.ranks;
-    let phases = Arc::new(Phases { count: n, passed: Default::default(), end_ns: Default::default() });
+    let phases = Arc::new(Phases::new(n));
     let connecting = Arc::new(Semaphore::new(CONNECTING));
     // Keys of a fresh prefix: a server may have served an earlier start.
     let prefix = Arc::new(format!("start{}/", mono_ns()));
@@ -104,7 +85,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             let (mut got, mut wrong) = (0u32, None);
             conn.multi_get_each(&keys, |i, value| {
                 got += 1;
-                if value != address(i as u32) && wrong.is_none() {
+                if value[..] != address(i as u32)[..] && wrong.is_none() {
                     wrong = Some(i);
                 }
             })
@@ -127,7 +108,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         Ok(done) => done?,
         Err(_) => bail!("the start did not finish within {limit:?}"),
     }
-    let phase_ms = |p: usize| (phases.end_ns[p].load(Ordering::Acquire).saturating_sub(t0) as f64 / 1e5).round() / 10.0;
+    let end_ns = phases.end_ns();
+    let phase_ms = |p: usize| (end_ns[p].saturating_sub(t0) as f64 / 1e5).round() / 10.0;
     let report = Report {
         op: "start",
         protocol: "tcpstore",

@@ -47,24 +47,35 @@ pub(super) struct Stamps {
 
 /// The address rank `rank` contributes: the same length for every rank below a
 /// million, so that the result's size is known.
-pub(super) fn address(rank: u32) -> Bytes {
+pub(crate) fn address(rank: u32) -> Bytes {
     Bytes::from(format!("node-{:06}.bench:29500", rank % 1_000_000))
 }
 
-/// Counts, per phase, the ranks of this generator through it, and stamps when the
+/// Counts, per phase, the ranks of this process through it, and stamps when the
 /// last one was.
-struct Phases {
+pub(crate) struct Phases {
     count: u32,
     passed: [AtomicU32; 3],
     end_ns: [AtomicU64; 3],
+    /// Ranks that took the all-gather's result as shared memory.
     shared: AtomicU32,
 }
 
 impl Phases {
-    fn passed(&self, phase: usize) {
+    pub(crate) fn new(count: u32) -> Phases {
+        Phases { count, passed: Default::default(), end_ns: Default::default(), shared: AtomicU32::new(0) }
+    }
+
+    /// One more rank ended `phase`.
+    pub(crate) fn passed(&self, phase: usize) {
         if self.passed[phase].fetch_add(1, Ordering::AcqRel) + 1 == self.count {
             self.end_ns[phase].store(mono_ns(), Ordering::Release);
         }
+    }
+
+    /// When the last rank ended each phase (0: not all did).
+    pub(crate) fn end_ns(&self) -> [u64; 3] {
+        std::array::from_fn(|p| self.end_ns[p].load(Ordering::Acquire))
     }
 }
 
@@ -85,10 +96,7 @@ pub(super) async fn generator(ranks: u32, first: u32, count: u32, addrs: Vec<Str
     while let Some(done) = tasks.join_next().await {
         conns.push(done??);
     }
-    let stamps = Stamps {
-        phase_end_ns: std::array::from_fn(|p| phases.end_ns[p].load(Ordering::Acquire)),
-        shared: phases.shared.load(Ordering::Acquire),
-    };
+    let stamps = Stamps { phase_end_ns: phases.end_ns(), shared: phases.shared.load(Ordering::Acquire) };
     println!("{}", serde_json::to_string(&stamps)?);
     let _ = BufReader::new(tokio::io::stdin()).lines().next_line().await;
     drop(conns);
