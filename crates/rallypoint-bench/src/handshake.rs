@@ -10,12 +10,13 @@
 //! - barrier rounds of those N clients: what the steady state costs (TLS encrypts
 //!   every frame; the token costs nothing after the handshake).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use rallypoint_client::{Client, ConnectOptions, Identity, Members, TlsClient, Token};
+use rallypoint_net::test_pki::TestPki;
 use serde::Serialize;
 
 use crate::{
@@ -78,9 +79,10 @@ struct ModeReport {
     barrier_median_vs_plain: Option<f64>,
 }
 
-/// The files a coordinator and its clients need: a token file and a CA-signed certificate.
+/// The files a coordinator and its clients need: a token file and a CA-signed
+/// certificate, in a directory removed when this is dropped.
 struct Material {
-    dir: PathBuf,
+    pki: TestPki,
     token: Arc<Token>,
 }
 
@@ -88,27 +90,17 @@ impl Material {
     fn make() -> anyhow::Result<Material> {
         use std::os::unix::fs::PermissionsExt;
         let dir = std::env::temp_dir().join(format!("rallypoint-bench-handshake-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).context("a directory for the benchmark's certificates")?;
-        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        let pki = TestPki::create(dir, "rallypoint bench CA")
+            .map_err(|error| anyhow::anyhow!("making the benchmark's certificates: {error}"))?;
+        std::fs::set_permissions(pki.dir(), std::fs::Permissions::from_mode(0o700))?;
         let token = Token::generate();
-        std::fs::write(dir.join("token"), token.secret())?;
-        std::fs::set_permissions(dir.join("token"), std::fs::Permissions::from_mode(0o600))?;
-        let ca_key = rcgen::KeyPair::generate()?;
-        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new())?;
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca_params.distinguished_name.push(rcgen::DnType::CommonName, "rallypoint bench CA");
-        let ca = ca_params.self_signed(&ca_key)?;
-        let key = rcgen::KeyPair::generate()?;
-        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])?.signed_by(&key, &ca, &ca_key)?;
-        std::fs::write(dir.join("ca.pem"), ca.pem())?;
-        std::fs::write(dir.join("cert.pem"), cert.pem())?;
-        std::fs::write(dir.join("key.pem"), key.serialize_pem())?;
-        Ok(Material { dir, token: Arc::new(token) })
+        std::fs::write(pki.path("token"), token.secret())?;
+        std::fs::set_permissions(pki.path("token"), std::fs::Permissions::from_mode(0o600))?;
+        Ok(Material { pki, token: Arc::new(token) })
     }
 
     fn path(&self, name: &str) -> String {
-        self.dir.join(name).display().to_string()
+        self.pki.path(name).display().to_string()
     }
 
     fn serve_args(&self, mode: Mode) -> Vec<String> {
@@ -131,12 +123,6 @@ impl Material {
                 .with_token(Some(Arc::clone(&self.token)))
                 .with_tls(Some(TlsClient::from_ca_file(Path::new(&self.path("ca.pem")))?)),
         })
-    }
-}
-
-impl Drop for Material {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
 

@@ -26,6 +26,8 @@ pub mod shm;
 pub mod shm_barrier;
 pub mod stream;
 pub mod sync;
+#[cfg(feature = "test-pki")]
+pub mod test_pki;
 pub mod tls;
 pub mod warn_limit;
 

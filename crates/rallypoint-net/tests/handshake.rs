@@ -2,7 +2,7 @@
 //! with a CA made for the test, and what each side does when the other cannot
 //! prove what it claims.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,7 +13,8 @@ use rallypoint_net::budget::PendingBudget;
 use rallypoint_net::conn::{
     accept_hello, greet, peek_first_byte, Accepts, AuthFailure, Credentials, End, Gate, GreetError, Hello,
 };
-use rallypoint_net::tls::{TlsClient, TlsServer, TLS_FIRST_BYTE};
+use rallypoint_net::test_pki::TestPki;
+use rallypoint_net::tls::{TlsServer, TLS_FIRST_BYTE};
 use rallypoint_proto::native::{
     decode_client_frame, decode_server_frame, encode_client_frame, encode_server_frame, ClientFrame, FrameLimits,
     ServerFrame,
@@ -27,48 +28,10 @@ fn token(text: &str) -> Arc<Token> {
     Arc::new(Token::new(text, "test").expect("token"))
 }
 
-/// A CA, and a certificate it signed for 127.0.0.1 and localhost, as PEM files.
-struct Pki {
-    dir: PathBuf,
-}
-
-impl Pki {
-    fn new(name: &str) -> Pki {
-        let dir = std::env::temp_dir().join(format!("rallypoint-pki-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("pki directory");
-        let ca_key = rcgen::KeyPair::generate().expect("CA key");
-        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA params");
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca_params.distinguished_name.push(rcgen::DnType::CommonName, "rallypoint test CA");
-        let ca = ca_params.self_signed(&ca_key).expect("CA certificate");
-        let key = rcgen::KeyPair::generate().expect("server key");
-        let params =
-            rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).expect("params");
-        let cert = params.signed_by(&key, &ca, &ca_key).expect("server certificate");
-        std::fs::write(dir.join("ca.pem"), ca.pem()).expect("write");
-        std::fs::write(dir.join("cert.pem"), cert.pem()).expect("write");
-        std::fs::write(dir.join("key.pem"), key.serialize_pem()).expect("write");
-        Pki { dir }
-    }
-
-    fn path(&self, name: &str) -> PathBuf {
-        self.dir.join(name)
-    }
-
-    fn server(&self) -> TlsServer {
-        TlsServer::from_pem_files(&self.path("cert.pem"), &self.path("key.pem")).expect("server TLS")
-    }
-
-    fn client(&self) -> TlsClient {
-        TlsClient::from_ca_file(&self.path("ca.pem")).expect("client TLS")
-    }
-}
-
-impl Drop for Pki {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// A throwaway CA for the test `name`.
+fn test_ca(name: &str) -> TestPki {
+    let dir = std::env::temp_dir().join(format!("rallypoint-pki-{name}-{}", std::process::id()));
+    TestPki::create(dir, "rallypoint test CA").expect("test CA")
 }
 
 /// Serves one connection as a coordinator would up to its welcome: TLS if the
@@ -233,18 +196,19 @@ async fn next_frame(stream: &mut TcpStream, buf: &mut BytesMut) -> Option<Client
 
 #[tokio::test]
 async fn tls_round_trip_with_a_token_and_plaintext_refused_on_a_tls_port() {
-    let pki = Pki::new("round-trip");
+    let pki = test_ca("round-trip");
     let gate = || Gate { token: Some(token("job-token-1234567890")), tls_required: false };
-    let credentials = Credentials { token: Some(token("job-token-1234567890")), tls: Some(pki.client()) };
-    let (server, client) = exchange(gate(), Some(pki.server()), credentials).await;
+    let credentials =
+        Credentials { token: Some(token("job-token-1234567890")), tls: Some(pki.client().expect("client TLS")) };
+    let (server, client) = exchange(gate(), Some(pki.server().expect("server TLS")), credentials).await;
     assert!(matches!(server, Ok(Hello::Native(_))), "{server:?}");
     assert_eq!(client.expect("greeted"), Ok(1));
 
     // Plaintext on the TLS port: refused with a reason, with or without a token.
     let plain = Credentials { token: Some(token("job-token-1234567890")), tls: None };
-    let (_, client) = exchange(gate(), Some(pki.server()), plain).await;
+    let (_, client) = exchange(gate(), Some(pki.server().expect("server TLS")), plain).await;
     assert!(matches!(client, Err(GreetError::Auth(AuthFailure::Refused(AuthRefusal::TlsRequired)))), "{client:?}");
-    let (_, client) = exchange(Gate::default(), Some(pki.server()), Credentials::default()).await;
+    let (_, client) = exchange(Gate::default(), Some(pki.server().expect("server TLS")), Credentials::default()).await;
     let refusal = client.expect("an answer").expect_err("refused");
     assert_eq!(refusal, OpError::Unauthorized(AuthRefusal::TlsRequired));
     assert!(refusal.to_string().contains("requires TLS"), "{refusal}");
@@ -252,27 +216,27 @@ async fn tls_round_trip_with_a_token_and_plaintext_refused_on_a_tls_port() {
 
 #[tokio::test]
 async fn a_certificate_from_another_ca_or_no_tls_at_all_fails_the_tls_handshake_at_once() {
-    let (pki, other) = (Pki::new("real"), Pki::new("other"));
-    let wrong_ca = Credentials { token: None, tls: Some(other.client()) };
-    let (server, client) = exchange(Gate::default(), Some(pki.server()), wrong_ca).await;
+    let (pki, other) = (test_ca("real"), test_ca("other"));
+    let wrong_ca = Credentials { token: None, tls: Some(other.client().expect("client TLS")) };
+    let (server, client) = exchange(Gate::default(), Some(pki.server().expect("server TLS")), wrong_ca).await;
     assert!(server.is_err(), "{server:?}");
     match client {
         Err(GreetError::Auth(AuthFailure::Tls(message))) => assert!(message.contains("certificate"), "{message}"),
         other => panic!("expected a TLS failure, got {other:?}"),
     }
-    let tls_to_plain = Credentials { token: None, tls: Some(pki.client()) };
+    let tls_to_plain = Credentials { token: None, tls: Some(pki.client().expect("client TLS")) };
     let (_, client) = exchange(Gate::default(), None, tls_to_plain).await;
     assert!(matches!(client, Err(GreetError::Auth(AuthFailure::Tls(_)))), "{client:?}");
 }
 
 #[test]
 fn pem_paths_are_checked() {
-    let pki = Pki::new("paths");
+    let pki = test_ca("paths");
     let error =
         TlsServer::from_pem_files(&pki.path("cert.pem"), Path::new("/nonexistent/key.pem")).expect_err("no key");
     assert!(error.to_string().contains("/nonexistent/key.pem"), "{error}");
     // A key that is not the certificate's.
-    let other = Pki::new("paths-other");
+    let other = test_ca("paths-other");
     let error = TlsServer::from_pem_files(&pki.path("cert.pem"), &other.path("key.pem")).expect_err("mismatch");
     assert!(error.to_string().contains("cannot use the certificate"), "{error}");
 }

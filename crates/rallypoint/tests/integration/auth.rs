@@ -4,7 +4,6 @@
 //! connection (clients, node agents, large replies) and plaintext is refused on a
 //! TLS port; TCPStore clients of this user are still served.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -13,6 +12,7 @@ use rallypoint::agent::{Agent, AgentConfig, AgentError, AgentHandle};
 use rallypoint::client::{AuthFailure, AuthRefusal, TlsClient, Token};
 use rallypoint::server::{ServerConfig, ServerHandle, TlsServer};
 use rallypoint::{Client, Config, ConnectOptions, Error, Identity, Members};
+use rallypoint_net::test_pki::TestPki;
 use rallypoint_proto::tcpstore::{encode_command, Command, VALIDATE_MAGIC};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -25,45 +25,10 @@ fn token(text: &str) -> Option<Arc<Token>> {
     Some(Arc::new(Token::new(text, "test").expect("token")))
 }
 
-/// A CA and a certificate it signed for 127.0.0.1, as PEM files in a directory of the test's.
-struct Pki {
-    dir: PathBuf,
-}
-
-impl Pki {
-    fn new(name: &str) -> Pki {
-        let dir = std::env::temp_dir().join(format!("rallypoint-it-pki-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).expect("pki directory");
-        let ca_key = rcgen::KeyPair::generate().expect("CA key");
-        let mut ca_params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("CA params");
-        ca_params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        ca_params.distinguished_name.push(rcgen::DnType::CommonName, "rallypoint test CA");
-        let ca = ca_params.self_signed(&ca_key).expect("CA certificate");
-        let key = rcgen::KeyPair::generate().expect("key");
-        let cert = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()])
-            .expect("params")
-            .signed_by(&key, &ca, &ca_key)
-            .expect("certificate");
-        std::fs::write(dir.join("ca.pem"), ca.pem()).expect("write");
-        std::fs::write(dir.join("cert.pem"), cert.pem()).expect("write");
-        std::fs::write(dir.join("key.pem"), key.serialize_pem()).expect("write");
-        Pki { dir }
-    }
-
-    fn server(&self) -> TlsServer {
-        TlsServer::from_pem_files(&self.dir.join("cert.pem"), &self.dir.join("key.pem")).expect("server TLS")
-    }
-
-    fn client(&self) -> TlsClient {
-        TlsClient::from_ca_file(&self.dir.join("ca.pem")).expect("client TLS")
-    }
-}
-
-impl Drop for Pki {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// A throwaway CA for the test `name`.
+fn test_ca(name: &str) -> TestPki {
+    let dir = std::env::temp_dir().join(format!("rallypoint-it-pki-{name}-{}", std::process::id()));
+    TestPki::create(dir, "rallypoint test CA").expect("test CA")
 }
 
 async fn server(token_text: Option<&str>, tls: Option<TlsServer>) -> ServerHandle {
@@ -139,10 +104,14 @@ async fn a_client_with_a_token_refuses_a_coordinator_without_one() {
 /// large enough to go out as a shared tail through vectored writes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_carries_clients_and_large_replies_and_plaintext_is_refused() {
-    let pki = Pki::new("clients");
-    let server = server(Some(TOKEN), Some(pki.server())).await;
-    let c0 = connect(options(&server, rank("j", 0, 2), Some(TOKEN), Some(pki.client()))).await.expect("TLS rank 0");
-    let c1 = connect(options(&server, rank("j", 1, 2), Some(TOKEN), Some(pki.client()))).await.expect("TLS rank 1");
+    let pki = test_ca("clients");
+    let server = server(Some(TOKEN), Some(pki.server().expect("server TLS"))).await;
+    let c0 = connect(options(&server, rank("j", 0, 2), Some(TOKEN), Some(pki.client().expect("client TLS"))))
+        .await
+        .expect("TLS rank 0");
+    let c1 = connect(options(&server, rank("j", 1, 2), Some(TOKEN), Some(pki.client().expect("client TLS"))))
+        .await
+        .expect("TLS rank 1");
     let (a, b) = tokio::join!(c0.barrier("b", Members::World, None), c1.barrier("b", Members::World, None));
     a.expect("barrier");
     b.expect("barrier");
@@ -157,8 +126,10 @@ async fn tls_carries_clients_and_large_replies_and_plaintext_is_refused() {
 
     let failure = refusal(connect(options(&server, rank("j", 0, 2), Some(TOKEN), None)).await);
     assert_eq!(failure, AuthFailure::Refused(AuthRefusal::TlsRequired));
-    let other = Pki::new("other-ca");
-    let failure = refusal(connect(options(&server, rank("j", 0, 2), Some(TOKEN), Some(other.client()))).await);
+    let other = test_ca("other-ca");
+    let failure = refusal(
+        connect(options(&server, rank("j", 0, 2), Some(TOKEN), Some(other.client().expect("client TLS")))).await,
+    );
     assert!(matches!(&failure, AuthFailure::Tls(message) if message.contains("certificate")), "{failure}");
     c0.close().await.expect("close");
     c1.close().await.expect("close");
@@ -176,17 +147,17 @@ async fn agent(server: &ServerHandle, config: impl FnOnce(&mut AgentConfig)) -> 
 /// (and, with a certificate, TLS) of its own ranks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_agent_proves_the_token_upstream_and_requires_it_of_its_ranks() {
-    let pki = Pki::new("agent");
-    let server = server(Some(TOKEN), Some(pki.server())).await;
-    match agent(&server, |c| c.upstream_tls = Some(pki.client())).await {
+    let pki = test_ca("agent");
+    let server = server(Some(TOKEN), Some(pki.server().expect("server TLS"))).await;
+    match agent(&server, |c| c.upstream_tls = Some(pki.client().expect("client TLS"))).await {
         Err(AgentError::Auth { failure: AuthFailure::Refused(AuthRefusal::TokenRequired), .. }) => {}
         Err(other) => panic!("expected a refused agent, got {other}"),
         Ok(_) => panic!("an agent without the token was let in"),
     }
     let agent = agent(&server, |c| {
         c.token = token(TOKEN);
-        c.upstream_tls = Some(pki.client());
-        c.tls = Some(pki.server());
+        c.upstream_tls = Some(pki.client().expect("client TLS"));
+        c.tls = Some(pki.server().expect("server TLS"));
     })
     .await
     .expect("agent with the token");
@@ -196,12 +167,16 @@ async fn a_node_agent_proves_the_token_upstream_and_requires_it_of_its_ranks() {
             .with_token(token_text.and_then(token))
             .with_tls(tls)
     };
-    let failure = refusal(connect(local(rank("j", 0, 2), None, Some(pki.client()))).await);
+    let failure = refusal(connect(local(rank("j", 0, 2), None, Some(pki.client().expect("client TLS")))).await);
     assert_eq!(failure, AuthFailure::Refused(AuthRefusal::TokenRequired));
     let failure = refusal(connect(local(rank("j", 0, 2), Some(TOKEN), None)).await);
     assert_eq!(failure, AuthFailure::Refused(AuthRefusal::TlsRequired));
-    let c0 = connect(local(rank("j", 0, 2), Some(TOKEN), Some(pki.client()))).await.expect("rank 0 via the agent");
-    let c1 = connect(options(&server, rank("j", 1, 2), Some(TOKEN), Some(pki.client()))).await.expect("rank 1");
+    let c0 = connect(local(rank("j", 0, 2), Some(TOKEN), Some(pki.client().expect("client TLS"))))
+        .await
+        .expect("rank 0 via the agent");
+    let c1 = connect(options(&server, rank("j", 1, 2), Some(TOKEN), Some(pki.client().expect("client TLS"))))
+        .await
+        .expect("rank 1");
     let big = |fill: u8| vec![fill; 1 << 20];
     let (a, b) = tokio::join!(
         c0.all_gather("g", Members::World, big(7), None),
