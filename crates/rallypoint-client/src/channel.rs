@@ -34,7 +34,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Once, Weak};
 use std::time::{Duration, Instant};
 
 use rallypoint_core::{Members, Request, Response};
-use rallypoint_net::shm_barrier::{Outcome, RankChannel, Waited};
+use rallypoint_net::shm_barrier::{Outcome, RankChannel, Until, Waited};
 use tokio::sync::Notify;
 use tracing::{debug, warn};
 
@@ -360,8 +360,8 @@ pub(crate) fn barrier_on_thread(link: &Arc<Link>, call: &BarrierCall<'_>, wait: 
         (seat, id)
     };
     let arrival = arrive(link, seat, id, wait, Waiting::Thread);
-    let waited = wait_thread(link, &arrival);
-    match settle(link, arrival, waited) {
+    let (waited, deadline) = wait_thread(link, &arrival);
+    match settle(link, arrival, waited, deadline) {
         Settled::Done(outcome, seat) => {
             put_back(link, |r| call.is(r), seat);
             OnThread::Done(outcome)
@@ -436,11 +436,11 @@ async fn arrive_and_wait(
     waiting: Waiting,
 ) -> (Result<(), Error>, Option<Seat>) {
     let arrival = arrive(link, seat, id, wait, waiting);
-    let waited = match waiting {
+    let (waited, deadline) = match waiting {
         Waiting::Thread => wait_thread(link, &arrival),
         Waiting::Task => wait_task(link, &arrival).await,
     };
-    match settle(link, arrival, waited) {
+    match settle(link, arrival, waited, deadline) {
         Settled::Done(outcome, seat) => (outcome, seat),
         Settled::Reply(pending) => pending.reply(link).await,
     }
@@ -450,7 +450,8 @@ async fn arrive_and_wait(
 struct Arrival {
     id: u64,
     seat: Seat,
-    deadline: Instant,
+    /// How long the call waits, from its arrival (the wait reads the clock for it:
+    /// a released round reads it no more than that).
     wait: Duration,
     /// [`Link::stashes`] before the call's id went out.
     stashes: u64,
@@ -461,21 +462,20 @@ struct Arrival {
 fn arrive(link: &Link, mut seat: Seat, id: u64, wait: Duration, waiting: Waiting) -> Arrival {
     // Read before the id is in the slot: no reply to it can have come yet.
     let stashes = link.stashes();
-    let deadline = Instant::now() + wait;
     seat.round = seat.round.wrapping_add(1).max(1);
     if waiting == Waiting::Task {
         seat.channel.watched.watch();
     }
     seat.channel.channel.arrive(seat.slot, seat.round, id);
-    Arrival { id, seat, deadline, wait, stashes }
+    Arrival { id, seat, wait, stashes }
 }
 
 /// Waits in this thread for the round's end (or the connection's, or the call's
-/// answer on the socket).
-fn wait_thread(link: &Link, arrival: &Arrival) -> Waited {
+/// answer on the socket); returns how, and the deadline it kept, if it read the clock.
+fn wait_thread(link: &Link, arrival: &Arrival) -> (Waited, Option<Instant>) {
     let (mapped, id, seen) = (&arrival.seat.channel, arrival.id, arrival.stashes);
     let stop = || mapped.ended.load(Ordering::Acquire) || link.replied(id, seen);
-    mapped.channel.wait(arrival.seat.slot, arrival.seat.round, arrival.deadline, stop)
+    mapped.channel.wait_until(arrival.seat.slot, arrival.seat.round, Until::Within(arrival.wait), stop)
 }
 
 /// How a wait in the channel ended: with the call's outcome, or with the outcome
@@ -508,23 +508,30 @@ impl Pending {
     }
 }
 
-fn settle(link: &Link, arrival: Arrival, waited: Waited) -> Settled {
-    let Arrival { id, seat, deadline, wait, .. } = arrival;
+/// `deadline`: the wait's, if it read the clock.
+fn settle(link: &Link, arrival: Arrival, waited: Waited, deadline: Option<Instant>) -> Settled {
+    let Arrival { id, seat, wait, .. } = arrival;
+    // Needed from here on only if the round did not simply end released.
+    let deadline = || deadline.unwrap_or_else(|| Instant::now() + wait);
     match waited {
         Waited::Ended(Outcome::Released) => Settled::Done(Ok(()), Some(seat)),
         // The error is on its way on the socket (or came), as the reply to the call's id.
-        Waited::Ended(Outcome::Failed) => Settled::Reply(Pending { id, got: None, deadline, wait, kept: Some(seat) }),
+        Waited::Ended(Outcome::Failed) => {
+            Settled::Reply(Pending { id, got: None, deadline: deadline(), wait, kept: Some(seat) })
+        }
         Waited::Stopped => {
             let ended = seat.channel.ended.load(Ordering::Acquire);
             let finished = seat.channel.channel.outcome(seat.slot, seat.round).is_some();
             let kept = (!ended && finished).then_some(seat);
             if !ended {
-                return Settled::Reply(Pending { id, got: None, deadline, wait, kept });
+                return Settled::Reply(Pending { id, got: None, deadline: deadline(), wait, kept });
             }
             // Every reply the connection brought was routed before it counted as
             // ended: one that is not stashed now never comes.
             match link.take_stashed(id) {
-                Some(result) => Settled::Reply(Pending { id, got: Some(Reply::came(result)), deadline, wait, kept }),
+                Some(result) => {
+                    Settled::Reply(Pending { id, got: Some(Reply::came(result)), deadline: deadline(), wait, kept })
+                }
                 None => {
                     // The connection ended without answering: whether the barrier took
                     // effect is unknown, as for a request whose connection was cut.
@@ -539,13 +546,23 @@ fn settle(link: &Link, arrival: Arrival, waited: Waited) -> Settled {
 
 /// [`RankChannel::wait`] for an async task: a spin while it pays, then woken by
 /// the channel's watcher thread; stops when the call's reply or the connection's
-/// end comes first.
-async fn wait_task(link: &Link, arrival: &Arrival) -> Waited {
+/// end comes first. Returns as [`wait_thread`].
+async fn wait_task(link: &Link, arrival: &Arrival) -> (Waited, Option<Instant>) {
     let (mapped, slot, round) = (&arrival.seat.channel, arrival.seat.slot, arrival.seat.round);
     if let Some(outcome) = mapped.channel.spin(slot, round) {
-        return Waited::Ended(outcome);
+        return (Waited::Ended(outcome), None);
     }
-    let deadline = tokio::time::Instant::from_std(arrival.deadline);
+    // Counted from the end of the spin: it lasts microseconds, and a round released
+    // during it reads no clock for a deadline.
+    let deadline = Instant::now() + arrival.wait;
+    let waited = wait_task_until(link, arrival, deadline).await;
+    (waited, Some(deadline))
+}
+
+/// [`wait_task`] past its spin, until `deadline`.
+async fn wait_task_until(link: &Link, arrival: &Arrival, deadline: Instant) -> Waited {
+    let (mapped, slot, round) = (&arrival.seat.channel, arrival.seat.slot, arrival.seat.round);
+    let deadline = tokio::time::Instant::from_std(deadline);
     loop {
         let moved = mapped.watched.moved.notified();
         let stashed = link.stashed();
