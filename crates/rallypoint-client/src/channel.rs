@@ -231,6 +231,18 @@ impl Channels {
         self.lock().epoch
     }
 
+    /// A reply to a call through a channel came on the socket: the async calls
+    /// waiting on this client's channels look whether it is theirs. (Every one of
+    /// them wakes, those of other clients of the process on the same channels too:
+    /// a reply to such a call is rare, and their waits then cost nothing more.)
+    pub(crate) fn wake_async_waiters(&self) {
+        let watched: Vec<Arc<Watched>> =
+            self.lock().mapped.values().flatten().map(|mapped| Arc::clone(&mapped.watched)).collect();
+        for watched in watched {
+            watched.moved.notify_waiters();
+        }
+    }
+
     /// Call `id` is a barrier call in flight through a channel: a reply to it that
     /// comes before the call looks for it is kept for it.
     pub(crate) fn calling(&self, id: u64) -> bool {
@@ -565,11 +577,10 @@ async fn wait_task_until(link: &Link, arrival: &Arrival, deadline: Instant) -> W
     let deadline = tokio::time::Instant::from_std(deadline);
     loop {
         let moved = mapped.watched.moved.notified();
-        let stashed = link.stashed();
-        tokio::pin!(moved, stashed);
-        // Registered before looking, so that a release (or a reply) after the look wakes it.
+        tokio::pin!(moved);
+        // Registered before looking, so that a release (or a reply: see
+        // [`Channels::wake_async_waiters`]) after the look wakes it.
         moved.as_mut().enable();
-        stashed.as_mut().enable();
         if let Some(outcome) = mapped.channel.outcome(slot, round) {
             return Waited::Ended(outcome);
         }
@@ -579,7 +590,6 @@ async fn wait_task_until(link: &Link, arrival: &Arrival, deadline: Instant) -> W
         }
         tokio::select! {
             () = moved => {}
-            () = stashed => {}
             () = tokio::time::sleep_until(deadline) => return Waited::TimedOut,
         }
     }

@@ -233,8 +233,6 @@ pub(crate) struct Link {
     /// Replies stashed so far ([`Pending::stashed`]): a channel call waiting learns
     /// with one load whether its reply may have come.
     stashes: AtomicU64,
-    /// Wakes the async channel calls when a reply is stashed.
-    stashing: Notify,
     /// The read half and what reading it needs, for the task and calls alike.
     read: Mutex<ReadSide>,
     /// Whom the socket's read readiness wakes: the waker every read registers.
@@ -434,7 +432,6 @@ impl Link {
             deadline_moved: Notify::new(),
             channels: Channels::default(),
             stashes: AtomicU64::new(0),
-            stashing: Notify::new(),
         }
     }
 
@@ -505,11 +502,6 @@ impl Link {
     /// with one load while none came.
     pub(crate) fn replied(&self, id: u64, seen: u64) -> bool {
         self.stashes() != seen && self.lock().stashed.iter().any(|(stashed, _)| *stashed == id)
-    }
-
-    /// Wakes when a reply is stashed; enable it, then look with [`Link::replied`].
-    pub(crate) fn stashed(&self) -> tokio::sync::futures::Notified<'_> {
-        self.stashing.notified()
     }
 
     /// Registers call `id` in `pending` (the lock taken); returns its reply.
@@ -666,7 +658,8 @@ impl Link {
                 // Under the lock: whoever sees the count moved finds the reply.
                 self.stashes.fetch_add(1, Ordering::AcqRel);
                 drop(pending);
-                self.stashing.notify_waiters();
+                // The async calls wait on their channels' wake-ups, not on the socket.
+                self.channels.wake_async_waiters();
                 return;
             }
         }

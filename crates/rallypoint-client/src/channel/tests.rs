@@ -318,3 +318,35 @@ async fn a_connection_ending_during_a_wait_gives_what_came_before_it() {
     }
     drop(client);
 }
+
+/// A reply on the socket stops a wait in the channel even though the slot never
+/// says the round ended (an agent answering the call otherwise): an async call at
+/// once, a blocking one at its next wake-up (here, a release of other rounds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_without_the_slots_mark_stops_the_wait() {
+    let (client, mut agent, _dir) = seated_async().await;
+    let waiting = tokio::spawn({
+        let client = client.clone();
+        async move { client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await }
+    });
+    let call = agent.arrival(1).await;
+    agent.send(ServerFrame::Reply { id: call, reply: Err(lost()) }).await;
+    assert_lost(bounded(waiting).await.expect("task"));
+
+    let (client, mut agent, _dir) = seated_blocking().await;
+    let waiting = tokio::task::spawn_blocking({
+        let client = client.clone();
+        move || client.barrier("b", Members::World, Some(BARRIER_TIMEOUT))
+    });
+    let call = agent.arrival(1).await;
+    agent.send(ServerFrame::Reply { id: call, reply: Err(lost()) }).await;
+    // Read once the add's reply, sent after it, is.
+    let adding = tokio::task::spawn_blocking({
+        let client = client.clone();
+        move || client.add("k", 7)
+    });
+    agent.answer_add().await;
+    assert_eq!(bounded(adding).await.expect("thread").expect("add"), 7);
+    agent.channel.release();
+    assert_lost(bounded(waiting).await.expect("thread"));
+}
