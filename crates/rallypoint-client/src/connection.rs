@@ -167,9 +167,7 @@ impl Reply {
             }
         }
     }
-}
 
-impl Reply {
     /// A reply that came before its call looked for it.
     pub(crate) fn came(result: Result<Response, Error>) -> Reply {
         Reply(Arc::new(ReplyCell(Mutex::new(Cell::Filled(result)))))
