@@ -4,12 +4,19 @@
 //! On a Unix socket to its node agent, the first call of a barrier (name, members,
 //! timeout) goes as a request that also asks the agent for a *channel*; with one,
 //! every later call of that barrier arrives by writing the channel's shared memory
-//! and waits on its futex instead of sending a request and reading a reply. The call still has a request id,
-//! registered like any call's: if the barrier fails, the slot says so and the
+//! and waits on its futex instead of sending a request and reading a reply. The
+//! call still has a request id: if the barrier fails, the slot says so and the
 //! coordinator's typed error (the timeout naming the missing ranks, the lost rank)
 //! arrives on the socket as that id's reply, exactly as without a channel. Where
 //! there is no channel (TCP, the coordinator itself, an agent that has none to
 //! give), the barrier goes through messages as before.
+//!
+//! A released round (the common case) has no reply, so the call only takes an id
+//! and registers no reply slot: it touches nothing but the channel's memory. Only
+//! a round that failed (or a wait stopped otherwise) looks for its reply
+//! ([`Link::claim`]); the agent may have sent it before the call woke, so the
+//! connection keeps a reply to an id it does not wait for if a call through a
+//! channel holds that id ([`Channels::calling`]).
 //!
 //! Waiting: the blocking client waits on the futex in its caller's thread (the
 //! one wake-up a release costs). The async client must not block a runtime
@@ -27,11 +34,11 @@ use std::sync::{Arc, Mutex, MutexGuard, Once, Weak};
 use std::time::{Duration, Instant};
 
 use rallypoint_core::{Members, Request, Response};
-use rallypoint_net::shm_barrier::{Outcome, RankChannel, Waited};
+use rallypoint_net::shm_barrier::{Outcome, RankChannel, Until, Waited};
 use tokio::sync::Notify;
 use tracing::{debug, warn};
 
-use crate::connection::{Command, Link, Received, Reply};
+use crate::connection::{Command, Link, Reply};
 use crate::error::Error;
 
 /// Barrier calls (name, members, timeout) a client keeps track of: a program that
@@ -59,8 +66,11 @@ enum Use {
     /// Through messages, for good: no channel for it (or it broke).
     Messages,
     /// A call is in flight through the channel (or attaching): others of this
-    /// client meanwhile go through messages.
-    Busy,
+    /// client meanwhile go through messages. `call`: the request id of a call
+    /// through the seat, whose reply (an error) may come before it looks for it.
+    Busy {
+        call: Option<u64>,
+    },
     Seat(Seat),
 }
 
@@ -220,6 +230,24 @@ impl Channels {
     fn epoch(&self) -> u64 {
         self.lock().epoch
     }
+
+    /// A reply to a call through a channel came on the socket: the async calls
+    /// waiting on this client's channels look whether it is theirs. (Every one of
+    /// them wakes, those of other clients of the process on the same channels too:
+    /// a reply to such a call is rare, and their waits then cost nothing more.)
+    pub(crate) fn wake_async_waiters(&self) {
+        let watched: Vec<Arc<Watched>> =
+            self.lock().mapped.values().flatten().map(|mapped| Arc::clone(&mapped.watched)).collect();
+        for watched in watched {
+            watched.moved.notify_waiters();
+        }
+    }
+
+    /// Call `id` is a barrier call in flight through a channel: a reply to it that
+    /// comes before the call looks for it is kept for it.
+    pub(crate) fn calling(&self, id: u64) -> bool {
+        self.lock().uses.iter().any(|(_, used)| matches!(used, Use::Busy { call: Some(call) } if *call == id))
+    }
 }
 
 /// What [`barrier`] needs of its client.
@@ -241,9 +269,13 @@ pub(crate) async fn barrier(
         let mut state = link.channels.lock();
         let epoch = state.epoch;
         match state.uses.iter_mut().find(|(r, _)| r == request) {
-            Some((_, Use::Messages | Use::Busy)) => return None,
-            Some((_, used @ Use::Seat(_))) => match std::mem::replace(used, Use::Busy) {
-                Use::Seat(seat) if seat.epoch == epoch => Some(seat),
+            Some((_, Use::Messages | Use::Busy { .. })) => return None,
+            Some((_, used @ Use::Seat(_))) => match std::mem::replace(used, Use::Busy { call: None }) {
+                Use::Seat(seat) if seat.epoch == epoch => {
+                    let id = link.next_id();
+                    *used = Use::Busy { call: Some(id) };
+                    Some((seat, id))
+                }
                 _ => None,
             },
             None => {
@@ -251,18 +283,18 @@ pub(crate) async fn barrier(
                     // The oldest barrier not in a call makes room: called again, it
                     // asks for a channel again (its old slot stays the agent's, idle,
                     // until the connection ends).
-                    let idle = state.uses.iter().position(|(_, used)| !matches!(used, Use::Busy))?;
+                    let idle = state.uses.iter().position(|(_, used)| !matches!(used, Use::Busy { .. }))?;
                     state.uses.remove(idle);
                 }
-                state.uses.push((request.clone(), Use::Busy));
+                state.uses.push((request.clone(), Use::Busy { call: None }));
                 None
             }
         }
     };
-    let Some(seat) = seat else {
+    let Some((seat, id)) = seat else {
         return attach(&caller, request, wait).await;
     };
-    let (outcome, seat) = arrive_and_wait(link, seat, wait, waiting).await;
+    let (outcome, seat) = arrive_and_wait(link, seat, id, wait, waiting).await;
     put_back(link, |r| r == request, seat);
     Some(outcome)
 }
@@ -325,7 +357,7 @@ impl Concluding {
 /// caller's thread: a released round (the common case) needs no runtime, no task and
 /// no future; only an outcome that comes on the socket is awaited, by the caller.
 pub(crate) fn barrier_on_thread(link: &Arc<Link>, call: &BarrierCall<'_>, wait: Duration) -> OnThread {
-    let seat = {
+    let (seat, id) = {
         let mut state = link.channels.lock();
         let epoch = state.epoch;
         // Left as it is otherwise: [`barrier`] deals with every other case.
@@ -333,19 +365,15 @@ pub(crate) fn barrier_on_thread(link: &Arc<Link>, call: &BarrierCall<'_>, wait: 
         if !matches!(&*used, Use::Seat(seat) if seat.epoch == epoch) {
             return OnThread::Elsewhere;
         }
-        let Use::Seat(seat) = std::mem::replace(used, Use::Busy) else { unreachable!("a seat, looked at just above") };
-        seat
+        let id = link.next_id();
+        let Use::Seat(seat) = std::mem::replace(used, Use::Busy { call: Some(id) }) else {
+            unreachable!("a seat, looked at just above")
+        };
+        (seat, id)
     };
-    let arrival = match arrive(link, seat, wait, Waiting::Thread) {
-        Ok(arrival) => arrival,
-        Err(refused) => {
-            let (error, seat) = *refused;
-            put_back(link, |r| call.is(r), Some(seat));
-            return OnThread::Done(Err(error));
-        }
-    };
-    let waited = wait_thread(link, &arrival);
-    match settle(link, arrival, waited, None) {
+    let arrival = arrive(link, seat, id, wait, Waiting::Thread);
+    let (waited, deadline) = wait_thread(link, &arrival);
+    match settle(link, arrival, waited, deadline) {
         Settled::Done(outcome, seat) => {
             put_back(link, |r| call.is(r), seat);
             OnThread::Done(outcome)
@@ -415,25 +443,16 @@ fn set_use(link: &Link, request: &Request, used: Option<Use>) {
 async fn arrive_and_wait(
     link: &Arc<Link>,
     seat: Seat,
+    id: u64,
     wait: Duration,
     waiting: Waiting,
 ) -> (Result<(), Error>, Option<Seat>) {
-    let mut arrival = match arrive(link, seat, wait, waiting) {
-        Ok(arrival) => arrival,
-        Err(refused) => {
-            let (error, seat) = *refused;
-            return (Err(error), Some(seat));
-        }
-    };
-    let mut got = None;
-    let waited = match waiting {
+    let arrival = arrive(link, seat, id, wait, waiting);
+    let (waited, deadline) = match waiting {
         Waiting::Thread => wait_thread(link, &arrival),
-        Waiting::Task => {
-            let (mapped, slot, round) = (&arrival.seat.channel, arrival.seat.slot, arrival.seat.round);
-            wait_task(mapped, slot, round, arrival.deadline, &mut arrival.reply, &mut got).await
-        }
+        Waiting::Task => wait_task(link, &arrival).await,
     };
-    match settle(link, arrival, waited, got) {
+    match settle(link, arrival, waited, deadline) {
         Settled::Done(outcome, seat) => (outcome, seat),
         Settled::Reply(pending) => pending.reply(link).await,
     }
@@ -442,35 +461,33 @@ async fn arrive_and_wait(
 /// A call that arrived in its slot and waits for the round's end.
 struct Arrival {
     id: u64,
-    reply: Reply,
     seat: Seat,
-    deadline: Instant,
+    /// How long the call waits, from its arrival (the wait reads the clock for it:
+    /// a released round reads it no more than that).
     wait: Duration,
+    /// [`Link::stashes`] before the call's id went out.
+    stashes: u64,
 }
 
-/// Registers the call (its error, if any, comes on the socket under its id) and
-/// arrives in the seat's slot for the next round.
-/// A call refused before it arrived (the connection is closed) gives its seat back.
-fn arrive(link: &Link, mut seat: Seat, wait: Duration, waiting: Waiting) -> Result<Arrival, Box<(Error, Seat)>> {
-    let (id, reply) = match link.register(wait) {
-        Ok(registered) => registered,
-        Err(error) => return Err(Box::new((error, seat))),
-    };
-    let deadline = Instant::now() + wait;
+/// Arrives in the seat's slot for the next round as call `id` (its error, if any,
+/// comes on the socket under that id).
+fn arrive(link: &Link, mut seat: Seat, id: u64, wait: Duration, waiting: Waiting) -> Arrival {
+    // Read before the id is in the slot: no reply to it can have come yet.
+    let stashes = link.stashes();
     seat.round = seat.round.wrapping_add(1).max(1);
     if waiting == Waiting::Task {
         seat.channel.watched.watch();
     }
     seat.channel.channel.arrive(seat.slot, seat.round, id);
-    Ok(Arrival { id, reply, seat, deadline, wait })
+    Arrival { id, seat, wait, stashes }
 }
 
 /// Waits in this thread for the round's end (or the connection's, or the call's
-/// answer on the socket).
-fn wait_thread(link: &Link, arrival: &Arrival) -> Waited {
-    let (mapped, id) = (&arrival.seat.channel, arrival.id);
-    let stop = || mapped.ended.load(Ordering::Acquire) || !link.is_waiting(id);
-    mapped.channel.wait(arrival.seat.slot, arrival.seat.round, arrival.deadline, stop)
+/// answer on the socket); returns how, and the deadline it kept, if it read the clock.
+fn wait_thread(link: &Link, arrival: &Arrival) -> (Waited, Option<Instant>) {
+    let (mapped, id, seen) = (&arrival.seat.channel, arrival.id, arrival.stashes);
+    let stop = || mapped.ended.load(Ordering::Acquire) || link.replied(id, seen);
+    mapped.channel.wait_until(arrival.seat.slot, arrival.seat.round, Until::Within(arrival.wait), stop)
 }
 
 /// How a wait in the channel ended: with the call's outcome, or with the outcome
@@ -483,99 +500,112 @@ enum Settled {
 /// A call whose outcome is its reply on the socket, with the seat to keep after it.
 struct Pending {
     id: u64,
-    reply: Reply,
-    got: Option<Received>,
+    /// The reply, if it came already.
+    got: Option<Reply>,
     deadline: Instant,
+    wait: Duration,
     kept: Option<Seat>,
 }
 
 impl Pending {
     async fn reply(self, link: &Link) -> (Result<(), Error>, Option<Seat>) {
-        (reply_to(link, self.id, self.got, self.reply, self.deadline).await, self.kept)
+        let Pending { id, got, deadline, wait, kept } = self;
+        // Registered only now (a released round has no reply); the agent may have
+        // sent it before, in which case it waits in the stash.
+        let reply = match got.map_or_else(|| link.claim(id, deadline, wait), Ok) {
+            Ok(reply) => reply,
+            Err(error) => return (Err(error), kept),
+        };
+        (reply_to(link, id, reply, deadline).await, kept)
     }
 }
 
-fn settle(link: &Link, arrival: Arrival, waited: Waited, got: Option<Received>) -> Settled {
-    let Arrival { id, reply, seat, deadline, wait } = arrival;
+/// `deadline`: the wait's, if it read the clock.
+fn settle(link: &Link, arrival: Arrival, waited: Waited, deadline: Option<Instant>) -> Settled {
+    let Arrival { id, seat, wait, .. } = arrival;
+    // Needed from here on only if the round did not simply end released.
+    let deadline = || deadline.unwrap_or_else(|| Instant::now() + wait);
     match waited {
-        Waited::Ended(Outcome::Released) => {
-            link.unregister(id);
-            Settled::Done(Ok(()), Some(seat))
+        Waited::Ended(Outcome::Released) => Settled::Done(Ok(()), Some(seat)),
+        // The error is on its way on the socket (or came), as the reply to the call's id.
+        Waited::Ended(Outcome::Failed) => {
+            Settled::Reply(Pending { id, got: None, deadline: deadline(), wait, kept: Some(seat) })
         }
-        // The error is on its way on the socket, as the reply to the call's id.
-        Waited::Ended(Outcome::Failed) => Settled::Reply(Pending { id, reply, got, deadline, kept: Some(seat) }),
         Waited::Stopped => {
             let ended = seat.channel.ended.load(Ordering::Acquire);
             let finished = seat.channel.channel.outcome(seat.slot, seat.round).is_some();
             let kept = (!ended && finished).then_some(seat);
-            if ended && got.is_none() && link.is_waiting(id) {
-                // The connection ended without answering: whether the barrier took
-                // effect is unknown, as for a request whose connection was cut.
-                link.unregister(id);
-                let why = format!("the connection to the node agent at {} ended during a barrier", link.addr());
-                return Settled::Done(Err(Error::Disconnected(why)), kept);
+            if !ended {
+                return Settled::Reply(Pending { id, got: None, deadline: deadline(), wait, kept });
             }
-            Settled::Reply(Pending { id, reply, got, deadline, kept })
+            // Every reply the connection brought was routed before it counted as
+            // ended: one that is not stashed now never comes.
+            match link.take_stashed(id) {
+                Some(result) => {
+                    Settled::Reply(Pending { id, got: Some(Reply::came(result)), deadline: deadline(), wait, kept })
+                }
+                None => {
+                    // The connection ended without answering: whether the barrier took
+                    // effect is unknown, as for a request whose connection was cut.
+                    let why = format!("the connection to the node agent at {} ended during a barrier", link.addr());
+                    Settled::Done(Err(Error::Disconnected(why)), kept)
+                }
+            }
         }
-        Waited::TimedOut => {
-            link.unregister(id);
-            Settled::Done(Err(Error::Timeout(wait)), None)
-        }
+        Waited::TimedOut => Settled::Done(Err(Error::Timeout(wait)), None),
     }
 }
 
 /// [`RankChannel::wait`] for an async task: a spin while it pays, then woken by
 /// the channel's watcher thread; stops when the call's reply or the connection's
-/// end comes first.
-async fn wait_task(
-    mapped: &Mapped,
-    slot: u32,
-    round: u32,
-    deadline: Instant,
-    reply: &mut Reply,
-    got: &mut Option<Received>,
-) -> Waited {
+/// end comes first. Returns as [`wait_thread`].
+async fn wait_task(link: &Link, arrival: &Arrival) -> (Waited, Option<Instant>) {
+    let (mapped, slot, round) = (&arrival.seat.channel, arrival.seat.slot, arrival.seat.round);
     if let Some(outcome) = mapped.channel.spin(slot, round) {
-        return Waited::Ended(outcome);
+        return (Waited::Ended(outcome), None);
     }
+    // Counted from the end of the spin: it lasts microseconds, and a round released
+    // during it reads no clock for a deadline.
+    let deadline = Instant::now() + arrival.wait;
+    let waited = wait_task_until(link, arrival, deadline).await;
+    (waited, Some(deadline))
+}
+
+/// [`wait_task`] past its spin, until `deadline`.
+async fn wait_task_until(link: &Link, arrival: &Arrival, deadline: Instant) -> Waited {
+    let (mapped, slot, round) = (&arrival.seat.channel, arrival.seat.slot, arrival.seat.round);
     let deadline = tokio::time::Instant::from_std(deadline);
     loop {
         let moved = mapped.watched.moved.notified();
         tokio::pin!(moved);
-        // Registered before looking, so that a release after the look wakes it.
+        // Registered before looking, so that a release (or a reply: see
+        // [`Channels::wake_async_waiters`]) after the look wakes it.
         moved.as_mut().enable();
         if let Some(outcome) = mapped.channel.outcome(slot, round) {
             return Waited::Ended(outcome);
         }
-        if mapped.ended.load(Ordering::Acquire) {
+        // The connection ended, or the reply came on the socket.
+        if mapped.ended.load(Ordering::Acquire) || link.replied(arrival.id, arrival.stashes) {
             return Waited::Stopped;
         }
         tokio::select! {
             () = moved => {}
-            // The reply came on the socket.
-            received = &mut *reply => {
-                *got = Some(received);
-                return Waited::Stopped;
-            }
             () = tokio::time::sleep_until(deadline) => return Waited::TimedOut,
         }
     }
 }
 
-/// The reply to call `id` on the socket: `got` if it came already.
-async fn reply_to(link: &Link, id: u64, got: Option<Received>, reply: Reply, deadline: Instant) -> Result<(), Error> {
+/// The reply to call `id` on the socket.
+async fn reply_to(link: &Link, id: u64, reply: Reply, deadline: Instant) -> Result<(), Error> {
     // The error follows its slot's mark at once; the deadline only bounds a wait
     // for an agent that broke the protocol.
     let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(5);
-    let received = match got {
-        Some(received) => received,
-        None => match tokio::time::timeout(left, reply).await {
-            Ok(received) => received,
-            Err(_) => {
-                link.unregister(id);
-                return Err(Error::Timeout(left));
-            }
-        },
+    let received = match tokio::time::timeout(left, reply).await {
+        Ok(received) => received,
+        Err(_) => {
+            link.unregister(id);
+            return Err(Error::Timeout(left));
+        }
     };
     match received {
         Ok(Ok(Response::Done)) => Ok(()),
@@ -584,3 +614,6 @@ async fn reply_to(link: &Link, id: u64, got: Option<Received>, reply: Reply, dea
         Err(_) => Err(link.disconnected()),
     }
 }
+
+#[cfg(test)]
+mod tests;

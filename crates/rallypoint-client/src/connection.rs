@@ -1,7 +1,9 @@
 //! The client's connection: connecting (with retries), the handshake, and the
 //! background task that serves the socket. Calls register a reply slot under a
 //! fresh request id; replies are routed to the slots by id, so any number of calls
-//! pipeline over one connection.
+//! pipeline over one connection. (A barrier call through a shared-memory channel
+//! registers one only if its round failed, and finds its reply kept if it came
+//! first: see [`Link::claim`].)
 //!
 //! A call writes its request itself when the task is not writing (see [`Direct`]),
 //! and reads the socket itself while it is the only call waiting (see
@@ -66,6 +68,11 @@ const RESUME_WINDOW_WITHOUT_LEASE: Duration = Duration::from_secs(15);
 /// The longest a call is waited for: a deadline further out is as good as none,
 /// and must not overflow the clock.
 const LONGEST_WAIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
+/// Replies kept for barrier calls through a channel that had not looked for them
+/// yet ([`Pending::stashed`]). More than a client has such calls in flight (one per
+/// barrier it keeps a seat for); the bound only matters for replies that come
+/// after their calls gave up, which nobody takes.
+const MAX_STASHED: usize = 128;
 
 /// Where a call's reply goes: filled by whoever reads it from the socket (the task,
 /// or a call reading for everyone) or fails the call, taken by the call ([`Reply`]).
@@ -160,6 +167,11 @@ impl Reply {
             }
         }
     }
+
+    /// A reply that came before its call looked for it.
+    pub(crate) fn came(result: Result<Response, Error>) -> Reply {
+        Reply(Arc::new(ReplyCell(Mutex::new(Cell::Filled(result)))))
+    }
 }
 
 impl std::future::Future for Reply {
@@ -216,6 +228,9 @@ pub(crate) struct Link {
     deadline_moved: Notify,
     /// Barrier channels given on this connection (module `channel`).
     pub(crate) channels: Channels,
+    /// Replies stashed so far ([`Pending::stashed`]): a channel call waiting learns
+    /// with one load whether its reply may have come.
+    stashes: AtomicU64,
     /// The read half and what reading it needs, for the task and calls alike.
     read: Mutex<ReadSide>,
     /// Whom the socket's read readiness wakes: the waker every read registers.
@@ -309,6 +324,18 @@ struct Pending {
     /// When the task looks next for calls past their deadline; `None`: no timer
     /// (nobody waited since it last looked). Never after the earliest deadline.
     armed: Option<Instant>,
+    /// Replies to barrier calls through a channel that came before their calls
+    /// looked for them, oldest first. Such a call takes only a request id, no
+    /// reply slot: a released round has no reply. Only a failed round has, and the
+    /// agent may send it before the call wakes to see the failure ([`Link::claim`]).
+    stashed: VecDeque<(u64, Result<Response, Error>)>,
+}
+
+impl Pending {
+    fn take_stashed(&mut self, id: u64) -> Option<Result<Response, Error>> {
+        let at = self.stashed.iter().position(|(stashed, _)| *stashed == id)?;
+        self.stashed.remove(at).map(|(_, result)| result)
+    }
 }
 
 /// A call waiting for its reply.
@@ -390,13 +417,19 @@ impl Link {
             ends_found_by_calls: AtomicUsize::new(0),
             addr,
             next_id: AtomicU64::new(1),
-            pending: Mutex::new(Pending { calls: HashMap::default(), closed: None, armed: None }),
+            pending: Mutex::new(Pending {
+                calls: HashMap::default(),
+                closed: None,
+                armed: None,
+                stashed: VecDeque::new(),
+            }),
             delivered: AtomicUsize::new(0),
             reads: AtomicU64::new(0),
             welcome: Mutex::new(welcome),
             direct: Mutex::new(Direct::default()),
             deadline_moved: Notify::new(),
             channels: Channels::default(),
+            stashes: AtomicU64::new(0),
         }
     }
 
@@ -426,11 +459,51 @@ impl Link {
     /// the call fails with [`Error::Timeout`].
     pub(crate) fn register(&self, limit: Duration) -> Result<(u64, Reply), Error> {
         let deadline = Instant::now() + limit.min(LONGEST_WAIT);
-        let mut pending = self.lock();
+        let pending = self.lock();
         if let Some(closed) = &pending.closed {
             return Err(closed.error());
         }
         let id = self.next_id();
+        let reply = self.insert(pending, id, deadline, limit);
+        Ok((id, reply))
+    }
+
+    /// The reply to barrier call `id` through a channel, which took only its id
+    /// ([`Link::next_id`]): the one stashed for it if it came already, else a slot
+    /// it will arrive in, registered as any call's (past `deadline` the call fails
+    /// with [`Error::Timeout`]`(limit)`). Looked for and registered under the lock
+    /// a reply is stashed under, so that it is found whenever it comes.
+    pub(crate) fn claim(&self, id: u64, deadline: std::time::Instant, limit: Duration) -> Result<Reply, Error> {
+        let mut pending = self.lock();
+        if let Some(result) = pending.take_stashed(id) {
+            return Ok(Reply::came(result));
+        }
+        if let Some(closed) = &pending.closed {
+            return Err(closed.error());
+        }
+        let deadline = Instant::from_std(deadline).min(Instant::now() + LONGEST_WAIT);
+        Ok(self.insert(pending, id, deadline, limit))
+    }
+
+    /// Takes the reply stashed for barrier call `id` through a channel, if it came.
+    pub(crate) fn take_stashed(&self, id: u64) -> Option<Result<Response, Error>> {
+        self.lock().take_stashed(id)
+    }
+
+    /// Replies stashed so far: compare with [`Link::replied`]'s `seen`.
+    pub(crate) fn stashes(&self) -> u64 {
+        self.stashes.load(Ordering::Acquire)
+    }
+
+    /// A reply to barrier call `id` through a channel is stashed; `seen`: what
+    /// [`Link::stashes`] said before the call's id went out, so that a wait checks
+    /// with one load while none came.
+    pub(crate) fn replied(&self, id: u64, seen: u64) -> bool {
+        self.stashes() != seen && self.lock().stashed.iter().any(|(stashed, _)| *stashed == id)
+    }
+
+    /// Registers call `id` in `pending` (the lock taken); returns its reply.
+    fn insert(&self, mut pending: MutexGuard<'_, Pending>, id: u64, deadline: Instant, limit: Duration) -> Reply {
         let cell = Arc::new(ReplyCell(Mutex::new(Cell::Waiting(None))));
         let (slot, reply) = (ReplySlot { cell: Arc::clone(&cell), sent: false }, Reply(cell));
         pending.calls.insert(id, Call { slot, written: None, deadline, limit });
@@ -447,7 +520,7 @@ impl Link {
         if shared {
             self.share_reading();
         }
-        Ok((id, reply))
+        reply
     }
 
     /// Writes call `id`'s request now if the task is not writing; see [`DirectWrite`].
@@ -497,9 +570,10 @@ impl Link {
         }
     }
 
-    /// Call `id` still waits for its reply.
-    pub(crate) fn is_waiting(&self, id: u64) -> bool {
-        self.lock().calls.contains_key(&id)
+    /// The calls registered and waiting for their replies.
+    #[cfg(test)]
+    pub(crate) fn registered(&self) -> Vec<u64> {
+        self.lock().calls.keys().copied().collect()
     }
 
     pub(crate) fn addr(&self) -> &str {
@@ -563,9 +637,30 @@ impl Link {
 
     /// Hands call `id` its reply; `me`: the call reading, which needs no wake-up.
     fn complete(&self, id: u64, result: Result<Response, Error>, me: Option<u64>) {
-        // No call: a heartbeat, a call that timed out on this side, or a reply sent
-        // again for a request that was re-sent after a cut.
-        let call = self.lock().calls.remove(&id);
+        let mut call = self.lock().calls.remove(&id);
+        if call.is_none() {
+            // No call: a heartbeat, a call that timed out on this side, a reply sent
+            // again for a request that was re-sent after a cut, or a barrier call
+            // through a channel that has not looked for its reply yet (kept for it).
+            if !self.channels.calling(id) {
+                return;
+            }
+            let mut pending = self.lock();
+            // It may have looked meanwhile.
+            call = pending.calls.remove(&id);
+            if call.is_none() {
+                if pending.stashed.len() >= MAX_STASHED {
+                    pending.stashed.pop_front();
+                }
+                pending.stashed.push_back((id, result));
+                // Under the lock: whoever sees the count moved finds the reply.
+                self.stashes.fetch_add(1, Ordering::AcqRel);
+                drop(pending);
+                // The async calls wait on their channels' wake-ups, not on the socket.
+                self.channels.wake_async_waiters();
+                return;
+            }
+        }
         if let Some(call) = call {
             if me == Some(id) {
                 #[cfg(test)]
@@ -1030,6 +1125,9 @@ struct CloseOnDrop<'a>(&'a Link);
 impl Drop for CloseOnDrop<'_> {
     fn drop(&mut self) {
         let why = format!("the connection task for the coordinator at {} ended", self.0.addr);
+        // Whoever waits in a channel of it must learn so too (the connection is gone
+        // with the task), and later calls must not use its channels.
+        self.0.channels.connection_ended();
         self.0.close(Closed::Lost(why));
     }
 }

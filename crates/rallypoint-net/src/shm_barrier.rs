@@ -323,6 +323,16 @@ mod mapped {
         doorbell: OwnedFd,
     }
 
+    /// When a rank's wait for a round gives up.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Until {
+        /// At this instant.
+        Deadline(Instant),
+        /// This long after the wait first reads the clock (which it does anyway):
+        /// a caller without a deadline yet need not read the clock for one.
+        Within(Duration),
+    }
+
     /// How a rank's wait for a round ended.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum Waited {
@@ -391,21 +401,41 @@ mod mapped {
         /// passes: a bounded spin first (longer when few ranks share the channel,
         /// as on a node with cores to spare), then futex waits on the release word.
         pub fn wait(&self, slot: u32, round: u32, deadline: Instant, stop: impl Fn() -> bool) -> Waited {
+            self.wait_until(slot, round, Until::Deadline(deadline), stop).0
+        }
+
+        /// [`RankChannel::wait`], giving up as `until` says. Also returns the
+        /// deadline it kept: `None` if the round ended before it read the clock.
+        pub fn wait_until(
+            &self,
+            slot: u32,
+            round: u32,
+            until: Until,
+            stop: impl Fn() -> bool,
+        ) -> (Waited, Option<Instant>) {
             // Slots in use: few means spinning pays. (No spin, no clock read for it.)
             let spin = spin_budget(self.words.u32_at(ATTACHED).load(Ordering::Relaxed));
             let spun = (!spin.is_zero()).then(Instant::now);
+            let mut deadline = match until {
+                Until::Deadline(at) => Some(at),
+                Until::Within(limit) => spun.map(|spun| spun + limit),
+            };
             let mut tries = 0u32;
             loop {
                 let seen = super::release_word(&self.words);
                 if let Some(outcome) = self.outcome(slot, round) {
-                    return Waited::Ended(outcome);
+                    return (Waited::Ended(outcome), deadline);
                 }
                 if stop() {
-                    return Waited::Stopped;
+                    return (Waited::Stopped, deadline);
                 }
                 let now = Instant::now();
+                let deadline = *deadline.get_or_insert(match until {
+                    Until::Deadline(at) => at,
+                    Until::Within(limit) => now + limit,
+                });
                 if now >= deadline {
-                    return Waited::TimedOut;
+                    return (Waited::TimedOut, Some(deadline));
                 }
                 tries += 1;
                 if tries < SPIN_CHECKS && spun.is_some_and(|spun| now.duration_since(spun) < spin) {
@@ -423,6 +453,10 @@ mod mapped {
         /// to end; its outcome if it did meanwhile.
         pub fn spin(&self, slot: u32, round: u32) -> Option<Outcome> {
             let spin = spin_budget(self.words.u32_at(ATTACHED).load(Ordering::Relaxed));
+            if spin.is_zero() {
+                // No spin, no clock read for it.
+                return self.outcome(slot, round);
+            }
             let spun = Instant::now();
             for _ in 0..SPIN_CHECKS {
                 if let Some(outcome) = self.outcome(slot, round) {
@@ -554,6 +588,32 @@ mod mapped {
             stop.store(true, Ordering::SeqCst);
             rank.wake_waiters();
             assert_eq!(waiter.join().expect("waiter"), Waited::Stopped);
+        }
+
+        /// A wait given a limit instead of a deadline counts it from its own first
+        /// look at the clock, and says which deadline it kept; a round that ended
+        /// before it looked costs it no clock read and names none.
+        #[test]
+        fn a_wait_within_a_limit_keeps_the_deadline_it_counted() {
+            let agent = AgentChannel::create(1).expect("a channel");
+            // More ranks than cores: no spin (which reads the clock first).
+            agent.set_attached(u32::MAX);
+            let rank = rank_of(&agent);
+            let before = Instant::now();
+            let (waited, deadline) = rank.wait_until(0, 1, Until::Within(Duration::from_millis(30)), || false);
+            let deadline = deadline.expect("a wait that timed out read the clock");
+            assert_eq!(waited, Waited::TimedOut);
+            assert!(deadline >= before + Duration::from_millis(30) && Instant::now() >= deadline);
+            rank.arrive(0, 1, 7);
+            agent.finish(0, 1, Outcome::Failed);
+            agent.release();
+            let ended = rank.wait_until(0, 1, Until::Within(Duration::from_secs(30)), || false);
+            assert_eq!(ended, (Waited::Ended(Outcome::Failed), None));
+            let at = Instant::now() + Duration::from_secs(30);
+            assert_eq!(
+                rank.wait_until(0, 1, Until::Deadline(at), || false),
+                (Waited::Ended(Outcome::Failed), Some(at))
+            );
         }
 
         /// Waits for the doorbell (at most `wait`), then empties it.

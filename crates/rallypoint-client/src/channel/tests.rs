@@ -1,0 +1,352 @@
+//! Barrier calls through a channel against a scripted agent on a Unix socket,
+//! which decides when a failed round's error comes on the socket: before the call
+//! wakes to look for it, or after. A released round registers no reply slot; a
+//! failed one finds its reply whenever it came.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use bytes::BytesMut;
+use rallypoint_core::{
+    CollectiveKind, Identity, LossReason, Members, OpError, OpRef, RankInfo, RankState, Request, Response, SessionId,
+    Welcome,
+};
+use rallypoint_net::shm_barrier::{AgentChannel, Outcome};
+use rallypoint_net::{Listener, ReadHalf, WriteHalf};
+use rallypoint_proto::native::{
+    decode_client_frame, decode_preamble, encode_server_frame, ClientFrame, FrameLimits, ServerFrame,
+};
+
+use crate::{blocking, Client, ConnectOptions, Error};
+
+/// The longest any step of these tests waits: a bound, not a timing.
+const BOUND: Duration = Duration::from_secs(20);
+/// The barrier's timeout: never reached when the reply is found.
+const BARRIER_TIMEOUT: Duration = Duration::from_secs(3);
+
+async fn bounded<F: std::future::Future>(future: F) -> F::Output {
+    tokio::time::timeout(BOUND, future).await.expect("a step of the test took too long")
+}
+
+/// The scripted agent's end of one rank's connection, and the channel it gives.
+struct Agent {
+    reader: ReadHalf,
+    writer: WriteHalf,
+    buf: BytesMut,
+    files: VecDeque<OwnedFd>,
+    channel: AgentChannel,
+}
+
+impl Agent {
+    /// Accepts a rank, says welcome, and answers its first barrier call with slot
+    /// 0 of a channel (and the call's reply).
+    async fn accept(listener: &Listener) -> Agent {
+        let stream = bounded(listener.accept()).await.expect("accept");
+        let (reader, writer) = stream.into_split();
+        let channel = AgentChannel::create(2).expect("a channel");
+        channel.set_attached(1);
+        let mut agent = Agent { reader, writer, buf: BytesMut::new(), files: VecDeque::new(), channel };
+        while decode_preamble(&mut agent.buf).expect("preamble").is_none() {
+            agent.read().await;
+        }
+        loop {
+            match agent.frame().await {
+                Some(ClientFrame::Hello(_)) | Some(ClientFrame::TakeSharedReplies) => {}
+                Some(ClientFrame::AttachBarrier { id, request: Request::Barrier { .. } }) => {
+                    agent.give_channel(id).await;
+                    agent.send(ServerFrame::Reply { id, reply: Ok(Response::Done) }).await;
+                    return agent;
+                }
+                other => panic!("expected a hello, then a barrier asking for a channel; got {other:?}"),
+            }
+            if agent.buf.is_empty() {
+                let welcome = Welcome { session: SessionId(1), lease_ms: 0, job_incarnation: None };
+                agent.send(ServerFrame::Welcome(welcome)).await;
+            }
+        }
+    }
+
+    async fn read(&mut self) -> usize {
+        bounded(self.reader.read_with_files(&mut self.buf, 4096, &mut self.files)).await.expect("read")
+    }
+
+    /// The next frame; `None` once the rank closed the connection.
+    async fn frame(&mut self) -> Option<ClientFrame> {
+        loop {
+            if let Some(frame) = decode_client_frame(&mut self.buf, &FrameLimits::unbounded()).expect("a frame") {
+                return Some(frame);
+            }
+            if self.read().await == 0 {
+                return None;
+            }
+        }
+    }
+
+    async fn send(&mut self, frame: ServerFrame) {
+        let mut out = BytesMut::new();
+        encode_server_frame(&frame, &mut out);
+        bounded(self.writer.write_locked(&out)).await.expect("write");
+    }
+
+    /// Gives slot 0 of the channel, its files with the frame.
+    async fn give_channel(&mut self, id: u64) {
+        let mut out = BytesMut::new();
+        encode_server_frame(&ServerFrame::BarrierChannel { id, channel: 1, slot: 0 }, &mut out);
+        let files = [self.channel.file.as_fd(), self.channel.doorbell.as_fd()];
+        let mut written = 0;
+        while written == 0 {
+            bounded(self.writer.writable()).await.expect("writable");
+            match self.writer.try_write_with_files(&out, &files) {
+                Ok(n) => written = n,
+                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(error) => panic!("cannot write the channel: {error}"),
+            }
+        }
+        bounded(self.writer.write_locked(&out[written..])).await.expect("write");
+    }
+
+    /// Waits for the rank's arrival at `round` of slot 0; returns its request id.
+    async fn arrival(&self, round: u32) -> u64 {
+        bounded(async {
+            loop {
+                match self.channel.arrival(0, round - 1) {
+                    Some((arrived, call)) if arrived == round => return call,
+                    _ => tokio::time::sleep(Duration::from_millis(1)).await,
+                }
+            }
+        })
+        .await
+    }
+
+    /// Ends `round` of slot 0 so and wakes the rank.
+    fn finish(&self, round: u32, outcome: Outcome) {
+        self.channel.finish(0, round, outcome);
+        self.channel.release();
+    }
+
+    /// Answers the next request, an add, with its delta.
+    async fn answer_add(&mut self) {
+        match self.frame().await {
+            Some(ClientFrame::Request { id, request: Request::Add { delta, .. } }) => {
+                self.send(ServerFrame::Reply { id, reply: Ok(Response::Int(delta)) }).await;
+            }
+            other => panic!("expected an add, got {other:?}"),
+        }
+    }
+}
+
+/// The coordinator's error for the round: rank 1 was lost.
+fn lost() -> OpError {
+    let op = OpRef { kind: CollectiveKind::Barrier, name: "b".to_owned(), generation: 2 };
+    let peer = RankInfo {
+        rank: 1,
+        host: Some("host-1".to_owned()),
+        pid: Some(1001),
+        state: RankState::Lost(LossReason::Disconnected),
+        last_seen_ms_ago: Some(0),
+    };
+    OpError::PeerLost { op, peer }
+}
+
+fn assert_lost(outcome: Result<(), Error>) {
+    match outcome {
+        Err(Error::Op(error)) => assert_eq!(error, lost()),
+        other => panic!("expected the coordinator's error naming rank 1, got {other:?}"),
+    }
+}
+
+/// A directory of this test's own for the agent's socket, removed when dropped.
+struct SocketDir(std::path::PathBuf);
+
+impl Drop for SocketDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+async fn listen() -> (Listener, String, SocketDir) {
+    static MADE: AtomicU32 = AtomicU32::new(0);
+    let name = format!("rallypoint-channel-test-{}-{}", std::process::id(), MADE.fetch_add(1, Ordering::Relaxed));
+    let dir = SocketDir(std::env::temp_dir().join(name));
+    std::fs::create_dir(&dir.0).expect("a directory");
+    let listener = Listener::bind(&format!("unix:{}", dir.0.join("agent.sock").display())).await.expect("bind");
+    let addr = listener.local_addr().expect("address");
+    (listener, addr, dir)
+}
+
+fn options(addr: &str) -> ConnectOptions {
+    ConnectOptions::new(addr, Identity::ranked("job", 0, 2)).with_timeout(BOUND)
+}
+
+/// An async client with a seat in the agent's channel for barrier `b`.
+async fn seated_async() -> (Client, Agent, SocketDir) {
+    let (listener, addr, dir) = listen().await;
+    let (client, agent) = tokio::join!(
+        async {
+            let client = Client::connect_with(options(&addr)).await.expect("connect");
+            client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await.expect("the first call");
+            client
+        },
+        Agent::accept(&listener)
+    );
+    (client, agent, dir)
+}
+
+/// A blocking client with a seat in the agent's channel for barrier `b`.
+async fn seated_blocking() -> (blocking::Client, Agent, SocketDir) {
+    let (listener, addr, dir) = listen().await;
+    let connecting = tokio::task::spawn_blocking(move || {
+        let client = blocking::Client::connect_with(options(&addr)).expect("connect");
+        client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).expect("the first call");
+        client
+    });
+    let agent = Agent::accept(&listener).await;
+    let client = bounded(connecting).await.expect("connecting");
+    (client, agent, dir)
+}
+
+/// A released round takes a request id and registers nothing: no reply slot waits
+/// while the rank waits in the channel, nor after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_round_registers_no_reply() {
+    let (client, agent, _dir) = seated_async().await;
+    for round in 1..=3 {
+        let waiting = tokio::spawn({
+            let client = client.clone();
+            async move { client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await }
+        });
+        agent.arrival(round).await;
+        assert!(client.link().registered().is_empty(), "a call waiting in the channel registered a reply slot");
+        agent.finish(round, Outcome::Released);
+        bounded(waiting).await.expect("task").expect("a released round");
+    }
+    assert!(client.link().registered().is_empty());
+}
+
+/// The agent sends a failed round's error before the rank wakes to see the
+/// failure: the connection keeps the reply for the call, which finds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_blocking_call_finds_the_error_that_came_before_it_looked() {
+    let (client, mut agent, _dir) = seated_blocking().await;
+    let waiting = tokio::task::spawn_blocking({
+        let client = client.clone();
+        move || client.barrier("b", Members::World, Some(BARRIER_TIMEOUT))
+    });
+    let call = agent.arrival(1).await;
+    agent.send(ServerFrame::Reply { id: call, reply: Err(lost()) }).await;
+    // Answered after the error on the same stream: once the add returns, the
+    // client has read the error, while the rank still sleeps in the channel.
+    let adding = tokio::task::spawn_blocking({
+        let client = client.clone();
+        move || client.add("k", 7)
+    });
+    agent.answer_add().await;
+    assert_eq!(bounded(adding).await.expect("thread").expect("add"), 7);
+    agent.finish(1, Outcome::Failed);
+    assert_lost(bounded(waiting).await.expect("thread"));
+}
+
+/// As above, for an async call (woken by the channel's watcher thread).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_async_call_finds_the_error_that_came_before_it_looked() {
+    let (client, mut agent, _dir) = seated_async().await;
+    let waiting = tokio::spawn({
+        let client = client.clone();
+        async move { client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await }
+    });
+    let call = agent.arrival(1).await;
+    agent.send(ServerFrame::Reply { id: call, reply: Err(lost()) }).await;
+    let adding = tokio::spawn({
+        let client = client.clone();
+        async move { client.add("k", 7).await }
+    });
+    agent.answer_add().await;
+    assert_eq!(bounded(adding).await.expect("task").expect("add"), 7);
+    agent.finish(1, Outcome::Failed);
+    assert_lost(bounded(waiting).await.expect("task"));
+}
+
+/// The agent marks the round failed first and sends the error only once the
+/// call looked for it (and found nothing): the call waits for it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_waits_for_the_error_that_comes_after_it_looked() {
+    let (client, mut agent, _dir) = seated_async().await;
+    let waiting = tokio::spawn({
+        let client = client.clone();
+        async move { client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await }
+    });
+    let call = agent.arrival(1).await;
+    agent.finish(1, Outcome::Failed);
+    let link = client.link();
+    bounded(async {
+        while !link.registered().contains(&call) {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    agent.send(ServerFrame::Reply { id: call, reply: Err(lost()) }).await;
+    assert_lost(bounded(waiting).await.expect("task"));
+}
+
+/// The connection ends while the rank waits in the channel: with the round's
+/// error read before the end, that error is the outcome; without, the call is
+/// told the connection ended.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_ending_during_a_wait_gives_what_came_before_it() {
+    let (client, mut agent, _dir) = seated_blocking().await;
+    let waiting = tokio::task::spawn_blocking({
+        let client = client.clone();
+        move || client.barrier("b", Members::World, Some(BARRIER_TIMEOUT))
+    });
+    let call = agent.arrival(1).await;
+    agent.send(ServerFrame::Reply { id: call, reply: Err(lost()) }).await;
+    drop(agent);
+    assert_lost(bounded(waiting).await.expect("thread"));
+
+    let (client, agent, _dir) = seated_blocking().await;
+    let waiting = tokio::task::spawn_blocking({
+        let client = client.clone();
+        move || client.barrier("b", Members::World, Some(BARRIER_TIMEOUT))
+    });
+    agent.arrival(1).await;
+    drop(agent);
+    match bounded(waiting).await.expect("thread") {
+        Err(Error::Disconnected(why)) => assert!(why.contains("ended during a barrier"), "{why}"),
+        other => panic!("expected Disconnected, got {other:?}"),
+    }
+    drop(client);
+}
+
+/// A reply on the socket stops a wait in the channel even though the slot never
+/// says the round ended (an agent answering the call otherwise): an async call at
+/// once, a blocking one at its next wake-up (here, a release of other rounds).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_without_the_slots_mark_stops_the_wait() {
+    let (client, mut agent, _dir) = seated_async().await;
+    let waiting = tokio::spawn({
+        let client = client.clone();
+        async move { client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await }
+    });
+    let call = agent.arrival(1).await;
+    agent.send(ServerFrame::Reply { id: call, reply: Err(lost()) }).await;
+    assert_lost(bounded(waiting).await.expect("task"));
+
+    let (client, mut agent, _dir) = seated_blocking().await;
+    let waiting = tokio::task::spawn_blocking({
+        let client = client.clone();
+        move || client.barrier("b", Members::World, Some(BARRIER_TIMEOUT))
+    });
+    let call = agent.arrival(1).await;
+    agent.send(ServerFrame::Reply { id: call, reply: Err(lost()) }).await;
+    // Read once the add's reply, sent after it, is.
+    let adding = tokio::task::spawn_blocking({
+        let client = client.clone();
+        move || client.add("k", 7)
+    });
+    agent.answer_add().await;
+    assert_eq!(bounded(adding).await.expect("thread").expect("add"), 7);
+    agent.channel.release();
+    assert_lost(bounded(waiting).await.expect("thread"));
+}
