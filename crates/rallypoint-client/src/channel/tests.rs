@@ -209,6 +209,28 @@ async fn seated_blocking() -> (blocking::Client, Agent, SocketDir) {
 
 /// A released round takes a request id and registers nothing: no reply slot waits
 /// while the rank waits in the channel, nor after.
+/// A blocking barrier call in the channel, and its error sent on the socket
+/// and read by the client while the rank still sleeps in the channel: the add
+/// answered after the error on the same stream returns only once it is read.
+async fn blocking_call_whose_error_was_read(
+    client: &blocking::Client,
+    agent: &mut Agent,
+) -> tokio::task::JoinHandle<Result<(), Error>> {
+    let waiting = tokio::task::spawn_blocking({
+        let client = client.clone();
+        move || client.barrier("b", Members::World, Some(BARRIER_TIMEOUT))
+    });
+    let call = agent.arrival(1).await;
+    agent.send(ServerFrame::Reply { id: call, reply: Err(lost()) }).await;
+    let adding = tokio::task::spawn_blocking({
+        let client = client.clone();
+        move || client.add("k", 7)
+    });
+    agent.answer_add().await;
+    assert_eq!(bounded(adding).await.expect("thread").expect("add"), 7);
+    waiting
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_released_round_registers_no_reply() {
     let (client, agent, _dir) = seated_async().await;
@@ -230,20 +252,7 @@ async fn a_released_round_registers_no_reply() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_blocking_call_finds_the_error_that_came_before_it_looked() {
     let (client, mut agent, _dir) = seated_blocking().await;
-    let waiting = tokio::task::spawn_blocking({
-        let client = client.clone();
-        move || client.barrier("b", Members::World, Some(BARRIER_TIMEOUT))
-    });
-    let call = agent.arrival(1).await;
-    agent.send(ServerFrame::Reply { id: call, reply: Err(lost()) }).await;
-    // Answered after the error on the same stream: once the add returns, the
-    // client has read the error, while the rank still sleeps in the channel.
-    let adding = tokio::task::spawn_blocking({
-        let client = client.clone();
-        move || client.add("k", 7)
-    });
-    agent.answer_add().await;
-    assert_eq!(bounded(adding).await.expect("thread").expect("add"), 7);
+    let waiting = blocking_call_whose_error_was_read(&client, &mut agent).await;
     agent.finish(1, Outcome::Failed);
     assert_lost(bounded(waiting).await.expect("thread"));
 }
@@ -334,19 +343,7 @@ async fn a_reply_without_the_slots_mark_stops_the_wait() {
     assert_lost(bounded(waiting).await.expect("task"));
 
     let (client, mut agent, _dir) = seated_blocking().await;
-    let waiting = tokio::task::spawn_blocking({
-        let client = client.clone();
-        move || client.barrier("b", Members::World, Some(BARRIER_TIMEOUT))
-    });
-    let call = agent.arrival(1).await;
-    agent.send(ServerFrame::Reply { id: call, reply: Err(lost()) }).await;
-    // Read once the add's reply, sent after it, is.
-    let adding = tokio::task::spawn_blocking({
-        let client = client.clone();
-        move || client.add("k", 7)
-    });
-    agent.answer_add().await;
-    assert_eq!(bounded(adding).await.expect("thread").expect("add"), 7);
+    let waiting = blocking_call_whose_error_was_read(&client, &mut agent).await;
     agent.channel.release();
     assert_lost(bounded(waiting).await.expect("thread"));
 }
