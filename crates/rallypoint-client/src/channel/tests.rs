@@ -209,6 +209,12 @@ async fn seated_blocking() -> (blocking::Client, Agent, SocketDir) {
 
 /// A released round takes a request id and registers nothing: no reply slot waits
 /// while the rank waits in the channel, nor after.
+/// An async barrier call of the seated client, as a task.
+fn spawn_barrier(client: &Client) -> tokio::task::JoinHandle<Result<(), Error>> {
+    let client = client.clone();
+    tokio::spawn(async move { client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await })
+}
+
 /// A blocking barrier call in the channel, and its error sent on the socket
 /// and read by the client while the rank still sleeps in the channel: the add
 /// answered after the error on the same stream returns only once it is read.
@@ -235,10 +241,7 @@ async fn blocking_call_whose_error_was_read(
 async fn a_released_round_registers_no_reply() {
     let (client, agent, _dir) = seated_async().await;
     for round in 1..=3 {
-        let waiting = tokio::spawn({
-            let client = client.clone();
-            async move { client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await }
-        });
+        let waiting = spawn_barrier(&client);
         agent.arrival(round).await;
         assert!(client.link().registered().is_empty(), "a call waiting in the channel registered a reply slot");
         agent.finish(round, Outcome::Released);
@@ -261,10 +264,7 @@ async fn a_blocking_call_finds_the_error_that_came_before_it_looked() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_async_call_finds_the_error_that_came_before_it_looked() {
     let (client, mut agent, _dir) = seated_async().await;
-    let waiting = tokio::spawn({
-        let client = client.clone();
-        async move { client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await }
-    });
+    let waiting = spawn_barrier(&client);
     let call = agent.arrival(1).await;
     agent.send(ServerFrame::Reply { id: call, reply: Err(lost()) }).await;
     let adding = tokio::spawn({
@@ -282,10 +282,7 @@ async fn an_async_call_finds_the_error_that_came_before_it_looked() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_waits_for_the_error_that_comes_after_it_looked() {
     let (client, mut agent, _dir) = seated_async().await;
-    let waiting = tokio::spawn({
-        let client = client.clone();
-        async move { client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await }
-    });
+    let waiting = spawn_barrier(&client);
     let call = agent.arrival(1).await;
     agent.finish(1, Outcome::Failed);
     let link = client.link();
@@ -334,10 +331,7 @@ async fn a_connection_ending_during_a_wait_gives_what_came_before_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reply_without_the_slots_mark_stops_the_wait() {
     let (client, mut agent, _dir) = seated_async().await;
-    let waiting = tokio::spawn({
-        let client = client.clone();
-        async move { client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await }
-    });
+    let waiting = spawn_barrier(&client);
     let call = agent.arrival(1).await;
     agent.send(ServerFrame::Reply { id: call, reply: Err(lost()) }).await;
     assert_lost(bounded(waiting).await.expect("task"));
