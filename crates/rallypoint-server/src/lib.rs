@@ -120,9 +120,9 @@ impl ServerConfig {
     /// The default budget of unfinished requests: an eighth of this machine's
     /// memory, at least [`Self::DEFAULT_MAX_PENDING_BYTES`]. A job's ranks may hold
     /// large requests at once without any of them being hostile: torch's elastic
-    /// `synchronize` has every rank WAIT for, then MULTI_GET, all N keys, a request
-    /// of N keys per rank (8,192 ranks: 2 GB together); a fixed budget closed their
-    /// connections. The largest holder is still closed past it.
+    /// `synchronize` has every rank WAIT for, then MULTI_GET, all N keys: N
+    /// requests of N keys each, arriving together, which a fixed budget closed
+    /// ranks of. The largest holder is still closed past it.
     pub fn default_max_pending_bytes() -> usize {
         // SAFETY: sysconf has no preconditions.
         let (pages, page) = unsafe { (libc::sysconf(libc::_SC_PHYS_PAGES), libc::sysconf(libc::_SC_PAGESIZE)) };
