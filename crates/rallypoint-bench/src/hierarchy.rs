@@ -103,8 +103,9 @@ pub(super) enum Transport {
 /// Connections one generator holds at most by default (one descriptor each: below a
 /// raised open-file limit).
 const PER_GENERATOR: u32 = 16_000;
-/// Connection attempts in flight per generator (the listen backlogs are finite).
-const CONNECTING: usize = 256;
+/// Connection attempts in flight per load-generating process (the listen backlogs
+/// are finite).
+pub(crate) const CONNECTING: usize = 256;
 
 #[derive(Debug, Serialize)]
 struct Report {
@@ -149,6 +150,23 @@ fn cpu_ticks(child: &Child) -> u64 {
 
 fn cpu_of<'a>(children: impl Iterator<Item = &'a Child>) -> u64 {
     children.map(cpu_ticks).sum()
+}
+
+/// CPU ticks so far of the coordinator (none for a floor), of all agents and of
+/// the generators `gens`.
+fn cpu_sample(root: Option<&Spawned>, agents: &Agents, gens: &[Spawned]) -> [u64; 3] {
+    [
+        root.map_or(0, |root| cpu_ticks(&root.child)),
+        cpu_of(agents.children.iter().map(|a| &a.child)),
+        cpu_of(gens.iter().map(|g| &g.child)),
+    ]
+}
+
+/// Microseconds of CPU between two counts of ticks.
+fn cpu_us_between(before: u64, after: u64) -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    after.saturating_sub(before) as f64 / ticks_per_s * 1e6
 }
 
 /// What a generator reports on its last stdout line.
@@ -393,14 +411,7 @@ async fn coordinate_start(args: &Args) -> anyhow::Result<StartReport> {
         let (root, agents) = start_servers(args).await?;
         (Some(root), agents)
     };
-    let cpu_sample = |gens: &[Spawned]| {
-        [
-            root.as_ref().map_or(0, |root| cpu_ticks(&root.child)),
-            cpu_of(agents.children.iter().map(|a| &a.child)),
-            cpu_of(gens.iter().map(|g| &g.child)),
-        ]
-    };
-    let cpu_before = cpu_sample(&[]);
+    let cpu_before = cpu_sample(root.as_ref(), &agents, &[]);
     let t0 = mono_ns();
     let mut gens = spawn_generators(args, generators, &agents).await?;
     let mut stamps = Vec::new();
@@ -410,7 +421,7 @@ async fn coordinate_start(args: &Args) -> anyhow::Result<StartReport> {
             serde_json::from_str(&line).with_context(|| format!("a generator reported {line:?}"))?;
         stamps.push(report);
     }
-    let cpu_after = cpu_sample(&gens);
+    let cpu_after = cpu_sample(root.as_ref(), &agents, &gens);
     for mut generator in gens {
         let _ = generator.child.kill().await;
     }
@@ -419,9 +430,7 @@ async fn coordinate_start(args: &Args) -> anyhow::Result<StartReport> {
         let _ = root.child.kill().await;
     }
 
-    // SAFETY: sysconf has no preconditions.
-    let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
-    let cpu_ms = |i: usize| (cpu_after[i].saturating_sub(cpu_before[i])) as f64 / ticks_per_s * 1e3;
+    let cpu_ms = |i: usize| cpu_us_between(cpu_before[i], cpu_after[i]) / 1e3;
     let phase_ms = |p: usize| {
         let end = stamps.iter().map(|s| s.phase_end_ns[p]).max().unwrap_or(0);
         (end.saturating_sub(t0) as f64 / 1e5).round() / 10.0
@@ -455,14 +464,7 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
         }
     }
     let connect_ms = started.elapsed().as_secs_f64() * 1000.0;
-    let cpu_sample = |gens: &[Spawned]| {
-        [
-            cpu_ticks(&root.child),
-            cpu_of(agents.children.iter().map(|a| &a.child)),
-            cpu_of(gens.iter().map(|g| &g.child)),
-        ]
-    };
-    let mut cpu_before = cpu_sample(&gens);
+    let mut cpu_before = cpu_sample(Some(&root), &agents, &gens);
     // Every rank is connected: start all generators at once.
     go(&mut gens).await?;
     if args.warmup > 0 {
@@ -475,7 +477,7 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
                 bail!("a load generator said {warm:?} instead of warm");
             }
         }
-        cpu_before = cpu_sample(&gens);
+        cpu_before = cpu_sample(Some(&root), &agents, &gens);
         go(&mut gens).await?;
     }
     let mut reports = Vec::new();
@@ -500,10 +502,8 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
     }
     // Generators exit after reporting: sample them before reading their last line.
     let cpu_after = [cpu_ticks(&root.child), cpu_of(agents.children.iter().map(|a| &a.child)), gen_cpu_after];
-    // SAFETY: sysconf has no preconditions.
-    let ticks_per_s = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
     let per_rank_round = |i: usize| {
-        let us = (cpu_after[i].saturating_sub(cpu_before[i])) as f64 / ticks_per_s * 1e6;
+        let us = cpu_us_between(cpu_before[i], cpu_after[i]);
         (us / f64::from(args.ranks) / f64::from(args.rounds) * 10.0).round() / 10.0
     };
     let cpu = CpuSplit { coordinator: per_rank_round(0), agents: per_rank_round(1), generators: per_rank_round(2) };
@@ -644,7 +644,7 @@ impl RankSetup {
         let mut buf = BytesMut::new();
         let conn = {
             let _slot = self.connecting.acquire().await?;
-            let mut conn = connect_rank(addr, &identity).await?;
+            let mut conn = connect_rank(addr, &identity, false).await?;
             match conn.frame(&mut buf).await? {
                 ServerFrame::Welcome(_) => {}
                 other => bail!("rank {rank}: expected a welcome, got {other:?}"),
@@ -811,11 +811,15 @@ async fn generator(args: &Args, first: u32, count: u32) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Connects and says hello, retrying while the agent's listen backlog is full.
-async fn connect_rank(addr: &str, identity: &Identity) -> anyhow::Result<Conn> {
+/// Connects and says hello (asking for shared replies in the same write if
+/// `takes_shared`), retrying while the agent's listen backlog is full.
+async fn connect_rank(addr: &str, identity: &Identity, takes_shared: bool) -> anyhow::Result<Conn> {
     let mut hello = BytesMut::new();
     encode_preamble(&mut hello);
     encode_client_frame(&ClientFrame::Hello(identity.clone()), &mut hello);
+    if takes_shared {
+        encode_client_frame(&ClientFrame::TakeSharedReplies, &mut hello);
+    }
     let deadline = Instant::now() + Duration::from_secs(120);
     let mut pause = Duration::from_millis(1);
     loop {

@@ -23,6 +23,7 @@ use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 
 use crate::hierarchy::start::{address, Phases};
+use crate::hierarchy::CONNECTING;
 use crate::tcpstore::{resolve, StoreConn};
 use crate::{ensure_fds, mono_ns, print_report};
 
@@ -55,9 +56,6 @@ struct Report {
     /// ... until the last rank had every address: the start, end to end.
     all_gather_ms: f64,
 }
-
-/// Connections being opened at once: what the listen backlog takes.
-const CONNECTING: usize = 256;
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
     ensure_fds(u64::from(args.ranks) + 64)?;

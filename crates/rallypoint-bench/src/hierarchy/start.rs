@@ -83,8 +83,7 @@ impl Phases {
 /// prints its [`Stamps`] and stays, holding the connections, until the parent
 /// has read this process's CPU time (and kills it, or closes stdin).
 pub(super) async fn generator(ranks: u32, first: u32, count: u32, addrs: Vec<String>) -> anyhow::Result<()> {
-    let phases =
-        Arc::new(Phases { count, passed: Default::default(), end_ns: Default::default(), shared: AtomicU32::new(0) });
+    let phases = Arc::new(Phases::new(count));
     let connecting = Arc::new(tokio::sync::Semaphore::new(CONNECTING));
     let mut tasks = JoinSet::new();
     for rank in first..first + count {
@@ -112,16 +111,11 @@ async fn start_rank(
     connecting: &tokio::sync::Semaphore,
 ) -> anyhow::Result<Conn> {
     let identity = Identity { host: "bench".into(), pid: std::process::id(), ..Identity::ranked("bench", rank, ranks) };
-    let shared = rallypoint_net::unix_path(addr).is_some();
     let mut buf = BytesMut::new();
     let mut conn = {
         let _slot = connecting.acquire().await?;
-        let mut conn = connect_rank(addr, &identity).await?;
-        if shared {
-            let mut frame = BytesMut::new();
-            encode_client_frame(&ClientFrame::TakeSharedReplies, &mut frame);
-            conn.write_all(&frame).await?;
-        }
+        // Over a Unix socket, as the client library does.
+        let mut conn = connect_rank(addr, &identity, rallypoint_net::unix_path(addr).is_some()).await?;
         match conn.frame(&mut buf).await? {
             ServerFrame::Welcome(_) => {}
             other => bail!("rank {rank}: expected a welcome, got {other:?}"),
