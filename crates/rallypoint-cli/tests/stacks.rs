@@ -61,21 +61,23 @@ const TORCH_ALL_REDUCE_LINE: u32 = 27;
 
 /// Plain Python: rank 1 is stuck in `stuck` (line 5) while the others wait in
 /// `wait_for_peers` (line 9); rank 3, given FAIL, exits with code 3 instead.
+// With FAIL, rank 3 exits only once rank 1 is in `stuck` (its marker file), so
+// that the summary has a stack of rank 1 to show. Lines 5, 9 and 16 are asserted.
 const PY_HANG: &str = r#"import os, sys, time
 
 
 def stuck():
-    time.sleep(3600)
+    open("rank1-stuck", "w").close(); time.sleep(3600)
 
 
 def wait_for_peers():
     time.sleep(3600)
-
+def wait_for(path, then): return next((then for _ in range(6000) if os.path.exists(path) or time.sleep(0.01)), then)
 
 rank = int(os.environ["RANK"])
 print("rank", rank, "ready", flush=True)
 if rank == 3 and os.environ.get("FAIL"):
-    sys.exit(3)
+    sys.exit(wait_for("rank1-stuck", then=3))
 stuck() if rank == 1 else wait_for_peers()
 "#;
 
@@ -386,6 +388,7 @@ fn a_hung_python_job_is_named_by_its_stacks_and_a_failure_lists_the_ranks_still_
     assert!(rest.starts_with("ranks 0,2-3 (3 of 4): wait_for_peers (hang.py:9) ← <module> (hang.py:16)"), "{rest}");
 
     // A failure: the ranks still running are read before they are killed.
+    let _ = std::fs::remove_file(dir.join("rank1-stuck"));
     let args = ["--nproc-per-node", "4", "--hang-timeout", "600", "--", python3(), "hang.py"];
     let done = Job::start(&args, &dir, &[("FAIL", "1")]).finish();
     assert_eq!(done.code, Some(3), "{}", done.stderr);
