@@ -27,6 +27,27 @@ fn barrier_releases_exactly_when_the_last_member_arrives_and_is_reusable() {
 }
 
 #[test]
+fn generations_of_a_rank_that_called_before_the_world_connected_are_kept() {
+    // Rank 3 is counted before the job knows any other rank, then after all have
+    // connected: its calls keep joining generations 1, 2, 3 in turn.
+    let mut h = Harness::new();
+    let r3 = h.rank("j", 3, 4);
+    let early: Vec<u64> = (0..2).map(|_| h.send(r3, barrier("step", None))).collect();
+    let others: Vec<_> = (0..3).map(|r| h.rank("j", r, 4)).collect();
+    let late = h.send(r3, barrier("step", None));
+    for (generation, mine) in early.iter().chain([&late]).enumerate() {
+        let ids: Vec<u64> = others.iter().map(|&s| h.send(s, barrier("step", None))).collect();
+        assert_eq!(ok(h.take(r3, *mine)), Response::Done, "generation {}", generation + 1);
+        for (&s, &id) in others.iter().zip(&ids) {
+            assert_eq!(ok(h.take(s, id)), Response::Done);
+        }
+        if generation < 2 {
+            assert!(h.pending(r3, late), "rank 3's third call released with generation {}", generation + 1);
+        }
+    }
+}
+
+#[test]
 fn generations_are_counted_per_rank_across_sessions() {
     // A shell loop: each call of rank 0 is a new session that leaves afterwards.
     let mut h = Harness::new();

@@ -68,26 +68,67 @@ struct Generation {
     bytes: usize,
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Collective {
-    calls: HashMap<u32, u64>,
+    kind: CollectiveKind,
+    name: String,
+    calls: Calls,
     pending: BTreeMap<u64, Generation>,
     failed: BTreeMap<u64, OpError>,
 }
 
+/// How many times each rank called a collective: its next call's generation.
+/// Indexed by rank up to the number of ranks that ever connected, so that a rank
+/// claiming a huge world size costs an entry, not a vector of that size.
+#[derive(Debug, Default)]
+struct Calls {
+    dense: Vec<u64>,
+    sparse: HashMap<u32, u64>,
+}
+
+impl Calls {
+    /// Counts a call of `rank`; returns its generation.
+    fn next(&mut self, rank: u32, ranks: &Ranks) -> u64 {
+        let at = rank as usize;
+        if at >= self.dense.len() && at < ranks.ever_connected() {
+            self.dense.resize(ranks.ever_connected(), 0);
+            if !self.sparse.is_empty() {
+                let len = self.dense.len();
+                self.sparse.retain(|&r, &mut n| {
+                    (r as usize >= len) || {
+                        self.dense[r as usize] = n;
+                        false
+                    }
+                });
+            }
+        }
+        let counter = match self.dense.get_mut(at) {
+            Some(counter) => counter,
+            None => self.sparse.entry(rank).or_insert(0),
+        };
+        *counter += 1;
+        *counter
+    }
+}
+
+/// Where a collective is in [`Collectives::all`]: found once for a node agent's
+/// run of calls, then indexed per call.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CollectiveAt(usize);
+
 #[derive(Debug, Default)]
 pub(crate) struct Collectives {
-    /// Per kind (see [`KINDS`]), by name: looked up by `&str`, with no key to build
-    /// for each call.
-    by_name: [HashMap<String, Collective>; 3],
+    /// Per kind (see [`kind_index`]), by name, where the collective is in `all`: looked
+    /// up by `&str`, with no key to build for each call.
+    by_name: [HashMap<String, usize>; 3],
+    /// Every collective the job ever called, in the order first called: none is
+    /// dropped while the job lives.
+    all: Vec<Collective>,
     failed_kept: usize,
     max_gather_bytes: usize,
     /// Per kind (see [`counted`]): what `rallypoint_*_total` and the wait histogram show.
     pub counters: [OpCounters; 3],
 }
-
-/// The kinds in the order of [`Collectives::by_name`].
-const KINDS: [CollectiveKind; 3] = [CollectiveKind::Barrier, CollectiveKind::AllGather, CollectiveKind::Broadcast];
 
 fn kind_index(kind: CollectiveKind) -> usize {
     match kind {
@@ -110,24 +151,37 @@ impl Collectives {
     pub fn new(failed_kept: usize, max_gather_bytes: usize) -> Self {
         Collectives {
             by_name: Default::default(),
+            all: Vec::new(),
             failed_kept: failed_kept.max(1),
             max_gather_bytes,
             counters: Default::default(),
         }
     }
 
-    pub fn arrive(&mut self, kind: CollectiveKind, name: &str, call: Call, ranks: &Ranks, ctx: &mut Ctx<'_>) {
+    /// The collective `kind` `name`, made now if it was never called.
+    pub fn find(&mut self, kind: CollectiveKind, name: &str) -> CollectiveAt {
+        let by_name = &mut self.by_name[kind_index(kind)];
+        if let Some(&at) = by_name.get(name) {
+            return CollectiveAt(at);
+        }
+        let at = self.all.len();
+        let calls = Calls::default();
+        let (pending, failed) = (BTreeMap::new(), BTreeMap::new());
+        self.all.push(Collective { kind, name: name.to_owned(), calls, pending, failed });
+        by_name.insert(name.to_owned(), at);
+        CollectiveAt(at)
+    }
+
+    /// A call of the collective at `at` (see [`Collectives::find`]). A generation is
+    /// looked at for its release only when this call completed it (a broadcast: at
+    /// every call), so that a run of calls costs no lookup per call beyond its own.
+    pub fn arrive(&mut self, CollectiveAt(at): CollectiveAt, call: Call, ranks: &Ranks, ctx: &mut Ctx<'_>) {
         let failed_kept = self.failed_kept;
+        let Some(coll) = self.all.get_mut(at) else { return };
+        let (kind, name) = (coll.kind, coll.name.as_str());
         let counters = &mut self.counters[counted(kind)];
         counters.arrivals += 1;
-        let by_name = &mut self.by_name[kind_index(kind)];
-        let coll = match by_name.get_mut(name) {
-            Some(coll) => coll,
-            None => by_name.entry(name.to_owned()).or_default(),
-        };
-        let counter = coll.calls.entry(call.rank).or_insert(0);
-        *counter += 1;
-        let number = *counter;
+        let number = coll.calls.next(call.rank, ranks);
         // Only a failure names the operation: most calls never build it.
         let op = || OpRef { kind, name: name.to_owned(), generation: number };
         let caller = (call.session, call.request_id);
@@ -172,11 +226,14 @@ impl Collectives {
                     return;
                 }
                 let arrivals = Arrivals::for_members(&members, ranks);
+                // Room for every member that connected, so that a release's waiters
+                // are not moved as they come.
+                let expected = members.count().unwrap_or(0).min(ranks.ever_connected());
                 coll.pending.entry(number).or_insert(Generation {
                     shape: shape(),
                     members,
                     arrivals,
-                    waiters: Vec::new(),
+                    waiters: Vec::with_capacity(expected),
                     started: ctx.now,
                     deadline: None,
                     released: false,
@@ -197,6 +254,7 @@ impl Collectives {
             return;
         }
         generation.arrivals.insert(call.rank, call.value);
+        let complete = generation.members.count() == Some(generation.arrivals.count());
         if kind == CollectiveKind::Broadcast {
             if generation.released {
                 let value = generation.arrivals.get(generation.shape.root.unwrap_or(0)).cloned().unwrap_or_default();
@@ -217,12 +275,14 @@ impl Collectives {
                 );
             }
         }
-        coll.progress(kind, number, counters, ctx);
+        if complete || kind == CollectiveKind::Broadcast {
+            coll.progress(kind, number, counters, ctx);
+        }
     }
 
     /// A rank of the job connected: role member sets waiting on it may now be known.
     pub fn rank_connected(&mut self, ranks: &Ranks, ctx: &mut Ctx<'_>) {
-        for (kind, coll) in KINDS.iter().zip(&mut self.by_name).flat_map(|(k, m)| m.values_mut().map(move |c| (k, c))) {
+        for coll in &mut self.all {
             let unresolved: Vec<u64> = coll
                 .pending
                 .iter_mut()
@@ -230,7 +290,7 @@ impl Collectives {
                 .filter_map(|(gen, g)| g.members.resolve(ranks).then_some(*gen))
                 .collect();
             for generation in unresolved {
-                coll.progress(*kind, generation, &mut self.counters[counted(*kind)], ctx);
+                coll.progress(coll.kind, generation, &mut self.counters[counted(coll.kind)], ctx);
             }
         }
     }
@@ -238,20 +298,20 @@ impl Collectives {
     /// `rank` was lost: fail every pending generation that still needs it.
     pub fn rank_lost(&mut self, rank: u32, ranks: &Ranks, ctx: &mut Ctx<'_>) {
         let failed_kept = self.failed_kept;
-        let all = KINDS.iter().zip(&mut self.by_name).flat_map(|(k, m)| m.iter_mut().map(move |(n, c)| (k, n, c)));
-        for (kind, name, coll) in all {
+        for coll in &mut self.all {
+            let kind = coll.kind;
             let doomed: Vec<u64> = coll
                 .pending
                 .iter()
-                .filter(|(_, g)| match (*kind, g.shape.root) {
+                .filter(|(_, g)| match (kind, g.shape.root) {
                     (CollectiveKind::Broadcast, Some(root)) => root == rank && !g.released,
                     _ => g.members.contains(rank, ranks),
                 })
                 .map(|(gen, _)| *gen)
                 .collect();
             for generation in doomed {
-                self.counters[counted(*kind)].peer_lost += 1;
-                let op = OpRef { kind: *kind, name: name.clone(), generation };
+                self.counters[counted(kind)].peer_lost += 1;
+                let op = OpRef { kind, name: coll.name.clone(), generation };
                 let error = OpError::PeerLost { op, peer: ranks.info(rank, ctx.now) };
                 coll.fail(generation, error, failed_kept, ctx);
             }
@@ -270,7 +330,8 @@ impl Collectives {
         ctx: &mut Ctx<'_>,
     ) {
         let failed_kept = self.failed_kept;
-        let Some(coll) = self.by_name[kind_index(kind)].get_mut(name) else { return };
+        let Some(&index) = self.by_name[kind_index(kind)].get(name) else { return };
+        let Some(coll) = self.all.get_mut(index) else { return };
         let Some(g) = coll.pending.get(&generation) else { return };
         if g.deadline != Some(at) || g.released {
             return;
@@ -289,13 +350,11 @@ impl Collectives {
     /// Every generation somebody is blocked in, by name, kind and generation.
     fn waited_in(&self) -> Vec<(&str, CollectiveKind, u64, &Generation)> {
         let mut blocked: Vec<(&str, CollectiveKind, u64, &Generation)> = Vec::new();
-        for (kind, name, coll) in
-            KINDS.iter().zip(&self.by_name).flat_map(|(k, m)| m.iter().map(move |(n, c)| (k, n, c)))
-        {
+        for coll in &self.all {
             // A broadcast released to the waiters stays pending until every member
             // came, but blocks nobody.
             let waiting = coll.pending.iter().filter(|(_, g)| !g.waiters.is_empty());
-            blocked.extend(waiting.map(|(generation, g)| (name.as_str(), *kind, *generation, g)));
+            blocked.extend(waiting.map(|(generation, g)| (coll.name.as_str(), coll.kind, *generation, g)));
         }
         blocked.sort_by_key(|&(name, kind, generation, _)| (name, kind.to_string(), generation));
         blocked
@@ -330,7 +389,7 @@ impl Collectives {
 
     /// Fails the waits of `session` with `error`, leaving its arrivals counted.
     pub fn fail_session(&mut self, session: SessionId, error: &OpError, ctx: &mut Ctx<'_>) {
-        for coll in self.by_name.iter_mut().flat_map(|m| m.values_mut()) {
+        for coll in &mut self.all {
             for g in coll.pending.values_mut() {
                 g.waiters.retain(|&(s, id)| {
                     if s != session {
@@ -345,7 +404,7 @@ impl Collectives {
 
     /// The job was aborted: fail everything pending.
     pub fn fail_all(&mut self, error: &OpError, ctx: &mut Ctx<'_>) {
-        for coll in self.by_name.iter_mut().flat_map(|m| m.values_mut()) {
+        for coll in &mut self.all {
             for (_, g) in std::mem::take(&mut coll.pending) {
                 for waiter in g.waiters {
                     ctx.reply(waiter, Err(error.clone()));

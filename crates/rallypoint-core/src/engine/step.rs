@@ -15,7 +15,7 @@ use crate::{
 use crate::counters;
 use crate::ranges::{runs, split};
 
-use super::collective::{Call, Ctx};
+use super::collective::{Call, CollectiveAt, Ctx};
 use super::job::{send_key_replies, Job};
 use super::store::{WaitId, WaitKind};
 use super::timers::Timer;
@@ -218,11 +218,13 @@ impl<'a> Step<'a> {
     pub fn calls(&mut self, callers: impl Iterator<Item = Caller>, request: &Request) {
         let admitted = self.admit(request);
         self.job.store.now = self.ctx.now;
+        // Found at the first call that gets that far, then shared by the rest.
+        let mut at = None;
         for caller in callers {
             self.seen(&caller);
             self.job.last_request = self.ctx.now;
             let reply = match &admitted {
-                Ok(()) => self.collective(&caller, request),
+                Ok(()) => self.collective(&caller, request, &mut at),
                 Err(error) => Some(Err(error.clone())),
             };
             if let Some(reply) = reply {
@@ -281,7 +283,7 @@ impl<'a> Step<'a> {
                 self.store_barrier(caller, key, world_size, timeout_ms)
             }
             Request::Barrier { .. } | Request::AllGather { .. } | Request::Broadcast { .. } => {
-                self.collective(caller, &request)
+                self.collective(caller, &request, &mut None)
             }
             Request::Abort { reason } => self.abort(caller, reason),
             // The engine resets a job itself (it makes a new one); never routed here.
@@ -420,7 +422,8 @@ impl<'a> Step<'a> {
     }
 
     /// A collective call (barrier, all-gather, broadcast); None for any other request.
-    fn collective(&mut self, caller: &Caller, request: &Request) -> Option<Reply> {
+    /// `at`: where the collective is, once a call of the same request found it.
+    fn collective(&mut self, caller: &Caller, request: &Request, at: &mut Option<CollectiveAt>) -> Option<Reply> {
         let joining = match request {
             Request::Barrier { name, members, timeout_ms } => {
                 let kind = CollectiveKind::Barrier;
@@ -446,11 +449,11 @@ impl<'a> Step<'a> {
             }
             _ => return None,
         };
-        self.join(caller, joining)
+        self.join(caller, joining, at)
     }
 
     /// Checks that the caller may take part as it asks, then has it arrive.
-    fn join(&mut self, caller: &Caller, joining: Joining) -> Option<Reply> {
+    fn join(&mut self, caller: &Caller, joining: Joining, at: &mut Option<CollectiveAt>) -> Option<Reply> {
         let Joining { kind, name, members, root, value, timeout_ms } = joining;
         let (Some(rank), Some(world_size)) = (caller.rank, caller.world_size) else {
             return Some(Err(OpError::NoRank { op: format!("{kind} '{name}'") }));
@@ -461,13 +464,18 @@ impl<'a> Step<'a> {
             _ => &None,
         };
         let ranks = &self.job.ranks;
-        let members = match validate::members(kind, name, rank, world_size, role, members.clone(), root, ranks) {
-            Ok(members) => members,
-            Err(error) => return Some(Err(error)),
+        let members = match (members, root) {
+            // What every barrier of a whole job asks: nothing to check or normalise.
+            (Members::World, None) => Members::World,
+            _ => match validate::members(kind, name, rank, world_size, role, members.clone(), root, ranks) {
+                Ok(members) => members,
+                Err(error) => return Some(Err(error)),
+            },
         };
         let (session, request_id) = caller.wait_id();
         let call = Call { session, request_id, rank, world_size, members, value, root, timeout_ms };
-        self.job.collectives.arrive(kind, name, call, &self.job.ranks, &mut self.ctx);
+        let at = *at.get_or_insert_with(|| self.job.collectives.find(kind, name));
+        self.job.collectives.arrive(at, call, &self.job.ranks, &mut self.ctx);
         None
     }
 }
