@@ -107,6 +107,10 @@ pub struct RankSummary {
     pub in_collective: u64,
     /// Ranks with a request blocked on keys.
     pub in_key_wait: u64,
+    /// Of `connected`, ranks whose connection dropped and that wait for their process
+    /// to resume within the reconnect grace (see [`RankView::reconnecting`]).
+    #[serde(default)]
+    pub reconnecting: u64,
 }
 
 /// Where a rank stands.
@@ -143,6 +147,20 @@ pub struct RankView {
     /// Index in the job's `key_waits` of its oldest blocked key wait.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub key_wait: Option<usize>,
+    /// Set while the rank (state `connected`) has no live connection and waits for its
+    /// process to resume its session within the reconnect grace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reconnecting: Option<ReconnectingView>,
+}
+
+/// A rank whose connection dropped, held for its process to resume the session.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReconnectingView {
+    /// Milliseconds since its (last) connection dropped.
+    pub dropped_ms_ago: u64,
+    /// Milliseconds until it is counted lost unless it resumes: the end of its
+    /// reconnect grace, or of its lease if that comes first.
+    pub lost_in_ms: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -25,7 +25,7 @@ pub use snapshot::JobMetrics;
 
 use collective::Ctx;
 use job::Job;
-use resume::{Resent, Resumable};
+use resume::{Detached, Resent, Resumable};
 use step::{Caller, Step};
 use timers::{Timer, Timers};
 
@@ -57,7 +57,7 @@ struct Session {
 impl Session {
     /// Its connection dropped and it waits for a resume.
     fn detached(&self) -> bool {
-        self.resume.as_ref().is_some_and(|r| r.detached_until.is_some())
+        self.resume.as_ref().is_some_and(|r| r.detached.is_some())
     }
 }
 
@@ -252,7 +252,7 @@ impl Engine {
         if identity.rank != mine.rank {
             return Err(format!("{session} carries another rank"));
         }
-        resume.detached_until = None;
+        resume.detached = None;
         resume.resumed_at = Some(now);
         let job = sess.job;
         self.alive(session, now);
@@ -553,9 +553,9 @@ impl Engine {
             && !sess.abandoned
             && sess.taken_over.is_none();
         if let (true, Some(resume)) = (waits, sess.resume.as_deref_mut()) {
-            if resume.detached_until.is_none() {
+            if resume.detached.is_none() {
                 let until = now.saturating_add(grace);
-                resume.detached_until = Some(until);
+                resume.detached = Some(Detached { at: now, until });
                 self.timers.schedule(until, Timer::Grace { job: sess.job, session });
             }
             return;
@@ -619,7 +619,7 @@ impl Engine {
         self.now = now;
         while let Some((at, timer)) = self.timers.pop_due(now) {
             if let Timer::Grace { session, .. } = timer {
-                let due = self.sessions.get(&session).and_then(|s| s.resume.as_ref()?.detached_until);
+                let due = self.sessions.get(&session).and_then(|s| Some(s.resume.as_ref()?.detached?.until));
                 if due == Some(at) {
                     self.finish(session, now);
                 }

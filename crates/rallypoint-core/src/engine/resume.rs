@@ -16,20 +16,31 @@
 //! answered with an error saying so rather than run a second time. (Clients number
 //! requests upwards; a resumed session must never reuse an id.)
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
-use crate::{Millis, OpError, Reply, ReplyCache as Limits, Response};
+use crate::snapshot::ReconnectingView;
+use crate::{Millis, OpError, RankState, Reply, ReplyCache as Limits, Response};
+
+use super::job::Job;
+use super::Session;
 
 /// The resume state of a session that stated an incarnation.
 #[derive(Debug, Default)]
 pub(crate) struct Resumable {
-    /// The connection dropped: the session is kept until this time (engine ms) for a
-    /// resume, then closed as a loss.
-    pub detached_until: Option<Millis>,
+    /// The connection dropped: the session is kept for a resume until its grace ends,
+    /// then closed as a loss.
+    pub detached: Option<Detached>,
     /// When the session was last resumed: re-sent requests are recognised from then
     /// on, for as long as a kept reply may live.
     pub resumed_at: Option<Millis>,
     pub kept: Kept,
+}
+
+/// When a session's connection dropped, and when its reconnect grace ends (engine ms).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Detached {
+    pub at: Millis,
+    pub until: Millis,
 }
 
 impl Resumable {
@@ -37,6 +48,53 @@ impl Resumable {
     pub fn may_be_resent(&self, now: Millis, limits: &Limits) -> bool {
         self.resumed_at.is_some_and(|at| now <= at.saturating_add(limits.max_age_ms))
     }
+}
+
+/// The ranks of `job` waiting for their process to resume, with how long ago the
+/// connection dropped and how long until they are counted lost: what `rallypoint
+/// status` and the snapshot show, so that a hang during the grace is not blamed on
+/// a rank that looks connected. A rank waits when every open session carrying it is
+/// detached: another live session (a rank may have several; torch's never resume)
+/// keeps it plainly connected, and a rank lost by its lease meanwhile is shown lost.
+/// Its lease may end before the grace: a detached session heartbeats no more.
+/// `sessions`: any open sessions, those of other jobs are skipped.
+pub(crate) fn reconnecting<'a>(
+    job: &Job,
+    sessions: impl IntoIterator<Item = &'a Session>,
+    lease_ms: u64,
+    now: Millis,
+) -> BTreeMap<u32, ReconnectingView> {
+    let mut live = BTreeSet::new();
+    let mut detached: BTreeMap<u32, Detached> = BTreeMap::new();
+    for session in sessions.into_iter().filter(|s| s.job == job.id) {
+        let Some(rank) = session.identity.rank else { continue };
+        match session.resume.as_ref().and_then(|r| r.detached) {
+            // The rank is lost when its last session's grace ends.
+            Some(d) => {
+                let latest = detached.entry(rank).or_insert(d);
+                latest.at = latest.at.max(d.at);
+                latest.until = latest.until.max(d.until);
+            }
+            None => {
+                live.insert(rank);
+            }
+        }
+    }
+    detached
+        .into_iter()
+        .filter(|(rank, _)| !live.contains(rank))
+        .filter_map(|(rank, d)| {
+            let info = job.ranks.info(rank, now);
+            if info.state != RankState::Connected {
+                return None;
+            }
+            let mut lost_in_ms = d.until.saturating_sub(now);
+            if let (true, Some(ago)) = (lease_ms > 0, info.last_seen_ms_ago) {
+                lost_in_ms = lost_in_ms.min(lease_ms.saturating_sub(ago));
+            }
+            Some((rank, ReconnectingView { dropped_ms_ago: now.saturating_sub(d.at), lost_in_ms }))
+        })
+        .collect()
 }
 
 /// What a re-sent request gets.

@@ -8,14 +8,14 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::counters::{JobCounters, WAIT_OPS};
 use crate::snapshot::{
-    AbortView, JobSnapshot, KeyWaitView, LossView, RankStatus, RankSummary, RankView, SessionCounts,
+    AbortView, JobSnapshot, KeyWaitView, LossView, RankStatus, RankSummary, RankView, ReconnectingView, SessionCounts,
     MAX_KEY_WAITS_LISTED, MAX_RANKS_LISTED,
 };
 use crate::{Identity, Incarnation, LossReason, Millis, RankInfo, RankState, SessionId};
 
 use super::job::Job;
 use super::store::WaitKind;
-use super::{torch, Engine, JobId};
+use super::{resume, torch, Engine, JobId};
 
 /// Keys of a blocked wait shown in a snapshot; the rest are counted.
 const KEYS_SHOWN: usize = 8;
@@ -55,6 +55,7 @@ pub(crate) fn rank_view(info: &RankInfo, role: Option<&str>) -> RankView {
         last_seen_ms_ago: info.last_seen_ms_ago,
         wait: None,
         key_wait: None,
+        reconnecting: None,
     }
 }
 
@@ -112,6 +113,11 @@ impl Engine {
         out
     }
 
+    /// The ranks of `job` waiting for their process to resume (module `resume`).
+    fn reconnecting(&self, job: &Job, now: Millis) -> BTreeMap<u32, ReconnectingView> {
+        resume::reconnecting(job, self.sessions.values().map(|s| &**s), self.config.lease_ms, now)
+    }
+
     /// The snapshot of job `id`, as seen by everyone but `asking`.
     pub(crate) fn snapshot_of(&self, id: JobId, asking: Option<SessionId>, now: Millis) -> Option<JobSnapshot> {
         let job = self.jobs.get(&id)?;
@@ -130,7 +136,11 @@ impl Engine {
         let identity_of: BTreeMap<SessionId, (&Identity, bool)> =
             members.iter().map(|(s, i, t)| (*s, (*i, *t))).collect();
 
-        let blocked = job.collectives.blocked(&job.ranks, now);
+        let reconnecting = self.reconnecting(job, now);
+        let mut blocked = job.collectives.blocked(&job.ranks, now);
+        for view in blocked.iter_mut().flat_map(|b| b.wait.missing.iter_mut()) {
+            view.reconnecting = reconnecting.get(&view.rank).copied();
+        }
         let mut wait_of: BTreeMap<u32, usize> = BTreeMap::new();
         for (index, b) in blocked.iter().enumerate() {
             for &rank in &b.arrived {
@@ -189,12 +199,14 @@ impl Engine {
                 let mut view = rank_view(&job.ranks.info(rank, now), job.ranks.role(rank));
                 view.wait = wait_of.get(&rank).copied();
                 view.key_wait = key_wait_of.get(&rank).copied();
+                view.reconnecting = reconnecting.get(&rank).copied();
                 view
             })
             .collect();
         let mut ranks_summary = summary(job);
         ranks_summary.in_collective = wait_of.len() as u64;
         ranks_summary.in_key_wait = key_wait_ranks.len() as u64;
+        ranks_summary.reconnecting = reconnecting.len() as u64;
         Some(JobSnapshot {
             name: job.name.clone(),
             incarnation: job.incarnation.as_ref().map(|i| Incarnation(i.incarnation).to_string()),
@@ -227,6 +239,7 @@ fn summary(job: &Job) -> RankSummary {
         never_connected,
         in_collective: 0,
         in_key_wait: 0,
+        reconnecting: 0,
     }
 }
 

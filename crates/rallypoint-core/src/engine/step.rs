@@ -13,13 +13,14 @@ use crate::{
 };
 
 use crate::counters;
+use crate::error::Secs;
 use crate::ranges::{runs, split};
 
 use super::collective::{Call, CollectiveAt, Ctx};
 use super::job::{send_key_replies, Job};
 use super::store::{WaitId, WaitKind};
 use super::timers::Timer;
-use super::{incarnation, torch, validate, HashMap, Session};
+use super::{incarnation, resume, torch, validate, HashMap, Session};
 
 /// A job and everything a change of it may touch, borrowed apart from the engine.
 pub(crate) struct Step<'a> {
@@ -346,11 +347,30 @@ impl<'a> Step<'a> {
             .collect();
         others.sort_by_key(|(id, _, _)| *id);
         let mut out = torch::report(job, &others, now, self.config.epoch_unix_ms.saturating_add(now));
+        let reconnecting = resume::reconnecting(job, self.sessions.values().map(|s| &**s), self.config.lease_ms, now);
         let (connected, left, lost) = job.ranks.tally();
-        out.push_str(&format!("ranks: {connected} connected, {left} left cleanly, {lost} lost\n"));
+        let of_them = match reconnecting.len() {
+            0 => String::new(),
+            n => format!(" ({n} reconnecting)"),
+        };
+        out.push_str(&format!("ranks: {connected} connected{of_them}, {left} left cleanly, {lost} lost\n"));
         for line in job.collectives.report(&job.ranks, now) {
             out.push_str(&line);
             out.push('\n');
+        }
+        for (&rank, r) in reconnecting.iter().take(Missing::NAMED) {
+            let info = job.ranks.info(rank, now);
+            let (host, pid) = (info.host.unwrap_or_default(), info.pid.unwrap_or_default());
+            out.push_str(&format!(
+                "reconnecting: rank {rank} (host {host}, pid {pid}): connection dropped {} ago, lost in {} unless it \
+                 resumes\n",
+                Secs(r.dropped_ms_ago),
+                Secs(r.lost_in_ms)
+            ));
+        }
+        let (_, rest) = split(runs(reconnecting.keys().copied()), Missing::NAMED);
+        if !rest.is_empty() {
+            out.push_str(&format!("reconnecting: and {} more: ranks {rest}\n", rest.count));
         }
         let (named, rest) = split(runs(job.ranks.lost()), Missing::NAMED);
         for rank in named {
