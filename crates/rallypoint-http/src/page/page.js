@@ -22,10 +22,13 @@ function secs(ms) {
 
 // An age that ticks: `ms` as of the document, growing with the time since it came.
 const age = (ms) => `<span class="age" data-ms="${ms}">${secs(ms)}</span>`;
+// Time left, as of the document, shrinking likewise.
+const countdown = (ms) => `<span class="countdown" data-ms="${ms}">${secs(ms)}</span>`;
 
 function tick() {
   const since = performance.now() - receivedAt;
   for (const el of document.querySelectorAll(".age")) el.textContent = secs(Number(el.dataset.ms) + since);
+  for (const el of document.querySelectorAll(".countdown")) el.textContent = secs(Number(el.dataset.ms) - since);
   if (doc) {
     const live = $("live");
     if (since > 5000) {
@@ -59,7 +62,13 @@ function setText(set) {
 }
 const ranksText = (sorted) => (sorted.length === 1 ? "rank " : "ranks ") + ranges(rangesOf(sorted));
 
-function rankWords(r) {
+// A rank's state in words; `html` lets its times tick.
+function rankWords(r, html) {
+  const g = r.reconnecting;
+  if (r.state === "connected" && g) {
+    const [ago, due] = html ? [age(g.dropped_ms_ago), countdown(g.lost_in_ms)] : [secs(g.dropped_ms_ago), secs(g.lost_in_ms)];
+    return `reconnecting: connection dropped ${ago} ago, lost in ${due} unless it resumes`;
+  }
   switch (r.state) {
     case "never_connected": return "never connected";
     case "connected": return "connected";
@@ -70,7 +79,7 @@ function rankWords(r) {
 }
 
 function rankLine(r) {
-  let s = `rank ${r.rank} (${rankWords(r)}`;
+  let s = `rank ${r.rank} (${rankWords(r, true)}`;
   if (r.host !== undefined) s += `, host ${esc(r.host)}`;
   if (r.pid !== undefined) s += `, pid ${r.pid}`;
   if (r.last_seen_ms_ago !== undefined) s += `, last seen ${age(r.last_seen_ms_ago)} ago`;
@@ -98,11 +107,12 @@ function category(r) {
   if (r.state === "lost") return "lost";
   if (r.state === "left") return "left";
   if (r.state === "never_connected") return "never";
+  if (r.reconnecting) return "reconnecting";
   if (r.wait !== undefined) return "waiting";
   if (r.key_wait !== undefined) return "keywait";
   return "idle";
 }
-const categoryWords = { idle: "connected, not waiting", waiting: "in a barrier or collective", keywait: "waiting for keys", never: "never connected", left: "left cleanly", lost: "lost" };
+const categoryWords = { idle: "connected, not waiting", waiting: "in a barrier or collective", keywait: "waiting for keys", never: "never connected", left: "left cleanly", lost: "lost", reconnecting: "reconnecting (connection dropped, may resume)" };
 
 function renderGrid(j) {
   const missing = missingRanks(j);
@@ -125,7 +135,7 @@ function renderGrid(j) {
     return `<div class="cell ${cat}${why ? " missing" : ""}${selected === r.rank ? " selected" : ""}" data-rank="${r.rank}" title="${esc(title)}">${label}</div>`;
   });
   grid.innerHTML = cells.join("");
-  const order = ["missing", "lost", "never", "waiting", "keywait", "idle", "left"];
+  const order = ["missing", "lost", "reconnecting", "never", "waiting", "keywait", "idle", "left"];
   $("groups").innerHTML = order.filter((k) => groups.has(k)).map((k) => {
     const list = groups.get(k);
     const swatch = k === "missing" ? `<span class="swatch" style="outline:2px solid var(--missing);background:#ffe2b0"></span>` : `<span class="swatch cell ${k}"></span>`;
@@ -247,7 +257,7 @@ function render() {
   if (j) {
     const s = j.ranks_summary;
     $("summary").innerHTML = `<div class="summary"><span>world size <b>${j.world_size === null ? "?" : j.world_size}</b></span>` +
-      `<span>connected <b>${s.connected}</b></span><span>left <b>${s.left}</b></span><span>lost <b>${s.lost}</b></span>` +
+      `<span>connected <b>${s.connected}</b>${s.reconnecting ? ` (${s.reconnecting} reconnecting)` : ""}</span><span>left <b>${s.left}</b></span><span>lost <b>${s.lost}</b></span>` +
       `<span>never connected <b>${s.never_connected}</b></span><span>in a collective <b>${s.in_collective}</b></span>` +
       `<span>waiting for keys <b>${s.in_key_wait}</b></span><span class="muted">sessions: ${j.sessions.native} native` +
       `${j.sessions.via_agent ? ` (${j.sessions.via_agent} through node agents)` : ""}, ${j.sessions.tcpstore} TCPStore</span></div>`;
