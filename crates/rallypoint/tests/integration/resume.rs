@@ -349,3 +349,46 @@ async fn a_dropped_client_is_lost_at_once_whatever_the_grace() {
     }
     server.shutdown().await;
 }
+
+/// While a cut rank waits for its process to resume (the reconnect held back here), its
+/// peers' status report and snapshot show it reconnecting rather than connected; once
+/// it resumes, it is a rank like any other and its re-sent barrier arrival counts once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_in_its_grace_is_shown_reconnecting_until_it_resumes() {
+    let server =
+        start_server_with(Config { reconnect_grace_ms: 600_000, lease_ms: 600_000, ..Config::default() }).await;
+    let proxy = Proxy::gated(server.local_addr(), Cut::AfterRequest, BARRIER, CoordinatorEnd::Closes).await;
+    let r0 = connect(&server, rank("grace", 0, 2)).await;
+    let r1 = through(&proxy, "grace", 1, 2).await;
+    let session = r1.session();
+    let c1 = r1.clone();
+    let cut = tokio::spawn(async move { c1.barrier("b", Members::World, None).await });
+
+    // The coordinator notices the cut on its own time: poll, bounded.
+    let line = "reconnecting: rank 1 (host host-1, pid 1001): connection dropped ";
+    let mut status = String::new();
+    for _ in 0..200 {
+        status = r0.status().await.expect("status");
+        if status.contains(line) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    assert!(status.contains(line), "{status}");
+    assert!(status.contains("ranks: 2 connected (1 reconnecting), 0 left cleanly, 0 lost"), "{status}");
+    let snapshot = r0.snapshot().await.expect("snapshot");
+    let held = snapshot.ranks[1].reconnecting.expect("rank 1 reconnecting in the snapshot");
+    assert!(held.lost_in_ms > 0 && held.lost_in_ms <= 600_000, "{held:?}");
+    assert_eq!((snapshot.ranks[0].reconnecting, snapshot.ranks_summary.reconnecting), (None, 1));
+
+    proxy.open();
+    bounded("rank 0's barrier", r0.barrier("b", Members::World, None)).await.expect("rank 0's barrier");
+    bounded("rank 1's barrier", cut).await.expect("task").expect("rank 1's barrier, resumed");
+    assert_eq!((r1.session(), proxy.connections()), (session, 2), "resumed on a second connection");
+    let status = r0.status().await.expect("status");
+    assert!(!status.contains("reconnecting"), "{status}");
+    assert_eq!(r0.snapshot().await.expect("snapshot").ranks[1].reconnecting, None);
+    r1.close().await.expect("close rank 1");
+    r0.close().await.expect("close rank 0");
+    server.shutdown().await;
+}
