@@ -13,7 +13,9 @@
 //! closes without that `0`, the launcher is dead: the watchdog SIGKILLs every
 //! watched group, then every process whose environment carries the launcher's launch
 //! id (see [`super::procs`]), which finds what left its group with `setsid` and was
-//! re-parented to init; it repeats until none is found (bounded), and exits.
+//! re-parented to init; it repeats until several scans in a row find none (bounded),
+//! and exits. One empty scan is not enough: a process caught in the middle of `exec`
+//! shows an empty environment until the kernel has set the new one up.
 //!
 //! The watchdog is forked from a multi-threaded process without `exec`, so it may
 //! only make async-signal-safe calls: it allocates nothing and uses raw system calls
@@ -28,8 +30,10 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 const MAX_GROUPS: usize = 1024;
 /// The longest `KEY=VALUE` launch id entry the watchdog can look for.
 const MAX_ENTRY: usize = 96;
-/// Rounds of "find, kill" after the launcher died.
+/// Rounds of "find, kill" after the launcher died, at most.
 const ROUNDS: u32 = 50;
+/// Rounds in a row that find nothing before the watchdog is done.
+const QUIET_ROUNDS: u32 = 10;
 
 pub struct Watchdog {
     pipe: OwnedFd,
@@ -167,8 +171,10 @@ unsafe fn watch(pipe: libc::c_int, entry: &[u8]) -> ! {
     for &group in groups.iter().filter(|g| **g > 0) {
         libc::kill(-group, libc::SIGKILL);
     }
+    let mut quiet = 0;
     for _ in 0..ROUNDS {
-        if kill_marked(entry) == 0 {
+        quiet = if kill_marked(entry) == 0 { quiet + 1 } else { 0 };
+        if quiet == QUIET_ROUNDS {
             break;
         }
         let pause = libc::timespec { tv_sec: 0, tv_nsec: 20_000_000 };
