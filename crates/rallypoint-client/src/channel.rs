@@ -528,7 +528,7 @@ impl Pending {
         // Registered only now (a released round has no reply); the agent may have
         // sent it before, in which case it waits in the stash.
         let outcome = match got.map_or_else(|| link.claim(id, deadline, wait), Ok) {
-            Ok(reply) => reply_to(link, id, reply, deadline).await,
+            Ok(reply) => reply_to(link, id, reply, deadline, wait, cut).await,
             Err(error) => Err(error),
         };
         match outcome {
@@ -627,16 +627,27 @@ async fn wait_task_until(link: &Link, arrival: &Arrival, deadline: Instant) -> W
     }
 }
 
-/// The reply to call `id` on the socket.
-async fn reply_to(link: &Link, id: u64, reply: Reply, deadline: Instant) -> Result<(), Error> {
-    // The error follows its slot's mark at once; the deadline only bounds a wait
-    // for an agent that broke the protocol.
-    let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(5);
+/// The reply to call `id` on the socket; `cut`: its connection was cut during the
+/// wait (the reply is to come on the resumed session), else its round has ended.
+async fn reply_to(
+    link: &Link,
+    id: u64,
+    reply: Reply,
+    deadline: Instant,
+    wait: Duration,
+    cut: bool,
+) -> Result<(), Error> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    // A round that ended: the error follows its slot's mark at once, and the deadline
+    // only bounds a wait for an agent that broke the protocol. A cut call waits for
+    // the round as any call does: until its deadline.
+    let left = if cut { left } else { left + Duration::from_secs(5) };
+    let limit = if cut { wait } else { left };
     let received = match tokio::time::timeout(left, reply).await {
         Ok(received) => received,
         Err(_) => {
             link.unregister(id);
-            return Err(Error::Timeout(left));
+            return Err(Error::Timeout(limit));
         }
     };
     match received {
