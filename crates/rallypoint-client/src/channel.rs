@@ -561,7 +561,9 @@ fn settle(link: &Link, arrival: Arrival, waited: Waited, deadline: Option<Instan
         Waited::Stopped => {
             let ended = seat.channel.ended.load(Ordering::Acquire);
             let finished = seat.channel.channel.outcome(seat.slot, seat.round).is_some();
-            let kept = (!ended && finished).then_some(seat);
+            // A seat of an ended connection is kept only to be replaced: the next
+            // call asks for a channel on the next connection.
+            let kept = (ended || finished).then_some(seat);
             if !ended {
                 return Settled::Reply(Pending { id, got: None, deadline: deadline(), wait, kept, cut: false });
             }

@@ -363,8 +363,9 @@ async fn accept_again(listener: &Listener, session: u64) -> (Agent, Option<Sessi
 
 /// The connection is cut while the rank waits in the channel (the coordinator may
 /// have counted its arrival): the call is sent again as a request with its id on the
-/// resumed session and takes the reply that comes there, async or blocking; if the
-/// session is not resumed, it fails saying its outcome is unknown.
+/// resumed session and takes the reply that comes there, async or blocking, and the
+/// barrier's next call asks for a channel again; if the session is not resumed, the
+/// call fails saying its outcome is unknown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_cut_in_the_channel_is_sent_again_on_the_resumed_session() {
     for (blocking, resumed) in [(false, true), (true, true), (false, false), (true, false)] {
@@ -385,7 +386,7 @@ async fn a_call_cut_in_the_channel_is_sent_again_on_the_resumed_session() {
             }
         };
         let ((client, blocking_client), agent) = tokio::join!(connecting, Agent::accept(&listener));
-        let waiting = match (&client, &blocking_client) {
+        let barrier = || match (&client, &blocking_client) {
             (Some(client), _) => spawn_barrier(client),
             (_, Some(client)) => {
                 let client = client.clone();
@@ -393,6 +394,7 @@ async fn a_call_cut_in_the_channel_is_sent_again_on_the_resumed_session() {
             }
             (None, None) => unreachable!("one client or the other"),
         };
+        let waiting = barrier();
         let call = agent.arrival(1).await;
         drop(agent);
         let (mut again, resume) = accept_again(&listener, if resumed { 1 } else { 2 }).await;
@@ -411,6 +413,17 @@ async fn a_call_cut_in_the_channel_is_sent_again_on_the_resumed_session() {
             }
             again.send(ServerFrame::Reply { id: call, reply: Ok(Response::Done) }).await;
             bounded(waiting).await.expect("task").unwrap_or_else(|e| panic!("{case}: {e}"));
+            // The next call of the barrier asks for a channel on this connection.
+            let next = barrier();
+            match again.frame().await {
+                Some(ClientFrame::AttachBarrier { id, request: Request::Barrier { .. } }) => {
+                    let reason = "not this time".to_owned();
+                    again.send(ServerFrame::NoBarrierChannel { id, reason }).await;
+                    again.send(ServerFrame::Reply { id, reply: Ok(Response::Done) }).await;
+                }
+                other => panic!("{case}: expected the next call to ask for a channel, got {other:?}"),
+            }
+            bounded(next).await.expect("task").unwrap_or_else(|e| panic!("{case}: the next call: {e}"));
         } else {
             match bounded(waiting).await.expect("task") {
                 Err(Error::Disconnected(why)) => {
