@@ -25,7 +25,9 @@
 //!
 //! A channel belongs to one connection: when it ends, every rank of this process
 //! waiting on it is woken (the agent may be gone and never wake them), and later
-//! calls ask again on the next connection.
+//! calls ask again on the next connection. A call waiting when the connection is
+//! cut may have been counted: it is sent again as a request on the resumed session,
+//! as any request written and not answered is (`Link::adopt_channel_calls`).
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
@@ -241,6 +243,16 @@ impl Channels {
         for watched in watched {
             watched.moved.notify_waiters();
         }
+    }
+
+    /// The barrier calls in flight through a channel, `(request id, request)` each.
+    pub(crate) fn in_flight(&self) -> Vec<(u64, Request)> {
+        let state = self.lock();
+        let calls = state.uses.iter().filter_map(|(request, used)| match used {
+            Use::Busy { call: Some(id) } => Some((*id, request.clone())),
+            _ => None,
+        });
+        calls.collect()
     }
 
     /// Call `id` is a barrier call in flight through a channel: a reply to it that
@@ -505,18 +517,33 @@ struct Pending {
     deadline: Instant,
     wait: Duration,
     kept: Option<Seat>,
+    /// The call's connection was cut during the wait: its reply comes on the resumed
+    /// session (see `Link::adopt_channel_calls`).
+    cut: bool,
 }
 
 impl Pending {
     async fn reply(self, link: &Link) -> (Result<(), Error>, Option<Seat>) {
-        let Pending { id, got, deadline, wait, kept } = self;
+        let Pending { id, got, deadline, wait, kept, cut } = self;
         // Registered only now (a released round has no reply); the agent may have
         // sent it before, in which case it waits in the stash.
-        let reply = match got.map_or_else(|| link.claim(id, deadline, wait), Ok) {
-            Ok(reply) => reply,
-            Err(error) => return (Err(error), kept),
+        let outcome = match got.map_or_else(|| link.claim(id, deadline, wait), Ok) {
+            Ok(reply) => reply_to(link, id, reply, deadline, wait, cut).await,
+            Err(error) => Err(error),
         };
-        (reply_to(link, id, reply, deadline).await, kept)
+        match outcome {
+            // The session was not resumed: say where the call was when it was cut.
+            Err(Error::Disconnected(why)) if cut => {
+                let at = link.addr();
+                (
+                    Err(Error::Disconnected(format!(
+                        "the connection to the node agent at {at} ended during a barrier; {why}"
+                    ))),
+                    kept,
+                )
+            }
+            outcome => (outcome, kept),
+        }
     }
 }
 
@@ -529,20 +556,27 @@ fn settle(link: &Link, arrival: Arrival, waited: Waited, deadline: Option<Instan
         Waited::Ended(Outcome::Released) => Settled::Done(Ok(()), Some(seat)),
         // The error is on its way on the socket (or came), as the reply to the call's id.
         Waited::Ended(Outcome::Failed) => {
-            Settled::Reply(Pending { id, got: None, deadline: deadline(), wait, kept: Some(seat) })
+            Settled::Reply(Pending { id, got: None, deadline: deadline(), wait, kept: Some(seat), cut: false })
         }
         Waited::Stopped => {
             let ended = seat.channel.ended.load(Ordering::Acquire);
             let finished = seat.channel.channel.outcome(seat.slot, seat.round).is_some();
-            let kept = (!ended && finished).then_some(seat);
+            // A seat of an ended connection is kept only to be replaced: the next
+            // call asks for a channel on the next connection.
+            let kept = (ended || finished).then_some(seat);
             if !ended {
-                return Settled::Reply(Pending { id, got: None, deadline: deadline(), wait, kept });
+                return Settled::Reply(Pending { id, got: None, deadline: deadline(), wait, kept, cut: false });
             }
             // Every reply the connection brought was routed before it counted as
-            // ended: one that is not stashed now never comes.
+            // ended: one that is not stashed now never comes on it. A call the cut
+            // connection's task adopted gets its reply on the resumed session.
             match link.take_stashed(id) {
                 Some(result) => {
-                    Settled::Reply(Pending { id, got: Some(Reply::came(result)), deadline: deadline(), wait, kept })
+                    let got = Some(Reply::came(result));
+                    Settled::Reply(Pending { id, got, deadline: deadline(), wait, kept, cut: false })
+                }
+                None if link.adopted(id) => {
+                    Settled::Reply(Pending { id, got: None, deadline: deadline(), wait, kept, cut: true })
                 }
                 None => {
                     // The connection ended without answering: whether the barrier took
@@ -595,16 +629,27 @@ async fn wait_task_until(link: &Link, arrival: &Arrival, deadline: Instant) -> W
     }
 }
 
-/// The reply to call `id` on the socket.
-async fn reply_to(link: &Link, id: u64, reply: Reply, deadline: Instant) -> Result<(), Error> {
-    // The error follows its slot's mark at once; the deadline only bounds a wait
-    // for an agent that broke the protocol.
-    let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(5);
+/// The reply to call `id` on the socket; `cut`: its connection was cut during the
+/// wait (the reply is to come on the resumed session), else its round has ended.
+async fn reply_to(
+    link: &Link,
+    id: u64,
+    reply: Reply,
+    deadline: Instant,
+    wait: Duration,
+    cut: bool,
+) -> Result<(), Error> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    // A round that ended: the error follows its slot's mark at once, and the deadline
+    // only bounds a wait for an agent that broke the protocol. A cut call waits for
+    // the round as any call does: until its deadline.
+    let left = if cut { left } else { left + Duration::from_secs(5) };
+    let limit = if cut { wait } else { left };
     let received = match tokio::time::timeout(left, reply).await {
         Ok(received) => received,
         Err(_) => {
             link.unregister(id);
-            return Err(Error::Timeout(left));
+            return Err(Error::Timeout(limit));
         }
     };
     match received {

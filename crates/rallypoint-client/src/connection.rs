@@ -329,12 +329,21 @@ struct Pending {
     /// reply slot: a released round has no reply. Only a failed round has, and the
     /// agent may send it before the call wakes to see the failure ([`Link::claim`]).
     stashed: VecDeque<(u64, Result<Response, Error>)>,
+    /// Barrier calls through a channel that were in flight when their connection was
+    /// cut, registered then as written requests ([`Link::adopt_channel_calls`]), with
+    /// the reply each is to take (it looks for it in [`Link::claim`]).
+    adopted: Vec<(u64, Reply)>,
 }
 
 impl Pending {
     fn take_stashed(&mut self, id: u64) -> Option<Result<Response, Error>> {
         let at = self.stashed.iter().position(|(stashed, _)| *stashed == id)?;
         self.stashed.remove(at).map(|(_, result)| result)
+    }
+
+    fn take_adopted(&mut self, id: u64) -> Option<Reply> {
+        let at = self.adopted.iter().position(|(adopted, _)| *adopted == id)?;
+        Some(self.adopted.swap_remove(at).1)
     }
 }
 
@@ -422,6 +431,7 @@ impl Link {
                 closed: None,
                 armed: None,
                 stashed: VecDeque::new(),
+                adopted: Vec::new(),
             }),
             delivered: AtomicUsize::new(0),
             reads: AtomicU64::new(0),
@@ -478,6 +488,9 @@ impl Link {
         if let Some(result) = pending.take_stashed(id) {
             return Ok(Reply::came(result));
         }
+        if let Some(reply) = pending.take_adopted(id) {
+            return Ok(reply);
+        }
         if let Some(closed) = &pending.closed {
             return Err(closed.error());
         }
@@ -488,6 +501,48 @@ impl Link {
     /// Takes the reply stashed for barrier call `id` through a channel, if it came.
     pub(crate) fn take_stashed(&self, id: u64) -> Option<Result<Response, Error>> {
         self.lock().take_stashed(id)
+    }
+
+    /// Whether barrier call `id` through a channel was adopted when its connection
+    /// was cut: its outcome is the reply to its request, sent again if the session
+    /// resumes ([`Link::claim`] hands it over).
+    pub(crate) fn adopted(&self, id: u64) -> bool {
+        self.lock().adopted.iter().any(|(adopted, _)| *adopted == id)
+    }
+
+    /// The connection was cut: each barrier call in flight through one of its
+    /// channels, whose arrival the coordinator may have counted and whose reply
+    /// (none for a released round) will not come through the channel, becomes a
+    /// written request, as any call's is. A resumed session is sent it again with the
+    /// same id (the coordinator answers it once, counting it once); if the session is
+    /// not resumed, it fails as the other written calls do, its outcome unknown.
+    /// Called before the channels' waiters learn that the connection ended, so that
+    /// each finds its call adopted.
+    fn adopt_channel_calls(&self) {
+        let in_flight = self.channels.in_flight();
+        let mut pending = self.lock();
+        // Calls that ended meanwhile without looking (their round was released).
+        let Pending { adopted, calls, .. } = &mut *pending;
+        adopted.retain(|(id, _)| calls.contains_key(id));
+        for (id, request) in in_flight {
+            // Looking for its reply already (its round failed): sent again too, as
+            // the reply may have been lost with the connection.
+            if let Some(call) = pending.calls.get_mut(&id) {
+                call.written.get_or_insert(request);
+                continue;
+            }
+            // Its reply came before the cut: the call finds it stashed.
+            if pending.stashed.iter().any(|(stashed, _)| *stashed == id) {
+                continue;
+            }
+            let cell = Arc::new(ReplyCell(Mutex::new(Cell::Waiting(None))));
+            let slot = ReplySlot { cell: Arc::clone(&cell), sent: false };
+            // The call bounds its own wait (and forgets the call past it).
+            let call =
+                Call { slot, written: Some(request), deadline: Instant::now() + LONGEST_WAIT, limit: LONGEST_WAIT };
+            pending.calls.insert(id, call);
+            pending.adopted.push((id, Reply(cell)));
+        }
     }
 
     /// Replies stashed so far: compare with [`Link::replied`]'s `seen`.
@@ -1185,6 +1240,9 @@ async fn run(mut connected: Connected, mut queue: mpsc::UnboundedReceiver<Comman
         // task until the next one is up. Bytes a call left for it are moot.
         *link.lock_direct() = Direct::default();
         link.end_reading();
+        if matches!(ended, Ended::Cut(_)) {
+            link.adopt_channel_calls();
+        }
         link.channels.connection_ended();
         let why = match ended {
             Ended::Done(why, done) => {

@@ -341,3 +341,97 @@ async fn a_reply_without_the_slots_mark_stops_the_wait() {
     agent.channel.release();
     assert_lost(bounded(waiting).await.expect("thread"));
 }
+
+/// Accepts the rank's next connection and welcomes it as `session`; returns the
+/// scripted agent and the session the hello asked to resume.
+async fn accept_again(listener: &Listener, session: u64) -> (Agent, Option<SessionId>) {
+    let stream = bounded(listener.accept()).await.expect("accept");
+    let (reader, writer) = stream.into_split();
+    let channel = AgentChannel::create(2).expect("a channel");
+    let mut agent = Agent { reader, writer, buf: BytesMut::new(), files: VecDeque::new(), channel };
+    while decode_preamble(&mut agent.buf).expect("preamble").is_none() {
+        agent.read().await;
+    }
+    let resume = match agent.frame().await {
+        Some(ClientFrame::Hello(identity)) => identity.resume,
+        other => panic!("expected a hello, got {other:?}"),
+    };
+    let welcome = Welcome { session: SessionId(session), lease_ms: 0, job_incarnation: None };
+    agent.send(ServerFrame::Welcome(welcome)).await;
+    (agent, resume)
+}
+
+/// The connection is cut while the rank waits in the channel (the coordinator may
+/// have counted its arrival): the call is sent again as a request with its id on the
+/// resumed session and takes the reply that comes there, async or blocking, and the
+/// barrier's next call asks for a channel again; if the session is not resumed, the
+/// call fails saying its outcome is unknown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_cut_in_the_channel_is_sent_again_on_the_resumed_session() {
+    for (blocking, resumed) in [(false, true), (true, true), (false, false), (true, false)] {
+        let (listener, addr, _dir) = listen().await;
+        let connecting = async {
+            if blocking {
+                let addr = addr.clone();
+                let client = tokio::task::spawn_blocking(move || {
+                    let client = blocking::Client::connect_with(options(&addr)).expect("connect");
+                    client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).expect("the first call");
+                    client
+                });
+                (None, Some(bounded(client).await.expect("connecting")))
+            } else {
+                let client = Client::connect_with(options(&addr)).await.expect("connect");
+                client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await.expect("the first call");
+                (Some(client), None)
+            }
+        };
+        let ((client, blocking_client), agent) = tokio::join!(connecting, Agent::accept(&listener));
+        let barrier = || match (&client, &blocking_client) {
+            (Some(client), _) => spawn_barrier(client),
+            (_, Some(client)) => {
+                let client = client.clone();
+                tokio::task::spawn_blocking(move || client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)))
+            }
+            (None, None) => unreachable!("one client or the other"),
+        };
+        let waiting = barrier();
+        let call = agent.arrival(1).await;
+        drop(agent);
+        let (mut again, resume) = accept_again(&listener, if resumed { 1 } else { 2 }).await;
+        assert_eq!(resume, Some(SessionId(1)), "the hello resumes the session");
+        let case = format!("blocking {blocking}, resumed {resumed}");
+        if resumed {
+            loop {
+                match again.frame().await {
+                    Some(ClientFrame::TakeSharedReplies) => {}
+                    Some(ClientFrame::Request { id, request: Request::Barrier { .. } }) => {
+                        assert_eq!(id, call, "{case}: the call is sent again with its id");
+                        break;
+                    }
+                    other => panic!("{case}: expected the barrier call sent again, got {other:?}"),
+                }
+            }
+            again.send(ServerFrame::Reply { id: call, reply: Ok(Response::Done) }).await;
+            bounded(waiting).await.expect("task").unwrap_or_else(|e| panic!("{case}: {e}"));
+            // The next call of the barrier asks for a channel on this connection.
+            let next = barrier();
+            match again.frame().await {
+                Some(ClientFrame::AttachBarrier { id, request: Request::Barrier { .. } }) => {
+                    let reason = "not this time".to_owned();
+                    again.send(ServerFrame::NoBarrierChannel { id, reason }).await;
+                    again.send(ServerFrame::Reply { id, reply: Ok(Response::Done) }).await;
+                }
+                other => panic!("{case}: expected the next call to ask for a channel, got {other:?}"),
+            }
+            bounded(next).await.expect("task").unwrap_or_else(|e| panic!("{case}: the next call: {e}"));
+        } else {
+            match bounded(waiting).await.expect("task") {
+                Err(Error::Disconnected(why)) => {
+                    assert!(why.contains("ended during a barrier") && why.contains("unknown"), "{case}: {why}")
+                }
+                other => panic!("{case}: expected Disconnected, got {other:?}"),
+            }
+        }
+        drop((client, blocking_client));
+    }
+}

@@ -16,11 +16,11 @@ use tokio::task::JoinSet;
 
 use crate::common::{bounded, connect, rank, start_confirmed, start_server};
 
-const WAIT: Option<Duration> = Some(Duration::from_secs(50));
+pub(crate) const WAIT: Option<Duration> = Some(Duration::from_secs(50));
 
 /// An agent for `server`, its ranks connecting over loopback TCP or, with `unix`,
 /// over a Unix socket in a fresh temporary directory.
-async fn start_agent(server: &ServerHandle, unix: bool) -> AgentHandle {
+pub(crate) async fn start_agent(server: &ServerHandle, unix: bool) -> AgentHandle {
     let listen = if unix {
         let dir = std::env::temp_dir().join(format!("rallypoint-agent-test-{}-{}", std::process::id(), rand_suffix()));
         std::fs::create_dir_all(&dir).expect("temporary directory");
@@ -39,7 +39,7 @@ fn rand_suffix() -> u64 {
     NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
-async fn connect_via(agent: &AgentHandle, identity: Identity) -> Client {
+pub(crate) async fn connect_via(agent: &AgentHandle, identity: Identity) -> Client {
     let options = ConnectOptions::new(agent.local_addr().to_owned(), identity).with_timeout(Duration::from_secs(20));
     bounded("connect through an agent", Client::connect_with(options)).await.expect("connect through the agent")
 }
@@ -439,13 +439,13 @@ async fn four_thousand_ranks_over_four_agents() {
 }
 
 /// A raw agent connection to `server`: preamble and agent hello sent, welcome read.
-struct RawAgent {
+pub(crate) struct RawAgent {
     stream: tokio::net::TcpStream,
     rbuf: bytes::BytesMut,
 }
 
 impl RawAgent {
-    async fn connect(server: &ServerHandle) -> RawAgent {
+    pub(crate) async fn connect(server: &ServerHandle) -> RawAgent {
         use rallypoint_proto::native::{encode_agent_frame, encode_preamble, AgentFrame};
         let stream = tokio::net::TcpStream::connect(server.local_addr()).await.expect("connect to the coordinator");
         let mut out = bytes::BytesMut::new();
@@ -458,7 +458,7 @@ impl RawAgent {
         agent
     }
 
-    async fn send(&mut self, frames: &[AgentFrame]) {
+    pub(crate) async fn send(&mut self, frames: &[AgentFrame]) {
         let mut out = bytes::BytesMut::new();
         for frame in frames {
             rallypoint_proto::native::encode_agent_frame(frame, &mut out);
@@ -471,7 +471,7 @@ impl RawAgent {
         bounded("agent write", self.stream.write_all(bytes)).await.expect("write to the coordinator");
     }
 
-    async fn next(&mut self) -> RootFrame {
+    pub(crate) async fn next(&mut self) -> RootFrame {
         use tokio::io::AsyncReadExt;
         loop {
             let decoded = rallypoint_proto::native::decode_root_frame(&mut self.rbuf, &FrameLimits::unbounded());
@@ -538,7 +538,7 @@ async fn aggregated_barrier_frames_keep_every_rank_its_own_session() {
 }
 
 /// Whether this process maps a barrier channel (docs/PROTOCOL.md, section 15).
-fn maps_a_barrier_channel() -> bool {
+pub(crate) fn maps_a_barrier_channel() -> bool {
     std::fs::read_to_string("/proc/self/maps").expect("own maps").contains("memfd:rallypoint-barrier")
 }
 

@@ -4,6 +4,7 @@
 
 mod common;
 
+mod agent_resume;
 mod agents;
 mod auth;
 mod blocking;
