@@ -31,43 +31,41 @@ fn long_grace() -> Config {
     Config { reconnect_grace_ms: 60_000, lease_ms: 60_000, ..Config::default() }
 }
 
-/// The client ends of this process's Unix-socket connections to `path`.
-fn connections_to(path: &Path) -> Vec<RawFd> {
-    let mut fds = Vec::new();
+/// This process's open sockets, each with its descriptor, borrowed to ask for its
+/// addresses and never closed here. (Should one be closed and its number reused
+/// meanwhile, the question goes to another socket, or fails.)
+fn sockets() -> Vec<(RawFd, ManuallyDrop<UnixStream>)> {
+    let mut sockets = Vec::new();
     for entry in std::fs::read_dir("/proc/self/fd").expect("/proc/self/fd").flatten() {
         let Some(fd) = entry.file_name().to_str().and_then(|name| name.parse::<RawFd>().ok()) else { continue };
         if !std::fs::read_link(entry.path()).is_ok_and(|target| target.to_string_lossy().starts_with("socket:")) {
             continue;
         }
-        // SAFETY: borrowed only to ask for its peer's address, never closed here. (Should
-        // the descriptor be closed and reused meanwhile, the question goes to another
-        // socket, or fails.)
-        let socket = ManuallyDrop::new(unsafe { UnixStream::from_raw_fd(fd) });
-        let peer = socket.peer_addr().ok().and_then(|addr| addr.as_pathname().map(Path::to_path_buf));
-        if peer.as_deref() == Some(path) {
-            fds.push(fd);
-        }
+        // SAFETY: a descriptor of this process, wrapped so that it is never closed.
+        sockets.push((fd, ManuallyDrop::new(unsafe { UnixStream::from_raw_fd(fd) })));
     }
-    fds
+    sockets
+}
+
+/// A Unix socket address's path, if it has one.
+fn path_of(addr: std::io::Result<std::os::unix::net::SocketAddr>) -> Option<std::path::PathBuf> {
+    addr.ok().and_then(|addr| addr.as_pathname().map(Path::to_path_buf))
+}
+
+/// The client ends of this process's Unix-socket connections to `path`.
+fn connections_to(path: &Path) -> Vec<RawFd> {
+    let to_path =
+        |(_, socket): &(RawFd, ManuallyDrop<UnixStream>)| path_of(socket.peer_addr()).as_deref() == Some(path);
+    sockets().into_iter().filter(to_path).map(|(fd, _)| fd).collect()
 }
 
 /// How many connections the agent listening at `path` holds open in this process.
 fn agent_ends(path: &Path) -> usize {
-    let mut ends = 0;
-    for entry in std::fs::read_dir("/proc/self/fd").expect("/proc/self/fd").flatten() {
-        let Some(fd) = entry.file_name().to_str().and_then(|name| name.parse::<RawFd>().ok()) else { continue };
-        if !std::fs::read_link(entry.path()).is_ok_and(|target| target.to_string_lossy().starts_with("socket:")) {
-            continue;
-        }
-        // SAFETY: as in `connections_to`.
-        let socket = ManuallyDrop::new(unsafe { UnixStream::from_raw_fd(fd) });
-        let local = socket.local_addr().ok().and_then(|addr| addr.as_pathname().map(Path::to_path_buf));
-        // Its listener has no peer.
-        if local.as_deref() == Some(path) && socket.peer_addr().is_ok() {
-            ends += 1;
-        }
-    }
-    ends
+    // Its listener has no peer.
+    let end = |(_, socket): &(RawFd, ManuallyDrop<UnixStream>)| {
+        path_of(socket.local_addr()).as_deref() == Some(path) && socket.peer_addr().is_ok()
+    };
+    sockets().iter().filter(|s| end(s)).count()
 }
 
 /// Cuts the connection whose client end is `fd` both ways, as a broken path would:
