@@ -187,6 +187,18 @@ fn raw_rank(job: &str, r: u32, world: u32) -> Identity {
     Identity { incarnation: Some(0x5eed_0000 + u64::from(r)), ..rank(job, r, world) }
 }
 
+/// `peer` calls barrier 'b' a second time; returns once the coordinator shows that
+/// generation waiting for rank 0 alone.
+async fn generation_2_waiting_for_rank_0(peer: &Client) -> JoinHandle<Result<(), Error>> {
+    let c = peer.clone();
+    let second = tokio::spawn(async move { c.barrier("b", Members::World, WAIT).await });
+    wait_for_status(peer, "generation 2 waiting for rank 0", |s| {
+        s.contains("waiting: barrier 'b' (generation 2)") && s.contains("missing (1): rank 0")
+    })
+    .await;
+    second
+}
+
 fn barrier_request() -> Request {
     Request::Barrier { name: "b".into(), members: Members::World, timeout_ms: Some(50_000) }
 }
@@ -268,12 +280,7 @@ async fn a_sub_session_resumed_on_its_agent_keeps_its_rank_whatever_the_order() 
         assert!(server.lost_ranks(&job).is_empty(), "{order:?}: {:?}", server.lost_ranks(&job));
 
         // Generation 2 waits for rank 0: its copy did not count.
-        let c = peer.clone();
-        let second = tokio::spawn(async move { c.barrier("b", Members::World, WAIT).await });
-        wait_for_status(&peer, "generation 2 waiting for rank 0", |s| {
-            s.contains("waiting: barrier 'b' (generation 2)") && s.contains("missing (1): rank 0")
-        })
-        .await;
+        let second = generation_2_waiting_for_rank_0(&peer).await;
         agent.send(&[AgentFrame::SubRequest { sub: new, id: 9, request: barrier_request() }]).await;
         bounded("rank 1's second barrier", second).await.expect("task").expect("generation 2 passes");
         // The next frame is this release: request 7 was answered once.
@@ -409,12 +416,7 @@ async fn a_rank_that_moves_from_its_agent_keeps_its_session() {
         }
         assert!(server.lost_ranks(&job).is_empty(), "{via:?}: {:?}", server.lost_ranks(&job));
         // Rank 0 is alive where it went: generation 2 passes with it.
-        let c = peer.clone();
-        let second = tokio::spawn(async move { c.barrier("b", Members::World, WAIT).await });
-        wait_for_status(&peer, "generation 2 waiting for rank 0", |s| {
-            s.contains("waiting: barrier 'b' (generation 2)") && s.contains("missing (1): rank 0")
-        })
-        .await;
+        let second = generation_2_waiting_for_rank_0(&peer).await;
         match &mut direct {
             Some(rank) => {
                 rank.request(1_001, barrier_request()).await;
