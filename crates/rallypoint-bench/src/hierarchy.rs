@@ -502,9 +502,10 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
     }
     // Generators exit after reporting: sample them before reading their last line.
     let cpu_after = [cpu_ticks(&root.child), cpu_of(agents.children.iter().map(|a| &a.child)), gen_cpu_after];
+    // To 0.01 µs: the coordinator's target is a fraction of a µs.
     let per_rank_round = |i: usize| {
         let us = cpu_us_between(cpu_before[i], cpu_after[i]);
-        (us / f64::from(args.ranks) / f64::from(args.rounds) * 10.0).round() / 10.0
+        (us / f64::from(args.ranks) / f64::from(args.rounds) * 100.0).round() / 100.0
     };
     let cpu = CpuSplit { coordinator: per_rank_round(0), agents: per_rank_round(1), generators: per_rank_round(2) };
     for mut generator in gens {
