@@ -77,7 +77,7 @@ pub enum Verb {
         #[command(flatten)]
         conn: Conn,
     },
-    /// Print the value of KEY, waiting until it exists (or --timeout; exit code 3).
+    /// Print the value of KEY and a newline, waiting until it exists (or --timeout; exit code 3).
     Get {
         /// The key to wait for and print
         key: String,
