@@ -31,7 +31,7 @@ pub fn announce(server: &HttpServer, token: Option<&Token>, show_token: bool) ->
             String::from_utf8_lossy(token.secret())
         ),
         (Some(_), false) => format!(
-            "rallypoint: live page at {url} (log in at {url}login?token=TOKEN with the job's token; metrics at \
+            "rallypoint: live page at {url} (log in at {url}login?token=TOKEN with the coordinator's token; metrics at \
              {url}metrics, with Authorization: Bearer TOKEN)"
         ),
     }

@@ -77,7 +77,7 @@ pub enum Verb {
         #[command(flatten)]
         conn: Conn,
     },
-    /// Print the value of KEY, waiting until it exists (or --timeout; exit code 3).
+    /// Print the value of KEY and a newline, waiting until it exists (or --timeout; exit code 3).
     Get {
         /// The key to wait for and print
         key: String,
@@ -392,11 +392,25 @@ fn describe(launchers: &[discovery::Entry]) -> String {
                 l.node_rank.map_or("?".to_owned(), |n| n.to_string()),
                 l.nnodes,
                 l.nproc_per_node,
-                l.command
+                one_line(&l.command)
             )
         })
         .collect();
     lines.join("\n")
+}
+
+/// Longest worker command shown in the list of launchers, in characters.
+const COMMAND_SHOWN: usize = 100;
+
+/// A worker command as one short line: a multi-line `sh -c` script would otherwise
+/// fill the screen of a person choosing a launcher by its job.
+fn one_line(command: &str) -> String {
+    let words: Vec<&str> = command.split_whitespace().collect();
+    let line = words.join(" ");
+    match line.char_indices().nth(COMMAND_SHOWN) {
+        Some((cut, _)) => format!("{}…", &line[..cut]),
+        None => line,
+    }
 }
 
 impl Conn {
@@ -495,4 +509,20 @@ pub(crate) async fn finish<T>(client: Client, result: Result<T, Error>) -> Resul
 fn print_line(value: &[u8]) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     out.write_all(value).and_then(|()| out.write_all(b"\n")).and_then(|()| out.flush()).context("writing to stdout")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_worker_command_is_shown_on_one_short_line() {
+        assert_eq!(one_line("python train.py --epochs 3"), "python train.py --epochs 3");
+        let script = "sh -c '\n    if [ \"$RANK\" = 1 ]; then\n        exec rp barrier hold\n    fi\n'";
+        assert_eq!(one_line(script), "sh -c ' if [ \"$RANK\" = 1 ]; then exec rp barrier hold fi '");
+        let long = format!("python {}", "é".repeat(200));
+        let shown = one_line(&long);
+        assert_eq!(shown.chars().count(), COMMAND_SHOWN + 1, "{shown}");
+        assert!(shown.ends_with('…'));
+    }
 }

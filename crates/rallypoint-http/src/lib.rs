@@ -481,7 +481,10 @@ fn refused(refusal: Refusal, html: bool) -> Response {
             let (content_type, body) = if html {
                 ("text/html; charset=utf-8", UNAUTHORIZED_HTML)
             } else {
-                ("text/plain; charset=utf-8", "a token is required: Authorization: Bearer TOKEN\n")
+                (
+                    "text/plain; charset=utf-8",
+                    "no token, or a wrong one: send the coordinator's token as Authorization: Bearer TOKEN\n",
+                )
             };
             let mut response = respond(StatusCode::UNAUTHORIZED, content_type, body);
             response

@@ -93,6 +93,10 @@ async fn a_missing_or_wrong_token_is_refused_before_the_coordinator_is_looked_at
         let answer = get(addr, path, &headers).await;
         assert_eq!(answer.status, 401, "{path} {headers:?}: {}", answer.head);
         assert!(answer.head.contains("www-authenticate: bearer"), "{}", answer.head);
+        if path != "/" && !path.starts_with("/login") {
+            // A wrong token is not told it is missing.
+            assert!(answer.body.contains("no token, or a wrong one"), "{path}: {}", answer.body);
+        }
     }
     assert_eq!(s.page.lookups(), 0, "no refused request made the page look at the coordinator");
 
