@@ -302,6 +302,33 @@ fn two_nodes_a_failure_on_node_1_takes_node_0_down() {
     }
 }
 
+/// A rank killed on node 1 while node 0's ranks wait in a barrier: node 1's launcher
+/// aborts the job, and node 0's ranks fail for the abort, at times before node 1's
+/// report of the kill reaches node 0. Both nodes name the killed rank, not a rank the
+/// abort ended. (The order varies from run to run: three runs.)
+#[test]
+fn two_nodes_name_a_rank_killed_elsewhere_not_the_ranks_its_abort_ended() {
+    let script = r#"
+        "$RP" barrier a || exit $?
+        if [ "$RANK" = 3 ]; then kill -9 $$; fi
+        exec "$RP" barrier b
+    "#;
+    for run in 0..3 {
+        let dir = temp_dir(&format!("abortorder{run}"));
+        let master = format!("127.0.0.1:{}", free_port());
+        let common =
+            ["--nnodes", "2", "--nproc-per-node", "2", "--master", master.as_str(), "--job", "order", "--grace", "2"];
+        let node0 = launch(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir);
+        let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir);
+        let (n0, n1) = (node0.finish(), node1.finish());
+        for (node, done) in [(0, &n0), (1, &n1)] {
+            let headline = done.stderr.lines().find(|l| l.contains("FAILED")).unwrap_or_default();
+            assert!(headline.ends_with("rank 3 was killed by SIGKILL"), "run {run}, node {node}:\n{}", done.stderr);
+            assert_eq!(done.code, Some(137), "run {run}, node {node}:\n{}", done.stderr);
+        }
+    }
+}
+
 #[test]
 fn workers_do_not_outlive_a_killed_launcher() {
     let dir = temp_dir("orphans");

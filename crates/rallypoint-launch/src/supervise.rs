@@ -4,10 +4,13 @@
 //! The summary blames the root cause. When a worker fails, node 0 (which hosts the
 //! coordinator) asks it which ranks of the attempt it counts as lost: a rank its
 //! peers lost (it stopped heartbeating, or dropped its connection before the
-//! failure) is the cause, and the failed peer only what revealed it. The other
-//! nodes learn that verdict from node 0 and wait briefly for it before their own
-//! summary, so every node names the same rank; the node running that rank adds its
-//! process's state from `/proc`.
+//! failure) is the cause, and the failed peer only what revealed it. A worker here
+//! that failed after another node's launcher aborted the job failed for that
+//! node's failure, whose report may still be on its way: node 0 waits briefly for
+//! it and gives it as the verdict. The other nodes learn that verdict from node 0
+//! and wait briefly for it before their own summary, and take it over a failure of
+//! their own that came later, so every node names the same rank; the node running
+//! that rank adds its process's state from `/proc`.
 //!
 //! With a hang timeout, node 0 also watches for a job that does nothing: when its
 //! coordinator has had no request from the attempt's processes and its workers have
@@ -34,6 +37,8 @@ use rallypoint_server::ServerHandle;
 /// for a worker blocked in a barrier to receive the reason and report it itself, short
 /// enough not to matter to a person waiting.
 const NOTICE: Duration = Duration::from_millis(100);
+/// How a launcher's abort of the job begins its reason.
+const LAUNCHER_ABORT: &str = "launcher: ";
 /// How long a node other than 0 waits, its workers gone, for node 0's verdict on a
 /// failure it saw first (node 0 may know a rank was lost before it): an upper bound,
 /// the verdict takes a round trip.
@@ -346,8 +351,13 @@ impl Attempt<'_> {
             state.signal_sent = Some(libc::SIGKILL);
             state.kill_at = None;
         } else if verdict_by.is_some_and(|t| t <= now) {
-            tracing::debug!("no verdict from node 0; the summary says what this node saw");
+            tracing::debug!("no verdict from node 0, or no report for node 0; the summary says what this node saw");
             state.verdict_seen = true;
+            if state.verdict_held.take().is_some() {
+                if let Some(first) = &state.first {
+                    self.launchers.publish(self.attempt, &Report::Failed(first.clone()));
+                }
+            }
         }
     }
 
@@ -621,14 +631,16 @@ impl Attempt<'_> {
     fn fail(&self, state: &mut State, failure: Failure, running: &[Option<Running>], origin: Origin) {
         let failure = self.localize(self.judge(failure, state, running), running);
         let nnodes = self.launchers.nnodes;
-        if nnodes > 1 && (self.launchers.node == 0 || origin == Origin::Here) {
+        state.verdict_held = self.aborted_elsewhere().filter(|_| origin == Origin::Here);
+        if nnodes > 1 && (self.launchers.node == 0 && state.verdict_held.is_none() || origin == Origin::Here) {
             self.launchers.publish(self.attempt, &Report::Failed(failure.clone()));
         }
-        if nnodes > 1 && self.launchers.node != 0 {
-            // Node 0 may know better (a rank it counts as lost): its verdict is awaited.
+        if nnodes > 1 && (self.launchers.node != 0 || state.verdict_held.is_some()) {
+            // Node 0 may know better (a rank it counts as lost): its verdict is awaited;
+            // on node 0, the report of the failure this one followed.
             state.verdict_by = Some(Instant::now() + VERDICT_WAIT);
         }
-        abort_job(self.job, self.host, self.token.clone(), format!("launcher: {}", failure.headline()));
+        abort_job(self.job, self.host, self.token.clone(), format!("{LAUNCHER_ABORT}{}", failure.headline()));
         if running.iter().any(Option::is_some) {
             self.read_local_stacks(state, &failure);
             state.term_at = Some(Instant::now() + NOTICE.min(self.options.grace));
@@ -642,7 +654,15 @@ impl Attempt<'_> {
     /// crash on another node, reported after a peer here failed for it).
     fn reconsider(&self, state: &mut State, later: Failure, running: &[Option<Running>]) {
         let Some(first) = &state.first else { return };
+        // On node 0, the report of the failure that aborted the job, which one here
+        // followed; elsewhere, node 0's verdict on a failure before this node's own
+        // (so that every node names the same rank).
+        let held = state.verdict_held.as_ref();
+        let aborted_for = held.is_some_and(|reason| *reason == format!("{LAUNCHER_ABORT}{}", later.headline()));
+        let verdict_before =
+            self.launchers.node != 0 && later.node != self.launchers.node && later.at_unix_ms <= first.at_unix_ms;
         let better = match (&first.what, &later.what) {
+            _ if aborted_for || verdict_before => true,
             (FailureKind::Worker { rank: failed, .. }, FailureKind::RankLost { rank, .. }) => failed != rank,
             (FailureKind::RankLost { rank: lost, .. }, FailureKind::Worker { rank, .. }) => lost == rank,
             (FailureKind::Worker { rank: failed, .. }, FailureKind::Worker { rank, .. }) => {
@@ -653,6 +673,21 @@ impl Attempt<'_> {
         if better {
             state.first = Some(self.localize(later, running));
         }
+        if aborted_for {
+            state.verdict_held = None;
+            state.verdict_seen = true;
+            if let Some(first) = &state.first {
+                self.launchers.publish(self.attempt, &Report::Failed(first.clone()));
+            }
+        }
+    }
+
+    /// On node 0: the reason another node's launcher gave when it aborted the
+    /// attempt's job, which it does at its first failure, right after reporting it.
+    fn aborted_elsewhere(&self) -> Option<String> {
+        let abort = self.server?.observer().snapshot(&self.job.attempt_job)?.aborted?;
+        let mine = abort.pid == std::process::id() && abort.host == self.host;
+        (abort.by_rank.is_none() && abort.reason.starts_with(LAUNCHER_ABORT) && !mine).then_some(abort.reason)
     }
 
     /// On node 0: a worker failure whose peers had lost another rank first becomes
@@ -799,7 +834,12 @@ struct State {
     term_at: Option<Instant>,
     /// When the workers still alive get SIGKILL.
     kill_at: Option<Instant>,
-    /// Off node 0: until when to wait for node 0's verdict on a failure seen here.
+    /// Node 0: its first failure came after another node's launcher had aborted the
+    /// job (a rank here failed for the abort, before that node's report arrived): the
+    /// verdict waits for the report whose headline is this abort's reason.
+    verdict_held: Option<String>,
+    /// Off node 0: until when to wait for node 0's verdict on a failure seen here (on
+    /// node 0: for the report its held verdict waits for).
     verdict_by: Option<Instant>,
     verdict_seen: bool,
     /// Node 0: the nodes that reported success.
