@@ -330,7 +330,13 @@ mod tests {
             .output()
             .expect("spawn a marked process that leaves");
         let escaped: i32 = String::from_utf8_lossy(&marked.stdout).trim().parse().expect("its pid");
-        let strays = family.strays(&[]);
+        // Its environment reads empty until its `exec` of sleep has set it up.
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let mut strays = family.strays(&[]);
+        while !strays.contains(&escaped) && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+            strays = family.strays(&[]);
+        }
         assert!(strays.contains(&(plain.id() as i32)), "a child: {strays:?}");
         assert!(strays.contains(&escaped), "a marked orphan re-parented to init: {strays:?}");
         assert!(!family.strays(&[escaped as u32]).contains(&escaped), "a signalled group is left out");
