@@ -493,7 +493,7 @@ fn a_worker_killed_behind_a_node_agent_is_named_on_the_other_node() {
     for r in [0, 1] {
         // The barrier fails either with PeerLost through the node agent (the worker
         // prints when it was told) or, if node 1's launcher aborted the job first,
-        // with the abort naming rank 3: both name the dead rank and a host.
+        // with the abort naming rank 3: both name the dead rank, its host and its pid.
         let told = format!("[rank{r}]: [rank {r}] told ");
         let failed = format!("[rank{r}]: rallypoint: ");
         let why = n0
@@ -504,7 +504,9 @@ fn a_worker_killed_behind_a_node_agent_is_named_on_the_other_node() {
             .unwrap_or_else(|| {
                 panic!("rank {r} never reported the failure\nstdout:\n{}\nstderr:\n{}", n0.stdout, n0.stderr)
             });
-        assert!(why.contains("rank 3") && why.contains("host "), "rank {r} must name rank 3 and a host: {why:?}");
+        let about = why.split_once("rank 3 (").map_or("", |(_, rest)| rest);
+        let named = about.contains("pid ") && (about.contains("host ") || about.contains(" on "));
+        assert!(named, "rank {r} must name rank 3 with its pid and host: {why:?}");
     }
 }
 

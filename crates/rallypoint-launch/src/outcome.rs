@@ -40,6 +40,9 @@ impl fmt::Display for Exit {
     }
 }
 
+/// How a launcher's abort of a job begins its reason (see [`Failure::abort_reason`]).
+pub const LAUNCHER_ABORT: &str = "launcher: ";
+
 /// The failure that brought the job down: the root cause a user looks for first.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Failure {
@@ -162,6 +165,17 @@ impl Failure {
                 secs(*timeout_ms)
             ),
         }
+    }
+
+    /// What a launcher's abort of the job says, which every rank still waiting gets
+    /// in its error: the headline, with the worker's host and pid (a peer may be told
+    /// by this abort before the coordinator has seen the worker's connection drop).
+    pub fn abort_reason(&self) -> String {
+        let headline = match &self.what {
+            FailureKind::Worker { rank, pid, exit, .. } => format!("rank {rank} (pid {pid} on {}) {exit}", self.host),
+            _ => self.headline(),
+        };
+        format!("{LAUNCHER_ABORT}{headline}")
     }
 
     fn time(&self) -> String {
@@ -418,6 +432,7 @@ mod tests {
         assert!(text.contains("  rank 3: exited with code 0"));
         assert!(!text.contains("  rank 1:"));
         assert_eq!(first.exit_code(), 3);
+        assert_eq!(first.abort_reason(), "launcher: rank 1 (pid 4242 on gpu7) exited with code 3");
         assert_eq!(Exit::Signal(9).shell_code(), 137);
     }
 

@@ -37,8 +37,6 @@ use rallypoint_server::ServerHandle;
 /// for a worker blocked in a barrier to receive the reason and report it itself, short
 /// enough not to matter to a person waiting.
 const NOTICE: Duration = Duration::from_millis(100);
-/// How a launcher's abort of the job begins its reason.
-const LAUNCHER_ABORT: &str = "launcher: ";
 /// How long a node other than 0 waits, its workers gone, for node 0's verdict on a
 /// failure it saw first (node 0 may know a rank was lost before it): an upper bound,
 /// the verdict takes a round trip.
@@ -52,7 +50,9 @@ const HANG_ASK_WAIT: Duration = Duration::from_secs(10);
 const CAPTURE_BOUND: Duration = Duration::from_secs(10);
 
 use crate::console::Console;
-use crate::outcome::{self, stacks_text, summary, unix_ms, Failure, FailureKind, Loss, RankOutcome, STACKS_HEADING};
+use crate::outcome::{
+    self, stacks_text, summary, unix_ms, Failure, FailureKind, Loss, RankOutcome, LAUNCHER_ABORT, STACKS_HEADING,
+};
 use crate::procs::{self, Family, LAUNCH_ID_VAR};
 use crate::rendezvous::{Launchers, Remote, Report};
 use crate::stacks::{self, Ask, Collected, Roster};
@@ -640,7 +640,7 @@ impl Attempt<'_> {
             // on node 0, the report of the failure this one followed.
             state.verdict_by = Some(Instant::now() + VERDICT_WAIT);
         }
-        abort_job(self.job, self.host, self.token.clone(), format!("{LAUNCHER_ABORT}{}", failure.headline()));
+        abort_job(self.job, self.host, self.token.clone(), failure.abort_reason());
         if running.iter().any(Option::is_some) {
             self.read_local_stacks(state, &failure);
             state.term_at = Some(Instant::now() + NOTICE.min(self.options.grace));
@@ -658,7 +658,7 @@ impl Attempt<'_> {
         // followed; elsewhere, node 0's verdict on a failure before this node's own
         // (so that every node names the same rank).
         let held = state.verdict_held.as_ref();
-        let aborted_for = held.is_some_and(|reason| *reason == format!("{LAUNCHER_ABORT}{}", later.headline()));
+        let aborted_for = held.is_some_and(|reason| *reason == later.abort_reason());
         let verdict_before =
             self.launchers.node != 0 && later.node != self.launchers.node && later.at_unix_ms <= first.at_unix_ms;
         let better = match (&first.what, &later.what) {
