@@ -358,9 +358,21 @@ pub(crate) fn address_in_env() -> bool {
 
 /// The one launcher of this user on this machine (the one running `job`, if given).
 pub(crate) fn find_launcher(job: Option<&str>) -> anyhow::Result<discovery::Entry> {
-    let all = discovery::launchers();
+    choose_launcher(discovery::launchers(), job)
+}
+
+/// [`find_launcher`] among `all`.
+fn choose_launcher(all: Vec<discovery::Entry>, job: Option<&str>) -> anyhow::Result<discovery::Entry> {
     let mut matching: Vec<discovery::Entry> =
         all.iter().filter(|l| job.is_none_or(|j| l.job == j || l.attempt_job == j)).cloned().collect();
+    // The launchers of one job's nodes on this host share its coordinator: node 0's will do.
+    let one_job = matching.windows(2).all(|w| w[0].addr == w[1].addr && w[0].attempt_job == w[1].attempt_job);
+    if one_job {
+        matching.sort_by_key(|l| l.node_rank.unwrap_or(u32::MAX));
+        matching.truncate(1);
+    }
+    // Several jobs of one name (on different coordinators): only the address tells them apart.
+    let same_name = matching.windows(2).all(|w| w[0].job == w[1].job);
     match matching.len() {
         1 => Ok(matching.remove(0)),
         0 if all.is_empty() => usage!(
@@ -371,6 +383,13 @@ pub(crate) fn find_launcher(job: Option<&str>) -> anyhow::Result<discovery::Entr
             "no `rallypoint launch` of this user on this machine runs job '{}'; these do:\n{}",
             job.unwrap_or_default(),
             describe(&all)
+        ),
+        _ if same_name => usage!(
+            "{} `rallypoint launch` of this user run job '{}' on this machine, each with its own coordinator; \
+             pick one with --addr HOST:PORT:\n{}",
+            matching.len(),
+            matching[0].job,
+            describe(&matching)
         ),
         _ => usage!(
             "{} `rallypoint launch` of this user run on this machine; pick one with --job NAME (or --addr):\n{}",
@@ -514,6 +533,38 @@ fn print_line(value: &[u8]) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn launcher(job: &str, addr: &str, node_rank: u32) -> discovery::Entry {
+        discovery::Entry {
+            pid: 100 + node_rank,
+            start_ticks: 0,
+            addr: addr.to_owned(),
+            job: job.to_owned(),
+            attempt_job: job.to_owned(),
+            node_rank: Some(node_rank),
+            nnodes: 2,
+            nproc_per_node: 1,
+            command: "python train.py".to_owned(),
+            started_unix_ms: 0,
+            token_file: None,
+        }
+    }
+
+    #[test]
+    fn status_picks_the_launcher_of_one_job_and_asks_only_what_tells_them_apart() {
+        // Two nodes of one job on this host: one coordinator, node 0's launcher.
+        let nodes = vec![launcher("late", "h:1", 1), launcher("late", "h:1", 0)];
+        let chosen = choose_launcher(nodes, Some("late")).expect("one job");
+        assert_eq!(chosen.node_rank, Some(0));
+        // Two jobs of one name on two coordinators: --job cannot choose, --addr can.
+        let twins = vec![launcher("default", "h:1", 0), launcher("default", "h:2", 0)];
+        let error = choose_launcher(twins, None).expect_err("ambiguous").to_string();
+        assert!(error.contains("run job 'default' on this machine") && error.contains("--addr HOST:PORT"), "{error}");
+        assert!(!error.contains("--job NAME"), "{error}");
+        let two = vec![launcher("a", "h:1", 0), launcher("b", "h:2", 0)];
+        let error = choose_launcher(two, None).expect_err("ambiguous").to_string();
+        assert!(error.contains("pick one with --job NAME"), "{error}");
+    }
 
     #[test]
     fn a_worker_command_is_shown_on_one_short_line() {
