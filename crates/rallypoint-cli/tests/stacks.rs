@@ -426,6 +426,22 @@ fn workers_that_are_not_python_give_their_native_stack_or_say_so() {
     launched.stop();
 }
 
+/// A wrapper script that runs no Python is shown with the program it runs, so that
+/// a rank whose script went another way stands apart.
+#[test]
+fn a_wrapper_that_runs_no_python_is_shown_with_what_it_runs() {
+    let dir = temp_dir("wrapper");
+    let job = format!("wrapper-{}", std::process::id());
+    let script = r#"echo up; if [ "$RANK" = 1 ]; then sleep 600; true; else tail -f /dev/null; true; fi"#;
+    let mut launched = Job::start(&["--job", &job, "--nproc-per-node", "2", "--", "sh", "-c", script], &dir, &[]);
+    launched.wait_stdout(&ready_lines(&[0, 1], "up"));
+    let wanted = ["(sh → sleep)".to_owned(), "(sh → tail)".to_owned()];
+    let text = status_until(&["--job", &job], &wanted);
+    assert_eq!(line_of(&text, "rank 1 "), "rank 1 (1 of 2): not a Python process (sh → sleep)", "{text}");
+    assert_eq!(line_of(&text, "rank 0 "), "rank 0 (1 of 2): not a Python process (sh → tail)", "{text}");
+    launched.stop();
+}
+
 #[test]
 fn stacks_of_a_job_no_launcher_runs_are_refused_by_name() {
     let dir = temp_dir("no-launcher");

@@ -110,13 +110,15 @@ pub fn capture(pid: u32, native: bool) -> Captured {
     if !alive(pid) {
         return Captured::Gone;
     }
-    let target = if is_python(pid) { Some(pid) } else { descendants(pid).into_iter().find(|&p| is_python(p)) };
+    let python = is_python(pid);
+    let below = if python { Vec::new() } else { descendants(pid) };
+    let target = if python { Some(pid) } else { below.iter().copied().find(|&p| is_python(p)) };
     let read = match target {
         Some(target) => python_stack(target, native),
         None if native && native_supported() => native_stack(pid),
         None => {
             let detail = (native && !native_supported()).then(|| "native frames are not in this build".to_owned());
-            return Captured::NotPython { pid, program: program(pid), detail };
+            return Captured::NotPython { pid, program: program_run_by(pid, &below), detail };
         }
     };
     match read {
@@ -294,6 +296,16 @@ fn children(pid: u32) -> Vec<u32> {
 }
 
 /// The process's command name (`sleep`), or its pid if that is gone.
+/// A wrapper's program with the one it runs (its deepest descendant), `sh → sleep`:
+/// what tells apart ranks whose wrapper script runs different programs.
+fn program_run_by(pid: u32, descendants: &[u32]) -> String {
+    let wrapper = program(pid);
+    match descendants.last().map(|&p| program(p)) {
+        Some(runs) if runs != wrapper => format!("{wrapper} → {runs}"),
+        _ => wrapper,
+    }
+}
+
 fn program(pid: u32) -> String {
     std::fs::read_to_string(format!("/proc/{pid}/comm")).map_or_else(|_| format!("pid {pid}"), |c| c.trim().to_owned())
 }
