@@ -392,6 +392,7 @@ mod tests {
             threads: 1,
             native: false,
             frames: vec![Frame::python(function, "train.py", line)],
+            stopped: false,
         }
     }
 

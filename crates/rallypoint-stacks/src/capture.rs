@@ -118,10 +118,14 @@ pub fn capture(pid: u32, native: bool) -> Captured {
         None if native && native_supported() => native_stack(pid),
         None => {
             let detail = (native && !native_supported()).then(|| "native frames are not in this build".to_owned());
-            return Captured::NotPython { pid, program: program_run_by(pid, &below), detail };
+            let program = program_run_by(pid, &below);
+            return Captured::NotPython { pid, program, detail, stopped: stopped(pid) };
         }
     };
     match read {
+        Ok(Captured::Python { pid, thread, thread_name, threads, native, frames, .. }) => {
+            Captured::Python { pid, thread, thread_name, threads, native, frames, stopped: stopped(pid) }
+        }
         Ok(captured) => captured,
         Err(_) if !alive(pid) => Captured::Gone,
         Err(error) => {
@@ -157,10 +161,12 @@ fn python_stack(pid: u32, native: bool) -> anyhow::Result<Captured> {
         (None, None) => (0, ThreadChoice::Other),
     };
     let Some(trace) = traces.into_iter().nth(index) else {
-        return Ok(Captured::Python { pid, thread, thread_name: None, threads: 0, native, frames: Vec::new() });
+        let frames = Vec::new();
+        return Ok(Captured::Python { pid, thread, thread_name: None, threads: 0, native, frames, stopped: false });
     };
     let frames = trace.frames.iter().map(frame).collect();
-    Ok(Captured::Python { pid, thread, thread_name: trace.thread_name, threads, native, frames })
+    let thread_name = trace.thread_name;
+    Ok(Captured::Python { pid, thread, thread_name, threads, native, frames, stopped: false })
 }
 
 fn frame(f: &py_spy::Frame) -> Frame {
@@ -226,7 +232,8 @@ fn native_stack(pid: u32) -> anyhow::Result<Captured> {
 
 #[cfg(not(feature = "native"))]
 fn native_stack(pid: u32) -> anyhow::Result<Captured> {
-    Ok(Captured::NotPython { pid, program: program(pid), detail: Some("native frames are not in this build".into()) })
+    let detail = Some("native frames are not in this build".into());
+    Ok(Captured::NotPython { pid, program: program(pid), detail, stopped: stopped(pid) })
 }
 
 /// The last two components of a source path: `src/gloo/pair.cc`.
@@ -245,9 +252,19 @@ fn base_name(path: &str) -> String {
 
 /// Whether the process exists and has not exited (a zombie has no stack).
 fn alive(pid: u32) -> bool {
-    let Ok(stat) = std::fs::read(format!("/proc/{pid}/stat")) else { return false };
-    let Some(close) = stat.iter().rposition(|&b| b == b')') else { return false };
-    !matches!(stat.get(close + 2), Some(b'Z' | b'X') | None)
+    !matches!(state(pid), Some(b'Z' | b'X') | None)
+}
+
+/// Stopped by a signal or a tracer (`/proc/PID/stat` state `T` or `t`).
+fn stopped(pid: u32) -> bool {
+    matches!(state(pid), Some(b'T' | b't'))
+}
+
+/// The state letter of `/proc/PID/stat`, if the process exists.
+fn state(pid: u32) -> Option<u8> {
+    let stat = std::fs::read(format!("/proc/{pid}/stat")).ok()?;
+    let close = stat.iter().rposition(|&b| b == b')')?;
+    stat.get(close + 2).copied()
 }
 
 /// A Python interpreter: its executable is one (`python3.11`, a venv's `python`),
@@ -354,9 +371,18 @@ mod tests {
         let mut child = std::process::Command::new("sleep").arg("30").spawn().expect("spawn sleep");
         let pid = child.id();
         match capture(pid, false) {
-            Captured::NotPython { pid: p, program, detail: None } => assert_eq!((p, program.as_str()), (pid, "sleep")),
+            Captured::NotPython { pid: p, program, detail: None, stopped: false } => {
+                assert_eq!((p, program.as_str()), (pid, "sleep"))
+            }
             other => panic!("{other:?}"),
         }
+        // SAFETY: signals this test's own child.
+        unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while !stopped(pid) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(matches!(capture(pid, false), Captured::NotPython { stopped: true, .. }), "a stopped process says so");
         child.kill().expect("kill");
         child.wait().expect("reap");
         assert_eq!(capture(pid, false), Captured::Gone);

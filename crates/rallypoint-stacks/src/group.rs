@@ -183,12 +183,18 @@ pub fn rank_list(ranks: &[u32]) -> String {
     text
 }
 
+/// Before the stack of a process that was stopped when read.
+const STOPPED: &str = "[stopped] ";
+
 /// A stack as one line, with at most `max_frames` frames.
 fn describe(captured: &Captured, max_frames: usize) -> String {
     match captured {
-        Captured::Python { thread, thread_name, frames, .. } => {
+        Captured::Python { thread, thread_name, frames, stopped, .. } => {
             let folded = fold(frames);
             let mut text = String::new();
+            if *stopped {
+                text.push_str(STOPPED);
+            }
             if *thread != ThreadChoice::Main {
                 let why = match thread {
                     ThreadChoice::GilHolder => ", holding the GIL",
@@ -208,10 +214,13 @@ fn describe(captured: &Captured, max_frames: usize) -> String {
             let folded = fold(frames);
             format!("not a Python process ({program}): {}", frames_text(&folded, max_frames))
         }
-        Captured::NotPython { program, detail, .. } => match detail {
-            Some(detail) => format!("not a Python process ({program}; {detail})"),
-            None => format!("not a Python process ({program})"),
-        },
+        Captured::NotPython { program, detail, stopped, .. } => {
+            let stopped = if *stopped { STOPPED } else { "" };
+            match detail {
+                Some(detail) => format!("{stopped}not a Python process ({program}; {detail})"),
+                None => format!("{stopped}not a Python process ({program})"),
+            }
+        }
         Captured::Gone => "exited before its stack was read".into(),
         Captured::TimedOut { after_ms } => {
             format!("its stack could not be read within {:.1} s (given up)", *after_ms as f64 / 1000.0)
@@ -340,6 +349,7 @@ mod tests {
             threads: 1,
             native: false,
             frames: frames.iter().map(|&(f, file, line)| Frame::python(f, file, line)).collect(),
+            stopped: false,
         }
     }
 
@@ -512,6 +522,7 @@ mod tests {
                 native("Py_RunMain", "libpython3.11.so.1.0"),
                 native("__libc_start_main", "libc.so.6"),
             ],
+            stopped: false,
         };
         assert_eq!(
             describe(&captured, 12),
@@ -524,7 +535,7 @@ mod tests {
 
     #[test]
     fn what_is_not_a_python_stack_is_said_so_and_grouped_apart() {
-        let not_python = |pid| Captured::NotPython { pid, program: "sleep".into(), detail: None };
+        let not_python = |pid| Captured::NotPython { pid, program: "sleep".into(), detail: None, stopped: false };
         let grouped = group(vec![
             rank(0, not_python(10)),
             rank(1, not_python(11)),
@@ -539,6 +550,19 @@ mod tests {
         assert_eq!(lines[1], "rank 3 (1 of 6): its stack cannot be read: kernel.yama.ptrace_scope is 3");
         assert_eq!(lines[2], "rank 4 (1 of 6): its stack could not be read within 2.0 s (given up)");
         assert_eq!(lines[4], "ranks 0-1 (2 of 6): not a Python process (sleep)", "pids do not split a group");
+        let frozen = Captured::NotPython { pid: 9, program: "sleep".into(), detail: None, stopped: true };
+        assert_eq!(describe(&frozen, 12), "[stopped] not a Python process (sleep)");
+        let Captured::Python { frames, .. } = py(&[("main", "train.py", 21)]) else { unreachable!("built above") };
+        let frozen = Captured::Python {
+            pid: 1,
+            thread: ThreadChoice::Main,
+            thread_name: None,
+            threads: 1,
+            native: false,
+            frames,
+            stopped: true,
+        };
+        assert_eq!(describe(&frozen, 12), "[stopped] main (train.py:21)");
         let other_thread = Captured::Python {
             pid: 1,
             thread: ThreadChoice::GilHolder,
@@ -546,6 +570,7 @@ mod tests {
             threads: 2,
             native: false,
             frames: vec![Frame::python("spin", "l.py", 4)],
+            stopped: false,
         };
         assert_eq!(
             describe(&other_thread, 12),

@@ -56,6 +56,10 @@ pub enum Captured {
         #[serde(default)]
         native: bool,
         frames: Vec<Frame>,
+        /// The process was stopped (SIGSTOP, a debugger) when read: it is not where
+        /// it waits, it is where it was frozen.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        stopped: bool,
     },
     /// A process that is not Python, with its native frames (`--native`).
     Native { pid: u32, program: String, frames: Vec<Frame> },
@@ -66,6 +70,9 @@ pub enum Captured {
         program: String,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         detail: Option<String>,
+        /// As for `Python`.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        stopped: bool,
     },
     /// The process ended before its stack could be read.
     Gone,
