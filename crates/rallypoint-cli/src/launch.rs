@@ -258,7 +258,7 @@ pub struct LaunchArgs {
     /// (/metrics) over HTTP at this address, e.g. 127.0.0.1:8080, from node 0 (which
     /// hosts the coordinator). Requests must carry the job's token; the line the
     /// launcher prints links to the page with it when the launcher made the token
-    #[arg(long, value_name = "IP:PORT", help_heading = "Live page and metrics")]
+    #[arg(long, value_name = "IP:PORT", help_heading = "Live page and metrics", value_parser = crate::parse::listen)]
     http: Option<std::net::SocketAddr>,
     /// The program and its arguments: SCRIPT.py ARGS (run with python), -m MODULE ARGS, or
     /// -- CMD ARGS (run as it is)

@@ -32,6 +32,23 @@ pub fn addr(text: &str) -> Result<String, String> {
     }
 }
 
+/// An address to listen on: IP:PORT (`[v6]:PORT`), port 0 for any free one. A host
+/// name is refused by name: it may stand for several addresses, and which one a
+/// server should bind is the user's choice.
+pub fn listen(text: &str) -> Result<std::net::SocketAddr, String> {
+    if let Ok(addr) = text.parse() {
+        return Ok(addr);
+    }
+    let hint = "give an IP address and a port, e.g. 127.0.0.1:29500 (this host only) or 0.0.0.0:29500 (every \
+                interface)";
+    match text.rsplit_once(':') {
+        Some((host, port)) if port.parse::<u16>().is_ok() && !host.is_empty() => {
+            Err(format!("'{host}' is not an IP address: {hint}"))
+        }
+        _ => Err(format!("not IP:PORT: {hint}")),
+    }
+}
+
 /// Most ranks a rank list may expand to (a typo like "0-4000000000" must not
 /// allocate gigabytes).
 const MAX_RANKS: u64 = 1 << 20;
@@ -88,6 +105,15 @@ mod tests {
         assert!(ranks("-1").is_err());
         assert!(ranks("5-2").unwrap_err().contains("backwards"));
         assert!(ranks("0-4000000000").unwrap_err().contains("more than"));
+    }
+
+    #[test]
+    fn listen_addresses() {
+        assert_eq!(listen("127.0.0.1:0").map(|a| a.port()), Ok(0));
+        assert!(listen("[::1]:29500").is_ok());
+        let e = listen("localhost:0").unwrap_err();
+        assert!(e.contains("'localhost' is not an IP address") && e.contains("127.0.0.1:29500"), "{e}");
+        assert!(listen("127.0.0.1").unwrap_err().starts_with("not IP:PORT"));
     }
 
     #[test]

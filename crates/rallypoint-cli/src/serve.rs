@@ -17,7 +17,7 @@ use crate::parse;
 #[derive(Args, Debug)]
 pub struct ServeArgs {
     /// Address to listen on, exactly as given (port 0 picks a free port)
-    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:29500")]
+    #[arg(long, value_name = "IP:PORT", default_value = "127.0.0.1:29500", value_parser = parse::listen)]
     listen: SocketAddr,
     /// Seconds without any message (request or heartbeat) after which a rank is
     /// lost; 0 turns leases off [default: 15]
@@ -80,7 +80,7 @@ pub struct ServeArgs {
     /// (/api/status, as `status --json`) and Prometheus metrics (/metrics) over HTTP
     /// at this address, e.g. 127.0.0.1:8080. With a token, requests must carry it
     /// (Authorization: Bearer TOKEN, or the cookie /login?token=TOKEN sets)
-    #[arg(long, value_name = "IP:PORT", help_heading = "Live page and metrics")]
+    #[arg(long, value_name = "IP:PORT", help_heading = "Live page and metrics", value_parser = parse::listen)]
     http: Option<SocketAddr>,
     /// Serve --http beyond loopback without a token: anyone who reaches it can read
     /// every job's state
