@@ -78,34 +78,41 @@ struct Collective {
 }
 
 /// How many times each rank called a collective: its next call's generation.
-/// Indexed by rank up to the number of ranks that ever connected, so that a rank
-/// claiming a huge world size costs an entry, not a vector of that size.
+/// Indexed by rank while most of the vector is used, so that it costs what the
+/// ranks that called hold: a name that only a few ranks (or one with a huge rank)
+/// call keeps the rest in a map.
 #[derive(Debug, Default)]
 struct Calls {
     dense: Vec<u64>,
     sparse: HashMap<u32, u64>,
+    /// Ranks counted so far, in either.
+    ranks: usize,
 }
 
 impl Calls {
     /// Counts a call of `rank`; returns its generation.
-    fn next(&mut self, rank: u32, ranks: &Ranks) -> u64 {
+    fn next(&mut self, rank: u32) -> u64 {
         let at = rank as usize;
-        if at >= self.dense.len() && at < ranks.ever_connected() {
-            self.dense.resize(ranks.ever_connected(), 0);
-            if !self.sparse.is_empty() {
-                let len = self.dense.len();
-                self.sparse.retain(|&r, &mut n| {
-                    (r as usize >= len) || {
-                        self.dense[r as usize] = n;
-                        false
-                    }
-                });
-            }
+        // At most twice the ranks counted (and a little): the vector doubles as ranks come.
+        let room = 2 * self.ranks + 64;
+        if at >= self.dense.len() && at < room {
+            self.dense.resize(room, 0);
+            let dense = &mut self.dense;
+            self.sparse.retain(|&r, &mut n| match dense.get_mut(r as usize) {
+                Some(counter) => {
+                    *counter = n;
+                    false
+                }
+                None => true,
+            });
         }
         let counter = match self.dense.get_mut(at) {
             Some(counter) => counter,
             None => self.sparse.entry(rank).or_insert(0),
         };
+        if *counter == 0 {
+            self.ranks += 1;
+        }
         *counter += 1;
         *counter
     }
@@ -181,7 +188,7 @@ impl Collectives {
         let (kind, name) = (coll.kind, coll.name.as_str());
         let counters = &mut self.counters[counted(kind)];
         counters.arrivals += 1;
-        let number = coll.calls.next(call.rank, ranks);
+        let number = coll.calls.next(call.rank);
         // Only a failure names the operation: most calls never build it.
         let op = || OpRef { kind, name: name.to_owned(), generation: number };
         let caller = (call.session, call.request_id);
@@ -226,14 +233,11 @@ impl Collectives {
                     return;
                 }
                 let arrivals = Arrivals::for_members(&members, ranks);
-                // Room for every member that connected, so that a release's waiters
-                // are not moved as they come.
-                let expected = members.count().unwrap_or(0).min(ranks.ever_connected());
                 coll.pending.entry(number).or_insert(Generation {
                     shape: shape(),
                     members,
                     arrivals,
-                    waiters: Vec::with_capacity(expected),
+                    waiters: Vec::new(),
                     started: ctx.now,
                     deadline: None,
                     released: false,
@@ -532,5 +536,26 @@ impl Collectives {
                 Blocked { wait, arrived: g.arrivals.ranks() }
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Calls;
+
+    #[test]
+    fn a_ranks_count_moves_into_the_vector_with_the_ranks_that_come() {
+        let mut calls = Calls::default();
+        // A rank far beyond the few counted is kept aside.
+        assert_eq!((calls.next(1_000), calls.next(1_000)), (1, 2));
+        assert!(calls.dense.len() < 1_000, "one rank costs no vector of its rank's size");
+        for rank in 0..600 {
+            assert_eq!(calls.next(rank), 1);
+        }
+        // With enough ranks counted, its next call moves it into the vector.
+        assert_eq!(calls.next(1_000), 3);
+        assert!(calls.dense.len() > 1_000 && calls.sparse.is_empty(), "moved with the ranks that came");
+        assert_eq!(calls.next(u32::MAX), 1);
+        assert!(calls.dense.len() <= 2 * 602 + 64);
     }
 }
