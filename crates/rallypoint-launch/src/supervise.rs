@@ -631,7 +631,8 @@ impl Attempt<'_> {
     fn fail(&self, state: &mut State, failure: Failure, running: &[Option<Running>], origin: Origin) {
         let failure = self.localize(self.judge(failure, state, running), running);
         let nnodes = self.launchers.nnodes;
-        state.verdict_held = self.aborted_elsewhere().filter(|_| origin == Origin::Here);
+        let here = origin == Origin::Here && nnodes > 1;
+        state.verdict_held = if here { self.aborted_elsewhere() } else { None };
         if nnodes > 1 && (self.launchers.node == 0 && state.verdict_held.is_none() || origin == Origin::Here) {
             self.launchers.publish(self.attempt, &Report::Failed(failure.clone()));
         }
