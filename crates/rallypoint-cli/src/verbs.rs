@@ -385,7 +385,7 @@ fn choose_launcher(all: Vec<discovery::Entry>, job: Option<&str>) -> anyhow::Res
             describe(&all)
         ),
         _ if same_name => usage!(
-            "{} `rallypoint launch` of this user run job '{}' on this machine, each with its own coordinator; \
+            "{} `rallypoint launch` of this user run job '{}' on this machine, not all on one coordinator; \
              pick one with --addr HOST:PORT:\n{}",
             matching.len(),
             matching[0].job,
