@@ -686,7 +686,7 @@ impl Attempt<'_> {
     /// On node 0: the reason another node's launcher gave when it aborted the
     /// attempt's job, which it does at its first failure, right after reporting it.
     fn aborted_elsewhere(&self) -> Option<String> {
-        let abort = self.server?.observer().snapshot(&self.job.attempt_job)?.aborted?;
+        let abort = self.server?.aborted(&self.job.attempt_job)?;
         let mine = abort.pid == std::process::id() && abort.host == self.host;
         (abort.by_rank.is_none() && abort.reason.starts_with(LAUNCHER_ABORT) && !mine).then_some(abort.reason)
     }

@@ -55,7 +55,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use rallypoint_core::snapshot::JobSnapshot;
-use rallypoint_core::{Config, JobMetrics, RankInfo};
+use rallypoint_core::{AbortInfo, Config, JobMetrics, RankInfo};
 pub use rallypoint_net::meter::{Protocol, ProtocolCounts, TrafficSnapshot};
 use rallypoint_proto::native::FrameLimits;
 use rallypoint_proto::tcpstore::TcpLimits;
@@ -322,6 +322,12 @@ impl ServerHandle {
     /// peers lost is the root cause, not the peer that failed because of it.
     pub fn lost_ranks(&self, job: &str) -> Vec<RankInfo> {
         self.shared.lost_ranks(job)
+    }
+
+    /// Who aborted `job` and why, if it was aborted. The launcher hosting it asks at a
+    /// worker's failure: an abort by another node's launcher came first.
+    pub fn aborted(&self, job: &str) -> Option<AbortInfo> {
+        self.shared.aborted(job)
     }
 
     /// How long the processes of `job` have asked nothing of this coordinator (no

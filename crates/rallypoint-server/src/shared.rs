@@ -18,7 +18,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use atomic_waker::AtomicWaker;
 use rallypoint_core::snapshot::JobSnapshot;
 use rallypoint_core::{
-    Config, Departure, Engine, Identity, JobMetrics, Millis, OpError, RankInfo, Reply, Request, SessionId, Welcome,
+    AbortInfo, Config, Departure, Engine, Identity, JobMetrics, Millis, OpError, RankInfo, Reply, Request, SessionId,
+    Welcome,
 };
 use rallypoint_net::meter::Traffic;
 use rallypoint_net::sync::lock;
@@ -362,6 +363,11 @@ impl Shared {
         let state = lock(&self.state);
         let now = self.now();
         state.engine.lost_ranks(job, now)
+    }
+
+    /// See [`super::ServerHandle::aborted`].
+    pub(crate) fn aborted(&self, job: &str) -> Option<AbortInfo> {
+        lock(&self.state).engine.aborted(job)
     }
 
     /// See [`super::ServerHandle::quiet_for`].

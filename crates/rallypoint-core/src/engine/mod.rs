@@ -17,8 +17,8 @@ mod validate;
 use std::collections::BTreeSet;
 
 use crate::{
-    Config, Identity, JobIncarnation, Millis, OpError, Outgoing, ProcessInfo, RankInfo, Reply, Request, Response,
-    SessionId, Welcome,
+    AbortInfo, Config, Identity, JobIncarnation, Millis, OpError, Outgoing, ProcessInfo, RankInfo, Reply, Request,
+    Response, SessionId, Welcome,
 };
 
 pub use snapshot::JobMetrics;
@@ -604,6 +604,11 @@ impl Engine {
     pub fn lost_ranks(&self, job: &str, now: Millis) -> Vec<RankInfo> {
         let Some(job) = self.job_ids.get(job).and_then(|id| self.jobs.get(id)) else { return Vec::new() };
         job.ranks.lost().map(|rank| job.ranks.info(rank, now)).collect()
+    }
+
+    /// Who aborted `job` and why, if it was aborted.
+    pub fn aborted(&self, job: &str) -> Option<AbortInfo> {
+        self.job_ids.get(job).and_then(|id| self.jobs.get(id))?.aborted.clone()
     }
 
     /// How long ago (ms) a process of `job` last asked for something (connected, or
