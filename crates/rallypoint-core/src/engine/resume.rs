@@ -19,10 +19,10 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::snapshot::ReconnectingView;
-use crate::{Millis, OpError, RankState, Reply, ReplyCache as Limits, Response};
+use crate::{Millis, OpError, RankState, Reply, ReplyCache as Limits, Response, SessionId};
 
 use super::job::Job;
-use super::Session;
+use super::{HashMap, Session};
 
 /// The resume state of a session that stated an incarnation.
 #[derive(Debug, Default)]
@@ -57,16 +57,16 @@ impl Resumable {
 /// detached: another live session (a rank may have several; torch's never resume)
 /// keeps it plainly connected, and a rank lost by its lease meanwhile is shown lost.
 /// Its lease may end before the grace: a detached session heartbeats no more.
-/// `sessions`: any open sessions, those of other jobs are skipped.
-pub(crate) fn reconnecting<'a>(
+/// `sessions`: the engine's open sessions, those of other jobs are skipped.
+pub(crate) fn reconnecting(
     job: &Job,
-    sessions: impl IntoIterator<Item = &'a Session>,
+    sessions: &HashMap<SessionId, Box<Session>>,
     lease_ms: u64,
     now: Millis,
 ) -> BTreeMap<u32, ReconnectingView> {
     let mut live = BTreeSet::new();
     let mut detached: BTreeMap<u32, Detached> = BTreeMap::new();
-    for session in sessions.into_iter().filter(|s| s.job == job.id) {
+    for session in sessions.values().filter(|s| s.job == job.id) {
         let Some(rank) = session.identity.rank else { continue };
         match session.resume.as_ref().and_then(|r| r.detached) {
             // The rank is lost when its last session's grace ends.

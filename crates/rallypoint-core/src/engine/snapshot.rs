@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::counters::{JobCounters, WAIT_OPS};
 use crate::snapshot::{
-    AbortView, JobSnapshot, KeyWaitView, LossView, RankStatus, RankSummary, RankView, ReconnectingView, SessionCounts,
+    AbortView, JobSnapshot, KeyWaitView, LossView, RankStatus, RankSummary, RankView, SessionCounts,
     MAX_KEY_WAITS_LISTED, MAX_RANKS_LISTED,
 };
 use crate::{Identity, Incarnation, LossReason, Millis, RankInfo, RankState, SessionId};
@@ -113,11 +113,6 @@ impl Engine {
         out
     }
 
-    /// The ranks of `job` waiting for their process to resume (module `resume`).
-    fn reconnecting(&self, job: &Job, now: Millis) -> BTreeMap<u32, ReconnectingView> {
-        resume::reconnecting(job, self.sessions.values().map(|s| &**s), self.config.lease_ms, now)
-    }
-
     /// The snapshot of job `id`, as seen by everyone but `asking`.
     pub(crate) fn snapshot_of(&self, id: JobId, asking: Option<SessionId>, now: Millis) -> Option<JobSnapshot> {
         let job = self.jobs.get(&id)?;
@@ -136,7 +131,7 @@ impl Engine {
         let identity_of: BTreeMap<SessionId, (&Identity, bool)> =
             members.iter().map(|(s, i, t)| (*s, (*i, *t))).collect();
 
-        let reconnecting = self.reconnecting(job, now);
+        let reconnecting = resume::reconnecting(job, &self.sessions, self.config.lease_ms, now);
         let mut blocked = job.collectives.blocked(&job.ranks, now);
         for view in blocked.iter_mut().flat_map(|b| b.wait.missing.iter_mut()) {
             view.reconnecting = reconnecting.get(&view.rank).copied();

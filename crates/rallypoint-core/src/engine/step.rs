@@ -347,7 +347,7 @@ impl<'a> Step<'a> {
             .collect();
         others.sort_by_key(|(id, _, _)| *id);
         let mut out = torch::report(job, &others, now, self.config.epoch_unix_ms.saturating_add(now));
-        let reconnecting = resume::reconnecting(job, self.sessions.values().map(|s| &**s), self.config.lease_ms, now);
+        let reconnecting = resume::reconnecting(job, self.sessions, self.config.lease_ms, now);
         let (connected, left, lost) = job.ranks.tally();
         let of_them = match reconnecting.len() {
             0 => String::new(),
