@@ -123,9 +123,6 @@ pub fn capture(pid: u32, native: bool) -> Captured {
         }
     };
     match read {
-        Ok(Captured::Python { pid, thread, thread_name, threads, native, frames, .. }) => {
-            Captured::Python { pid, thread, thread_name, threads, native, frames, stopped: stopped(pid) }
-        }
         Ok(captured) => captured,
         Err(_) if !alive(pid) => Captured::Gone,
         Err(error) => {
@@ -162,11 +159,19 @@ fn python_stack(pid: u32, native: bool) -> anyhow::Result<Captured> {
     };
     let Some(trace) = traces.into_iter().nth(index) else {
         let frames = Vec::new();
-        return Ok(Captured::Python { pid, thread, thread_name: None, threads: 0, native, frames, stopped: false });
+        return Ok(Captured::Python {
+            pid,
+            thread,
+            thread_name: None,
+            threads: 0,
+            native,
+            frames,
+            stopped: stopped(pid),
+        });
     };
     let frames = trace.frames.iter().map(frame).collect();
     let thread_name = trace.thread_name;
-    Ok(Captured::Python { pid, thread, thread_name, threads, native, frames, stopped: false })
+    Ok(Captured::Python { pid, thread, thread_name, threads, native, frames, stopped: stopped(pid) })
 }
 
 fn frame(f: &py_spy::Frame) -> Frame {
