@@ -250,7 +250,7 @@ impl Shared {
     pub(crate) fn take_routed(&self, into: &mut Vec<Routed>) {
         let mut state = lock(&self.state);
         state.reactor_woken = false;
-        into.append(&mut state.routed);
+        take_all(into, &mut state.routed);
     }
 
     /// Whether the process that stated `identity` runs on this machine, so that its
@@ -340,7 +340,7 @@ impl Shared {
     /// Every job's counts, with the sessions node agents carry.
     pub(crate) fn job_metrics(&self) -> Vec<JobMetrics> {
         let state = lock(&self.state);
-        let mut metrics = state.engine.metrics();
+        let mut metrics = state.engine.metrics(self.now());
         let mut via_agent: HashMap<&str, usize> = HashMap::new();
         for (session, sink) in &state.outboxes {
             if let (Sink::Agent(_), Some(job)) = (sink, state.engine.session_job(*session)) {
@@ -534,7 +534,7 @@ impl Shared {
         }
         dispatch(&mut state, Some((session, immediate)));
         match routed {
-            Some(routed) => routed.append(&mut state.routed),
+            Some(routed) => take_all(routed, &mut state.routed),
             None => self.wake_reactor(&mut state),
         }
         self.plan_ticker(&state);
@@ -612,6 +612,17 @@ impl Shared {
                 self.ticker_alarm.poke();
             }
         }
+    }
+}
+
+/// Moves every reply routed from `from` to `into`. A release routes a reply per rank,
+/// and `into` is usually empty: the vectors then trade places instead of the
+/// replies being copied.
+fn take_all(into: &mut Vec<Routed>, from: &mut Vec<Routed>) {
+    if into.is_empty() {
+        std::mem::swap(into, from);
+    } else {
+        into.append(from);
     }
 }
 
