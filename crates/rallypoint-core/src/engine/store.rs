@@ -134,7 +134,10 @@ impl Store {
             return Err(OpError::Invalid(format!("request id {} is already waiting on this session", id.1)));
         }
         let key = own(key);
-        self.barrier_keys.insert(key.clone());
+        // Looked up first: every rank of a round names the same key.
+        if !self.barrier_keys.contains(&key) {
+            self.barrier_keys.insert(key.clone());
+        }
         let count = self.add(key.clone(), 1, done)?;
         let counters = &mut self.counters[WaitKind::Barrier { world_size }.counted()];
         counters.arrivals += 1;
@@ -403,6 +406,15 @@ impl Store {
     fn release_barriers(&mut self, key: &Bytes, done: &mut Vec<(WaitId, Reply)>) {
         let Some(waiters) = self.barrier_waiters.get_mut(key) else { return };
         let Some(count) = self.data.get(key).and_then(|v| parse_stoll(v)) else { return };
+        match waiters.first() {
+            None => {
+                self.barrier_waiters.remove(key);
+                return;
+            }
+            // Every arrival but a round's last reaches nobody's world size: no split then.
+            Some(&(world_size, _)) if world_size > count => return,
+            Some(_) => {}
+        }
         // Everything ordered before (count + 1, _) has a world size the counter reached.
         let still_waiting = match count.checked_add(1) {
             Some(next) => waiters.split_off(&(next, (SessionId(0), 0))),
