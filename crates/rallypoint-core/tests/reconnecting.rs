@@ -34,6 +34,11 @@ fn snapshot(h: &mut Harness) -> JobSnapshot {
     serde_json::from_slice(&json).expect("the snapshot is JSON of its schema")
 }
 
+/// Job "j"'s ranks in their reconnect grace, as `/metrics` has them.
+fn metrics_reconnecting(h: &Harness) -> u64 {
+    h.engine.metrics(h.now).iter().find(|m| m.name == "j").expect("job j").ranks.reconnecting
+}
+
 fn reconnecting_lines(report: &str) -> Vec<&str> {
     report.lines().filter(|l| l.starts_with("reconnecting: ")).collect()
 }
@@ -66,6 +71,7 @@ fn a_dropped_rank_shows_as_reconnecting_during_its_grace_and_not_once_resumed() 
     assert_eq!((snap.ranks_summary.connected, snap.ranks_summary.reconnecting), (2, 1));
     assert_eq!(snap.waits[0].missing[0].rank, 1);
     assert_eq!(snap.waits[0].missing[0].reconnecting, held, "the barrier's missing rank says it too");
+    assert_eq!(metrics_reconnecting(&h), 1, "the metrics count it");
 
     // Its process comes back: a rank like any other again.
     resume(&mut h, r1, &process(1, 2));
@@ -75,6 +81,7 @@ fn a_dropped_rank_shows_as_reconnecting_during_its_grace_and_not_once_resumed() 
     let snap = snapshot(&mut h);
     assert_eq!((snap.ranks[1].reconnecting, snap.ranks_summary.reconnecting), (None, 0));
     assert_eq!(snap.waits[0].missing[0].reconnecting, None);
+    assert_eq!(metrics_reconnecting(&h), 0);
 }
 
 #[test]
@@ -96,6 +103,7 @@ fn a_rank_that_does_not_come_back_is_shown_lost_once_its_grace_ends() {
     let snap = snapshot(&mut h);
     assert_eq!((snap.ranks[1].state, snap.ranks[1].reconnecting), (RankStatus::Lost, None));
     assert_eq!((snap.ranks_summary.lost, snap.ranks_summary.reconnecting), (1, 0));
+    assert_eq!(metrics_reconnecting(&h), 0, "lost, no longer reconnecting");
 }
 
 #[test]

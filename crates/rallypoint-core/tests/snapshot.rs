@@ -124,7 +124,7 @@ fn counters_move_with_arrivals_releases_timeouts_losses_and_key_operations() {
     h.send(a, barrier("doomed", None));
     h.kill(c);
 
-    let metrics = h.engine.metrics();
+    let metrics = h.engine.metrics(h.now);
     let m = metrics.iter().find(|m| m.name == "m").expect("job m");
     let barrier = &m.counters.ops[op("barrier")];
     assert_eq!((barrier.arrivals, barrier.releases, barrier.timeouts, barrier.peer_lost), (4, 1, 1, 1));
@@ -137,7 +137,7 @@ fn counters_move_with_arrivals_releases_timeouts_losses_and_key_operations() {
     // A reset keeps counting where the job was.
     let tool = h.open(Identity::anonymous("m"));
     ok(Some(h.call(tool, Request::Reset { incarnation: 7 })));
-    let metrics = h.engine.metrics();
+    let metrics = h.engine.metrics(h.now);
     let m = metrics.iter().find(|m| m.name == "m").expect("job m");
     assert_eq!(m.counters.ops[op("barrier")].arrivals, 4);
 }

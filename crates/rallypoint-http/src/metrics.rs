@@ -64,6 +64,7 @@ fn add(into: &mut JobMetrics, m: &JobMetrics) {
     r.left += m.ranks.left;
     r.lost += m.ranks.lost;
     r.never_connected += m.ranks.never_connected;
+    r.reconnecting += m.ranks.reconnecting;
     let c: &mut JobCounters = &mut into.counters;
     for (mine, theirs) in c.ops.iter_mut().zip(&m.counters.ops) {
         mine.arrivals += theirs.arrivals;
@@ -184,6 +185,14 @@ impl Collector for Scrape {
                     .map(|(state, n)| (with(job(m), "state", state), n))
                     .collect()
             }),
+        )?;
+        gauges(
+            &mut e,
+            "rallypoint_ranks_reconnecting",
+            "Of the connected ranks, those whose connection dropped and that wait for their process to resume \
+             within the reconnect grace.",
+            None,
+            per_job(&|m| vec![(job(m), m.ranks.reconnecting)]),
         )?;
         gauges(
             &mut e,
@@ -409,7 +418,7 @@ mod tests {
             name: name.to_owned(),
             order,
             sessions: SessionCounts::default(),
-            ranks: RankSummary { connected: 1, ..RankSummary::default() },
+            ranks: RankSummary { connected: 1, reconnecting: 1, ..RankSummary::default() },
             counters,
         }
     }
@@ -424,6 +433,8 @@ mod tests {
         let text = render(&ServerMetrics { jobs, traffic: Default::default() });
         assert!(text.contains("rallypoint_arrivals_total{rallypoint_job=\"_other\",op=\"barrier\"} 6"), "{text}");
         assert!(text.contains("rallypoint_arrivals_total{rallypoint_job=\"j0\",op=\"barrier\"} 2"), "{text}");
+        assert!(text.contains("rallypoint_ranks_reconnecting{rallypoint_job=\"_other\"} 3"), "{text}");
+        assert!(text.contains("rallypoint_ranks_reconnecting{rallypoint_job=\"j0\"} 1"), "{text}");
         assert!(text.contains("# TYPE rallypoint_wait_seconds histogram"), "{text}");
         assert!(
             text.contains("rallypoint_wait_seconds_bucket{le=\"+Inf\",rallypoint_job=\"j0\",op=\"barrier\"} 0"),

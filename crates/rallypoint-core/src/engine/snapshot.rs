@@ -86,9 +86,11 @@ impl Engine {
         (names, complete)
     }
 
-    /// Every current job's counts, oldest job first.
-    pub fn metrics(&self) -> Vec<JobMetrics> {
+    /// Every current job's counts at `now`, oldest job first.
+    pub fn metrics(&self, now: Millis) -> Vec<JobMetrics> {
         let mut sessions: BTreeMap<JobId, SessionCounts> = BTreeMap::new();
+        // Jobs with a session in its reconnect grace: only theirs are looked at closer.
+        let mut detached: BTreeSet<JobId> = BTreeSet::new();
         for s in self.sessions.values() {
             let counts = sessions.entry(s.job).or_default();
             if s.torch {
@@ -96,17 +98,27 @@ impl Engine {
             } else {
                 counts.native += 1;
             }
+            if s.resume.as_ref().is_some_and(|r| r.detached.is_some()) {
+                detached.insert(s.job);
+            }
         }
         let mut out: Vec<JobMetrics> = self
             .jobs
             .values()
             .filter(|job| job.superseded.is_none())
-            .map(|job| JobMetrics {
-                name: job.name.clone(),
-                order: job.first_id,
-                sessions: sessions.get(&job.id).cloned().unwrap_or_default(),
-                ranks: summary(job),
-                counters: job.counters(),
+            .map(|job| {
+                let mut ranks = summary(job);
+                if detached.contains(&job.id) {
+                    ranks.reconnecting =
+                        resume::reconnecting(job, &self.sessions, self.config.lease_ms, now).len() as u64;
+                }
+                JobMetrics {
+                    name: job.name.clone(),
+                    order: job.first_id,
+                    sessions: sessions.get(&job.id).cloned().unwrap_or_default(),
+                    ranks,
+                    counters: job.counters(),
+                }
             })
             .collect();
         out.sort_by_key(|m| m.order);
