@@ -279,6 +279,7 @@ fn usage_errors_exit_2_and_name_the_bad_value() {
     });
     assert_code(&run, 2);
     assert!(run.stderr.starts_with("rallypoint: "), "{run:#?}");
+    assert!(run.stderr.contains("RALLYPOINT_ADDR") && run.stderr.contains("--addr"), "{run:#?}");
 }
 
 #[test]

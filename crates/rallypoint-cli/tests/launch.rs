@@ -936,11 +936,14 @@ fn a_launched_job_is_authenticated_with_no_configuration() {
     let refused = get(&[]);
     let stderr = String::from_utf8_lossy(&refused.stderr);
     assert_eq!(refused.status.code(), Some(9), "stderr: {stderr}");
-    assert!(stderr.contains("requires a token: set RALLYPOINT_TOKEN or RALLYPOINT_TOKEN_FILE"), "{stderr}");
+    assert!(
+        stderr.contains("requires a token: set RALLYPOINT_TOKEN or RALLYPOINT_TOKEN_FILE (or --token-file)"),
+        "{stderr}"
+    );
     let wrong = get(&[("RALLYPOINT_TOKEN", "not-the-job-token")]);
     let stderr = String::from_utf8_lossy(&wrong.stderr);
     assert_eq!(wrong.status.code(), Some(9), "stderr: {stderr}");
-    assert!(stderr.contains("wrong token"), "{stderr}");
+    assert!(stderr.contains("wrong token") && stderr.contains("--token-file"), "{stderr}");
     let allowed = get(&[("RALLYPOINT_TOKEN_FILE", token_file.as_str())]);
     assert_eq!(String::from_utf8_lossy(&allowed.stdout), "42\n", "{}", String::from_utf8_lossy(&allowed.stderr));
 

@@ -255,7 +255,8 @@ fn master_addr(host: Option<String>, port: Option<String>, slurm: bool) -> Resul
                 ""
             };
             return Err(config(format!(
-                "no coordinator address: set RALLYPOINT_ADDR (host:port), or MASTER_ADDR and MASTER_PORT{hint}"
+                "no coordinator address: set RALLYPOINT_ADDR (host:port), or MASTER_ADDR and MASTER_PORT \
+                 (or --addr){hint}"
             )));
         }
     };

@@ -313,11 +313,11 @@ impl fmt::Display for AuthRefusal {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             AuthRefusal::TokenRequired => {
-                "this coordinator requires a token: set RALLYPOINT_TOKEN or RALLYPOINT_TOKEN_FILE"
+                "this coordinator requires a token: set RALLYPOINT_TOKEN or RALLYPOINT_TOKEN_FILE (or --token-file)"
             }
             AuthRefusal::WrongToken => {
                 "wrong token: the coordinator's token is not the one this process has \
-                 (RALLYPOINT_TOKEN or RALLYPOINT_TOKEN_FILE)"
+                 (RALLYPOINT_TOKEN, RALLYPOINT_TOKEN_FILE or --token-file)"
             }
             AuthRefusal::TlsRequired => {
                 "this coordinator requires TLS: set RALLYPOINT_TLS_CA (or --tls-ca) to the CA \
