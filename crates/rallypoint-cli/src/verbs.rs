@@ -81,6 +81,9 @@ pub enum Verb {
     Get {
         /// The key to wait for and print
         key: String,
+        /// Print the value's bytes as stored, without the newline (what `set KEY -` read)
+        #[arg(long)]
+        raw: bool,
         #[command(flatten)]
         conn: Conn,
     },
@@ -302,10 +305,15 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
             let result = client.set(key, value).await;
             finish(client, result).await?;
         }
-        Verb::Get { key, conn } => {
+        Verb::Get { key, raw, conn } => {
             let client = connect(&conn.tool()?).await?;
             let result = client.get(key, None).await;
-            print_line(&finish(client, result).await?)?;
+            let value = finish(client, result).await?;
+            if raw {
+                print_bytes(&value)?;
+            } else {
+                print_line(&value)?;
+            }
         }
         Verb::Add { key, n, conn } => {
             let client = connect(&conn.tool()?).await?;
@@ -528,6 +536,11 @@ pub(crate) async fn finish<T>(client: Client, result: Result<T, Error>) -> Resul
 fn print_line(value: &[u8]) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     out.write_all(value).and_then(|()| out.write_all(b"\n")).and_then(|()| out.flush()).context("writing to stdout")
+}
+
+fn print_bytes(value: &[u8]) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    out.write_all(value).and_then(|()| out.flush()).context("writing to stdout")
 }
 
 #[cfg(test)]

@@ -1039,6 +1039,21 @@ fn set_reads_the_value_from_stdin_given_a_dash() {
     }
     assert_code(&finish(&mut child), 0);
     assert_eq!(exec(server.cmd("stdin", &["get", "blob"])).stdout, "line one\nline two -\n\n");
+
+    // Bytes that are no text, given back as they are with --raw.
+    let blob = b"\x00\xff\xfe binary\n\x01";
+    let mut command = server.cmd("stdin", &["set", "binary", "-"]);
+    command.stdin(Stdio::piped());
+    let mut child = spawn(command);
+    {
+        use std::io::Write;
+        let mut stdin = child.0.stdin.take().expect("piped stdin");
+        stdin.write_all(blob).expect("write the value");
+    }
+    assert_code(&finish(&mut child), 0);
+    let raw = server.cmd("stdin", &["get", "binary", "--raw"]).output().expect("run get --raw");
+    assert_eq!(raw.status.code(), Some(0), "{raw:?}");
+    assert_eq!(raw.stdout, blob, "byte for byte, no newline");
 }
 
 #[test]
