@@ -86,20 +86,25 @@ impl MemberSet {
 
 /// Values of the members that arrived. Its size follows the ranks that connected,
 /// never a claimed world size: a whole world no larger than the ranks that ever
-/// connected is a vector indexed by rank (the fast case of a job whose ranks all
-/// came); anything else is a map of the ranks that arrive.
+/// connected is a bit per rank (the fast case of a job whose ranks all came), with
+/// a value per rank only once one is not empty (a barrier's never are); anything else
+/// is a map of the ranks that arrive.
 #[derive(Debug)]
 pub(crate) enum Arrivals {
-    Dense { values: Vec<Option<Bytes>>, count: usize },
+    Dense { arrived: Vec<u64>, count: usize, values: Vec<Option<Bytes>>, world: usize },
     Sparse(HashMap<u32, Bytes>),
 }
+
+/// The value of a member that arrived with none.
+static NO_VALUE: Bytes = Bytes::new();
 
 impl Arrivals {
     pub fn for_members(members: &MemberSet, ranks: &Ranks) -> Self {
         let connected = ranks.ever_connected();
         match members {
             MemberSet::World(w) if *w as usize <= connected => {
-                Arrivals::Dense { values: vec![None; *w as usize], count: 0 }
+                let world = *w as usize;
+                Arrivals::Dense { arrived: vec![0; world.div_ceil(64)], count: 0, values: Vec::new(), world }
             }
             _ => {
                 let expected = members.count().unwrap_or(connected).min(connected);
@@ -121,18 +126,36 @@ impl Arrivals {
 
     pub fn get(&self, rank: u32) -> Option<&Bytes> {
         match self {
-            Arrivals::Dense { values, .. } => values.get(rank as usize).and_then(Option::as_ref),
+            Arrivals::Dense { arrived, values, .. } => {
+                let rank = rank as usize;
+                let bit = arrived.get(rank / 64)? & (1 << (rank % 64));
+                if bit == 0 {
+                    return None;
+                }
+                Some(values.get(rank).and_then(Option::as_ref).unwrap_or(&NO_VALUE))
+            }
             Arrivals::Sparse(map) => map.get(&rank),
         }
     }
 
     pub fn insert(&mut self, rank: u32, value: Bytes) {
         match self {
-            Arrivals::Dense { values, count } => {
-                if let Some(slot) = values.get_mut(rank as usize) {
-                    if slot.replace(value).is_none() {
-                        *count += 1;
-                    }
+            Arrivals::Dense { arrived, count, values, world } => {
+                let rank = rank as usize;
+                if rank >= *world {
+                    return;
+                }
+                let word = &mut arrived[rank / 64];
+                let bit = 1 << (rank % 64);
+                if *word & bit == 0 {
+                    *word |= bit;
+                    *count += 1;
+                }
+                if !value.is_empty() && values.is_empty() {
+                    *values = vec![None; *world];
+                }
+                if let Some(slot) = values.get_mut(rank) {
+                    *slot = (!value.is_empty()).then_some(value);
                 }
             }
             Arrivals::Sparse(map) => {
@@ -144,14 +167,54 @@ impl Arrivals {
     /// The ranks that arrived, in rank order.
     pub fn ranks(&self) -> Vec<u32> {
         match self {
-            Arrivals::Dense { values, .. } => {
-                (0..).zip(values).filter(|(_, v)| v.is_some()).map(|(rank, _)| rank).collect()
-            }
+            Arrivals::Dense { arrived, .. } => (0..)
+                .zip(arrived)
+                .flat_map(|(word_at, &word): (u32, &u64)| {
+                    (0..64).filter(move |bit| word & (1 << bit) != 0).map(move |bit| word_at * 64 + bit)
+                })
+                .collect(),
             Arrivals::Sparse(map) => {
                 let mut ranks: Vec<u32> = map.keys().copied().collect();
                 ranks.sort_unstable();
                 ranks
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Arrivals of a whole world of `world` ranks that all connected (the dense case).
+    fn dense(world: u32) -> Arrivals {
+        let mut ranks = Ranks::default();
+        for rank in 0..world {
+            ranks.connect(rank, "host", 1, None, 0, 0, None);
+        }
+        let arrivals = Arrivals::for_members(&MemberSet::World(world), &ranks);
+        assert!(matches!(arrivals, Arrivals::Dense { .. }));
+        arrivals
+    }
+
+    #[test]
+    fn dense_arrivals_hold_a_bit_per_rank_and_values_only_once_one_is_not_empty() {
+        let mut barrier = dense(130);
+        for rank in [129, 0, 64, 63, 64] {
+            barrier.insert(rank, Bytes::new());
+        }
+        barrier.insert(130, Bytes::new());
+        assert_eq!(barrier.count(), 4, "a rank arriving twice counts once; one past the world not at all");
+        assert_eq!(barrier.ranks(), [0, 63, 64, 129]);
+        assert_eq!(barrier.get(63), Some(&Bytes::new()));
+        assert_eq!((barrier.get(1), barrier.get(130), barrier.get(u32::MAX)), (None, None, None));
+        assert!(matches!(&barrier, Arrivals::Dense { values, .. } if values.is_empty()));
+
+        let mut gather = dense(3);
+        gather.insert(2, Bytes::from_static(b"two"));
+        gather.insert(0, Bytes::new());
+        assert_eq!(gather.get(2), Some(&Bytes::from_static(b"two")));
+        assert_eq!((gather.get(0), gather.get(1)), (Some(&Bytes::new()), None));
+        assert_eq!((gather.count(), gather.ranks()), (2, vec![0, 2]));
     }
 }
