@@ -380,6 +380,10 @@ async fn a_rank_in_its_grace_is_shown_reconnecting_until_it_resumes() {
     let held = snapshot.ranks[1].reconnecting.expect("rank 1 reconnecting in the snapshot");
     assert!(held.lost_in_ms > 0 && held.lost_in_ms <= 600_000, "{held:?}");
     assert_eq!((snapshot.ranks[0].reconnecting, snapshot.ranks_summary.reconnecting), (None, 1));
+    let reconnecting = |server: &rallypoint::server::ServerHandle| {
+        server.observer().metrics().jobs.iter().find(|m| m.name == "grace").map(|m| m.ranks.reconnecting)
+    };
+    assert_eq!(reconnecting(&server), Some(1), "/metrics counts it");
 
     proxy.open();
     bounded("rank 0's barrier", r0.barrier("b", Members::World, None)).await.expect("rank 0's barrier");
@@ -388,6 +392,7 @@ async fn a_rank_in_its_grace_is_shown_reconnecting_until_it_resumes() {
     let status = r0.status().await.expect("status");
     assert!(!status.contains("reconnecting"), "{status}");
     assert_eq!(r0.snapshot().await.expect("snapshot").ranks[1].reconnecting, None);
+    assert_eq!(reconnecting(&server), Some(0));
     r1.close().await.expect("close rank 1");
     r0.close().await.expect("close rank 0");
     server.shutdown().await;
