@@ -157,20 +157,11 @@ fn python_stack(pid: u32, native: bool) -> anyhow::Result<Captured> {
         (None, Some(i)) => (i, ThreadChoice::GilHolder),
         (None, None) => (0, ThreadChoice::Other),
     };
-    let Some(trace) = traces.into_iter().nth(index) else {
-        let frames = Vec::new();
-        return Ok(Captured::Python {
-            pid,
-            thread,
-            thread_name: None,
-            threads: 0,
-            native,
-            frames,
-            stopped: stopped(pid),
-        });
+    // No trace only when the process showed no thread at all (`threads` is 0 then).
+    let (thread_name, frames) = match traces.into_iter().nth(index) {
+        Some(trace) => (trace.thread_name, trace.frames.iter().map(frame).collect()),
+        None => (None, Vec::new()),
     };
-    let frames = trace.frames.iter().map(frame).collect();
-    let thread_name = trace.thread_name;
     Ok(Captured::Python { pid, thread, thread_name, threads, native, frames, stopped: stopped(pid) })
 }
 
