@@ -98,7 +98,7 @@ impl Engine {
             } else {
                 counts.native += 1;
             }
-            if s.resume.as_ref().is_some_and(|r| r.detached.is_some()) {
+            if s.detached() {
                 detached.insert(s.job);
             }
         }
