@@ -12,7 +12,8 @@ const WORLD: u32 = 4;
 
 #[derive(Debug, Clone)]
 enum Step {
-    /// Ranks (an index of the other job's session when `WORLD` or more) making call `call`.
+    /// Ranks making call `call`; `WORLD` stands for the other job's session, and
+    /// more for a session of this job without a rank (a tool's).
     Calls {
         ranks: Vec<u32>,
         call: usize,
@@ -57,7 +58,7 @@ fn call(n: usize) -> Request {
 
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
-        8 => (prop::collection::vec(0..WORLD + 1, 1..7), 0usize..10).prop_map(|(ranks, call)| Step::Calls { ranks, call }),
+        8 => (prop::collection::vec(0..WORLD + 2, 1..7), 0usize..10).prop_map(|(ranks, call)| Step::Calls { ranks, call }),
         1 => (0..WORLD).prop_map(Step::Kill),
         2 => (0..WORLD).prop_map(Step::Connect),
         1 => (0..WORLD).prop_map(Step::Abort),
@@ -80,6 +81,13 @@ impl Side {
         identity.pid = 1000 + rank;
         identity.role = rank.is_multiple_of(2).then(|| "trainer".to_owned());
         self.engine.open(session, identity, now).expect("identity accepted");
+        session
+    }
+
+    fn open_anonymous(&mut self, job: &str, now: Millis) -> SessionId {
+        let session = SessionId(self.next_session);
+        self.next_session += 1;
+        self.engine.open(session, Identity::anonymous(job), now).expect("identity accepted");
         session
     }
 
@@ -109,6 +117,9 @@ proptest! {
         // A rank of another job, whose calls may sit in the same batch.
         let other = batched.open("k", 0, now);
         one_by_one.open("k", 0, now);
+        // A session without a rank, whose collective calls fail.
+        let tool = batched.open_anonymous("j", now);
+        one_by_one.open_anonymous("j", now);
         let mut next_id = 1u64;
         for step in steps {
             match step {
@@ -116,7 +127,11 @@ proptest! {
                     let request = call(n);
                     let calls: Vec<(SessionId, u64)> = ranks
                         .iter()
-                        .filter_map(|&r| if r < WORLD { sessions[r as usize] } else { Some(other) })
+                        .filter_map(|&r| match r {
+                            r if r < WORLD => sessions[r as usize],
+                            WORLD => Some(other),
+                            _ => Some(tool),
+                        })
                         .map(|session| {
                             next_id += 1;
                             (session, next_id)

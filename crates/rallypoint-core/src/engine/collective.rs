@@ -182,7 +182,8 @@ impl Collectives {
     /// A call of the collective at `at` (see [`Collectives::find`]). A generation is
     /// looked at for its release only when this call completed it (a broadcast: at
     /// every call), so that a run of calls costs no lookup per call beyond its own.
-    pub fn arrive(&mut self, CollectiveAt(at): CollectiveAt, call: Call, ranks: &Ranks, ctx: &mut Ctx<'_>) {
+    /// The call's value is taken; the rest is left for a run's next call to reuse.
+    pub fn arrive(&mut self, CollectiveAt(at): CollectiveAt, call: &mut Call, ranks: &Ranks, ctx: &mut Ctx<'_>) {
         let failed_kept = self.failed_kept;
         let Some(coll) = self.all.get_mut(at) else { return };
         let (kind, name) = (coll.kind, coll.name.as_str());
@@ -205,7 +206,7 @@ impl Collectives {
         };
         let generation = match coll.pending.get_mut(&number) {
             Some(generation) => {
-                if !same_call(&generation.shape, &call) {
+                if !same_call(&generation.shape, call) {
                     let error = OpError::Mismatch {
                         op: op(),
                         mine: Box::new(shape()),
@@ -257,7 +258,7 @@ impl Collectives {
             coll.fail(number, error, failed_kept, ctx);
             return;
         }
-        generation.arrivals.insert(call.rank, call.value);
+        generation.arrivals.insert(call.rank, std::mem::take(&mut call.value));
         let complete = generation.members.count() == Some(generation.arrivals.count());
         if kind == CollectiveKind::Broadcast {
             if generation.released {

@@ -221,12 +221,16 @@ impl<'a> Step<'a> {
         self.job.store.now = self.ctx.now;
         // Found at the first call that gets that far, then shared by the rest.
         let mut at = None;
+        // A call of the whole job has nothing to check but the caller's rank: it is
+        // built from the request once, and only the caller's part is filled in per call.
+        let mut world = admitted.is_ok().then(|| WorldCall::of(request)).flatten();
         for caller in callers {
             self.seen(&caller);
             self.job.last_request = self.ctx.now;
-            let reply = match &admitted {
-                Ok(()) => self.collective(&caller, request, &mut at),
-                Err(error) => Some(Err(error.clone())),
+            let reply = match (&admitted, &mut world) {
+                (Ok(()), Some(world)) => self.join_world(&caller, world, &mut at),
+                (Ok(()), None) => self.collective(&caller, request, &mut at),
+                (Err(error), _) => Some(Err(error.clone())),
             };
             if let Some(reply) = reply {
                 self.ctx.reply(caller.wait_id(), reply);
@@ -476,7 +480,7 @@ impl<'a> Step<'a> {
     fn join(&mut self, caller: &Caller, joining: Joining, at: &mut Option<CollectiveAt>) -> Option<Reply> {
         let Joining { kind, name, members, root, value, timeout_ms } = joining;
         let (Some(rank), Some(world_size)) = (caller.rank, caller.world_size) else {
-            return Some(Err(OpError::NoRank { op: format!("{kind} '{name}'") }));
+            return no_rank(kind, name);
         };
         // Only a role's members depend on more of the caller than its rank.
         let role = match members {
@@ -493,11 +497,74 @@ impl<'a> Step<'a> {
             },
         };
         let (session, request_id) = caller.wait_id();
-        let call = Call { session, request_id, rank, world_size, members, value, root, timeout_ms };
+        let mut call = Call { session, request_id, rank, world_size, members, value, root, timeout_ms };
         let at = *at.get_or_insert_with(|| self.job.collectives.find(kind, name));
+        self.job.collectives.arrive(at, &mut call, &self.job.ranks, &mut self.ctx);
+        None
+    }
+
+    /// [`Step::join`] for a call of the whole job in a run of calls (see [`WorldCall`]).
+    fn join_world(
+        &mut self,
+        caller: &Caller,
+        world: &mut WorldCall<'_>,
+        at: &mut Option<CollectiveAt>,
+    ) -> Option<Reply> {
+        let WorldCall { kind, name, value, call } = world;
+        let (Some(rank), Some(world_size)) = (caller.rank, caller.world_size) else {
+            return no_rank(*kind, name);
+        };
+        (call.session, call.request_id, call.rank, call.world_size) =
+            (caller.session, caller.request_id, rank, world_size);
+        call.value = value.clone();
+        let at = *at.get_or_insert_with(|| self.job.collectives.find(*kind, name));
         self.job.collectives.arrive(at, call, &self.job.ranks, &mut self.ctx);
         None
     }
+}
+
+/// A barrier or all-gather of the whole job, as a run of calls makes it (a node
+/// agent's ranks at one barrier): the same for every caller but for who calls.
+struct WorldCall<'r> {
+    kind: CollectiveKind,
+    name: &'r str,
+    /// Each caller's value: the request's.
+    value: &'r Bytes,
+    /// The call, reused from caller to caller.
+    call: Call,
+}
+
+impl<'r> WorldCall<'r> {
+    fn of(request: &'r Request) -> Option<Self> {
+        let (kind, name, value, timeout_ms) = match request {
+            Request::Barrier { name, members: Members::World, timeout_ms } => {
+                (CollectiveKind::Barrier, name, &EMPTY, timeout_ms)
+            }
+            Request::AllGather { name, members: Members::World, value, timeout_ms } => {
+                (CollectiveKind::AllGather, name, value, timeout_ms)
+            }
+            _ => return None,
+        };
+        let call = Call {
+            session: SessionId(0),
+            request_id: 0,
+            rank: 0,
+            world_size: 0,
+            members: Members::World,
+            value: Bytes::new(),
+            root: None,
+            timeout_ms: *timeout_ms,
+        };
+        Some(WorldCall { kind, name, value, call })
+    }
+}
+
+/// A barrier's value.
+static EMPTY: Bytes = Bytes::new();
+
+/// The reply to a collective call of a session that has no rank.
+fn no_rank(kind: CollectiveKind, name: &str) -> Option<Reply> {
+    Some(Err(OpError::NoRank { op: format!("{kind} '{name}'") }))
 }
 
 /// The reply of a request that has nothing to return.
