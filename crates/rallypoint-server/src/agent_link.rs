@@ -15,6 +15,7 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -46,6 +47,10 @@ pub(crate) type AgentReplies = Vec<(SessionId, u64, Reply)>;
 pub(crate) struct AgentOutbox {
     queue: Mutex<AgentReplies>,
     pub(crate) ready: Ready,
+    /// A session this agent carried was resumed on another connection: until the
+    /// agent closes its sub-session, that may still send, and must not speak for
+    /// the session. Until then no call needs checking.
+    left: AtomicBool,
 }
 
 impl AgentOutbox {
@@ -67,6 +72,16 @@ impl AgentOutbox {
 
     pub(crate) fn notify(&self) {
         self.ready.notify();
+    }
+
+    /// A session it carried was resumed elsewhere (see [`AgentOutbox::left`]).
+    pub(crate) fn lose(&self) {
+        self.left.store(true, Ordering::Relaxed);
+    }
+
+    /// Whether a session it carried was ever resumed elsewhere.
+    pub(crate) fn lost_any(&self) -> bool {
+        self.left.load(Ordering::Relaxed)
     }
 
     fn take(&self) -> AgentReplies {

@@ -299,8 +299,10 @@ impl Shared {
         let token = identity.resume?;
         match state.engine.resume(token, identity, now) {
             Ok(welcome) => {
-                if let Some(Sink::Direct(left) | Sink::Reactor(left, _)) = state.outboxes.insert(token, sink) {
-                    left.supersede();
+                match state.outboxes.insert(token, sink) {
+                    Some(Sink::Direct(left) | Sink::Reactor(left, _)) => left.supersede(),
+                    Some(Sink::Agent(left)) => left.lose(),
+                    None => {}
                 }
                 debug!(session = %token, job = %identity.job, rank = ?identity.rank, "session resumed");
                 Some(welcome)
@@ -393,8 +395,10 @@ impl Shared {
         let now = self.now();
         // Sub-sessions that resumed a session in this batch: their later inputs are the resumed one's.
         let mut resumed: Vec<(SessionId, SessionId)> = Vec::new();
-        let carried =
-            |state: &State, session: SessionId| state.outboxes.get(&session).is_some_and(|s| s.is_agent(outbox));
+        // Looked up only once a session this agent carried went elsewhere (see `AgentOutbox::left`).
+        let carried = |state: &State, session: SessionId| {
+            !outbox.lost_any() || state.outboxes.get(&session).is_some_and(|s| s.is_agent(outbox))
+        };
         for input in inputs {
             match input {
                 AgentInput::Open { session, identity } => {
@@ -425,7 +429,9 @@ impl Shared {
                     for (session, _) in &mut calls {
                         *session = resumed.iter().find(|(sub, _)| sub == session).map_or(*session, |(_, s)| *s);
                     }
-                    calls.retain(|&(session, _)| carried(&state, session));
+                    if outbox.lost_any() {
+                        calls.retain(|&(session, _)| carried(&state, session));
+                    }
                     state.engine.handle_calls(&calls, &request, now);
                 }
                 AgentInput::Close { session, departure } => {
