@@ -39,8 +39,52 @@ use crate::ConnSettings;
 /// Stop gathering replies into one write past this size and send what we have.
 const MAX_WRITE_BATCH: usize = 4 << 20;
 
-/// Replies for ranks behind an agent: `(session, request id, reply)`.
-pub(crate) type AgentReplies = Vec<(SessionId, u64, Reply)>;
+/// Replies for ranks behind an agent, in the order the engine made them. The
+/// engine makes a barrier's releases (or its failure) one after the other, so
+/// identical neighbours are kept as one reply for several calls: a release of
+/// thousands of ranks is one reply and a list of `(session, request id)`, which
+/// go out as SubReplies frames as they are.
+#[derive(Default)]
+pub(crate) struct AgentReplies {
+    /// Every call answered, in order.
+    calls: Vec<(SessionId, u64)>,
+    /// Each reply, with where its calls start in `calls`.
+    runs: Vec<(Reply, usize)>,
+}
+
+impl AgentReplies {
+    /// Room for `calls` calls: a release's, so that it does not grow step by step.
+    pub(crate) fn with_room(calls: usize) -> Self {
+        AgentReplies { calls: Vec::with_capacity(calls), runs: Vec::new() }
+    }
+
+    /// Adds the reply to `session`'s request `id`. Comparing costs less than
+    /// encoding the reply again (a shared all-gather result compares by pointer).
+    pub(crate) fn push(&mut self, session: SessionId, id: u64, reply: Reply) {
+        if self.runs.last().is_none_or(|(last, _)| *last != reply) {
+            self.runs.push((reply, self.calls.len()));
+        }
+        self.calls.push((session, id));
+    }
+
+    fn is_empty(&self) -> bool {
+        self.calls.is_empty()
+    }
+
+    fn append(&mut self, mut later: AgentReplies) {
+        let offset = self.calls.len();
+        self.calls.append(&mut later.calls);
+        self.runs.extend(later.runs.into_iter().map(|(reply, start)| (reply, start + offset)));
+    }
+
+    /// Each reply with its calls, at most a frame's worth of calls at a time.
+    fn frames(&self) -> impl Iterator<Item = (&Reply, &[(SessionId, u64)])> {
+        let ends = self.runs.iter().skip(1).map(|(_, start)| *start).chain([self.calls.len()]);
+        self.runs.iter().zip(ends).flat_map(move |((reply, start), end)| {
+            self.calls.get(*start..end).unwrap_or_default().chunks(MAX_CALLS_PER_FRAME).map(move |calls| (reply, calls))
+        })
+    }
+}
 
 /// Replies the engine addressed to the sub-sessions of one agent connection.
 #[derive(Default)]
@@ -65,7 +109,7 @@ impl AgentOutbox {
         if was_empty {
             *queue = replies;
         } else {
-            queue.extend(replies);
+            queue.append(replies);
         }
         was_empty
     }
@@ -355,7 +399,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
     /// a reply's large shared tail (an all-gather's values, encoded once for every
     /// member) is written from where it is, after the batch that ends with its head.
     async fn flush(&mut self, outbox: &AgentOutbox) -> io::Result<()> {
-        let mut replies = outbox.take().into_iter().peekable();
+        let replies = outbox.take();
+        let mut frames_left = replies.frames();
         let subs = &self.guard.subs;
         let carried = || subs.by_session.keys().copied().collect();
         let mut progress = WriteProgress::new(self.guard.shared, &carried);
@@ -364,19 +409,12 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
         loop {
             let mut tail = None;
             while tail.is_none() && self.wbuf.len() < MAX_WRITE_BATCH {
-                let Some((session, id, reply)) = replies.next() else { break };
+                let Some((reply, frame)) = frames_left.next() else { break };
                 calls.clear();
                 // A reply for a sub-session that closed meanwhile has nowhere to go.
-                calls.extend(subs.by_session.get(&session).map(|&sub| (sub, id)));
-                // The engine emits a barrier's releases (or its failure) one after the
-                // other: identical neighbours go as one frame. Comparing costs less than
-                // encoding the reply again (a shared all-gather result compares by pointer).
-                while calls.len() < MAX_CALLS_PER_FRAME {
-                    let Some((session, id, _)) = replies.next_if(|(_, _, next)| *next == reply) else { break };
-                    calls.extend(subs.by_session.get(&session).map(|&sub| (sub, id)));
-                }
+                calls.extend(frame.iter().filter_map(|(session, id)| Some((*subs.by_session.get(session)?, *id))));
                 if !calls.is_empty() {
-                    tail = encode_sub_replies_shared(&calls, &reply, &mut self.wbuf);
+                    tail = encode_sub_replies_shared(&calls, reply, &mut self.wbuf);
                     replied += calls.len();
                     frames += 1;
                 }
@@ -394,5 +432,48 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
             self.wbuf = BytesMut::new();
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use rallypoint_core::Response;
+
+    use super::*;
+
+    fn frames(replies: &AgentReplies) -> Vec<(Reply, Vec<u64>)> {
+        replies.frames().map(|(reply, calls)| (reply.clone(), calls.iter().map(|(_, id)| *id).collect())).collect()
+    }
+
+    /// Identical neighbours share a frame, in order, at most a frame's worth of
+    /// calls each; a queue appended keeps its calls with their replies.
+    #[test]
+    fn replies_go_as_runs_of_frames() {
+        let (done, one) = (Ok(Response::Done), Ok(Response::Int(1)));
+        let mut replies = AgentReplies::with_room(4);
+        assert_eq!(frames(&replies), vec![]);
+        for (id, reply) in [(1, &done), (2, &done), (3, &one), (4, &done)] {
+            replies.push(SessionId(id), id, reply.clone());
+        }
+        let mut later = AgentReplies::default();
+        later.push(SessionId(5), 5, done.clone());
+        later.push(SessionId(6), 6, one.clone());
+        replies.append(later);
+        let expected = vec![
+            (done.clone(), vec![1, 2]),
+            (one.clone(), vec![3]),
+            (done.clone(), vec![4]),
+            (done.clone(), vec![5]),
+            (one, vec![6]),
+        ];
+        assert_eq!(frames(&replies), expected);
+
+        let mut release = AgentReplies::default();
+        let n = MAX_CALLS_PER_FRAME as u64 + 1;
+        for id in 0..n {
+            release.push(SessionId(id), id, done.clone());
+        }
+        let sizes: Vec<usize> = frames(&release).iter().map(|(_, calls)| calls.len()).collect();
+        assert_eq!(sizes, vec![MAX_CALLS_PER_FRAME, 1]);
     }
 }

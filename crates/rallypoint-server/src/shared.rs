@@ -662,13 +662,12 @@ fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
             }
             Some(Sink::Agent(outbox)) => {
                 // A release's replies come in runs of one agent's ranks: look at the last first.
-                let reply = (out.session, out.request_id, out.reply);
+                let (session, id, reply) = (out.session, out.request_id, out.reply);
                 match agents.iter_mut().rev().find(|(agent, _)| Arc::ptr_eq(agent, outbox)) {
-                    Some((_, replies)) => replies.push(reply),
+                    Some((_, replies)) => replies.push(session, id, reply),
                     None => {
-                        // Room for the rest, so that a release's run does not grow it step by step.
-                        let mut replies = Vec::with_capacity(outgoing.len() + 1);
-                        replies.push(reply);
+                        let mut replies = AgentReplies::with_room(outgoing.len() + 1);
+                        replies.push(session, id, reply);
                         agents.push((Arc::clone(outbox), replies));
                     }
                 }
