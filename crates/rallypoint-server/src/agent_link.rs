@@ -42,12 +42,12 @@ const MAX_WRITE_BATCH: usize = 4 << 20;
 /// Replies for ranks behind an agent, in the order the engine made them. The
 /// engine makes a barrier's releases (or its failure) one after the other, so
 /// identical neighbours are kept as one reply for several calls: a release of
-/// thousands of ranks is one reply and a list of `(session, request id)`, which
-/// go out as SubReplies frames as they are.
+/// thousands of ranks is one reply and a list of `(sub-session, request id)`,
+/// which go out as SubReplies frames as they are.
 #[derive(Default)]
 pub(crate) struct AgentReplies {
     /// Every call answered, in order.
-    calls: Vec<(SessionId, u64)>,
+    calls: Vec<(u64, u64)>,
     /// Each reply, with where its calls start in `calls`.
     runs: Vec<(Reply, usize)>,
 }
@@ -58,13 +58,13 @@ impl AgentReplies {
         AgentReplies { calls: Vec::with_capacity(calls), runs: Vec::new() }
     }
 
-    /// Adds the reply to `session`'s request `id`. Comparing costs less than
+    /// Adds the reply to sub-session `sub`'s request `id`. Comparing costs less than
     /// encoding the reply again (a shared all-gather result compares by pointer).
-    pub(crate) fn push(&mut self, session: SessionId, id: u64, reply: Reply) {
+    pub(crate) fn push(&mut self, sub: u64, id: u64, reply: Reply) {
         if self.runs.last().is_none_or(|(last, _)| *last != reply) {
             self.runs.push((reply, self.calls.len()));
         }
-        self.calls.push((session, id));
+        self.calls.push((sub, id));
     }
 
     fn is_empty(&self) -> bool {
@@ -78,7 +78,7 @@ impl AgentReplies {
     }
 
     /// Each reply with its calls, at most a frame's worth of calls at a time.
-    fn frames(&self) -> impl Iterator<Item = (&Reply, &[(SessionId, u64)])> {
+    fn frames(&self) -> impl Iterator<Item = (&Reply, &[(u64, u64)])> {
         let ends = self.runs.iter().skip(1).map(|(_, start)| *start).chain([self.calls.len()]);
         self.runs.iter().zip(ends).flat_map(move |((reply, start), end)| {
             self.calls.get(*start..end).unwrap_or_default().chunks(MAX_CALLS_PER_FRAME).map(move |calls| (reply, calls))
@@ -329,7 +329,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
             AgentFrame::SubHello { sub, identity } => {
                 let session = self.guard.shared.new_session_id();
                 subs.open(sub, session)?;
-                inputs.push(AgentInput::Open { session, identity });
+                inputs.push(AgentInput::Open { session, sub, identity });
             }
             AgentFrame::SubRequest { sub, id, request: r } => inputs.extend(request(subs, sub, id, r)),
             AgentFrame::SubRequests { calls, request: r } => {
@@ -404,20 +404,17 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
         let subs = &self.guard.subs;
         let carried = || subs.by_session.keys().copied().collect();
         let mut progress = WriteProgress::new(self.guard.shared, &carried);
-        let mut calls = Vec::new();
         let (mut replied, mut frames) = (0usize, 0usize);
         loop {
             let mut tail = None;
             while tail.is_none() && self.wbuf.len() < MAX_WRITE_BATCH {
-                let Some((reply, frame)) = frames_left.next() else { break };
-                calls.clear();
-                // A reply for a sub-session that closed meanwhile has nowhere to go.
-                calls.extend(frame.iter().filter_map(|(session, id)| Some((*subs.by_session.get(session)?, *id))));
-                if !calls.is_empty() {
-                    tail = encode_sub_replies_shared(&calls, reply, &mut self.wbuf);
-                    replied += calls.len();
-                    frames += 1;
-                }
+                // Sent as queued: a reply for a sub-session the agent closed meanwhile is
+                // one it drops (sub-sessions are never reused), and the session's own
+                // reply, if it resumed, comes again for its request sent again.
+                let Some((reply, calls)) = frames_left.next() else { break };
+                tail = encode_sub_replies_shared(calls, reply, &mut self.wbuf);
+                replied += calls.len();
+                frames += 1;
             }
             if self.wbuf.is_empty() {
                 break;
@@ -453,11 +450,11 @@ mod tests {
         let mut replies = AgentReplies::with_room(4);
         assert_eq!(frames(&replies), vec![]);
         for (id, reply) in [(1, &done), (2, &done), (3, &one), (4, &done)] {
-            replies.push(SessionId(id), id, reply.clone());
+            replies.push(id, id, reply.clone());
         }
         let mut later = AgentReplies::default();
-        later.push(SessionId(5), 5, done.clone());
-        later.push(SessionId(6), 6, one.clone());
+        later.push(5, 5, done.clone());
+        later.push(6, 6, one.clone());
         replies.append(later);
         let expected = vec![
             (done.clone(), vec![1, 2]),
@@ -471,7 +468,7 @@ mod tests {
         let mut release = AgentReplies::default();
         let n = MAX_CALLS_PER_FRAME as u64 + 1;
         for id in 0..n {
-            release.push(SessionId(id), id, done.clone());
+            release.push(id, id, done.clone());
         }
         let sizes: Vec<usize> = frames(&release).iter().map(|(_, calls)| calls.len()).collect();
         assert_eq!(sizes, vec![MAX_CALLS_PER_FRAME, 1]);

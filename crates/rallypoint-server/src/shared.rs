@@ -86,7 +86,9 @@ enum Sink {
     /// A native connection of the reactor. Its outbox stays its identity, and says
     /// when the session moved on (see [`Outbox::superseded`]); its replies are routed.
     Reactor(Arc<Outbox>, Route),
-    Agent(Arc<AgentOutbox>),
+    /// A rank behind a node agent, as the agent's sub-session `sub`: its replies are
+    /// queued under that number, so that the agent's connection need not look it up.
+    Agent(Arc<AgentOutbox>, u64),
 }
 
 impl Sink {
@@ -96,15 +98,17 @@ impl Sink {
     }
 
     fn is_agent(&self, outbox: &Arc<AgentOutbox>) -> bool {
-        matches!(self, Sink::Agent(mine) if Arc::ptr_eq(mine, outbox))
+        matches!(self, Sink::Agent(mine, _) if Arc::ptr_eq(mine, outbox))
     }
 }
 
 /// One thing a node agent's connection tells the engine (see [`Shared::agent_batch`]).
 pub(crate) enum AgentInput {
-    /// A rank behind the agent said hello; `session` comes from [`Shared::new_session_id`].
+    /// A rank behind the agent said hello as sub-session `sub`; `session` comes from
+    /// [`Shared::new_session_id`].
     Open {
         session: SessionId,
+        sub: u64,
         identity: Identity,
     },
     Request {
@@ -301,7 +305,7 @@ impl Shared {
             Ok(welcome) => {
                 match state.outboxes.insert(token, sink) {
                     Some(Sink::Direct(left) | Sink::Reactor(left, _)) => left.supersede(),
-                    Some(Sink::Agent(left)) => left.lose(),
+                    Some(Sink::Agent(left, _)) => left.lose(),
                     None => {}
                 }
                 debug!(session = %token, job = %identity.job, rank = ?identity.rank, "session resumed");
@@ -328,7 +332,7 @@ impl Shared {
             .outboxes
             .iter()
             .filter(|(session, sink)| {
-                matches!(sink, Sink::Agent(_)) && state.engine.session_job(**session) == Some(job)
+                matches!(sink, Sink::Agent(..)) && state.engine.session_job(**session) == Some(job)
             })
             .count();
         Some(snapshot)
@@ -345,7 +349,7 @@ impl Shared {
         let mut metrics = state.engine.metrics(self.now());
         let mut via_agent: HashMap<&str, usize> = HashMap::new();
         for (session, sink) in &state.outboxes {
-            if let (Sink::Agent(_), Some(job)) = (sink, state.engine.session_job(*session)) {
+            if let (Sink::Agent(..), Some(job)) = (sink, state.engine.session_job(*session)) {
                 *via_agent.entry(job).or_default() += 1;
             }
         }
@@ -401,8 +405,8 @@ impl Shared {
         };
         for input in inputs {
             match input {
-                AgentInput::Open { session, identity } => {
-                    let sink = Sink::Agent(Arc::clone(outbox));
+                AgentInput::Open { session, sub, identity } => {
+                    let sink = Sink::Agent(Arc::clone(outbox), sub);
                     let welcome = match self.resume(&mut state, &identity, sink, now) {
                         Some(welcome) => {
                             resumed.push((session, welcome.session));
@@ -411,7 +415,7 @@ impl Shared {
                         None => {
                             let welcome = state.engine.open(session, identity, now);
                             if welcome.is_ok() {
-                                state.outboxes.insert(session, Sink::Agent(Arc::clone(outbox)));
+                                state.outboxes.insert(session, Sink::Agent(Arc::clone(outbox), sub));
                             }
                             welcome
                         }
@@ -660,14 +664,14 @@ fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
             Some(Sink::Reactor(_, route)) => {
                 routed.push(Routed { route: *route, request_id: out.request_id, reply: out.reply });
             }
-            Some(Sink::Agent(outbox)) => {
+            Some(Sink::Agent(outbox, sub)) => {
                 // A release's replies come in runs of one agent's ranks: look at the last first.
-                let (session, id, reply) = (out.session, out.request_id, out.reply);
+                let (sub, id, reply) = (*sub, out.request_id, out.reply);
                 match agents.iter_mut().rev().find(|(agent, _)| Arc::ptr_eq(agent, outbox)) {
-                    Some((_, replies)) => replies.push(session, id, reply),
+                    Some((_, replies)) => replies.push(sub, id, reply),
                     None => {
                         let mut replies = AgentReplies::with_room(outgoing.len() + 1);
-                        replies.push(session, id, reply);
+                        replies.push(sub, id, reply);
                         agents.push((Arc::clone(outbox), replies));
                     }
                 }
