@@ -1,6 +1,7 @@
 //! The engine: owns every job and routes sessions' requests, disconnects and clock
 //! ticks to them.
 
+mod by_rank;
 mod collective;
 mod incarnation;
 mod job;

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeSet;
 
-use super::HashMap;
+use super::by_rank::ByRank;
 
 use crate::{LossReason, Millis, ProcessInfo, RankInfo, RankState, SessionId};
 
@@ -48,7 +48,8 @@ pub(crate) struct Takeover {
 
 #[derive(Debug, Default)]
 pub(crate) struct Ranks {
-    entries: HashMap<u32, Entry>,
+    /// Looked up at every call of the rank: by rank, not hashed.
+    entries: ByRank<Entry>,
     /// Ranks currently lost, so that a new generation checks only these.
     lost: BTreeSet<u32>,
     /// Ranks lost so far: (connection dropped, lease expired).
@@ -79,7 +80,7 @@ impl Ranks {
         lease_ms: u64,
         claim: Option<(SessionId, &ProcessInfo)>,
     ) -> Change {
-        let entry = self.entries.entry(rank).or_insert_with(|| Entry {
+        let entry = self.entries.get_or_insert_with(rank, || Entry {
             host: String::new(),
             pid: 0,
             role: None,
@@ -111,7 +112,7 @@ impl Ranks {
 
     /// Any request from a session of `rank`: it is alive (again, if its lease had expired).
     pub fn touch(&mut self, rank: u32, now: Millis, lease_ms: u64) -> Change {
-        let Some(entry) = self.entries.get_mut(&rank) else { return Change::None };
+        let Some(entry) = self.entries.get_mut(rank) else { return Change::None };
         entry.last_seen = now;
         if matches!(entry.state, RankState::Lost(LossReason::LeaseExpired { .. })) {
             entry.state = RankState::Connected;
@@ -122,7 +123,7 @@ impl Ranks {
 
     /// Session `session` of `rank` closed; `clean` if it said Leave first.
     pub fn disconnect(&mut self, rank: u32, session: SessionId, clean: bool, now: Millis) -> Change {
-        let Some(entry) = self.entries.get_mut(&rank) else { return Change::None };
+        let Some(entry) = self.entries.get_mut(rank) else { return Change::None };
         if let Some(holder) = &mut entry.holder {
             holder.sessions.retain(|&s| s != session);
         }
@@ -149,7 +150,7 @@ impl Ranks {
 
     /// The lease timer of `rank` fired at `now`.
     pub fn lease_check(&mut self, rank: u32, now: Millis, lease_ms: u64) -> Change {
-        let Some(entry) = self.entries.get_mut(&rank) else { return Change::None };
+        let Some(entry) = self.entries.get_mut(rank) else { return Change::None };
         entry.lease_armed = false;
         if entry.state != RankState::Connected || entry.sessions == 0 || lease_ms == 0 {
             return Change::None;
@@ -175,24 +176,24 @@ impl Ranks {
 
     /// The process holding `rank`, if one claimed it.
     pub fn holder(&self, rank: u32) -> Option<&Holder> {
-        self.entries.get(&rank)?.holder.as_deref()
+        self.entries.get(rank)?.holder.as_deref()
     }
 
     /// The takeover that ended `incarnation`'s hold on `rank`, if one did.
     pub fn taken_from(&self, rank: u32, incarnation: u64) -> Option<&Takeover> {
-        self.entries.get(&rank)?.previous.iter().rev().find(|t| t.incarnation == incarnation)
+        self.entries.get(rank)?.previous.iter().rev().find(|t| t.incarnation == incarnation)
     }
 
     /// Where `rank` stands (never connected if it never did).
     pub fn state(&self, rank: u32) -> RankState {
-        self.entries.get(&rank).map_or(RankState::NeverConnected, |e| e.state)
+        self.entries.get(rank).map_or(RankState::NeverConnected, |e| e.state)
     }
 
     /// `by` takes `rank` over from its holder: the holder's sessions no longer carry
     /// the rank (returned, so that the caller tells them), and the holder is
     /// remembered as taken over. The rank's state is left to `by`'s own connect.
     pub fn take_over(&mut self, rank: u32, by: &ProcessInfo, now: Millis) -> Vec<SessionId> {
-        let Some(entry) = self.entries.get_mut(&rank) else { return Vec::new() };
+        let Some(entry) = self.entries.get_mut(rank) else { return Vec::new() };
         let Some(holder) = entry.holder.take() else { return Vec::new() };
         let sessions = holder.sessions;
         entry.sessions = entry.sessions.saturating_sub(u32::try_from(sessions.len()).unwrap_or(u32::MAX));
@@ -207,7 +208,7 @@ impl Ranks {
 
     /// Ranks ever connected, by state: (connected, left cleanly, lost).
     pub fn tally(&self) -> (usize, usize, usize) {
-        let count = |pred: fn(&RankState) -> bool| self.entries.values().filter(|e| pred(&e.state)).count();
+        let count = |pred: fn(&RankState) -> bool| self.entries.iter().filter(|(_, e)| pred(&e.state)).count();
         (count(|s| *s == RankState::Connected), count(|s| *s == RankState::Left), self.lost.len())
     }
 
@@ -216,16 +217,16 @@ impl Ranks {
     }
 
     pub fn role(&self, rank: u32) -> Option<&str> {
-        self.entries.get(&rank).and_then(|e| e.role.as_deref())
+        self.entries.get(rank).and_then(|e| e.role.as_deref())
     }
 
     pub fn has_connected(&self, rank: u32) -> bool {
-        self.entries.contains_key(&rank)
+        self.entries.contains(rank)
     }
 
     /// The highest rank that ever connected.
     pub fn highest(&self) -> Option<u32> {
-        self.entries.keys().max().copied()
+        self.entries.iter().map(|(rank, _)| rank).max()
     }
 
     /// How many ranks ever connected.
@@ -235,12 +236,12 @@ impl Ranks {
 
     /// Ranks that connected with a role other than `role`, or with none, in no order.
     pub fn with_other_role<'a>(&'a self, role: &'a str) -> impl Iterator<Item = u32> + 'a {
-        self.entries.iter().filter(move |(_, e)| e.role.as_deref() != Some(role)).map(|(rank, _)| *rank)
+        self.entries.iter().filter(move |(_, e)| e.role.as_deref() != Some(role)).map(|(rank, _)| rank)
     }
 
     /// Everything known about `rank`, for an error message.
     pub fn info(&self, rank: u32, now: Millis) -> RankInfo {
-        match self.entries.get(&rank) {
+        match self.entries.get(rank) {
             None => RankInfo { rank, host: None, pid: None, state: RankState::NeverConnected, last_seen_ms_ago: None },
             Some(e) => RankInfo {
                 rank,
