@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use rallypoint_core::{Departure, OpError, Reply, Request, SessionId, Welcome};
+use rallypoint_core::{Departure, OpError, Reply, Request, Response, SessionId, Welcome};
 use rallypoint_net::budget::{buffered, Charge};
 use rallypoint_net::conn::{after_read, read_some, stall, Buffering, End};
 use rallypoint_net::sync::lock;
@@ -61,10 +61,13 @@ impl AgentReplies {
     /// Adds the reply to sub-session `sub`'s request `id`. Comparing costs less than
     /// encoding the reply again (a shared all-gather result compares by pointer).
     pub(crate) fn push(&mut self, sub: u64, id: u64, reply: Reply) {
-        if self.runs.last().is_none_or(|(last, _)| *last != reply) {
-            self.runs.push((reply, self.calls.len()));
-        }
         self.calls.push((sub, id));
+        match self.runs.last() {
+            // A barrier's release: nothing to compare, nothing to drop.
+            Some((Ok(Response::Done), _)) if matches!(reply, Ok(Response::Done)) => std::mem::forget(reply),
+            Some((last, _)) if *last == reply => {}
+            _ => self.runs.push((reply, self.calls.len() - 1)),
+        }
     }
 
     fn is_empty(&self) -> bool {
@@ -434,8 +437,6 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
 
 #[cfg(test)]
 mod tests {
-    use rallypoint_core::Response;
-
     use super::*;
 
     fn frames(replies: &AgentReplies) -> Vec<(Reply, Vec<u64>)> {
