@@ -94,9 +94,10 @@ impl AgentReplies {
 pub(crate) struct AgentOutbox {
     queue: Mutex<AgentReplies>,
     pub(crate) ready: Ready,
-    /// A session this agent carried was resumed on another connection: until the
-    /// agent closes its sub-session, that may still send, and must not speak for
-    /// the session. Until then no call needs checking.
+    /// Whether a session this agent carried was ever resumed on another connection.
+    /// Until one is, every call of a sub-session the agent has open is its to make,
+    /// and none is looked up; after, a sub-session not closed yet may send for a
+    /// session that is no longer the agent's, so every call is checked.
     left: AtomicBool,
 }
 
