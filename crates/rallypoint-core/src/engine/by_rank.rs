@@ -40,30 +40,35 @@ impl<T> ByRank<T> {
 
     /// `rank`'s value, made with `make` if it has none.
     pub fn get_or_insert_with(&mut self, rank: u32, make: impl FnOnce() -> T) -> &mut T {
+        self.get_or_make(rank, make).0
+    }
+
+    /// [`ByRank::get_or_insert_with`], saying whether the value was made now.
+    /// Inlined: a collective's call counter is taken this way at every call.
+    #[inline]
+    pub fn get_or_make(&mut self, rank: u32, make: impl FnOnce() -> T) -> (&mut T, bool) {
         let at = rank as usize;
         // At most twice the ranks held (and a little): the vector doubles as ranks come.
         let room = 2 * self.len + 64;
         if at >= self.dense.len() && at < room {
             self.dense.resize_with(room, || None);
-            let moved: Vec<u32> = self.sparse.keys().copied().filter(|&r| (r as usize) < room).collect();
-            for r in moved {
-                if let Some(value) = self.sparse.remove(&r) {
-                    self.dense[r as usize] = Some(value);
-                }
+            for (r, value) in self.sparse.extract_if(|&r, _| (r as usize) < room) {
+                self.dense[r as usize] = Some(value);
             }
         }
         match self.dense.get_mut(at) {
             Some(slot) => {
-                if slot.is_none() {
+                let made = slot.is_none();
+                if made {
                     self.len += 1;
                 }
-                slot.get_or_insert_with(make)
+                (slot.get_or_insert_with(make), made)
             }
             None => match self.sparse.entry(rank) {
-                Entry::Occupied(held) => held.into_mut(),
+                Entry::Occupied(held) => (held.into_mut(), false),
                 Entry::Vacant(new) => {
                     self.len += 1;
-                    new.insert(make())
+                    (new.insert(make()), true)
                 }
             },
         }
@@ -75,6 +80,18 @@ impl<T> ByRank<T> {
 
     pub fn len(&self) -> usize {
         self.len
+    }
+
+    /// The vector's length, for tests of when it grows.
+    #[cfg(test)]
+    pub fn dense_len(&self) -> usize {
+        self.dense.len()
+    }
+
+    /// Values kept in the map, for tests of when they move.
+    #[cfg(test)]
+    pub fn sparse_len(&self) -> usize {
+        self.sparse.len()
     }
 
     /// Every rank held with its value: the vector's in rank order, then the map's.

@@ -8,6 +8,7 @@
 use std::collections::BTreeMap;
 
 use super::HashMap;
+use std::num::NonZeroU64;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -19,6 +20,7 @@ use crate::{
     CallShape, CollectiveKind, Gathered, Members, Millis, Missing, OpError, OpRef, Outgoing, Response, SessionId,
 };
 
+use super::by_rank::ByRank;
 use super::members::{Arrivals, MemberSet};
 use super::ranks::Ranks;
 use super::timers::{Timer, Timers};
@@ -81,40 +83,18 @@ struct Collective {
 /// Indexed by rank while most of the vector is used, so that it costs what the
 /// ranks that called hold: a name that only a few ranks (or one with a huge rank)
 /// call keeps the rest in a map.
+/// A count is never zero once kept, so a slot costs what a bare count would.
 #[derive(Debug, Default)]
-struct Calls {
-    dense: Vec<u64>,
-    sparse: HashMap<u32, u64>,
-    /// Ranks counted so far, in either.
-    ranks: usize,
-}
+struct Calls(ByRank<NonZeroU64>);
 
 impl Calls {
     /// Counts a call of `rank`; returns its generation.
     fn next(&mut self, rank: u32) -> u64 {
-        let at = rank as usize;
-        // At most twice the ranks counted (and a little): the vector doubles as ranks come.
-        let room = 2 * self.ranks + 64;
-        if at >= self.dense.len() && at < room {
-            self.dense.resize(room, 0);
-            let dense = &mut self.dense;
-            self.sparse.retain(|&r, &mut n| match dense.get_mut(r as usize) {
-                Some(counter) => {
-                    *counter = n;
-                    false
-                }
-                None => true,
-            });
+        let (count, made) = self.0.get_or_make(rank, || NonZeroU64::MIN);
+        if !made {
+            *count = count.saturating_add(1);
         }
-        let counter = match self.dense.get_mut(at) {
-            Some(counter) => counter,
-            None => self.sparse.entry(rank).or_insert(0),
-        };
-        if *counter == 0 {
-            self.ranks += 1;
-        }
-        *counter += 1;
-        *counter
+        count.get()
     }
 }
 
@@ -549,14 +529,14 @@ mod tests {
         let mut calls = Calls::default();
         // A rank far beyond the few counted is kept aside.
         assert_eq!((calls.next(1_000), calls.next(1_000)), (1, 2));
-        assert!(calls.dense.len() < 1_000, "one rank costs no vector of its rank's size");
+        assert!(calls.0.dense_len() < 1_000, "one rank costs no vector of its rank's size");
         for rank in 0..600 {
             assert_eq!(calls.next(rank), 1);
         }
         // With enough ranks counted, its next call moves it into the vector.
         assert_eq!(calls.next(1_000), 3);
-        assert!(calls.dense.len() > 1_000 && calls.sparse.is_empty(), "moved with the ranks that came");
+        assert!(calls.0.dense_len() > 1_000 && calls.0.sparse_len() == 0, "moved with the ranks that came");
         assert_eq!(calls.next(u32::MAX), 1);
-        assert!(calls.dense.len() <= 2 * 602 + 64);
+        assert!(calls.0.dense_len() <= 2 * 602 + 64);
     }
 }
