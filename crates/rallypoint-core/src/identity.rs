@@ -2,13 +2,33 @@
 
 use std::fmt;
 
-/// Opaque handle the I/O layer assigns to each connection.
+/// Handle the I/O layer assigns to each connection. Its low 32 bits are its slot
+/// in the tables kept by session (see [`crate::SessionTable`]): give the sessions
+/// held distinct small slots, reusing freed ones, with other high bits on each
+/// reuse so that no id is given twice. Any id works; such ids cost least.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct SessionId(pub u64);
 
+impl SessionId {
+    /// The id of `slot` as given the `serial`-th time.
+    pub fn at(slot: u32, serial: u32) -> SessionId {
+        SessionId(u64::from(serial) << 32 | u64::from(slot))
+    }
+
+    /// Where tables kept by session look for it first.
+    #[inline]
+    pub fn slot(self) -> usize {
+        (self.0 & u64::from(u32::MAX)) as usize
+    }
+}
+
+/// As slot and serial ("session 3.17"), which say more than one large number.
 impl fmt::Display for SessionId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "session {}", self.0)
+        match self.0 >> 32 {
+            0 => write!(f, "session {}", self.0),
+            serial => write!(f, "session {}.{serial}", self.slot()),
+        }
     }
 }
 

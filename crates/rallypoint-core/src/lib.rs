@@ -15,6 +15,7 @@ mod identity;
 mod ranges;
 mod rendezvous;
 mod request;
+mod session_table;
 pub mod snapshot;
 
 pub use config::{Config, Limits, ReplyCache};
@@ -25,3 +26,4 @@ pub use error::{
 };
 pub use identity::{Identity, Incarnation, SessionId};
 pub use request::{Gathered, Members, Millis, Outgoing, Reply, Request, Response, Welcome, MAX_JOBS_LISTED};
+pub use session_table::SessionTable;

@@ -332,7 +332,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
         match frame {
             AgentFrame::SubHello { sub, identity } => {
                 let session = self.guard.shared.new_session_id();
-                subs.open(sub, session)?;
+                subs.open(sub, session).inspect_err(|_| self.guard.shared.unused_session_id(session))?;
                 inputs.push(AgentInput::Open { session, sub, identity });
             }
             AgentFrame::SubRequest { sub, id, request: r } => inputs.extend(request(subs, sub, id, r)),

@@ -19,7 +19,7 @@ use atomic_waker::AtomicWaker;
 use rallypoint_core::snapshot::JobSnapshot;
 use rallypoint_core::{
     AbortInfo, Config, Departure, Engine, Identity, JobMetrics, Millis, OpError, RankInfo, Reply, Request, SessionId,
-    Welcome,
+    SessionTable, Welcome,
 };
 use rallypoint_net::meter::Traffic;
 use rallypoint_net::sync::lock;
@@ -35,7 +35,7 @@ pub(crate) struct Shared {
     state: Mutex<State>,
     /// Time zero of the engine's clock.
     start: Instant,
-    next_session: AtomicU64,
+    ids: SessionIds,
     /// When the ticker plans to wake next (engine ms; `u64::MAX` = no deadline).
     /// Written only under the state lock.
     ticker_plan: AtomicU64,
@@ -54,8 +54,8 @@ pub(crate) struct Shared {
 
 struct State {
     engine: Engine,
-    /// Looked up for every request and reply: a fast hash (session ids are ours).
-    outboxes: HashMap<SessionId, Sink, foldhash::fast::RandomState>,
+    /// Looked up for every request and reply, by slot (see [`SessionIds`]).
+    outboxes: SessionTable<Sink>,
     /// Replies for the reactor's native connections, in the engine's order.
     routed: Vec<Routed>,
     /// The reactor was woken for `routed` and has not taken them yet.
@@ -76,6 +76,47 @@ pub(crate) struct Routed {
     pub(crate) route: Route,
     pub(crate) request_id: u64,
     pub(crate) reply: Reply,
+}
+
+/// Session ids as [`SessionTable`]s want them: the lowest slots free, each given
+/// again under a new serial, so that no id is given twice. A slot is free again once
+/// the session that held it in `State::outboxes` left them.
+#[derive(Debug)]
+struct SessionIds(Mutex<Ids>);
+
+#[derive(Debug)]
+struct Ids {
+    free: Vec<u32>,
+    /// The first slot never given.
+    fresh: u32,
+    serial: u32,
+}
+
+impl Default for SessionIds {
+    fn default() -> Self {
+        SessionIds(Mutex::new(Ids { free: Vec::new(), fresh: 0, serial: 1 }))
+    }
+}
+
+impl SessionIds {
+    fn take(&self) -> SessionId {
+        let mut ids = lock(&self.0);
+        let slot = match ids.free.pop() {
+            Some(slot) => slot,
+            None => {
+                ids.fresh = ids.fresh.wrapping_add(1);
+                ids.fresh.wrapping_sub(1)
+            }
+        };
+        // Serial 0 never comes back, so that no id is 0.
+        ids.serial = ids.serial.checked_add(1).unwrap_or(1);
+        SessionId::at(slot, ids.serial)
+    }
+
+    fn give_back(&self, session: SessionId) {
+        let slot = u32::try_from(session.slot()).unwrap_or(u32::MAX);
+        lock(&self.0).free.push(slot);
+    }
 }
 
 /// Where a session's replies go: its own connection, or the node agent carrying it.
@@ -215,12 +256,12 @@ impl Shared {
         Shared {
             state: Mutex::new(State {
                 engine: Engine::new(config),
-                outboxes: HashMap::default(),
+                outboxes: SessionTable::default(),
                 routed: Vec::new(),
                 reactor_woken: false,
             }),
             start,
-            next_session: AtomicU64::new(1),
+            ids: SessionIds::default(),
             ticker_plan: AtomicU64::new(u64::MAX),
             ticker_alarm: Alarm::default(),
             tcpstore_job: Mutex::new(DEFAULT_TCPSTORE_JOB.to_owned()),
@@ -288,7 +329,7 @@ impl Shared {
             Some(welcome) => welcome,
             None => {
                 let session = self.new_session_id();
-                let welcome = state.engine.open(session, identity, now)?;
+                let welcome = state.engine.open(session, identity, now).inspect_err(|_| self.ids.give_back(session))?;
                 state.outboxes.insert(session, Sink::Direct(outbox));
                 welcome
             }
@@ -320,7 +361,12 @@ impl Shared {
 
     /// A fresh session id, for a rank behind a node agent.
     pub(crate) fn new_session_id(&self) -> SessionId {
-        SessionId(self.next_session.fetch_add(1, Ordering::Relaxed))
+        self.ids.take()
+    }
+
+    /// Gives back an id taken but never used.
+    pub(crate) fn unused_session_id(&self, session: SessionId) {
+        self.ids.give_back(session);
     }
 
     /// A snapshot of job `job` (see [`crate::Observer::snapshot`]).
@@ -348,7 +394,7 @@ impl Shared {
         let state = lock(&self.state);
         let mut metrics = state.engine.metrics(self.now());
         let mut via_agent: HashMap<&str, usize> = HashMap::new();
-        for (session, sink) in &state.outboxes {
+        for (session, sink) in state.outboxes.iter() {
             if let (Sink::Agent(..), Some(job)) = (sink, state.engine.session_job(*session)) {
                 *via_agent.entry(job).or_default() += 1;
             }
@@ -412,14 +458,14 @@ impl Shared {
                             resumed.push((session, welcome.session));
                             Ok(welcome)
                         }
-                        None => {
-                            let welcome = state.engine.open(session, identity, now);
-                            if welcome.is_ok() {
-                                state.outboxes.insert(session, Sink::Agent(Arc::clone(outbox), sub));
-                            }
-                            welcome
-                        }
+                        None => state.engine.open(session, identity, now),
                     };
+                    match &welcome {
+                        Ok(welcome) if welcome.session == session => {
+                            state.outboxes.insert(session, Sink::Agent(Arc::clone(outbox), sub));
+                        }
+                        _ => self.ids.give_back(session),
+                    }
                     opened.push((session, welcome));
                 }
                 AgentInput::Request { session, id, request } => {
@@ -445,7 +491,7 @@ impl Shared {
                     }
                     let session = resumed.iter().find(|(sub, _)| *sub == session).map_or(session, |(_, s)| *s);
                     if carried(&state, session) {
-                        state.outboxes.remove(&session);
+                        self.drop_sink(&mut state, session);
                         state.engine.close_with(session, departure, now);
                     }
                 }
@@ -474,7 +520,7 @@ impl Shared {
         let now = self.now();
         for &session in sessions {
             if state.outboxes.get(&session).is_some_and(|s| s.is_agent(outbox)) {
-                state.outboxes.remove(&session);
+                self.drop_sink(&mut state, session);
                 state.engine.close_with(session, Departure::Unreachable, now);
             }
         }
@@ -496,7 +542,8 @@ impl Shared {
         let session = self.new_session_id();
         let mut state = lock(&self.state);
         let now = self.now();
-        let welcome = state.engine.open_tcpstore(session, &job, host, pid, now)?;
+        let welcome =
+            state.engine.open_tcpstore(session, &job, host, pid, now).inspect_err(|_| self.ids.give_back(session))?;
         state.outboxes.insert(session, Sink::Direct(outbox));
         self.after_input(&mut state);
         Ok((welcome, job))
@@ -560,7 +607,7 @@ impl Shared {
             return false;
         }
         let now = self.now();
-        state.outboxes.remove(&session);
+        self.drop_sink(&mut state, session);
         state.engine.close_with(session, departure, now);
         self.after_input(&mut state);
         true
@@ -577,7 +624,15 @@ impl Shared {
     /// Forgets the session's outbox without telling the engine: used when the engine
     /// itself panicked, so calling it again could only panic again.
     pub(crate) fn forget(&self, session: SessionId) {
-        lock(&self.state).outboxes.remove(&session);
+        self.drop_sink(&mut lock(&self.state), session);
+    }
+
+    /// Removes the session's sink; its slot is free again if the session held it.
+    fn drop_sink(&self, state: &mut State, session: SessionId) {
+        let in_slot = state.outboxes.holds_slot(&session);
+        if state.outboxes.remove(&session).is_some() && in_slot {
+            self.ids.give_back(session);
+        }
     }
 
     /// Fires what is due and returns the next deadline (engine ms).
@@ -683,5 +738,49 @@ fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
         if agent.push_all(replies) {
             agent.notify();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A slot given back is given again, under another id; slots in use are not.
+    #[test]
+    fn session_ids_reuse_slots_never_ids() {
+        let ids = SessionIds::default();
+        let (a, b) = (ids.take(), ids.take());
+        assert_eq!((a.slot(), b.slot()), (0, 1));
+        assert_ne!(a.0, 0);
+        ids.give_back(a);
+        let c = ids.take();
+        assert_eq!(c.slot(), a.slot());
+        assert_ne!(c, a, "a slot's second session has a new id");
+        assert_eq!(ids.take().slot(), 2, "no slot in use is given");
+    }
+
+    /// A closed session's slot is free for the next one; a resumed session that
+    /// lost its slot meanwhile is still routed, and frees no slot it does not hold.
+    #[test]
+    fn sinks_follow_sessions_through_reused_slots() {
+        let shared = Shared::new(Config::default());
+        let hello = |rank| Identity { incarnation: Some(7 + u64::from(rank)), ..Identity::ranked("j", rank, 2) };
+        let first = Arc::new(Outbox::default());
+        let a = shared.open(hello(0), Arc::clone(&first)).map(|w| w.session);
+        let a = a.unwrap_or_else(|e| panic!("open: {e}"));
+        assert!(shared.close(a, &first, Departure::Unknown), "waits for a resume");
+        let other = Arc::new(Outbox::default());
+        let b = shared.open(hello(1), Arc::clone(&other)).map(|w| w.session);
+        let b = b.unwrap_or_else(|e| panic!("open: {e}"));
+        assert_eq!(b.slot(), a.slot(), "the closed session's slot is given again");
+        let again = Arc::new(Outbox::default());
+        let resumed = shared.open(Identity { resume: Some(a), ..hello(0) }, Arc::clone(&again));
+        assert_eq!(resumed.map(|w| w.session).ok(), Some(a), "resumed under its old id, its slot taken");
+        let state = lock(&shared.state);
+        assert!(state.outboxes.get(&a).is_some_and(|s| s.is_direct(&again)));
+        assert!(state.outboxes.get(&b).is_some_and(|s| s.is_direct(&other)));
+        drop(state);
+        assert!(shared.close(a, &again, Departure::Unknown));
+        assert_eq!(shared.new_session_id().slot(), 1, "slot 0 is still b's");
     }
 }

@@ -13,10 +13,10 @@
 //! starts a new one (a new `Job`, the old one failing everything of its sessions),
 //! and a process naming another incarnation than the current one is refused.
 
-use crate::{Identity, JobIncarnation, Millis, OpError, ProcessInfo, RankState, SessionId};
+use crate::{Identity, JobIncarnation, Millis, OpError, ProcessInfo, RankState};
 
 use super::job::Job;
-use super::{HashMap, Session};
+use super::Sessions;
 
 /// The process that stated `identity`.
 pub(crate) fn process(identity: &Identity) -> ProcessInfo {
@@ -48,7 +48,7 @@ pub(crate) fn adopt(job: &mut Job, identity: &Identity, since_unix_ms: u64) {
 /// wall-clock time.
 pub(crate) fn claim(
     job: &Job,
-    sessions: &HashMap<SessionId, Box<Session>>,
+    sessions: &Sessions,
     identity: &Identity,
     unix_ms: impl Fn(Millis) -> u64,
 ) -> Result<Option<u32>, OpError> {

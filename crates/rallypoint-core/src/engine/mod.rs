@@ -38,8 +38,13 @@ pub(crate) type JobId = u64;
 /// keeps crafted collisions impractical.
 pub(crate) type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
 
+/// The open sessions (and those waiting for a resume), looked up at every request
+/// and every reply kept. Boxed: a slot costs two words, which matters at tens of
+/// thousands of idle sessions.
+pub(crate) type Sessions = crate::SessionTable<Box<Session>>;
+
 #[derive(Debug)]
-struct Session {
+pub(crate) struct Session {
     job: JobId,
     identity: Identity,
     /// Said `Leave`: its close is clean, not a loss.
@@ -91,9 +96,7 @@ pub struct Engine {
     jobs: HashMap<JobId, Job>,
     job_ids: HashMap<String, JobId>,
     next_job: JobId,
-    /// Boxed: the table stays small (it is sized by powers of two, so often half
-    /// empty), which matters at tens of thousands of idle sessions.
-    sessions: HashMap<SessionId, Box<Session>>,
+    sessions: Sessions,
     /// Open torch sessions by process (job, host, pid ≠ 0): torch opens several
     /// connections per process, and a rank learned on one belongs to all of them.
     torch_processes: HashMap<(JobId, String, u32), TorchProcess>,
@@ -115,7 +118,7 @@ impl Engine {
             jobs: HashMap::default(),
             job_ids: HashMap::default(),
             next_job: 1,
-            sessions: HashMap::default(),
+            sessions: Sessions::default(),
             torch_processes: HashMap::default(),
             timers: Timers::default(),
             outgoing: Vec::new(),

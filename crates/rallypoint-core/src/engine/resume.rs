@@ -19,10 +19,10 @@
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 
 use crate::snapshot::ReconnectingView;
-use crate::{Millis, OpError, RankState, Reply, ReplyCache as Limits, Response, SessionId};
+use crate::{Millis, OpError, RankState, Reply, ReplyCache as Limits, Response};
 
 use super::job::Job;
-use super::{HashMap, Session};
+use super::Sessions;
 
 /// The resume state of a session that stated an incarnation.
 #[derive(Debug, Default)]
@@ -60,7 +60,7 @@ impl Resumable {
 /// `sessions`: the engine's open sessions, those of other jobs are skipped.
 pub(crate) fn reconnecting(
     job: &Job,
-    sessions: &HashMap<SessionId, Box<Session>>,
+    sessions: &Sessions,
     lease_ms: u64,
     now: Millis,
 ) -> BTreeMap<u32, ReconnectingView> {

@@ -20,14 +20,14 @@ use super::collective::{Call, CollectiveAt, Ctx};
 use super::job::{send_key_replies, Job};
 use super::store::{WaitId, WaitKind};
 use super::timers::Timer;
-use super::{incarnation, resume, torch, validate, HashMap, Session};
+use super::{incarnation, resume, torch, validate, Session, Sessions};
 
 /// A job and everything a change of it may touch, borrowed apart from the engine.
 pub(crate) struct Step<'a> {
     pub job: &'a mut Job,
     /// Where the job's replies and timers go, and the time.
     pub ctx: Ctx<'a>,
-    pub sessions: &'a mut HashMap<SessionId, Box<Session>>,
+    pub sessions: &'a mut Sessions,
     pub config: &'a Config,
     pub notices: &'a mut Vec<String>,
     /// Key waits a request completed, answered before its own reply.
@@ -70,7 +70,7 @@ impl<'a> Step<'a> {
     pub fn new(
         job: &'a mut Job,
         ctx: Ctx<'a>,
-        sessions: &'a mut HashMap<SessionId, Box<Session>>,
+        sessions: &'a mut Sessions,
         config: &'a Config,
         notices: &'a mut Vec<String>,
     ) -> Self {

@@ -16,7 +16,7 @@ use crate::{Identity, Millis, Missing, SessionId};
 
 use super::job::Job;
 use super::store::{KeyWait, WaitKind};
-use super::{HashMap, Session};
+use super::{HashMap, Sessions};
 
 /// A torch wait blocked this long on an address key or a store barrier is reported.
 pub(crate) const STALL_REPORT_MS: Millis = 5_000;
@@ -135,7 +135,7 @@ fn barrier_arrivals(
 /// Returns when to sweep again, or None when no torch wait is blocked.
 pub(crate) fn sweep_stalls(
     job: &mut Job,
-    sessions: &HashMap<SessionId, Box<Session>>,
+    sessions: &Sessions,
     now: Millis,
     notices: &mut Vec<String>,
 ) -> Option<Millis> {
