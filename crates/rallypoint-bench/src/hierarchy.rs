@@ -71,6 +71,11 @@ pub struct Args {
     /// (`--rounds`, `--warmup` and `--channels` do not apply)
     #[arg(long, conflicts_with = "channels")]
     start: bool,
+    /// Ranks state no incarnation, as a PyTorch TCPStore client: the coordinator then
+    /// keeps none of their replies for a resume. By default each rank states one, as
+    /// the client library does, and the coordinator keeps every arrival's reply
+    #[arg(long)]
+    no_incarnation: bool,
     /// With --start: the floor under it. The same generators and ranks, but each
     /// agent is a bare epoll loop that answers the same frames, and there is no
     /// coordinator (Unix sockets only)
@@ -118,6 +123,8 @@ struct Report {
     channels: bool,
     /// Of the ranks, how many got a channel (the rest went through messages).
     ranks_through_channels: u32,
+    /// Whether the ranks stated an incarnation (not `--no-incarnation`).
+    incarnations: bool,
     rounds: u32,
     warmup_rounds: u32,
     #[serde(flatten)]
@@ -369,6 +376,9 @@ async fn spawn_generators(args: &Args, generators: u32, agents: &Agents) -> anyh
         if args.start {
             argv.push("--start".to_owned());
         }
+        if args.no_incarnation {
+            argv.push("--no-incarnation".to_owned());
+        }
         gens.push(spawn(&me, &argv, "a load generator").await?);
     }
     Ok(gens)
@@ -523,6 +533,7 @@ async fn coordinate(args: &Args) -> anyhow::Result<Report> {
         transport: args.transport,
         channels: args.channels,
         ranks_through_channels: reports.iter().map(|r| r.through_channels).sum(),
+        incarnations: !args.no_incarnation,
         rounds: args.rounds,
         warmup_rounds: args.warmup,
         round: stats.times,
@@ -617,6 +628,8 @@ struct RankSetup {
     round_done: tokio::sync::Notify,
     /// 1: start; 2: go on after the warm-up.
     go: tokio::sync::watch::Receiver<u8>,
+    /// Ranks state an incarnation (see [`rank_identity`]).
+    incarnation: bool,
 }
 
 impl RankSetup {
@@ -634,14 +647,14 @@ impl RankSetup {
             ready_moved: tokio::sync::Notify::new(),
             round_done: tokio::sync::Notify::new(),
             go,
+            incarnation: !args.no_incarnation,
         }
     }
 
     /// Connects `rank` to the agent at `addr`, reads its welcome, says it is ready
     /// and waits for the start: the connection and its read buffer.
     async fn connected(&self, rank: u32, addr: &str) -> anyhow::Result<(Conn, BytesMut)> {
-        let identity =
-            Identity { host: "bench".into(), pid: std::process::id(), ..Identity::ranked("bench", rank, self.ranks) };
+        let identity = rank_identity(rank, self.ranks, self.incarnation);
         let mut buf = BytesMut::new();
         let conn = {
             let _slot = self.connecting.acquire().await?;
@@ -765,7 +778,7 @@ async fn generator(args: &Args, first: u32, count: u32) -> anyhow::Result<()> {
     rallypoint_net::raise_fd_limit();
     let addrs: Vec<String> = args.agent_addrs.as_deref().unwrap_or_default().split(',').map(str::to_owned).collect();
     if args.start {
-        return start::generator(args.ranks, first, count, addrs).await;
+        return start::generator(args.ranks, first, count, addrs, !args.no_incarnation).await;
     }
     let (go_tx, go_rx) = tokio::sync::watch::channel(0);
     let setup = RankSetup::new(args, count, go_rx);
@@ -780,9 +793,11 @@ async fn generator(args: &Args, first: u32, count: u32) -> anyhow::Result<()> {
         ranks.spawn(async move {
             let (mut conn, mut buf) = setup.connected(rank, &addr).await?;
             let mut request = BytesMut::new();
-            encode_client_frame(&ClientFrame::Request { id: 1, request: bench_barrier() }, &mut request);
             for k in 0..setup.total {
                 setup.before_round(k).await?;
+                // A new id per call, as the client library sends: the coordinator keeps replies by id.
+                request.clear();
+                encode_client_frame(&ClientFrame::Request { id: k as u64 + 1, request: bench_barrier() }, &mut request);
                 conn.write_all(&request).await?;
                 match conn.frame(&mut buf).await? {
                     ServerFrame::Reply { reply: Ok(Response::Done), .. } => {}
@@ -814,6 +829,13 @@ async fn generator(args: &Args, first: u32, count: u32) -> anyhow::Result<()> {
 
 /// Connects and says hello (asking for shared replies in the same write if
 /// `takes_shared`), retrying while the agent's listen backlog is full.
+/// Rank `rank` of `ranks` as a load generator states it; with `incarnation`, with
+/// one of its own, as each process of the client library states its own.
+fn rank_identity(rank: u32, ranks: u32, incarnation: bool) -> Identity {
+    let incarnation = incarnation.then(|| rallypoint_client::process_incarnation().wrapping_add(u64::from(rank)));
+    Identity { host: "bench".into(), pid: std::process::id(), incarnation, ..Identity::ranked("bench", rank, ranks) }
+}
+
 async fn connect_rank(addr: &str, identity: &Identity, takes_shared: bool) -> anyhow::Result<Conn> {
     let mut hello = BytesMut::new();
     encode_preamble(&mut hello);

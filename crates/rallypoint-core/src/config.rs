@@ -51,6 +51,7 @@ impl Default for Limits {
 pub struct ReplyCache {
     /// Most replies kept per session: more than a client has in flight at once (a
     /// reply lost with a connection was in flight). 32 bytes each, but for values.
+    /// Past it, the oldest are dropped down to seven eighths of it.
     pub max_replies: usize,
     /// A reply older than this is dropped: a client resumes within a lease or not at all.
     pub max_age_ms: u64,

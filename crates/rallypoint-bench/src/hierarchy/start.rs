@@ -26,7 +26,7 @@ use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use bytes::{Bytes, BytesMut};
-use rallypoint_client::{Identity, Members};
+use rallypoint_client::Members;
 use rallypoint_core::{Request, Response};
 use rallypoint_proto::native::{encode_client_frame, ClientFrame, ServerFrame};
 use serde::{Deserialize, Serialize};
@@ -82,14 +82,20 @@ impl Phases {
 /// Runs ranks `first..first + count` of `ranks` through the agents at `addrs`,
 /// prints its [`Stamps`] and stays, holding the connections, until the parent
 /// has read this process's CPU time (and kills it, or closes stdin).
-pub(super) async fn generator(ranks: u32, first: u32, count: u32, addrs: Vec<String>) -> anyhow::Result<()> {
+pub(super) async fn generator(
+    ranks: u32,
+    first: u32,
+    count: u32,
+    addrs: Vec<String>,
+    incarnation: bool,
+) -> anyhow::Result<()> {
     let phases = Arc::new(Phases::new(count));
     let connecting = Arc::new(tokio::sync::Semaphore::new(CONNECTING));
     let mut tasks = JoinSet::new();
     for rank in first..first + count {
         let addr = addrs[rank as usize % addrs.len()].clone();
         let (phases, connecting) = (Arc::clone(&phases), Arc::clone(&connecting));
-        tasks.spawn(async move { start_rank(rank, ranks, &addr, &phases, &connecting).await });
+        tasks.spawn(async move { start_rank(rank, ranks, incarnation, &addr, &phases, &connecting).await });
     }
     let mut conns = Vec::with_capacity(count as usize);
     while let Some(done) = tasks.join_next().await {
@@ -106,11 +112,12 @@ pub(super) async fn generator(ranks: u32, first: u32, count: u32, addrs: Vec<Str
 async fn start_rank(
     rank: u32,
     ranks: u32,
+    incarnation: bool,
     addr: &str,
     phases: &Phases,
     connecting: &tokio::sync::Semaphore,
 ) -> anyhow::Result<Conn> {
-    let identity = Identity { host: "bench".into(), pid: std::process::id(), ..Identity::ranked("bench", rank, ranks) };
+    let identity = super::rank_identity(rank, ranks, incarnation);
     let mut buf = BytesMut::new();
     let mut conn = {
         let _slot = connecting.acquire().await?;

@@ -122,6 +122,9 @@ pub(crate) struct Kept {
     bytes: usize,
     /// Highest request id whose reply was dropped (0: none).
     max_evicted: u64,
+    /// Until when the oldest entry is too young to drop (None: look at it), so that
+    /// keeping a reply does not read the far end of the queue, a cache miss each time.
+    oldest_kept_until: Option<Millis>,
 }
 
 /// 32 bytes a request, most of them: a session of a job in a tight loop keeps a few
@@ -219,10 +222,23 @@ impl Kept {
     /// waits. (Age is also checked when a reply is looked up: a session that keeps
     /// nothing new is not looked at.)
     pub fn trim(&mut self, now: Millis, limits: &Limits) {
+        let within = |kept: &Kept, count| kept.entries.len() <= count && kept.bytes <= limits.max_bytes;
+        if within(self, limits.max_replies) && self.oldest_kept_until.is_some_and(|until| now <= until) {
+            return;
+        }
+        // Past the count, down to seven eighths of it at once: a session in a tight loop
+        // drops its oldest replies in bunches, not one at each reply.
+        let count = match self.entries.len() > limits.max_replies {
+            true => limits.max_replies - limits.max_replies / 8,
+            false => limits.max_replies,
+        };
+        self.oldest_kept_until = None;
         while let Some(oldest) = self.entries.front() {
-            let over = self.entries.len() > limits.max_replies || self.bytes > limits.max_bytes;
             let waiting = matches!(oldest.reply, Slot::Waiting);
-            if !over && (waiting || oldest.at.saturating_add(limits.max_age_ms) >= now) {
+            let until = oldest.at.saturating_add(limits.max_age_ms);
+            if within(self, count) && (waiting || until >= now) {
+                // A waiting one's age counts from its reply: look again then.
+                self.oldest_kept_until = (!waiting).then_some(until);
                 return;
             }
             let Some(entry) = self.entries.pop_front() else { return };
@@ -293,6 +309,32 @@ mod tests {
         answer(&mut kept, 7, Ok(Response::Done), 1_001);
         assert_eq!(kept.len(), 1);
         assert_eq!(kept.max_evicted, 6);
+    }
+
+    /// Past the count, the oldest eighth goes at once; an entry too young to drop
+    /// is not looked at again until it may be, and is dropped then.
+    #[test]
+    fn drops_in_bunches_and_by_age_when_due() {
+        let limits = Limits { max_replies: 16, max_age_ms: 1_000, max_bytes: 1 << 20 };
+        let mut kept = Kept::default();
+        for id in 1..=16 {
+            kept.arrived(id);
+            kept.answered(id, &Ok(Response::Done), 10, &limits);
+        }
+        assert_eq!(kept.len(), 16);
+        kept.arrived(17);
+        kept.answered(17, &Ok(Response::Done), 20, &limits);
+        assert_eq!(kept.len(), 14, "down to seven eighths of 16");
+        assert!(matches!(kept.resent(3, true, 20, &limits), Resent::Replay(Err(OpError::Closed(_)))));
+        assert!(matches!(kept.resent(4, true, 20, &limits), Resent::Replay(Ok(Response::Done))));
+        // Replies of 10 ms are kept until 1,010 ms: at 1,010 nothing goes, at 1,011 they do.
+        kept.arrived(18);
+        kept.answered(18, &Ok(Response::Done), 1_010, &limits);
+        assert_eq!(kept.len(), 15);
+        kept.arrived(19);
+        kept.answered(19, &Ok(Response::Done), 1_011, &limits);
+        assert_eq!(kept.len(), 3, "only the replies of 20 ms and later are left");
+        assert!(matches!(kept.resent(16, true, 1_011, &limits), Resent::Replay(Err(OpError::Closed(_)))));
     }
 
     #[test]
