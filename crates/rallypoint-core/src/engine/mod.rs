@@ -425,7 +425,7 @@ impl Engine {
                 }
             }
             if changes_state {
-                resume.kept.arrived(request_id);
+                resume.kept.arrived(request_id, now, limits);
                 self.tracked += 1;
             }
         }

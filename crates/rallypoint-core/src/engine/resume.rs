@@ -157,7 +157,11 @@ impl Slot {
 
 impl Kept {
     /// Request `id` arrived (and changes something): waiting for its reply.
-    pub fn arrived(&mut self, id: u64) {
+    pub fn arrived(&mut self, id: u64, now: Millis, limits: &Limits) {
+        // Room first: the queue would double its memory to take one past the count.
+        if self.entries.len() >= limits.max_replies {
+            self.trim_to(bunch(limits.max_replies), now, limits);
+        }
         self.entries.push_back(Entry { id, at: 0, reply: Slot::Waiting });
     }
 
@@ -222,16 +226,19 @@ impl Kept {
     /// waits. (Age is also checked when a reply is looked up: a session that keeps
     /// nothing new is not looked at.)
     pub fn trim(&mut self, now: Millis, limits: &Limits) {
-        let within = |kept: &Kept, count| kept.entries.len() <= count && kept.bytes <= limits.max_bytes;
-        if within(self, limits.max_replies) && self.oldest_kept_until.is_some_and(|until| now <= until) {
-            return;
-        }
-        // Past the count, down to seven eighths of it at once: a session in a tight loop
-        // drops its oldest replies in bunches, not one at each reply.
         let count = match self.entries.len() > limits.max_replies {
-            true => limits.max_replies - limits.max_replies / 8,
+            true => bunch(limits.max_replies),
             false => limits.max_replies,
         };
+        self.trim_to(count, now, limits);
+    }
+
+    /// [`Kept::trim`] to at most `count` replies.
+    fn trim_to(&mut self, count: usize, now: Millis, limits: &Limits) {
+        let within = |kept: &Kept, count| kept.entries.len() <= count && kept.bytes <= limits.max_bytes;
+        if within(self, count) && self.oldest_kept_until.is_some_and(|until| now <= until) {
+            return;
+        }
         self.oldest_kept_until = None;
         while let Some(oldest) = self.entries.front() {
             let waiting = matches!(oldest.reply, Slot::Waiting);
@@ -255,6 +262,13 @@ impl Kept {
     fn len(&self) -> usize {
         self.entries.len()
     }
+}
+
+/// How many replies are left when there are too many: seven eighths of the most, so
+/// that a session in a tight loop drops its oldest in bunches, not one at each
+/// reply (each drop reads the far end of its queue).
+fn bunch(max_replies: usize) -> usize {
+    max_replies - max_replies.div_ceil(8)
 }
 
 /// Bytes of the values a reply holds (a shared all-gather result counts whole).
@@ -282,7 +296,7 @@ mod tests {
     }
 
     fn answer(kept: &mut Kept, id: u64, reply: Reply, now: Millis) {
-        kept.arrived(id);
+        kept.arrived(id, now, &limits());
         assert!(kept.answered(id, &reply, now, &limits()));
     }
 
@@ -318,20 +332,20 @@ mod tests {
         let limits = Limits { max_replies: 16, max_age_ms: 1_000, max_bytes: 1 << 20 };
         let mut kept = Kept::default();
         for id in 1..=16 {
-            kept.arrived(id);
+            kept.arrived(id, 10, &limits);
             kept.answered(id, &Ok(Response::Done), 10, &limits);
         }
         assert_eq!(kept.len(), 16);
-        kept.arrived(17);
+        kept.arrived(17, 20, &limits);
+        assert_eq!(kept.len(), 15, "down to seven eighths of 16 before the 17th, so as not to grow");
         kept.answered(17, &Ok(Response::Done), 20, &limits);
-        assert_eq!(kept.len(), 14, "down to seven eighths of 16");
-        assert!(matches!(kept.resent(3, true, 20, &limits), Resent::Replay(Err(OpError::Closed(_)))));
-        assert!(matches!(kept.resent(4, true, 20, &limits), Resent::Replay(Ok(Response::Done))));
+        assert!(matches!(kept.resent(2, true, 20, &limits), Resent::Replay(Err(OpError::Closed(_)))));
+        assert!(matches!(kept.resent(3, true, 20, &limits), Resent::Replay(Ok(Response::Done))));
         // Replies of 10 ms are kept until 1,010 ms: at 1,010 nothing goes, at 1,011 they do.
-        kept.arrived(18);
+        kept.arrived(18, 1_010, &limits);
         kept.answered(18, &Ok(Response::Done), 1_010, &limits);
-        assert_eq!(kept.len(), 15);
-        kept.arrived(19);
+        assert_eq!(kept.len(), 16);
+        kept.arrived(19, 1_011, &limits);
         kept.answered(19, &Ok(Response::Done), 1_011, &limits);
         assert_eq!(kept.len(), 3, "only the replies of 20 ms and later are left");
         assert!(matches!(kept.resent(16, true, 1_011, &limits), Resent::Replay(Err(OpError::Closed(_)))));
@@ -340,7 +354,7 @@ mod tests {
     #[test]
     fn a_waiting_request_is_recognised_even_past_the_bounds() {
         let mut kept = Kept::default();
-        kept.arrived(1);
+        kept.arrived(1, 0, &limits());
         for id in 2..=6 {
             answer(&mut kept, id, Ok(Response::Done), 0);
         }
@@ -360,7 +374,7 @@ mod tests {
     #[test]
     fn a_long_wait_is_not_dropped_by_age() {
         let mut kept = Kept::default();
-        kept.arrived(1);
+        kept.arrived(1, 0, &limits());
         answer(&mut kept, 2, Ok(Response::Done), 0);
         assert!(matches!(kept.resent(1, true, 5_000, &limits()), Resent::Waiting));
         assert!(matches!(kept.resent(2, true, 5_000, &limits()), Resent::Replay(Err(_))), "an old reply goes");
@@ -371,7 +385,7 @@ mod tests {
     #[test]
     fn a_resent_request_is_waiting_replayed_unknown_or_new() {
         let mut kept = Kept::default();
-        kept.arrived(7);
+        kept.arrived(7, 0, &limits());
         answer(&mut kept, 3, Ok(Response::Done), 0);
         kept.max_evicted = 2;
         assert!(matches!(kept.resent(7, true, NOW, &limits()), Resent::Waiting));
