@@ -110,7 +110,9 @@ pub(crate) enum Resent {
 
 /// The state-changing requests of one session, oldest first: those still waiting for
 /// their reply, and the replies of those answered. One block of memory per session: a
-/// request is answered where it waits, usually the latest.
+/// request is answered where it waits, usually the latest. Consecutive `Done` replies
+/// are kept as one (see [`Slot::Done`]): a session in a barrier loop keeps one entry
+/// for all its answered arrivals, not one per arrival.
 #[derive(Debug, Default)]
 pub(crate) struct Kept {
     entries: VecDeque<Entry>,
@@ -132,15 +134,39 @@ pub(crate) struct Kept {
 #[derive(Debug)]
 struct Entry {
     id: u64,
-    /// When it was answered (unused while it waits).
+    /// When it was answered (unused while it waits); for a run of `Done`s, when its
+    /// last one was.
     at: Millis,
     reply: Slot,
+}
+
+impl Entry {
+    /// Whether this entry holds the reply of request `id`, if that changed state.
+    fn covers(&self, id: u64) -> bool {
+        match self.reply {
+            Slot::Done { more } => id.checked_sub(self.id).is_some_and(|after| after <= u64::from(more)),
+            _ => self.id == id,
+        }
+    }
+
+    /// The highest request id it holds a reply for.
+    fn last_id(&self) -> u64 {
+        match self.reply {
+            Slot::Done { more } => self.id.saturating_add(u64::from(more)),
+            _ => self.id,
+        }
+    }
 }
 
 #[derive(Debug)]
 enum Slot {
     Waiting,
-    Done,
+    /// `Done`, to this request and to every state-changing request of the session
+    /// with an id up to `more` past it: those came one after another, each answered
+    /// `Done` (ids between them were reads, which are not kept).
+    Done {
+        more: u32,
+    },
     Int(i64),
     Bool(bool),
     Full(Box<Reply>),
@@ -168,15 +194,35 @@ impl Kept {
     /// Keeps the reply to request `id` if it was waiting here; returns whether it was.
     pub fn answered(&mut self, id: u64, reply: &Reply, now: Millis, limits: &Limits) -> bool {
         let slot = match reply {
-            Ok(Response::Done) => Slot::Done,
+            Ok(Response::Done) => Slot::Done { more: 0 },
             Ok(Response::Int(n)) => Slot::Int(*n),
             Ok(Response::Bool(b)) => Slot::Bool(*b),
             other => Slot::Full(Box::new(other.clone())),
         };
         let bytes = slot.bytes();
         let answered = Entry { id, at: now, reply: slot };
-        if let Some(entry) = self.entries.iter_mut().rev().find(|e| e.id == id && matches!(e.reply, Slot::Waiting)) {
-            *entry = answered;
+        let waiting = self.entries.iter().rev().position(|e| e.id == id && matches!(e.reply, Slot::Waiting));
+        if let Some(from_back) = waiting {
+            // The latest request, answered `Done` after a run of `Done`s: it joins the run.
+            let run = self.entries.len().checked_sub(2).filter(|_| from_back == 0);
+            let joined = run.and_then(|at| self.entries.get_mut(at)).is_some_and(|before| match before.reply {
+                Slot::Done { ref mut more } if matches!(answered.reply, Slot::Done { .. }) => {
+                    match id.checked_sub(before.id).and_then(|span| u32::try_from(span).ok()) {
+                        Some(span) if span > *more => {
+                            *more = span;
+                            before.at = now;
+                            true
+                        }
+                        _ => false,
+                    }
+                }
+                _ => false,
+            });
+            if joined {
+                self.entries.pop_back();
+            } else if let Some(entry) = self.entries.iter_mut().rev().nth(from_back) {
+                *entry = answered;
+            }
         } else if let Some(i) = self.old_waiting.iter().position(|&w| w == id) {
             self.old_waiting.swap_remove(i);
             self.entries.push_back(answered);
@@ -199,12 +245,14 @@ impl Kept {
                  a session's last replies for a bounded time): it may or may not have taken effect"
             ))))
         };
-        if let Some(entry) = self.entries.iter().rev().find(|e| e.id == id) {
+        // A run of `Done`s spans the ids of the reads between its requests: not kept.
+        let kept = self.entries.iter().rev().find(|e| e.covers(id)).filter(|e| changes_state || e.id == id);
+        if let Some(entry) = kept {
             return match &entry.reply {
                 Slot::Waiting => Resent::Waiting,
                 // Kept past its age only because nothing was kept since.
                 _ if entry.at.saturating_add(limits.max_age_ms) < now => unknown(),
-                Slot::Done => Resent::Replay(Ok(Response::Done)),
+                Slot::Done { .. } => Resent::Replay(Ok(Response::Done)),
                 Slot::Int(n) => Resent::Replay(Ok(Response::Int(*n))),
                 Slot::Bool(b) => Resent::Replay(Ok(Response::Bool(*b))),
                 Slot::Full(reply) => Resent::Replay((**reply).clone()),
@@ -253,7 +301,7 @@ impl Kept {
                 self.old_waiting.push(entry.id);
             } else {
                 self.bytes = self.bytes.saturating_sub(entry.reply.bytes());
-                self.max_evicted = self.max_evicted.max(entry.id);
+                self.max_evicted = self.max_evicted.max(entry.last_id());
             }
         }
     }
@@ -331,24 +379,67 @@ mod tests {
     fn drops_in_bunches_and_by_age_when_due() {
         let limits = Limits { max_replies: 16, max_age_ms: 1_000, max_bytes: 1 << 20 };
         let mut kept = Kept::default();
+        // Each reply its own (consecutive `Done`s would be kept as one).
+        let int = |id: u64| Ok(Response::Int(id as i64));
         for id in 1..=16 {
             kept.arrived(id, 10, &limits);
-            kept.answered(id, &Ok(Response::Done), 10, &limits);
+            kept.answered(id, &int(id), 10, &limits);
         }
         assert_eq!(kept.len(), 16);
         kept.arrived(17, 20, &limits);
         assert_eq!(kept.len(), 15, "down to seven eighths of 16 before the 17th, so as not to grow");
-        kept.answered(17, &Ok(Response::Done), 20, &limits);
+        kept.answered(17, &int(17), 20, &limits);
         assert!(matches!(kept.resent(2, true, 20, &limits), Resent::Replay(Err(OpError::Closed(_)))));
-        assert!(matches!(kept.resent(3, true, 20, &limits), Resent::Replay(Ok(Response::Done))));
+        assert!(matches!(kept.resent(3, true, 20, &limits), Resent::Replay(Ok(Response::Int(3)))));
         // Replies of 10 ms are kept until 1,010 ms: at 1,010 nothing goes, at 1,011 they do.
         kept.arrived(18, 1_010, &limits);
-        kept.answered(18, &Ok(Response::Done), 1_010, &limits);
+        kept.answered(18, &int(18), 1_010, &limits);
         assert_eq!(kept.len(), 16);
         kept.arrived(19, 1_011, &limits);
-        kept.answered(19, &Ok(Response::Done), 1_011, &limits);
+        kept.answered(19, &int(19), 1_011, &limits);
         assert_eq!(kept.len(), 3, "only the replies of 20 ms and later are left");
         assert!(matches!(kept.resent(16, true, 1_011, &limits), Resent::Replay(Err(OpError::Closed(_)))));
+    }
+
+    /// Consecutive `Done`s are one entry, which answers each of its requests but
+    /// none of the reads between them; dropped, it counts as dropping them all.
+    #[test]
+    fn consecutive_dones_are_kept_as_one() {
+        let limits = Limits { max_replies: 4, max_age_ms: 1_000, max_bytes: 1 << 20 };
+        let mut kept = Kept::default();
+        let replay = |kept: &Kept, id, changes_state| kept.resent(id, changes_state, 40, &limits);
+        // 1, 2 and 4 are barrier arrivals; 3 is a read, which is not kept.
+        for (id, at) in [(1, 10), (2, 20), (4, 30)] {
+            kept.arrived(id, at, &limits);
+            assert!(kept.answered(id, &Ok(Response::Done), at, &limits));
+            assert_eq!(kept.len(), 1, "request {id} joined the run");
+        }
+        assert!(matches!(replay(&kept, 3, false), Resent::Run), "a read between them runs again");
+        for id in [1, 2, 4] {
+            assert!(matches!(replay(&kept, id, true), Resent::Replay(Ok(Response::Done))));
+        }
+        assert!(matches!(replay(&kept, 5, true), Resent::Run));
+        // A reply of its own ends the run; a `Done` after it starts another.
+        kept.arrived(5, 40, &limits);
+        kept.answered(5, &Ok(Response::Int(7)), 40, &limits);
+        kept.arrived(6, 40, &limits);
+        kept.answered(6, &Ok(Response::Done), 40, &limits);
+        assert_eq!(kept.len(), 3);
+        assert!(matches!(replay(&kept, 5, true), Resent::Replay(Ok(Response::Int(7)))));
+        // Answered out of order, the earlier one waits behind the later: no run.
+        kept.arrived(7, 40, &limits);
+        kept.arrived(8, 40, &limits);
+        kept.answered(8, &Ok(Response::Done), 40, &limits);
+        assert!(matches!(replay(&kept, 7, true), Resent::Waiting));
+        kept.answered(7, &Ok(Response::Done), 40, &limits);
+        assert_eq!(kept.len(), 4, "the fifth entry made room: the run of 1 to 4 went");
+        for id in [2, 4] {
+            assert!(matches!(replay(&kept, id, true), Resent::Replay(Err(OpError::Closed(_)))), "{id}");
+        }
+        assert!(matches!(replay(&kept, 5, true), Resent::Replay(Ok(Response::Int(7)))));
+        for id in [6, 7, 8] {
+            assert!(matches!(replay(&kept, id, true), Resent::Replay(Ok(Response::Done))), "{id}");
+        }
     }
 
     #[test]
