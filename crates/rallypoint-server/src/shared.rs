@@ -78,44 +78,46 @@ pub(crate) struct Routed {
     pub(crate) reply: Reply,
 }
 
-/// Session ids as [`SessionTable`]s want them: the lowest slots free, each given
-/// again under a new serial, so that no id is given twice. A slot is free again once
-/// the session that held it in `State::outboxes` left them.
-#[derive(Debug)]
+/// Session ids as [`SessionTable`]s want them: slots freed are given again, each
+/// time under the next serial of that slot, so that no id is given twice. A slot is
+/// free again once the session that held it in `State::outboxes` left them. Freed
+/// slots are given oldest first, which spreads reuse over them: serials stay small,
+/// and so do ids (a web page reads them as doubles, exact below 2^53).
+#[derive(Debug, Default)]
 struct SessionIds(Mutex<Ids>);
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 struct Ids {
-    free: Vec<u32>,
-    /// The first slot never given.
-    fresh: u32,
-    serial: u32,
-}
-
-impl Default for SessionIds {
-    fn default() -> Self {
-        SessionIds(Mutex::new(Ids { free: Vec::new(), fresh: 0, serial: 1 }))
-    }
+    free: VecDeque<u32>,
+    /// Each slot given so far: the serial it was last given with.
+    serials: Vec<u32>,
 }
 
 impl SessionIds {
     fn take(&self) -> SessionId {
         let mut ids = lock(&self.0);
-        let slot = match ids.free.pop() {
+        let slot = match ids.free.pop_front() {
             Some(slot) => slot,
             None => {
-                ids.fresh = ids.fresh.wrapping_add(1);
-                ids.fresh.wrapping_sub(1)
+                ids.serials.push(0);
+                u32::try_from(ids.serials.len() - 1).unwrap_or(u32::MAX)
             }
         };
-        // Serial 0 never comes back, so that no id is 0.
-        ids.serial = ids.serial.checked_add(1).unwrap_or(1);
-        SessionId::at(slot, ids.serial)
+        let serial = match ids.serials.get_mut(slot as usize) {
+            Some(serial) => {
+                // Serial 0 is never given (no id is 0); past u32::MAX reuses of one
+                // slot, ids could repeat, after years of connections a second.
+                *serial = serial.checked_add(1).unwrap_or(1);
+                *serial
+            }
+            None => 1,
+        };
+        SessionId::at(slot, serial)
     }
 
     fn give_back(&self, session: SessionId) {
         let slot = u32::try_from(session.slot()).unwrap_or(u32::MAX);
-        lock(&self.0).free.push(slot);
+        lock(&self.0).free.push_back(slot);
     }
 }
 
@@ -750,13 +752,14 @@ mod tests {
     fn session_ids_reuse_slots_never_ids() {
         let ids = SessionIds::default();
         let (a, b) = (ids.take(), ids.take());
-        assert_eq!((a.slot(), b.slot()), (0, 1));
-        assert_ne!(a.0, 0);
+        assert_eq!((a, b), (SessionId::at(0, 1), SessionId::at(1, 1)));
         ids.give_back(a);
         let c = ids.take();
-        assert_eq!(c.slot(), a.slot());
-        assert_ne!(c, a, "a slot's second session has a new id");
+        assert_eq!(c, SessionId::at(0, 2), "a slot's second session has a new id");
         assert_eq!(ids.take().slot(), 2, "no slot in use is given");
+        ids.give_back(b);
+        ids.give_back(c);
+        assert_eq!((ids.take(), ids.take()), (SessionId::at(1, 2), SessionId::at(0, 3)), "oldest freed first");
     }
 
     /// A closed session's slot is free for the next one; a resumed session that
