@@ -26,4 +26,4 @@ pub use error::{
 };
 pub use identity::{Identity, Incarnation, SessionId};
 pub use request::{Gathered, Members, Millis, Outgoing, Reply, Request, Response, Welcome, MAX_JOBS_LISTED};
-pub use session_table::SessionTable;
+pub use session_table::{SessionTable, SlotTable, Slotted};

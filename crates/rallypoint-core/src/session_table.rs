@@ -11,33 +11,58 @@
 //! keeps after its connection closed, waiting for a resume) or lies far past the
 //! slots held goes to a map. Where an id is kept never changes what a lookup
 //! finds, only what it costs: nothing depends on the I/O layer keeping its word.
+//!
+//! Other keys that are mostly small numbers given in order (a node agent's
+//! sub-session numbers) are kept the same way: [`SlotTable`].
 
 use std::collections::HashMap;
+use std::hash::Hash;
 
 use crate::SessionId;
 
-/// The map's hash: ids are the I/O layer's own numbers (see `engine::HashMap`).
-type Map<T> = HashMap<SessionId, T, foldhash::fast::RandomState>;
+/// A key with a slot: where a [`SlotTable`] looks for it first.
+pub trait Slotted: Copy + Eq + Hash {
+    fn slot(self) -> usize;
+}
+
+impl Slotted for SessionId {
+    #[inline]
+    fn slot(self) -> usize {
+        SessionId::slot(self)
+    }
+}
+
+/// A number is its own slot (one past 32 bits goes to the map).
+impl Slotted for u64 {
+    #[inline]
+    fn slot(self) -> usize {
+        usize::try_from(self).ok().filter(|&n| n <= u32::MAX as usize).unwrap_or(usize::MAX)
+    }
+}
+
+/// Values by session.
+pub type SessionTable<T> = SlotTable<SessionId, T>;
 
 #[derive(Debug)]
-pub struct SessionTable<T> {
-    /// By slot: the session that holds it, and its value.
-    dense: Vec<Option<(SessionId, T)>>,
-    /// Sessions whose slot was taken, or far past the vector.
-    sparse: Map<T>,
+pub struct SlotTable<K, T> {
+    /// By slot: the key that holds it, and its value.
+    dense: Vec<Option<(K, T)>>,
+    /// Keys whose slot was taken, or far past the vector. Its hash: keys are the I/O
+    /// layer's own numbers (see `engine::HashMap`).
+    sparse: HashMap<K, T, foldhash::fast::RandomState>,
     /// Values held, in either.
     len: usize,
 }
 
-impl<T> Default for SessionTable<T> {
+impl<K, T> Default for SlotTable<K, T> {
     fn default() -> Self {
-        SessionTable { dense: Vec::new(), sparse: Map::default(), len: 0 }
+        SlotTable { dense: Vec::new(), sparse: HashMap::default(), len: 0 }
     }
 }
 
-impl<T> SessionTable<T> {
+impl<K: Slotted, T> SlotTable<K, T> {
     #[inline]
-    pub fn get(&self, id: &SessionId) -> Option<&T> {
+    pub fn get(&self, id: &K) -> Option<&T> {
         match self.dense.get(id.slot()) {
             Some(Some((held, value))) if held == id => Some(value),
             // The common case: nothing ever overflowed.
@@ -47,7 +72,7 @@ impl<T> SessionTable<T> {
     }
 
     #[inline]
-    pub fn get_mut(&mut self, id: &SessionId) -> Option<&mut T> {
+    pub fn get_mut(&mut self, id: &K) -> Option<&mut T> {
         match self.dense.get_mut(id.slot()) {
             Some(Some((held, value))) if held == id => Some(value),
             _ if self.sparse.is_empty() => None,
@@ -56,16 +81,16 @@ impl<T> SessionTable<T> {
     }
 
     /// Whether `id` is kept in its own slot (not in the map for a slot taken).
-    pub fn holds_slot(&self, id: &SessionId) -> bool {
+    pub fn holds_slot(&self, id: &K) -> bool {
         matches!(self.dense.get(id.slot()), Some(Some((held, _))) if held == id)
     }
 
-    pub fn contains_key(&self, id: &SessionId) -> bool {
+    pub fn contains_key(&self, id: &K) -> bool {
         self.get(id).is_some()
     }
 
     /// Keeps `value` for `id`; returns the value it replaced, if any.
-    pub fn insert(&mut self, id: SessionId, value: T) -> Option<T> {
+    pub fn insert(&mut self, id: K, value: T) -> Option<T> {
         if let Some(held) = self.get_mut(&id) {
             return Some(std::mem::replace(held, value));
         }
@@ -85,7 +110,7 @@ impl<T> SessionTable<T> {
         None
     }
 
-    pub fn remove(&mut self, id: &SessionId) -> Option<T> {
+    pub fn remove(&mut self, id: &K) -> Option<T> {
         let removed = match self.dense.get_mut(id.slot()) {
             Some(slot) if slot.as_ref().is_some_and(|(held, _)| held == id) => slot.take().map(|(_, value)| value),
             _ => self.sparse.remove(id),
@@ -105,12 +130,12 @@ impl<T> SessionTable<T> {
     }
 
     /// Every session held with its value, in no particular order.
-    pub fn iter(&self) -> impl Iterator<Item = (&SessionId, &T)> {
+    pub fn iter(&self) -> impl Iterator<Item = (&K, &T)> {
         let dense = self.dense.iter().filter_map(|slot| slot.as_ref().map(|(id, value)| (id, value)));
         dense.chain(self.sparse.iter())
     }
 
-    pub fn keys(&self) -> impl Iterator<Item = &SessionId> {
+    pub fn keys(&self) -> impl Iterator<Item = &K> {
         self.iter().map(|(id, _)| id)
     }
 
@@ -163,6 +188,18 @@ mod tests {
         values.sort_unstable();
         assert_eq!(values, vec![0, 1, 2, 4, 5, 6, 7, 8, 9, 99]);
         assert!(table.keys().all(|k| table.contains_key(k)));
+    }
+
+    /// Numbers are their own slots; one past 32 bits is kept in the map.
+    #[test]
+    fn numbers_keep_to_their_slots() {
+        let mut table: SlotTable<u64, u64> = SlotTable::default();
+        for n in (1..=40).chain([u64::from(u32::MAX) + 1, 1 << 40]) {
+            table.insert(n, n * 2);
+        }
+        assert_eq!(table.sparse_len(), 2);
+        assert!(table.holds_slot(&40) && !table.holds_slot(&(1 << 40)));
+        assert_eq!((table.get(&7), table.get(&(1 << 40)), table.get(&41)), (Some(&14), Some(&(1 << 41)), None));
     }
 
     #[derive(Debug, Clone)]

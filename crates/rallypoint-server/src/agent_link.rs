@@ -20,7 +20,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use rallypoint_core::{Departure, OpError, Reply, Request, Response, SessionId, Welcome};
+use rallypoint_core::{Departure, OpError, Reply, Request, Response, SessionId, SlotTable, Welcome};
 use rallypoint_net::budget::{buffered, Charge};
 use rallypoint_net::conn::{after_read, read_some, stall, Buffering, End};
 use rallypoint_net::sync::lock;
@@ -137,12 +137,13 @@ impl AgentOutbox {
     }
 }
 
-/// The sub-sessions of one agent connection, both ways: looked up for every call
-/// and reply of the node's ranks, with a fast hash (the keys are the agent's and
-/// the coordinator's own numbers).
+/// The sub-sessions of one agent connection, both ways. `by_sub` is looked up for
+/// every call of the node's ranks: by slot, as an agent numbers its sub-sessions
+/// from 1 up; `by_session` for hellos and closes, with a fast hash (the keys are the
+/// coordinator's own numbers).
 #[derive(Default)]
 struct Subs {
-    by_sub: HashMap<u64, SessionId, foldhash::fast::RandomState>,
+    by_sub: SlotTable<u64, SessionId>,
     by_session: HashMap<SessionId, u64, foldhash::fast::RandomState>,
 }
 
