@@ -96,10 +96,14 @@ impl<K: Slotted, T> SlotTable<K, T> {
         }
         self.len += 1;
         let at = id.slot();
-        // At most twice the sessions held (and a little): the vector doubles as they come.
+        // A slot within twice the sessions held (and a little) goes in the vector, which
+        // grows by half at a time, exactly (left to double on its own, it would hold up
+        // to four slots per session).
         let room = 2 * self.len + 64;
         if at >= self.dense.len() && at < room {
-            self.dense.resize_with(room, || None);
+            let len = room.min((at + 1).max(self.dense.len() + self.dense.len() / 2));
+            self.dense.reserve_exact(len - self.dense.len());
+            self.dense.resize_with(len, || None);
         }
         match self.dense.get_mut(at) {
             Some(slot @ None) => *slot = Some((id, value)),

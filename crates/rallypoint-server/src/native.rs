@@ -55,11 +55,24 @@ pub(crate) fn serve(
     let stream = Counted::new(stream, Arc::clone(shared.traffic()));
     let on_reactor = settings.native_on_reactor;
     let opening = Box::pin(open(stream, peer, shared, settings, Arc::clone(&reactor)));
+    async move { serving(opening.await, on_reactor, &reactor).await }
+}
+
+/// What the task of an opened connection then waits on. The session is matched by
+/// reference inside the future, never moved out across an await: each such move
+/// would keep one more copy of it in the task for the connection's whole life.
+fn serving(opened: Option<Opened>, on_reactor: bool, reactor: &Reactor) -> impl Future<Output = ()> + Send {
+    let mut opened = match opened {
+        Some(Opened::Plain(session)) if on_reactor => {
+            hand_over(session, reactor);
+            None
+        }
+        opened => opened,
+    };
     async move {
-        match opening.await {
-            Some(Opened::Plain(session)) if on_reactor => hand_over(session, &reactor),
-            Some(Opened::Plain(session)) => run(session, peer).await,
-            Some(Opened::Tls(session)) => run(session, peer).await,
+        match &mut opened {
+            Some(Opened::Plain(session)) => run(session).await,
+            Some(Opened::Tls(session)) => run(session).await,
             None => {}
         }
     }
@@ -101,10 +114,10 @@ impl Process {
 }
 
 /// Serves an admitted session until its connection ends, then logs how.
-async fn run<S: AsyncRead + AsyncWrite + Unpin>(mut session: Session<S>, peer: SocketAddr) {
-    let Session { conn, outbox, guard } = &mut session;
+async fn run<S: AsyncRead + AsyncWrite + Unpin>(session: &mut Session<S>) {
+    let Session { conn, outbox, guard } = session;
     let end = conn.run(guard.session, &guard.shared, outbox).await;
-    log_end(peer, Some(guard.session), &end);
+    log_end(conn.peer, Some(guard.session), &end);
 }
 
 /// A TCP connection, its bytes counted.

@@ -198,6 +198,9 @@ impl Outbox {
 
     fn push(&self, request_id: u64, reply: Reply) {
         let mut queue = lock(&self.queue);
+        // Room for the one reply a round usually brings, not the four a deque starts
+        // with: every waiting connection holds this until its task takes it.
+        queue.reserve_exact(1);
         queue.push_back((request_id, reply));
         self.queued.store(true, Ordering::Release);
         drop(queue);

@@ -48,11 +48,15 @@ impl<T> ByRank<T> {
     #[inline]
     pub fn get_or_make(&mut self, rank: u32, make: impl FnOnce() -> T) -> (&mut T, bool) {
         let at = rank as usize;
-        // At most twice the ranks held (and a little): the vector doubles as ranks come.
+        // A rank within twice the ranks held (and a little) goes in the vector, which
+        // grows by half at a time, exactly: a slot may be large (a rank's entry), and
+        // a vector left to double on its own would hold up to four per rank.
         let room = 2 * self.len + 64;
         if at >= self.dense.len() && at < room {
-            self.dense.resize_with(room, || None);
-            for (r, value) in self.sparse.extract_if(|&r, _| (r as usize) < room) {
+            let len = room.min((at + 1).max(self.dense.len() + self.dense.len() / 2));
+            self.dense.reserve_exact(len - self.dense.len());
+            self.dense.resize_with(len, || None);
+            for (r, value) in self.sparse.extract_if(|&r, _| (r as usize) < len) {
                 self.dense[r as usize] = Some(value);
             }
         }
@@ -119,9 +123,14 @@ mod tests {
         }
         assert_eq!(by_rank.len(), 42);
         assert!(by_rank.dense.len() < 100 && by_rank.sparse.contains_key(&100));
-        // A rank past the vector, within twice the ranks held: the vector grows, and
-        // 100 moves into it; 1,000,000 stays in the map.
+        // A rank past the vector, within twice the ranks held: the vector grows to take
+        // it, by half at least and exactly (no room left to double); a rank the map held
+        // moves into it once it reaches that rank; 1,000,000 stays in the map.
+        let before = by_rank.dense.len();
         by_rank.get_or_insert_with(70, || 70);
+        assert_eq!(by_rank.dense.len(), 71.max(before + before / 2));
+        assert_eq!(by_rank.dense.capacity(), by_rank.dense.len());
+        assert_eq!(by_rank.get_or_insert_with(100, || 0), &mut 6, "moved from the map, not made again");
         assert!(by_rank.dense.len() > 100 && !by_rank.sparse.contains_key(&100));
         assert!(by_rank.sparse.contains_key(&1_000_000));
         assert_eq!(by_rank.get(100), Some(&6));
