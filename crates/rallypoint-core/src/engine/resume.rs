@@ -188,6 +188,11 @@ impl Kept {
         if self.entries.len() >= limits.max_replies {
             self.trim_to(bunch(limits.max_replies), now, limits);
         }
+        // A session in a barrier loop keeps two entries (its run of `Done`s and the call
+        // waiting): room for those, not the four a deque starts with.
+        if self.entries.capacity() == 0 {
+            self.entries.reserve_exact(2);
+        }
         self.entries.push_back(Entry { id, at: 0, reply: Slot::Waiting });
     }
 
