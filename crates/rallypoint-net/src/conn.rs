@@ -304,7 +304,9 @@ pub async fn stall(buffered: usize, timeout: Duration) -> End {
     if buffered == 0 {
         std::future::pending::<()>().await;
     }
-    tokio::time::sleep(timeout).await;
+    // Boxed: a timer's state is larger than all else an idle connection's wait holds,
+    // and only a connection stopped mid-frame needs one.
+    Box::pin(tokio::time::sleep(timeout)).await;
     End::Stalled { buffered, waited: timeout }
 }
 
