@@ -201,6 +201,10 @@ pub struct CollectiveWait {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeyWaitView {
     pub session: u64,
+    /// The session as the coordinator's logs and `status` name it ("session 3.17"):
+    /// a page reading `session` as a double may round it.
+    #[serde(default)]
+    pub session_name: String,
     /// The rank of the session (inferred for a TCPStore client, once known).
     pub rank: Option<u32>,
     pub host: String,

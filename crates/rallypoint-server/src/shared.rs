@@ -80,17 +80,18 @@ pub(crate) struct Routed {
 
 /// Session ids as [`SessionTable`]s want them: slots freed are given again, each
 /// time under the next serial of that slot, so that no id is given twice. A slot is
-/// free again once the session that held it in `State::outboxes` left them. Freed
-/// slots are given oldest first, which spreads reuse over them: serials stay small,
-/// and so do ids (a web page reads them as doubles, exact below 2^53).
+/// free again once the session it was last given to left `State::outboxes` (a
+/// session resumed after its slot went to another gives back nothing). Freed slots
+/// are given oldest first, which spreads reuse over them: serials stay small.
 #[derive(Debug, Default)]
 struct SessionIds(Mutex<Ids>);
 
 #[derive(Debug, Default)]
 struct Ids {
     free: VecDeque<u32>,
-    /// Each slot given so far: the serial it was last given with.
-    serials: Vec<u32>,
+    /// Each slot given so far: the serial it was last given with, and whether it is
+    /// free (in `free`).
+    slots: Vec<(u32, bool)>,
 }
 
 impl SessionIds {
@@ -99,15 +100,16 @@ impl SessionIds {
         let slot = match ids.free.pop_front() {
             Some(slot) => slot,
             None => {
-                ids.serials.push(0);
-                u32::try_from(ids.serials.len() - 1).unwrap_or(u32::MAX)
+                ids.slots.push((0, false));
+                u32::try_from(ids.slots.len() - 1).unwrap_or(u32::MAX)
             }
         };
-        let serial = match ids.serials.get_mut(slot as usize) {
-            Some(serial) => {
+        let serial = match ids.slots.get_mut(slot as usize) {
+            Some((serial, free)) => {
                 // Serial 0 is never given (no id is 0); past u32::MAX reuses of one
                 // slot, ids could repeat, after years of connections a second.
                 *serial = serial.checked_add(1).unwrap_or(1);
+                *free = false;
                 *serial
             }
             None => 1,
@@ -115,9 +117,17 @@ impl SessionIds {
         SessionId::at(slot, serial)
     }
 
+    /// `session` is done with its slot: free if it was the slot's last given.
     fn give_back(&self, session: SessionId) {
-        let slot = u32::try_from(session.slot()).unwrap_or(u32::MAX);
-        lock(&self.0).free.push_back(slot);
+        let Ok(slot) = u32::try_from(session.slot()) else { return };
+        let serial = u32::try_from(session.0 >> 32).unwrap_or(0);
+        let mut ids = lock(&self.0);
+        if let Some((last, free @ false)) = ids.slots.get_mut(slot as usize) {
+            if *last == serial {
+                *free = true;
+                ids.free.push_back(slot);
+            }
+        }
     }
 }
 
@@ -200,7 +210,9 @@ impl Outbox {
         let mut queue = lock(&self.queue);
         // Room for the one reply a round usually brings, not the four a deque starts
         // with: every waiting connection holds this until its task takes it.
-        queue.reserve_exact(1);
+        if queue.capacity() == 0 {
+            queue.reserve_exact(1);
+        }
         queue.push_back((request_id, reply));
         self.queued.store(true, Ordering::Release);
         drop(queue);
@@ -632,10 +644,9 @@ impl Shared {
         self.drop_sink(&mut lock(&self.state), session);
     }
 
-    /// Removes the session's sink; its slot is free again if the session held it.
+    /// Removes the session's sink; its slot is free again if it was given to it last.
     fn drop_sink(&self, state: &mut State, session: SessionId) {
-        let in_slot = state.outboxes.holds_slot(&session);
-        if state.outboxes.remove(&session).is_some() && in_slot {
+        if state.outboxes.remove(&session).is_some() {
             self.ids.give_back(session);
         }
     }
@@ -762,7 +773,10 @@ mod tests {
         assert_eq!(ids.take().slot(), 2, "no slot in use is given");
         ids.give_back(b);
         ids.give_back(c);
+        ids.give_back(c);
+        ids.give_back(a);
         assert_eq!((ids.take(), ids.take()), (SessionId::at(1, 2), SessionId::at(0, 3)), "oldest freed first");
+        assert_eq!(ids.take().slot(), 3, "given back twice, or by a session it was not last given to: once");
     }
 
     /// A closed session's slot is free for the next one; a resumed session that
@@ -788,5 +802,27 @@ mod tests {
         drop(state);
         assert!(shared.close(a, &again, Departure::Unknown));
         assert_eq!(shared.new_session_id().slot(), 1, "slot 0 is still b's");
+    }
+
+    /// A session resumed into its freed slot before another took it gives nothing
+    /// back when it leaves again, once the slot went to the next session.
+    #[test]
+    fn a_resumed_session_never_frees_a_slot_twice() {
+        let shared = Shared::new(Config::default());
+        let hello = |rank| Identity { incarnation: Some(7 + u64::from(rank)), ..Identity::ranked("j", rank, 2) };
+        let open = |identity, outbox: &Arc<Outbox>| match shared.open(identity, Arc::clone(outbox)) {
+            Ok(welcome) => welcome.session,
+            Err(error) => panic!("open: {error}"),
+        };
+        let (first, again, other) = (Arc::default(), Arc::default(), Arc::default());
+        let a = open(hello(0), &first);
+        assert!(shared.close(a, &first, Departure::Unknown), "slot 0 is free");
+        assert_eq!(open(Identity { resume: Some(a), ..hello(0) }, &again), a, "back in slot 0");
+        let b = open(hello(1), &other);
+        assert_eq!(b.slot(), 0, "the free slot, though a sits in it");
+        assert!(shared.close(a, &again, Departure::Unknown));
+        assert_eq!(shared.new_session_id().slot(), 1, "a gave nothing back: slot 0 is b's");
+        assert!(shared.close(b, &other, Departure::Unknown));
+        assert_eq!(shared.new_session_id().slot(), 0);
     }
 }

@@ -110,9 +110,9 @@ pub(crate) enum Resent {
 
 /// The state-changing requests of one session, oldest first: those still waiting for
 /// their reply, and the replies of those answered. One block of memory per session: a
-/// request is answered where it waits, usually the latest. Consecutive `Done` replies
-/// are kept as one (see [`Slot::Done`]): a session in a barrier loop keeps one entry
-/// for all its answered arrivals, not one per arrival.
+/// request is answered where it waits, usually the latest. `Done` replies answered one
+/// after another are kept as one entry (see [`Slot::Done`]): a session in a barrier
+/// loop keeps one entry for dozens of its answered arrivals, not one per arrival.
 #[derive(Debug, Default)]
 pub(crate) struct Kept {
     entries: VecDeque<Entry>,
@@ -144,7 +144,11 @@ impl Entry {
     /// Whether this entry holds the reply of request `id`, if that changed state.
     fn covers(&self, id: u64) -> bool {
         match self.reply {
-            Slot::Done { more } => id.checked_sub(self.id).is_some_and(|after| after <= u64::from(more)),
+            Slot::Done { also } => match id.checked_sub(self.id) {
+                Some(0) => true,
+                Some(after @ 1..=64) => also & (1 << (after - 1)) != 0,
+                _ => false,
+            },
             _ => self.id == id,
         }
     }
@@ -152,7 +156,7 @@ impl Entry {
     /// The highest request id it holds a reply for.
     fn last_id(&self) -> u64 {
         match self.reply {
-            Slot::Done { more } => self.id.saturating_add(u64::from(more)),
+            Slot::Done { also } => self.id.saturating_add(u64::from(u64::BITS - also.leading_zeros())),
             _ => self.id,
         }
     }
@@ -161,11 +165,12 @@ impl Entry {
 #[derive(Debug)]
 enum Slot {
     Waiting,
-    /// `Done`, to this request and to every state-changing request of the session
-    /// with an id up to `more` past it: those came one after another, each answered
-    /// `Done` (ids between them were reads, which are not kept).
+    /// `Done`, to this request and to each request whose id is `k` past it for every
+    /// bit `k - 1` set in `also`. Exactly those: requests arrive out of id order (ids
+    /// are taken before they are sent, and a resumed client sends the old ones first),
+    /// and the ids between are reads, heartbeats or requests still to come.
     Done {
-        more: u32,
+        also: u64,
     },
     Int(i64),
     Bool(bool),
@@ -199,7 +204,7 @@ impl Kept {
     /// Keeps the reply to request `id` if it was waiting here; returns whether it was.
     pub fn answered(&mut self, id: u64, reply: &Reply, now: Millis, limits: &Limits) -> bool {
         let slot = match reply {
-            Ok(Response::Done) => Slot::Done { more: 0 },
+            Ok(Response::Done) => Slot::Done { also: 0 },
             Ok(Response::Int(n)) => Slot::Int(*n),
             Ok(Response::Bool(b)) => Slot::Bool(*b),
             other => Slot::Full(Box::new(other.clone())),
@@ -208,13 +213,14 @@ impl Kept {
         let answered = Entry { id, at: now, reply: slot };
         let waiting = self.entries.iter().rev().position(|e| e.id == id && matches!(e.reply, Slot::Waiting));
         if let Some(from_back) = waiting {
-            // The latest request, answered `Done` after a run of `Done`s: it joins the run.
+            // The latest entry, answered `Done` right after an entry of `Done`s whose
+            // first id is at most 64 below: it joins that entry.
             let run = self.entries.len().checked_sub(2).filter(|_| from_back == 0);
             let joined = run.and_then(|at| self.entries.get_mut(at)).is_some_and(|before| match before.reply {
-                Slot::Done { ref mut more } if matches!(answered.reply, Slot::Done { .. }) => {
-                    match id.checked_sub(before.id).and_then(|span| u32::try_from(span).ok()) {
-                        Some(span) if span > *more => {
-                            *more = span;
+                Slot::Done { ref mut also } if matches!(answered.reply, Slot::Done { .. }) => {
+                    match id.checked_sub(before.id) {
+                        Some(after @ 1..=64) => {
+                            *also |= 1 << (after - 1);
                             before.at = now;
                             true
                         }
@@ -406,8 +412,9 @@ mod tests {
         assert!(matches!(kept.resent(16, true, 1_011, &limits), Resent::Replay(Err(OpError::Closed(_)))));
     }
 
-    /// Consecutive `Done`s are one entry, which answers each of its requests but
-    /// none of the reads between them; dropped, it counts as dropping them all.
+    /// `Done`s answered one after another are one entry, which answers each of its
+    /// requests but none of the reads between them; dropped, it counts as dropping
+    /// them all.
     #[test]
     fn consecutive_dones_are_kept_as_one() {
         let limits = Limits { max_replies: 4, max_age_ms: 1_000, max_bytes: 1 << 20 };
@@ -445,6 +452,51 @@ mod tests {
         for id in [6, 7, 8] {
             assert!(matches!(replay(&kept, id, true), Resent::Replay(Ok(Response::Done))), "{id}");
         }
+    }
+
+    /// An entry of `Done`s holds exactly its requests: one that arrives later with an
+    /// id between them (ids are taken before they are sent), or one answered long
+    /// after it waited past the count, is not taken for one of them.
+    #[test]
+    fn a_run_of_dones_holds_exactly_its_requests() {
+        let limits = Limits { max_replies: 4, max_age_ms: 1_000, max_bytes: 1 << 20 };
+        let replay = |kept: &Kept, id| kept.resent(id, true, 10, &limits);
+        let mut kept = Kept::default();
+        for id in [5, 7] {
+            kept.arrived(id, 10, &limits);
+            kept.answered(id, &Ok(Response::Done), 10, &limits);
+        }
+        assert_eq!(kept.len(), 1);
+        assert!(matches!(replay(&kept, 6), Resent::Run), "6 has not arrived: it must run");
+        kept.arrived(6, 10, &limits);
+        assert!(matches!(replay(&kept, 6), Resent::Waiting));
+        kept.answered(6, &Ok(Response::Int(1)), 10, &limits);
+        assert!(matches!(replay(&kept, 6), Resent::Replay(Ok(Response::Int(1)))));
+        assert!(matches!(replay(&kept, 7), Resent::Replay(Ok(Response::Done))));
+        // 65 past the first is one too far: a new entry.
+        kept.arrived(70, 10, &limits);
+        kept.answered(70, &Ok(Response::Done), 10, &limits);
+        kept.arrived(71, 10, &limits);
+        kept.answered(71, &Ok(Response::Done), 10, &limits);
+        assert_eq!(kept.len(), 3);
+        assert!(matches!(replay(&kept, 69), Resent::Run));
+
+        // Barrier 1 waits while 2-5 are answered, and moves past the count; then 6
+        // waits, 1 is answered (its entry goes last), and 7 is answered `Done`.
+        let mut kept = Kept::default();
+        kept.arrived(1, 10, &limits);
+        for id in 2..=5 {
+            kept.arrived(id, 10, &limits);
+            kept.answered(id, &Ok(Response::Int(id as i64)), 10, &limits);
+        }
+        kept.arrived(6, 10, &limits);
+        assert!(kept.answered(1, &Ok(Response::Done), 10, &limits));
+        kept.arrived(7, 10, &limits);
+        kept.answered(7, &Ok(Response::Done), 10, &limits);
+        assert!(matches!(replay(&kept, 6), Resent::Waiting), "6 still waits");
+        assert!(matches!(replay(&kept, 5), Resent::Replay(Ok(Response::Int(5)))));
+        assert!(matches!(replay(&kept, 1), Resent::Replay(Ok(Response::Done))));
+        assert!(matches!(replay(&kept, 7), Resent::Replay(Ok(Response::Done))));
     }
 
     #[test]

@@ -176,6 +176,7 @@ impl Engine {
                 wait.started,
                 KeyWaitView {
                     session: session.0,
+                    session_name: session.to_string(),
                     rank: identity.rank,
                     host: identity.host.clone(),
                     pid: identity.pid,

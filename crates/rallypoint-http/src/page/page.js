@@ -181,16 +181,10 @@ function renderWaits(j) {
   }).join("");
 }
 
-// As the coordinator's logs and status name it: slot, then the slot's serial.
-function sessionName(id) {
-  const serial = Math.floor(id / 2 ** 32);
-  return serial === 0 ? `session ${id}` : `session ${id % 2 ** 32}.${serial}`;
-}
-
 function renderKeys(j) {
   $("keys-section").hidden = j.key_waits.length === 0;
   if (j.key_waits.length === 0) return;
-  const rows = j.key_waits.map((k) => `<tr><td>${k.rank === null ? "unattributed " + sessionName(k.session) : "rank " + k.rank}</td>` +
+  const rows = j.key_waits.map((k) => `<tr><td>${k.rank === null ? "unattributed " + esc(k.session_name) : "rank " + k.rank}</td>` +
     `<td>${esc(k.host)}, pid ${k.pid}${k.tcpstore ? " (TCPStore)" : ""}</td><td>${k.op}</td>` +
     `<td>${k.keys.map((x) => `<code>${esc(x)}</code>`).join("<br>")}${k.keys_total > k.keys.length ? `<br>and ${k.keys_total - k.keys.length} more` : ""}` +
     `${k.world_size !== undefined ? ` (world size ${k.world_size})` : ""}</td>` +
