@@ -215,19 +215,17 @@ impl Kept {
         if let Some(from_back) = waiting {
             // The latest entry, answered `Done` right after an entry of `Done`s whose
             // first id is at most 64 below: it joins that entry.
-            let run = self.entries.len().checked_sub(2).filter(|_| from_back == 0);
-            let joined = run.and_then(|at| self.entries.get_mut(at)).is_some_and(|before| match before.reply {
-                Slot::Done { ref mut also } if matches!(answered.reply, Slot::Done { .. }) => {
-                    match id.checked_sub(before.id) {
-                        Some(after @ 1..=64) => {
-                            *also |= 1 << (after - 1);
-                            before.at = now;
-                            true
-                        }
-                        _ => false,
+            let done = matches!(answered.reply, Slot::Done { .. });
+            let run = self.entries.len().checked_sub(2).filter(|_| from_back == 0 && done);
+            let joined = run.and_then(|at| self.entries.get_mut(at)).is_some_and(|before| {
+                match (&mut before.reply, id.checked_sub(before.id)) {
+                    (Slot::Done { also }, Some(after @ 1..=64)) => {
+                        *also |= 1 << (after - 1);
+                        before.at = now;
+                        true
                     }
+                    _ => false,
                 }
-                _ => false,
             });
             if joined {
                 self.entries.pop_back();
@@ -256,7 +254,8 @@ impl Kept {
                  a session's last replies for a bounded time): it may or may not have taken effect"
             ))))
         };
-        // A run of `Done`s spans the ids of the reads between its requests: not kept.
+        // A read matches only an entry's own id, never one it holds besides (reads
+        // are not kept; only a client that reused an id could send one there).
         let kept = self.entries.iter().rev().find(|e| e.covers(id)).filter(|e| changes_state || e.id == id);
         if let Some(entry) = kept {
             return match &entry.reply {
