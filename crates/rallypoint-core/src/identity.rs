@@ -20,12 +20,18 @@ impl SessionId {
     pub fn slot(self) -> usize {
         (self.0 & u64::from(u32::MAX)) as usize
     }
+
+    /// How many times its slot had been given, this id included (0: an id not made
+    /// by [`SessionId::at`]).
+    pub fn serial(self) -> u32 {
+        u32::try_from(self.0 >> 32).unwrap_or(u32::MAX)
+    }
 }
 
 /// As slot and serial ("session 3.17"), which say more than one large number.
 impl fmt::Display for SessionId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.0 >> 32 {
+        match self.serial() {
             0 => write!(f, "session {}", self.0),
             serial => write!(f, "session {}.{serial}", self.slot()),
         }

@@ -80,8 +80,10 @@ impl<K: Slotted, T> SlotTable<K, T> {
         }
     }
 
-    /// Whether `id` is kept in its own slot (not in the map for a slot taken).
-    pub fn holds_slot(&self, id: &K) -> bool {
+    /// Whether `id` is kept in its own slot (not in the map for a slot taken), for
+    /// tests of where ids go.
+    #[cfg(test)]
+    fn holds_slot(&self, id: &K) -> bool {
         matches!(self.dense.get(id.slot()), Some(Some((held, _))) if held == id)
     }
 
@@ -96,15 +98,7 @@ impl<K: Slotted, T> SlotTable<K, T> {
         }
         self.len += 1;
         let at = id.slot();
-        // A slot within twice the sessions held (and a little) goes in the vector, which
-        // grows by half at a time, exactly (left to double on its own, it would hold up
-        // to four slots per session).
-        let room = 2 * self.len + 64;
-        if at >= self.dense.len() && at < room {
-            let len = room.min((at + 1).max(self.dense.len() + self.dense.len() / 2));
-            self.dense.reserve_exact(len - self.dense.len());
-            self.dense.resize_with(len, || None);
-        }
+        grow_to_take(&mut self.dense, at, self.len);
         match self.dense.get_mut(at) {
             Some(slot @ None) => *slot = Some((id, value)),
             _ => {
@@ -152,6 +146,22 @@ impl<K: Slotted, T> SlotTable<K, T> {
     fn sparse_len(&self) -> usize {
         self.sparse.len()
     }
+}
+
+/// Grows a vector indexed by slot (or rank) so that it takes index `at`, if `at` is
+/// within twice the `held` values (and a little): by half at a time, and exactly, as
+/// a slot may be large (a rank's entry) and a vector left to double on its own would
+/// hold up to four per value. Past that, the value belongs in a map. Returns whether
+/// the vector grew.
+pub(crate) fn grow_to_take<E>(dense: &mut Vec<Option<E>>, at: usize, held: usize) -> bool {
+    let room = 2 * held + 64;
+    if at < dense.len() || at >= room {
+        return false;
+    }
+    let len = room.min((at + 1).max(dense.len() + dense.len() / 2));
+    dense.reserve_exact(len - dense.len());
+    dense.resize_with(len, || None);
+    true
 }
 
 #[cfg(test)]

@@ -120,10 +120,9 @@ impl SessionIds {
     /// `session` is done with its slot: free if it was the slot's last given.
     fn give_back(&self, session: SessionId) {
         let Ok(slot) = u32::try_from(session.slot()) else { return };
-        let serial = u32::try_from(session.0 >> 32).unwrap_or(0);
         let mut ids = lock(&self.0);
         if let Some((last, free @ false)) = ids.slots.get_mut(slot as usize) {
-            if *last == serial {
+            if *last == session.serial() {
                 *free = true;
                 ids.free.push_back(slot);
             }
@@ -779,23 +778,31 @@ mod tests {
         assert_eq!(ids.take().slot(), 3, "given back twice, or by a session it was not last given to: once");
     }
 
+    /// Rank `rank` of two, with an incarnation of its own (so it can resume).
+    fn hello(rank: u32) -> Identity {
+        Identity { incarnation: Some(7 + u64::from(rank)), ..Identity::ranked("j", rank, 2) }
+    }
+
+    /// The session `identity` opened (or resumed) on `outbox`'s connection.
+    fn open(shared: &Shared, identity: Identity, outbox: &Arc<Outbox>) -> SessionId {
+        match shared.open(identity, Arc::clone(outbox)) {
+            Ok(welcome) => welcome.session,
+            Err(error) => panic!("open: {error}"),
+        }
+    }
+
     /// A closed session's slot is free for the next one; a resumed session that
     /// lost its slot meanwhile is still routed, and frees no slot it does not hold.
     #[test]
     fn sinks_follow_sessions_through_reused_slots() {
         let shared = Shared::new(Config::default());
-        let hello = |rank| Identity { incarnation: Some(7 + u64::from(rank)), ..Identity::ranked("j", rank, 2) };
-        let first = Arc::new(Outbox::default());
-        let a = shared.open(hello(0), Arc::clone(&first)).map(|w| w.session);
-        let a = a.unwrap_or_else(|e| panic!("open: {e}"));
+        let (first, other, again) = (Arc::default(), Arc::default(), Arc::default());
+        let a = open(&shared, hello(0), &first);
         assert!(shared.close(a, &first, Departure::Unknown), "waits for a resume");
-        let other = Arc::new(Outbox::default());
-        let b = shared.open(hello(1), Arc::clone(&other)).map(|w| w.session);
-        let b = b.unwrap_or_else(|e| panic!("open: {e}"));
+        let b = open(&shared, hello(1), &other);
         assert_eq!(b.slot(), a.slot(), "the closed session's slot is given again");
-        let again = Arc::new(Outbox::default());
-        let resumed = shared.open(Identity { resume: Some(a), ..hello(0) }, Arc::clone(&again));
-        assert_eq!(resumed.map(|w| w.session).ok(), Some(a), "resumed under its old id, its slot taken");
+        let resumed = open(&shared, Identity { resume: Some(a), ..hello(0) }, &again);
+        assert_eq!(resumed, a, "resumed under its old id, its slot taken");
         let state = lock(&shared.state);
         assert!(state.outboxes.get(&a).is_some_and(|s| s.is_direct(&again)));
         assert!(state.outboxes.get(&b).is_some_and(|s| s.is_direct(&other)));
@@ -809,16 +816,11 @@ mod tests {
     #[test]
     fn a_resumed_session_never_frees_a_slot_twice() {
         let shared = Shared::new(Config::default());
-        let hello = |rank| Identity { incarnation: Some(7 + u64::from(rank)), ..Identity::ranked("j", rank, 2) };
-        let open = |identity, outbox: &Arc<Outbox>| match shared.open(identity, Arc::clone(outbox)) {
-            Ok(welcome) => welcome.session,
-            Err(error) => panic!("open: {error}"),
-        };
         let (first, again, other) = (Arc::default(), Arc::default(), Arc::default());
-        let a = open(hello(0), &first);
+        let a = open(&shared, hello(0), &first);
         assert!(shared.close(a, &first, Departure::Unknown), "slot 0 is free");
-        assert_eq!(open(Identity { resume: Some(a), ..hello(0) }, &again), a, "back in slot 0");
-        let b = open(hello(1), &other);
+        assert_eq!(open(&shared, Identity { resume: Some(a), ..hello(0) }, &again), a, "back in slot 0");
+        let b = open(&shared, hello(1), &other);
         assert_eq!(b.slot(), 0, "the free slot, though a sits in it");
         assert!(shared.close(a, &again, Departure::Unknown));
         assert_eq!(shared.new_session_id().slot(), 1, "a gave nothing back: slot 0 is b's");

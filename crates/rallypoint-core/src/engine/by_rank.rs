@@ -7,6 +7,7 @@
 use std::collections::hash_map::Entry;
 
 use super::HashMap;
+use crate::session_table::grow_to_take;
 
 #[derive(Debug)]
 pub(crate) struct ByRank<T> {
@@ -48,14 +49,9 @@ impl<T> ByRank<T> {
     #[inline]
     pub fn get_or_make(&mut self, rank: u32, make: impl FnOnce() -> T) -> (&mut T, bool) {
         let at = rank as usize;
-        // A rank within twice the ranks held (and a little) goes in the vector, which
-        // grows by half at a time, exactly: a slot may be large (a rank's entry), and
-        // a vector left to double on its own would hold up to four per rank.
-        let room = 2 * self.len + 64;
-        if at >= self.dense.len() && at < room {
-            let len = room.min((at + 1).max(self.dense.len() + self.dense.len() / 2));
-            self.dense.reserve_exact(len - self.dense.len());
-            self.dense.resize_with(len, || None);
+        // The ranks the map held that the vector now reaches move into it.
+        if grow_to_take(&mut self.dense, at, self.len) {
+            let len = self.dense.len();
             for (r, value) in self.sparse.extract_if(|&r, _| (r as usize) < len) {
                 self.dense[r as usize] = Some(value);
             }
