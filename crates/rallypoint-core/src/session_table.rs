@@ -153,6 +153,7 @@ impl<K: Slotted, T> SlotTable<K, T> {
 /// a slot may be large (a rank's entry) and a vector left to double on its own would
 /// hold up to four per value. Past that, the value belongs in a map. Returns whether
 /// the vector grew.
+#[inline]
 pub(crate) fn grow_to_take<E>(dense: &mut Vec<Option<E>>, at: usize, held: usize) -> bool {
     let room = 2 * held + 64;
     if at < dense.len() || at >= room {
