@@ -12,7 +12,7 @@
 //! read whole in one go costs one comparison.
 
 use std::collections::HashMap;
-use std::future::poll_fn;
+use std::future::{poll_fn, Future};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Poll, Waker};
@@ -153,20 +153,10 @@ impl Charge {
     /// Completes when another connection chose this one to close. Made anew after
     /// each [`Charge::hold`] (as in a loop's `select!`): a connection that held
     /// nothing when it was made cannot be chosen.
-    pub async fn evicted(&self) {
-        let Some(eviction) = &self.eviction else { return std::future::pending().await };
-        poll_fn(|cx| {
-            if self.is_evicted() {
-                return Poll::Ready(());
-            }
-            eviction.waker.register(cx.waker());
-            if self.is_evicted() {
-                Poll::Ready(())
-            } else {
-                Poll::Pending
-            }
-        })
-        .await
+    ///
+    /// Not an `async fn`, for the reason [`crate::conn::stall`] gives.
+    pub fn evicted(&self) -> impl Future<Output = ()> + Send + '_ {
+        poll_fn(|cx| if self.notify_eviction(cx.waker()) { Poll::Ready(()) } else { Poll::Pending })
     }
 
     /// Bytes this connection holds by its own count.

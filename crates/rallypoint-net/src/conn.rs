@@ -300,14 +300,22 @@ pub async fn peek_first_byte(stream: &TcpStream) -> io::Result<Option<u8>> {
 /// more bytes: never while nothing is buffered, so that an idle connection holds no
 /// timer. Raced against each read, and made anew after it, so the time counts from
 /// the last progress.
-pub async fn stall(buffered: usize, timeout: Duration) -> End {
-    if buffered == 0 {
-        std::future::pending::<()>().await;
-    }
+///
+/// Not an `async fn`: this sits in every idle connection's wait, where an async
+/// fn's state (its arguments kept twice) would cost more than the one pointer here.
+pub fn stall(buffered: usize, timeout: Duration) -> impl Future<Output = End> + Send {
     // Boxed: a timer's state is larger than all else an idle connection's wait holds,
     // and only a connection stopped mid-frame needs one.
-    Box::pin(tokio::time::sleep(timeout)).await;
-    End::Stalled { buffered, waited: timeout }
+    let mut timer = (buffered > 0).then(|| {
+        Box::pin(async move {
+            tokio::time::sleep(timeout).await;
+            End::Stalled { buffered, waited: timeout }
+        })
+    });
+    std::future::poll_fn(move |cx| match &mut timer {
+        Some(timer) => timer.as_mut().poll(cx),
+        None => Poll::Pending,
+    })
 }
 
 /// Reads once during the handshake; the end of the stream there is a close.

@@ -13,7 +13,9 @@ use crate::sync::lock;
 #[derive(Debug, Default)]
 pub struct WarnLimit {
     shown: u32,
-    held: u64,
+    /// Saturates: what it says is "this many, or more". 32 bits, as every rank's
+    /// connection holds one.
+    held: u32,
     last: Option<Instant>,
 }
 
@@ -36,12 +38,12 @@ impl WarnLimit {
     fn admit_at(&mut self, now: Instant) -> Option<u64> {
         let due = self.shown < Self::FULL || self.last.is_none_or(|last| now.duration_since(last) >= Self::INTERVAL);
         if !due {
-            self.held += 1;
+            self.held = self.held.saturating_add(1);
             return None;
         }
         self.shown = self.shown.saturating_add(1);
         self.last = Some(now);
-        Some(std::mem::take(&mut self.held))
+        Some(u64::from(std::mem::take(&mut self.held)))
     }
 }
 

@@ -211,7 +211,7 @@ pub(crate) async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
     peer: SocketAddr,
     mut rbuf: BytesMut,
     shared: Arc<Shared>,
-    settings: ConnSettings,
+    settings: &ConnSettings,
     charge: Charge,
 ) {
     // A sub-request is a client request (at most a client's frame) with a sub-session

@@ -146,7 +146,7 @@ impl ServerConfig {
 }
 
 /// What every connection of a server is served with.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub(crate) struct ConnSettings {
     pub(crate) limits: FrameLimits,
     pub(crate) read_timeout: Duration,
@@ -171,7 +171,8 @@ pub struct Server {
     listener: TcpListener,
     local_addr: SocketAddr,
     shared: Arc<Shared>,
-    settings: ConnSettings,
+    /// Shared by every connection: per connection it costs one pointer.
+    settings: Arc<ConnSettings>,
     tcp_limits: TcpLimits,
 }
 
@@ -199,13 +200,13 @@ impl Server {
         let uid = unsafe { libc::geteuid() };
         let tcpstore = config.token.is_some().then(|| TcpStoreAccess { allow: config.tcpstore_allow.clone(), uid });
         let auth = Arc::new(AuthSettings { token: config.token.clone(), tls: config.tls.clone(), tcpstore });
-        let settings = ConnSettings {
+        let settings = Arc::new(ConnSettings {
             limits: FrameLimits::from_limits(&config.engine.limits),
             read_timeout: config.read_timeout,
             budget: PendingBudget::new(config.max_pending_bytes),
             auth,
             native_on_reactor: config.native_on_reactor,
-        };
+        });
         let tcp_limits = TcpLimits::from_limits(&config.engine.limits);
         Ok(Server { listener, local_addr, shared: Arc::new(Shared::new(config.engine)), settings, tcp_limits })
     }
@@ -246,7 +247,7 @@ impl Server {
                         }
                         // Shutdown aborts these tasks (no per-task stop signal: an idle
                         // connection's memory is its task).
-                        connections.spawn(native::serve(stream, peer, Arc::clone(&shared), settings.clone(), Arc::clone(&reactor)));
+                        connections.spawn(native::serve(stream, peer, Arc::clone(&shared), Arc::clone(&settings), Arc::clone(&reactor)));
                     }
                     Err(error) => accept_failed(error).await,
                 },

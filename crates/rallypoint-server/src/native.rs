@@ -48,32 +48,20 @@ pub(crate) fn serve(
     stream: TcpStream,
     peer: SocketAddr,
     shared: Arc<Shared>,
-    settings: ConnSettings,
+    settings: Arc<ConnSettings>,
     reactor: Arc<Reactor>,
 ) -> impl Future<Output = ()> + Send {
     // Every byte of the connection is counted from here (module `rallypoint_net::meter`).
     let stream = Counted::new(stream, Arc::clone(shared.traffic()));
-    let on_reactor = settings.native_on_reactor;
-    let opening = Box::pin(open(stream, peer, shared, settings, Arc::clone(&reactor)));
-    async move { serving(opening.await, on_reactor, &reactor).await }
-}
-
-/// What the task of an opened connection then waits on. The session is matched by
-/// reference inside the future, never moved out across an await: each such move
-/// would keep one more copy of it in the task for the connection's whole life.
-fn serving(opened: Option<Opened>, on_reactor: bool, reactor: &Reactor) -> impl Future<Output = ()> + Send {
-    let mut opened = match opened {
-        Some(Opened::Plain(session)) if on_reactor => {
-            hand_over(session, reactor);
-            None
-        }
-        opened => opened,
-    };
+    let opening = Box::pin(open(stream, peer, shared, settings, reactor));
+    // The session is matched by reference, never moved out across an await: each
+    // such move would keep one more copy of it in the task for the connection's
+    // whole life.
     async move {
+        let Some(mut opened) = opening.await else { return };
         match &mut opened {
-            Some(Opened::Plain(session)) => run(session).await,
-            Some(Opened::Tls(session)) => run(session).await,
-            None => {}
+            Opened::Plain(session) => run(session).await,
+            Opened::Tls(session) => run(session).await,
         }
     }
 }
@@ -82,7 +70,7 @@ fn serving(opened: Option<Opened>, on_reactor: bool, reactor: &Reactor) -> impl 
 /// now on (module `rank`). A TLS session stays in its task: rustls encrypts and
 /// decrypts in the stream it wraps, which the reactor does not drive.
 fn hand_over(session: Session<Tcp>, reactor: &Reactor) {
-    let Session { conn, outbox, guard } = session;
+    let Session { conn, guard } = session;
     let Connection { charge, stream, peer, settings, rbuf, wbuf, warnings } = conn;
     // The reactor reads and writes the socket itself: its account goes with it.
     let (stream, account) = stream.into_parts();
@@ -93,7 +81,7 @@ fn hand_over(session: Session<Tcp>, reactor: &Reactor) {
             return;
         }
     };
-    let rank = RankConn::new(stream, account, peer, guard, outbox, settings.limits, rbuf, wbuf, charge, warnings);
+    let rank = RankConn::new(stream, account, peer, guard, settings.limits, rbuf, wbuf, charge, warnings);
     if let Err(error) = reactor.adopt_rank(rank) {
         debug!(%peer, %error, "cannot serve a rank's connection; closing it");
     }
@@ -115,8 +103,8 @@ impl Process {
 
 /// Serves an admitted session until its connection ends, then logs how.
 async fn run<S: AsyncRead + AsyncWrite + Unpin>(session: &mut Session<S>) {
-    let Session { conn, outbox, guard } = session;
-    let end = conn.run(guard.session, &guard.shared, outbox).await;
+    let Session { conn, guard } = session;
+    let end = conn.run(guard).await;
     log_end(conn.peer, Some(guard.session), &end);
 }
 
@@ -161,12 +149,13 @@ enum Admission<S> {
 /// Handshake and admission: TLS if this server serves it and the client starts
 /// with a TLS handshake, then the preamble, the token handshake, the hello. `None`:
 /// the connection is done here (refused, closed, served to its end as a node
-/// agent, or handed to the TCPStore reactor).
+/// agent, or handed to the reactor thread: a TCPStore client, or a plaintext rank
+/// with `native_on_reactor`).
 async fn open(
     stream: Tcp,
     peer: SocketAddr,
     shared: Arc<Shared>,
-    settings: ConnSettings,
+    settings: Arc<ConnSettings>,
     reactor: Arc<Reactor>,
 ) -> Option<Opened> {
     let deadline = Instant::now() + HANDSHAKE_TIMEOUT;
@@ -207,7 +196,12 @@ async fn open(
         }
     }
     let gate = Gate { token: auth.token.clone(), tls_required: auth.tls.is_some() };
+    let on_reactor = settings.native_on_reactor;
     match admit(stream, peer, shared, settings, Accepts::COORDINATOR, &gate, deadline).await {
+        Admission::Session(session) if on_reactor => {
+            hand_over(session, &reactor);
+            None
+        }
         Admission::Session(session) => Some(Opened::Plain(session)),
         Admission::TcpStore(stream, rbuf, charge) => {
             if let Some(access) = &auth.tcpstore {
@@ -231,7 +225,7 @@ async fn admit<S: AsyncRead + AsyncWrite + Unpin + Send + Metered>(
     mut stream: S,
     peer: SocketAddr,
     shared: Arc<Shared>,
-    settings: ConnSettings,
+    settings: Arc<ConnSettings>,
     accepts: Accepts,
     gate: &Gate,
     deadline: Instant,
@@ -249,7 +243,7 @@ async fn admit<S: AsyncRead + AsyncWrite + Unpin + Send + Metered>(
         }
         Ok(Hello::Agent) => {
             conn.stream.counted().classify(Protocol::Agent);
-            Box::pin(crate::agent_link::serve(conn.stream, peer, conn.rbuf, shared, conn.settings, conn.charge)).await;
+            Box::pin(crate::agent_link::serve(conn.stream, peer, conn.rbuf, shared, &conn.settings, conn.charge)).await;
             return Admission::Done;
         }
         Ok(Hello::TcpStore) => {
@@ -280,15 +274,14 @@ async fn admit<S: AsyncRead + AsyncWrite + Unpin + Send + Metered>(
     debug!(%peer, session = %id, job = %identity.job, rank = ?identity.rank, host = %identity.host, pid = identity.pid, "session opened");
     encode_server_frame(&ServerFrame::Welcome(welcome), &mut conn.wbuf);
     let process = Process::of(&shared, &identity);
-    let guard = SessionGuard::new(shared, id, Arc::clone(&outbox), Some(process));
-    Admission::Session(Session { conn, outbox, guard })
+    let guard = SessionGuard::new(shared, id, outbox, Some(process));
+    Admission::Session(Session { conn, guard })
 }
 
-/// An admitted native session: its connection, its outbox, and the guard that
-/// closes it in the engine when the task ends.
+/// An admitted native session: its connection, and the guard that closes it in the
+/// engine when the task ends (and holds its outbox).
 struct Session<S> {
     conn: Connection<S>,
-    outbox: Arc<Outbox>,
     guard: SessionGuard,
 }
 
@@ -320,7 +313,7 @@ pub(crate) fn log_end(peer: SocketAddr, session: Option<SessionId>, end: &End) {
 pub(crate) struct SessionGuard {
     pub(crate) shared: Arc<Shared>,
     pub(crate) session: SessionId,
-    outbox: Arc<Outbox>,
+    pub(crate) outbox: Arc<Outbox>,
     /// The session's process, for a native session.
     process: Option<Process>,
     /// The engine panicked: do not call it again on drop.
@@ -385,7 +378,7 @@ struct Connection<S> {
     charge: Charge,
     stream: S,
     peer: SocketAddr,
-    settings: ConnSettings,
+    settings: Arc<ConnSettings>,
     rbuf: BytesMut,
     wbuf: BytesMut,
     /// Warnings about this peer's bad requests.
@@ -404,7 +397,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
     }
 
     /// Serves the open session until the connection ends; returns how.
-    async fn run(&mut self, session: SessionId, shared: &Shared, outbox: &Arc<Outbox>) -> End {
+    async fn run(&mut self, guard: &SessionGuard) -> End {
+        let (session, shared, outbox) = (guard.session, &*guard.shared, &guard.outbox);
         // Replies to this session's requests that were ready at once; moved into
         // each flush, so that an idle connection holds no allocation for them.
         let mut immediate = Vec::new();

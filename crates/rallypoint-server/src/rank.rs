@@ -66,9 +66,8 @@ pub(crate) struct RankConn {
     /// Its bytes counted (module `rallypoint_net::meter`).
     stream: Counted<TcpStream>,
     peer: SocketAddr,
-    /// Closes the session in the engine when the connection is dropped.
+    /// Closes the session in the engine when the connection is dropped; holds its outbox.
     guard: SessionGuard,
-    outbox: Arc<Outbox>,
     limits: FrameLimits,
     rbuf: BytesMut,
     /// When the last bytes of the unfinished frame in `rbuf` arrived.
@@ -143,7 +142,6 @@ impl RankConn {
         account: Account,
         peer: SocketAddr,
         guard: SessionGuard,
-        outbox: Arc<Outbox>,
         limits: FrameLimits,
         rbuf: BytesMut,
         welcome: BytesMut,
@@ -156,7 +154,6 @@ impl RankConn {
             stream: Counted::from_parts(TcpStream::from_std(stream), account),
             peer,
             guard,
-            outbox,
             limits,
             rbuf,
             progress_at: Instant::now(),
@@ -178,7 +175,7 @@ impl RankConn {
     }
 
     pub(crate) fn outbox(&self) -> &Arc<Outbox> {
-        &self.outbox
+        &self.guard.outbox
     }
 
     pub(crate) fn peer(&self) -> SocketAddr {
@@ -216,7 +213,7 @@ impl RankConn {
             if let Some(end) = self.broken.take() {
                 return Err(end);
             }
-            if self.outbox.superseded() {
+            if self.guard.outbox.superseded() {
                 return Err(End::Shutdown("the session was resumed on another connection".to_owned()));
             }
             if self.buffered {
@@ -224,9 +221,9 @@ impl RankConn {
                 continue;
             }
             if !self.readable {
-                if self.outbox.ready.poll_wait(waker) {
+                if self.guard.outbox.ready.poll_wait(waker) {
                     // Replies queued before the connection came to the reactor.
-                    self.send(self.outbox.take().into_iter(), &mut scratch.out);
+                    self.send(self.guard.outbox.take().into_iter(), &mut scratch.out);
                     continue;
                 }
                 Buffering::RANK.release_idle(&mut self.rbuf);
@@ -292,7 +289,7 @@ impl RankConn {
         if !requests.is_empty() {
             let shared = &self.guard.shared;
             let immediate = &mut |id, reply| replies.push((id, reply));
-            shared.handle_routed(session, &self.outbox, requests.drain(..), immediate, Some(routed));
+            shared.handle_routed(session, &self.guard.outbox, requests.drain(..), immediate, Some(routed));
         }
         self.send(replies.drain(..), out);
         // Counted as soon as it is known, before the replies go out.

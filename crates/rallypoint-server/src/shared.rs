@@ -10,6 +10,7 @@
 //! rank.
 
 use std::collections::{HashMap, VecDeque};
+use std::future::Future;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::task::{Poll, Waker};
@@ -247,8 +248,9 @@ impl Ready {
     }
 
     /// Completes once `notify` was called since the last wait completed.
-    pub(crate) async fn wait(&self) {
-        std::future::poll_fn(|cx| if self.poll_wait(cx.waker()) { Poll::Ready(()) } else { Poll::Pending }).await;
+    /// Not an `async fn`, for the reason `rallypoint_net::conn::stall` gives.
+    pub(crate) fn wait(&self) -> impl Future<Output = ()> + Send + '_ {
+        std::future::poll_fn(|cx| if self.poll_wait(cx.waker()) { Poll::Ready(()) } else { Poll::Pending })
     }
 
     /// `wait` without a future: true if `notify` was called since the last wait
