@@ -89,8 +89,8 @@ pub struct Charge {
     budget: Arc<PendingBudget>,
     id: u64,
     held: usize,
-    /// Made when the connection first holds something: most never do, and a server
-    /// may have a hundred thousand of them.
+    /// Made when the connection holds something, dropped when it holds nothing
+    /// again: a server may have a hundred thousand connections, most holding nothing.
     eviction: Option<Arc<Eviction>>,
 }
 
@@ -106,10 +106,19 @@ impl Charge {
             return Ok(());
         }
         let mut state = lock(&self.budget.state);
+        // Chosen meanwhile, by a connection that held the lock: its bytes were taken
+        // out of the total then.
+        if self.is_evicted() {
+            return Ok(());
+        }
         state.total = state.total - self.held + bytes;
         self.held = bytes;
         if bytes == 0 {
             state.holders.remove(&self.id);
+            // Nobody can choose a connection holding nothing: the handshake made every
+            // connection hold its hello for a moment, and the rest of its life it
+            // would keep this for nothing.
+            self.eviction = None;
         } else {
             let eviction = self.eviction.get_or_insert_with(Arc::default);
             state.holders.insert(self.id, (bytes, Arc::clone(eviction)));
@@ -193,6 +202,20 @@ mod tests {
         assert_eq!(a.hold(0), Ok(()));
         drop(b);
         assert_eq!(budget.total(), 0);
+    }
+
+    #[test]
+    fn a_connection_holding_nothing_keeps_no_eviction_state_yet_can_be_chosen_again() {
+        let budget = PendingBudget::new(100);
+        let (mut a, mut b) = (budget.charge(), budget.charge());
+        a.hold(10).expect("within");
+        assert!(a.eviction.is_some());
+        a.hold(0).expect("within");
+        assert!(a.eviction.is_none(), "kept for a connection that cannot be chosen");
+        a.hold(80).expect("within");
+        assert_eq!(b.hold(30), Ok(()));
+        assert!(a.is_evicted() && !b.is_evicted());
+        assert_eq!(budget.total(), 30);
     }
 
     #[test]

@@ -63,7 +63,7 @@ pub(crate) fn claim(
         });
     }
     let Some(holder) = job.ranks.holder(rank) else { return Ok(None) };
-    if holder.process.incarnation == Some(incarnation) {
+    if holder.incarnation == incarnation {
         return Ok(None);
     }
     let state = job.ranks.state(rank);
@@ -78,7 +78,7 @@ pub(crate) fn claim(
     if live {
         return Err(OpError::RankHeld {
             rank,
-            holder: Box::new(holder.process.clone()),
+            holder: Box::new(holder.process()),
             since_unix_ms: unix_ms(holder.since),
             claimant: claimant(),
         });

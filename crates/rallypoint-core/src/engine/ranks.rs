@@ -2,7 +2,10 @@
 //! and whether it left cleanly or was lost; and which process (incarnation) holds
 //! each rank (module `incarnation` decides who may claim it).
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
+use std::sync::Arc;
+
+use smallvec::SmallVec;
 
 use super::by_rank::ByRank;
 
@@ -14,9 +17,9 @@ const PREVIOUS_KEPT: usize = 8;
 
 #[derive(Debug)]
 struct Entry {
-    host: String,
+    host: Arc<str>,
     pid: u32,
-    role: Option<String>,
+    role: Option<Arc<str>>,
     /// Open sessions carrying this rank.
     sessions: u32,
     state: RankState,
@@ -25,17 +28,52 @@ struct Entry {
     lease_armed: bool,
     /// The process that holds the rank, once a session stating an incarnation claimed it.
     holder: Option<Box<Holder>>,
-    /// Incarnations that held the rank and were taken over, oldest first.
-    previous: Vec<Takeover>,
+    /// Incarnations that held the rank and were taken over, oldest first. Boxed:
+    /// few ranks are ever taken over, and every rank has an entry.
+    #[allow(clippy::box_collection, reason = "a field of 8 bytes in every rank's entry, not 24")]
+    previous: Option<Box<Vec<Takeover>>>,
 }
 
 /// The process (incarnation) that holds a rank, and its open sessions of it.
 #[derive(Debug)]
 pub(crate) struct Holder {
-    /// `incarnation` is always set.
-    pub process: ProcessInfo,
+    pub pid: u32,
+    pub host: Arc<str>,
+    pub incarnation: u64,
     pub since: Millis,
-    pub sessions: Vec<SessionId>,
+    /// One per connection of the process; rarely more than two.
+    pub sessions: SmallVec<[SessionId; 2]>,
+}
+
+impl Holder {
+    pub fn process(&self) -> ProcessInfo {
+        ProcessInfo { pid: self.pid, host: self.host.to_string(), incarnation: Some(self.incarnation) }
+    }
+}
+
+/// Names many ranks share (hosts, roles), held once per job: ranks are many, the
+/// hosts they run on and the roles they play few.
+#[derive(Debug, Default)]
+struct Names(HashSet<Arc<str>, foldhash::fast::RandomState>);
+
+impl Names {
+    fn get(&mut self, name: &str) -> Arc<str> {
+        if let Some(held) = self.0.get(name) {
+            return Arc::clone(held);
+        }
+        let name: Arc<str> = Arc::from(name);
+        self.0.insert(Arc::clone(&name));
+        name
+    }
+
+    /// A rank no longer uses `name`: forgotten once no rank does, so that names
+    /// a client makes up do not pile up.
+    fn put(&mut self, name: Arc<str>) {
+        // Held here and by `name` alone.
+        if Arc::strong_count(&name) == 2 {
+            self.0.remove(&*name);
+        }
+    }
 }
 
 /// An incarnation that held a rank, and the process that took the rank over from it.
@@ -54,6 +92,7 @@ pub(crate) struct Ranks {
     lost: BTreeSet<u32>,
     /// Ranks lost so far: (connection dropped, lease expired).
     pub lost_counts: (u64, u64),
+    names: Names,
 }
 
 /// What the caller must do after a liveness change.
@@ -67,8 +106,9 @@ pub(crate) enum Change {
 }
 
 impl Ranks {
-    /// A session of `rank` opened; `claim`: the session and its process, if it stated
-    /// an incarnation (it becomes the holder, or one more session of the holder).
+    /// A session of `rank` opened, of process `pid` on `host`; `claim`: the session
+    /// and its process's incarnation, if it stated one (the process becomes the
+    /// holder, or the session one more of the holder's).
     #[allow(clippy::too_many_arguments)]
     pub fn connect(
         &mut self,
@@ -78,10 +118,11 @@ impl Ranks {
         role: Option<&str>,
         now: Millis,
         lease_ms: u64,
-        claim: Option<(SessionId, &ProcessInfo)>,
+        claim: Option<(SessionId, u64)>,
     ) -> Change {
+        let names = &mut self.names;
         let entry = self.entries.get_or_insert_with(rank, || Entry {
-            host: String::new(),
+            host: Arc::from(""),
             pid: 0,
             role: None,
             sessions: 0,
@@ -89,20 +130,35 @@ impl Ranks {
             last_seen: now,
             lease_armed: false,
             holder: None,
-            previous: Vec::new(),
+            previous: None,
         });
-        if let Some((session, process)) = claim {
+        if *entry.host != *host {
+            let old = std::mem::replace(&mut entry.host, names.get(host));
+            names.put(old);
+        }
+        if entry.role.as_deref() != role {
+            if let Some(old) = std::mem::replace(&mut entry.role, role.map(|role| names.get(role))) {
+                names.put(old);
+            }
+        }
+        if let Some((session, incarnation)) = claim {
             match &mut entry.holder {
-                Some(holder) if holder.process.incarnation == process.incarnation => holder.sessions.push(session),
+                Some(holder) if holder.incarnation == incarnation => holder.sessions.push(session),
                 holder => {
-                    *holder = Some(Box::new(Holder { process: process.clone(), since: now, sessions: vec![session] }))
+                    let new = Box::new(Holder {
+                        pid,
+                        host: Arc::clone(&entry.host),
+                        incarnation,
+                        since: now,
+                        sessions: SmallVec::from_elem(session, 1),
+                    });
+                    if let Some(old) = holder.replace(new) {
+                        names.put(old.host);
+                    }
                 }
             }
         }
-        entry.host.clear();
-        entry.host.push_str(host);
         entry.pid = pid;
-        entry.role = role.map(str::to_owned);
         entry.sessions += 1;
         entry.state = RankState::Connected;
         entry.last_seen = now;
@@ -125,7 +181,7 @@ impl Ranks {
     pub fn disconnect(&mut self, rank: u32, session: SessionId, clean: bool, now: Millis) -> Change {
         let Some(entry) = self.entries.get_mut(rank) else { return Change::None };
         if let Some(holder) = &mut entry.holder {
-            holder.sessions.retain(|&s| s != session);
+            holder.sessions.retain(|s| *s != session);
         }
         entry.sessions = entry.sessions.saturating_sub(1);
         if entry.sessions > 0 {
@@ -181,7 +237,7 @@ impl Ranks {
 
     /// The takeover that ended `incarnation`'s hold on `rank`, if one did.
     pub fn taken_from(&self, rank: u32, incarnation: u64) -> Option<&Takeover> {
-        self.entries.get(rank)?.previous.iter().rev().find(|t| t.incarnation == incarnation)
+        self.entries.get(rank)?.previous.as_ref()?.iter().rev().find(|t| t.incarnation == incarnation)
     }
 
     /// Where `rank` stands (never connected if it never did).
@@ -195,15 +251,15 @@ impl Ranks {
     pub fn take_over(&mut self, rank: u32, by: &ProcessInfo, now: Millis) -> Vec<SessionId> {
         let Some(entry) = self.entries.get_mut(rank) else { return Vec::new() };
         let Some(holder) = entry.holder.take() else { return Vec::new() };
-        let sessions = holder.sessions;
+        let Holder { host, incarnation, sessions, .. } = *holder;
+        self.names.put(host);
         entry.sessions = entry.sessions.saturating_sub(u32::try_from(sessions.len()).unwrap_or(u32::MAX));
-        if let Some(incarnation) = holder.process.incarnation {
-            if entry.previous.len() == PREVIOUS_KEPT {
-                entry.previous.remove(0);
-            }
-            entry.previous.push(Takeover { incarnation, by: by.clone(), at: now });
+        let previous = entry.previous.get_or_insert_with(Box::default);
+        if previous.len() == PREVIOUS_KEPT {
+            previous.remove(0);
         }
-        sessions
+        previous.push(Takeover { incarnation, by: by.clone(), at: now });
+        sessions.into_vec()
     }
 
     /// Ranks ever connected, by state: (connected, left cleanly, lost).
@@ -245,11 +301,66 @@ impl Ranks {
             None => RankInfo { rank, host: None, pid: None, state: RankState::NeverConnected, last_seen_ms_ago: None },
             Some(e) => RankInfo {
                 rank,
-                host: Some(e.host.clone()),
+                host: Some(e.host.to_string()),
                 pid: Some(e.pid),
                 state: e.state,
                 last_seen_ms_ago: Some(now.saturating_sub(e.last_seen)),
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn session(n: u64) -> SessionId {
+        SessionId::at(u32::try_from(n).expect("small"), 1)
+    }
+
+    #[test]
+    fn ranks_share_their_host_and_role_names_and_forget_those_no_rank_uses() {
+        let mut ranks = Ranks::default();
+        for rank in 0..4 {
+            ranks.connect(rank, "node-a", 100 + rank, Some("trainer"), 0, 0, Some((session(u64::from(rank) + 1), 7)));
+        }
+        let a = &ranks.entries.get(0).expect("connected").host;
+        assert!(Arc::ptr_eq(a, &ranks.entries.get(3).expect("connected").host), "one host name for all");
+        let holder = ranks.holder(2).expect("claimed");
+        assert!(Arc::ptr_eq(&holder.host, a), "the holder's host is the rank's");
+        assert_eq!(holder.process(), ProcessInfo { pid: 102, host: "node-a".into(), incarnation: Some(7) });
+        assert_eq!(ranks.names.0.len(), 2);
+
+        // Every rank moves to another host and role (a restarted job): the old names go.
+        for rank in 0..4 {
+            ranks.connect(rank, "node-b", 200 + rank, None, 1, 0, Some((session(u64::from(rank) + 11), 8)));
+        }
+        let names: Vec<&str> = ranks.names.0.iter().map(|n| &**n).collect();
+        assert_eq!(names, ["node-b"]);
+        assert_eq!(ranks.info(1, 1).host.as_deref(), Some("node-b"));
+        assert_eq!(ranks.role(1), None);
+
+        // A takeover gives the holder's name back too.
+        ranks.connect(0, "node-c", 300, None, 2, 0, None);
+        ranks.take_over(0, &ProcessInfo { pid: 300, host: "node-c".into(), incarnation: Some(9) }, 2);
+        assert!(ranks.holder(0).is_none());
+        assert_eq!(ranks.taken_from(0, 8).map(|t| t.by.pid), Some(300));
+        let mut names: Vec<&str> = ranks.names.0.iter().map(|n| &**n).collect();
+        names.sort_unstable();
+        assert_eq!(names, ["node-b", "node-c"]);
+    }
+
+    #[test]
+    fn a_second_session_of_the_holding_process_joins_its_sessions() {
+        let mut ranks = Ranks::default();
+        ranks.connect(5, "h", 1, None, 0, 0, Some((session(1), 42)));
+        ranks.connect(5, "h", 1, None, 0, 0, Some((session(2), 42)));
+        assert_eq!(ranks.holder(5).expect("claimed").sessions.as_slice(), [session(1), session(2)]);
+        ranks.disconnect(5, session(1), false, 1);
+        assert_eq!(ranks.holder(5).expect("claimed").sessions.as_slice(), [session(2)]);
+        assert_eq!(
+            ranks.take_over(5, &ProcessInfo { pid: 2, host: "h".into(), incarnation: Some(43) }, 2),
+            [session(2)]
+        );
     }
 }

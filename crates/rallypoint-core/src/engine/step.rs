@@ -8,8 +8,7 @@
 use bytes::Bytes;
 
 use crate::{
-    AbortInfo, CollectiveKind, Config, Identity, Members, Millis, Missing, OpError, ProcessInfo, Reply, Request,
-    Response, SessionId,
+    AbortInfo, CollectiveKind, Config, Identity, Members, Millis, Missing, OpError, Reply, Request, Response, SessionId,
 };
 
 use crate::counters;
@@ -20,7 +19,7 @@ use super::collective::{Call, CollectiveAt, Ctx};
 use super::job::{send_key_replies, Job};
 use super::store::{WaitId, WaitKind};
 use super::timers::Timer;
-use super::{incarnation, resume, torch, validate, Session, Sessions};
+use super::{resume, torch, validate, Session, Sessions};
 
 /// A job and everything a change of it may touch, borrowed apart from the engine.
 pub(crate) struct Step<'a> {
@@ -89,8 +88,7 @@ impl<'a> Step<'a> {
         }
         if let Some(rank) = identity.rank {
             let lease_ms = self.config.lease_ms;
-            let process = identity.incarnation.map(|_| incarnation::process(identity));
-            let claim = process.as_ref().map(|p| (id, p));
+            let claim = identity.incarnation.map(|incarnation| (id, incarnation));
             self.connect(rank, &identity.host, identity.pid, identity.role.as_deref(), lease_ms, claim);
         }
     }
@@ -104,7 +102,7 @@ impl<'a> Step<'a> {
         pid: u32,
         role: Option<&str>,
         lease_ms: u64,
-        claim: Option<(SessionId, &ProcessInfo)>,
+        claim: Option<(SessionId, u64)>,
     ) {
         let change = self.job.ranks.connect(rank, host, pid, role, self.ctx.now, lease_ms, claim);
         self.job.apply(rank, change, &mut self.ctx);
