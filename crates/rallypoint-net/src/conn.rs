@@ -555,9 +555,11 @@ impl Buffering {
     /// only enough for torch's usual requests and replies.
     pub const TORCH: Buffering = Buffering { chunk: 64 * 1024, keep: 1024 };
 
-    /// Gives back `buf`'s memory if it is empty and larger than this keeps.
+    /// Gives back `buf`'s memory if it is empty and larger than this keeps. An
+    /// empty buffer with no room left is given back too: its last frame was split
+    /// off the end of its allocation, which it would keep alive for nothing.
     pub fn release_idle(self, buf: &mut BytesMut) {
-        if buf.is_empty() && buf.capacity() > self.keep {
+        if buf.is_empty() && (buf.capacity() > self.keep || buf.capacity() == 0) {
             *buf = BytesMut::new();
         }
     }
@@ -795,6 +797,21 @@ mod tests {
         Buffering::CLIENT.release_idle(&mut buf);
         assert!(buf.capacity() >= 8192, "kept: within CLIENT's keep");
         Buffering::RANK.release_idle(&mut buf);
+        assert_eq!(buf.capacity(), 0);
+    }
+
+    #[test]
+    fn an_idle_buffer_whose_last_frame_was_split_off_its_end_is_given_back() {
+        // As a read into an empty buffer leaves it: allocated at exactly the bytes read.
+        let mut buf = BytesMut::new();
+        buf.extend_from_slice(&[7; 100]);
+        let frame = buf.split_to(100).freeze();
+        drop(frame);
+        assert_eq!((buf.len(), buf.capacity()), (0, 0));
+        // Still part of the allocation the frame came from: only a new buffer lets it go.
+        let pinned = buf.as_ptr();
+        Buffering::TORCH.release_idle(&mut buf);
+        assert_ne!(buf.as_ptr(), pinned, "the empty buffer still pins its old allocation");
         assert_eq!(buf.capacity(), 0);
     }
 }
