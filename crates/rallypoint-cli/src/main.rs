@@ -66,6 +66,9 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if matches!(cli.command, Command::Serve(_) | Command::Agent(_) | Command::Launch(_)) {
+        limit_malloc_arenas();
+    }
     // The coordinator reports what it does; a verb in a shell script stays quiet
     // unless something is wrong. RUST_LOG overrides both.
     let default_level = match cli.command {
@@ -99,6 +102,21 @@ fn main() -> ExitCode {
             eprintln!("rallypoint: {}", exit::render(&err));
             ExitCode::from(exit::code_of(&err) as u8)
         }
+    }
+}
+
+/// A process serving connections keeps glibc's allocations in one arena, not one
+/// per thread up to eight per core: a connection's state is made on one thread and
+/// its replies on others, and each arena keeps its own partly used pages, a fifth
+/// of an idle connection's memory (docs/BENCHMARKS.md, "Coordinator memory per idle
+/// connection"). Threads still allocate from caches of their own; the coordinator's
+/// engine runs under one lock anyway. `MALLOC_ARENA_MAX` still decides where set.
+fn limit_malloc_arenas() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+        // SAFETY: mallopt only sets a tunable of the allocator; called before any
+        // thread of ours starts.
+        unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
     }
 }
 
