@@ -23,7 +23,7 @@ use crate::{
 use super::by_rank::ByRank;
 use super::members::{Arrivals, MemberSet};
 use super::ranks::Ranks;
-use super::timers::{Timer, Timers};
+use super::timers::{CollectiveDeadline, Timer, Timers};
 use super::JobId;
 
 /// One validated call of a collective.
@@ -256,7 +256,12 @@ impl Collectives {
                 generation.deadline = Some(deadline);
                 ctx.timers.schedule(
                     deadline,
-                    Timer::Collective { job: ctx.job, kind, name: name.to_owned(), generation: number },
+                    Timer::Collective(Box::new(CollectiveDeadline {
+                        job: ctx.job,
+                        kind,
+                        name: name.to_owned(),
+                        generation: number,
+                    })),
                 );
             }
         }

@@ -18,7 +18,7 @@ use crate::ranges::{runs, split};
 use super::collective::{Call, CollectiveAt, Ctx};
 use super::job::{send_key_replies, Job};
 use super::store::{WaitId, WaitKind};
-use super::timers::Timer;
+use super::timers::{CollectiveDeadline, Timer};
 use super::{resume, torch, validate, Session, Sessions};
 
 /// A job and everything a change of it may touch, borrowed apart from the engine.
@@ -136,7 +136,8 @@ impl<'a> Step<'a> {
         match timer {
             Timer::KeyWait { session, request_id, .. } => self.expire_wait((session, request_id)),
             Timer::StallSweep { .. } => self.sweep_stalls(at),
-            Timer::Collective { kind, name, generation, .. } => {
+            Timer::Collective(deadline) => {
+                let CollectiveDeadline { kind, name, generation, .. } = *deadline;
                 self.job.collectives.deadline(kind, &name, generation, at, &self.job.ranks, &mut self.ctx)
             }
             Timer::Lease { rank, .. } => self.lease_check(rank),

@@ -19,12 +19,9 @@ pub(crate) enum Timer {
     StallSweep {
         job: JobId,
     },
-    Collective {
-        job: JobId,
-        kind: CollectiveKind,
-        name: String,
-        generation: u64,
-    },
+    /// Boxed: a lease timer per rank shares the heap with these, which are one per
+    /// collective and round, and would make every entry the size of their name.
+    Collective(Box<CollectiveDeadline>),
     Lease {
         job: JobId,
         rank: u32,
@@ -39,16 +36,25 @@ pub(crate) enum Timer {
     },
 }
 
+/// A generation of a collective times out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct CollectiveDeadline {
+    pub job: JobId,
+    pub kind: CollectiveKind,
+    pub name: String,
+    pub generation: u64,
+}
+
 impl Timer {
     /// The job the timer belongs to.
     pub fn job(&self) -> JobId {
         match self {
             Timer::KeyWait { job, .. }
             | Timer::StallSweep { job }
-            | Timer::Collective { job, .. }
             | Timer::Lease { job, .. }
             | Timer::JobIdle { job }
             | Timer::Grace { job, .. } => *job,
+            Timer::Collective(deadline) => deadline.job,
         }
     }
 }
