@@ -107,7 +107,7 @@ fn main() -> ExitCode {
 
 /// A process serving connections keeps glibc's allocations in one arena, not one
 /// per thread up to eight per core: a connection's state is made on one thread and
-/// its replies on others, and each arena keeps its own partly used pages, a fifth
+/// its replies on others, and each arena keeps its own partly used pages, a tenth
 /// of an idle connection's memory (docs/BENCHMARKS.md, "Coordinator memory per idle
 /// connection"). Threads still allocate from caches of their own; the coordinator's
 /// engine runs under one lock anyway. `MALLOC_ARENA_MAX` still decides where set.
