@@ -546,6 +546,10 @@ impl Buffering {
     /// Serving one rank: small requests, and tens of thousands of idle connections
     /// that must hold no buffer at all.
     pub const RANK: Buffering = Buffering { chunk: 4096, keep: 0 };
+    /// Serving one rank on a coordinator's reactor thread, which serves for the
+    /// least CPU rather than the least memory: an idle connection keeps what its
+    /// last small request was read into, for its next request.
+    pub const RANK_ON_REACTOR: Buffering = Buffering { chunk: 4096, keep: 256 };
     /// A node agent's link to the coordinator: the batched traffic of a whole node.
     pub const NODE_LINK: Buffering = Buffering { chunk: 256 * 1024, keep: 1 << 20 };
     /// A client's replies: one connection per process, so a buffer may stay.
@@ -555,11 +559,22 @@ impl Buffering {
     /// only enough for torch's usual requests and replies.
     pub const TORCH: Buffering = Buffering { chunk: 64 * 1024, keep: 1024 };
 
-    /// Gives back `buf`'s memory if it is empty and larger than this keeps. An
-    /// empty buffer with no room left is given back too: its last frame was split
-    /// off the end of its allocation, which it would keep alive for nothing.
+    /// Gives back `buf`'s memory if it is empty and larger than this keeps.
+    ///
+    /// An empty buffer with no room left still holds the allocation its last frame
+    /// was split from. That is worth keeping where a buffer may stay: the next read
+    /// reuses it in place, once the frame's bytes are dropped, instead of
+    /// allocating anew. It goes where nothing is kept, and where it is larger than
+    /// what is kept and nothing else holds it.
     pub fn release_idle(self, buf: &mut BytesMut) {
-        if buf.is_empty() && (buf.capacity() > self.keep || buf.capacity() == 0) {
+        if !buf.is_empty() {
+            return;
+        }
+        let too_large = match buf.capacity() {
+            0 => self.keep == 0 || buf.try_reclaim(self.keep + 1),
+            capacity => capacity > self.keep,
+        };
+        if too_large {
             *buf = BytesMut::new();
         }
     }
@@ -801,7 +816,7 @@ mod tests {
     }
 
     #[test]
-    fn an_idle_buffer_whose_last_frame_was_split_off_its_end_is_given_back() {
+    fn an_idle_buffer_whose_last_frame_was_split_off_its_end_goes_where_nothing_is_kept() {
         // As a read into an empty buffer leaves it: allocated at exactly the bytes read.
         let mut buf = BytesMut::new();
         buf.extend_from_slice(&[7; 100]);
@@ -811,7 +826,20 @@ mod tests {
         // Still part of the allocation the frame came from: only a new buffer lets it go.
         let pinned = buf.as_ptr();
         Buffering::TORCH.release_idle(&mut buf);
+        assert_eq!(buf.as_ptr(), pinned, "kept where a buffer is kept: the next read reuses it");
+        Buffering::RANK.release_idle(&mut buf);
         assert_ne!(buf.as_ptr(), pinned, "the empty buffer still pins its old allocation");
         assert_eq!(buf.capacity(), 0);
+
+        // Larger than what is kept: it goes, unless the frame's bytes still hold it.
+        let mut buf = BytesMut::new();
+        buf.extend_from_slice(&[7; 300]);
+        let frame = buf.split_to(300).freeze();
+        Buffering::RANK_ON_REACTOR.release_idle(&mut buf);
+        assert_eq!(buf.as_ptr(), frame.as_ptr().wrapping_add(300), "held by the frame anyway: kept");
+        drop(frame);
+        Buffering::RANK_ON_REACTOR.release_idle(&mut buf);
+        assert_eq!(buf.capacity(), 0);
+        assert!(!buf.try_reclaim(1), "a new buffer, holding no allocation");
     }
 }

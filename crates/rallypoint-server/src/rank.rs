@@ -8,8 +8,9 @@
 //! come back from the same call, routed (see `shared`), and are written by the
 //! same thread at once: no task is woken, and nothing is handed between threads.
 //!
-//! What a connection holds while idle: its state in the reactor's slab, and no read
-//! or write buffer. Replies are encoded into a buffer the reactor lends to the one
+//! What a connection holds while idle: its state in the reactor's slab, no write
+//! buffer, and no read buffer but the allocation its last small request was read
+//! into, which the next read reuses ([`Buffering::RANK_ON_REACTOR`]). Replies are encoded into a buffer the reactor lends to the one
 //! connection writing; only bytes the socket did not take stay with the connection,
 //! which then reads nothing more until they are written (a peer that does not read
 //! its replies is not read either). A large tail a reply shares with others (an
@@ -226,14 +227,14 @@ impl RankConn {
                     self.send(self.guard.outbox.take().into_iter(), &mut scratch.out);
                     continue;
                 }
-                Buffering::RANK.release_idle(&mut self.rbuf);
+                Buffering::RANK_ON_REACTOR.release_idle(&mut self.rbuf);
                 return Ok(Progress::Idle);
             }
             if reads == max_reads {
                 return Ok(Progress::More);
             }
             reads += 1;
-            let read = read_from(self.stream.get_ref(), &mut self.rbuf, Buffering::RANK);
+            let read = read_from(self.stream.get_ref(), &mut self.rbuf, Buffering::RANK_ON_REACTOR);
             if let Ok(ReadOutcome { got, .. }) = read {
                 self.stream.received(got);
             }
