@@ -251,4 +251,46 @@ mod tests {
         other.hold(5).expect("the victim holds more");
         assert!(tokio::time::timeout(std::time::Duration::from_secs(5), waiting).await.expect("woken").expect("task"));
     }
+
+    #[test]
+    fn connections_holding_and_evicting_each_other_at_once_keep_the_total_true() {
+        // A connection chosen between its own look and taking the lock had its bytes
+        // counted out twice (the total wrapped below zero). Threads racing holds
+        // hit that window often; each ends by checking the total against the bytes
+        // the connections still counted say they hold.
+        for round in 0..100u64 {
+            let budget = PendingBudget::new(1000);
+            let charges: Vec<Charge> = std::thread::scope(|scope| {
+                let workers: Vec<_> = (0..4u64)
+                    .map(|worker| {
+                        let budget = &budget;
+                        scope.spawn(move || {
+                            let mut charge = budget.charge();
+                            let mut state = round * 31 + worker * 7 + 1;
+                            for _ in 0..1000 {
+                                state = state
+                                    .wrapping_mul(6_364_136_223_846_793_005)
+                                    .wrapping_add(1_442_695_040_888_963_407);
+                                // Often nothing (a request read whole), else up to 600 bytes.
+                                let bytes = if state >> 62 == 0 {
+                                    0
+                                } else {
+                                    usize::try_from((state >> 33) % 600).expect("small")
+                                };
+                                if charge.hold(bytes).is_err() || charge.is_evicted() {
+                                    charge = budget.charge();
+                                }
+                            }
+                            charge
+                        })
+                    })
+                    .collect();
+                workers.into_iter().map(|worker| worker.join().expect("no overflow")).collect()
+            });
+            let counted: usize = charges.iter().filter(|c| !c.is_evicted()).map(Charge::held).sum();
+            assert_eq!(budget.total(), counted, "round {round}");
+            drop(charges);
+            assert_eq!(budget.total(), 0, "round {round}");
+        }
+    }
 }
