@@ -9,10 +9,10 @@ use std::sync::{Arc, Mutex};
 
 use bytes::{Buf, BytesMut};
 use rallypoint_core::{OpError, Request};
-use rallypoint_net::budget::{buffered, Charge};
+use rallypoint_net::budget::Charge;
 use rallypoint_net::conn::{
-    accept_hello, after_read, decode_requests, peek_first_byte, read_some, stall, Accepts, Buffering, End, Gate, Hello,
-    Inbound,
+    accept_hello, after_read, decode_requests, hold_buffered, peek_first_byte, read_some, stall, Accepts, Buffering,
+    End, Gate, Hello, Inbound,
 };
 use rallypoint_net::shm::MAX_FDS_PER_WRITE;
 use rallypoint_net::sync::lock;
@@ -464,7 +464,7 @@ fn forward(
         }
     }
     result?;
-    Ok(charge.hold(buffered(rbuf))?)
+    hold_buffered(charge, rbuf)
 }
 
 #[cfg(test)]

@@ -327,8 +327,21 @@ async fn read_more<R: AsyncRead + Unpin>(reader: &mut R, rbuf: &mut BytesMut, ch
     match read {
         0 if rbuf.is_empty() => Err(End::Closed),
         0 => Err(End::ClosedMidFrame { buffered: rbuf.len() }),
-        _ => Ok(charge.hold(crate::budget::buffered(rbuf))?),
+        _ => hold_buffered(charge, rbuf),
     }
+}
+
+/// Counts the unfinished requests `rbuf` holds against the byte budget
+/// ([`Charge::hold`]): `Err` if this connection must close, as the one holding the
+/// most, or because another chose it meanwhile. Looked at here, after every read,
+/// and not only in the `select!` that races [`Charge::evicted`] against the read: a
+/// peer whose socket is always readable wins that race every time.
+pub fn hold_buffered(charge: &mut Charge, rbuf: &BytesMut) -> Result<(), End> {
+    charge.hold(crate::budget::buffered(rbuf))?;
+    if charge.is_evicted() {
+        return Err(End::Evicted);
+    }
+    Ok(())
 }
 
 /// What the connecting side proves and checks.
@@ -804,6 +817,18 @@ mod tests {
         });
         assert!(matches!(end, Err(End::SecondHello)));
         assert_eq!(ids, [1]);
+    }
+
+    #[test]
+    fn a_connection_chosen_to_close_learns_it_at_its_next_read() {
+        let budget = crate::budget::PendingBudget::new(100);
+        let (mut big, mut small) = (budget.charge(), budget.charge());
+        let mut rbuf = BytesMut::new();
+        rbuf.extend_from_slice(&[1; 80]);
+        assert!(hold_buffered(&mut big, &rbuf).is_ok());
+        small.hold(30).expect("the big one is chosen instead");
+        rbuf.extend_from_slice(&[1; 10]);
+        assert!(matches!(hold_buffered(&mut big, &rbuf), Err(End::Evicted)));
     }
 
     #[test]

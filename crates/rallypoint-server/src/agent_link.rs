@@ -21,8 +21,8 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::{Departure, OpError, Reply, Request, Response, SessionId, SlotTable, Welcome};
-use rallypoint_net::budget::{buffered, Charge};
-use rallypoint_net::conn::{after_read, read_some, stall, Buffering, End};
+use rallypoint_net::budget::Charge;
+use rallypoint_net::conn::{after_read, hold_buffered, read_some, stall, Buffering, End};
 use rallypoint_net::sync::lock;
 use rallypoint_net::warn_limit::WarnLimit;
 use rallypoint_proto::native::{
@@ -321,7 +321,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
             self.answer_hellos(opened);
         }
         result?;
-        Ok(self.charge.hold(buffered(&self.rbuf))?)
+        hold_buffered(&mut self.charge, &self.rbuf)
     }
 
     /// One frame of the agent as inputs for the engine, in order: a SubRequests

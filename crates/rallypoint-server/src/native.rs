@@ -13,10 +13,10 @@ use std::time::Duration;
 
 use bytes::BytesMut;
 use rallypoint_core::{Departure, Identity, OpError, Reply, SessionId};
-use rallypoint_net::budget::{buffered, Charge};
+use rallypoint_net::budget::Charge;
 use rallypoint_net::conn::{
-    accept_hello, after_read, decode_requests, peek_first_byte, read_some, stall, Accepts, Buffering, End, Gate, Hello,
-    Inbound,
+    accept_hello, after_read, decode_requests, hold_buffered, peek_first_byte, read_some, stall, Accepts, Buffering,
+    End, Gate, Hello, Inbound,
 };
 use rallypoint_net::meter::{Counted, Protocol};
 use rallypoint_net::tls::TLS_FIRST_BYTE;
@@ -484,7 +484,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         // Counted as soon as it is known, so that what a peer sees happen after this
         // (its replies) never comes before the count.
         result?;
-        Ok(self.charge.hold(buffered(&self.rbuf))?)
+        hold_buffered(&mut self.charge, &self.rbuf)
     }
 
     /// Writes what is buffered and `replies`, batched into as few writes as possible.
