@@ -110,10 +110,13 @@ fn main() -> ExitCode {
 /// its replies on others, and each arena keeps its own partly used pages, a tenth
 /// of an idle connection's memory (docs/BENCHMARKS.md, "Coordinator memory per idle
 /// connection"). Threads still allocate from caches of their own; the coordinator's
-/// engine runs under one lock anyway. `MALLOC_ARENA_MAX` still decides where set.
+/// engine runs under one lock anyway. `MALLOC_ARENA_MAX` (or the tunable
+/// `glibc.malloc.arena_max` in `GLIBC_TUNABLES`) still decides where set.
 fn limit_malloc_arenas() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    if std::env::var_os("MALLOC_ARENA_MAX").is_none() {
+    if std::env::var_os("MALLOC_ARENA_MAX").is_none()
+        && !std::env::var("GLIBC_TUNABLES").is_ok_and(|tunables| tunables.contains("glibc.malloc.arena_max"))
+    {
         // SAFETY: mallopt only sets a tunable of the allocator; called before any
         // thread of ours starts.
         unsafe { libc::mallopt(libc::M_ARENA_MAX, 1) };
