@@ -10,10 +10,11 @@
 //!
 //! What a connection holds while idle: its state in the reactor's slab, no write
 //! buffer, and no read buffer but the allocation its last small request was read
-//! into, which the next read reuses ([`Buffering::RANK_ON_REACTOR`]). Replies are encoded into a buffer the reactor lends to the one
-//! connection writing; only bytes the socket did not take stay with the connection,
-//! which then reads nothing more until they are written (a peer that does not read
-//! its replies is not read either). A large tail a reply shares with others (an
+//! into, which the next read reuses ([`Buffering::RANK_ON_REACTOR`]). Replies are
+//! encoded into a buffer the reactor lends to the one connection writing; only
+//! bytes the socket did not take stay with the connection, which then reads nothing
+//! more until they are written (a peer that does not read its replies is not read
+//! either). A large tail a reply shares with others (an
 //! all-gather's values) is written from where it is, after the bytes before it.
 
 use std::collections::VecDeque;
