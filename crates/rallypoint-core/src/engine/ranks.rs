@@ -122,9 +122,9 @@ impl Ranks {
     ) -> Change {
         let names = &mut self.names;
         let entry = self.entries.get_or_insert_with(rank, || Entry {
-            host: Arc::from(""),
+            host: names.get(host),
             pid: 0,
-            role: None,
+            role: role.map(|role| names.get(role)),
             sessions: 0,
             state: RankState::Connected,
             last_seen: now,
