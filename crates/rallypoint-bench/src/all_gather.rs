@@ -18,8 +18,8 @@ use serde::Serialize;
 
 use crate::hierarchy::{Agents, Transport};
 use crate::{
-    close_all, connect_many, ensure_fds, mono_ns, on_target, options, print_report, round_stats, run_rounds,
-    ClientFuture, RoundOp, Target, Times,
+    close_all, connect_many, ensure_fds, mono_ns, on_target, options, print_report, round_stats, run_rounds, Round,
+    Target, Times,
 };
 
 #[derive(clap::Args, Debug)]
@@ -109,22 +109,7 @@ async fn measure_via(args: &Args, addrs: &[String]) -> anyhow::Result<Report> {
     .await?;
     let connect_ms = (started.elapsed().as_secs_f64() * 1e4).round() / 10.0;
 
-    let size = args.size as usize;
-    let round: RoundOp<Client> = Arc::new(move |client: &mut Client, r| -> ClientFuture<'_> {
-        Box::pin(async move {
-            // Distinct contents per rank and round, so a stale or misplaced value shows.
-            let rank = client.identity().rank.unwrap_or(0);
-            let value = vec![(rank as usize + r) as u8; size];
-            let gathered = client.all_gather("bench", Members::World, &value, Some(timeout)).await?;
-            ensure!(gathered.len() == n as usize, "gathered {} values, not {n}", gathered.len());
-            let peer = (rank as usize + 1) % n as usize;
-            ensure!(
-                gathered[peer].len() == size && gathered[peer].first() == Some(&((peer + r) as u8)),
-                "rank {peer}'s value is wrong in round {r}"
-            );
-            Ok(())
-        })
-    });
+    let round = Arc::new(AllGatherRound { size: args.size as usize, n, timeout });
     let start = mono_ns();
     let total = (args.warmup + args.rounds) as usize;
     let (clients, ends) = run_rounds(clients, total, round).await;
@@ -142,4 +127,28 @@ async fn measure_via(args: &Args, addrs: &[String]) -> anyhow::Result<Report> {
         round: stats.times,
         connect_ms,
     })
+}
+
+/// Each round is one all-gather of `size` bytes per rank, checked.
+struct AllGatherRound {
+    size: usize,
+    n: u32,
+    timeout: Duration,
+}
+
+impl Round<Client> for AllGatherRound {
+    async fn round(&self, client: &mut Client, r: usize) -> anyhow::Result<()> {
+        let (size, n) = (self.size, self.n);
+        // Distinct contents per rank and round, so a stale or misplaced value shows.
+        let rank = client.identity().rank.unwrap_or(0);
+        let value = vec![(rank as usize + r) as u8; size];
+        let gathered = client.all_gather("bench", Members::World, &value, Some(self.timeout)).await?;
+        ensure!(gathered.len() == n as usize, "gathered {} values, not {n}", gathered.len());
+        let peer = (rank as usize + 1) % n as usize;
+        ensure!(
+            gathered[peer].len() == size && gathered[peer].first() == Some(&((peer + r) as u8)),
+            "rank {peer}'s value is wrong in round {r}"
+        );
+        Ok(())
+    }
 }

@@ -32,8 +32,7 @@ use tokio::net::TcpStream;
 use tokio::task::JoinSet;
 
 use crate::{
-    close_all, connect_many, on_target, options, print_report, round_stats, run_rounds, ClientFuture, RoundOp, Target,
-    Times,
+    close_all, connect_many, on_target, options, print_report, round_stats, run_rounds, BarrierRound, Target, Times,
 };
 
 #[derive(clap::Args, Debug)]
@@ -197,9 +196,7 @@ async fn healthy_rounds(
     rounds: usize,
     timeout: Duration,
 ) -> anyhow::Result<(Vec<Client>, Times)> {
-    let round: RoundOp<Client> = Arc::new(move |client: &mut Client, _| -> ClientFuture<'_> {
-        Box::pin(async move { Ok(client.barrier("healthy", Members::World, Some(timeout)).await?) })
-    });
+    let round = Arc::new(BarrierRound { name: "healthy", timeout });
     let start = crate::mono_ns();
     let (clients, ends) = run_rounds(clients, warmup + rounds, round).await;
     let stats = round_stats(start, &ends?, warmup).context("no rounds measured")?;

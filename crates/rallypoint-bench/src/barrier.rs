@@ -19,7 +19,7 @@ use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use crate::tcpstore::{self, StoreConn};
 use crate::{
     close_all, connect_many, ensure_fds, floor, mono_ns, on_target, options, print_report, process_cpu_ns, round_stats,
-    run_rounds, wake_floor, ClientFuture, Protocol, RoundOp, Sources, Target, Times,
+    run_rounds, wake_floor, BarrierRound, Protocol, Round, Sources, Target, Times,
 };
 
 #[derive(clap::Args, Debug)]
@@ -231,43 +231,54 @@ impl Setup<'_> {
         let (op, n, timeout) = (self.args.op, self.args.clients, self.timeout);
         match clients {
             Clients::Native(clients) => {
-                let round: RoundOp<Client> = Arc::new(move |client: &mut Client, _| -> ClientFuture<'_> {
-                    Box::pin(async move {
-                        match op {
-                            Op::Barrier => client.barrier("bench", Members::World, Some(timeout)).await?,
-                            Op::Ping => client.ping().await?,
-                            Op::Floor | Op::WakeFloor => {
-                                unreachable!("the floors run without a server (run_floor, run_wake_floor)")
-                            }
-                        }
-                        Ok(())
-                    })
-                });
-                let (clients, ends) = run_rounds(clients, total, round).await;
+                let (clients, ends) = match op {
+                    Op::Barrier => run_rounds(clients, total, Arc::new(BarrierRound { name: "bench", timeout })).await,
+                    Op::Ping => run_rounds(clients, total, Arc::new(PingRound)).await,
+                    Op::Floor | Op::WakeFloor => {
+                        unreachable!("the floors run without a server (run_floor, run_wake_floor)")
+                    }
+                };
                 (Clients::Native(clients), ends)
             }
             Clients::Store(conns) => {
                 // BARRIER's counter never resets: every round needs its own key.
-                let prefix = format!("/rpbench/{}/", self.job);
-                let round: RoundOp<StoreConn> = Arc::new(move |conn: &mut StoreConn, r| -> ClientFuture<'_> {
-                    let key = format!("{prefix}{r}");
-                    Box::pin(async move {
-                        let done = async {
-                            match op {
-                                Op::Barrier => conn.barrier(&key, n).await,
-                                Op::Ping => conn.ping().await,
-                                Op::Floor | Op::WakeFloor => {
-                                    unreachable!("the floors run without a server (run_floor, run_wake_floor)")
-                                }
-                            }
-                        };
-                        tokio::time::timeout(timeout, done).await.context("timed out")?
-                    })
-                });
-                let (conns, ends) = run_rounds(conns, total, round).await;
+                let round = StoreRound { prefix: format!("/rpbench/{}/", self.job), op, n, timeout };
+                let (conns, ends) = run_rounds(conns, total, Arc::new(round)).await;
                 (Clients::Store(conns), ends)
             }
         }
+    }
+}
+
+/// Each round is one native ping.
+struct PingRound;
+
+impl Round<Client> for PingRound {
+    async fn round(&self, client: &mut Client, _: usize) -> anyhow::Result<()> {
+        Ok(client.ping().await?)
+    }
+}
+
+/// Each round is one TCPStore BARRIER (on key `prefix` and the round) or PING.
+struct StoreRound {
+    prefix: String,
+    op: Op,
+    n: u32,
+    timeout: Duration,
+}
+
+impl Round<StoreConn> for StoreRound {
+    async fn round(&self, conn: &mut StoreConn, r: usize) -> anyhow::Result<()> {
+        let done = async {
+            match self.op {
+                Op::Barrier => conn.barrier(&format!("{}{r}", self.prefix), self.n).await,
+                Op::Ping => conn.ping().await,
+                Op::Floor | Op::WakeFloor => {
+                    unreachable!("the floors run without a server (run_floor, run_wake_floor)")
+                }
+            }
+        };
+        tokio::time::timeout(self.timeout, done).await.context("timed out")?
     }
 }
 

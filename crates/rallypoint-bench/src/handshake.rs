@@ -15,13 +15,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use rallypoint_client::{Client, ConnectOptions, Identity, Members, TlsClient, Token};
+use rallypoint_client::{Client, ConnectOptions, Identity, TlsClient, Token};
 use rallypoint_net::test_pki::TestPki;
 use serde::Serialize;
 
 use crate::{
-    close_all, connect_many, mono_ns, print_report, round_stats, run_rounds, ClientFuture, RoundOp, Stats, Target,
-    Times,
+    close_all, connect_many, mono_ns, print_report, round_stats, run_rounds, BarrierRound, Stats, Target, Times,
 };
 
 #[derive(clap::Args, Debug)]
@@ -193,9 +192,7 @@ async fn measure(args: &Args, material: &Material, mode: Mode, target: &Target) 
     let connect_all = started.elapsed();
 
     let timeout = Duration::from_secs(120);
-    let round: RoundOp<Client> = Arc::new(move |client: &mut Client, _| -> ClientFuture<'_> {
-        Box::pin(async move { Ok(client.barrier("bench", Members::World, Some(timeout)).await?) })
-    });
+    let round = Arc::new(BarrierRound { name: "bench", timeout });
     let start = mono_ns();
     let (clients, ends) = run_rounds(clients, (args.warmup + args.rounds) as usize, round).await;
     close_all(clients).await;

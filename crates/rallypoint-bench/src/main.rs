@@ -23,7 +23,6 @@ use std::future::Future;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::ops::Range;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -345,19 +344,33 @@ fn read_clock_ns(clock: libc::clockid_t) -> Option<u64> {
     Some(ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64)
 }
 
-/// A future borrowing the client it runs on.
-type ClientFuture<'a> = Pin<Box<dyn Future<Output = anyhow::Result<()>> + Send + 'a>>;
+/// What one client does in round `r`. A trait, not a closure returning a boxed
+/// future: each round's future lives in its client's task, as in a rank's own loop,
+/// rather than costing the load generator an allocation and a copy of the future
+/// per call, which the server's figures would be compared against.
+trait Round<C>: Send + Sync + 'static {
+    fn round<'a>(&'a self, client: &'a mut C, r: usize) -> impl Future<Output = anyhow::Result<()>> + Send + 'a;
+}
 
-/// What one client does in round `r`.
-type RoundOp<C> = Arc<dyn for<'a> Fn(&'a mut C, usize) -> ClientFuture<'a> + Send + Sync>;
+/// Each round is one native barrier `name` of the whole job.
+struct BarrierRound {
+    name: &'static str,
+    timeout: Duration,
+}
+
+impl Round<Client> for BarrierRound {
+    async fn round(&self, client: &mut Client, _: usize) -> anyhow::Result<()> {
+        Ok(client.barrier(self.name, rallypoint_client::Members::World, Some(self.timeout)).await?)
+    }
+}
 
 /// Runs rounds `0..total` of `op` on every client, each client looping on its own
 /// like a rank of a training job. Returns the clients and, per round, when its last
 /// client finished it ([`mono_ns`]); or the first failure.
-async fn run_rounds<C: Send + 'static>(
+async fn run_rounds<C: Send + 'static, R: Round<C>>(
     clients: Vec<C>,
     total: usize,
-    op: RoundOp<C>,
+    op: Arc<R>,
 ) -> (Vec<C>, anyhow::Result<Vec<u64>>) {
     let mut running = JoinSet::new();
     for mut client in clients {
@@ -365,7 +378,7 @@ async fn run_rounds<C: Send + 'static>(
         running.spawn(async move {
             let mut released = Vec::with_capacity(total);
             for r in 0..total {
-                if let Err(err) = op(&mut client, r).await {
+                if let Err(err) = op.round(&mut client, r).await {
                     return (client, Err(err.context(format!("round {r}"))));
                 }
                 released.push(mono_ns());
