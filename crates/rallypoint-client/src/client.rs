@@ -217,30 +217,43 @@ impl Client {
         self.call_within(request, wait.saturating_add(SAFETY_MARGIN))
     }
 
-    /// Sends one request and waits for its reply at most `limit`.
-    async fn call_within(&self, request: Request, limit: Duration) -> Result<Response, Error> {
-        let link = &*self.inner.link;
-        // The connection task fails the call past `limit` (one timer for all calls).
-        let (id, reply) = link.register(limit)?;
-        let mut registered = Registered { link, id, settled: false };
-        let handed = match link.write_direct(id, request) {
-            DirectWrite::Written => Ok(()),
-            DirectWrite::Partly => self.inner.commands.send(Command::Flush),
-            DirectWrite::Queue(request) => self.inner.commands.send(Command::Request { id, request }),
-        };
-        if handed.is_err() {
-            return Err(link.disconnected());
-        }
-        let result = connection::WaitReply::new(link, id, reply).await;
-        // Whoever filled or dropped the slot took the call out of the link's map.
-        registered.settled = true;
-        match result {
-            Ok(Err(Error::Timeout(limit))) => {
-                self.inner.silent.store(true, Ordering::Relaxed);
-                Err(Error::Timeout(limit))
+    /// Sends one request and waits for its reply at most `limit`. The request is
+    /// registered and written before the future is returned, so that the future
+    /// holds no copy of it while it waits (see [`Client::call`]).
+    fn call_within(&self, request: Request, limit: Duration) -> impl Future<Output = Result<Response, Error>> + '_ {
+        let sent = self.send_call(request, limit);
+        async move {
+            let (mut registered, reply) = sent.map_err(|error| *error)?;
+            let result = connection::WaitReply::new(registered.link, registered.id, reply).await;
+            // Whoever filled or dropped the slot took the call out of the link's map.
+            registered.settled = true;
+            match result {
+                Ok(Err(Error::Timeout(limit))) => {
+                    self.inner.silent.store(true, Ordering::Relaxed);
+                    Err(Error::Timeout(limit))
+                }
+                Ok(result) => result,
+                Err(_) => Err(registered.link.disconnected()),
             }
-            Ok(result) => result,
-            Err(_) => Err(link.disconnected()),
+        }
+    }
+
+    /// Registers a call (the connection task fails it past `limit`, one timer for all
+    /// calls) and writes its request, or hands it to the task. The error is boxed:
+    /// the call's future holds this result until it is first polled.
+    fn send_call(&self, request: Request, limit: Duration) -> Result<(Registered<'_>, connection::Reply), Box<Error>> {
+        let link = &*self.inner.link;
+        let (id, reply) = link.register(limit)?;
+        let registered = Registered { link, id, settled: false };
+        let handed = match link.write_direct(id, request) {
+            DirectWrite::Written => true,
+            DirectWrite::Partly => self.inner.commands.send(Command::Flush).is_ok(),
+            DirectWrite::Queue(request) => self.inner.commands.send(Command::Request { id, request }).is_ok(),
+        };
+        if handed {
+            Ok((registered, reply))
+        } else {
+            Err(Box::new(link.disconnected()))
         }
     }
 
@@ -429,12 +442,20 @@ impl Client {
         waiting: channel::Waiting,
     ) -> Result<(), Error> {
         let (timeout_ms, wait) = self.blocking_timeout(timeout);
-        let request = Request::Barrier { name: name.to_owned(), members, timeout_ms };
+        let mut request = Request::Barrier { name: name.to_owned(), members, timeout_ms };
         if self.inner.barrier_channels {
             let caller = channel::Caller { link: &self.inner.link, commands: &self.inner.commands };
+            let limit = wait.saturating_add(SAFETY_MARGIN);
             // Boxed: its future is large, and every barrier's future would carry it.
-            let through = Box::pin(channel::barrier(caller, &request, wait.saturating_add(SAFETY_MARGIN), waiting));
-            if let Some(done) = through.await {
+            // It owns the request and gives it back, so that this future keeps no
+            // copy of it while the call below waits.
+            let through = Box::pin(async move {
+                let done = channel::barrier(caller, &request, limit, waiting).await;
+                (done, request)
+            });
+            let done;
+            (done, request) = through.await;
+            if let Some(done) = done {
                 self.barrier_ended(&done);
                 return done;
             }

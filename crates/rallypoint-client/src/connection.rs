@@ -333,6 +333,9 @@ struct Pending {
     /// cut, registered then as written requests ([`Link::adopt_channel_calls`]), with
     /// the reply each is to take (it looks for it in [`Link::claim`]).
     adopted: Vec<(u64, Reply)>,
+    /// A reply cell its call no longer holds, for the next call: a rank making one
+    /// call at a time then allocates none (see [`Link::recycle`]).
+    spare: Option<Arc<ReplyCell>>,
 }
 
 impl Pending {
@@ -432,6 +435,7 @@ impl Link {
                 armed: None,
                 stashed: VecDeque::new(),
                 adopted: Vec::new(),
+                spare: None,
             }),
             delivered: AtomicUsize::new(0),
             reads: AtomicU64::new(0),
@@ -559,7 +563,13 @@ impl Link {
 
     /// Registers call `id` in `pending` (the lock taken); returns its reply.
     fn insert(&self, mut pending: MutexGuard<'_, Pending>, id: u64, deadline: Instant, limit: Duration) -> Reply {
-        let cell = Arc::new(ReplyCell(Mutex::new(Cell::Waiting(None))));
+        let cell = match pending.spare.take() {
+            Some(spare) => {
+                *spare.lock() = Cell::Waiting(None);
+                spare
+            }
+            None => Arc::new(ReplyCell(Mutex::new(Cell::Waiting(None)))),
+        };
         let (slot, reply) = (ReplySlot { cell: Arc::clone(&cell), sent: false }, Reply(cell));
         pending.calls.insert(id, Call { slot, written: None, deadline, limit });
         // Usually later than the timer (calls share one timeout): nothing to tell.
@@ -633,6 +643,14 @@ impl Link {
 
     pub(crate) fn addr(&self) -> &str {
         &self.addr
+    }
+
+    /// Keeps the cell of a reply its call is done with for the next call, if nothing
+    /// else holds it (its slot was filled or forgotten).
+    fn recycle(&self, reply: &Reply) {
+        if Arc::strong_count(&reply.0) == 1 {
+            self.lock().spare.get_or_insert_with(|| Arc::clone(&reply.0));
+        }
     }
 
     /// Forgets a call whose caller stopped waiting (timed out or was cancelled).
@@ -1016,6 +1034,7 @@ impl Drop for WaitReply<'_> {
         if self.reading {
             self.link.stop_reading(self.id);
         }
+        self.link.recycle(&self.reply);
     }
 }
 

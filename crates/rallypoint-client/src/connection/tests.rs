@@ -165,6 +165,37 @@ async fn a_lone_call_reads_its_own_reply() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_cell_serves_the_next_call_once_nothing_else_holds_it() {
+    let (_listener, client, mut conn) = connected(0).await;
+    let link = Arc::clone(client.link());
+    let spare = || link.lock().spare.as_ref().map(Arc::as_ptr);
+    let mut kept = None;
+    for delta in 1..=5 {
+        let call = spawn_add(&client, delta);
+        let (id, request) = conn.request().await;
+        assert_eq!(spare(), None, "the waiting call holds the spare cell");
+        conn.answer(id, &request).await;
+        assert_eq!(bounded(call).await.expect("the call"), delta * 10);
+        let now = spare().expect("the done call's cell is kept");
+        assert_eq!(*kept.get_or_insert(now), now, "every call took the same cell");
+    }
+    // A call given up while registered: its slot held the cell when its wait was
+    // dropped. Its late reply must reach no later call.
+    let held = client.clone();
+    let given_up = tokio::spawn(async move { held.add("k", 6).await });
+    let (late_id, late_request) = conn.request().await;
+    given_up.abort();
+    assert!(bounded(given_up).await.expect_err("aborted").is_cancelled());
+    assert!(link.lock().calls.is_empty(), "the given-up call is forgotten");
+    let call = spawn_add(&client, 7);
+    let (id, request) = conn.request().await;
+    conn.answer(late_id, &late_request).await;
+    conn.answer(id, &request).await;
+    assert_eq!(bounded(call).await.expect("the call after"), 70);
+    drop(client);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_pipelined_behind_a_reading_call_are_read_for_by_the_task() {
     let (_listener, client, mut conn) = connected(0).await;
     let link = Arc::clone(client.link());
