@@ -649,6 +649,11 @@ impl Link {
     /// else holds it (its slot was filled or forgotten).
     fn recycle(&self, reply: &Reply) {
         if Arc::strong_count(&reply.0) == 1 {
+            // A reply its call never took (dropped after the reply came) goes now,
+            // outside the locks, not with a next call that may never come: a shared
+            // reply holds its slab until it goes.
+            let left = std::mem::replace(&mut *reply.0.lock(), Cell::Taken);
+            drop(left);
             self.lock().spare.get_or_insert_with(|| Arc::clone(&reply.0));
         }
     }

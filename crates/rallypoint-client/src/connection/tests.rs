@@ -195,6 +195,39 @@ async fn a_reply_cell_serves_the_next_call_once_nothing_else_holds_it() {
     drop(client);
 }
 
+/// A reply body that says when it is dropped, as a shared reply's does (its drop
+/// tells the agent the slab is free).
+struct Watched(Arc<std::sync::atomic::AtomicBool>, Vec<u8>);
+
+impl AsRef<[u8]> for Watched {
+    fn as_ref(&self) -> &[u8] {
+        &self.1
+    }
+}
+
+impl Drop for Watched {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reply_its_call_never_took_is_not_kept_with_the_spare_cell() {
+    let (_listener, client, _conn) = connected(0).await;
+    let link = Arc::clone(client.link());
+    let (id, reply) = link.register(BOUND).expect("register");
+    let wait = super::WaitReply::new(&link, id, reply);
+    // The reply reaches the call's slot, and the call is dropped (a select!, a
+    // timeout around it) before it polls again.
+    let dropped = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let body = bytes::Bytes::from_owner(Watched(Arc::clone(&dropped), vec![7; 1 << 20]));
+    link.complete(id, Ok(Response::Value(body)), None);
+    drop(wait);
+    assert!(dropped.load(Ordering::SeqCst), "the reply nobody will take is still held (in the spare cell)");
+    assert!(link.lock().spare.is_some(), "the cell itself is kept for the next call");
+    drop(client);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn calls_pipelined_behind_a_reading_call_are_read_for_by_the_task() {
     let (_listener, client, mut conn) = connected(0).await;
