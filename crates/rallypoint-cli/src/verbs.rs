@@ -7,7 +7,6 @@
 //! section 14).
 
 use std::io::{Read, Write};
-use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
@@ -502,24 +501,9 @@ async fn collective(conn: &Conn, members: &MembersArgs, what: &str) -> anyhow::R
 }
 
 /// Connects, saying on stderr after a second, and then now and again, that it is
-/// still trying: a verb waiting for a coordinator not up yet looks hung otherwise.
+/// still trying and why: a verb waiting for a coordinator not up yet looks hung otherwise.
 pub(crate) async fn connect(settings: &Settings) -> Result<Client, Error> {
-    let connecting = Client::connect_with(settings.connect_options());
-    tokio::pin!(connecting);
-    let started = tokio::time::Instant::now();
-    let mut pause = Duration::from_secs(1);
-    loop {
-        tokio::select! {
-            connected = &mut connecting => return connected,
-            () = tokio::time::sleep_until(started + pause) => {
-                let waited = started.elapsed().as_secs();
-                let limit = settings.timeout.as_secs();
-                eprintln!("rallypoint: waiting for the coordinator at {} ({waited} s of {limit} s)", settings.addr);
-                // 1 s, 3 s, 7 s, 15 s, ...: reassuring, not flooding.
-                pause = pause * 2 + Duration::from_secs(1);
-            }
-        }
-    }
+    Client::connect_saying(settings.connect_options(), |line| eprintln!("{line}")).await
 }
 
 /// Leaves cleanly whatever the operation's outcome, so the coordinator counts this

@@ -15,7 +15,7 @@
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -159,6 +159,38 @@ impl Client {
     }
 
     pub async fn connect_with(options: ConnectOptions) -> Result<Client, Error> {
+        Client::connect_noting(options, None).await
+    }
+
+    /// Connects as [`Client::connect_with`] does, calling `waiting` after a second,
+    /// and then now and again (at 1, 3, 7, 15 s, ..., then every 30 s), with a line
+    /// saying that it is still trying and why its last attempt failed: a process
+    /// waiting for a coordinator that is not up yet, or at a wrong address, looks
+    /// hung otherwise.
+    pub async fn connect_saying(options: ConnectOptions, mut waiting: impl FnMut(String)) -> Result<Client, Error> {
+        let (addr, limit) = (options.addr.clone(), options.timeout.as_secs());
+        let failed = Mutex::new(None);
+        let connecting = Client::connect_noting(options, Some(&failed));
+        tokio::pin!(connecting);
+        let started = tokio::time::Instant::now();
+        let mut pause = Duration::from_secs(1);
+        loop {
+            tokio::select! {
+                connected = &mut connecting => return connected,
+                () = tokio::time::sleep_until(started + pause) => {
+                    let waited = started.elapsed().as_secs();
+                    let why = failed.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
+                    let why = why.map(|why| format!(": {why}")).unwrap_or_default();
+                    waiting(format!("rallypoint: waiting for the coordinator at {addr} ({waited} s of {limit} s){why}"));
+                    // Reassuring, not flooding.
+                    pause = (pause * 2 + Duration::from_secs(1)).min(pause + Duration::from_secs(30));
+                }
+            }
+        }
+    }
+
+    /// [`Client::connect_with`], noting in `failed` why each failed attempt failed.
+    async fn connect_noting(options: ConnectOptions, failed: Option<&Mutex<Option<String>>>) -> Result<Client, Error> {
         let ConnectOptions { addr, mut identity, timeout, shared_replies, barrier_channels, credentials } = options;
         if identity.host.is_empty() {
             identity.host = rallypoint_net::hostname();
@@ -168,7 +200,7 @@ impl Client {
         }
         identity.incarnation = identity.incarnation.or_else(|| Some(crate::process_incarnation()));
         identity.resume = None;
-        let connected = connection::connect(&addr, &identity, timeout, shared_replies, &credentials).await?;
+        let connected = connection::connect(&addr, &identity, timeout, shared_replies, &credentials, failed).await?;
         let redial = Redial { identity: identity.clone(), shared_replies, timeout, credentials };
         // Only a node agent of this machine, over a Unix socket, can share memory.
         let barrier_channels = barrier_channels && rallypoint_net::unix_path(&addr).is_some();

@@ -1064,6 +1064,7 @@ pub(crate) async fn connect(
     timeout: Duration,
     shared_replies: bool,
     credentials: &Credentials,
+    failed: Option<&Mutex<Option<String>>>,
 ) -> Result<Connected, Error> {
     let started = Instant::now();
     let deadline = started + timeout;
@@ -1088,6 +1089,9 @@ pub(crate) async fn connect(
             }
             Ok(Err(Attempt::Io(error))) => {
                 debug!(addr, attempts, %error, "cannot reach the coordinator yet; retrying");
+                if let Some(failed) = failed {
+                    *failed.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(error.to_string());
+                }
                 last = Some(error);
             }
             // The deadline passed mid-attempt: an earlier failure says more than this one.

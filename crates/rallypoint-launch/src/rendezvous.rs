@@ -493,27 +493,10 @@ async fn claim_index(tool: &Client, j: &Join<'_>, claim: &Claim) -> Result<u32, 
 }
 
 /// Connects to the coordinator, saying after a second, and then now and again,
-/// that it is still trying.
+/// that it is still trying and why.
 async fn connect(j: &Join<'_>, identity: Identity, timeout: Duration, console: &Console) -> Result<Client, Error> {
-    let addr = j.addr;
-    let options = ConnectOptions::new(addr, identity).with_timeout(timeout).with_token(j.token.clone());
-    let connecting = Client::connect_with(options);
-    tokio::pin!(connecting);
-    let started = tokio::time::Instant::now();
-    let mut pause = Duration::from_secs(1);
-    loop {
-        tokio::select! {
-            connected = &mut connecting => return connected,
-            () = tokio::time::sleep_until(started + pause) => {
-                console.message(format!(
-                    "rallypoint: waiting for the coordinator at {addr} ({} s of {} s)",
-                    started.elapsed().as_secs(),
-                    timeout.as_secs()
-                ));
-                pause = (pause * 2 + Duration::from_secs(1)).min(pause + Duration::from_secs(30));
-            }
-        }
-    }
+    let options = ConnectOptions::new(j.addr, identity).with_timeout(timeout).with_token(j.token.clone());
+    Client::connect_saying(options, |line| console.message(line)).await
 }
 
 fn report_name(attempt: u32, node: u32) -> String {
