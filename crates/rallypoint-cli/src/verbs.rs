@@ -305,9 +305,11 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
             finish(client, result).await?;
         }
         Verb::Get { key, raw, conn } => {
-            let client = connect(&conn.tool()?).await?;
+            let settings = conn.tool()?;
+            let client = connect(&settings).await?;
             let result = client.get(key, None).await;
-            let value = finish(client, result).await?;
+            let empty = empty_job(&client, &settings.job, &result).await;
+            let value = finish(client, result).await.map_err(|error| in_job(error, empty))?;
             if raw {
                 print_bytes(&value)?;
             } else {
@@ -320,9 +322,11 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
             print_line(finish(client, result).await?.to_string().as_bytes())?;
         }
         Verb::Wait { keys, conn } => {
-            let client = connect(&conn.tool()?).await?;
+            let settings = conn.tool()?;
+            let client = connect(&settings).await?;
             let result = client.wait(&keys, None).await;
-            finish(client, result).await?;
+            let empty = empty_job(&client, &settings.job, &result).await;
+            finish(client, result).await.map_err(|error| in_job(error, empty))?;
         }
         Verb::Delete { key, conn } => {
             let client = connect(&conn.tool()?).await?;
@@ -356,6 +360,50 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
 
 pub(crate) fn quoted(names: &[String]) -> String {
     names.iter().map(|n| format!("'{n}'")).collect::<Vec<_>>().join(", ")
+}
+
+/// A key wait that timed out in a job holding no keys at all, while the coordinator
+/// holds other jobs: most likely a mistyped `--job`, which the timeout alone does not
+/// say (it blames the key).
+#[derive(Debug)]
+struct EmptyJob {
+    timeout: Error,
+    job: String,
+    others: Vec<String>,
+}
+
+impl std::fmt::Display for EmptyJob {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let Self { timeout, job, others } = self;
+        write!(f, "{timeout}; job '{job}' holds no keys at all (the coordinator's other jobs: {})", quoted(others))
+    }
+}
+
+impl std::error::Error for EmptyJob {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.timeout)
+    }
+}
+
+/// If `result` is a key wait's timeout in job `job` that holds no keys while the
+/// coordinator holds other jobs: `job` and those jobs.
+async fn empty_job<T>(client: &Client, job: &str, result: &Result<T, Error>) -> Option<(String, Vec<String>)> {
+    if !matches!(result, Err(Error::Op(rallypoint_client::OpError::KeyTimeout { .. }))) {
+        return None;
+    }
+    if client.num_keys().await.ok()? != 0 {
+        return None;
+    }
+    let others: Vec<String> = client.jobs().await.ok()?.into_iter().filter(|j| j != job).collect();
+    (!others.is_empty()).then(|| (job.to_owned(), others))
+}
+
+/// The error of a key wait, naming its job if [`empty_job`] found it empty.
+fn in_job(timeout: Error, empty: Option<(String, Vec<String>)>) -> anyhow::Error {
+    match empty {
+        Some((job, others)) => EmptyJob { timeout, job, others }.into(),
+        None => timeout.into(),
+    }
 }
 
 /// Whether the environment names a coordinator, as `Settings` reads it.

@@ -1013,6 +1013,24 @@ fn an_address_without_a_port_is_a_usage_error_at_once() {
 }
 
 #[test]
+fn a_key_wait_in_an_empty_job_names_the_job_and_the_others() {
+    let server = Server::start();
+    assert_code(&exec(server.cmd("run42", &["set", "k", "v"])), 0);
+    // A mistyped job: the timeout alone would blame the key.
+    let run = exec(server.cmd("run24", &["get", "k", "--timeout", "0.5"]));
+    assert_code(&run, 3);
+    let said = "job 'run24' holds no keys at all (the coordinator's other jobs: 'run42')";
+    assert!(run.stderr.contains("waiting for 1 key(s): \"k\"") && run.stderr.contains(said), "{run:#?}");
+    let run = exec(server.cmd("run24", &["wait", "k", "--timeout", "0.5"]));
+    assert_code(&run, 3);
+    assert!(run.stderr.contains(said), "{run:#?}");
+    // The right job, the key missing: only the timeout.
+    let run = exec(server.cmd("run42", &["get", "other", "--timeout", "0.5"]));
+    assert_code(&run, 3);
+    assert!(run.stderr.contains("waiting for 1 key(s)") && !run.stderr.contains("holds no keys"), "{run:#?}");
+}
+
+#[test]
 fn a_verb_waiting_to_connect_says_so() {
     let port = TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
     let addr = format!("127.0.0.1:{port}");
