@@ -45,6 +45,9 @@ pub fn listen(text: &str) -> Result<std::net::SocketAddr, String> {
         Some((host, port)) if port.parse::<u16>().is_ok() && !host.is_empty() => {
             Err(format!("'{host}' is not an IP address: {hint}"))
         }
+        Some((host, port)) if !host.is_empty() && !port.is_empty() && port.bytes().all(|b| b.is_ascii_digit()) => {
+            Err(format!("'{port}' in '{text}' is not a port (0 to 65535; 0 for any free one)"))
+        }
         _ => Err(format!("not IP:PORT: {hint}")),
     }
 }
@@ -114,6 +117,10 @@ mod tests {
         let e = listen("localhost:0").unwrap_err();
         assert!(e.contains("'localhost' is not an IP address") && e.contains("127.0.0.1:29500"), "{e}");
         assert!(listen("127.0.0.1").unwrap_err().starts_with("not IP:PORT"));
+        assert_eq!(
+            listen("127.0.0.1:99999").unwrap_err(),
+            "'99999' in '127.0.0.1:99999' is not a port (0 to 65535; 0 for any free one)"
+        );
     }
 
     #[test]
