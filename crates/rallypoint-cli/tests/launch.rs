@@ -1118,6 +1118,34 @@ fn the_launcher_says_where_its_coordinator_is_and_status_finds_it() {
     assert_eq!(status.status.code(), Some(0), "{}", status.stderr);
     assert!(status.stdout.starts_with("job 'second'\n"), "{}", status.stdout);
 
+    // A launcher whose workers never connect: its job is shown, and why it is empty.
+    let idle_script = r#"
+        echo "$RALLYPOINT_COORDINATOR $RALLYPOINT_TOKEN_FILE" > "$DIR/coord.$RALLYPOINT_JOB.tmp" && mv "$DIR/coord.$RALLYPOINT_JOB.tmp" "$DIR/coord.$RALLYPOINT_JOB"
+        for i in $(seq 600); do [ -e "$DIR/stop.idle" ] && break; sleep 0.1; done
+    "#;
+    let idle = start(&["--job", "idle"], idle_script, &dir, &env, true);
+    wait_for_files(&dir, &["coord.idle".into()]);
+    let status = verb(&["status", "--job", "idle"], &env);
+    assert_eq!(status.status.code(), Some(0), "{}", status.stderr);
+    assert!(
+        status.stdout.contains("no process of job 'idle' has connected to the coordinator: its launchers run it"),
+        "{}",
+        status.stdout
+    );
+    std::fs::write(dir.join("stop.idle"), b"").expect("stop the idle worker");
+    assert_eq!(idle.finish().code, Some(0));
+    std::fs::remove_file(dir.join("coord.idle")).expect("the idle launcher's file");
+    // Once the first's workers are connected (waiting for 'go'), no such line.
+    let connected = (0..100).any(|_| {
+        let status = verb(&["status", "--job", "first"], &env);
+        let waiting = status.stdout.contains("has connected to the coordinator");
+        if waiting {
+            thread::sleep(Duration::from_millis(100));
+        }
+        !waiting
+    });
+    assert!(connected, "status of a job whose workers are connected says none is");
+
     // Let the workers go; the launchers end and leave no file behind.
     for (job, launched) in [("first", first), ("second", second)] {
         let found = std::fs::read_to_string(dir.join(format!("coord.{job}"))).expect("coordinator");

@@ -126,7 +126,17 @@ async fn show(client: &Client, settings: &Settings, what: What) -> Result<String
         (n, false) => format!("more than {} jobs; the first {n}", n - 1),
     };
     let stacks = stacks.map(|c| c.render(&rallypoint_stacks::Render::default())).unwrap_or_default();
-    Ok(format!("{report}{stacks}coordinator {} holds {count}: {}\n", settings.addr, quoted(&jobs)))
+    // Launched, and no process of the job ever connected: its zeros are not a hang.
+    let unconnected = if launched && !jobs.contains(&settings.job) {
+        format!(
+            "no process of job '{}' has connected to the coordinator: its launchers run it (job '{}/launch'), and \
+             workers that do not use rallypoint never connect (`rallypoint status --stacks` shows what they run)\n",
+            settings.job, settings.job
+        )
+    } else {
+        String::new()
+    };
+    Ok(format!("{report}{stacks}{unconnected}coordinator {} holds {count}: {}\n", settings.addr, quoted(&jobs)))
 }
 
 /// The launchers' job of `job` (or of the job whose restart it is) among `jobs`.
