@@ -308,8 +308,8 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
             let settings = conn.tool()?;
             let client = connect(&settings).await?;
             let result = client.get(key, None).await;
-            let empty = empty_job(&client, &settings.job, &result).await;
-            let value = finish(client, result).await.map_err(|error| in_job(error, empty))?;
+            let others = other_jobs_if_empty(&client, &settings.job, &result).await;
+            let value = finish(client, result).await.map_err(|error| in_job(error, &settings.job, others))?;
             if raw {
                 print_bytes(&value)?;
             } else {
@@ -325,8 +325,8 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
             let settings = conn.tool()?;
             let client = connect(&settings).await?;
             let result = client.wait(&keys, None).await;
-            let empty = empty_job(&client, &settings.job, &result).await;
-            finish(client, result).await.map_err(|error| in_job(error, empty))?;
+            let others = other_jobs_if_empty(&client, &settings.job, &result).await;
+            finish(client, result).await.map_err(|error| in_job(error, &settings.job, others))?;
         }
         Verb::Delete { key, conn } => {
             let client = connect(&conn.tool()?).await?;
@@ -386,8 +386,8 @@ impl std::error::Error for EmptyJob {
 }
 
 /// If `result` is a key wait's timeout in job `job` that holds no keys while the
-/// coordinator holds other jobs: `job` and those jobs.
-async fn empty_job<T>(client: &Client, job: &str, result: &Result<T, Error>) -> Option<(String, Vec<String>)> {
+/// coordinator holds other jobs: those jobs.
+async fn other_jobs_if_empty<T>(client: &Client, job: &str, result: &Result<T, Error>) -> Option<Vec<String>> {
     if !matches!(result, Err(Error::Op(rallypoint_client::OpError::KeyTimeout { .. }))) {
         return None;
     }
@@ -395,13 +395,14 @@ async fn empty_job<T>(client: &Client, job: &str, result: &Result<T, Error>) -> 
         return None;
     }
     let others: Vec<String> = client.jobs().await.ok()?.into_iter().filter(|j| j != job).collect();
-    (!others.is_empty()).then(|| (job.to_owned(), others))
+    (!others.is_empty()).then_some(others)
 }
 
-/// The error of a key wait, naming its job if [`empty_job`] found it empty.
-fn in_job(timeout: Error, empty: Option<(String, Vec<String>)>) -> anyhow::Error {
-    match empty {
-        Some((job, others)) => EmptyJob { timeout, job, others }.into(),
+/// The error of a key wait in `job`, naming the coordinator's `others` if
+/// [`other_jobs_if_empty`] found the job empty.
+fn in_job(timeout: Error, job: &str, others: Option<Vec<String>>) -> anyhow::Error {
+    match others {
+        Some(others) => EmptyJob { timeout, job: job.to_owned(), others }.into(),
         None => timeout.into(),
     }
 }
