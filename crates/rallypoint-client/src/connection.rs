@@ -76,10 +76,17 @@ const MAX_STASHED: usize = 128;
 
 /// Where a call's reply goes: filled by whoever reads it from the socket (the task,
 /// or a call reading for everyone) or fails the call, taken by the call ([`Reply`]).
+/// Until then it keeps the call's request once written, to send again should the
+/// connection be cut first: with the cell the call touches anyway, not in the map of
+/// calls, which then holds little.
 struct ReplyCell(Mutex<Cell>);
 
 enum Cell {
-    Waiting(Option<Waker>),
+    Waiting {
+        waker: Option<Waker>,
+        /// The request, once written to a connection.
+        written: Option<Request>,
+    },
     Filled(Result<Response, Error>),
     /// The call was forgotten without a reply (the connection task is gone).
     Dropped,
@@ -89,6 +96,40 @@ enum Cell {
 impl ReplyCell {
     fn lock(&self) -> MutexGuard<'_, Cell> {
         self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    fn waiting() -> Cell {
+        Cell::Waiting { waker: None, written: None }
+    }
+
+    /// Keeps the call's request, written to the connection (unless the call has
+    /// ended meanwhile); `keep_first`: a request kept already stays.
+    fn keep_written(&self, request: Request, keep_first: bool) {
+        if let Cell::Waiting { written, .. } = &mut *self.lock() {
+            if !(keep_first && written.is_some()) {
+                *written = Some(request);
+            }
+        }
+    }
+
+    /// The call's request if it was written.
+    fn written(&self) -> Option<Request> {
+        match &*self.lock() {
+            Cell::Waiting { written, .. } => written.clone(),
+            _ => None,
+        }
+    }
+
+    fn was_written(&self) -> bool {
+        matches!(&*self.lock(), Cell::Waiting { written: Some(_), .. })
+    }
+
+    /// Takes the call's request back: it was not written after all.
+    fn unwritten(&self) -> Option<Request> {
+        match &mut *self.lock() {
+            Cell::Waiting { written, .. } => written.take(),
+            _ => None,
+        }
     }
 }
 
@@ -118,7 +159,7 @@ impl ReplySlot {
     fn fill(mut self, filled: Cell, wake: bool) {
         self.sent = true;
         let waker = match std::mem::replace(&mut *self.cell.lock(), filled) {
-            Cell::Waiting(waker) => waker,
+            Cell::Waiting { waker, .. } => waker,
             _ => None,
         };
         if let Some(waker) = waker.filter(|_| wake) {
@@ -131,7 +172,7 @@ impl Drop for ReplySlot {
     fn drop(&mut self) {
         if !self.sent {
             let waker = match std::mem::replace(&mut *self.cell.lock(), Cell::Dropped) {
-                Cell::Waiting(waker) => waker,
+                Cell::Waiting { waker, .. } => waker,
                 _ => None,
             };
             if let Some(waker) = waker {
@@ -154,17 +195,13 @@ pub(crate) type Received = Result<Result<Response, Error>, ReplyDropped>;
 impl Reply {
     fn poll_cell(&self, waker: &Waker) -> Poll<Received> {
         let mut cell = self.0.lock();
+        if let Cell::Waiting { waker: known, .. } = &mut *cell {
+            keep_waker(known, waker);
+            return Poll::Pending;
+        }
         match std::mem::replace(&mut *cell, Cell::Taken) {
             Cell::Filled(result) => Poll::Ready(Ok(result)),
-            Cell::Dropped | Cell::Taken => Poll::Ready(Err(ReplyDropped)),
-            Cell::Waiting(Some(known)) if known.will_wake(waker) => {
-                *cell = Cell::Waiting(Some(known));
-                Poll::Pending
-            }
-            Cell::Waiting(_) => {
-                *cell = Cell::Waiting(Some(waker.clone()));
-                Poll::Pending
-            }
+            _ => Poll::Ready(Err(ReplyDropped)),
         }
     }
 
@@ -210,20 +247,31 @@ pub(crate) enum Command {
 }
 
 /// State shared by every clone of a client and its connection task.
+///
+/// In declared order (`repr(C)`, here and in the parts a call uses), what every
+/// call touches first: a process with thousands of connections (a load generator,
+/// an agent's upstream) finds each link cold at every call, and pays a cache miss
+/// per line touched, not per field.
+#[repr(C)]
 pub(crate) struct Link {
-    addr: String,
-    next_id: AtomicU64,
     pending: Mutex<Pending>,
-    /// Replies handed to their calls since the writer last looked: each woke a
-    /// caller that may be about to send its next request.
-    delivered: AtomicUsize,
+    next_id: AtomicU64,
     /// Reads from the coordinator so far: the writer checks between heartbeats that
     /// the coordinator still sends something.
     reads: AtomicU64,
-    /// The latest welcome: the session (the resume token) and the job's incarnation.
-    welcome: Mutex<Welcome>,
+    /// Replies handed to their calls since the writer last looked: each woke a
+    /// caller that may be about to send its next request.
+    delivered: AtomicUsize,
     /// How calls write their requests themselves.
     direct: Mutex<Direct>,
+    /// The read half and what reading it needs, for the task and calls alike.
+    read: Mutex<ReadSide>,
+    /// Whom the socket's read readiness wakes: the waker every read registers.
+    read_wake: Arc<ReadWake>,
+    read_waker: Waker,
+    addr: String,
+    /// The latest welcome: the session (the resume token) and the job's incarnation.
+    welcome: Mutex<Welcome>,
     /// A call's deadline comes before the task's timer ([`Pending::armed`]).
     deadline_moved: Notify,
     /// Barrier channels given on this connection (module `channel`).
@@ -231,11 +279,6 @@ pub(crate) struct Link {
     /// Replies stashed so far ([`Pending::stashed`]): a channel call waiting learns
     /// with one load whether its reply may have come.
     stashes: AtomicU64,
-    /// The read half and what reading it needs, for the task and calls alike.
-    read: Mutex<ReadSide>,
-    /// Whom the socket's read readiness wakes: the waker every read registers.
-    read_wake: Arc<ReadWake>,
-    read_waker: Waker,
     /// Replies read by their own calls.
     #[cfg(test)]
     own_replies: AtomicUsize,
@@ -248,15 +291,16 @@ pub(crate) struct Link {
 /// a call that is the only one waiting reads the socket itself ([`Link::poll_reply`]),
 /// so that its reply costs no wake-up of the task and no hand-over. Whoever holds
 /// the lock reads; [`ReadWake`] sends the socket's wake-ups to whoever reads now.
+#[repr(C)]
 struct ReadSide {
-    /// `None` between connections, and once a read found the connection ended.
-    reader: Option<ReadHalf>,
-    /// Calls may read themselves (not over TLS: decrypting takes the task).
-    direct: bool,
     /// The call reading for everyone; `None`: the task.
     call: Option<u64>,
+    /// `None` between connections, and once a read found the connection ended.
+    reader: Option<ReadHalf>,
     /// [`ReadWake::wakes`] before the last read that found nothing.
     seen_wakes: u64,
+    /// Calls may read themselves (not over TLS: decrypting takes the task).
+    direct: bool,
     /// How the connection ended, found by a call: for the task to act on.
     ended: Option<Ended>,
     buf: BytesMut,
@@ -316,14 +360,18 @@ fn keep_waker(slot: &mut Option<Waker>, waker: &Waker) {
     }
 }
 
+#[repr(C)]
 struct Pending {
-    /// Keyed by our own request ids (no peer chooses them): a fast hash will do.
-    calls: HashMap<u64, Call, foldhash::fast::RandomState>,
-    /// Set once the connection has ended for good: why, as reported to every later call.
-    closed: Option<Closed>,
     /// When the task looks next for calls past their deadline; `None`: no timer
     /// (nobody waited since it last looked). Never after the earliest deadline.
     armed: Option<Instant>,
+    /// A reply cell its call no longer holds, for the next call: a rank making one
+    /// call at a time then allocates none (see [`Link::recycle`]).
+    spare: Option<Arc<ReplyCell>>,
+    /// Set once the connection has ended for good: why, as reported to every later
+    /// call. Boxed: every call looks at it, and it is large.
+    closed: Option<Box<Closed>>,
+    calls: Calls,
     /// Replies to barrier calls through a channel that came before their calls
     /// looked for them, oldest first. Such a call takes only a request id, no
     /// reply slot: a released round has no reply. Only a failed round has, and the
@@ -333,9 +381,6 @@ struct Pending {
     /// cut, registered then as written requests ([`Link::adopt_channel_calls`]), with
     /// the reply each is to take (it looks for it in [`Link::claim`]).
     adopted: Vec<(u64, Reply)>,
-    /// A reply cell its call no longer holds, for the next call: a rank making one
-    /// call at a time then allocates none (see [`Link::recycle`]).
-    spare: Option<Arc<ReplyCell>>,
 }
 
 impl Pending {
@@ -350,15 +395,94 @@ impl Pending {
     }
 }
 
-/// A call waiting for its reply.
+/// A call waiting for its reply (its request, once written, is kept in its slot's
+/// cell: sent again if that connection is cut before the reply).
 struct Call {
     slot: ReplySlot,
-    /// The request, once written to a connection: sent again if that connection is
-    /// cut before the reply.
-    written: Option<Request>,
     /// When the caller stops waiting: the call then fails with `Error::Timeout(limit)`.
     deadline: Instant,
     limit: Duration,
+}
+
+/// The calls waiting for their replies, by request id. A rank mostly makes one call
+/// at a time: that one is kept in place, so that registering and finding it touch
+/// no table (at thousands of connections, each link's state is cold at every call).
+#[derive(Default)]
+#[repr(C)]
+struct Calls {
+    one: Option<(u64, Call)>,
+    /// How many there are, `one` included: while it is one, `more` is not touched.
+    count: usize,
+    /// Keyed by our own request ids (no peer chooses them): a fast hash will do.
+    more: HashMap<u64, Call, foldhash::fast::RandomState>,
+}
+
+impl Calls {
+    fn insert(&mut self, id: u64, call: Call) {
+        let replaced = match &mut self.one {
+            Some((known, kept)) if *known == id => Some(std::mem::replace(kept, call)),
+            None if !(self.count > 0 && self.more.contains_key(&id)) => {
+                self.one = Some((id, call));
+                None
+            }
+            _ => self.more.insert(id, call),
+        };
+        if replaced.is_none() {
+            self.count += 1;
+        }
+    }
+
+    fn remove(&mut self, id: &u64) -> Option<Call> {
+        let removed = match &self.one {
+            Some((known, _)) if known == id => self.one.take().map(|(_, call)| call),
+            _ if self.count == usize::from(self.one.is_some()) => None,
+            _ => self.more.remove(id),
+        };
+        if removed.is_some() {
+            self.count -= 1;
+        }
+        removed
+    }
+
+    fn get(&self, id: &u64) -> Option<&Call> {
+        match &self.one {
+            Some((known, call)) if known == id => Some(call),
+            _ => self.more.get(id),
+        }
+    }
+
+    fn contains_key(&self, id: &u64) -> bool {
+        self.get(id).is_some()
+    }
+
+    fn len(&self) -> usize {
+        self.count
+    }
+
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn iter(&self) -> impl Iterator<Item = (&u64, &Call)> {
+        self.one.iter().map(|(id, call)| (id, call)).chain(self.more.iter())
+    }
+
+    #[cfg(test)]
+    fn keys(&self) -> impl Iterator<Item = &u64> {
+        self.iter().map(|(id, _)| id)
+    }
+
+    fn values(&self) -> impl Iterator<Item = &Call> {
+        self.iter().map(|(_, call)| call)
+    }
+
+    /// Takes every call out.
+    fn take(&mut self) -> impl Iterator<Item = (u64, Call)> {
+        self.count = 0;
+        let one = self.one.take();
+        one.into_iter().chain(std::mem::take(&mut self.more))
+    }
 }
 
 /// The connection's write half, shared between its task and the calls: a call
@@ -366,14 +490,20 @@ struct Call {
 /// first), with a non-blocking `send` under this lock, so that frames never
 /// interleave. TLS connections have no `writer` here: encrypting takes the task.
 #[derive(Default)]
+#[repr(C)]
 struct Direct {
     writer: Option<Arc<WriteHalf>>,
     /// The task is writing, or has `rest` to write first: calls hand their requests over.
     busy: bool,
     /// The end of a frame a call could write only in part; the task writes it next.
     rest: BytesMut,
-    /// Where calls encode their frames, kept between calls.
-    buf: BytesMut,
+}
+
+thread_local! {
+    /// Where calls encode the frames they write themselves: one buffer per thread,
+    /// warm in its cache, rather than one per connection, which a process with many
+    /// connections finds cold at every call.
+    static ENCODED: std::cell::RefCell<BytesMut> = std::cell::RefCell::new(BytesMut::new());
 }
 
 /// What [`Link::write_direct`] did with a request.
@@ -430,7 +560,7 @@ impl Link {
             addr,
             next_id: AtomicU64::new(1),
             pending: Mutex::new(Pending {
-                calls: HashMap::default(),
+                calls: Calls::default(),
                 closed: None,
                 armed: None,
                 stashed: VecDeque::new(),
@@ -531,19 +661,18 @@ impl Link {
         for (id, request) in in_flight {
             // Looking for its reply already (its round failed): sent again too, as
             // the reply may have been lost with the connection.
-            if let Some(call) = pending.calls.get_mut(&id) {
-                call.written.get_or_insert(request);
+            if let Some(call) = pending.calls.get(&id) {
+                call.slot.cell.keep_written(request, true);
                 continue;
             }
             // Its reply came before the cut: the call finds it stashed.
             if pending.stashed.iter().any(|(stashed, _)| *stashed == id) {
                 continue;
             }
-            let cell = Arc::new(ReplyCell(Mutex::new(Cell::Waiting(None))));
+            let cell = Arc::new(ReplyCell(Mutex::new(Cell::Waiting { waker: None, written: Some(request) })));
             let slot = ReplySlot { cell: Arc::clone(&cell), sent: false };
             // The call bounds its own wait (and forgets the call past it).
-            let call =
-                Call { slot, written: Some(request), deadline: Instant::now() + LONGEST_WAIT, limit: LONGEST_WAIT };
+            let call = Call { slot, deadline: Instant::now() + LONGEST_WAIT, limit: LONGEST_WAIT };
             pending.calls.insert(id, call);
             pending.adopted.push((id, Reply(cell)));
         }
@@ -565,13 +694,13 @@ impl Link {
     fn insert(&self, mut pending: MutexGuard<'_, Pending>, id: u64, deadline: Instant, limit: Duration) -> Reply {
         let cell = match pending.spare.take() {
             Some(spare) => {
-                *spare.lock() = Cell::Waiting(None);
+                *spare.lock() = ReplyCell::waiting();
                 spare
             }
-            None => Arc::new(ReplyCell(Mutex::new(Cell::Waiting(None)))),
+            None => Arc::new(ReplyCell(Mutex::new(ReplyCell::waiting()))),
         };
         let (slot, reply) = (ReplySlot { cell: Arc::clone(&cell), sent: false }, Reply(cell));
-        pending.calls.insert(id, Call { slot, written: None, deadline, limit });
+        pending.calls.insert(id, Call { slot, deadline, limit });
         // Usually later than the timer (calls share one timeout): nothing to tell.
         let earlier = pending.armed.is_none_or(|armed| deadline < armed);
         if earlier {
@@ -589,35 +718,37 @@ impl Link {
     }
 
     /// Writes call `id`'s request now if the task is not writing; see [`DirectWrite`].
-    pub(crate) fn write_direct(&self, id: u64, request: Request) -> DirectWrite {
+    /// `reply`: the call's, which keeps the request once written.
+    pub(crate) fn write_direct(&self, id: u64, request: Request, reply: &Reply) -> DirectWrite {
         let mut direct = self.lock_direct();
-        let Direct { writer: Some(writer), busy: false, rest, buf } = &mut *direct else {
+        let Direct { writer: Some(writer), busy: false, rest } = &mut *direct else {
+            return DirectWrite::Queue(request);
+        };
+        // Not reentrant: nothing below makes another call.
+        let Ok(mut buf) = ENCODED.try_with(|buf| std::mem::take(&mut *buf.borrow_mut())) else {
             return DirectWrite::Queue(request);
         };
         let frame = ClientFrame::Request { id, request };
-        encode_client_frame(&frame, buf);
+        encode_client_frame(&frame, &mut buf);
         let ClientFrame::Request { request, .. } = frame else { unreachable!("built above") };
         // Counted as written before its bytes go, so that a cut right after finds it
         // (see `Link::written`); the task takes the writer away under this lock first.
-        if let Some(call) = self.lock().calls.get_mut(&id) {
-            call.written = Some(request);
-        }
-        let done = match writer.try_write(buf) {
+        reply.0.keep_written(request, false);
+        let done = match writer.try_write(&buf) {
             Ok(all) if all == buf.len() => DirectWrite::Written,
             Ok(part) => {
-                *rest = buf.split_off(part);
+                rest.extend_from_slice(&buf[part..]);
                 direct.busy = true;
                 DirectWrite::Partly
             }
             // Nothing went (the socket is full, or broke: the task learns that itself).
-            Err(_) => {
-                buf.clear();
-                let request = self.lock().calls.get_mut(&id).and_then(|call| call.written.take());
-                return request.map_or(DirectWrite::Written, DirectWrite::Queue);
-            }
+            // None: the call ended meanwhile, and nobody needs the request.
+            Err(_) => reply.0.unwritten().map_or(DirectWrite::Written, DirectWrite::Queue),
         };
-        direct.buf.clear();
-        Buffering::CLIENT.release_idle(&mut direct.buf);
+        buf.clear();
+        Buffering::CLIENT.release_idle(&mut buf);
+        // Gone only if the thread is exiting, and the buffer with it.
+        let _ = ENCODED.try_with(|kept| *kept.borrow_mut() = buf);
         done
     }
 
@@ -682,11 +813,11 @@ impl Link {
         if requests.is_empty() {
             return;
         }
-        let mut pending = self.lock();
+        let pending = self.lock();
         for (id, request) in requests {
             // A call that stopped waiting meanwhile needs nothing kept.
-            if let Some(call) = pending.calls.get_mut(&id) {
-                call.written = Some(request);
+            if let Some(call) = pending.calls.get(&id) {
+                call.slot.cell.keep_written(request, false);
             }
         }
     }
@@ -695,7 +826,7 @@ impl Link {
     fn unanswered(&self) -> Vec<(u64, Request)> {
         let pending = self.lock();
         let mut requests: Vec<(u64, Request)> =
-            pending.calls.iter().filter_map(|(id, call)| Some((*id, call.written.clone()?))).collect();
+            pending.calls.iter().filter_map(|(id, call)| Some((*id, call.slot.cell.written()?))).collect();
         // In the order first sent, as far as ids tell.
         requests.sort_by_key(|(id, _)| *id);
         requests
@@ -705,7 +836,8 @@ impl Link {
     fn fail_written(&self, why: &str) {
         let failed: Vec<Call> = {
             let mut pending = self.lock();
-            let ids: Vec<u64> = pending.calls.iter().filter(|(_, c)| c.written.is_some()).map(|(id, _)| *id).collect();
+            let ids: Vec<u64> =
+                pending.calls.iter().filter(|(_, c)| c.slot.cell.was_written()).map(|(id, _)| *id).collect();
             ids.iter().filter_map(|id| pending.calls.remove(id)).collect()
         };
         for call in failed {
@@ -756,8 +888,8 @@ impl Link {
     fn close(&self, closed: Closed) {
         let calls = {
             let mut pending = self.lock();
-            pending.closed.get_or_insert_with(|| closed.clone());
-            std::mem::take(&mut pending.calls)
+            pending.closed.get_or_insert_with(|| Box::new(closed.clone()));
+            pending.calls.take().collect::<Vec<_>>()
         };
         for (_, call) in calls {
             call.slot.send(Err(closed.error()));

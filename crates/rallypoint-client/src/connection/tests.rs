@@ -335,3 +335,78 @@ async fn a_silent_coordinator_is_noticed_while_a_call_reads() {
     silent.abort();
     drop(client);
 }
+
+mod calls {
+    use std::collections::HashMap;
+    use std::sync::{Arc, Mutex};
+
+    use proptest::prelude::*;
+    use tokio::time::Instant;
+
+    use super::super::{Call, Calls, ReplyCell, ReplySlot};
+
+    fn call(tag: u32) -> Call {
+        let cell = Arc::new(ReplyCell(Mutex::new(ReplyCell::waiting())));
+        // The tag rides in the limit, so that a replaced call is told from its successor.
+        Call {
+            slot: ReplySlot { cell, sent: true },
+            deadline: Instant::now(),
+            limit: std::time::Duration::from_secs(tag.into()),
+        }
+    }
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Insert(u64, u32),
+        Remove(u64),
+        Take,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        // Few ids, so that inserting a known id and removing a missing one happen.
+        prop_oneof![
+            6 => (0u64..6, any::<u32>()).prop_map(|(id, tag)| Op::Insert(id, tag)),
+            5 => (0u64..6).prop_map(Op::Remove),
+            1 => Just(Op::Take),
+        ]
+    }
+
+    proptest! {
+        /// The calls kept in place and in the map behave as one map would.
+        #[test]
+        fn calls_behave_as_a_map(ops in proptest::collection::vec(op(), 1..60)) {
+            let mut calls = Calls::default();
+            let mut model: HashMap<u64, u32> = HashMap::new();
+            let tag = |call: &Call| call.limit.as_secs();
+            for op in ops {
+                match op {
+                    Op::Insert(id, t) => {
+                        calls.insert(id, call(t));
+                        model.insert(id, t);
+                    }
+                    Op::Remove(id) => {
+                        let removed = calls.remove(&id).map(|call| tag(&call));
+                        prop_assert_eq!(removed, model.remove(&id).map(u64::from));
+                    }
+                    Op::Take => {
+                        let mut taken: Vec<(u64, u64)> = calls.take().map(|(id, call)| (id, tag(&call))).collect();
+                        let mut expected: Vec<(u64, u64)> = model.drain().map(|(id, t)| (id, t.into())).collect();
+                        taken.sort_unstable();
+                        expected.sort_unstable();
+                        prop_assert_eq!(taken, expected);
+                    }
+                }
+                prop_assert_eq!(calls.len(), model.len());
+                prop_assert_eq!(calls.is_empty(), model.is_empty());
+                let mut held: Vec<(u64, u64)> = calls.iter().map(|(id, call)| (*id, tag(call))).collect();
+                let mut expected: Vec<(u64, u64)> = model.iter().map(|(id, t)| (*id, u64::from(*t))).collect();
+                held.sort_unstable();
+                expected.sort_unstable();
+                prop_assert_eq!(held, expected);
+                for id in 0..6 {
+                    prop_assert_eq!(calls.contains_key(&id), model.contains_key(&id));
+                }
+            }
+        }
+    }
+}
