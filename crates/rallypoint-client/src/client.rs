@@ -14,8 +14,10 @@
 //! [`crate::OpError::PeerLost`].
 
 use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -132,6 +134,107 @@ impl Drop for Registered<'_> {
     fn drop(&mut self) {
         if !self.settled {
             self.link.unregister(self.id);
+        }
+    }
+}
+
+/// A barrier's future ([`Client::barrier`]), written out rather than an `async fn`:
+/// a generator would keep its arguments (the name, the members) beside the call's
+/// state for the whole wait, and a rank awaits one of these every round, so each
+/// round would touch that much more memory. This one holds one state at a time.
+pub(crate) struct BarrierCall<'a> {
+    client: &'a Client,
+    state: BarrierState<'a>,
+}
+
+/// The channel's part of a barrier: its outcome, or `None` (and the request back)
+/// when the barrier goes through messages.
+type ThroughChannel<'a> = Pin<Box<dyn Future<Output = (Option<Result<(), Error>>, Request)> + Send + 'a>>;
+
+enum BarrierState<'a> {
+    /// Not polled yet: nothing is sent until it is.
+    Start {
+        name: &'a str,
+        members: Members,
+        timeout: Option<Duration>,
+        waiting: channel::Waiting,
+    },
+    /// Through the node agent's barrier channel. Boxed: its future is large, and
+    /// only ranks behind an agent take it.
+    Channel {
+        through: ThroughChannel<'a>,
+        wait: Duration,
+    },
+    /// Sent as a request; waiting for its reply. (Dropped in this order, as an
+    /// `async fn` drops them: the wait, then the call.)
+    Call {
+        reply: connection::WaitReply<'a>,
+        registered: Registered<'a>,
+    },
+    Done,
+}
+
+impl<'a> BarrierState<'a> {
+    /// Sends the barrier as a request: the state that waits for its reply.
+    fn send(client: &'a Client, request: Request, wait: Duration) -> Result<Self, Error> {
+        let (registered, reply) = client.send_call(request, wait.saturating_add(SAFETY_MARGIN)).map_err(|e| *e)?;
+        let reply = connection::WaitReply::new(registered.link, registered.id, reply);
+        Ok(BarrierState::Call { reply, registered })
+    }
+}
+
+impl Future for BarrierCall<'_> {
+    type Output = Result<(), Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.get_mut();
+        let client = this.client;
+        loop {
+            let next = match &mut this.state {
+                BarrierState::Start { .. } => {
+                    let BarrierState::Start { name, members, timeout, waiting } =
+                        std::mem::replace(&mut this.state, BarrierState::Done)
+                    else {
+                        unreachable!("matched above")
+                    };
+                    let (timeout_ms, wait) = client.blocking_timeout(timeout);
+                    let request = Request::Barrier { name: name.to_owned(), members, timeout_ms };
+                    if client.inner.barrier_channels {
+                        let caller = channel::Caller { link: &client.inner.link, commands: &client.inner.commands };
+                        let limit = wait.saturating_add(SAFETY_MARGIN);
+                        // It owns the request and gives it back, so that this future
+                        // keeps no copy of it while the call below waits.
+                        let through: ThroughChannel<'_> = Box::pin(async move {
+                            let done = channel::barrier(caller, &request, limit, waiting).await;
+                            (done, request)
+                        });
+                        BarrierState::Channel { through, wait }
+                    } else {
+                        BarrierState::send(client, request, wait)?
+                    }
+                }
+                BarrierState::Channel { through, wait } => {
+                    let wait = *wait;
+                    let (done, request) = std::task::ready!(through.as_mut().poll(cx));
+                    if let Some(done) = done {
+                        this.state = BarrierState::Done;
+                        client.barrier_ended(&done);
+                        return Poll::Ready(done);
+                    }
+                    BarrierState::send(client, request, wait)?
+                }
+                BarrierState::Call { reply, registered } => {
+                    let received = std::task::ready!(Pin::new(reply).poll(cx));
+                    let result = client.received(registered, received);
+                    this.state = BarrierState::Done;
+                    return Poll::Ready(match result? {
+                        Response::Done => Ok(()),
+                        other => Err(unexpected("barrier", other)),
+                    });
+                }
+                BarrierState::Done => panic!("a barrier's future was polled after it completed"),
+            };
+            this.state = next;
         }
     }
 }
@@ -256,17 +359,22 @@ impl Client {
         let sent = self.send_call(request, limit);
         async move {
             let (mut registered, reply) = sent.map_err(|error| *error)?;
-            let result = connection::WaitReply::new(registered.link, registered.id, reply).await;
-            // Whoever filled or dropped the slot took the call out of the link's map.
-            registered.settled = true;
-            match result {
-                Ok(Err(Error::Timeout(limit))) => {
-                    self.inner.silent.store(true, Ordering::Relaxed);
-                    Err(Error::Timeout(limit))
-                }
-                Ok(result) => result,
-                Err(_) => Err(registered.link.disconnected()),
+            let received = connection::WaitReply::new(registered.link, registered.id, reply).await;
+            self.received(&mut registered, received)
+        }
+    }
+
+    /// What a call's wait for its reply gave, as the call's result.
+    fn received(&self, registered: &mut Registered<'_>, received: connection::Received) -> Result<Response, Error> {
+        // Whoever filled or dropped the slot took the call out of the link's map.
+        registered.settled = true;
+        match received {
+            Ok(Err(Error::Timeout(limit))) => {
+                self.inner.silent.store(true, Ordering::Relaxed);
+                Err(Error::Timeout(limit))
             }
+            Ok(result) => result,
+            Err(_) => Err(registered.link.disconnected()),
         }
     }
 
@@ -437,8 +545,13 @@ impl Client {
     /// Waits until every member has called the same barrier (the n-th call of a
     /// name meets the other members' n-th call). On timeout the error lists
     /// every member that had not arrived and why.
-    pub async fn barrier(&self, name: &str, members: Members, timeout: Option<Duration>) -> Result<(), Error> {
-        self.barrier_waiting(name, members, timeout, channel::Waiting::Task).await
+    pub fn barrier<'a>(
+        &'a self,
+        name: &'a str,
+        members: Members,
+        timeout: Option<Duration>,
+    ) -> impl Future<Output = Result<(), Error>> + Send + 'a {
+        self.barrier_waiting(name, members, timeout, channel::Waiting::Task)
     }
 
     /// The blocking client's barrier through the channel seat this client holds for
@@ -466,36 +579,14 @@ impl Client {
     }
 
     /// [`Client::barrier`], waiting for a release through shared memory as `waiting` says.
-    pub(crate) async fn barrier_waiting(
-        &self,
-        name: &str,
+    pub(crate) fn barrier_waiting<'a>(
+        &'a self,
+        name: &'a str,
         members: Members,
         timeout: Option<Duration>,
         waiting: channel::Waiting,
-    ) -> Result<(), Error> {
-        let (timeout_ms, wait) = self.blocking_timeout(timeout);
-        let mut request = Request::Barrier { name: name.to_owned(), members, timeout_ms };
-        if self.inner.barrier_channels {
-            let caller = channel::Caller { link: &self.inner.link, commands: &self.inner.commands };
-            let limit = wait.saturating_add(SAFETY_MARGIN);
-            // Boxed: its future is large, and every barrier's future would carry it.
-            // It owns the request and gives it back, so that this future keeps no
-            // copy of it while the call below waits.
-            let through = Box::pin(async move {
-                let done = channel::barrier(caller, &request, limit, waiting).await;
-                (done, request)
-            });
-            let done;
-            (done, request) = through.await;
-            if let Some(done) = done {
-                self.barrier_ended(&done);
-                return done;
-            }
-        }
-        match self.call(request, wait).await? {
-            Response::Done => Ok(()),
-            other => Err(unexpected("barrier", other)),
-        }
+    ) -> BarrierCall<'a> {
+        BarrierCall { client: self, state: BarrierState::Start { name, members, timeout, waiting } }
     }
 
     /// Every member contributes `value`; each gets all values in rank order.

@@ -5,6 +5,43 @@ use rallypoint_core::CollectiveKind;
 
 use crate::common::{bounded, connect, rank, start_confirmed, start_server, start_server_with};
 
+/// A barrier's future sends nothing until it is polled: one made and dropped
+/// unpolled arrives nowhere, so the rank's next barrier is its first arrival.
+/// One dropped while it waits leaves its arrival counted (as a rank that gave up
+/// waiting), and the rank's next call of the name meets the others' next one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_barrier_arrives_when_polled_not_when_made() {
+    let server = start_server().await;
+    let a = connect(&server, rank("lazy", 0, 2)).await;
+    let b = connect(&server, rank("lazy", 1, 2)).await;
+    let wait = Some(Duration::from_secs(20));
+
+    drop(a.barrier("sync", Members::World, wait));
+    let (first_a, first_b) = bounded("first round", async {
+        tokio::join!(a.barrier("sync", Members::World, wait), b.barrier("sync", Members::World, wait))
+    })
+    .await;
+    first_a.expect("rank 0, round 1");
+    first_b.expect("rank 1, round 1");
+
+    // Polled once (its arrival is in), then dropped while waiting for rank 1.
+    let mut given_up = Box::pin(a.barrier("sync", Members::World, wait));
+    tokio::select! {
+        biased;
+        _ = &mut given_up => panic!("round 2 released with rank 1 absent"),
+        () = std::future::ready(()) => {}
+    }
+    bounded("confirming request", a.num_keys()).await.expect("num_keys after the arrival");
+    drop(given_up);
+    bounded("rank 1, round 2", b.barrier("sync", Members::World, wait)).await.expect("rank 1 meets the arrival");
+    let (third_a, third_b) = bounded("third round", async {
+        tokio::join!(a.barrier("sync", Members::World, wait), b.barrier("sync", Members::World, wait))
+    })
+    .await;
+    third_a.expect("rank 0, round 3");
+    third_b.expect("rank 1, round 3");
+}
+
 /// A rank whose process dies (connection dropped without leaving) fails every other
 /// waiter at once, naming the rank, its host and pid.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
