@@ -148,6 +148,9 @@ fn every_rank_gets_torchrun_variables_prefixed_output_and_a_working_coordinator(
     "#;
     let done = launch(&["--nproc-per-node", "3", "--job", "envtest"], script, &dir).finish();
     assert_eq!(done.code, Some(0), "stderr:\n{}", done.stderr);
+    let last = done.stderr.lines().last().unwrap_or_default();
+    let expected = "rallypoint: job 'envtest' succeeded (attempt 1 of 1): ranks 0-2 on this node exited with code 0";
+    assert_eq!(last, expected, "{}", done.stderr);
     for r in 0..3 {
         let expected = format!("[rank{r}]: env {r} {r} 3 3 0 1 {r} default 3 envtest 0 0 True envtest 1");
         assert!(done.stdout.lines().any(|l| l == expected), "missing {expected:?} in\n{}", done.stdout);
@@ -177,6 +180,7 @@ fn a_failing_rank_takes_the_job_down_and_the_summary_names_it() {
     assert_eq!(done.code, Some(3), "stderr:\n{}", done.stderr);
     let first_line = messages(&done.stderr).find(|l| l.starts_with("rallypoint: ")).unwrap_or_default();
     assert!(first_line.contains("FAILED") && first_line.contains("rank 1 exited with code 3"), "{}", done.stderr);
+    assert!(!done.stderr.contains("succeeded"), "{}", done.stderr);
     assert!(done.stderr.contains("rank 1 (local rank 1, node 0, host "), "{}", done.stderr);
     assert!(done.stderr.contains("    | fatal: bad batch"), "{}", done.stderr);
     assert!(done.stderr.contains("rank 0: killed by the launcher (SIGTERM) after rank 1 failed"), "{}", done.stderr);
@@ -411,6 +415,11 @@ fn two_nodes_restart_together_after_a_failure() {
     assert!(n0.stdout.contains("[rank0]: rank 0 done in attempt 1 of job tr.restart1"), "{}", n0.stdout);
     assert!(n1.stdout.contains("[rank1]: rank 1 done in attempt 1 of job tr.restart1"), "{}", n1.stdout);
     assert!(n0.stderr.contains("restarting (1 of 1 restarts)") && n1.stderr.contains("restarting (1 of 1 restarts)"));
+    for n in [&n0, &n1] {
+        let last = n.stderr.lines().last().unwrap_or_default();
+        assert!(last.starts_with("rallypoint: job 'tr' succeeded (attempt 2 of 2): rank "), "{}", n.stderr);
+        assert!(last.ends_with(" on this node exited with code 0"), "{}", n.stderr);
+    }
 }
 
 /// The `unix:PATH` a worker printed as `addr RALLYPOINT_ADDR MASTER_ADDR:MASTER_PORT`;
@@ -1072,9 +1081,10 @@ fn log_dir_runs_say_where_the_logs_are_and_attempts_count_like_their_folders() {
     );
     assert!(done.stderr.contains("succeeded (attempt 2 of 2)"), "{}", done.stderr);
     assert_eq!(std::fs::read_to_string(logs.join("attempt2/rank0.stdout")).ok().as_deref(), Some("attempt 1\n"));
-    // Without --log-dir a success adds nothing to what the workers wrote.
+    // Without --log-dir a success is said all the same, with no logs to point at.
     let done = launch(&[], "true", &dir).finish();
-    assert!(!done.stderr.contains("succeeded"), "{}", done.stderr);
+    let last = done.stderr.lines().last().unwrap_or_default();
+    assert_eq!(last, "rallypoint: job 'default' succeeded (attempt 1 of 1): rank 0 on this node exited with code 0");
 }
 
 /// `rallypoint ARGS` with the test's environment scrubbed, plus `env`.

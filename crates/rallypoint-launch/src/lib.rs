@@ -372,20 +372,19 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
         let result = attempt_run.run(&mut signals).await?;
         match result {
             AttemptResult::Succeeded => {
-                if let Some(dir) = attempt_run.log_dir() {
-                    let last = layout.base_rank + options.nproc_per_node - 1;
-                    let ranks = match options.nproc_per_node {
-                        1 => format!("rank {last}"),
-                        _ => format!("ranks {}-{last}", layout.base_rank),
-                    };
-                    run.console.message(format!(
-                        "rallypoint: job '{}' succeeded ({}): {ranks} on this node exited with code 0; \
-                         their logs are in {}",
-                        options.job,
-                        attempt_of(attempt, options.max_restarts),
-                        dir.display()
-                    ));
-                }
+                // Said as failures are, so that a job's end is told, not only its failures.
+                let last = layout.base_rank + options.nproc_per_node - 1;
+                let ranks = match options.nproc_per_node {
+                    1 => format!("rank {last}"),
+                    _ => format!("ranks {}-{last}", layout.base_rank),
+                };
+                let logs =
+                    attempt_run.log_dir().map_or(String::new(), |dir| format!("; their logs are in {}", dir.display()));
+                run.console.message(format!(
+                    "rallypoint: job '{}' succeeded ({}): {ranks} on this node exited with code 0{logs}",
+                    options.job,
+                    attempt_of(attempt, options.max_restarts),
+                ));
                 run.launchers.farewell(attempt).await;
                 return Ok(0);
             }
