@@ -16,7 +16,11 @@ async fn a_barrier_arrives_when_polled_not_when_made() {
     let b = connect(&server, rank("lazy", 1, 2)).await;
     let wait = Some(Duration::from_secs(20));
 
-    drop(a.barrier("sync", Members::World, wait));
+    let unpolled = a.barrier("sync", Members::World, wait);
+    // As an `async fn`'s was: it may be moved to a task, or held by reference across an await.
+    fn shareable<T: Send + Sync>(_: &T) {}
+    shareable(&unpolled);
+    drop(unpolled);
     let (first_a, first_b) = bounded("first round", async {
         tokio::join!(a.barrier("sync", Members::World, wait), b.barrier("sync", Members::World, wait))
     })
