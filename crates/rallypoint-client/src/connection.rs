@@ -249,9 +249,9 @@ pub(crate) enum Command {
 /// State shared by every clone of a client and its connection task.
 ///
 /// In declared order (`repr(C)`, here and in the parts a call uses), what every
-/// call touches first: a process with thousands of connections (a load generator,
-/// an agent's upstream) finds each link cold at every call, and pays a cache miss
-/// per line touched, not per field.
+/// call touches first: a rank whose work between two calls evicts the caches, or a
+/// process with thousands of connections, finds its link cold at every call, and
+/// pays a cache miss per line touched, not per field.
 #[repr(C)]
 pub(crate) struct Link {
     pending: Mutex<Pending>,
