@@ -149,6 +149,7 @@ pub(crate) struct BarrierCall<'a> {
 
 /// The channel's part of a barrier: its outcome, or `None` (and the request back)
 /// when the barrier goes through messages.
+///
 /// `Sync` as well as `Send`, as the `async fn` it replaced was: a caller may hold the
 /// barrier's future by reference across an await.
 type ThroughChannel<'a> = Pin<Box<dyn Future<Output = (Option<Result<(), Error>>, Request)> + Send + Sync + 'a>>;

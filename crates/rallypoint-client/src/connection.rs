@@ -102,6 +102,16 @@ impl ReplyCell {
         Cell::Waiting { waker: None, written: None }
     }
 
+    /// Ends the wait with `end`; returns the waker of the call that waited, if it
+    /// left one. What the cell held (a written request) goes after the lock.
+    fn end_with(&self, end: Cell) -> Option<Waker> {
+        let held = std::mem::replace(&mut *self.lock(), end);
+        match held {
+            Cell::Waiting { waker, .. } => waker,
+            _ => None,
+        }
+    }
+
     /// Keeps the call's request, written to the connection (unless the call has
     /// ended meanwhile); `keep_first`: a request kept already stays.
     fn keep_written(&self, request: Request, keep_first: bool) {
@@ -158,11 +168,7 @@ impl ReplySlot {
 
     fn fill(mut self, filled: Cell, wake: bool) {
         self.sent = true;
-        let waker = match std::mem::replace(&mut *self.cell.lock(), filled) {
-            Cell::Waiting { waker, .. } => waker,
-            _ => None,
-        };
-        if let Some(waker) = waker.filter(|_| wake) {
+        if let Some(waker) = self.cell.end_with(filled).filter(|_| wake) {
             waker.wake();
         }
     }
@@ -171,11 +177,7 @@ impl ReplySlot {
 impl Drop for ReplySlot {
     fn drop(&mut self) {
         if !self.sent {
-            let waker = match std::mem::replace(&mut *self.cell.lock(), Cell::Dropped) {
-                Cell::Waiting { waker, .. } => waker,
-                _ => None,
-            };
-            if let Some(waker) = waker {
+            if let Some(waker) = self.cell.end_with(Cell::Dropped) {
                 waker.wake();
             }
         }
