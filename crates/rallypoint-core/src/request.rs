@@ -360,6 +360,12 @@ pub struct Outgoing {
     pub reply: Reply,
 }
 
+impl Outgoing {
+    pub(crate) fn new(session: SessionId, request_id: u64, reply: Reply) -> Outgoing {
+        Outgoing { session, request_id, reply }
+    }
+}
+
 /// What a session learns when the engine accepts its identity.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Welcome {

@@ -325,6 +325,53 @@ fn a_barrier_resent_after_its_reply_was_lost_gets_the_reply_again() {
     assert!(d.replies_to(r0, 2).is_empty(), "rank 1 was lost although it resumed");
 }
 
+/// A barrier's release is kept with its generation, its failure with the session:
+/// a rank cut while its barrier failed gets the failure again, not a release.
+#[test]
+fn a_barrier_that_failed_while_its_rank_was_cut_replays_the_failure() {
+    let mut d = Driver::new();
+    let id0 = process("j", 0, 3, 300, "a", 0x1);
+    let r0 = d.session(id0.clone());
+    let r1 = d.session(process("j", 1, 3, 311, "b", 0x2));
+    let r2 = d.session(process("j", 2, 3, 322, "c", 0x3));
+    for r in [r0, r1, r2] {
+        d.send(r, 1, barrier("step"));
+    }
+    d.send(r0, 2, barrier("step"));
+    d.cut(r0);
+    d.kill(r2);
+    let lost = d.last(r0, 2);
+    assert!(matches!(lost, Some(Err(OpError::PeerLost { .. }))), "{lost:?}");
+    d.advance(500);
+    assert_eq!(d.resume(r0, &id0), Ok(r0));
+    d.send(r0, 1, barrier("step"));
+    d.send(r0, 2, barrier("step"));
+    assert_eq!(d.replies_to(r0, 1), [&Ok(Response::Done), &Ok(Response::Done)]);
+    assert_eq!(d.replies_to(r0, 2).len(), 2);
+    assert_eq!(d.last(r0, 2), lost, "the failure again");
+}
+
+/// A rank pipelining barrier calls: the failure of its first call, made in the same
+/// input as its next call and not yet taken out, is what the first call keeps.
+#[test]
+fn a_pipelined_barrier_keeps_the_failure_made_in_the_same_input() {
+    let mut d = Driver::new();
+    let id0 = process("j", 0, 2, 300, "a", 0x1);
+    let r0 = d.session(id0.clone());
+    let r1 = d.session(process("j", 1, 2, 311, "b", 0x2));
+    d.send(r0, 1, barrier("step"));
+    // No replies taken out between these: the engine's input of one server batch.
+    d.engine.close_with(r1, Departure::ProcessGone, d.now);
+    d.engine.handle(r0, 2, barrier("step"), d.now);
+    d.collect();
+    let lost = d.last(r0, 1);
+    assert!(matches!(lost, Some(Err(OpError::PeerLost { .. }))), "{lost:?}");
+    d.cut(r0);
+    assert_eq!(d.resume(r0, &id0), Ok(r0));
+    d.send(r0, 1, barrier("step"));
+    assert_eq!(d.last(r0, 1), lost, "the failure again, not a release");
+}
+
 #[test]
 fn an_add_resent_after_its_reply_was_lost_adds_once() {
     let mut d = Driver::new();

@@ -47,11 +47,31 @@ pub(crate) struct Ctx<'a> {
     pub now: Millis,
     pub out: &'a mut Vec<Outgoing>,
     pub timers: &'a mut Timers,
+    /// The engine's count of requests waiting in kept replies (module `resume`).
+    pub tracked: &'a mut usize,
+    /// Where in `out` barriers' releases are, as `start..end`: the sessions' kept
+    /// entries read them from their generations (module `resume`), so the engine does
+    /// not look the sessions up for them.
+    pub released: &'a mut Vec<(usize, usize)>,
+    /// Every reply in `out` has been kept in its session's replies, but releases
+    /// (module `resume`): a kept barrier call may be read from its generation.
+    pub settled: bool,
 }
 
 impl Ctx<'_> {
     pub fn reply(&mut self, (session, request_id): (SessionId, u64), reply: Result<Response, OpError>) {
-        self.out.push(Outgoing { session, request_id, reply });
+        self.out.push(Outgoing::new(session, request_id, reply));
+        self.settled = false;
+    }
+
+    /// A barrier's `Done` to the calls waiting in it, which their kept entries read
+    /// from the generation (module `resume`).
+    fn release(&mut self, waiters: impl Iterator<Item = (SessionId, u64)>) {
+        let start = self.out.len();
+        self.out.extend(waiters.map(|(session, request_id)| Outgoing::new(session, request_id, Ok(Response::Done))));
+        if self.out.len() > start {
+            self.released.push((start, self.out.len()));
+        }
     }
 }
 
@@ -102,6 +122,14 @@ impl Calls {
 /// run of calls, then indexed per call.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct CollectiveAt(usize);
+
+impl CollectiveAt {
+    /// As a kept barrier call names it (module `resume`): the job would need
+    /// billions of collectives for an index not to fit.
+    pub fn index(self) -> u32 {
+        u32::try_from(self.0).unwrap_or(u32::MAX)
+    }
+}
 
 #[derive(Debug, Default)]
 pub(crate) struct Collectives {
@@ -163,9 +191,15 @@ impl Collectives {
     /// looked at for its release only when this call completed it (a broadcast: at
     /// every call), so that a run of calls costs no lookup per call beyond its own.
     /// The call's value is taken; the rest is left for a run's next call to reuse.
-    pub fn arrive(&mut self, CollectiveAt(at): CollectiveAt, call: &mut Call, ranks: &Ranks, ctx: &mut Ctx<'_>) {
+    pub fn arrive(
+        &mut self,
+        CollectiveAt(at): CollectiveAt,
+        call: &mut Call,
+        ranks: &Ranks,
+        ctx: &mut Ctx<'_>,
+    ) -> Option<u64> {
         let failed_kept = self.failed_kept;
-        let Some(coll) = self.all.get_mut(at) else { return };
+        let coll = self.all.get_mut(at)?;
         let (kind, name) = (coll.kind, coll.name.as_str());
         let counters = &mut self.counters[counted(kind)];
         counters.arrivals += 1;
@@ -176,7 +210,7 @@ impl Collectives {
 
         if let Some(error) = coll.failed.get(&number) {
             ctx.reply(caller, Err(error.clone()));
-            return;
+            return None;
         }
         let shape = || CallShape {
             rank: call.rank,
@@ -194,7 +228,7 @@ impl Collectives {
                     };
                     ctx.reply(caller, Err(error.clone()));
                     coll.fail(number, error, failed_kept, ctx);
-                    return;
+                    return None;
                 }
                 generation
             }
@@ -211,7 +245,7 @@ impl Collectives {
                     let error = OpError::PeerLost { op: op(), peer: ranks.info(dead, ctx.now) };
                     ctx.reply(caller, Err(error.clone()));
                     coll.remember_failure(number, error, failed_kept);
-                    return;
+                    return None;
                 }
                 let arrivals = Arrivals::for_members(&members, ranks);
                 coll.pending.entry(number).or_insert(Generation {
@@ -236,7 +270,7 @@ impl Collectives {
             };
             ctx.reply(caller, Err(error.clone()));
             coll.fail(number, error, failed_kept, ctx);
-            return;
+            return None;
         }
         generation.arrivals.insert(call.rank, std::mem::take(&mut call.value));
         let complete = generation.members.count() == Some(generation.arrivals.count());
@@ -268,6 +302,17 @@ impl Collectives {
         if complete || kind == CollectiveKind::Broadcast {
             coll.progress(kind, number, counters, ctx);
         }
+        (kind == CollectiveKind::Barrier).then_some(number)
+    }
+
+    /// Whether generation `generation` of the collective at `at` (see
+    /// [`CollectiveAt::index`]) still waits for arrivals.
+    pub fn is_pending(&self, at: u32, generation: u64) -> bool {
+        let coll = usize::try_from(at).ok().and_then(|at| self.all.get(at));
+        // Mostly asked of a generation older than every one pending.
+        let after_first =
+            |coll: &Collective| coll.pending.first_key_value().is_some_and(|(&first, _)| generation >= first);
+        coll.is_some_and(|coll| after_first(coll) && coll.pending.contains_key(&generation))
     }
 
     /// A rank of the job connected: role member sets waiting on it may now be known.
@@ -438,9 +483,7 @@ impl Collective {
             CollectiveKind::Barrier if complete => {
                 counters.releases += 1;
                 counters.wait.observe(waited);
-                for waiter in g.waiters.drain(..) {
-                    ctx.reply(waiter, Ok(Response::Done));
-                }
+                ctx.release(g.waiters.drain(..));
             }
             CollectiveKind::AllGather if complete => {
                 counters.releases += 1;

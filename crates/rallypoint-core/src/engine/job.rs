@@ -143,5 +143,5 @@ impl Job {
 }
 
 pub(crate) fn send_key_replies(done: Vec<(WaitId, Reply)>, out: &mut Vec<Outgoing>) {
-    out.extend(done.into_iter().map(|((session, request_id), reply)| Outgoing { session, request_id, reply }));
+    out.extend(done.into_iter().map(|((session, request_id), reply)| Outgoing::new(session, request_id, reply)));
 }

@@ -26,8 +26,8 @@ pub use snapshot::JobMetrics;
 
 use collective::Ctx;
 use job::Job;
-use resume::{Detached, Resent, Resumable};
-use step::{Caller, Step};
+use resume::{Detached, Kept, Resent, Resumable};
+use step::{Caller, Keep, Step};
 use timers::{Timer, Timers};
 
 /// Jobs are numbered so that timers never point at a newer job of the same name.
@@ -55,6 +55,10 @@ pub(crate) struct Session {
     torch: bool,
     /// A session that stated an incarnation can resume after a cut (module `resume`).
     resume: Option<Box<Resumable>>,
+    /// When it was last resumed: re-sent requests are recognised from then on, for as
+    /// long as a kept reply may live. Here, not in `resume`: a request of a session
+    /// never resumed need not read that.
+    resumed_at: Option<Millis>,
     /// Its rank was taken over by another process: the session no longer carries it
     /// (its identity's rank is cleared) and everything it asks fails with this.
     taken_over: Option<Box<OpError>>,
@@ -109,6 +113,11 @@ pub struct Engine {
     /// State-changing requests of resumable sessions waiting for their reply (module
     /// `resume`): while there are none, replies leave without being looked at.
     tracked: usize,
+    /// How many of `outgoing` have been kept in their sessions' replies (module
+    /// `resume`): a kept barrier call is read from its generation only once all are.
+    settled: usize,
+    /// Where in `outgoing`, past `settled`, barriers' releases are (see `Ctx::released`).
+    released: Vec<(usize, usize)>,
 }
 
 impl Engine {
@@ -125,6 +134,8 @@ impl Engine {
             notices: Vec::new(),
             now: 0,
             tracked: 0,
+            settled: 0,
+            released: Vec::new(),
         }
     }
 
@@ -158,8 +169,16 @@ impl Engine {
         // The job keeps the name; a copy per session would only cost memory.
         identity.job = String::new();
         let resume = identity.incarnation.map(|_| Box::default());
-        let sess =
-            Session { job: job_id, identity, leaving: false, abandoned: false, torch: false, resume, taken_over: None };
+        let sess = Session {
+            job: job_id,
+            identity,
+            leaving: false,
+            abandoned: false,
+            torch: false,
+            resume,
+            resumed_at: None,
+            taken_over: None,
+        };
         self.sessions.insert(session, Box::new(sess));
         Ok(self.welcome(session, job_id))
     }
@@ -257,7 +276,7 @@ impl Engine {
             return Err(format!("{session} carries another rank"));
         }
         resume.detached = None;
-        resume.resumed_at = Some(now);
+        sess.resumed_at = Some(now);
         let job = sess.job;
         self.alive(session, now);
         Ok(self.welcome(session, job))
@@ -267,7 +286,9 @@ impl Engine {
     /// place where the engine is split into those borrows.
     fn step(&mut self, id: JobId, now: Millis) -> Option<Step<'_>> {
         let job = self.jobs.get_mut(&id)?;
-        let ctx = Ctx { job: id, now, out: &mut self.outgoing, timers: &mut self.timers };
+        let settled = self.settled == self.outgoing.len();
+        let (out, timers, tracked) = (&mut self.outgoing, &mut self.timers, &mut self.tracked);
+        let ctx = Ctx { job: id, now, out, timers, tracked, released: &mut self.released, settled };
         Some(Step::new(job, ctx, &mut self.sessions, &self.config, &mut self.notices))
     }
 
@@ -361,25 +382,22 @@ impl Engine {
         if let Some(rank) = self.revealed_rank(session, &request) {
             self.attribute(session, rank, now);
         }
-        if self.gate(session, request_id, &request, now).is_none() {
-            return;
-        }
+        let Some((caller, _)) = self.gate(session, request_id, &request, now, false) else { return };
         if let Request::Reset { incarnation } = request {
             let reply = self.reset(session, incarnation, now);
-            return self.outgoing.push(Outgoing { session, request_id, reply });
+            return self.outgoing.push(Outgoing::new(session, request_id, reply));
         }
         let Some(sess) = self.sessions.get(&session) else { return };
         if let Request::Jobs = request {
             let names = self.job_names(sess.job);
-            self.outgoing.push(Outgoing { session, request_id, reply: Ok(Response::Values(names)) });
+            self.outgoing.push(Outgoing::new(session, request_id, Ok(Response::Values(names))));
             return;
         }
         if let Request::Snapshot = request {
             let reply = self.snapshot_reply(session, now);
-            self.outgoing.push(Outgoing { session, request_id, reply });
+            self.outgoing.push(Outgoing::new(session, request_id, reply));
             return;
         }
-        let caller = Caller::of(session, sess, request_id);
         if let Some(mut step) = self.step(sess.job, now) {
             step.request(caller, request);
         }
@@ -389,17 +407,31 @@ impl Engine {
     /// from what was kept (or waits on as before), and a session taken over gets its
     /// error. The caller and its job if the request runs; None if it was answered
     /// here, or its session is unknown.
-    fn gate(&mut self, session: SessionId, request_id: u64, request: &Request, now: Millis) -> Option<(Caller, JobId)> {
-        let sess = self.sessions.get_mut(&session)?;
+    /// `in_run`: a call of a run of collective calls (see [`Engine::handle_calls`]),
+    /// which may be kept when it arrives rather than here.
+    fn gate(
+        &mut self,
+        session: SessionId,
+        request_id: u64,
+        request: &Request,
+        now: Millis,
+        in_run: bool,
+    ) -> Option<(Caller, JobId)> {
+        self.settle_made();
+        let Engine { sessions, jobs, config, outgoing, tracked, .. } = self;
+        let sess = sessions.get_mut(&session)?;
+        let job = sess.job;
+        let mut keep = Keep::No;
+        let limits = &config.reply_cache;
+        let may_be_resent = resume::may_be_resent(sess.resumed_at, now, limits);
         if let Some(resume) = sess.resume.as_deref_mut() {
-            let limits = &self.config.reply_cache;
+            let pending = |at, generation| jobs.get(&job).is_some_and(|j| j.collectives.is_pending(at, generation));
             let changes_state = request.changes_state();
-            if resume.may_be_resent(now, limits) {
-                let resent = match resume.kept.resent(request_id, changes_state, now, limits) {
+            if may_be_resent {
+                let resent = match resume.kept.resent(request_id, changes_state, now, limits, &pending) {
                     // A read that waits (a `get`) is not kept: the store knows it.
                     Resent::Run if request.may_block() => {
-                        let waiting =
-                            self.jobs.get(&sess.job).is_some_and(|j| j.store.is_waiting((session, request_id)));
+                        let waiting = jobs.get(&job).is_some_and(|j| j.store.is_waiting((session, request_id)));
                         if waiting {
                             Resent::Waiting
                         } else {
@@ -412,7 +444,7 @@ impl Engine {
                     Resent::Run => {}
                     Resent::Waiting => return None,
                     Resent::Replay(reply) => {
-                        self.outgoing.push(Outgoing { session, request_id, reply });
+                        outgoing.push(Outgoing::new(session, request_id, reply));
                         return None;
                     }
                 }
@@ -420,16 +452,23 @@ impl Engine {
             if let Some(error) = &sess.taken_over {
                 if !matches!(request, Request::Leave | Request::Heartbeat) {
                     let reply = Err((**error).clone());
-                    self.outgoing.push(Outgoing { session, request_id, reply });
+                    outgoing.push(Outgoing::new(session, request_id, reply));
                     return None;
                 }
             }
-            if changes_state {
-                resume.kept.arrived(request_id, now, limits);
-                self.tracked += 1;
-            }
+            // Outside a resend window nothing asks for the request before it runs.
+            keep = match (changes_state, in_run && !may_be_resent) {
+                (false, _) => Keep::No,
+                (true, true) => Keep::OnArrival,
+                (true, false) => {
+                    track(tracked, &mut resume.kept, |kept| kept.arrived(request_id, now, limits, &pending));
+                    Keep::Waiting
+                }
+            };
         }
-        Some((Caller::of(session, sess, request_id), sess.job))
+        let mut caller = Caller::of(session, sess, request_id);
+        caller.keep = keep;
+        Some((caller, job))
     }
 
     /// The same collective call (a barrier, all-gather or broadcast request) made by
@@ -451,7 +490,7 @@ impl Engine {
         let mut callers = Vec::with_capacity(calls.len());
         let mut job = None;
         for &(session, request_id) in calls {
-            let Some((caller, of)) = self.gate(session, request_id, request, now) else { continue };
+            let Some((caller, of)) = self.gate(session, request_id, request, now, true) else { continue };
             if job != Some(of) {
                 if let Some(job) = job {
                     self.run_calls(job, &mut callers, request, now);
@@ -466,6 +505,8 @@ impl Engine {
     }
 
     fn run_calls(&mut self, job: JobId, callers: &mut Vec<Caller>, request: &Request, now: Millis) {
+        // The gates' replays kept, so that the calls may read kept barrier calls.
+        self.settle_made();
         match self.step(job, now) {
             Some(mut step) => step.calls(callers.drain(..), request),
             None => callers.clear(),
@@ -578,6 +619,7 @@ impl Engine {
 
     /// Closes the session for good.
     fn finish(&mut self, session: SessionId, now: Millis) {
+        self.settle_made();
         let Some(sess) = self.sessions.remove(&session) else { return };
         if let Some(resume) = &sess.resume {
             self.tracked = self.tracked.saturating_sub(resume.kept.waiting());
@@ -598,8 +640,19 @@ impl Engine {
         if self.jobs.get(&sess.job).is_some_and(|j| j.superseded.is_some() && j.sessions == 0) {
             self.forget(sess.job);
         }
-        // Replies for the closed session have nowhere to go.
-        self.outgoing.retain(|o| o.session != session);
+        // Replies for the closed session have nowhere to go. Those the close made (its
+        // rank's loss failing its peers' barriers) are yet to be kept, any release
+        // among them like other replies: their places move.
+        self.released.clear();
+        let (settled, mut at) = (self.settled, 0);
+        self.outgoing.retain(|o| {
+            at += 1;
+            if o.session == session {
+                self.settled -= usize::from(at <= settled);
+                return false;
+            }
+            true
+        });
     }
 
     /// The ranks of job `job` counted as lost, in rank order, with how and when they
@@ -649,24 +702,49 @@ impl Engine {
 
     /// Replies produced so far, in the order they were produced.
     pub fn drain_outgoing(&mut self) -> std::vec::Drain<'_, Outgoing> {
-        if self.tracked > 0 {
-            self.settle();
-        }
+        self.settle_made();
+        self.settled = 0;
+        self.released.clear();
         self.outgoing.drain(..)
     }
 
-    /// The replies leaving the engine answer requests of resumable sessions: those of
-    /// state-changing requests are kept (module `resume`).
-    fn settle(&mut self) {
-        let limits = &self.config.reply_cache;
-        for out in &self.outgoing {
-            let Some(resume) = self.sessions.get_mut(&out.session).and_then(|s| s.resume.as_deref_mut()) else {
-                continue;
-            };
-            if resume.kept.answered(out.request_id, &out.reply, self.now, limits) {
-                self.tracked = self.tracked.saturating_sub(1);
-            }
+    /// Keeps every reply made since the last call in its session's replies, where
+    /// it answers a state-changing request of a resumable session (module `resume`).
+    #[inline]
+    fn settle_made(&mut self) {
+        if self.settled < self.outgoing.len() {
+            self.settle_from();
         }
+    }
+
+    fn settle_from(&mut self) {
+        let Engine { sessions, jobs, config, outgoing, tracked, settled, released, now, .. } = self;
+        let (mut at, to) = (*settled, outgoing.len());
+        *settled = to;
+        if *tracked == 0 {
+            released.clear();
+            return;
+        }
+        let limits = &config.reply_cache;
+        let mut skip = released.iter().copied().peekable();
+        while at < to {
+            // A release's replies are read from the generation by their sessions.
+            if let Some(&(start, end)) = skip.peek() {
+                if start <= at {
+                    at = at.max(end);
+                    skip.next();
+                    continue;
+                }
+            }
+            let Some(out) = outgoing.get(at) else { break };
+            at += 1;
+            let Some(sess) = sessions.get_mut(&out.session) else { continue };
+            let job = sess.job;
+            let Some(resume) = sess.resume.as_deref_mut() else { continue };
+            let pending = |at, generation| jobs.get(&job).is_some_and(|j| j.collectives.is_pending(at, generation));
+            track(tracked, &mut resume.kept, |kept| kept.answered(out.request_id, &out.reply, *now, limits, &pending));
+        }
+        released.clear();
     }
 
     /// Drops an idle (or reset) job: its keys, barriers and ranks.
@@ -677,4 +755,13 @@ impl Engine {
             }
         }
     }
+}
+
+/// Runs `change` on a session's kept replies and counts what it left waiting in the
+/// engine's `tracked`.
+pub(crate) fn track<R>(tracked: &mut usize, kept: &mut Kept, change: impl FnOnce(&mut Kept) -> R) -> R {
+    let before = kept.waiting();
+    let result = change(kept);
+    *tracked = tracked.saturating_add(kept.waiting()).saturating_sub(before);
+    result
 }

@@ -10,6 +10,15 @@
 //! after a cut takes effect once. Only requests that change something are kept (from
 //! the moment they arrive, so that a waiting one is known): a read runs again.
 //!
+//! A barrier call's `Done` is not written into its session's queue when the barrier
+//! releases (that would touch every session of the job at every release): the call's
+//! entry names the generation it joined, and reads as waiting while that generation
+//! is pending and as `Done` once it is not; the session's next barrier call turns
+//! it into a `Done`. Every other end of such a wait (a failure, a timeout, the
+//! session's own error) is a reply that is kept as any other, replacing the entry;
+//! so an entry is read from its generation only once every reply made so far has
+//! been kept (the engine keeps them first).
+//!
 //! The kept replies are bounded ([`crate::ReplyCache`]: count, age, bytes of values)
 //! and dropped oldest first. A re-sent request that changes something, whose reply is
 //! not kept but whose id is not above the highest id dropped, may have run: it is
@@ -24,16 +33,17 @@ use crate::{Millis, OpError, RankState, Reply, ReplyCache as Limits, Response};
 use super::job::Job;
 use super::Sessions;
 
+/// Whether generation `generation` of the collective at `at` in the session's job
+/// still waits (see [`Slot::Called`]).
+pub(crate) type Pending<'a> = &'a dyn Fn(u32, u64) -> bool;
+
 /// The resume state of a session that stated an incarnation.
 #[derive(Debug, Default)]
 pub(crate) struct Resumable {
+    pub kept: Kept,
     /// The connection dropped: the session is kept for a resume until its grace ends,
     /// then closed as a loss.
     pub detached: Option<Detached>,
-    /// When the session was last resumed: re-sent requests are recognised from then
-    /// on, for as long as a kept reply may live.
-    pub resumed_at: Option<Millis>,
-    pub kept: Kept,
 }
 
 /// When a session's connection dropped, and when its reconnect grace ends (engine ms).
@@ -43,11 +53,10 @@ pub(crate) struct Detached {
     pub until: Millis,
 }
 
-impl Resumable {
-    /// Whether a request arriving now may be a copy re-sent after the last resume.
-    pub fn may_be_resent(&self, now: Millis, limits: &Limits) -> bool {
-        self.resumed_at.is_some_and(|at| now <= at.saturating_add(limits.max_age_ms))
-    }
+/// Whether a request arriving `now` may be a copy re-sent after the session's last
+/// resume, `resumed_at`.
+pub(crate) fn may_be_resent(resumed_at: Option<Millis>, now: Millis, limits: &Limits) -> bool {
+    resumed_at.is_some_and(|at| now <= at.saturating_add(limits.max_age_ms))
 }
 
 /// The ranks of `job` waiting for their process to resume, with how long ago the
@@ -113,13 +122,16 @@ pub(crate) enum Resent {
 /// request is answered where it waits, usually the latest. `Done` replies answered one
 /// after another are kept as one entry (see [`Slot::Done`]): a session in a barrier
 /// loop keeps one entry for dozens of its answered arrivals, not one per arrival.
+/// In C order, so that what a request touches first shares a cache line, which is
+/// cold at every request of a large job.
 #[derive(Debug, Default)]
+#[repr(C)]
 pub(crate) struct Kept {
     entries: VecDeque<Entry>,
-    /// Waiting requests moved out of `entries` to keep it within its count (a barrier
-    /// that waits while its session does hundreds of `add`s): still recognised when
-    /// re-sent, and their replies kept once they come.
-    old_waiting: Vec<u64>,
+    /// Requests still waiting here for their reply or for their generation to be
+    /// read (`Waiting`, `Called` and `old_waiting`): while a session has any, the
+    /// replies leaving the engine are looked at.
+    unsettled: u32,
     /// Bytes of values the kept replies hold.
     bytes: usize,
     /// Highest request id whose reply was dropped (0: none).
@@ -127,6 +139,10 @@ pub(crate) struct Kept {
     /// Until when the oldest entry is too young to drop (None: look at it), so that
     /// keeping a reply does not read the far end of the queue, a cache miss each time.
     oldest_kept_until: Option<Millis>,
+    /// Waiting requests moved out of `entries` to keep it within its count (a barrier
+    /// that waits while its session does hundreds of `add`s): still recognised when
+    /// re-sent, and their replies kept once they come.
+    old_waiting: Vec<OldWaiting>,
 }
 
 /// 32 bytes a request, most of them: a session of a job in a tight loop keeps a few
@@ -162,9 +178,23 @@ impl Entry {
     }
 }
 
+/// A waiting request moved out of [`Kept::entries`]: its id, and the generation it
+/// waits in if it is a barrier call (see [`Slot::Called`]).
+#[derive(Debug)]
+struct OldWaiting {
+    id: u64,
+    called: Option<(u32, u64)>,
+}
+
 #[derive(Debug)]
 enum Slot {
     Waiting,
+    /// A barrier call that waits in generation `generation` of the collective at `at`:
+    /// waiting while that generation is pending, `Done` once it is not (module doc).
+    Called {
+        at: u32,
+        generation: u64,
+    },
     /// `Done`, to this request and to each request whose id is `k` past it for every
     /// bit `k - 1` set in `also`. Exactly those: requests arrive out of id order (ids
     /// are taken before they are sent, and a resumed client sends the old ones first),
@@ -187,11 +217,12 @@ impl Slot {
 }
 
 impl Kept {
-    /// Request `id` arrived (and changes something): waiting for its reply.
-    pub fn arrived(&mut self, id: u64, now: Millis, limits: &Limits) {
+    /// Request `id` arrived (and changes something): waiting for its reply. Every
+    /// reply made so far must have been kept (module doc).
+    pub fn arrived(&mut self, id: u64, now: Millis, limits: &Limits, pending: Pending<'_>) {
         // Room first: the queue would double its memory to take one past the count.
         if self.entries.len() >= limits.max_replies {
-            self.trim_to(bunch(limits.max_replies), now, limits);
+            self.trim_to(bunch(limits.max_replies), now, limits, pending);
         }
         // A session in a barrier loop keeps two entries (its run of `Done`s and the call
         // waiting): room for those, not the four a deque starts with.
@@ -199,10 +230,100 @@ impl Kept {
             self.entries.reserve_exact(2);
         }
         self.entries.push_back(Entry { id, at: 0, reply: Slot::Waiting });
+        self.unsettled = self.unsettled.saturating_add(1);
+    }
+
+    /// Request `id`, a barrier call waiting here, waits in generation `generation`
+    /// of the collective at `at`: its `Done` is read from there (module doc). The
+    /// entry before it, a barrier call whose generation `pending` says is released,
+    /// becomes `Done` as of now, joining the run of `Done`s before it. `pending` must
+    /// say so only if every reply made so far has been kept (module doc).
+    pub fn called(&mut self, id: u64, at: u32, generation: u64, now: Millis, pending: impl Fn(u32, u64) -> bool) {
+        let waiting = |e: &&mut Entry| e.id == id && matches!(e.reply, Slot::Waiting);
+        match self.entries.back_mut().filter(waiting) {
+            Some(last) => last.reply = Slot::Called { at, generation },
+            None => {
+                if let Some(entry) = self.entries.iter_mut().rev().find(waiting) {
+                    entry.reply = Slot::Called { at, generation };
+                } else if let Some(old) = self.old_waiting.iter_mut().find(|w| w.id == id) {
+                    old.called = Some((at, generation));
+                }
+                return;
+            }
+        }
+        let Some(before) = self.entries.len().checked_sub(2) else { return };
+        let Some(entry) = self.entries.get_mut(before) else { return };
+        let Slot::Called { at, generation } = entry.reply else { return };
+        if pending(at, generation) {
+            return;
+        }
+        *entry = Entry { id: entry.id, at: now, reply: Slot::Done { also: 0 } };
+        self.unsettled = self.unsettled.saturating_sub(1);
+        if self.join_run(before, now) {
+            // Dropped: the latest entry takes its place.
+            if let Some(last) = self.entries.pop_back() {
+                if let Some(joined) = self.entries.back_mut() {
+                    *joined = last;
+                }
+            }
+        }
+    }
+
+    /// Request `id`, a barrier call, arrived and waits in generation `generation` of
+    /// the collective at `at`: what [`Kept::arrived`] and then [`Kept::called`] do,
+    /// in one pass over the latest entries.
+    pub fn arrived_called(
+        &mut self,
+        id: u64,
+        (at, generation): (u32, u64),
+        now: Millis,
+        limits: &Limits,
+        pending: impl Fn(u32, u64) -> bool,
+    ) {
+        if self.entries.len() >= limits.max_replies {
+            self.trim_to(bunch(limits.max_replies), now, limits, &pending);
+        }
+        let entry = Entry { id, at: 0, reply: Slot::Called { at, generation } };
+        self.unsettled = self.unsettled.saturating_add(1);
+        let last = self.entries.len().wrapping_sub(1);
+        if let Some(before) = self.entries.get_mut(last) {
+            if let Slot::Called { at, generation } = before.reply {
+                if !pending(at, generation) {
+                    *before = Entry { id: before.id, at: now, reply: Slot::Done { also: 0 } };
+                    self.unsettled = self.unsettled.saturating_sub(1);
+                    if self.join_run(last, now) {
+                        // Joined: the new entry takes its place.
+                        if let Some(joined) = self.entries.get_mut(last) {
+                            *joined = entry;
+                        }
+                        return;
+                    }
+                }
+            }
+        }
+        if self.entries.capacity() == 0 {
+            self.entries.reserve_exact(2);
+        }
+        self.entries.push_back(entry);
+    }
+
+    /// Whether entry `i`, a `Done` of a request at most 64 ids past the first of the
+    /// run of `Done`s right before it, joined that run (the caller then drops it).
+    fn join_run(&mut self, i: usize, now: Millis) -> bool {
+        let Some(id) = self.entries.get(i).map(|e| e.id) else { return false };
+        let before = i.checked_sub(1).and_then(|at| self.entries.get_mut(at));
+        before.is_some_and(|before| match (&mut before.reply, id.checked_sub(before.id)) {
+            (Slot::Done { also }, Some(after @ 1..=64)) => {
+                *also |= 1 << (after - 1);
+                before.at = now;
+                true
+            }
+            _ => false,
+        })
     }
 
     /// Keeps the reply to request `id` if it was waiting here; returns whether it was.
-    pub fn answered(&mut self, id: u64, reply: &Reply, now: Millis, limits: &Limits) -> bool {
+    pub fn answered(&mut self, id: u64, reply: &Reply, now: Millis, limits: &Limits, pending: Pending<'_>) -> bool {
         let slot = match reply {
             Ok(Response::Done) => Slot::Done { also: 0 },
             Ok(Response::Int(n)) => Slot::Int(*n),
@@ -211,42 +332,37 @@ impl Kept {
         };
         let bytes = slot.bytes();
         let answered = Entry { id, at: now, reply: slot };
-        let waiting = self.entries.iter().rev().position(|e| e.id == id && matches!(e.reply, Slot::Waiting));
-        if let Some(from_back) = waiting {
-            // The latest entry, answered `Done` right after an entry of `Done`s whose
-            // first id is at most 64 below: it joins that entry.
+        let waiting = |e: &Entry| e.id == id && matches!(e.reply, Slot::Waiting | Slot::Called { .. });
+        if let Some(from_back) = self.entries.iter().rev().position(waiting) {
             let done = matches!(answered.reply, Slot::Done { .. });
-            let run = self.entries.len().checked_sub(2).filter(|_| from_back == 0 && done);
-            let joined = run.and_then(|at| self.entries.get_mut(at)).is_some_and(|before| {
-                match (&mut before.reply, id.checked_sub(before.id)) {
-                    (Slot::Done { also }, Some(after @ 1..=64)) => {
-                        *also |= 1 << (after - 1);
-                        before.at = now;
-                        true
-                    }
-                    _ => false,
-                }
-            });
-            if joined {
-                self.entries.pop_back();
-            } else if let Some(entry) = self.entries.iter_mut().rev().nth(from_back) {
+            if let Some(entry) = self.entries.iter_mut().rev().nth(from_back) {
                 *entry = answered;
             }
-        } else if let Some(i) = self.old_waiting.iter().position(|&w| w == id) {
+            // The latest entry, answered `Done`, joins a run of `Done`s right before it.
+            let last = self.entries.len().saturating_sub(1);
+            if from_back == 0 && done && self.join_run(last, now) {
+                self.entries.pop_back();
+            }
+        } else if let Some(i) = self.old_waiting.iter().position(|w| w.id == id) {
             self.old_waiting.swap_remove(i);
             self.entries.push_back(answered);
         } else {
             return false;
         }
+        self.unsettled = self.unsettled.saturating_sub(1);
         self.bytes = self.bytes.saturating_add(bytes);
-        self.trim(now, limits);
+        self.trim(now, limits, pending);
         true
     }
 
     /// What re-sent request `id` gets, as far as the kept requests tell, `now`.
-    pub fn resent(&self, id: u64, changes_state: bool, now: Millis, limits: &Limits) -> Resent {
-        if self.old_waiting.contains(&id) {
-            return Resent::Waiting;
+    /// Every reply made so far must have been kept (module doc).
+    pub fn resent(&self, id: u64, changes_state: bool, now: Millis, limits: &Limits, pending: Pending<'_>) -> Resent {
+        if let Some(old) = self.old_waiting.iter().find(|w| w.id == id) {
+            return match old.called {
+                Some((at, generation)) if !pending(at, generation) => Resent::Replay(Ok(Response::Done)),
+                _ => Resent::Waiting,
+            };
         }
         let unknown = || {
             Resent::Replay(Err(OpError::Closed(format!(
@@ -260,6 +376,11 @@ impl Kept {
         if let Some(entry) = kept {
             return match &entry.reply {
                 Slot::Waiting => Resent::Waiting,
+                // Released for sure, however long ago: no age to check.
+                Slot::Called { at, generation } => match pending(*at, *generation) {
+                    true => Resent::Waiting,
+                    false => Resent::Replay(Ok(Response::Done)),
+                },
                 // Kept past its age only because nothing was kept since.
                 _ if entry.at.saturating_add(limits.max_age_ms) < now => unknown(),
                 Slot::Done { .. } => Resent::Replay(Ok(Response::Done)),
@@ -274,32 +395,50 @@ impl Kept {
         Resent::Run
     }
 
-    /// Requests waiting here for their reply.
+    /// Requests waiting here for their reply or for their generation to be read:
+    /// replies leaving the engine must be looked at while a session has any.
     pub fn waiting(&self) -> usize {
-        self.old_waiting.len() + self.entries.iter().filter(|e| matches!(e.reply, Slot::Waiting)).count()
+        self.unsettled as usize
     }
 
     /// Drops the oldest replies past the bounds. A waiting request is never dropped:
     /// past the count it moves to `old_waiting`; otherwise it stays, however long it
     /// waits. (Age is also checked when a reply is looked up: a session that keeps
     /// nothing new is not looked at.)
-    pub fn trim(&mut self, now: Millis, limits: &Limits) {
+    pub fn trim(&mut self, now: Millis, limits: &Limits, pending: Pending<'_>) {
         let count = match self.entries.len() > limits.max_replies {
             true => bunch(limits.max_replies),
             false => limits.max_replies,
         };
-        self.trim_to(count, now, limits);
+        self.trim_to(count, now, limits, pending);
     }
 
-    /// [`Kept::trim`] to at most `count` replies.
-    fn trim_to(&mut self, count: usize, now: Millis, limits: &Limits) {
+    /// [`Kept::trim`] to at most `count` replies. A barrier call released is dropped
+    /// as a reply of when it arrived; one still waiting is kept as a waiting request.
+    fn trim_to(&mut self, count: usize, now: Millis, limits: &Limits, pending: Pending<'_>) {
         let within = |kept: &Kept, count| kept.entries.len() <= count && kept.bytes <= limits.max_bytes;
         if within(self, count) && self.oldest_kept_until.is_some_and(|until| now <= until) {
             return;
         }
         self.oldest_kept_until = None;
+        // Barrier calls moved aside earlier and released since are dropped likewise.
+        let before = self.old_waiting.len();
+        let max_evicted = &mut self.max_evicted;
+        self.old_waiting.retain(|w| match w.called {
+            Some((at, generation)) if !pending(at, generation) => {
+                *max_evicted = (*max_evicted).max(w.id);
+                false
+            }
+            _ => true,
+        });
+        let released = before - self.old_waiting.len();
+        self.unsettled = self.unsettled.saturating_sub(u32::try_from(released).unwrap_or(u32::MAX));
         while let Some(oldest) = self.entries.front() {
-            let waiting = matches!(oldest.reply, Slot::Waiting);
+            let (waiting, called) = match oldest.reply {
+                Slot::Waiting => (true, None),
+                Slot::Called { at, generation } => (pending(at, generation), Some((at, generation))),
+                _ => (false, None),
+            };
             let until = oldest.at.saturating_add(limits.max_age_ms);
             if within(self, count) && (waiting || until >= now) {
                 // A waiting one's age counts from its reply: look again then.
@@ -308,8 +447,11 @@ impl Kept {
             }
             let Some(entry) = self.entries.pop_front() else { return };
             if waiting {
-                self.old_waiting.push(entry.id);
+                self.old_waiting.push(OldWaiting { id: entry.id, called });
             } else {
+                if called.is_some() {
+                    self.unsettled = self.unsettled.saturating_sub(1);
+                }
                 self.bytes = self.bytes.saturating_sub(entry.reply.bytes());
                 self.max_evicted = self.max_evicted.max(entry.last_id());
             }
@@ -346,6 +488,11 @@ mod tests {
 
     use super::*;
 
+    /// No generation waits: every barrier call kept is read as released.
+    fn none(_: u32, _: u64) -> bool {
+        false
+    }
+
     /// When replies are looked up in the tests, unless they say otherwise.
     const NOW: Millis = 0;
 
@@ -354,8 +501,8 @@ mod tests {
     }
 
     fn answer(kept: &mut Kept, id: u64, reply: Reply, now: Millis) {
-        kept.arrived(id, now, &limits());
-        assert!(kept.answered(id, &reply, now, &limits()));
+        kept.arrived(id, now, &limits(), &none);
+        assert!(kept.answered(id, &reply, now, &limits(), &none));
     }
 
     #[test]
@@ -365,19 +512,19 @@ mod tests {
             answer(&mut kept, id, Ok(Response::Int(id as i64)), 0);
         }
         assert_eq!(kept.len(), 3);
-        assert!(matches!(kept.resent(1, false, 0, &limits()), Resent::Run), "the oldest went past the count");
-        assert!(matches!(kept.resent(4, true, NOW, &limits()), Resent::Replay(Ok(Response::Int(4)))));
+        assert!(matches!(kept.resent(1, false, 0, &limits(), &none), Resent::Run), "the oldest went past the count");
+        assert!(matches!(kept.resent(4, true, NOW, &limits(), &none), Resent::Replay(Ok(Response::Int(4)))));
         assert_eq!(kept.max_evicted, 1);
 
         // Values count: a value of 8 bytes and another of 8 do not fit in 10.
         answer(&mut kept, 5, Ok(Response::Value(Bytes::from_static(b"12345678"))), 0);
         answer(&mut kept, 6, Ok(Response::Value(Bytes::from_static(b"abcdefgh"))), 0);
-        assert!(matches!(kept.resent(5, false, NOW, &limits()), Resent::Run));
-        assert!(matches!(kept.resent(6, true, NOW, &limits()), Resent::Replay(Ok(Response::Value(_)))));
+        assert!(matches!(kept.resent(5, false, NOW, &limits(), &none), Resent::Run));
+        assert!(matches!(kept.resent(6, true, NOW, &limits(), &none), Resent::Replay(Ok(Response::Value(_)))));
         assert_eq!(kept.max_evicted, 5);
 
         // Age: past 1 s nothing is replayed, and the next reply kept trims them.
-        assert!(matches!(kept.resent(6, true, 1_001, &limits()), Resent::Replay(Err(OpError::Closed(_)))));
+        assert!(matches!(kept.resent(6, true, 1_001, &limits(), &none), Resent::Replay(Err(OpError::Closed(_)))));
         answer(&mut kept, 7, Ok(Response::Done), 1_001);
         assert_eq!(kept.len(), 1);
         assert_eq!(kept.max_evicted, 6);
@@ -392,23 +539,23 @@ mod tests {
         // Each reply its own (consecutive `Done`s would be kept as one).
         let int = |id: u64| Ok(Response::Int(id as i64));
         for id in 1..=16 {
-            kept.arrived(id, 10, &limits);
-            kept.answered(id, &int(id), 10, &limits);
+            kept.arrived(id, 10, &limits, &none);
+            kept.answered(id, &int(id), 10, &limits, &none);
         }
         assert_eq!(kept.len(), 16);
-        kept.arrived(17, 20, &limits);
+        kept.arrived(17, 20, &limits, &none);
         assert_eq!(kept.len(), 15, "down to seven eighths of 16 before the 17th, so as not to grow");
-        kept.answered(17, &int(17), 20, &limits);
-        assert!(matches!(kept.resent(2, true, 20, &limits), Resent::Replay(Err(OpError::Closed(_)))));
-        assert!(matches!(kept.resent(3, true, 20, &limits), Resent::Replay(Ok(Response::Int(3)))));
+        kept.answered(17, &int(17), 20, &limits, &none);
+        assert!(matches!(kept.resent(2, true, 20, &limits, &none), Resent::Replay(Err(OpError::Closed(_)))));
+        assert!(matches!(kept.resent(3, true, 20, &limits, &none), Resent::Replay(Ok(Response::Int(3)))));
         // Replies of 10 ms are kept until 1,010 ms: at 1,010 nothing goes, at 1,011 they do.
-        kept.arrived(18, 1_010, &limits);
-        kept.answered(18, &int(18), 1_010, &limits);
+        kept.arrived(18, 1_010, &limits, &none);
+        kept.answered(18, &int(18), 1_010, &limits, &none);
         assert_eq!(kept.len(), 16);
-        kept.arrived(19, 1_011, &limits);
-        kept.answered(19, &int(19), 1_011, &limits);
+        kept.arrived(19, 1_011, &limits, &none);
+        kept.answered(19, &int(19), 1_011, &limits, &none);
         assert_eq!(kept.len(), 3, "only the replies of 20 ms and later are left");
-        assert!(matches!(kept.resent(16, true, 1_011, &limits), Resent::Replay(Err(OpError::Closed(_)))));
+        assert!(matches!(kept.resent(16, true, 1_011, &limits, &none), Resent::Replay(Err(OpError::Closed(_)))));
     }
 
     /// `Done`s answered one after another are one entry, which answers each of its
@@ -418,11 +565,11 @@ mod tests {
     fn consecutive_dones_are_kept_as_one() {
         let limits = Limits { max_replies: 4, max_age_ms: 1_000, max_bytes: 1 << 20 };
         let mut kept = Kept::default();
-        let replay = |kept: &Kept, id, changes_state| kept.resent(id, changes_state, 40, &limits);
+        let replay = |kept: &Kept, id, changes_state| kept.resent(id, changes_state, 40, &limits, &none);
         // 1, 2 and 4 are barrier arrivals; 3 is a read, which is not kept.
         for (id, at) in [(1, 10), (2, 20), (4, 30)] {
-            kept.arrived(id, at, &limits);
-            assert!(kept.answered(id, &Ok(Response::Done), at, &limits));
+            kept.arrived(id, at, &limits, &none);
+            assert!(kept.answered(id, &Ok(Response::Done), at, &limits, &none));
             assert_eq!(kept.len(), 1, "request {id} joined the run");
         }
         assert!(matches!(replay(&kept, 3, false), Resent::Run), "a read between them runs again");
@@ -431,18 +578,18 @@ mod tests {
         }
         assert!(matches!(replay(&kept, 5, true), Resent::Run));
         // A reply of its own ends the run; a `Done` after it starts another.
-        kept.arrived(5, 40, &limits);
-        kept.answered(5, &Ok(Response::Int(7)), 40, &limits);
-        kept.arrived(6, 40, &limits);
-        kept.answered(6, &Ok(Response::Done), 40, &limits);
+        kept.arrived(5, 40, &limits, &none);
+        kept.answered(5, &Ok(Response::Int(7)), 40, &limits, &none);
+        kept.arrived(6, 40, &limits, &none);
+        kept.answered(6, &Ok(Response::Done), 40, &limits, &none);
         assert_eq!(kept.len(), 3);
         assert!(matches!(replay(&kept, 5, true), Resent::Replay(Ok(Response::Int(7)))));
         // Answered out of order, the earlier one waits behind the later: no run.
-        kept.arrived(7, 40, &limits);
-        kept.arrived(8, 40, &limits);
-        kept.answered(8, &Ok(Response::Done), 40, &limits);
+        kept.arrived(7, 40, &limits, &none);
+        kept.arrived(8, 40, &limits, &none);
+        kept.answered(8, &Ok(Response::Done), 40, &limits, &none);
         assert!(matches!(replay(&kept, 7, true), Resent::Waiting));
-        kept.answered(7, &Ok(Response::Done), 40, &limits);
+        kept.answered(7, &Ok(Response::Done), 40, &limits, &none);
         assert_eq!(kept.len(), 4, "the fifth entry made room: the run of 1 to 4 went");
         for id in [2, 4] {
             assert!(matches!(replay(&kept, id, true), Resent::Replay(Err(OpError::Closed(_)))), "{id}");
@@ -459,61 +606,161 @@ mod tests {
     #[test]
     fn a_run_of_dones_holds_exactly_its_requests() {
         let limits = Limits { max_replies: 4, max_age_ms: 1_000, max_bytes: 1 << 20 };
-        let replay = |kept: &Kept, id| kept.resent(id, true, 10, &limits);
+        let replay = |kept: &Kept, id| kept.resent(id, true, 10, &limits, &none);
         let mut kept = Kept::default();
         for id in [5, 7] {
-            kept.arrived(id, 10, &limits);
-            kept.answered(id, &Ok(Response::Done), 10, &limits);
+            kept.arrived(id, 10, &limits, &none);
+            kept.answered(id, &Ok(Response::Done), 10, &limits, &none);
         }
         assert_eq!(kept.len(), 1);
         assert!(matches!(replay(&kept, 6), Resent::Run), "6 has not arrived: it must run");
-        kept.arrived(6, 10, &limits);
+        kept.arrived(6, 10, &limits, &none);
         assert!(matches!(replay(&kept, 6), Resent::Waiting));
-        kept.answered(6, &Ok(Response::Int(1)), 10, &limits);
+        kept.answered(6, &Ok(Response::Int(1)), 10, &limits, &none);
         assert!(matches!(replay(&kept, 6), Resent::Replay(Ok(Response::Int(1)))));
         assert!(matches!(replay(&kept, 7), Resent::Replay(Ok(Response::Done))));
         // 65 past the first is one too far: a new entry.
-        kept.arrived(70, 10, &limits);
-        kept.answered(70, &Ok(Response::Done), 10, &limits);
-        kept.arrived(71, 10, &limits);
-        kept.answered(71, &Ok(Response::Done), 10, &limits);
+        kept.arrived(70, 10, &limits, &none);
+        kept.answered(70, &Ok(Response::Done), 10, &limits, &none);
+        kept.arrived(71, 10, &limits, &none);
+        kept.answered(71, &Ok(Response::Done), 10, &limits, &none);
         assert_eq!(kept.len(), 3);
         assert!(matches!(replay(&kept, 69), Resent::Run));
 
         // Barrier 1 waits while 2-5 are answered, and moves past the count; then 6
         // waits, 1 is answered (its entry goes last), and 7 is answered `Done`.
         let mut kept = Kept::default();
-        kept.arrived(1, 10, &limits);
+        kept.arrived(1, 10, &limits, &none);
         for id in 2..=5 {
-            kept.arrived(id, 10, &limits);
-            kept.answered(id, &Ok(Response::Int(id as i64)), 10, &limits);
+            kept.arrived(id, 10, &limits, &none);
+            kept.answered(id, &Ok(Response::Int(id as i64)), 10, &limits, &none);
         }
-        kept.arrived(6, 10, &limits);
-        assert!(kept.answered(1, &Ok(Response::Done), 10, &limits));
-        kept.arrived(7, 10, &limits);
-        kept.answered(7, &Ok(Response::Done), 10, &limits);
+        kept.arrived(6, 10, &limits, &none);
+        assert!(kept.answered(1, &Ok(Response::Done), 10, &limits, &none));
+        kept.arrived(7, 10, &limits, &none);
+        kept.answered(7, &Ok(Response::Done), 10, &limits, &none);
         assert!(matches!(replay(&kept, 6), Resent::Waiting), "6 still waits");
         assert!(matches!(replay(&kept, 5), Resent::Replay(Ok(Response::Int(5)))));
         assert!(matches!(replay(&kept, 1), Resent::Replay(Ok(Response::Done))));
         assert!(matches!(replay(&kept, 7), Resent::Replay(Ok(Response::Done))));
     }
 
+    /// A barrier call waits while its generation is pending and reads `Done` once it
+    /// is not; the session's next barrier call keeps it as a `Done`, joining the run.
+    #[test]
+    fn a_barrier_call_reads_its_release_from_its_generation() {
+        let limits = Limits { max_replies: 4, max_age_ms: 1_000, max_bytes: 1 << 20 };
+        let pending = std::cell::Cell::new(true);
+        let generation_waits = |at: u32, generation: u64| (at, generation) == (3, 1) && pending.get();
+        let resent = |kept: &Kept, id, now| kept.resent(id, true, now, &limits, &generation_waits);
+        let mut kept = Kept::default();
+        kept.arrived(1, 10, &limits, &generation_waits);
+        kept.called(1, 3, 1, 10, generation_waits);
+        assert!(matches!(resent(&kept, 1, 10), Resent::Waiting));
+        assert_eq!(kept.waiting(), 1);
+        pending.set(false);
+        assert!(matches!(resent(&kept, 1, 10), Resent::Replay(Ok(Response::Done))));
+        assert!(matches!(resent(&kept, 1, 5_000), Resent::Replay(Ok(Response::Done))), "released: no age to outlive");
+        // Calls 2 and 3 read the call before them as released.
+        kept.arrived(2, 20, &limits, &generation_waits);
+        assert_eq!((kept.len(), kept.waiting()), (2, 2), "read at the next barrier call, not at any request");
+        kept.called(2, 3, 2, 20, generation_waits);
+        assert_eq!((kept.len(), kept.waiting()), (2, 1));
+        kept.arrived(3, 30, &limits, &generation_waits);
+        kept.called(3, 3, 3, 30, generation_waits);
+        assert_eq!((kept.len(), kept.waiting()), (2, 1), "calls 1 and 2 are one run of `Done`s");
+        for id in [1, 2] {
+            assert!(matches!(resent(&kept, id, 30), Resent::Replay(Ok(Response::Done))));
+        }
+        assert!(matches!(resent(&kept, 3, 30), Resent::Replay(Ok(Response::Done))), "3 is not pending either");
+        // Told that nothing may be read yet (a reply not kept), the entry waits its turn.
+        let unread = |_: u32, _: u64| true;
+        kept.arrived(4, 40, &limits, &unread);
+        kept.called(4, 3, 4, 40, unread);
+        assert_eq!((kept.len(), kept.waiting()), (3, 2));
+    }
+
+    /// A session in a barrier loop, each call kept when it arrives: a run of `Done`s
+    /// per 64 calls and the call waiting, as when each release was kept.
+    #[test]
+    fn a_barrier_loop_keeps_a_run_per_64_calls() {
+        let limits = Limits { max_replies: 256, max_age_ms: 60_000, max_bytes: 1 << 20 };
+        let round = std::cell::Cell::new(0);
+        let generation_waits = |_: u32, generation: u64| generation >= round.get();
+        let mut kept = Kept::default();
+        // Each call kept at its gate and told its generation when it waits, or both
+        // at once when it arrives (a node agent's run of calls): the same entries.
+        let mut at_once = Kept::default();
+        for id in 1..=300u64 {
+            round.set(id);
+            kept.arrived(id, id, &limits, &generation_waits);
+            kept.called(id, 0, id, id, generation_waits);
+            at_once.arrived_called(id, (0, id), id, &limits, generation_waits);
+            assert_eq!((kept.waiting(), at_once.waiting()), (1, 1), "call {id}: only the latest waits");
+        }
+        assert_eq!(kept.len(), 300 / 64 + 2, "{kept:?}");
+        assert_eq!(format!("{kept:?}"), format!("{at_once:?}"));
+        for id in [1, 64, 65, 299] {
+            assert!(matches!(
+                kept.resent(id, true, 300, &limits, &generation_waits),
+                Resent::Replay(Ok(Response::Done))
+            ));
+        }
+        assert!(matches!(kept.resent(300, true, 300, &limits, &generation_waits), Resent::Waiting));
+    }
+
+    /// A barrier call that failed is answered with its error like any request, and
+    /// keeps it, whatever its generation says since.
+    #[test]
+    fn a_failed_barrier_call_keeps_its_error() {
+        let mut kept = Kept::default();
+        kept.arrived(1, 0, &limits(), &none);
+        kept.called(1, 0, 1, 0, none);
+        let failed = Err(OpError::Closed("the barrier failed".into()));
+        assert!(kept.answered(1, &failed, 0, &limits(), &none));
+        assert_eq!(kept.waiting(), 0);
+        assert!(matches!(kept.resent(1, true, NOW, &limits(), &none), Resent::Replay(Err(OpError::Closed(_)))));
+    }
+
+    /// A barrier call still waiting when the count moves it aside is still read from
+    /// its generation, and is dropped once released.
+    #[test]
+    fn a_barrier_call_moved_aside_is_read_from_its_generation() {
+        let pending = std::cell::Cell::new(true);
+        let generation_waits = |_: u32, _: u64| pending.get();
+        let mut kept = Kept::default();
+        kept.arrived(1, 0, &limits(), &generation_waits);
+        kept.called(1, 0, 1, 0, generation_waits);
+        for id in 2..=5 {
+            kept.arrived(id, 0, &limits(), &generation_waits);
+            assert!(kept.answered(id, &Ok(Response::Int(id as i64)), 0, &limits(), &generation_waits));
+        }
+        assert_eq!((kept.len(), kept.waiting()), (3, 1), "moved aside, still waiting");
+        assert!(matches!(kept.resent(1, true, NOW, &limits(), &generation_waits), Resent::Waiting));
+        pending.set(false);
+        assert!(matches!(kept.resent(1, true, NOW, &limits(), &generation_waits), Resent::Replay(Ok(Response::Done))));
+        kept.arrived(6, 0, &limits(), &generation_waits);
+        assert!(kept.answered(6, &Ok(Response::Int(6)), 0, &limits(), &generation_waits));
+        assert_eq!(kept.waiting(), 0, "dropped at the next trim");
+        assert!(matches!(kept.resent(1, true, NOW, &limits(), &none), Resent::Replay(Err(OpError::Closed(_)))));
+    }
+
     #[test]
     fn a_waiting_request_is_recognised_even_past_the_bounds() {
         let mut kept = Kept::default();
-        kept.arrived(1, 0, &limits());
+        kept.arrived(1, 0, &limits(), &none);
         for id in 2..=6 {
             answer(&mut kept, id, Ok(Response::Done), 0);
         }
         assert!(
-            matches!(kept.resent(1, true, NOW, &limits()), Resent::Waiting),
+            matches!(kept.resent(1, true, NOW, &limits(), &none), Resent::Waiting),
             "a barrier waits while the session adds"
         );
         assert_eq!(kept.waiting(), 1);
-        assert!(kept.answered(1, &Ok(Response::Done), 0, &limits()));
+        assert!(kept.answered(1, &Ok(Response::Done), 0, &limits(), &none));
         assert_eq!(kept.waiting(), 0);
         assert!(
-            matches!(kept.resent(1, true, NOW, &limits()), Resent::Replay(Ok(Response::Done))),
+            matches!(kept.resent(1, true, NOW, &limits(), &none), Resent::Replay(Ok(Response::Done))),
             "its reply is kept once it came"
         );
     }
@@ -521,28 +768,28 @@ mod tests {
     #[test]
     fn a_long_wait_is_not_dropped_by_age() {
         let mut kept = Kept::default();
-        kept.arrived(1, 0, &limits());
+        kept.arrived(1, 0, &limits(), &none);
         answer(&mut kept, 2, Ok(Response::Done), 0);
-        assert!(matches!(kept.resent(1, true, 5_000, &limits()), Resent::Waiting));
-        assert!(matches!(kept.resent(2, true, 5_000, &limits()), Resent::Replay(Err(_))), "an old reply goes");
-        assert!(kept.answered(1, &Ok(Response::Done), 5_000, &limits()));
-        assert!(matches!(kept.resent(1, true, 5_000, &limits()), Resent::Replay(Ok(Response::Done))));
+        assert!(matches!(kept.resent(1, true, 5_000, &limits(), &none), Resent::Waiting));
+        assert!(matches!(kept.resent(2, true, 5_000, &limits(), &none), Resent::Replay(Err(_))), "an old reply goes");
+        assert!(kept.answered(1, &Ok(Response::Done), 5_000, &limits(), &none));
+        assert!(matches!(kept.resent(1, true, 5_000, &limits(), &none), Resent::Replay(Ok(Response::Done))));
     }
 
     #[test]
     fn a_resent_request_is_waiting_replayed_unknown_or_new() {
         let mut kept = Kept::default();
-        kept.arrived(7, 0, &limits());
+        kept.arrived(7, 0, &limits(), &none);
         answer(&mut kept, 3, Ok(Response::Done), 0);
         kept.max_evicted = 2;
-        assert!(matches!(kept.resent(7, true, NOW, &limits()), Resent::Waiting));
-        assert!(matches!(kept.resent(3, true, NOW, &limits()), Resent::Replay(Ok(Response::Done))));
+        assert!(matches!(kept.resent(7, true, NOW, &limits(), &none), Resent::Waiting));
+        assert!(matches!(kept.resent(3, true, NOW, &limits(), &none), Resent::Replay(Ok(Response::Done))));
         assert!(
-            matches!(kept.resent(2, true, NOW, &limits()), Resent::Replay(Err(OpError::Closed(_)))),
+            matches!(kept.resent(2, true, NOW, &limits(), &none), Resent::Replay(Err(OpError::Closed(_)))),
             "evicted: unknown outcome"
         );
-        assert!(matches!(kept.resent(2, false, NOW, &limits()), Resent::Run), "a read runs again");
-        assert!(matches!(kept.resent(9, true, NOW, &limits()), Resent::Run));
+        assert!(matches!(kept.resent(2, false, NOW, &limits(), &none), Resent::Run), "a read runs again");
+        assert!(matches!(kept.resent(9, true, NOW, &limits(), &none), Resent::Run));
     }
 }
 

@@ -41,13 +41,28 @@ pub(crate) struct Caller {
     pub world_size: Option<u32>,
     /// A PyTorch TCPStore session (module `torch`).
     pub torch: bool,
+    /// How the request is kept in the session's replies (module `resume`).
+    pub keep: Keep,
+}
+
+/// How a caller's request is kept in its session's replies (module `resume`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Keep {
+    /// Not kept: the session cannot resume, or the request changes nothing.
+    No,
+    /// Kept, waiting for its reply, since its gate (`Engine::gate`).
+    Waiting,
+    /// To be kept when it runs: a call of a run outside any resend window, whose
+    /// session's replies are then touched once, not at its gate and again when it
+    /// waits.
+    OnArrival,
 }
 
 impl Caller {
     /// Request `request_id` of session `id`, which is `session`.
     pub fn of(id: SessionId, session: &Session, request_id: u64) -> Caller {
         let (rank, world_size) = (session.identity.rank, session.identity.world_size);
-        Caller { session: id, request_id, rank, world_size, torch: session.torch }
+        Caller { session: id, request_id, rank, world_size, torch: session.torch, keep: Keep::No }
     }
 
     fn wait_id(&self) -> WaitId {
@@ -232,6 +247,7 @@ impl<'a> Step<'a> {
                 (Err(error), _) => Some(Err(error.clone())),
             };
             if let Some(reply) = reply {
+                self.keep(&caller, None);
                 self.ctx.reply(caller.wait_id(), reply);
             }
         }
@@ -498,8 +514,33 @@ impl<'a> Step<'a> {
         let (session, request_id) = caller.wait_id();
         let mut call = Call { session, request_id, rank, world_size, members, value, root, timeout_ms };
         let at = *at.get_or_insert_with(|| self.job.collectives.find(kind, name));
-        self.job.collectives.arrive(at, &mut call, &self.job.ranks, &mut self.ctx);
+        let waits = self.job.collectives.arrive(at, &mut call, &self.job.ranks, &mut self.ctx);
+        self.keep(caller, waits.map(|generation| (at, generation)));
         None
+    }
+
+    /// Keeps the caller's call in its session's replies as its [`Keep`] says: a
+    /// barrier call that waits in generation `g` of the collective at `at`
+    /// (`waits`: `(at, g)`) is read from there (module `resume`); one kept
+    /// [`Keep::OnArrival`] that does not wait (its reply is made) is kept waiting for it.
+    fn keep(&mut self, caller: &Caller, waits: Option<(CollectiveAt, u64)>) {
+        if caller.keep == Keep::No || (caller.keep == Keep::Waiting && waits.is_none()) {
+            return;
+        }
+        let Some(resume) = self.sessions.get_mut(&caller.session).and_then(|s| s.resume.as_deref_mut()) else {
+            return;
+        };
+        let (collectives, settled, now) = (&self.job.collectives, self.ctx.settled, self.ctx.now);
+        let pending = |at, generation| !settled || collectives.is_pending(at, generation);
+        let (id, limits) = (caller.request_id, &self.config.reply_cache);
+        super::track(self.ctx.tracked, &mut resume.kept, |kept| match (caller.keep, waits) {
+            (Keep::OnArrival, Some((at, generation))) => {
+                kept.arrived_called(id, (at.index(), generation), now, limits, pending)
+            }
+            (Keep::OnArrival, None) => kept.arrived(id, now, limits, &pending),
+            (_, Some((at, generation))) => kept.called(id, at.index(), generation, now, pending),
+            (_, None) => {}
+        });
     }
 
     /// [`Step::join`] for a call of the whole job in a run of calls (see [`WorldCall`]).
@@ -517,7 +558,8 @@ impl<'a> Step<'a> {
             (caller.session, caller.request_id, rank, world_size);
         call.value = value.clone();
         let at = *at.get_or_insert_with(|| self.job.collectives.find(*kind, name));
-        self.job.collectives.arrive(at, call, &self.job.ranks, &mut self.ctx);
+        let waits = self.job.collectives.arrive(at, call, &self.job.ranks, &mut self.ctx);
+        self.keep(caller, waits.map(|generation| (at, generation)));
         None
     }
 }
