@@ -106,6 +106,10 @@ fn barrier(name: &str) -> Request {
     Request::Barrier { name: name.into(), members: Members::World, timeout_ms: None }
 }
 
+fn add(n: i64) -> Request {
+    Request::Add { key: b("n"), delta: n }
+}
+
 fn b(s: &str) -> Bytes {
     Bytes::copy_from_slice(s.as_bytes())
 }
@@ -370,6 +374,99 @@ fn a_pipelined_barrier_keeps_the_failure_made_in_the_same_input() {
     assert_eq!(d.resume(r0, &id0), Ok(r0));
     d.send(r0, 1, barrier("step"));
     assert_eq!(d.last(r0, 1), lost, "the failure again, not a release");
+}
+
+/// A released barrier call is kept for a replay like any reply, whatever the engine's
+/// clock (its entry is not dated from the clock's start).
+#[test]
+fn a_released_barrier_call_is_kept_past_the_engines_first_minute() {
+    let mut d = Driver::with(Config { epoch_unix_ms: EPOCH, lease_ms: 0, ..Config::default() });
+    d.now = 120_000; // the coordinator has been up two minutes
+    let id0 = process("j", 0, 2, 300, "a", 0x1);
+    let r0 = d.session(id0.clone());
+    let r1 = d.session(process("j", 1, 2, 311, "b", 0x2));
+    d.send(r0, 1, barrier("step"));
+    d.send(r1, 1, barrier("step"));
+    assert_eq!(d.last(r0, 1), Some(Ok(Response::Done)));
+    // Pipelined: written before the barrier's reply was read; the reply is then lost.
+    assert_eq!(d.call(r0, 2, add(1)), Ok(Response::Int(1)));
+    d.cut(r0);
+    assert_eq!(d.resume(r0, &id0), Ok(r0));
+    d.send(r0, 1, barrier("step"));
+    assert_eq!(d.replies_to(r0, 1), [&Ok(Response::Done), &Ok(Response::Done)], "{:?}", d.last(r0, 1));
+}
+
+/// One input failing two barrier calls of a session: both failures are kept, the
+/// second not taken for a release while the first is being kept.
+#[test]
+fn two_barrier_failures_in_one_input_are_both_kept() {
+    let config = Config {
+        epoch_unix_ms: EPOCH,
+        lease_ms: 0,
+        reply_cache: rallypoint_core::ReplyCache { max_replies: 2, ..Default::default() },
+        ..Config::default()
+    };
+    let mut d = Driver::with(config);
+    let id0 = process("j", 0, 3, 300, "a", 0x1);
+    let r0 = d.session(id0.clone());
+    let r1 = d.session(process("j", 1, 3, 311, "b", 0x2));
+    let r2 = d.session(process("j", 2, 3, 322, "c", 0x3));
+    d.send(r1, 1, barrier("a")); // "a" is made before "b": a loss fails it first
+    d.send(r0, 1, barrier("b"));
+    d.send(r0, 2, barrier("a"));
+    assert_eq!(d.call(r0, 3, add(1)), Ok(Response::Int(1)));
+    d.kill(r2);
+    let lost = d.last(r0, 1);
+    assert!(matches!(lost, Some(Err(OpError::PeerLost { .. }))), "{lost:?}");
+    d.cut(r0);
+    assert_eq!(d.resume(r0, &id0), Ok(r0));
+    d.send(r0, 1, barrier("b"));
+    assert_eq!(d.last(r0, 1), lost, "the failure again");
+}
+
+/// A name used by two member sets: other ranks' first calls make its generation 1
+/// pending again, which a rank released from the first generation 1 is not in.
+#[test]
+fn a_released_call_does_not_wait_again_when_its_generation_number_is_reused() {
+    let mut d = Driver::new();
+    let ids: Vec<Identity> = (0..4).map(|r| process("j", r, 4, 300 + r, "a", 0x10 + u64::from(r))).collect();
+    let s: Vec<SessionId> = ids.iter().map(|i| d.session(i.clone())).collect();
+    let sync =
+        |ranks: Vec<u32>| Request::Barrier { name: "sync".into(), members: Members::Ranks(ranks), timeout_ms: None };
+    d.send(s[0], 1, sync(vec![0, 1]));
+    d.send(s[1], 1, sync(vec![0, 1]));
+    assert_eq!(d.last(s[0], 1), Some(Ok(Response::Done)));
+    d.send(s[2], 1, sync(vec![2, 3])); // ranks 2 and 3's generation 1 of "sync"
+    d.cut(s[0]);
+    assert_eq!(d.resume(s[0], &ids[0]), Ok(s[0]));
+    d.send(s[0], 1, sync(vec![0, 1]));
+    assert_eq!(d.replies_to(s[0], 1), [&Ok(Response::Done), &Ok(Response::Done)], "the reply again, not a wait");
+}
+
+/// A barrier call that waits while its session adds past the count, then released,
+/// keeps its reply.
+#[test]
+fn a_barrier_released_after_moving_aside_keeps_its_reply() {
+    let config = Config {
+        epoch_unix_ms: EPOCH,
+        lease_ms: 0,
+        reply_cache: rallypoint_core::ReplyCache { max_replies: 2, ..Default::default() },
+        ..Config::default()
+    };
+    let mut d = Driver::with(config);
+    let id0 = process("j", 0, 2, 300, "a", 0x1);
+    let r0 = d.session(id0.clone());
+    let r1 = d.session(process("j", 1, 2, 311, "b", 0x2));
+    d.send(r0, 1, barrier("step"));
+    assert_eq!(d.call(r0, 2, add(1)), Ok(Response::Int(1)));
+    assert_eq!(d.call(r0, 3, add(1)), Ok(Response::Int(2)));
+    d.send(r1, 1, barrier("step"));
+    assert_eq!(d.last(r0, 1), Some(Ok(Response::Done)));
+    assert_eq!(d.call(r0, 4, add(1)), Ok(Response::Int(3)));
+    d.cut(r0);
+    assert_eq!(d.resume(r0, &id0), Ok(r0));
+    d.send(r0, 1, barrier("step"));
+    assert_eq!(d.replies_to(r0, 1), [&Ok(Response::Done), &Ok(Response::Done)], "{:?}", d.last(r0, 1));
 }
 
 #[test]

@@ -306,13 +306,18 @@ impl Collectives {
     }
 
     /// Whether generation `generation` of the collective at `at` (see
-    /// [`CollectiveAt::index`]) still waits for arrivals.
-    pub fn is_pending(&self, at: u32, generation: u64) -> bool {
+    /// [`CollectiveAt::index`]) still waits for arrivals, with `rank`'s in it: a
+    /// number released may be pending again, made by calls of other ranks (a name
+    /// used by several member sets), and `rank` made its call of that number.
+    pub fn is_pending(&self, at: u32, generation: u64, rank: Option<u32>) -> bool {
         let coll = usize::try_from(at).ok().and_then(|at| self.all.get(at));
         // Mostly asked of a generation older than every one pending.
-        let after_first =
-            |coll: &Collective| coll.pending.first_key_value().is_some_and(|(&first, _)| generation >= first);
-        coll.is_some_and(|coll| after_first(coll) && coll.pending.contains_key(&generation))
+        let Some(coll) = coll else { return false };
+        let pending = match coll.pending.first_key_value() {
+            Some((&first, _)) if generation >= first => coll.pending.get(&generation),
+            _ => None,
+        };
+        pending.is_some_and(|g| rank.is_none_or(|rank| g.arrivals.contains(rank)))
     }
 
     /// A rank of the job connected: role member sets waiting on it may now be known.

@@ -420,12 +420,13 @@ impl Engine {
         self.settle_made();
         let Engine { sessions, jobs, config, outgoing, tracked, .. } = self;
         let sess = sessions.get_mut(&session)?;
-        let job = sess.job;
+        let (job, rank) = (sess.job, sess.identity.rank);
         let mut keep = Keep::No;
         let limits = &config.reply_cache;
         let may_be_resent = resume::may_be_resent(sess.resumed_at, now, limits);
         if let Some(resume) = sess.resume.as_deref_mut() {
-            let pending = |at, generation| jobs.get(&job).is_some_and(|j| j.collectives.is_pending(at, generation));
+            let pending =
+                |at, generation| jobs.get(&job).is_some_and(|j| j.collectives.is_pending(at, generation, rank));
             let changes_state = request.changes_state();
             if may_be_resent {
                 let resent = match resume.kept.resent(request_id, changes_state, now, limits, &pending) {
@@ -718,7 +719,7 @@ impl Engine {
     }
 
     fn settle_from(&mut self) {
-        let Engine { sessions, jobs, config, outgoing, tracked, settled, released, now, .. } = self;
+        let Engine { sessions, config, outgoing, tracked, settled, released, now, .. } = self;
         let (mut at, to) = (*settled, outgoing.len());
         *settled = to;
         if *tracked == 0 {
@@ -738,11 +739,8 @@ impl Engine {
             }
             let Some(out) = outgoing.get(at) else { break };
             at += 1;
-            let Some(sess) = sessions.get_mut(&out.session) else { continue };
-            let job = sess.job;
-            let Some(resume) = sess.resume.as_deref_mut() else { continue };
-            let pending = |at, generation| jobs.get(&job).is_some_and(|j| j.collectives.is_pending(at, generation));
-            track(tracked, &mut resume.kept, |kept| kept.answered(out.request_id, &out.reply, *now, limits, &pending));
+            let Some(resume) = sessions.get_mut(&out.session).and_then(|s| s.resume.as_deref_mut()) else { continue };
+            track(tracked, &mut resume.kept, |kept| kept.answered(out.request_id, &out.reply, *now, limits));
         }
         released.clear();
     }

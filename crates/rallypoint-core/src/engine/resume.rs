@@ -13,11 +13,12 @@
 //! A barrier call's `Done` is not written into its session's queue when the barrier
 //! releases (that would touch every session of the job at every release): the call's
 //! entry names the generation it joined, and reads as waiting while that generation
-//! is pending and as `Done` once it is not; the session's next barrier call turns
-//! it into a `Done`. Every other end of such a wait (a failure, a timeout, the
-//! session's own error) is a reply that is kept as any other, replacing the entry;
-//! so an entry is read from its generation only once every reply made so far has
-//! been kept (the engine keeps them first).
+//! still holds the rank's arrival and as `Done` once it does not; the session's next
+//! request turns it into a `Done`. Every other end of such a wait (a failure, a
+//! timeout, the session's own error) is a reply that is kept as any other, replacing
+//! the entry; so an entry is read from its generation only once every reply made so
+//! far has been kept (the engine keeps them first), and never while replies are
+//! being kept. Until read, it is kept as a waiting request is: not dropped by age.
 //!
 //! The kept replies are bounded ([`crate::ReplyCache`]: count, age, bytes of values)
 //! and dropped oldest first. A re-sent request that changes something, whose reply is
@@ -34,7 +35,7 @@ use super::job::Job;
 use super::Sessions;
 
 /// Whether generation `generation` of the collective at `at` in the session's job
-/// still waits (see [`Slot::Called`]).
+/// still waits with the session's rank in it (see [`Slot::Called`]).
 pub(crate) type Pending<'a> = &'a dyn Fn(u32, u64) -> bool;
 
 /// The resume state of a session that stated an incarnation.
@@ -190,7 +191,9 @@ struct OldWaiting {
 enum Slot {
     Waiting,
     /// A barrier call that waits in generation `generation` of the collective at `at`:
-    /// waiting while that generation is pending, `Done` once it is not (module doc).
+    /// waiting while that generation is pending with the rank in it, `Done` once not
+    /// (module doc). (A generation's number may be pending again later, made by
+    /// other ranks' calls: the rank's own arrival tells them apart.)
     Called {
         at: u32,
         generation: u64,
@@ -220,9 +223,10 @@ impl Kept {
     /// Request `id` arrived (and changes something): waiting for its reply. Every
     /// reply made so far must have been kept (module doc).
     pub fn arrived(&mut self, id: u64, now: Millis, limits: &Limits, pending: Pending<'_>) {
+        self.read_released(now, pending);
         // Room first: the queue would double its memory to take one past the count.
         if self.entries.len() >= limits.max_replies {
-            self.trim_to(bunch(limits.max_replies), now, limits, pending);
+            self.trim_to(bunch(limits.max_replies), now, limits);
         }
         // A session in a barrier loop keeps two entries (its run of `Done`s and the call
         // waiting): room for those, not the four a deque starts with.
@@ -234,77 +238,64 @@ impl Kept {
     }
 
     /// Request `id`, a barrier call waiting here, waits in generation `generation`
-    /// of the collective at `at`: its `Done` is read from there (module doc). The
-    /// entry before it, a barrier call whose generation `pending` says is released,
-    /// becomes `Done` as of now, joining the run of `Done`s before it. `pending` must
-    /// say so only if every reply made so far has been kept (module doc).
-    pub fn called(&mut self, id: u64, at: u32, generation: u64, now: Millis, pending: impl Fn(u32, u64) -> bool) {
+    /// of the collective at `at`: its `Done` is read from there (module doc).
+    pub fn called(&mut self, id: u64, at: u32, generation: u64) {
         let waiting = |e: &&mut Entry| e.id == id && matches!(e.reply, Slot::Waiting);
-        match self.entries.back_mut().filter(waiting) {
-            Some(last) => last.reply = Slot::Called { at, generation },
-            None => {
-                if let Some(entry) = self.entries.iter_mut().rev().find(waiting) {
-                    entry.reply = Slot::Called { at, generation };
-                } else if let Some(old) = self.old_waiting.iter_mut().find(|w| w.id == id) {
-                    old.called = Some((at, generation));
-                }
-                return;
-            }
-        }
-        let Some(before) = self.entries.len().checked_sub(2) else { return };
-        let Some(entry) = self.entries.get_mut(before) else { return };
-        let Slot::Called { at, generation } = entry.reply else { return };
-        if pending(at, generation) {
-            return;
-        }
-        *entry = Entry { id: entry.id, at: now, reply: Slot::Done { also: 0 } };
-        self.unsettled = self.unsettled.saturating_sub(1);
-        if self.join_run(before, now) {
-            // Dropped: the latest entry takes its place.
-            if let Some(last) = self.entries.pop_back() {
-                if let Some(joined) = self.entries.back_mut() {
-                    *joined = last;
-                }
-            }
+        if let Some(entry) = self.entries.iter_mut().rev().find(waiting) {
+            entry.reply = Slot::Called { at, generation };
+        } else if let Some(old) = self.old_waiting.iter_mut().find(|w| w.id == id) {
+            old.called = Some((at, generation));
         }
     }
 
-    /// Request `id`, a barrier call, arrived and waits in generation `generation` of
-    /// the collective at `at`: what [`Kept::arrived`] and then [`Kept::called`] do,
-    /// in one pass over the latest entries.
+    /// [`Kept::arrived`] of request `id`, a barrier call that waits in generation
+    /// `generation` of the collective at `at`, then [`Kept::called`].
     pub fn arrived_called(
         &mut self,
         id: u64,
         (at, generation): (u32, u64),
         now: Millis,
         limits: &Limits,
-        pending: impl Fn(u32, u64) -> bool,
+        pending: Pending<'_>,
     ) {
-        if self.entries.len() >= limits.max_replies {
-            self.trim_to(bunch(limits.max_replies), now, limits, &pending);
+        self.arrived(id, now, limits, pending);
+        if let Some(last) = self.entries.back_mut() {
+            last.reply = Slot::Called { at, generation };
         }
-        let entry = Entry { id, at: 0, reply: Slot::Called { at, generation } };
-        self.unsettled = self.unsettled.saturating_add(1);
-        let last = self.entries.len().wrapping_sub(1);
-        if let Some(before) = self.entries.get_mut(last) {
-            if let Slot::Called { at, generation } = before.reply {
-                if !pending(at, generation) {
-                    *before = Entry { id: before.id, at: now, reply: Slot::Done { also: 0 } };
-                    self.unsettled = self.unsettled.saturating_sub(1);
-                    if self.join_run(last, now) {
-                        // Joined: the new entry takes its place.
-                        if let Some(joined) = self.entries.get_mut(last) {
-                            *joined = entry;
-                        }
-                        return;
+    }
+
+    /// Barrier calls released since (module doc) become `Done`s as of now: the latest
+    /// two entries (a session calls one request after another, or has a few in
+    /// flight), each joining a run of `Done`s right before it, and any moved aside,
+    /// which come back as the latest entries. `pending` must say a generation is
+    /// released only if every reply made so far has been kept.
+    fn read_released(&mut self, now: Millis, pending: Pending<'_>) {
+        for back in [2, 1] {
+            let Some(i) = self.entries.len().checked_sub(back) else { continue };
+            let Some(entry) = self.entries.get_mut(i) else { continue };
+            let Slot::Called { at, generation } = entry.reply else { continue };
+            if pending(at, generation) {
+                continue;
+            }
+            *entry = Entry { id: entry.id, at: now, reply: Slot::Done { also: 0 } };
+            self.unsettled = self.unsettled.saturating_sub(1);
+            if self.join_run(i, now) {
+                self.entries.remove(i);
+            }
+        }
+        if self.old_waiting.iter().any(|w| w.called.is_some()) {
+            let mut i = 0;
+            while let Some(old) = self.old_waiting.get(i) {
+                match old.called {
+                    Some((at, generation)) if !pending(at, generation) => {
+                        let id = self.old_waiting.swap_remove(i).id;
+                        self.entries.push_back(Entry { id, at: now, reply: Slot::Done { also: 0 } });
+                        self.unsettled = self.unsettled.saturating_sub(1);
                     }
+                    _ => i += 1,
                 }
             }
         }
-        if self.entries.capacity() == 0 {
-            self.entries.reserve_exact(2);
-        }
-        self.entries.push_back(entry);
     }
 
     /// Whether entry `i`, a `Done` of a request at most 64 ids past the first of the
@@ -323,7 +314,7 @@ impl Kept {
     }
 
     /// Keeps the reply to request `id` if it was waiting here; returns whether it was.
-    pub fn answered(&mut self, id: u64, reply: &Reply, now: Millis, limits: &Limits, pending: Pending<'_>) -> bool {
+    pub fn answered(&mut self, id: u64, reply: &Reply, now: Millis, limits: &Limits) -> bool {
         let slot = match reply {
             Ok(Response::Done) => Slot::Done { also: 0 },
             Ok(Response::Int(n)) => Slot::Int(*n),
@@ -351,7 +342,7 @@ impl Kept {
         }
         self.unsettled = self.unsettled.saturating_sub(1);
         self.bytes = self.bytes.saturating_add(bytes);
-        self.trim(now, limits, pending);
+        self.trim(now, limits);
         true
     }
 
@@ -405,38 +396,26 @@ impl Kept {
     /// past the count it moves to `old_waiting`; otherwise it stays, however long it
     /// waits. (Age is also checked when a reply is looked up: a session that keeps
     /// nothing new is not looked at.)
-    pub fn trim(&mut self, now: Millis, limits: &Limits, pending: Pending<'_>) {
+    pub fn trim(&mut self, now: Millis, limits: &Limits) {
         let count = match self.entries.len() > limits.max_replies {
             true => bunch(limits.max_replies),
             false => limits.max_replies,
         };
-        self.trim_to(count, now, limits, pending);
+        self.trim_to(count, now, limits);
     }
 
-    /// [`Kept::trim`] to at most `count` replies. A barrier call released is dropped
-    /// as a reply of when it arrived; one still waiting is kept as a waiting request.
-    fn trim_to(&mut self, count: usize, now: Millis, limits: &Limits, pending: Pending<'_>) {
+    /// [`Kept::trim`] to at most `count` replies. A barrier call not yet read from
+    /// its generation (module doc) is kept as a waiting request.
+    fn trim_to(&mut self, count: usize, now: Millis, limits: &Limits) {
         let within = |kept: &Kept, count| kept.entries.len() <= count && kept.bytes <= limits.max_bytes;
         if within(self, count) && self.oldest_kept_until.is_some_and(|until| now <= until) {
             return;
         }
         self.oldest_kept_until = None;
-        // Barrier calls moved aside earlier and released since are dropped likewise.
-        let before = self.old_waiting.len();
-        let max_evicted = &mut self.max_evicted;
-        self.old_waiting.retain(|w| match w.called {
-            Some((at, generation)) if !pending(at, generation) => {
-                *max_evicted = (*max_evicted).max(w.id);
-                false
-            }
-            _ => true,
-        });
-        let released = before - self.old_waiting.len();
-        self.unsettled = self.unsettled.saturating_sub(u32::try_from(released).unwrap_or(u32::MAX));
         while let Some(oldest) = self.entries.front() {
             let (waiting, called) = match oldest.reply {
                 Slot::Waiting => (true, None),
-                Slot::Called { at, generation } => (pending(at, generation), Some((at, generation))),
+                Slot::Called { at, generation } => (true, Some((at, generation))),
                 _ => (false, None),
             };
             let until = oldest.at.saturating_add(limits.max_age_ms);
@@ -449,9 +428,6 @@ impl Kept {
             if waiting {
                 self.old_waiting.push(OldWaiting { id: entry.id, called });
             } else {
-                if called.is_some() {
-                    self.unsettled = self.unsettled.saturating_sub(1);
-                }
                 self.bytes = self.bytes.saturating_sub(entry.reply.bytes());
                 self.max_evicted = self.max_evicted.max(entry.last_id());
             }
@@ -502,7 +478,7 @@ mod tests {
 
     fn answer(kept: &mut Kept, id: u64, reply: Reply, now: Millis) {
         kept.arrived(id, now, &limits(), &none);
-        assert!(kept.answered(id, &reply, now, &limits(), &none));
+        assert!(kept.answered(id, &reply, now, &limits()));
     }
 
     #[test]
@@ -540,20 +516,20 @@ mod tests {
         let int = |id: u64| Ok(Response::Int(id as i64));
         for id in 1..=16 {
             kept.arrived(id, 10, &limits, &none);
-            kept.answered(id, &int(id), 10, &limits, &none);
+            kept.answered(id, &int(id), 10, &limits);
         }
         assert_eq!(kept.len(), 16);
         kept.arrived(17, 20, &limits, &none);
         assert_eq!(kept.len(), 15, "down to seven eighths of 16 before the 17th, so as not to grow");
-        kept.answered(17, &int(17), 20, &limits, &none);
+        kept.answered(17, &int(17), 20, &limits);
         assert!(matches!(kept.resent(2, true, 20, &limits, &none), Resent::Replay(Err(OpError::Closed(_)))));
         assert!(matches!(kept.resent(3, true, 20, &limits, &none), Resent::Replay(Ok(Response::Int(3)))));
         // Replies of 10 ms are kept until 1,010 ms: at 1,010 nothing goes, at 1,011 they do.
         kept.arrived(18, 1_010, &limits, &none);
-        kept.answered(18, &int(18), 1_010, &limits, &none);
+        kept.answered(18, &int(18), 1_010, &limits);
         assert_eq!(kept.len(), 16);
         kept.arrived(19, 1_011, &limits, &none);
-        kept.answered(19, &int(19), 1_011, &limits, &none);
+        kept.answered(19, &int(19), 1_011, &limits);
         assert_eq!(kept.len(), 3, "only the replies of 20 ms and later are left");
         assert!(matches!(kept.resent(16, true, 1_011, &limits, &none), Resent::Replay(Err(OpError::Closed(_)))));
     }
@@ -569,7 +545,7 @@ mod tests {
         // 1, 2 and 4 are barrier arrivals; 3 is a read, which is not kept.
         for (id, at) in [(1, 10), (2, 20), (4, 30)] {
             kept.arrived(id, at, &limits, &none);
-            assert!(kept.answered(id, &Ok(Response::Done), at, &limits, &none));
+            assert!(kept.answered(id, &Ok(Response::Done), at, &limits));
             assert_eq!(kept.len(), 1, "request {id} joined the run");
         }
         assert!(matches!(replay(&kept, 3, false), Resent::Run), "a read between them runs again");
@@ -579,17 +555,17 @@ mod tests {
         assert!(matches!(replay(&kept, 5, true), Resent::Run));
         // A reply of its own ends the run; a `Done` after it starts another.
         kept.arrived(5, 40, &limits, &none);
-        kept.answered(5, &Ok(Response::Int(7)), 40, &limits, &none);
+        kept.answered(5, &Ok(Response::Int(7)), 40, &limits);
         kept.arrived(6, 40, &limits, &none);
-        kept.answered(6, &Ok(Response::Done), 40, &limits, &none);
+        kept.answered(6, &Ok(Response::Done), 40, &limits);
         assert_eq!(kept.len(), 3);
         assert!(matches!(replay(&kept, 5, true), Resent::Replay(Ok(Response::Int(7)))));
         // Answered out of order, the earlier one waits behind the later: no run.
         kept.arrived(7, 40, &limits, &none);
         kept.arrived(8, 40, &limits, &none);
-        kept.answered(8, &Ok(Response::Done), 40, &limits, &none);
+        kept.answered(8, &Ok(Response::Done), 40, &limits);
         assert!(matches!(replay(&kept, 7, true), Resent::Waiting));
-        kept.answered(7, &Ok(Response::Done), 40, &limits, &none);
+        kept.answered(7, &Ok(Response::Done), 40, &limits);
         assert_eq!(kept.len(), 4, "the fifth entry made room: the run of 1 to 4 went");
         for id in [2, 4] {
             assert!(matches!(replay(&kept, id, true), Resent::Replay(Err(OpError::Closed(_)))), "{id}");
@@ -610,20 +586,20 @@ mod tests {
         let mut kept = Kept::default();
         for id in [5, 7] {
             kept.arrived(id, 10, &limits, &none);
-            kept.answered(id, &Ok(Response::Done), 10, &limits, &none);
+            kept.answered(id, &Ok(Response::Done), 10, &limits);
         }
         assert_eq!(kept.len(), 1);
         assert!(matches!(replay(&kept, 6), Resent::Run), "6 has not arrived: it must run");
         kept.arrived(6, 10, &limits, &none);
         assert!(matches!(replay(&kept, 6), Resent::Waiting));
-        kept.answered(6, &Ok(Response::Int(1)), 10, &limits, &none);
+        kept.answered(6, &Ok(Response::Int(1)), 10, &limits);
         assert!(matches!(replay(&kept, 6), Resent::Replay(Ok(Response::Int(1)))));
         assert!(matches!(replay(&kept, 7), Resent::Replay(Ok(Response::Done))));
         // 65 past the first is one too far: a new entry.
         kept.arrived(70, 10, &limits, &none);
-        kept.answered(70, &Ok(Response::Done), 10, &limits, &none);
+        kept.answered(70, &Ok(Response::Done), 10, &limits);
         kept.arrived(71, 10, &limits, &none);
-        kept.answered(71, &Ok(Response::Done), 10, &limits, &none);
+        kept.answered(71, &Ok(Response::Done), 10, &limits);
         assert_eq!(kept.len(), 3);
         assert!(matches!(replay(&kept, 69), Resent::Run));
 
@@ -633,12 +609,12 @@ mod tests {
         kept.arrived(1, 10, &limits, &none);
         for id in 2..=5 {
             kept.arrived(id, 10, &limits, &none);
-            kept.answered(id, &Ok(Response::Int(id as i64)), 10, &limits, &none);
+            kept.answered(id, &Ok(Response::Int(id as i64)), 10, &limits);
         }
         kept.arrived(6, 10, &limits, &none);
-        assert!(kept.answered(1, &Ok(Response::Done), 10, &limits, &none));
+        assert!(kept.answered(1, &Ok(Response::Done), 10, &limits));
         kept.arrived(7, 10, &limits, &none);
-        kept.answered(7, &Ok(Response::Done), 10, &limits, &none);
+        kept.answered(7, &Ok(Response::Done), 10, &limits);
         assert!(matches!(replay(&kept, 6), Resent::Waiting), "6 still waits");
         assert!(matches!(replay(&kept, 5), Resent::Replay(Ok(Response::Int(5)))));
         assert!(matches!(replay(&kept, 1), Resent::Replay(Ok(Response::Done))));
@@ -646,7 +622,7 @@ mod tests {
     }
 
     /// A barrier call waits while its generation is pending and reads `Done` once it
-    /// is not; the session's next barrier call keeps it as a `Done`, joining the run.
+    /// is not; the session's next request keeps it as a `Done`, joining the run.
     #[test]
     fn a_barrier_call_reads_its_release_from_its_generation() {
         let limits = Limits { max_replies: 4, max_age_ms: 1_000, max_bytes: 1 << 20 };
@@ -655,7 +631,7 @@ mod tests {
         let resent = |kept: &Kept, id, now| kept.resent(id, true, now, &limits, &generation_waits);
         let mut kept = Kept::default();
         kept.arrived(1, 10, &limits, &generation_waits);
-        kept.called(1, 3, 1, 10, generation_waits);
+        kept.called(1, 3, 1);
         assert!(matches!(resent(&kept, 1, 10), Resent::Waiting));
         assert_eq!(kept.waiting(), 1);
         pending.set(false);
@@ -663,11 +639,11 @@ mod tests {
         assert!(matches!(resent(&kept, 1, 5_000), Resent::Replay(Ok(Response::Done))), "released: no age to outlive");
         // Calls 2 and 3 read the call before them as released.
         kept.arrived(2, 20, &limits, &generation_waits);
-        assert_eq!((kept.len(), kept.waiting()), (2, 2), "read at the next barrier call, not at any request");
-        kept.called(2, 3, 2, 20, generation_waits);
+        assert_eq!((kept.len(), kept.waiting()), (2, 1), "1 read when the session next arrives");
+        kept.called(2, 3, 2);
         assert_eq!((kept.len(), kept.waiting()), (2, 1));
         kept.arrived(3, 30, &limits, &generation_waits);
-        kept.called(3, 3, 3, 30, generation_waits);
+        kept.called(3, 3, 3);
         assert_eq!((kept.len(), kept.waiting()), (2, 1), "calls 1 and 2 are one run of `Done`s");
         for id in [1, 2] {
             assert!(matches!(resent(&kept, id, 30), Resent::Replay(Ok(Response::Done))));
@@ -676,7 +652,7 @@ mod tests {
         // Told that nothing may be read yet (a reply not kept), the entry waits its turn.
         let unread = |_: u32, _: u64| true;
         kept.arrived(4, 40, &limits, &unread);
-        kept.called(4, 3, 4, 40, unread);
+        kept.called(4, 3, 4);
         assert_eq!((kept.len(), kept.waiting()), (3, 2));
     }
 
@@ -694,8 +670,8 @@ mod tests {
         for id in 1..=300u64 {
             round.set(id);
             kept.arrived(id, id, &limits, &generation_waits);
-            kept.called(id, 0, id, id, generation_waits);
-            at_once.arrived_called(id, (0, id), id, &limits, generation_waits);
+            kept.called(id, 0, id);
+            at_once.arrived_called(id, (0, id), id, &limits, &generation_waits);
             assert_eq!((kept.waiting(), at_once.waiting()), (1, 1), "call {id}: only the latest waits");
         }
         assert_eq!(kept.len(), 300 / 64 + 2, "{kept:?}");
@@ -715,34 +691,35 @@ mod tests {
     fn a_failed_barrier_call_keeps_its_error() {
         let mut kept = Kept::default();
         kept.arrived(1, 0, &limits(), &none);
-        kept.called(1, 0, 1, 0, none);
+        kept.called(1, 0, 1);
         let failed = Err(OpError::Closed("the barrier failed".into()));
-        assert!(kept.answered(1, &failed, 0, &limits(), &none));
+        assert!(kept.answered(1, &failed, 0, &limits()));
         assert_eq!(kept.waiting(), 0);
         assert!(matches!(kept.resent(1, true, NOW, &limits(), &none), Resent::Replay(Err(OpError::Closed(_)))));
     }
 
     /// A barrier call still waiting when the count moves it aside is still read from
-    /// its generation, and is dropped once released.
+    /// its generation, and comes back as a `Done` once released.
     #[test]
     fn a_barrier_call_moved_aside_is_read_from_its_generation() {
         let pending = std::cell::Cell::new(true);
         let generation_waits = |_: u32, _: u64| pending.get();
         let mut kept = Kept::default();
         kept.arrived(1, 0, &limits(), &generation_waits);
-        kept.called(1, 0, 1, 0, generation_waits);
+        kept.called(1, 0, 1);
         for id in 2..=5 {
             kept.arrived(id, 0, &limits(), &generation_waits);
-            assert!(kept.answered(id, &Ok(Response::Int(id as i64)), 0, &limits(), &generation_waits));
+            assert!(kept.answered(id, &Ok(Response::Int(id as i64)), 0, &limits()));
         }
         assert_eq!((kept.len(), kept.waiting()), (3, 1), "moved aside, still waiting");
         assert!(matches!(kept.resent(1, true, NOW, &limits(), &generation_waits), Resent::Waiting));
         pending.set(false);
         assert!(matches!(kept.resent(1, true, NOW, &limits(), &generation_waits), Resent::Replay(Ok(Response::Done))));
         kept.arrived(6, 0, &limits(), &generation_waits);
-        assert!(kept.answered(6, &Ok(Response::Int(6)), 0, &limits(), &generation_waits));
-        assert_eq!(kept.waiting(), 0, "dropped at the next trim");
-        assert!(matches!(kept.resent(1, true, NOW, &limits(), &none), Resent::Replay(Err(OpError::Closed(_)))));
+        assert!(kept.answered(6, &Ok(Response::Int(6)), 0, &limits()));
+        assert_eq!(kept.waiting(), 0, "read when the session next arrived");
+        assert!(matches!(kept.resent(1, true, NOW, &limits(), &none), Resent::Replay(Ok(Response::Done))));
+        assert!(matches!(kept.resent(2, true, NOW, &limits(), &none), Resent::Replay(Err(OpError::Closed(_)))));
     }
 
     #[test]
@@ -757,7 +734,7 @@ mod tests {
             "a barrier waits while the session adds"
         );
         assert_eq!(kept.waiting(), 1);
-        assert!(kept.answered(1, &Ok(Response::Done), 0, &limits(), &none));
+        assert!(kept.answered(1, &Ok(Response::Done), 0, &limits()));
         assert_eq!(kept.waiting(), 0);
         assert!(
             matches!(kept.resent(1, true, NOW, &limits(), &none), Resent::Replay(Ok(Response::Done))),
@@ -772,7 +749,7 @@ mod tests {
         answer(&mut kept, 2, Ok(Response::Done), 0);
         assert!(matches!(kept.resent(1, true, 5_000, &limits(), &none), Resent::Waiting));
         assert!(matches!(kept.resent(2, true, 5_000, &limits(), &none), Resent::Replay(Err(_))), "an old reply goes");
-        assert!(kept.answered(1, &Ok(Response::Done), 5_000, &limits(), &none));
+        assert!(kept.answered(1, &Ok(Response::Done), 5_000, &limits()));
         assert!(matches!(kept.resent(1, true, 5_000, &limits(), &none), Resent::Replay(Ok(Response::Done))));
     }
 

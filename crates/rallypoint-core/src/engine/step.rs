@@ -530,15 +530,15 @@ impl<'a> Step<'a> {
         let Some(resume) = self.sessions.get_mut(&caller.session).and_then(|s| s.resume.as_deref_mut()) else {
             return;
         };
-        let (collectives, settled, now) = (&self.job.collectives, self.ctx.settled, self.ctx.now);
-        let pending = |at, generation| !settled || collectives.is_pending(at, generation);
+        let (collectives, settled, now, rank) = (&self.job.collectives, self.ctx.settled, self.ctx.now, caller.rank);
+        let pending = |at, generation| !settled || collectives.is_pending(at, generation, rank);
         let (id, limits) = (caller.request_id, &self.config.reply_cache);
         super::track(self.ctx.tracked, &mut resume.kept, |kept| match (caller.keep, waits) {
             (Keep::OnArrival, Some((at, generation))) => {
-                kept.arrived_called(id, (at.index(), generation), now, limits, pending)
+                kept.arrived_called(id, (at.index(), generation), now, limits, &pending)
             }
             (Keep::OnArrival, None) => kept.arrived(id, now, limits, &pending),
-            (_, Some((at, generation))) => kept.called(id, at.index(), generation, now, pending),
+            (_, Some((at, generation))) => kept.called(id, at.index(), generation),
             (_, None) => {}
         });
     }
