@@ -88,6 +88,15 @@ impl Driver {
         self.replies.iter().filter(|o| o.session == session && o.request_id == id).map(|o| &o.reply).collect()
     }
 
+    /// `session` is cut, resumes as `identity` and re-sends request `id`: every
+    /// reply to it, the first one included.
+    fn resent_after_a_cut(&mut self, session: SessionId, identity: &Identity, id: u64, request: Request) -> Vec<Reply> {
+        self.cut(session);
+        assert_eq!(self.resume(session, identity), Ok(session));
+        self.send(session, id, request);
+        self.replies_to(session, id).into_iter().cloned().collect()
+    }
+
     fn last(&self, session: SessionId, id: u64) -> Option<Reply> {
         self.replies_to(session, id).last().map(|r| (*r).clone())
     }
@@ -370,10 +379,8 @@ fn a_pipelined_barrier_keeps_the_failure_made_in_the_same_input() {
     d.collect();
     let lost = d.last(r0, 1);
     assert!(matches!(lost, Some(Err(OpError::PeerLost { .. }))), "{lost:?}");
-    d.cut(r0);
-    assert_eq!(d.resume(r0, &id0), Ok(r0));
-    d.send(r0, 1, barrier("step"));
-    assert_eq!(d.last(r0, 1), lost, "the failure again, not a release");
+    let replies = d.resent_after_a_cut(r0, &id0, 1, barrier("step"));
+    assert_eq!(replies.last().cloned(), lost, "the failure again, not a release");
 }
 
 /// A released barrier call is kept for a replay like any reply, whatever the engine's
@@ -390,10 +397,8 @@ fn a_released_barrier_call_is_kept_past_the_engines_first_minute() {
     assert_eq!(d.last(r0, 1), Some(Ok(Response::Done)));
     // Pipelined: written before the barrier's reply was read; the reply is then lost.
     assert_eq!(d.call(r0, 2, add(1)), Ok(Response::Int(1)));
-    d.cut(r0);
-    assert_eq!(d.resume(r0, &id0), Ok(r0));
-    d.send(r0, 1, barrier("step"));
-    assert_eq!(d.replies_to(r0, 1), [&Ok(Response::Done), &Ok(Response::Done)], "{:?}", d.last(r0, 1));
+    let replies = d.resent_after_a_cut(r0, &id0, 1, barrier("step"));
+    assert_eq!(replies, [Ok(Response::Done), Ok(Response::Done)]);
 }
 
 /// One input failing two barrier calls of a session: both failures are kept, the
@@ -418,10 +423,8 @@ fn two_barrier_failures_in_one_input_are_both_kept() {
     d.kill(r2);
     let lost = d.last(r0, 1);
     assert!(matches!(lost, Some(Err(OpError::PeerLost { .. }))), "{lost:?}");
-    d.cut(r0);
-    assert_eq!(d.resume(r0, &id0), Ok(r0));
-    d.send(r0, 1, barrier("b"));
-    assert_eq!(d.last(r0, 1), lost, "the failure again");
+    let replies = d.resent_after_a_cut(r0, &id0, 1, barrier("b"));
+    assert_eq!(replies.last().cloned(), lost, "the failure again");
 }
 
 /// A name used by two member sets: other ranks' first calls make its generation 1
@@ -463,10 +466,8 @@ fn a_barrier_released_after_moving_aside_keeps_its_reply() {
     d.send(r1, 1, barrier("step"));
     assert_eq!(d.last(r0, 1), Some(Ok(Response::Done)));
     assert_eq!(d.call(r0, 4, add(1)), Ok(Response::Int(3)));
-    d.cut(r0);
-    assert_eq!(d.resume(r0, &id0), Ok(r0));
-    d.send(r0, 1, barrier("step"));
-    assert_eq!(d.replies_to(r0, 1), [&Ok(Response::Done), &Ok(Response::Done)], "{:?}", d.last(r0, 1));
+    let replies = d.resent_after_a_cut(r0, &id0, 1, barrier("step"));
+    assert_eq!(replies, [Ok(Response::Done), Ok(Response::Done)]);
 }
 
 #[test]
