@@ -672,6 +672,10 @@ impl Attempt<'_> {
             _ => false,
         };
         if better {
+            // The report that aborted the job may itself be a consequence: a peer
+            // there failed for a rank this coordinator lost first. Judged as a
+            // failure here would be.
+            let later = if aborted_for { self.judge(later, state, running) } else { later };
             state.first = Some(self.localize(later, running));
         }
         if aborted_for {
