@@ -75,23 +75,31 @@ impl Launched {
     }
 
     fn finish(mut self) -> Finished {
-        let deadline = Instant::now() + LIMIT;
-        let status = loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                break Some(status);
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                break None;
-            }
-            thread::sleep(Duration::from_millis(20));
-        };
+        let status = wait_bounded(&mut self.child);
         let stdout = self.stdout.join().unwrap_or_default();
         let stderr = self.stderr.join().unwrap_or_default();
-        let status =
-            status.unwrap_or_else(|| panic!("the launcher ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"));
+        let status = status.unwrap_or_else(|stacks| {
+            panic!("the launcher ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}\nits stacks then:\n{stacks}")
+        });
         Finished { code: status.code(), stdout, stderr }
+    }
+}
+
+/// Waits for the launcher to exit, at most [`LIMIT`]; past it, kills it and returns
+/// where its threads were (see [`common::stacks_of`]).
+fn wait_bounded(child: &mut Child) -> Result<std::process::ExitStatus, String> {
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        if let Some(status) = child.try_wait().expect("try_wait") {
+            return Ok(status);
+        }
+        if Instant::now() > deadline {
+            let stacks = common::stacks_of(child.id());
+            let _ = child.kill();
+            let _ = child.wait();
+            return Err(stacks);
+        }
+        thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -574,25 +582,15 @@ impl Watched {
     }
 
     fn finish(mut self) -> Finished {
-        let deadline = Instant::now() + LIMIT;
-        let status = loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                break Some(status);
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                break None;
-            }
-            thread::sleep(Duration::from_millis(20));
-        };
+        let status = wait_bounded(&mut self.child);
         self.unread = None;
         let stderr = self.stderr.take().map(|h| h.join().unwrap_or_default()).unwrap_or_default();
         // The reader thread ends at EOF, soon after the launcher.
         thread::sleep(Duration::from_millis(50));
         let stdout = self.stdout_text();
-        let status =
-            status.unwrap_or_else(|| panic!("the launcher ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"));
+        let status = status.unwrap_or_else(|stacks| {
+            panic!("the launcher ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}\nits stacks then:\n{stacks}")
+        });
         Finished { code: status.code(), stdout, stderr }
     }
 }
@@ -1225,22 +1223,13 @@ impl Live {
     }
 
     fn finish(mut self) -> Finished {
-        let deadline = Instant::now() + LIMIT;
-        let status = loop {
-            if let Some(status) = self.child.try_wait().expect("try_wait") {
-                break Some(status);
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                let _ = self.child.wait();
-                break None;
-            }
-            thread::sleep(Duration::from_millis(20));
-        };
+        let status = wait_bounded(&mut self.child);
         let stdout = self.stdout.join().unwrap_or_default();
         thread::sleep(Duration::from_millis(50));
         let stderr = self.stderr.lock().expect("stderr buffer").clone();
-        let status = status.unwrap_or_else(|| panic!("ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}"));
+        let status = status.unwrap_or_else(|stacks| {
+            panic!("ran past {LIMIT:?}\nstdout:\n{stdout}\nstderr:\n{stderr}\nits stacks then:\n{stacks}")
+        });
         Finished { code: status.code(), stdout, stderr }
     }
 }
