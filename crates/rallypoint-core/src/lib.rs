@@ -19,7 +19,7 @@ mod session_table;
 pub mod snapshot;
 
 pub use config::{Config, Limits, ReplyCache};
-pub use engine::{Departure, Engine, JobMetrics};
+pub use engine::{Departure, Engine, JobMetrics, Link, Record};
 pub use error::{
     AbortInfo, AuthRefusal, CallShape, CollectiveKind, JobIncarnation, LossReason, Missing, OpError, OpRef,
     ProcessInfo, RankInfo, RankRanges, RankState,

@@ -1,12 +1,13 @@
 //! `Engine::handle_calls` (one identical collective call of several sessions, as a
-//! node agent sends its ranks' barrier) against `Engine::handle` of each call one
-//! after another: two engines driven by the same random script of batches, kills,
-//! reconnects, aborts and clock advances must produce the same replies after every
-//! step.
+//! node agent sends its ranks' barrier) and `Engine::handle_calls_from` (the same,
+//! its barrier calls held in records released whole) against `Engine::handle` of
+//! each call one after another: three engines driven by the same random script of
+//! batches, kills, reconnects, aborts and clock advances must produce the same
+//! replies after every step.
 
 use bytes::Bytes;
 use proptest::prelude::*;
-use rallypoint_core::{Config, Engine, Identity, Members, Millis, Outgoing, Request, SessionId};
+use rallypoint_core::{Config, Engine, Identity, Link, Members, Millis, Outgoing, Request, Response, SessionId};
 
 const WORLD: u32 = 4;
 
@@ -96,10 +97,20 @@ impl Side {
     /// which differs between two engines.
     fn out(&mut self) -> Vec<Outgoing> {
         let mut out: Vec<Outgoing> = self.engine.drain_outgoing().collect();
+        for record in self.engine.drain_records().collect::<Vec<_>>() {
+            assert_eq!(record.link, LINK);
+            for (&session, &(route, request_id)) in record.sessions.iter().zip(&record.calls) {
+                assert_eq!(route, !session.0, "a record keeps each call's route");
+                out.push(Outgoing { session, request_id, reply: Ok(Response::Done) });
+            }
+        }
         out.sort_by_key(|o| (o.session, o.request_id));
         out
     }
 }
+
+/// The node agent the held engine's runs come from.
+const LINK: Link = Link { id: 7, stamp: 3 };
 
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
@@ -108,17 +119,21 @@ proptest! {
     fn a_batch_of_calls_is_each_call_in_turn(steps in prop::collection::vec(step(), 1..60)) {
         let mut now: Millis = 1_000;
         let mut batched = Side { engine: Engine::new(Config::default()), next_session: 1 };
+        let mut held = Side { engine: Engine::new(Config::default()), next_session: 1 };
         let mut one_by_one = Side { engine: Engine::new(Config::default()), next_session: 1 };
         let mut sessions: Vec<Option<SessionId>> = Vec::new();
         for rank in 0..WORLD {
             sessions.push(Some(batched.open("j", rank, now)));
+            held.open("j", rank, now);
             one_by_one.open("j", rank, now);
         }
         // A rank of another job, whose calls may sit in the same batch.
         let other = batched.open("k", 0, now);
+        held.open("k", 0, now);
         one_by_one.open("k", 0, now);
         // A session without a rank, whose collective calls fail.
         let tool = batched.open_anonymous("j", now);
+        held.open_anonymous("j", now);
         one_by_one.open_anonymous("j", now);
         let mut next_id = 1u64;
         for step in steps {
@@ -138,6 +153,8 @@ proptest! {
                         })
                         .collect();
                     batched.engine.handle_calls(&calls, &request, now);
+                    let routes: Vec<u64> = calls.iter().map(|(session, _)| !session.0).collect();
+                    held.engine.handle_calls_from(LINK, &calls, &routes, &request, now);
                     for &(session, id) in &calls {
                         one_by_one.engine.handle(session, id, request.clone(), now);
                     }
@@ -145,12 +162,14 @@ proptest! {
                 Step::Kill(rank) => {
                     if let Some(session) = sessions[rank as usize].take() {
                         batched.engine.close(session, now);
+                        held.engine.close(session, now);
                         one_by_one.engine.close(session, now);
                     }
                 }
                 Step::Connect(rank) => {
                     if sessions[rank as usize].is_none() {
                         sessions[rank as usize] = Some(batched.open("j", rank, now));
+                        held.open("j", rank, now);
                         one_by_one.open("j", rank, now);
                     }
                 }
@@ -159,20 +178,27 @@ proptest! {
                         next_id += 1;
                         let abort = Request::Abort { reason: "test".into() };
                         batched.engine.handle(session, next_id, abort.clone(), now);
+                        held.engine.handle(session, next_id, abort.clone(), now);
                         one_by_one.engine.handle(session, next_id, abort, now);
                     }
                 }
                 Step::Advance(ms) => {
                     now += ms;
                     batched.engine.tick(now);
+                    held.engine.tick(now);
                     one_by_one.engine.tick(now);
                 }
             }
-            prop_assert_eq!(batched.out(), one_by_one.out());
+            let expected = one_by_one.out();
+            prop_assert_eq!(batched.out(), expected.clone());
+            prop_assert_eq!(held.out(), expected);
         }
         now += 1_000;
         batched.engine.tick(now);
+        held.engine.tick(now);
         one_by_one.engine.tick(now);
-        prop_assert_eq!(batched.out(), one_by_one.out());
+        let expected = one_by_one.out();
+        prop_assert_eq!(batched.out(), expected.clone());
+        prop_assert_eq!(held.out(), expected);
     }
 }

@@ -15,12 +15,12 @@
 use std::collections::HashMap;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use rallypoint_core::{Departure, OpError, Reply, Request, Response, SessionId, SlotTable, Welcome};
+use rallypoint_core::{Departure, Link, OpError, Reply, Request, Response, SessionId, SlotTable, Welcome};
 use rallypoint_net::budget::Charge;
 use rallypoint_net::conn::{after_read, hold_buffered, read_some, stall, Buffering, End};
 use rallypoint_net::sync::lock;
@@ -58,6 +58,18 @@ impl AgentReplies {
         AgentReplies { calls: Vec::with_capacity(calls), runs: Vec::new() }
     }
 
+    /// `Done` to each of `calls`, `(sub-session, request id)`: a barrier's release of
+    /// a record of this agent's calls, taken whole.
+    pub(crate) fn push_released(&mut self, calls: &[(u64, u64)]) {
+        if calls.is_empty() {
+            return;
+        }
+        if !matches!(self.runs.last(), Some((Ok(Response::Done), _))) {
+            self.runs.push((Ok(Response::Done), self.calls.len()));
+        }
+        self.calls.extend_from_slice(calls);
+    }
+
     /// Adds the reply to sub-session `sub`'s request `id`. Comparing costs less than
     /// encoding the reply again (a shared all-gather result compares by pointer).
     pub(crate) fn push(&mut self, sub: u64, id: u64, reply: Reply) {
@@ -90,15 +102,41 @@ impl AgentReplies {
 }
 
 /// Replies the engine addressed to the sub-sessions of one agent connection.
-#[derive(Default)]
 pub(crate) struct AgentOutbox {
+    /// The connection's number, as the engine's records name it (`Link::id`).
+    pub(crate) id: u64,
     queue: Mutex<AgentReplies>,
     pub(crate) ready: Ready,
-    /// Whether a session this agent carried was ever resumed on another connection.
-    /// Until one is, every call of a sub-session the agent has open is its to make,
-    /// and none is looked up; after, a sub-session not closed yet may send for a
-    /// session that is no longer the agent's, so every call is checked.
-    left: AtomicBool,
+    /// How many sessions this agent carried were resumed on another connection (or
+    /// on this one again, as another sub-session). While none was, every call of a
+    /// sub-session the agent has open is its to make, and none is looked up; after,
+    /// a sub-session not closed yet may send for a session that is no longer the
+    /// agent's, so every call is checked. A record made since the last move still
+    /// routes each call where its session is (`Link::stamp`).
+    moves: AtomicU64,
+}
+
+impl AgentOutbox {
+    pub(crate) fn new() -> AgentOutbox {
+        static NEXT: AtomicU64 = AtomicU64::new(1);
+        AgentOutbox {
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+            queue: Mutex::default(),
+            ready: Ready::default(),
+            moves: AtomicU64::new(0),
+        }
+    }
+
+    /// Where calls sent by this agent now come from, for the engine's records.
+    pub(crate) fn link(&self) -> Link {
+        Link { id: self.id, stamp: self.moves.load(Ordering::Relaxed) }
+    }
+
+    /// Whether a record made when calls came from `link` still routes every call
+    /// where its session is: no session moved off this agent since.
+    pub(crate) fn routes_hold(&self, link: Link) -> bool {
+        self.moves.load(Ordering::Relaxed) == link.stamp
+    }
 }
 
 impl AgentOutbox {
@@ -122,14 +160,14 @@ impl AgentOutbox {
         self.ready.notify();
     }
 
-    /// A session it carried was resumed elsewhere (see [`AgentOutbox::left`]).
+    /// A session it carried was resumed elsewhere (see [`AgentOutbox::moves`]).
     pub(crate) fn lose(&self) {
-        self.left.store(true, Ordering::Relaxed);
+        self.moves.fetch_add(1, Ordering::Relaxed);
     }
 
     /// Whether a session it carried was ever resumed elsewhere.
     pub(crate) fn lost_any(&self) -> bool {
-        self.left.load(Ordering::Relaxed)
+        self.moves.load(Ordering::Relaxed) > 0
     }
 
     fn take(&self) -> AgentReplies {
@@ -191,6 +229,7 @@ impl Drop for SubsGuard<'_> {
     fn drop(&mut self) {
         let sessions: Vec<SessionId> = self.subs.by_session.keys().copied().collect();
         if sessions.is_empty() {
+            self.shared.agent_unlinked(&self.outbox);
             return;
         }
         if std::thread::panicking() {
@@ -201,6 +240,7 @@ impl Drop for SubsGuard<'_> {
         } else {
             self.shared.close_all(&sessions, &self.outbox);
         }
+        self.shared.agent_unlinked(&self.outbox);
     }
 }
 
@@ -232,7 +272,8 @@ pub(crate) async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
     let mut wbuf = BytesMut::new();
     encode_root_frame(&RootFrame::Welcome { lease_ms: shared.lease_ms() }, &mut wbuf);
     info!(%peer, %host, pid, "node agent connected");
-    let outbox = Arc::new(AgentOutbox::default());
+    let outbox = Arc::new(AgentOutbox::new());
+    shared.agent_linked(&outbox);
     let mut conn = AgentConn {
         peer,
         stream: &mut stream,
@@ -339,8 +380,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
             AgentFrame::SubRequest { sub, id, request: r } => inputs.extend(request(subs, sub, id, r)),
             AgentFrame::SubRequests { calls, request: r } => {
                 let mut sessions = Vec::with_capacity(calls.len());
-                sessions.extend(calls.into_iter().filter_map(|(sub, id)| Some((subs.session(peer, sub, id)?, id))));
-                inputs.push(AgentInput::Calls { calls: sessions, request: r });
+                let mut routes = Vec::with_capacity(calls.len());
+                for (sub, id) in calls {
+                    if let Some(session) = subs.session(peer, sub, id) {
+                        sessions.push((session, id));
+                        routes.push(sub);
+                    }
+                }
+                inputs.push(AgentInput::Calls { calls: sessions, routes, request: r });
             }
             AgentFrame::SubClose { sub, gone } => {
                 let departure = if gone { Departure::ProcessGone } else { Departure::Unknown };

@@ -19,8 +19,8 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use atomic_waker::AtomicWaker;
 use rallypoint_core::snapshot::JobSnapshot;
 use rallypoint_core::{
-    AbortInfo, Config, Departure, Engine, Identity, JobMetrics, Millis, OpError, RankInfo, Reply, Request, SessionId,
-    SessionTable, Welcome,
+    AbortInfo, Config, Departure, Engine, Identity, JobMetrics, Millis, OpError, RankInfo, Reply, Request, Response,
+    SessionId, SessionTable, Welcome,
 };
 use rallypoint_net::meter::Traffic;
 use rallypoint_net::sync::lock;
@@ -57,6 +57,8 @@ struct State {
     engine: Engine,
     /// Looked up for every request and reply, by slot (see [`SessionIds`]).
     outboxes: SessionTable<Sink>,
+    /// The connected node agents, by the number the engine's records name them with.
+    agents: HashMap<u64, Arc<AgentOutbox>>,
     /// Replies for the reactor's native connections, in the engine's order.
     routed: Vec<Routed>,
     /// The reactor was woken for `routed` and has not taken them yet.
@@ -170,9 +172,10 @@ pub(crate) enum AgentInput {
         request: Request,
     },
     /// Ranks behind the agent making one identical call, `(session, request id)` each
-    /// in order (a SubRequests frame).
+    /// in order (a SubRequests frame), and the sub-session of each.
     Calls {
         calls: Vec<(SessionId, u64)>,
+        routes: Vec<u64>,
         request: Request,
     },
     Close {
@@ -275,6 +278,7 @@ impl Shared {
             state: Mutex::new(State {
                 engine: Engine::new(config),
                 outboxes: SessionTable::default(),
+                agents: HashMap::new(),
                 routed: Vec::new(),
                 reactor_woken: false,
             }),
@@ -375,6 +379,16 @@ impl Shared {
                 None
             }
         }
+    }
+
+    /// A node agent connected: releases of records of its calls go to `outbox`.
+    pub(crate) fn agent_linked(&self, outbox: &Arc<AgentOutbox>) {
+        lock(&self.state).agents.insert(outbox.id, Arc::clone(outbox));
+    }
+
+    /// A node agent's connection ended.
+    pub(crate) fn agent_unlinked(&self, outbox: &AgentOutbox) {
+        lock(&self.state).agents.remove(&outbox.id);
     }
 
     /// A fresh session id, for a rank behind a node agent.
@@ -493,14 +507,19 @@ impl Shared {
                         state.engine.handle(session, id, request, now);
                     }
                 }
-                AgentInput::Calls { mut calls, request } => {
-                    for (session, _) in &mut calls {
-                        *session = resumed.iter().find(|(sub, _)| sub == session).map_or(*session, |(_, s)| *s);
+                AgentInput::Calls { mut calls, mut routes, request } => {
+                    if !resumed.is_empty() {
+                        for (session, _) in &mut calls {
+                            *session = resumed.iter().find(|(sub, _)| sub == session).map_or(*session, |(_, s)| *s);
+                        }
                     }
                     if outbox.lost_any() {
-                        calls.retain(|&(session, _)| carried(&state, session));
+                        let carried: Vec<bool> = calls.iter().map(|&(session, _)| carried(&state, session)).collect();
+                        let (mut c, mut r) = (carried.iter(), carried.iter());
+                        calls.retain(|_| c.next().copied().unwrap_or(true));
+                        routes.retain(|_| r.next().copied().unwrap_or(true));
                     }
-                    state.engine.handle_calls(&calls, &request, now);
+                    state.engine.handle_calls_from(outbox.link(), &calls, &routes, &request, now);
                 }
                 AgentInput::Close { session, departure } => {
                     // The close of the sub-session a session was resumed from, in the same batch: stale.
@@ -714,7 +733,7 @@ type Immediate<'a> = &'a mut dyn FnMut(u64, Reply);
 /// Routes the engine's output: replies for `caller`'s session to its callback, the
 /// rest into outboxes.
 fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
-    let State { engine, outboxes, routed, .. } = state;
+    let State { engine, outboxes, routed, agents: links, .. } = state;
     // Replies for ranks behind agents, gathered per agent and queued with one lock
     // each; agents are woken once every reply of this input is queued (see
     // `AgentOutbox::push`).
@@ -751,11 +770,51 @@ fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
             None => {}
         }
     }
+    drop(outgoing);
+    // After the replies to single calls: one of those may answer a call of a record
+    // (its session failed alone), which the agent must see before the record's `Done`.
+    for record in engine.drain_records() {
+        let Some(outbox) = links.get(&record.link.id) else { continue };
+        let replies = match agents.iter_mut().rev().find(|(agent, _)| Arc::ptr_eq(agent, outbox)) {
+            Some((_, replies)) => replies,
+            None => {
+                agents.push((Arc::clone(outbox), AgentReplies::with_room(record.calls.len())));
+                let Some((_, replies)) = agents.last_mut() else { continue };
+                replies
+            }
+        };
+        if outbox.routes_hold(record.link) {
+            replies.push_released(&record.calls);
+            continue;
+        }
+        // A session moved off the agent since the calls came: each call goes where
+        // its session is now.
+        for (&session, &(_, id)) in record.sessions.iter().zip(&record.calls) {
+            match outboxes.get(&session) {
+                Some(Sink::Agent(agent, sub)) if Arc::ptr_eq(agent, outbox) => {
+                    replies.push(*sub, id, Ok(Response::Done));
+                }
+                Some(Sink::Direct(direct)) => direct.push(id, Ok(Response::Done)),
+                Some(Sink::Reactor(_, route)) => {
+                    routed.push(Routed { route: *route, request_id: id, reply: Ok(Response::Done) });
+                }
+                Some(Sink::Agent(other, sub)) if other.push_all(released_to(*sub, id)) => other.notify(),
+                Some(Sink::Agent(..)) | None => {}
+            }
+        }
+    }
     for (agent, replies) in agents {
         if agent.push_all(replies) {
             agent.notify();
         }
     }
+}
+
+/// `Done` to one call of another agent than the record's.
+fn released_to(sub: u64, id: u64) -> AgentReplies {
+    let mut replies = AgentReplies::with_room(1);
+    replies.push(sub, id, Ok(Response::Done));
+    replies
 }
 
 #[cfg(test)]

@@ -5,7 +5,7 @@
 //! generation's member set; a caller that disagrees fails the generation for all.
 //! A generation that failed is remembered, so a late arrival gets the same error.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 use super::HashMap;
 use std::num::NonZeroU64;
@@ -39,6 +39,62 @@ pub(crate) struct Call {
     pub value: Bytes,
     pub root: Option<u32>,
     pub timeout_ms: Option<u64>,
+    /// A barrier call of a node agent's run (see `Engine::handle_calls_from`): held in
+    /// the generation's record of its link, not as a waiter of its own.
+    pub held: Option<Held>,
+}
+
+/// Where a node agent's calls came from (see `Engine::handle_calls_from`), opaque to
+/// the engine: the I/O layer's number for the agent's connection, and its count of
+/// sessions that moved off that connection when the calls came, so that it can tell
+/// whether a record's routes still hold when the record is released.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Link {
+    pub id: u64,
+    pub stamp: u64,
+}
+
+/// How a call is held in a record: its link, its route there (the I/O layer's, e.g.
+/// the agent's sub-session), and room to reserve for the rest of its run.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Held {
+    pub link: Link,
+    pub route: u64,
+    pub room: usize,
+}
+
+/// Barrier calls of one node agent that waited in one generation, held together:
+/// the generation keeps one record where it would keep a waiter per call, and its
+/// release is the record, answered `Done` as a whole (`Engine::drain_records`)
+/// rather than a reply per call. Any other end of a call (its generation failing,
+/// its session's own error) is a reply to that call alone.
+#[derive(Debug)]
+pub struct Record {
+    pub link: Link,
+    /// `(route, request id)` of each call, as the I/O layer gave them.
+    pub calls: Vec<(u64, u64)>,
+    /// The session of each call, in the same order.
+    pub sessions: Vec<SessionId>,
+}
+
+impl Record {
+    fn with_room(link: Link, room: usize) -> Record {
+        Record { link, calls: Vec::with_capacity(room), sessions: Vec::with_capacity(room) }
+    }
+
+    /// `(session, request id)` of each call.
+    fn waiters(&self) -> impl Iterator<Item = (SessionId, u64)> + '_ {
+        self.sessions.iter().zip(&self.calls).map(|(&session, &(_, id))| (session, id))
+    }
+}
+
+/// What became of a call held in a record (see [`Collectives::held_calls`]).
+#[derive(Debug, Clone)]
+pub(crate) enum HeldCall {
+    /// Waiting in generation `generation` of the collective at `at`.
+    Waiting { at: u32, generation: u64 },
+    /// Its generation ended so.
+    Ended(Result<(), OpError>),
 }
 
 /// Where replies and deadlines of this step go.
@@ -56,6 +112,8 @@ pub(crate) struct Ctx<'a> {
     /// Every reply in `out` has been kept in its session's replies, but releases
     /// (module `resume`): a kept barrier call may be read from its generation.
     pub settled: bool,
+    /// Records released (see [`Record`]).
+    pub records: &'a mut Vec<Arc<Record>>,
 }
 
 impl Ctx<'_> {
@@ -82,6 +140,8 @@ struct Generation {
     arrivals: Arrivals,
     /// Sessions waiting for the release, with their request ids.
     waiters: Vec<(SessionId, u64)>,
+    /// Node agents' calls waiting for the release, a record per run of one agent.
+    records: Vec<Record>,
     started: Millis,
     deadline: Option<Millis>,
     /// Broadcast only: the root's value has been handed out.
@@ -97,6 +157,32 @@ struct Collective {
     calls: Calls,
     pending: BTreeMap<u64, Generation>,
     failed: BTreeMap<u64, OpError>,
+    /// The records of its latest generations with records that ended, and how each
+    /// ended, oldest first: a session resumed after a cut learns from them what became
+    /// of its calls (see `Engine::keep_held_calls`).
+    ended: VecDeque<Ended>,
+}
+
+/// Generations whose records a collective keeps once they ended: as many calls of
+/// one rank as a client may have sent ahead of the replies it read.
+const ENDED_KEPT: usize = 4;
+
+/// Records of a generation that ended (see [`Collective::ended`]).
+#[derive(Debug)]
+struct Ended {
+    /// When it ended, in the job's count of ended generations: the oldest go first.
+    seq: u64,
+    outcome: Result<(), OpError>,
+    records: Vec<Arc<Record>>,
+    calls: usize,
+}
+
+/// The job's count of the calls the collectives' ended records hold, bounded
+/// (see [`Collectives::trim_ended`]).
+#[derive(Debug, Default)]
+struct EndedBook {
+    calls: usize,
+    seq: u64,
 }
 
 /// How many times each rank called a collective: its next call's generation.
@@ -141,6 +227,7 @@ pub(crate) struct Collectives {
     all: Vec<Collective>,
     failed_kept: usize,
     max_gather_bytes: usize,
+    ended: EndedBook,
     /// Per kind (see [`counted`]): what `rallypoint_*_total` and the wait histogram show.
     pub counters: [OpCounters; 3],
 }
@@ -169,6 +256,7 @@ impl Collectives {
             all: Vec::new(),
             failed_kept: failed_kept.max(1),
             max_gather_bytes,
+            ended: EndedBook::default(),
             counters: Default::default(),
         }
     }
@@ -182,7 +270,7 @@ impl Collectives {
         let at = self.all.len();
         let calls = Calls::default();
         let (pending, failed) = (BTreeMap::new(), BTreeMap::new());
-        self.all.push(Collective { kind, name: name.to_owned(), calls, pending, failed });
+        self.all.push(Collective { kind, name: name.to_owned(), calls, pending, failed, ended: VecDeque::new() });
         by_name.insert(name.to_owned(), at);
         CollectiveAt(at)
     }
@@ -227,7 +315,7 @@ impl Collectives {
                         theirs: Box::new(generation.shape.clone()),
                     };
                     ctx.reply(caller, Err(error.clone()));
-                    coll.fail(number, error, failed_kept, ctx);
+                    coll.fail(number, error, failed_kept, &mut self.ended, ctx);
                     return None;
                 }
                 generation
@@ -253,6 +341,7 @@ impl Collectives {
                     members,
                     arrivals,
                     waiters: Vec::new(),
+                    records: Vec::new(),
                     started: ctx.now,
                     deadline: None,
                     released: false,
@@ -269,7 +358,7 @@ impl Collectives {
                 limit: self.max_gather_bytes as u64,
             };
             ctx.reply(caller, Err(error.clone()));
-            coll.fail(number, error, failed_kept, ctx);
+            coll.fail(number, error, failed_kept, &mut self.ended, ctx);
             return None;
         }
         generation.arrivals.insert(call.rank, std::mem::take(&mut call.value));
@@ -282,7 +371,10 @@ impl Collectives {
                 generation.waiters.push(caller);
             }
         } else {
-            generation.waiters.push(caller);
+            match call.held {
+                Some(held) if kind == CollectiveKind::Barrier => generation.hold(held, caller),
+                _ => generation.waiters.push(caller),
+            }
         }
         if let Some(timeout) = call.timeout_ms {
             let deadline = ctx.now.saturating_add(timeout);
@@ -300,9 +392,22 @@ impl Collectives {
             }
         }
         if complete || kind == CollectiveKind::Broadcast {
-            coll.progress(kind, number, counters, ctx);
+            coll.progress(kind, number, counters, &mut self.ended, ctx);
+            self.trim_ended(ranks);
         }
         (kind == CollectiveKind::Barrier).then_some(number)
+    }
+
+    /// Drops the oldest ended records (see [`Collective::ended`]) past what the job's
+    /// ranks may need: [`ENDED_KEPT`] calls per rank that ever connected, for every
+    /// collective together, so that a job calling many names holds no more.
+    fn trim_ended(&mut self, ranks: &Ranks) {
+        let limit = ENDED_KEPT.saturating_mul(ranks.ever_connected().max(1024));
+        while self.ended.calls > limit {
+            let oldest = self.all.iter_mut().filter(|c| !c.ended.is_empty()).min_by_key(|c| c.ended[0].seq);
+            let Some(dropped) = oldest.and_then(|c| c.ended.pop_front()) else { break };
+            self.ended.calls -= dropped.calls;
+        }
     }
 
     /// Whether generation `generation` of the collective at `at` (see
@@ -330,9 +435,10 @@ impl Collectives {
                 .filter_map(|(gen, g)| g.members.resolve(ranks).then_some(*gen))
                 .collect();
             for generation in unresolved {
-                coll.progress(coll.kind, generation, &mut self.counters[counted(coll.kind)], ctx);
+                coll.progress(coll.kind, generation, &mut self.counters[counted(coll.kind)], &mut self.ended, ctx);
             }
         }
+        self.trim_ended(ranks);
     }
 
     /// `rank` was lost: fail every pending generation that still needs it.
@@ -353,9 +459,10 @@ impl Collectives {
                 self.counters[counted(kind)].peer_lost += 1;
                 let op = OpRef { kind, name: coll.name.clone(), generation };
                 let error = OpError::PeerLost { op, peer: ranks.info(rank, ctx.now) };
-                coll.fail(generation, error, failed_kept, ctx);
+                coll.fail(generation, error, failed_kept, &mut self.ended, ctx);
             }
         }
+        self.trim_ended(ranks);
     }
 
     /// A collective's deadline fired: if that generation still waits, fail it for every
@@ -384,7 +491,8 @@ impl Collectives {
             members: u32::try_from(members).unwrap_or(u32::MAX),
             missing: g.missing(kind, ranks, ctx.now),
         };
-        coll.fail(generation, error, failed_kept, ctx);
+        coll.fail(generation, error, failed_kept, &mut self.ended, ctx);
+        self.trim_ended(ranks);
     }
 
     /// Every generation somebody is blocked in, by name, kind and generation.
@@ -393,7 +501,7 @@ impl Collectives {
         for coll in &self.all {
             // A broadcast released to the waiters stays pending until every member
             // came, but blocks nobody.
-            let waiting = coll.pending.iter().filter(|(_, g)| !g.waiters.is_empty());
+            let waiting = coll.pending.iter().filter(|(_, g)| g.blocks());
             blocked.extend(waiting.map(|(generation, g)| (coll.name.as_str(), coll.kind, *generation, g)));
         }
         blocked.sort_by_key(|&(name, kind, generation, _)| (name, kind.to_string(), generation));
@@ -438,15 +546,52 @@ impl Collectives {
                     ctx.reply((s, id), Err(error.clone()));
                     false
                 });
+                // Out of its record too, so that the record's release does not answer it again.
+                for record in &mut g.records {
+                    let mut i = 0;
+                    while let Some(&s) = record.sessions.get(i) {
+                        if s != session {
+                            i += 1;
+                            continue;
+                        }
+                        record.sessions.swap_remove(i);
+                        let (_, id) = record.calls.swap_remove(i);
+                        ctx.reply((s, id), Err(error.clone()));
+                    }
+                }
             }
         }
+    }
+
+    /// The calls of `session` held in records (see [`Record`]): those waiting, and those
+    /// of each collective's latest generation with records that ended. Looked for when
+    /// the session resumes, so that calls it sends again are answered as its kept
+    /// replies would answer them.
+    pub fn held_calls(&self, session: SessionId) -> Vec<(u64, HeldCall)> {
+        let mut found = Vec::new();
+        let mine =
+            |record: &Record| record.waiters().filter(|&(s, _)| s == session).map(|(_, id)| id).collect::<Vec<_>>();
+        for (at, coll) in self.all.iter().enumerate() {
+            let at = u32::try_from(at).unwrap_or(u32::MAX);
+            for (&generation, g) in &coll.pending {
+                for record in &g.records {
+                    found.extend(mine(record).into_iter().map(|id| (id, HeldCall::Waiting { at, generation })));
+                }
+            }
+            for ended in &coll.ended {
+                for record in &ended.records {
+                    found.extend(mine(record).into_iter().map(|id| (id, HeldCall::Ended(ended.outcome.clone()))));
+                }
+            }
+        }
+        found
     }
 
     /// The job was aborted: fail everything pending.
     pub fn fail_all(&mut self, error: &OpError, ctx: &mut Ctx<'_>) {
         for coll in &mut self.all {
             for (_, g) in std::mem::take(&mut coll.pending) {
-                for waiter in g.waiters {
+                for waiter in g.waiters.into_iter().chain(g.records.iter().flat_map(Record::waiters)) {
                     ctx.reply(waiter, Err(error.clone()));
                 }
             }
@@ -455,6 +600,25 @@ impl Collectives {
 }
 
 impl Generation {
+    /// Holds a call in the record of its link, the latest one if it is that link's.
+    fn hold(&mut self, held: Held, (session, request_id): (SessionId, u64)) {
+        let record = match self.records.last_mut() {
+            Some(record) if record.link == held.link => record,
+            _ => {
+                self.records.push(Record::with_room(held.link, held.room));
+                let Some(record) = self.records.last_mut() else { return };
+                record
+            }
+        };
+        record.calls.push((held.route, request_id));
+        record.sessions.push(session);
+    }
+
+    /// Whether anybody waits for its release.
+    fn blocks(&self) -> bool {
+        !self.waiters.is_empty() || !self.records.is_empty()
+    }
+
     /// Who the generation still waits for: a broadcast, only its root.
     fn missing(&self, kind: CollectiveKind, ranks: &Ranks, now: Millis) -> Missing {
         let ranges = match (kind, self.shape.root) {
@@ -468,7 +632,14 @@ impl Generation {
 
 impl Collective {
     /// Releases the generation if everyone it waits for is there.
-    fn progress(&mut self, kind: CollectiveKind, generation: u64, counters: &mut OpCounters, ctx: &mut Ctx<'_>) {
+    fn progress(
+        &mut self,
+        kind: CollectiveKind,
+        generation: u64,
+        counters: &mut OpCounters,
+        book: &mut EndedBook,
+        ctx: &mut Ctx<'_>,
+    ) {
         let Some(g) = self.pending.get_mut(&generation) else { return };
         let complete = g.members.count() == Some(g.arrivals.count());
         let waited = ctx.now.saturating_sub(g.started);
@@ -489,6 +660,11 @@ impl Collective {
                 counters.releases += 1;
                 counters.wait.observe(waited);
                 ctx.release(g.waiters.drain(..));
+                if !g.records.is_empty() {
+                    let records: Vec<Arc<Record>> = g.records.drain(..).map(Arc::new).collect();
+                    ctx.records.extend(records.iter().cloned());
+                    self.keep_ended(Ok(()), records, book);
+                }
             }
             CollectiveKind::AllGather if complete => {
                 counters.releases += 1;
@@ -508,13 +684,30 @@ impl Collective {
         }
     }
 
-    fn fail(&mut self, generation: u64, error: OpError, failed_kept: usize, ctx: &mut Ctx<'_>) {
+    fn fail(&mut self, generation: u64, error: OpError, failed_kept: usize, book: &mut EndedBook, ctx: &mut Ctx<'_>) {
         if let Some(g) = self.pending.remove(&generation) {
-            for waiter in g.waiters {
+            for waiter in g.waiters.into_iter().chain(g.records.iter().flat_map(Record::waiters)) {
                 ctx.reply(waiter, Err(error.clone()));
+            }
+            if !g.records.is_empty() {
+                let records = g.records.into_iter().map(Arc::new).collect();
+                self.keep_ended(Err(error.clone()), records, book);
             }
         }
         self.remember_failure(generation, error, failed_kept);
+    }
+
+    /// Keeps the records of a generation that ended so, with the collective's last few.
+    fn keep_ended(&mut self, outcome: Result<(), OpError>, records: Vec<Arc<Record>>, book: &mut EndedBook) {
+        let calls = records.iter().map(|r| r.calls.len()).sum();
+        book.seq += 1;
+        book.calls += calls;
+        self.ended.push_back(Ended { seq: book.seq, outcome, records, calls });
+        if self.ended.len() > ENDED_KEPT {
+            if let Some(oldest) = self.ended.pop_front() {
+                book.calls -= oldest.calls;
+            }
+        }
     }
 
     fn remember_failure(&mut self, generation: u64, error: OpError, failed_kept: usize) {

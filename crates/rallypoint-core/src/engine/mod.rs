@@ -22,9 +22,10 @@ use crate::{
     Response, SessionId, Welcome,
 };
 
+pub use collective::{Link, Record};
 pub use snapshot::JobMetrics;
 
-use collective::Ctx;
+use collective::{Ctx, Held, HeldCall};
 use job::Job;
 use resume::{Detached, Kept, Resent, Resumable};
 use step::{Caller, Keep, Step};
@@ -62,6 +63,10 @@ pub(crate) struct Session {
     /// Its rank was taken over by another process: the session no longer carries it
     /// (its identity's rank is cleared) and everything it asks fails with this.
     taken_over: Option<Box<OpError>>,
+    /// The highest request id of its calls held in records (`Keep::InRecord`), which
+    /// its kept replies do not hold: on a resume, what the records still tell of them
+    /// is kept, and a copy of an older one is not run again.
+    record_high: u64,
 }
 
 impl Session {
@@ -118,6 +123,20 @@ pub struct Engine {
     settled: usize,
     /// Where in `outgoing`, past `settled`, barriers' releases are (see `Ctx::released`).
     released: Vec<(usize, usize)>,
+    /// Records of node agents' calls released (see [`Engine::drain_records`]).
+    records: Vec<std::sync::Arc<Record>>,
+}
+
+/// What a call of [`Engine::gate`] is part of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Run {
+    /// A request on its own.
+    Alone,
+    /// A run of collective calls (see [`Engine::handle_calls`]).
+    Calls,
+    /// A node agent's run of barrier calls, held in records (see
+    /// [`Engine::handle_calls_from`]).
+    Held,
 }
 
 impl Engine {
@@ -136,6 +155,7 @@ impl Engine {
             tracked: 0,
             settled: 0,
             released: Vec::new(),
+            records: Vec::new(),
         }
     }
 
@@ -178,6 +198,7 @@ impl Engine {
             resume,
             resumed_at: None,
             taken_over: None,
+            record_high: 0,
         };
         self.sessions.insert(session, Box::new(sess));
         Ok(self.welcome(session, job_id))
@@ -277,9 +298,40 @@ impl Engine {
         }
         resume.detached = None;
         sess.resumed_at = Some(now);
-        let job = sess.job;
+        let (job, held) = (sess.job, sess.record_high > 0);
+        if held {
+            self.keep_held_calls(session, now);
+        }
         self.alive(session, now);
         Ok(self.welcome(session, job))
+    }
+
+    /// Keeps in the replies of `session`, which resumes, what the records tell of its
+    /// calls held there: waiting, or how their generation ended. Copies of them that
+    /// the client sends again are then answered as any kept request's; a copy of an
+    /// older one (its record no longer kept) is answered that its outcome is unknown
+    /// rather than run again.
+    fn keep_held_calls(&mut self, session: SessionId, now: Millis) {
+        self.settle_made();
+        let Engine { sessions, jobs, config, tracked, .. } = self;
+        let Some(sess) = sessions.get_mut(&session) else { return };
+        let (job, rank, high) = (sess.job, sess.identity.rank, sess.record_high);
+        let Some(resume) = sess.resume.as_deref_mut() else { return };
+        let Some(collectives) = jobs.get(&job).map(|j| &j.collectives) else { return };
+        let pending = |at, generation| collectives.is_pending(at, generation, rank);
+        let limits = &config.reply_cache;
+        for (id, call) in collectives.held_calls(session) {
+            track(tracked, &mut resume.kept, |kept| match call {
+                HeldCall::Waiting { at, generation } => {
+                    kept.arrived_called(id, (at, generation), now, limits, &pending)
+                }
+                HeldCall::Ended(outcome) => {
+                    kept.arrived(id, now, limits, &pending);
+                    kept.answered(id, &outcome.map(|()| Response::Done), now, limits);
+                }
+            });
+        }
+        resume.kept.unknown_up_to(high);
     }
 
     /// Lends job `id` with the rest of the engine's state to one step of it: the one
@@ -288,7 +340,8 @@ impl Engine {
         let job = self.jobs.get_mut(&id)?;
         let settled = self.settled == self.outgoing.len();
         let (out, timers, tracked) = (&mut self.outgoing, &mut self.timers, &mut self.tracked);
-        let ctx = Ctx { job: id, now, out, timers, tracked, released: &mut self.released, settled };
+        let (released, records) = (&mut self.released, &mut self.records);
+        let ctx = Ctx { job: id, now, out, timers, tracked, released, settled, records };
         Some(Step::new(job, ctx, &mut self.sessions, &self.config, &mut self.notices))
     }
 
@@ -382,7 +435,7 @@ impl Engine {
         if let Some(rank) = self.revealed_rank(session, &request) {
             self.attribute(session, rank, now);
         }
-        let Some((caller, _)) = self.gate(session, request_id, &request, now, false) else { return };
+        let Some((caller, _)) = self.gate(session, request_id, &request, now, Run::Alone) else { return };
         if let Request::Reset { incarnation } = request {
             let reply = self.reset(session, incarnation, now);
             return self.outgoing.push(Outgoing::new(session, request_id, reply));
@@ -407,15 +460,15 @@ impl Engine {
     /// from what was kept (or waits on as before), and a session taken over gets its
     /// error. The caller and its job if the request runs; None if it was answered
     /// here, or its session is unknown.
-    /// `in_run`: a call of a run of collective calls (see [`Engine::handle_calls`]),
-    /// which may be kept when it arrives rather than here.
+    /// `run`: what the call is part of; a call of a run may be kept when it arrives
+    /// rather than here, and one held in a record is kept there.
     fn gate(
         &mut self,
         session: SessionId,
         request_id: u64,
         request: &Request,
         now: Millis,
-        in_run: bool,
+        run: Run,
     ) -> Option<(Caller, JobId)> {
         self.settle_made();
         let Engine { sessions, jobs, config, outgoing, tracked, .. } = self;
@@ -458,8 +511,9 @@ impl Engine {
                 }
             }
             // Outside a resend window nothing asks for the request before it runs.
-            keep = match (changes_state, in_run && !may_be_resent) {
+            keep = match (changes_state, run == Run::Calls && !may_be_resent) {
                 (false, _) => Keep::No,
+                _ if run == Run::Held => Keep::InRecord,
                 (true, true) => Keep::OnArrival,
                 (true, false) => {
                     track(tracked, &mut resume.kept, |kept| kept.arrived(request_id, now, limits, &pending));
@@ -481,6 +535,35 @@ impl Engine {
     /// done once per run of calls of one job. Any other request is handled one call
     /// at a time.
     pub fn handle_calls(&mut self, calls: &[(SessionId, u64)], request: &Request, now: Millis) {
+        self.run_of_calls(calls, None, request, now);
+    }
+
+    /// [`Engine::handle_calls`] for a node agent's run of calls, which came from
+    /// `link`, `routes[i]` being where the reply to `calls[i]` goes there. The calls
+    /// of a barrier that wait are held in a record of the link (see [`Record`])
+    /// instead of each as a waiter of its own: its release is that record, in
+    /// [`Engine::drain_records`], not a reply per call in [`Engine::drain_outgoing`].
+    /// Every other reply (a call's failure, a session's own error) is one per call,
+    /// as for [`Engine::handle_calls`].
+    pub fn handle_calls_from(
+        &mut self,
+        link: Link,
+        calls: &[(SessionId, u64)],
+        routes: &[u64],
+        request: &Request,
+        now: Millis,
+    ) {
+        let held = matches!(request, Request::Barrier { .. }) && routes.len() == calls.len();
+        self.run_of_calls(calls, held.then_some((link, routes)), request, now);
+    }
+
+    fn run_of_calls(
+        &mut self,
+        calls: &[(SessionId, u64)],
+        from: Option<(Link, &[u64])>,
+        request: &Request,
+        now: Millis,
+    ) {
         if !request.is_collective() {
             for &(session, request_id) in calls {
                 self.handle(session, request_id, request.clone(), now);
@@ -488,10 +571,15 @@ impl Engine {
             return;
         }
         self.now = now;
+        let run = if from.is_some() { Run::Held } else { Run::Calls };
         let mut callers = Vec::with_capacity(calls.len());
         let mut job = None;
-        for &(session, request_id) in calls {
-            let Some((caller, of)) = self.gate(session, request_id, request, now, true) else { continue };
+        for (i, &(session, request_id)) in calls.iter().enumerate() {
+            let Some((mut caller, of)) = self.gate(session, request_id, request, now, run) else { continue };
+            if let Some((link, routes)) = from {
+                let route = routes.get(i).copied().unwrap_or_default();
+                caller.held = Some(Held { link, route, room: calls.len() - i });
+            }
             if job != Some(of) {
                 if let Some(job) = job {
                     self.run_calls(job, &mut callers, request, now);
@@ -699,6 +787,14 @@ impl Engine {
     /// Earliest time at which `tick` may have something to do.
     pub fn next_deadline(&self) -> Option<Millis> {
         self.timers.next_deadline()
+    }
+
+    /// Records of node agents' calls released so far (see
+    /// [`Engine::handle_calls_from`]): `Done` to every call of each. Drained after
+    /// [`Engine::drain_outgoing`], whose replies to calls of a record (made when one
+    /// of its sessions failed alone) come first.
+    pub fn drain_records(&mut self) -> std::vec::Drain<'_, std::sync::Arc<Record>> {
+        self.records.drain(..)
     }
 
     /// Replies produced so far, in the order they were produced.

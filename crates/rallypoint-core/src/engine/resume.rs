@@ -20,6 +20,13 @@
 //! far has been kept (the engine keeps them first), and never while replies are
 //! being kept. Until read, it is kept as a waiting request is: not dropped by age.
 //!
+//! A node agent's barrier calls held in a record (`collective::Record`) are not kept
+//! here at all: their generation keeps them, and a collective keeps the records of
+//! its last few generations that ended. The session notes only the highest such
+//! request; when it resumes, what the records still tell of its calls is kept here
+//! (`Engine::keep_held_calls`), and a copy of an older one is answered as a reply
+//! no longer kept would be.
+//!
 //! The kept replies are bounded ([`crate::ReplyCache`]: count, age, bytes of values)
 //! and dropped oldest first. A re-sent request that changes something, whose reply is
 //! not kept but whose id is not above the highest id dropped, may have run: it is
@@ -384,6 +391,12 @@ impl Kept {
             return unknown();
         }
         Resent::Run
+    }
+
+    /// Requests up to `id` whose replies are not kept here are not to be run again
+    /// when sent again (they were held in records, see `Engine::keep_held_calls`).
+    pub fn unknown_up_to(&mut self, id: u64) {
+        self.max_evicted = self.max_evicted.max(id);
     }
 
     /// Requests waiting here for their reply or for their generation to be read:

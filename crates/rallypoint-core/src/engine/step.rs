@@ -15,7 +15,7 @@ use crate::counters;
 use crate::error::Secs;
 use crate::ranges::{runs, split};
 
-use super::collective::{Call, CollectiveAt, Ctx};
+use super::collective::{Call, CollectiveAt, Ctx, Held};
 use super::job::{send_key_replies, Job};
 use super::store::{WaitId, WaitKind};
 use super::timers::{CollectiveDeadline, Timer};
@@ -43,6 +43,9 @@ pub(crate) struct Caller {
     pub torch: bool,
     /// How the request is kept in the session's replies (module `resume`).
     pub keep: Keep,
+    /// A barrier call of a node agent's run, held in its link's record (see
+    /// `collective::Record`).
+    pub held: Option<Held>,
 }
 
 /// How a caller's request is kept in its session's replies (module `resume`).
@@ -56,13 +59,18 @@ pub(crate) enum Keep {
     /// session's replies are then touched once, not at its gate and again when it
     /// waits.
     OnArrival,
+    /// A call held in a record (see `collective::Record`): kept there, not in the
+    /// session's replies, unless it is answered as it arrives (then as
+    /// [`Keep::OnArrival`]). The session only notes the highest such request, so
+    /// that a copy of one that nothing kept any more is not run again.
+    InRecord,
 }
 
 impl Caller {
     /// Request `request_id` of session `id`, which is `session`.
     pub fn of(id: SessionId, session: &Session, request_id: u64) -> Caller {
         let (rank, world_size) = (session.identity.rank, session.identity.world_size);
-        Caller { session: id, request_id, rank, world_size, torch: session.torch, keep: Keep::No }
+        Caller { session: id, request_id, rank, world_size, torch: session.torch, keep: Keep::No, held: None }
     }
 
     fn wait_id(&self) -> WaitId {
@@ -512,7 +520,8 @@ impl<'a> Step<'a> {
             },
         };
         let (session, request_id) = caller.wait_id();
-        let mut call = Call { session, request_id, rank, world_size, members, value, root, timeout_ms };
+        let held = caller.held;
+        let mut call = Call { session, request_id, rank, world_size, members, value, root, timeout_ms, held };
         let at = *at.get_or_insert_with(|| self.job.collectives.find(kind, name));
         let waits = self.job.collectives.arrive(at, &mut call, &self.job.ranks, &mut self.ctx);
         self.keep(caller, waits.map(|generation| (at, generation)));
@@ -527,9 +536,12 @@ impl<'a> Step<'a> {
         if caller.keep == Keep::No || (caller.keep == Keep::Waiting && waits.is_none()) {
             return;
         }
-        let Some(resume) = self.sessions.get_mut(&caller.session).and_then(|s| s.resume.as_deref_mut()) else {
+        let Some(sess) = self.sessions.get_mut(&caller.session) else { return };
+        if caller.keep == Keep::InRecord && waits.is_some() {
+            sess.record_high = sess.record_high.max(caller.request_id);
             return;
-        };
+        }
+        let Some(resume) = sess.resume.as_deref_mut() else { return };
         let (collectives, settled, now, rank) = (&self.job.collectives, self.ctx.settled, self.ctx.now, caller.rank);
         let pending = |at, generation| !settled || collectives.is_pending(at, generation, rank);
         let (id, limits) = (caller.request_id, &self.config.reply_cache);
@@ -537,7 +549,7 @@ impl<'a> Step<'a> {
             (Keep::OnArrival, Some((at, generation))) => {
                 kept.arrived_called(id, (at.index(), generation), now, limits, &pending)
             }
-            (Keep::OnArrival, None) => kept.arrived(id, now, limits, &pending),
+            (Keep::OnArrival | Keep::InRecord, None) => kept.arrived(id, now, limits, &pending),
             (_, Some((at, generation))) => kept.called(id, at.index(), generation),
             (_, None) => {}
         });
@@ -554,8 +566,8 @@ impl<'a> Step<'a> {
         let (Some(rank), Some(world_size)) = (caller.rank, caller.world_size) else {
             return no_rank(*kind, name);
         };
-        (call.session, call.request_id, call.rank, call.world_size) =
-            (caller.session, caller.request_id, rank, world_size);
+        (call.session, call.request_id, call.rank, call.world_size, call.held) =
+            (caller.session, caller.request_id, rank, world_size, caller.held);
         call.value = value.clone();
         let at = *at.get_or_insert_with(|| self.job.collectives.find(*kind, name));
         let waits = self.job.collectives.arrive(at, call, &self.job.ranks, &mut self.ctx);
@@ -595,6 +607,7 @@ impl<'r> WorldCall<'r> {
             value: Bytes::new(),
             root: None,
             timeout_ms: *timeout_ms,
+            held: None,
         };
         Some(WorldCall { kind, name, value, call })
     }

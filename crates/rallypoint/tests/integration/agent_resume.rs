@@ -27,7 +27,7 @@ use crate::agents::{connect_via, maps_a_barrier_channel, start_agent, RawAgent, 
 use crate::common::{bounded, connect, rank, start_server_with};
 
 /// A grace long enough that a resume is never late on a loaded machine.
-fn long_grace() -> Config {
+pub(crate) fn long_grace() -> Config {
     Config { reconnect_grace_ms: 60_000, lease_ms: 60_000, ..Config::default() }
 }
 
@@ -81,7 +81,7 @@ fn socket_path(agent: &rallypoint::agent::AgentHandle) -> PathBuf {
 }
 
 /// Polls `client`'s status until `wanted` holds of it (bounded in count).
-async fn wait_for_status(client: &Client, what: &str, wanted: impl Fn(&str) -> bool) {
+pub(crate) async fn wait_for_status(client: &Client, what: &str, wanted: impl Fn(&str) -> bool) {
     let mut last = String::new();
     for _ in 0..1_000 {
         last = bounded("status", client.status()).await.expect("status");
@@ -183,7 +183,7 @@ async fn a_rank_cut_from_its_agent_resumes_through_it_mid_barrier() {
 
 /// Rank 0 of `job` as a raw agent states it: a made-up host and pid (the coordinator
 /// cannot see that process, so a drop is a cut, not a death) and an incarnation.
-fn raw_rank(job: &str, r: u32, world: u32) -> Identity {
+pub(crate) fn raw_rank(job: &str, r: u32, world: u32) -> Identity {
     Identity { incarnation: Some(0x5eed_0000 + u64::from(r)), ..rank(job, r, world) }
 }
 
@@ -204,7 +204,7 @@ fn barrier_request() -> Request {
 }
 
 /// The session a SubWelcome for `sub` names.
-async fn welcomed(agent: &mut RawAgent, sub: u64) -> SessionId {
+pub(crate) async fn welcomed(agent: &mut RawAgent, sub: u64) -> SessionId {
     match agent.next().await {
         RootFrame::SubWelcome { sub: welcomed, welcome } if welcomed == sub => welcome.session,
         other => panic!("expected a welcome for sub-session {sub}, got {other:?}"),
@@ -293,14 +293,14 @@ async fn a_sub_session_resumed_on_its_agent_keeps_its_rank_whatever_the_order() 
 
 /// A rank's own connection to the coordinator, speaking the protocol by hand (the
 /// client library resumes only the sessions it opened itself).
-struct RawRank {
+pub(crate) struct RawRank {
     stream: tokio::net::TcpStream,
     rbuf: BytesMut,
 }
 
 impl RawRank {
     /// Says hello as `identity`; returns the connection and its welcome's session.
-    async fn hello(server: &ServerHandle, identity: Identity) -> (RawRank, SessionId) {
+    pub(crate) async fn hello(server: &ServerHandle, identity: Identity) -> (RawRank, SessionId) {
         let stream = tokio::net::TcpStream::connect(server.local_addr()).await.expect("connect to the coordinator");
         let mut rank = RawRank { stream, rbuf: BytesMut::new() };
         let mut out = BytesMut::new();
@@ -313,7 +313,7 @@ impl RawRank {
         }
     }
 
-    async fn request(&mut self, id: u64, request: Request) {
+    pub(crate) async fn request(&mut self, id: u64, request: Request) {
         let mut out = BytesMut::new();
         encode_client_frame(&ClientFrame::Request { id, request }, &mut out);
         self.write(&out).await;
@@ -335,7 +335,7 @@ impl RawRank {
     }
 
     /// The next frame is the reply `Done` to request `id`.
-    async fn done(&mut self, id: u64) {
+    pub(crate) async fn done(&mut self, id: u64) {
         match self.next().await {
             ServerFrame::Reply { id: i, reply: Ok(Response::Done) } if i == id => {}
             other => panic!("expected Done for request {id}, got {other:?}"),

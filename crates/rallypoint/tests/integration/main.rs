@@ -10,6 +10,7 @@ mod auth;
 mod blocking;
 mod collectives;
 mod connect;
+mod held_records;
 mod kv;
 mod malformed;
 mod memory;
