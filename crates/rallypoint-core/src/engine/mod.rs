@@ -44,6 +44,43 @@ pub(crate) type HashMap<K, V> = std::collections::HashMap<K, V, foldhash::fast::
 /// thousands of idle sessions.
 pub(crate) type Sessions = crate::SessionTable<Box<Session>>;
 
+/// What a node agent's run of barrier calls reads of each of its sessions (see
+/// [`Engine::gate_held`]), kept by slot beside the sessions: at every round of a
+/// large job each session's box is cold, and a call that touches none costs a cache
+/// miss less. Made at a session's first held call (sessions of direct connections
+/// have none), and changed wherever the session changes what it copies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Hot {
+    job: JobId,
+    resumed_at: Option<Millis>,
+    /// The highest request id of its calls held in records (`Keep::InRecord`), which
+    /// its kept replies do not hold: on a resume, what the records still tell of them
+    /// is kept, and a copy of an older one is not run again.
+    record_high: u64,
+    rank: Option<u32>,
+    world_size: Option<u32>,
+    torch: bool,
+    resumable: bool,
+    taken_over: bool,
+}
+
+impl Hot {
+    fn of(session: &Session, record_high: u64) -> Hot {
+        Hot {
+            job: session.job,
+            resumed_at: session.resumed_at,
+            record_high,
+            rank: session.identity.rank,
+            world_size: session.identity.world_size,
+            torch: session.torch,
+            resumable: session.resume.is_some(),
+            taken_over: session.taken_over.is_some(),
+        }
+    }
+}
+
+pub(crate) type Hots = crate::SessionTable<Hot>;
+
 #[derive(Debug)]
 pub(crate) struct Session {
     job: JobId,
@@ -63,10 +100,6 @@ pub(crate) struct Session {
     /// Its rank was taken over by another process: the session no longer carries it
     /// (its identity's rank is cleared) and everything it asks fails with this.
     taken_over: Option<Box<OpError>>,
-    /// The highest request id of its calls held in records (`Keep::InRecord`), which
-    /// its kept replies do not hold: on a resume, what the records still tell of them
-    /// is kept, and a copy of an older one is not run again.
-    record_high: u64,
 }
 
 impl Session {
@@ -106,6 +139,8 @@ pub struct Engine {
     job_ids: HashMap<String, JobId>,
     next_job: JobId,
     sessions: Sessions,
+    /// What held runs read of their sessions (see [`Hot`]).
+    hot: Hots,
     /// Open torch sessions by process (job, host, pid ≠ 0): torch opens several
     /// connections per process, and a rank learned on one belongs to all of them.
     torch_processes: HashMap<(JobId, String, u32), TorchProcess>,
@@ -147,6 +182,7 @@ impl Engine {
             job_ids: HashMap::default(),
             next_job: 1,
             sessions: Sessions::default(),
+            hot: Hots::default(),
             torch_processes: HashMap::default(),
             timers: Timers::default(),
             outgoing: Vec::new(),
@@ -198,7 +234,6 @@ impl Engine {
             resume,
             resumed_at: None,
             taken_over: None,
-            record_high: 0,
         };
         self.sessions.insert(session, Box::new(sess));
         Ok(self.welcome(session, job_id))
@@ -242,6 +277,9 @@ impl Engine {
             let error = OpError::TakenOver { rank, by: Box::new(by.clone()), at_unix_ms, this };
             sess.identity.rank = None;
             sess.taken_over = Some(Box::new(error.clone()));
+            if let Some(hot) = step.hot.get_mut(&session) {
+                (hot.rank, hot.taken_over) = (None, true);
+            }
             step.job.fail_session(session, &error, &mut step.ctx);
         }
     }
@@ -298,9 +336,12 @@ impl Engine {
         }
         resume.detached = None;
         sess.resumed_at = Some(now);
-        let (job, held) = (sess.job, sess.record_high > 0);
-        if held {
-            self.keep_held_calls(session, now);
+        let job = sess.job;
+        if let Some(hot) = self.hot.get_mut(&session) {
+            hot.resumed_at = Some(now);
+            if hot.record_high > 0 {
+                self.keep_held_calls(session, now);
+            }
         }
         self.alive(session, now);
         Ok(self.welcome(session, job))
@@ -313,9 +354,10 @@ impl Engine {
     /// rather than run again.
     fn keep_held_calls(&mut self, session: SessionId, now: Millis) {
         self.settle_made();
-        let Engine { sessions, jobs, config, tracked, .. } = self;
+        let Engine { sessions, jobs, config, tracked, hot, .. } = self;
+        let high = hot.get(&session).map_or(0, |h| h.record_high);
         let Some(sess) = sessions.get_mut(&session) else { return };
-        let (job, rank, high) = (sess.job, sess.identity.rank, sess.record_high);
+        let (job, rank) = (sess.job, sess.identity.rank);
         let Some(resume) = sess.resume.as_deref_mut() else { return };
         let Some(collectives) = jobs.get(&job).map(|j| &j.collectives) else { return };
         let pending = |at, generation| collectives.is_pending(at, generation, rank);
@@ -342,7 +384,7 @@ impl Engine {
         let (out, timers, tracked) = (&mut self.outgoing, &mut self.timers, &mut self.tracked);
         let (released, records) = (&mut self.released, &mut self.records);
         let ctx = Ctx { job: id, now, out, timers, tracked, released, settled, records };
-        Some(Step::new(job, ctx, &mut self.sessions, &self.config, &mut self.notices))
+        Some(Step::new(job, ctx, &mut self.sessions, &mut self.hot, &self.config, &mut self.notices))
     }
 
     /// Admits a PyTorch TCPStore connection of process `pid` on `host`: a session
@@ -395,6 +437,9 @@ impl Engine {
                 continue;
             }
             s.identity.rank = Some(rank);
+            if let Some(hot) = step.hot.get_mut(&id) {
+                hot.rank = Some(rank);
+            }
             step.connect(rank, &host, pid, None, 0, None);
         }
     }
@@ -471,8 +516,16 @@ impl Engine {
         run: Run,
     ) -> Option<(Caller, JobId)> {
         self.settle_made();
-        let Engine { sessions, jobs, config, outgoing, tracked, .. } = self;
+        if run == Run::Held {
+            if let Some(gated) = self.gate_held(session, request_id, request, now) {
+                return Some(gated);
+            }
+        }
+        let Engine { sessions, jobs, config, outgoing, tracked, hot, .. } = self;
         let sess = sessions.get_mut(&session)?;
+        if run == Run::Held && hot.get(&session).is_none() {
+            hot.insert(session, Hot::of(sess, 0));
+        }
         let (job, rank) = (sess.job, sess.identity.rank);
         let mut keep = Keep::No;
         let limits = &config.reply_cache;
@@ -513,7 +566,12 @@ impl Engine {
             // Outside a resend window nothing asks for the request before it runs.
             keep = match (changes_state, run == Run::Calls && !may_be_resent) {
                 (false, _) => Keep::No,
-                _ if run == Run::Held => Keep::InRecord,
+                _ if run == Run::Held => {
+                    if let Some(hot) = hot.get_mut(&session) {
+                        hot.record_high = hot.record_high.max(request_id);
+                    }
+                    Keep::InRecord
+                }
                 (true, true) => Keep::OnArrival,
                 (true, false) => {
                     track(tracked, &mut resume.kept, |kept| kept.arrived(request_id, now, limits, &pending));
@@ -524,6 +582,39 @@ impl Engine {
         let mut caller = Caller::of(session, sess, request_id);
         caller.keep = keep;
         Some((caller, job))
+    }
+
+    /// [`Engine::gate`] of a call of a held run from what [`Hot`] holds of its session,
+    /// touching nothing else of it: when nothing waits to be checked before the call
+    /// runs (its session is not in a resend window, nor taken over), the caller.
+    /// `None`: the full gate decides.
+    #[inline]
+    fn gate_held(
+        &mut self,
+        session: SessionId,
+        request_id: u64,
+        request: &Request,
+        now: Millis,
+    ) -> Option<(Caller, JobId)> {
+        let hot = self.hot.get_mut(&session)?;
+        #[cfg(debug_assertions)]
+        if let Some(sess) = self.sessions.get(&session) {
+            assert_eq!(*hot, Hot::of(sess, hot.record_high), "a hot copy of {session} out of step");
+        }
+        if hot.taken_over || (hot.resumable && resume::may_be_resent(hot.resumed_at, now, &self.config.reply_cache)) {
+            return None;
+        }
+        let keep = match hot.resumable && request.changes_state() {
+            true => {
+                // Noted before it runs: a call answered as it arrives is kept in the
+                // session's replies anyway, where a copy of it finds its reply first.
+                hot.record_high = hot.record_high.max(request_id);
+                Keep::InRecord
+            }
+            false => Keep::No,
+        };
+        let (rank, world_size, torch) = (hot.rank, hot.world_size, hot.torch);
+        Some((Caller { session, request_id, rank, world_size, torch, keep, held: None }, hot.job))
     }
 
     /// The same collective call (a barrier, all-gather or broadcast request) made by
@@ -710,6 +801,7 @@ impl Engine {
     fn finish(&mut self, session: SessionId, now: Millis) {
         self.settle_made();
         let Some(sess) = self.sessions.remove(&session) else { return };
+        self.hot.remove(&session);
         if let Some(resume) = &sess.resume {
             self.tracked = self.tracked.saturating_sub(resume.kept.waiting());
         }

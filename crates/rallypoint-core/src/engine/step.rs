@@ -19,7 +19,7 @@ use super::collective::{Call, CollectiveAt, Ctx, Held};
 use super::job::{send_key_replies, Job};
 use super::store::{WaitId, WaitKind};
 use super::timers::{CollectiveDeadline, Timer};
-use super::{resume, torch, validate, Session, Sessions};
+use super::{resume, torch, validate, Hots, Session, Sessions};
 
 /// A job and everything a change of it may touch, borrowed apart from the engine.
 pub(crate) struct Step<'a> {
@@ -27,6 +27,8 @@ pub(crate) struct Step<'a> {
     /// Where the job's replies and timers go, and the time.
     pub ctx: Ctx<'a>,
     pub sessions: &'a mut Sessions,
+    /// What held runs read of their sessions (see `engine::Hot`).
+    pub hot: &'a mut Hots,
     pub config: &'a Config,
     pub notices: &'a mut Vec<String>,
     /// Key waits a request completed, answered before its own reply.
@@ -93,10 +95,11 @@ impl<'a> Step<'a> {
         job: &'a mut Job,
         ctx: Ctx<'a>,
         sessions: &'a mut Sessions,
+        hot: &'a mut Hots,
         config: &'a Config,
         notices: &'a mut Vec<String>,
     ) -> Self {
-        Step { job, ctx, sessions, config, notices, woken: Vec::new() }
+        Step { job, ctx, sessions, hot, config, notices, woken: Vec::new() }
     }
 
     /// Session `id` of the job opened with `identity`.
@@ -536,11 +539,11 @@ impl<'a> Step<'a> {
         if caller.keep == Keep::No || (caller.keep == Keep::Waiting && waits.is_none()) {
             return;
         }
-        let Some(sess) = self.sessions.get_mut(&caller.session) else { return };
+        // Held in its record, which its gate noted (`Engine::gate_held`).
         if caller.keep == Keep::InRecord && waits.is_some() {
-            sess.record_high = sess.record_high.max(caller.request_id);
             return;
         }
+        let Some(sess) = self.sessions.get_mut(&caller.session) else { return };
         let Some(resume) = sess.resume.as_deref_mut() else { return };
         let (collectives, settled, now, rank) = (&self.job.collectives, self.ctx.settled, self.ctx.now, caller.rank);
         let pending = |at, generation| !settled || collectives.is_pending(at, generation, rank);
