@@ -202,6 +202,25 @@ impl Calls {
         }
         count.get()
     }
+
+    /// The count of a rank that called before, to take its next call's generation
+    /// from and count it in one look (`None`: it never called).
+    fn of_known(&mut self, rank: u32) -> Option<&mut NonZeroU64> {
+        self.0.get_mut(rank)
+    }
+}
+
+/// A gated call of a node agent's held run of a whole-job barrier (see
+/// [`Collectives::hold_world`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct RunCall {
+    pub session: SessionId,
+    pub request_id: u64,
+    pub rank: u32,
+    pub world_size: u32,
+    pub torch: bool,
+    /// Where its reply goes on its link (see [`Held::route`]).
+    pub route: u64,
 }
 
 /// Where a collective is in [`Collectives::all`]: found once for a node agent's
@@ -396,6 +415,79 @@ impl Collectives {
             self.trim_ended(ranks);
         }
         (kind == CollectiveKind::Barrier).then_some(number)
+    }
+
+    /// The calls of a node agent's held run of the whole-job barrier at `at`, from
+    /// `from` on, for as long as each joins a generation that already waits with the
+    /// shape the call has: each is touched, counted, and held in its link's record,
+    /// as [`Collectives::arrive`] would, with nothing built or checked per call that
+    /// the run shares. Stops after a call that completes its generation (released
+    /// then) and before a call it does not take, whose index it returns (the caller
+    /// runs that one through `arrive`); the run's length at its end.
+    #[allow(clippy::too_many_arguments)]
+    pub fn hold_world(
+        &mut self,
+        CollectiveAt(at): CollectiveAt,
+        calls: &[RunCall],
+        from: usize,
+        (link, timeout_ms): (Link, Option<u64>),
+        ranks: &mut Ranks,
+        lease_ms: u64,
+        ctx: &mut Ctx<'_>,
+    ) -> usize {
+        let Some(coll) = self.all.get_mut(at) else { return from };
+        let counters = &mut self.counters[counted(CollectiveKind::Barrier)];
+        let (mut i, mut completed, mut deadline_seen) = (from, None, None);
+        let Collective { kind, calls: counts, pending, failed, name, .. } = coll;
+        if *kind != CollectiveKind::Barrier {
+            return from;
+        }
+        while let Some(c) = calls.get(i) {
+            // A rank's first call makes its count: `arrive` does that.
+            let Some(count) = counts.of_known(c.rank) else { break };
+            let number = count.get().saturating_add(1);
+            if !failed.is_empty() && failed.contains_key(&number) {
+                break;
+            }
+            let Some(g) = pending.get_mut(&number) else { break };
+            let shape = &g.shape;
+            let same = matches!(shape.members, crate::Members::World)
+                && shape.world_size == c.world_size
+                && shape.root.is_none()
+                && c.rank < c.world_size;
+            if !same {
+                break;
+            }
+            *count = count.saturating_add(1);
+            let lease = if c.torch { 0 } else { lease_ms };
+            if let super::ranks::Change::ArmLease(due) = ranks.touch(c.rank, ctx.now, lease) {
+                ctx.timers.schedule(due, Timer::Lease { job: ctx.job, rank: c.rank });
+            }
+            counters.arrivals += 1;
+            g.arrivals.insert_empty(c.rank);
+            g.hold(Held { link, route: c.route, room: calls.len() - i }, (c.session, c.request_id));
+            // The run's calls share their timeout and time: one look per generation.
+            if let (Some(timeout), true) = (timeout_ms, deadline_seen != Some(number)) {
+                deadline_seen = Some(number);
+                let deadline = ctx.now.saturating_add(timeout);
+                if g.deadline.is_none_or(|d| deadline < d) {
+                    g.deadline = Some(deadline);
+                    let (kind, name, generation) = (CollectiveKind::Barrier, name.clone(), number);
+                    let deadline_of = CollectiveDeadline { job: ctx.job, kind, name, generation };
+                    ctx.timers.schedule(deadline, Timer::Collective(Box::new(deadline_of)));
+                }
+            }
+            i += 1;
+            if g.members.count() == Some(g.arrivals.count()) {
+                completed = Some(number);
+                break;
+            }
+        }
+        if let Some(number) = completed {
+            coll.progress(CollectiveKind::Barrier, number, counters, &mut self.ended, ctx);
+            self.trim_ended(ranks);
+        }
+        i
     }
 
     /// Drops the oldest ended records (see [`Collective::ended`]) past what the job's

@@ -138,6 +138,28 @@ impl Arrivals {
         }
     }
 
+    /// [`Arrivals::insert`] of a call that brings no value (a barrier's).
+    #[inline]
+    pub fn insert_empty(&mut self, rank: u32) {
+        match self {
+            Arrivals::Dense { arrived, count, values, world } => {
+                let at = rank as usize;
+                let Some(word) = arrived.get_mut(at / 64).filter(|_| at < *world) else { return };
+                let bit = 1 << (at % 64);
+                if *word & bit == 0 {
+                    *word |= bit;
+                    *count += 1;
+                }
+                if let Some(slot) = values.get_mut(at) {
+                    *slot = None;
+                }
+            }
+            Arrivals::Sparse(map) => {
+                map.insert(rank, Bytes::new());
+            }
+        }
+    }
+
     pub fn insert(&mut self, rank: u32, value: Bytes) {
         match self {
             Arrivals::Dense { arrived, count, values, world } => {

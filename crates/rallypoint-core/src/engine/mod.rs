@@ -18,14 +18,14 @@ mod validate;
 use std::collections::BTreeSet;
 
 use crate::{
-    AbortInfo, Config, Identity, JobIncarnation, Millis, OpError, Outgoing, ProcessInfo, RankInfo, Reply, Request,
-    Response, SessionId, Welcome,
+    AbortInfo, Config, Identity, JobIncarnation, Members, Millis, OpError, Outgoing, ProcessInfo, RankInfo, Reply,
+    Request, Response, SessionId, Welcome,
 };
 
 pub use collective::{Link, Record};
 pub use snapshot::JobMetrics;
 
-use collective::{Ctx, Held, HeldCall};
+use collective::{Ctx, Held, HeldCall, RunCall};
 use job::Job;
 use resume::{Detached, Kept, Resent, Resumable};
 use step::{Caller, Keep, Step};
@@ -662,6 +662,9 @@ impl Engine {
             return;
         }
         self.now = now;
+        if let (Some((link, routes)), Request::Barrier { members: Members::World, .. }) = (from, request) {
+            return self.held_run(calls, link, routes, request, now);
+        }
         let run = if from.is_some() { Run::Held } else { Run::Calls };
         let mut callers = Vec::with_capacity(calls.len());
         let mut job = None;
@@ -682,6 +685,60 @@ impl Engine {
         if let Some(job) = job {
             self.run_calls(job, &mut callers, request, now);
         }
+    }
+
+    /// [`Engine::run_of_calls`] of a node agent's run of a whole-job barrier: the
+    /// calls that need nothing checked before they run (see [`Engine::gate_held`])
+    /// go to their job together, a stretch at a time ([`Step::hold_world`]); any
+    /// other goes alone, in its place, through the full gate.
+    fn held_run(&mut self, calls: &[(SessionId, u64)], link: Link, routes: &[u64], request: &Request, now: Millis) {
+        let mut stretch: Vec<RunCall> = Vec::with_capacity(calls.len());
+        let mut keeps: Vec<Keep> = Vec::with_capacity(calls.len());
+        let mut job = None;
+        for (i, &(session, request_id)) in calls.iter().enumerate() {
+            let route = routes.get(i).copied().unwrap_or_default();
+            self.settle_made();
+            let gated = self.gate_held(session, request_id, request, now);
+            if let Some((Caller { rank: Some(rank), world_size: Some(world_size), torch, keep, .. }, of)) = gated {
+                if job.is_some_and(|job| job != of) {
+                    self.hold_stretch(job, &mut stretch, &mut keeps, request, link, now);
+                }
+                job = Some(of);
+                stretch.push(RunCall { session, request_id, rank, world_size, torch, route });
+                keeps.push(keep);
+                continue;
+            }
+            self.hold_stretch(job, &mut stretch, &mut keeps, request, link, now);
+            let gated = match gated {
+                Some(gated) => Some(gated),
+                None => self.gate(session, request_id, request, now, Run::Held),
+            };
+            if let Some((mut caller, of)) = gated {
+                caller.held = Some(Held { link, route, room: calls.len() - i });
+                self.run_calls(of, &mut vec![caller], request, now);
+            }
+        }
+        self.hold_stretch(job, &mut stretch, &mut keeps, request, link, now);
+    }
+
+    /// Runs a stretch of gated calls of `job` (see [`Engine::held_run`]) and empties it.
+    fn hold_stretch(
+        &mut self,
+        job: Option<JobId>,
+        stretch: &mut Vec<RunCall>,
+        keeps: &mut Vec<Keep>,
+        request: &Request,
+        link: Link,
+        now: Millis,
+    ) {
+        if let (Some(job), false) = (job, stretch.is_empty()) {
+            self.settle_made();
+            if let Some(mut step) = self.step(job, now) {
+                step.hold_world(stretch, keeps, request, link);
+            }
+        }
+        stretch.clear();
+        keeps.clear();
     }
 
     fn run_calls(&mut self, job: JobId, callers: &mut Vec<Caller>, request: &Request, now: Millis) {

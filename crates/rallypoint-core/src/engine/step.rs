@@ -15,7 +15,7 @@ use crate::counters;
 use crate::error::Secs;
 use crate::ranges::{runs, split};
 
-use super::collective::{Call, CollectiveAt, Ctx, Held};
+use super::collective::{Call, CollectiveAt, Ctx, Held, Link, RunCall};
 use super::job::{send_key_replies, Job};
 use super::store::{WaitId, WaitKind};
 use super::timers::{CollectiveDeadline, Timer};
@@ -260,6 +260,47 @@ impl<'a> Step<'a> {
             if let Some(reply) = reply {
                 self.keep(&caller, None);
                 self.ctx.reply(caller.wait_id(), reply);
+            }
+        }
+    }
+
+    /// A node agent's held run of the whole-job barrier `request`, its calls gated
+    /// with nothing to check before they run (`Engine::gate_held`), each handled as
+    /// [`Step::calls`] would: those that join a generation already waiting are taken
+    /// in bulk ([`super::collective::Collectives::hold_world`]), any other one alone.
+    /// Each call's keep is [`Keep::InRecord`] or [`Keep::No`] (`keeps[i]`).
+    pub fn hold_world(&mut self, calls: &[RunCall], keeps: &[Keep], request: &Request, link: Link) {
+        let world = match (self.admit(request), request) {
+            (Ok(()), Request::Barrier { name, members: Members::World, timeout_ms }) => Some((name, *timeout_ms)),
+            _ => None,
+        };
+        let caller = |i: usize, c: &RunCall| Caller {
+            session: c.session,
+            request_id: c.request_id,
+            rank: Some(c.rank),
+            world_size: Some(c.world_size),
+            torch: c.torch,
+            keep: keeps.get(i).copied().unwrap_or(Keep::No),
+            held: Some(Held { link, route: c.route, room: calls.len() - i }),
+        };
+        let Some((name, timeout_ms)) = world else {
+            return self.calls(calls.iter().enumerate().map(|(i, c)| caller(i, c)), request);
+        };
+        if calls.is_empty() {
+            return;
+        }
+        self.job.store.now = self.ctx.now;
+        self.job.last_request = self.ctx.now;
+        let at = self.job.collectives.find(CollectiveKind::Barrier, name);
+        let lease_ms = self.config.lease_ms;
+        let mut i = 0;
+        while i < calls.len() {
+            let job = &mut *self.job;
+            let shared = (link, timeout_ms);
+            i = job.collectives.hold_world(at, calls, i, shared, &mut job.ranks, lease_ms, &mut self.ctx);
+            if let Some(c) = calls.get(i) {
+                self.calls(std::iter::once(caller(i, c)), request);
+                i += 1;
             }
         }
     }
