@@ -97,7 +97,7 @@ impl Side {
     /// which differs between two engines.
     fn out(&mut self) -> Vec<Outgoing> {
         let mut out: Vec<Outgoing> = self.engine.drain_outgoing().collect();
-        for record in self.engine.drain_records().collect::<Vec<_>>() {
+        for record in self.engine.take_records() {
             assert_eq!(record.link, LINK);
             for (&session, &(route, request_id)) in record.sessions.iter().zip(&record.calls) {
                 assert_eq!(route, !session.0, "a record keeps each call's route");

@@ -773,7 +773,29 @@ fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
     drop(outgoing);
     // After the replies to single calls: one of those may answer a call of a record
     // (its session failed alone), which the agent must see before the record's `Done`.
-    for record in engine.drain_records() {
+    let records = engine.take_records();
+    if !records.is_empty() {
+        release_records(records, links, outboxes, routed, &mut agents);
+    }
+    for (agent, replies) in agents {
+        if agent.push_all(replies) {
+            agent.notify();
+        }
+    }
+}
+
+/// Queues the `Done` of each released record (see [`Engine::take_records`]) for its
+/// agent, with the replies `agents` gathered for it. Apart from [`dispatch`], which
+/// runs after every input, where records are few.
+#[inline(never)]
+fn release_records(
+    records: Vec<Arc<rallypoint_core::Record>>,
+    links: &HashMap<u64, Arc<AgentOutbox>>,
+    outboxes: &SessionTable<Sink>,
+    routed: &mut Vec<Routed>,
+    agents: &mut Vec<(Arc<AgentOutbox>, AgentReplies)>,
+) {
+    for record in records {
         let Some(outbox) = links.get(&record.link.id) else { continue };
         let replies = match agents.iter_mut().rev().find(|(agent, _)| Arc::ptr_eq(agent, outbox)) {
             Some((_, replies)) => replies,
@@ -801,11 +823,6 @@ fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
                 Some(Sink::Agent(other, sub)) if other.push_all(released_to(*sub, id)) => other.notify(),
                 Some(Sink::Agent(..)) | None => {}
             }
-        }
-    }
-    for (agent, replies) in agents {
-        if agent.push_all(replies) {
-            agent.notify();
         }
     }
 }

@@ -65,7 +65,7 @@ pub(crate) struct Held {
 
 /// Barrier calls of one node agent that waited in one generation, held together:
 /// the generation keeps one record where it would keep a waiter per call, and its
-/// release is the record, answered `Done` as a whole (`Engine::drain_records`)
+/// release is the record, answered `Done` as a whole (`Engine::take_records`)
 /// rather than a reply per call. Any other end of a call (its generation failing,
 /// its session's own error) is a reply to that call alone.
 #[derive(Debug)]

@@ -158,7 +158,7 @@ pub struct Engine {
     settled: usize,
     /// Where in `outgoing`, past `settled`, barriers' releases are (see `Ctx::released`).
     released: Vec<(usize, usize)>,
-    /// Records of node agents' calls released (see [`Engine::drain_records`]).
+    /// Records of node agents' calls released (see [`Engine::take_records`]).
     records: Vec<std::sync::Arc<Record>>,
 }
 
@@ -633,7 +633,7 @@ impl Engine {
     /// `link`, `routes[i]` being where the reply to `calls[i]` goes there. The calls
     /// of a barrier that wait are held in a record of the link (see [`Record`])
     /// instead of each as a waiter of its own: its release is that record, in
-    /// [`Engine::drain_records`], not a reply per call in [`Engine::drain_outgoing`].
+    /// [`Engine::take_records`], not a reply per call in [`Engine::drain_outgoing`].
     /// Every other reply (a call's failure, a session's own error) is one per call,
     /// as for [`Engine::handle_calls`].
     pub fn handle_calls_from(
@@ -942,8 +942,9 @@ impl Engine {
     /// [`Engine::handle_calls_from`]): `Done` to every call of each. Drained after
     /// [`Engine::drain_outgoing`], whose replies to calls of a record (made when one
     /// of its sessions failed alone) come first.
-    pub fn drain_records(&mut self) -> std::vec::Drain<'_, std::sync::Arc<Record>> {
-        self.records.drain(..)
+    /// Taken whole: asked after every input, and empty after most.
+    pub fn take_records(&mut self) -> Vec<std::sync::Arc<Record>> {
+        std::mem::take(&mut self.records)
     }
 
     /// Replies produced so far, in the order they were produced.

@@ -98,7 +98,7 @@ impl Driver {
     /// Every reply made, a record's release as a `Done` to each of its calls.
     fn collect(&mut self) {
         self.replies.extend(self.engine.drain_outgoing());
-        for record in self.engine.drain_records().collect::<Vec<_>>() {
+        for record in self.engine.take_records() {
             let calls = record.sessions.iter().zip(&record.calls);
             self.replies.extend(calls.map(|(&session, &(route, request_id))| {
                 assert_eq!(route, session.0, "a record keeps each call's route");
