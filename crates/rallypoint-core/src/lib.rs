@@ -2,10 +2,12 @@
 //! job's key-value store, barriers, collectives and rank liveness.
 //!
 //! Inputs are sessions opening ([`Engine::open`]), their requests
-//! ([`Engine::handle`]), sessions closing ([`Engine::close`]) and clock ticks
-//! ([`Engine::tick`]); outputs are replies addressed to sessions
-//! ([`Engine::drain_outgoing`]). No sockets, threads or clocks live here: the
-//! caller passes the time in, so every behaviour is reproducible in a test.
+//! ([`Engine::handle`], or a node agent's run of calls, [`Engine::handle_calls_from`]),
+//! sessions closing ([`Engine::close`]) and clock ticks ([`Engine::tick`]); outputs
+//! are replies addressed to sessions ([`Engine::drain_outgoing`]) and the releases of
+//! a node agent's calls held together ([`Engine::take_records`]). No sockets, threads
+//! or clocks live here: the caller passes the time in, so every behaviour is
+//! reproducible in a test.
 
 mod config;
 pub mod counters;

@@ -621,7 +621,7 @@ impl Engine {
     /// several sessions, `calls` as `(session, request id)` in order: a node agent's
     /// ranks at one barrier, which it sends as one frame. Each call is its own, as if
     /// handled by [`Engine::handle`] one after another: what a call meets before it
-    /// runs (see [`Engine::gate`]) no collective call changes, so all are gated
+    /// runs (its gate) no collective call changes, so all are gated
     /// first; what does not depend on the caller (the request's checks, the job) is
     /// done once per run of calls of one job. Any other request is handled one call
     /// at a time.
