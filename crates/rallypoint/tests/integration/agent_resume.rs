@@ -93,9 +93,10 @@ pub(crate) async fn wait_for_status(client: &Client, what: &str, wanted: impl Fn
     panic!("the coordinator never showed {what}:\n{last}");
 }
 
-fn barrier_of(client: &Client) -> JoinHandle<Result<(), Error>> {
+/// `client`'s call of barrier `name` of the whole job, in a task of its own.
+pub(crate) fn barrier_of(client: &Client, name: &'static str) -> JoinHandle<Result<(), Error>> {
     let client = client.clone();
-    tokio::spawn(async move { client.barrier("step", Members::World, WAIT).await })
+    tokio::spawn(async move { client.barrier(name, Members::World, WAIT).await })
 }
 
 /// A rank behind a Unix-socket agent (which stays up) whose connection is cut while
@@ -126,7 +127,7 @@ async fn a_rank_cut_from_its_agent_resumes_through_it_mid_barrier() {
         let session = r1.session();
 
         for generation in 1..=cut_at {
-            let waiting = [barrier_of(&r0), barrier_of(&r1), barrier_of(&r2)];
+            let waiting = [barrier_of(&r0, "step"), barrier_of(&r1, "step"), barrier_of(&r2, "step")];
             let shown = format!("waiting: barrier 'step' (generation {generation})");
             wait_for_status(&r3, "ranks 0-2 at the barrier", |s| {
                 s.contains(&shown) && s.contains("missing (1): rank 3")
@@ -163,7 +164,7 @@ async fn a_rank_cut_from_its_agent_resumes_through_it_mid_barrier() {
 
         // Rank 1's arrival counted once: the next generation waits for it.
         let next = cut_at + 1;
-        let waiting = [barrier_of(&r0), barrier_of(&r2), barrier_of(&r3)];
+        let waiting = [barrier_of(&r0, "step"), barrier_of(&r2, "step"), barrier_of(&r3, "step")];
         let shown = format!("waiting: barrier 'step' (generation {next})");
         wait_for_status(&r0, "generation after the cut waiting for rank 1", |s| {
             s.contains(&shown) && s.contains("missing (1): rank 1")

@@ -5,12 +5,11 @@
 //! answered where its session is now, once, and a copy it sends again neither counts
 //! twice nor goes unanswered.
 
-use rallypoint::{Client, Error, Members, OpError};
+use rallypoint::{Client, Members, OpError};
 use rallypoint_core::{Identity, Reply, Request, Response, SessionId};
 use rallypoint_proto::native::{AgentFrame, RootFrame};
-use tokio::task::JoinHandle;
 
-use crate::agent_resume::{long_grace, raw_rank, wait_for_status, welcomed, RawRank};
+use crate::agent_resume::{barrier_of, long_grace, raw_rank, wait_for_status, welcomed, RawRank};
 use crate::agents::{RawAgent, WAIT};
 use crate::common::{bounded, connect, rank, start_server_with};
 
@@ -58,11 +57,6 @@ enum Via {
     Direct,
     /// Another agent, as its sub-session 1.
     OtherAgent,
-}
-
-fn spawn_barrier(client: &Client) -> JoinHandle<Result<(), Error>> {
-    let client = client.clone();
-    tokio::spawn(async move { client.barrier("b", Members::World, WAIT).await })
 }
 
 /// Rank 1, held in a record with rank 0, is cut from its agent and resumes its
@@ -126,7 +120,7 @@ async fn a_held_call_is_answered_where_its_session_resumed() {
         assert!(server.lost_ranks(&job).is_empty(), "{via:?}: {:?}", server.lost_ranks(&job));
 
         // Generation 2 waits for rank 1: its copy did not count.
-        let second = spawn_barrier(&peer);
+        let second = barrier_of(&peer, "b");
         a.send(&[AgentFrame::SubRequest { sub: 1, id: 11, request: barrier() }]).await;
         wait_for_status(&peer, "generation 2 waiting for rank 1", |s| {
             s.contains("waiting: barrier 'b' (generation 2)") && s.contains("missing (1): rank 1")
@@ -194,7 +188,7 @@ async fn a_call_sent_again_after_its_record_ended_gets_the_outcome() {
         }
         if let End::Released = end {
             // Generation 2 waits for rank 1, whose copy did not count.
-            let second = spawn_barrier(&peer);
+            let second = barrier_of(&peer, "b");
             a.send(&[AgentFrame::SubRequest { sub: 1, id: 11, request: barrier() }]).await;
             wait_for_status(&peer, "generation 2 waiting for rank 1", |s| {
                 s.contains("waiting: barrier 'b' (generation 2)") && s.contains("missing (1): rank 1")
