@@ -78,7 +78,12 @@ pub struct Record {
 }
 
 impl Record {
+    /// A record with room for `room` calls, at most [`RECORD_ROOM`]: it grows from
+    /// there, so that a frame whose calls each start a record of their own (one
+    /// sub-session's calls, each of the next generation) reserves no room per call
+    /// for all the calls after it.
     fn with_room(link: Link, room: usize) -> Record {
+        let room = room.min(RECORD_ROOM);
         Record { link, calls: Vec::with_capacity(room), sessions: Vec::with_capacity(room) }
     }
 
@@ -87,6 +92,9 @@ impl Record {
         self.sessions.iter().zip(&self.calls).map(|(&session, &(_, id))| (session, id))
     }
 }
+
+/// Most calls a record is made with room for (see [`Record::with_room`]).
+const RECORD_ROOM: usize = 16;
 
 /// What became of a call held in a record (see [`Collectives::held_calls`]).
 #[derive(Debug, Clone)]
@@ -157,32 +165,50 @@ struct Collective {
     calls: Calls,
     pending: BTreeMap<u64, Generation>,
     failed: BTreeMap<u64, OpError>,
-    /// The records of its latest generations with records that ended, and how each
-    /// ended, oldest first: a session resumed after a cut learns from them what became
-    /// of its calls (see `Engine::keep_held_calls`).
-    ended: VecDeque<Ended>,
 }
 
-/// Generations whose records a collective keeps once they ended: as many calls of
-/// one rank as a client may have sent ahead of the replies it read.
-const ENDED_KEPT: usize = 4;
+/// Calls per rank of the job that the records of ended generations may hold in all
+/// (see [`EndedRecords`]), and at least this many calls for a small job.
+const ENDED_CALLS_PER_RANK: usize = 4;
+const ENDED_CALLS_AT_LEAST: usize = 4096;
 
-/// Records of a generation that ended (see [`Collective::ended`]).
+/// The records of the job's generations that ended, oldest first, with how each
+/// ended: a session resumed after a cut learns from them what became of its calls
+/// held there (see `Engine::keep_held_calls`). A released call kept in a session's
+/// replies is kept until the session reads it, however old; these are kept likewise,
+/// as many as [`ENDED_CALLS_PER_RANK`] calls per rank of the job, so that neither
+/// many names nor many rounds pile up.
+#[derive(Debug, Default)]
+struct EndedRecords {
+    ended: VecDeque<Ended>,
+    /// Calls the records in `ended` hold.
+    calls: usize,
+}
+
+/// Records of a generation that ended (see [`EndedRecords`]).
 #[derive(Debug)]
 struct Ended {
-    /// When it ended, in the job's count of ended generations: the oldest go first.
-    seq: u64,
     outcome: Result<(), OpError>,
     records: Vec<Arc<Record>>,
     calls: usize,
 }
 
-/// The job's count of the calls the collectives' ended records hold, bounded
-/// (see [`Collectives::trim_ended`]).
-#[derive(Debug, Default)]
-struct EndedBook {
-    calls: usize,
-    seq: u64,
+impl EndedRecords {
+    /// Keeps the records of a generation that ended so.
+    fn keep(&mut self, outcome: Result<(), OpError>, records: Vec<Arc<Record>>) {
+        let calls = records.iter().map(|r| r.calls.len()).sum();
+        self.calls += calls;
+        self.ended.push_back(Ended { outcome, records, calls });
+    }
+
+    /// Drops the oldest records past the job's bound.
+    fn trim(&mut self, ranks: &Ranks) {
+        let limit = ENDED_CALLS_PER_RANK.saturating_mul(ranks.ever_connected()).max(ENDED_CALLS_AT_LEAST);
+        while self.calls > limit {
+            let Some(oldest) = self.ended.pop_front() else { break };
+            self.calls -= oldest.calls;
+        }
+    }
 }
 
 /// How many times each rank called a collective: its next call's generation.
@@ -246,7 +272,7 @@ pub(crate) struct Collectives {
     all: Vec<Collective>,
     failed_kept: usize,
     max_gather_bytes: usize,
-    ended: EndedBook,
+    ended: EndedRecords,
     /// Per kind (see [`counted`]): what `rallypoint_*_total` and the wait histogram show.
     pub counters: [OpCounters; 3],
 }
@@ -275,7 +301,7 @@ impl Collectives {
             all: Vec::new(),
             failed_kept: failed_kept.max(1),
             max_gather_bytes,
-            ended: EndedBook::default(),
+            ended: EndedRecords::default(),
             counters: Default::default(),
         }
     }
@@ -289,7 +315,7 @@ impl Collectives {
         let at = self.all.len();
         let calls = Calls::default();
         let (pending, failed) = (BTreeMap::new(), BTreeMap::new());
-        self.all.push(Collective { kind, name: name.to_owned(), calls, pending, failed, ended: VecDeque::new() });
+        self.all.push(Collective { kind, name: name.to_owned(), calls, pending, failed });
         by_name.insert(name.to_owned(), at);
         CollectiveAt(at)
     }
@@ -412,7 +438,7 @@ impl Collectives {
         }
         if complete || kind == CollectiveKind::Broadcast {
             coll.progress(kind, number, counters, &mut self.ended, ctx);
-            self.trim_ended(ranks);
+            self.ended.trim(ranks);
         }
         (kind == CollectiveKind::Barrier).then_some(number)
     }
@@ -485,21 +511,9 @@ impl Collectives {
         }
         if let Some(number) = completed {
             coll.progress(CollectiveKind::Barrier, number, counters, &mut self.ended, ctx);
-            self.trim_ended(ranks);
+            self.ended.trim(ranks);
         }
         i
-    }
-
-    /// Drops the oldest ended records (see [`Collective::ended`]) past what the job's
-    /// ranks may need: [`ENDED_KEPT`] calls per rank that ever connected, for every
-    /// collective together, so that a job calling many names holds no more.
-    fn trim_ended(&mut self, ranks: &Ranks) {
-        let limit = ENDED_KEPT.saturating_mul(ranks.ever_connected().max(1024));
-        while self.ended.calls > limit {
-            let oldest = self.all.iter_mut().filter(|c| !c.ended.is_empty()).min_by_key(|c| c.ended[0].seq);
-            let Some(dropped) = oldest.and_then(|c| c.ended.pop_front()) else { break };
-            self.ended.calls -= dropped.calls;
-        }
     }
 
     /// Whether generation `generation` of the collective at `at` (see
@@ -530,7 +544,7 @@ impl Collectives {
                 coll.progress(coll.kind, generation, &mut self.counters[counted(coll.kind)], &mut self.ended, ctx);
             }
         }
-        self.trim_ended(ranks);
+        self.ended.trim(ranks);
     }
 
     /// `rank` was lost: fail every pending generation that still needs it.
@@ -554,7 +568,7 @@ impl Collectives {
                 coll.fail(generation, error, failed_kept, &mut self.ended, ctx);
             }
         }
-        self.trim_ended(ranks);
+        self.ended.trim(ranks);
     }
 
     /// A collective's deadline fired: if that generation still waits, fail it for every
@@ -584,7 +598,7 @@ impl Collectives {
             missing: g.missing(kind, ranks, ctx.now),
         };
         coll.fail(generation, error, failed_kept, &mut self.ended, ctx);
-        self.trim_ended(ranks);
+        self.ended.trim(ranks);
     }
 
     /// Every generation somebody is blocked in, by name, kind and generation.
@@ -656,9 +670,9 @@ impl Collectives {
     }
 
     /// The calls of `session` held in records (see [`Record`]): those waiting, and those
-    /// of each collective's latest generation with records that ended. Looked for when
-    /// the session resumes, so that calls it sends again are answered as its kept
-    /// replies would answer them.
+    /// of the generations that ended whose records are still kept (see
+    /// [`EndedRecords`]). Looked for when the session resumes, so that calls it sends
+    /// again are answered as its kept replies would answer them.
     pub fn held_calls(&self, session: SessionId) -> Vec<(u64, HeldCall)> {
         let mut found = Vec::new();
         let mine =
@@ -670,24 +684,28 @@ impl Collectives {
                     found.extend(mine(record).into_iter().map(|id| (id, HeldCall::Waiting { at, generation })));
                 }
             }
-            for ended in &coll.ended {
-                for record in &ended.records {
-                    found.extend(mine(record).into_iter().map(|id| (id, HeldCall::Ended(ended.outcome.clone()))));
-                }
+        }
+        for ended in &self.ended.ended {
+            for record in &ended.records {
+                found.extend(mine(record).into_iter().map(|id| (id, HeldCall::Ended(ended.outcome.clone()))));
             }
         }
         found
     }
 
     /// The job was aborted: fail everything pending.
-    pub fn fail_all(&mut self, error: &OpError, ctx: &mut Ctx<'_>) {
+    pub fn fail_all(&mut self, error: &OpError, ranks: &Ranks, ctx: &mut Ctx<'_>) {
         for coll in &mut self.all {
             for (_, g) in std::mem::take(&mut coll.pending) {
                 for waiter in g.waiters.into_iter().chain(g.records.iter().flat_map(Record::waiters)) {
                     ctx.reply(waiter, Err(error.clone()));
                 }
+                if !g.records.is_empty() {
+                    self.ended.keep(Err(error.clone()), g.records.into_iter().map(Arc::new).collect());
+                }
             }
         }
+        self.ended.trim(ranks);
     }
 }
 
@@ -729,7 +747,7 @@ impl Collective {
         kind: CollectiveKind,
         generation: u64,
         counters: &mut OpCounters,
-        book: &mut EndedBook,
+        book: &mut EndedRecords,
         ctx: &mut Ctx<'_>,
     ) {
         let Some(g) = self.pending.get_mut(&generation) else { return };
@@ -755,7 +773,7 @@ impl Collective {
                 if !g.records.is_empty() {
                     let records: Vec<Arc<Record>> = g.records.drain(..).map(Arc::new).collect();
                     ctx.records.extend(records.iter().cloned());
-                    self.keep_ended(Ok(()), records, book);
+                    book.keep(Ok(()), records);
                 }
             }
             CollectiveKind::AllGather if complete => {
@@ -776,30 +794,24 @@ impl Collective {
         }
     }
 
-    fn fail(&mut self, generation: u64, error: OpError, failed_kept: usize, book: &mut EndedBook, ctx: &mut Ctx<'_>) {
+    fn fail(
+        &mut self,
+        generation: u64,
+        error: OpError,
+        failed_kept: usize,
+        book: &mut EndedRecords,
+        ctx: &mut Ctx<'_>,
+    ) {
         if let Some(g) = self.pending.remove(&generation) {
             for waiter in g.waiters.into_iter().chain(g.records.iter().flat_map(Record::waiters)) {
                 ctx.reply(waiter, Err(error.clone()));
             }
             if !g.records.is_empty() {
                 let records = g.records.into_iter().map(Arc::new).collect();
-                self.keep_ended(Err(error.clone()), records, book);
+                book.keep(Err(error.clone()), records);
             }
         }
         self.remember_failure(generation, error, failed_kept);
-    }
-
-    /// Keeps the records of a generation that ended so, with the collective's last few.
-    fn keep_ended(&mut self, outcome: Result<(), OpError>, records: Vec<Arc<Record>>, book: &mut EndedBook) {
-        let calls = records.iter().map(|r| r.calls.len()).sum();
-        book.seq += 1;
-        book.calls += calls;
-        self.ended.push_back(Ended { seq: book.seq, outcome, records, calls });
-        if self.ended.len() > ENDED_KEPT {
-            if let Some(oldest) = self.ended.pop_front() {
-                book.calls -= oldest.calls;
-            }
-        }
     }
 
     fn remember_failure(&mut self, generation: u64, error: OpError, failed_kept: usize) {

@@ -107,7 +107,7 @@ impl Job {
         let mut done = Vec::new();
         self.store.fail_all(&error, &mut done);
         send_key_replies(done, ctx.out);
-        self.collectives.fail_all(&error, ctx);
+        self.collectives.fail_all(&error, &self.ranks, ctx);
     }
 
     /// Fails every wait of `session` with `error` (its rank was taken over). Its
@@ -129,7 +129,7 @@ impl Job {
         let mut done = Vec::new();
         self.store.fail_all(&error, &mut done);
         send_key_replies(done, ctx.out);
-        self.collectives.fail_all(&error, ctx);
+        self.collectives.fail_all(&error, &self.ranks, ctx);
     }
 
     /// Applies a liveness change of `rank`.

@@ -81,6 +81,10 @@ impl Hot {
 
 pub(crate) type Hots = crate::SessionTable<Hot>;
 
+/// A session's call held in a record whose generation ended: its request id, and
+/// how the generation ended (see [`Engine::keep_held_calls`]).
+type EndedCall = (u64, Result<(), OpError>);
+
 #[derive(Debug)]
 pub(crate) struct Session {
     job: JobId,
@@ -141,6 +145,10 @@ pub struct Engine {
     sessions: Sessions,
     /// What held runs read of their sessions (see [`Hot`]).
     hot: Hots,
+    /// Of each session that resumed with calls held in records whose generation
+    /// ended, those calls and how they ended (see [`Engine::keep_held_calls`]):
+    /// copies of them are answered so. Apart from the sessions, which rarely have any.
+    held_ended: HashMap<SessionId, Vec<EndedCall>>,
     /// Open torch sessions by process (job, host, pid ≠ 0): torch opens several
     /// connections per process, and a rank learned on one belongs to all of them.
     torch_processes: HashMap<(JobId, String, u32), TorchProcess>,
@@ -183,6 +191,7 @@ impl Engine {
             next_job: 1,
             sessions: Sessions::default(),
             hot: Hots::default(),
+            held_ended: HashMap::default(),
             torch_processes: HashMap::default(),
             timers: Timers::default(),
             outgoing: Vec::new(),
@@ -347,33 +356,34 @@ impl Engine {
         Ok(self.welcome(session, job))
     }
 
-    /// Keeps in the replies of `session`, which resumes, what the records tell of its
-    /// calls held there: waiting, or how their generation ended. Copies of them that
-    /// the client sends again are then answered as any kept request's; a copy of an
-    /// older one (its record no longer kept) is answered that its outcome is unknown
-    /// rather than run again.
+    /// Keeps for `session`, which resumes, what the records tell of its calls held
+    /// there, so that a copy of one the client sends again is answered as a copy of a
+    /// kept request would be: a call still waiting is kept in its replies as a barrier
+    /// call of its own is (read from its generation, or replaced by its failure), and
+    /// how a call whose generation ended is noted apart (`Engine::held_ended`), so
+    /// that these calls push none of its kept replies out.
     fn keep_held_calls(&mut self, session: SessionId, now: Millis) {
         self.settle_made();
-        let Engine { sessions, jobs, config, tracked, hot, .. } = self;
-        let high = hot.get(&session).map_or(0, |h| h.record_high);
+        let Engine { sessions, jobs, config, tracked, held_ended, .. } = self;
+        held_ended.remove(&session);
         let Some(sess) = sessions.get_mut(&session) else { return };
         let (job, rank) = (sess.job, sess.identity.rank);
         let Some(resume) = sess.resume.as_deref_mut() else { return };
         let Some(collectives) = jobs.get(&job).map(|j| &j.collectives) else { return };
         let pending = |at, generation| collectives.is_pending(at, generation, rank);
         let limits = &config.reply_cache;
+        let mut ended = Vec::new();
         for (id, call) in collectives.held_calls(session) {
-            track(tracked, &mut resume.kept, |kept| match call {
-                HeldCall::Waiting { at, generation } => {
+            match call {
+                HeldCall::Waiting { at, generation } => track(tracked, &mut resume.kept, |kept| {
                     kept.arrived_called(id, (at, generation), now, limits, &pending)
-                }
-                HeldCall::Ended(outcome) => {
-                    kept.arrived(id, now, limits, &pending);
-                    kept.answered(id, &outcome.map(|()| Response::Done), now, limits);
-                }
-            });
+                }),
+                HeldCall::Ended(outcome) => ended.push((id, outcome)),
+            }
         }
-        resume.kept.unknown_up_to(high);
+        if !ended.is_empty() {
+            held_ended.insert(session, ended);
+        }
     }
 
     /// Lends job `id` with the rest of the engine's state to one step of it: the one
@@ -521,7 +531,7 @@ impl Engine {
                 return Some(gated);
             }
         }
-        let Engine { sessions, jobs, config, outgoing, tracked, hot, .. } = self;
+        let Engine { sessions, jobs, config, outgoing, tracked, hot, held_ended, .. } = self;
         let sess = sessions.get_mut(&session)?;
         if run == Run::Held && hot.get(&session).is_none() {
             hot.insert(session, Hot::of(sess, 0));
@@ -535,17 +545,29 @@ impl Engine {
                 |at, generation| jobs.get(&job).is_some_and(|j| j.collectives.is_pending(at, generation, rank));
             let changes_state = request.changes_state();
             if may_be_resent {
-                let resent = match resume.kept.resent(request_id, changes_state, now, limits, &pending) {
-                    // A read that waits (a `get`) is not kept: the store knows it.
-                    Resent::Run if request.may_block() => {
-                        let waiting = jobs.get(&job).is_some_and(|j| j.store.is_waiting((session, request_id)));
-                        if waiting {
-                            Resent::Waiting
-                        } else {
-                            Resent::Run
+                let held_high = hot.get(&session).map_or(0, |h| h.record_high);
+                let ended = held_ended.get(&session).and_then(|calls| calls.iter().find(|(id, _)| *id == request_id));
+                let ended = ended.filter(|_| changes_state);
+                let resent = match ended {
+                    // A call held in a record whose generation ended (`keep_held_calls`).
+                    Some((_, outcome)) => Resent::Replay(outcome.clone().map(|()| Response::Done)),
+                    None => match resume.kept.resent(request_id, changes_state, now, limits, &pending) {
+                        // A read that waits (a `get`) is not kept: the store knows it.
+                        Resent::Run if request.may_block() => {
+                            let waiting = jobs.get(&job).is_some_and(|j| j.store.is_waiting((session, request_id)));
+                            if waiting {
+                                Resent::Waiting
+                            } else {
+                                Resent::Run
+                            }
                         }
-                    }
-                    resent => resent,
+                        // A barrier call no older than the latest held in a record may
+                        // have been held in one no longer kept: not to be run again.
+                        Resent::Run if request_id <= held_high && matches!(request, Request::Barrier { .. }) => {
+                            Resent::Replay(Err(resume::unknown(request_id)))
+                        }
+                        resent => resent,
+                    },
                 };
                 match resent {
                     Resent::Run => {}
@@ -859,6 +881,7 @@ impl Engine {
         self.settle_made();
         let Some(sess) = self.sessions.remove(&session) else { return };
         self.hot.remove(&session);
+        self.held_ended.remove(&session);
         if let Some(resume) = &sess.resume {
             self.tracked = self.tracked.saturating_sub(resume.kept.waiting());
         }

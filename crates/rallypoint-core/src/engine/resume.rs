@@ -21,11 +21,11 @@
 //! being kept. Until read, it is kept as a waiting request is: not dropped by age.
 //!
 //! A node agent's barrier calls held in a record (`collective::Record`) are not kept
-//! here at all: their generation keeps them, and a collective keeps the records of
-//! its last few generations that ended. The session notes only the highest such
-//! request; when it resumes, what the records still tell of its calls is kept here
-//! (`Engine::keep_held_calls`), and a copy of an older one is answered as a reply
-//! no longer kept would be.
+//! here at all: their generation keeps them, and the job keeps the records of the
+//! generations that ended for as long as replies are kept. The session notes only
+//! the highest such request; when it resumes, what the records still tell of its
+//! calls is taken here (`Engine::keep_held_calls`), and a copy of an older barrier
+//! call is answered as a request whose reply is no longer kept.
 //!
 //! The kept replies are bounded ([`crate::ReplyCache`]: count, age, bytes of values)
 //! and dropped oldest first. A re-sent request that changes something, whose reply is
@@ -362,12 +362,7 @@ impl Kept {
                 _ => Resent::Waiting,
             };
         }
-        let unknown = || {
-            Resent::Replay(Err(OpError::Closed(format!(
-                "request {id} was sent again after a reconnect, but its reply is no longer kept (the coordinator keeps \
-                 a session's last replies for a bounded time): it may or may not have taken effect"
-            ))))
-        };
+        let unknown = || Resent::Replay(Err(unknown(id)));
         // A read matches only an entry's own id, never one it holds besides (reads
         // are not kept; only a client that reused an id could send one there).
         let kept = self.entries.iter().rev().find(|e| e.covers(id)).filter(|e| changes_state || e.id == id);
@@ -391,12 +386,6 @@ impl Kept {
             return unknown();
         }
         Resent::Run
-    }
-
-    /// Requests up to `id` whose replies are not kept here are not to be run again
-    /// when sent again (they were held in records, see `Engine::keep_held_calls`).
-    pub fn unknown_up_to(&mut self, id: u64) {
-        self.max_evicted = self.max_evicted.max(id);
     }
 
     /// Requests waiting here for their reply or for their generation to be read:
@@ -451,6 +440,14 @@ impl Kept {
     fn len(&self) -> usize {
         self.entries.len()
     }
+}
+
+/// The error of a request sent again whose reply is no longer kept: it may have run.
+pub(crate) fn unknown(id: u64) -> OpError {
+    OpError::Closed(format!(
+        "request {id} was sent again after a reconnect, but its reply is no longer kept (the coordinator keeps a \
+         session's last replies for a bounded time): it may or may not have taken effect"
+    ))
 }
 
 /// How many replies are left when there are too many: seven eighths of the most, so
