@@ -501,6 +501,11 @@ impl Shared {
                     opened.push((session, welcome));
                 }
                 AgentInput::Request { session, id, request } => {
+                    // The sub-session a session was resumed from in this batch speaks
+                    // for it no more (docs/PROTOCOL.md, section 12).
+                    if resumed.iter().any(|(_, target)| *target == session) {
+                        continue;
+                    }
                     let session = resumed.iter().find(|(sub, _)| *sub == session).map_or(session, |(_, s)| *s);
                     // A session resumed elsewhere is no longer this agent's to speak for.
                     if carried(&state, session) {
@@ -509,6 +514,13 @@ impl Shared {
                 }
                 AgentInput::Calls { mut calls, mut routes, request } => {
                     if !resumed.is_empty() {
+                        // As for a request: the calls of the sub-session left go, and
+                        // those of the one resuming are the session's.
+                        let left: Vec<bool> =
+                            calls.iter().map(|(session, _)| resumed.iter().any(|(_, t)| t == session)).collect();
+                        let (mut c, mut r) = (left.iter(), left.iter());
+                        calls.retain(|_| !c.next().copied().unwrap_or(false));
+                        routes.retain(|_| !r.next().copied().unwrap_or(false));
                         for (session, _) in &mut calls {
                             *session = resumed.iter().find(|(sub, _)| sub == session).map_or(*session, |(_, s)| *s);
                         }
@@ -796,38 +808,47 @@ fn release_records(
     agents: &mut Vec<(Arc<AgentOutbox>, AgentReplies)>,
 ) {
     for record in records {
-        let Some(outbox) = links.get(&record.link.id) else { continue };
-        let replies = match agents.iter_mut().rev().find(|(agent, _)| Arc::ptr_eq(agent, outbox)) {
-            Some((_, replies)) => replies,
-            None => {
-                agents.push((Arc::clone(outbox), AgentReplies::with_room(record.calls.len())));
-                let Some((_, replies)) = agents.last_mut() else { continue };
-                replies
-            }
-        };
-        if outbox.routes_hold(record.link) {
-            replies.push_released(&record.calls);
-            continue;
-        }
-        // A session moved off the agent since the calls came: each call goes where
-        // its session is now.
-        for (&session, &(_, id)) in record.sessions.iter().zip(&record.calls) {
-            match outboxes.get(&session) {
-                Some(Sink::Agent(agent, sub)) if Arc::ptr_eq(agent, outbox) => {
-                    replies.push(*sub, id, Ok(Response::Done));
+        match links.get(&record.link.id) {
+            Some(outbox) if outbox.routes_hold(record.link) => {
+                match agents.iter_mut().rev().find(|(agent, _)| Arc::ptr_eq(agent, outbox)) {
+                    Some((_, replies)) => replies.push_released(&record.calls),
+                    None => {
+                        let mut replies = AgentReplies::with_room(record.calls.len());
+                        replies.push_released(&record.calls);
+                        agents.push((Arc::clone(outbox), replies));
+                    }
                 }
-                Some(Sink::Direct(direct)) => direct.push(id, Ok(Response::Done)),
-                Some(Sink::Reactor(_, route)) => {
-                    routed.push(Routed { route: *route, request_id: id, reply: Ok(Response::Done) });
-                }
-                Some(Sink::Agent(other, sub)) if other.push_all(released_to(*sub, id)) => other.notify(),
-                Some(Sink::Agent(..)) | None => {}
             }
+            // A session moved off the agent since the calls came, or the agent is
+            // gone (and the sessions it carried with it).
+            _ => reroute(&record, outboxes, routed, agents),
         }
     }
 }
 
-/// `Done` to one call of another agent than the record's.
+/// `Done` to each call of `record` where its session is now.
+fn reroute(
+    record: &rallypoint_core::Record,
+    outboxes: &SessionTable<Sink>,
+    routed: &mut Vec<Routed>,
+    agents: &mut Vec<(Arc<AgentOutbox>, AgentReplies)>,
+) {
+    for (&session, &(_, id)) in record.sessions.iter().zip(&record.calls) {
+        match outboxes.get(&session) {
+            Some(Sink::Direct(direct)) => direct.push(id, Ok(Response::Done)),
+            Some(Sink::Reactor(_, route)) => {
+                routed.push(Routed { route: *route, request_id: id, reply: Ok(Response::Done) });
+            }
+            Some(Sink::Agent(agent, sub)) => match agents.iter_mut().rev().find(|(a, _)| Arc::ptr_eq(a, agent)) {
+                Some((_, replies)) => replies.push(*sub, id, Ok(Response::Done)),
+                None => agents.push((Arc::clone(agent), released_to(*sub, id))),
+            },
+            None => {}
+        }
+    }
+}
+
+/// `Done` to one call of an agent.
 fn released_to(sub: u64, id: u64) -> AgentReplies {
     let mut replies = AgentReplies::with_room(1);
     replies.push(sub, id, Ok(Response::Done));

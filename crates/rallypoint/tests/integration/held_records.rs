@@ -5,6 +5,9 @@
 //! answered where its session is now, once, and a copy it sends again neither counts
 //! twice nor goes unanswered.
 
+use std::time::Duration;
+
+use rallypoint::server::Protocol;
 use rallypoint::{Client, Members, OpError};
 use rallypoint_core::{Identity, Reply, Request, Response, SessionId};
 use rallypoint_proto::native::{AgentFrame, RootFrame};
@@ -200,5 +203,73 @@ async fn a_call_sent_again_after_its_record_ended_gets_the_outcome() {
         }
         bounded("close", peer.close()).await.expect("clean leave");
     }
+    server.shutdown().await;
+}
+
+/// Rank 0, alone behind agent A, is held at barrier 'b' in a record of A. Its
+/// connection to A is cut and it resumes its session directly, sending the call
+/// again (the copy is dropped: the call waits). Then A's connection ends (A carries
+/// nothing any more). Rank 1 arrives: the generation is released, and rank 0's call
+/// is answered on its direct connection, though the record's agent is gone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_held_call_is_answered_after_its_agent_left() {
+    let server = start_server_with(long_grace()).await;
+    let job = "held-agent-gone";
+    let mut a = RawAgent::connect(&server).await;
+    a.send(&[AgentFrame::SubHello { sub: 1, identity: raw_rank(job, 0, 2) }]).await;
+    let session = welcomed(&mut a, 1).await;
+    a.send(&[AgentFrame::SubRequests { calls: vec![(1, 10)], request: barrier() }]).await;
+    let peer = connect(&server, rank(job, 1, 2)).await;
+    wait_for_status(&peer, "rank 0 held", |s| s.contains("missing (1): rank 1")).await;
+
+    let again = Identity { resume: Some(session), ..raw_rank(job, 0, 2) };
+    let (mut rank0, resumed) = RawRank::hello(&server, again).await;
+    assert_eq!(resumed, session, "resumed");
+    rank0.request(10, barrier()).await;
+    drop(a);
+    // The coordinator has closed the agent's link before rank 1 arrives.
+    let agents_open = || {
+        let traffic = server.observer().metrics().traffic;
+        traffic.protocols.iter().filter(|p| p.protocol == Protocol::Agent).map(|p| p.open).sum::<u64>()
+    };
+    for _ in 0..1_000 {
+        if agents_open() == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(agents_open(), 0, "the coordinator still holds the agent's link");
+    assert!(server.lost_ranks(job).is_empty(), "{:?}", server.lost_ranks(job));
+
+    bounded("rank 1's barrier", peer.barrier("b", Members::World, WAIT)).await.expect("released");
+    bounded("rank 0's reply", rank0.done(10)).await;
+    server.shutdown().await;
+}
+
+/// Rank 0 behind agent A as sub-session 1 resumes its session on A as sub-session 2.
+/// The agent read the rank's barrier call (request 10) from the old connection late
+/// and forwards it after the resuming hello, in the same write; the rank then sends
+/// its copy on sub-session 2. Sub-session 1 no longer speaks for the session
+/// (docs/PROTOCOL.md, section 12): the call counts once, from sub-session 2, and its
+/// release reaches the rank there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_of_the_sub_session_left_in_the_resuming_write_is_not_the_sessions() {
+    let server = start_server_with(long_grace()).await;
+    let job = "held-stale-sub";
+    let mut a = RawAgent::connect(&server).await;
+    a.send(&[AgentFrame::SubHello { sub: 1, identity: raw_rank(job, 0, 2) }]).await;
+    let session = welcomed(&mut a, 1).await;
+    let peer = connect(&server, rank(job, 1, 2)).await;
+    let again = Identity { resume: Some(session), ..raw_rank(job, 0, 2) };
+    a.send(&[
+        AgentFrame::SubHello { sub: 2, identity: again },
+        AgentFrame::SubRequests { calls: vec![(1, 10)], request: barrier() },
+    ])
+    .await;
+    assert_eq!(welcomed(&mut a, 2).await, session, "resumed");
+    a.send(&[AgentFrame::SubRequests { calls: vec![(2, 10)], request: barrier() }]).await;
+    wait_for_status(&peer, "rank 0 at the barrier", |s| s.contains("missing (1): rank 1")).await;
+    bounded("rank 1's barrier", peer.barrier("b", Members::World, WAIT)).await.expect("released");
+    assert_eq!(answered(&mut a, &[(2, 10)]).await, [((2, 10), Ok(Response::Done))]);
     server.shutdown().await;
 }
