@@ -375,6 +375,8 @@ impl Engine {
         let mut ended = Vec::new();
         for (id, call) in collectives.held_calls(session) {
             match call {
+                // Kept already if the session resumed before while it waited.
+                HeldCall::Waiting { .. } if resume.kept.holds(id) => {}
                 HeldCall::Waiting { at, generation } => track(tracked, &mut resume.kept, |kept| {
                     kept.arrived_called(id, (at, generation), now, limits, &pending)
                 }),

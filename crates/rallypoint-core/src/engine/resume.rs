@@ -388,6 +388,11 @@ impl Kept {
         Resent::Run
     }
 
+    /// Whether request `id` is kept here, waiting or answered.
+    pub fn holds(&self, id: u64) -> bool {
+        self.old_waiting.iter().any(|w| w.id == id) || self.entries.iter().any(|e| e.covers(id))
+    }
+
     /// Requests waiting here for their reply or for their generation to be read:
     /// replies leaving the engine must be looked at while a session has any.
     pub fn waiting(&self) -> usize {
