@@ -345,13 +345,15 @@ proptest! {
     }
 }
 
-/// A held barrier call of a rank whose connection is cut; the job is aborted
-/// meanwhile (its generation fails with `Aborted`). The rank resumes and sends its
-/// call again: the copy must get the `Aborted` its original got (as it does when the
-/// call was made on its own), not `Closed` "may or may not have taken effect".
+/// A held barrier call of a rank whose connection is cut; the job is aborted, or
+/// reset, meanwhile (its generation fails with `Aborted` or `JobReset`). The rank
+/// resumes and sends its call again: the copy gets the error its original got (as it
+/// does when the call was made on its own), not `Closed` "may or may not have taken
+/// effect".
 #[test]
-fn a_held_call_failed_by_an_abort_replays_the_abort() {
-    for held in [false, true] {
+fn a_held_call_failed_by_an_abort_or_a_reset_replays_the_failure() {
+    let ends = [Request::Abort { reason: "test".into() }, Request::Reset { incarnation: 0xbbb }];
+    for (end, held) in ends.iter().flat_map(|end| [(end, false), (end, true)]) {
         let config = Config { reconnect_grace_ms: 600_000, lease_ms: 0, ..Config::default() };
         let mut engine = Engine::new(config);
         let now = 1_000;
@@ -359,56 +361,24 @@ fn a_held_call_failed_by_an_abort_replays_the_abort() {
         engine.open(s0, identity(0), now).expect("open");
         engine.open(s1, identity(1), now).expect("open");
         let b = call(0);
-        if held {
-            engine.handle_calls_from(LINK, &[(s1, 1)], &[s1.0], &b, now);
-        } else {
-            engine.handle(s1, 1, b.clone(), now);
-        }
+        let send = |engine: &mut Engine, now| match held {
+            true => engine.handle_calls_from(LINK, &[(s1, 1)], &[s1.0], &b, now),
+            false => engine.handle(s1, 1, b.clone(), now),
+        };
+        send(&mut engine, now);
         let _ = out(&mut engine);
         engine.close_with(s1, Departure::Unknown, now);
-        engine.handle(s0, 1, Request::Abort { reason: "test".into() }, now);
+        engine.handle(s0, 1, end.clone(), now);
         let first: Vec<Reply> = out(&mut engine).into_iter().filter(|o| o.session == s1).map(|o| o.reply).collect();
-        assert!(matches!(first.as_slice(), [Err(rallypoint_core::OpError::Aborted { .. })]), "{first:?}");
+        let failed = matches!(
+            first.as_slice(),
+            [Err(rallypoint_core::OpError::Aborted { .. } | rallypoint_core::OpError::JobReset { .. })]
+        );
+        assert!(failed, "{end:?}: {first:?}");
         engine.resume(s1, &identity(1), now + 10).expect("resumed");
-        if held {
-            engine.handle_calls_from(LINK, &[(s1, 1)], &[s1.0], &b, now + 10);
-        } else {
-            engine.handle(s1, 1, b.clone(), now + 10);
-        }
+        send(&mut engine, now + 10);
         let copy: Vec<Reply> = out(&mut engine).into_iter().filter(|o| o.session == s1).map(|o| o.reply).collect();
-        assert_eq!(copy, first, "held = {held}: the copy's reply");
-    }
-}
-
-/// The same for a job reset (its generation fails with `JobReset`).
-#[test]
-fn a_held_call_failed_by_a_reset_replays_the_reset() {
-    for held in [false, true] {
-        let config = Config { reconnect_grace_ms: 600_000, lease_ms: 0, ..Config::default() };
-        let mut engine = Engine::new(config);
-        let now = 1_000;
-        let (s0, s1) = (SessionId(1), SessionId(2));
-        engine.open(s0, identity(0), now).expect("open");
-        engine.open(s1, identity(1), now).expect("open");
-        let b = call(0);
-        if held {
-            engine.handle_calls_from(LINK, &[(s1, 1)], &[s1.0], &b, now);
-        } else {
-            engine.handle(s1, 1, b.clone(), now);
-        }
-        let _ = out(&mut engine);
-        engine.close_with(s1, Departure::Unknown, now);
-        engine.handle(s0, 1, Request::Reset { incarnation: 0xbbb }, now);
-        let first: Vec<Reply> = out(&mut engine).into_iter().filter(|o| o.session == s1).map(|o| o.reply).collect();
-        assert!(matches!(first.as_slice(), [Err(rallypoint_core::OpError::JobReset { .. })]), "{first:?}");
-        engine.resume(s1, &identity(1), now + 10).expect("resumed");
-        if held {
-            engine.handle_calls_from(LINK, &[(s1, 1)], &[s1.0], &b, now + 10);
-        } else {
-            engine.handle(s1, 1, b.clone(), now + 10);
-        }
-        let copy: Vec<Reply> = out(&mut engine).into_iter().filter(|o| o.session == s1).map(|o| o.reply).collect();
-        assert_eq!(copy, first, "held = {held}: the copy's reply");
+        assert_eq!(copy, first, "{end:?}, held = {held}: the copy's reply");
     }
 }
 
