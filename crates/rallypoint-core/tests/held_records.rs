@@ -157,6 +157,26 @@ impl Pair {
     }
 }
 
+impl Pair {
+    /// A new process for slot `r` opens a session on both engines: its id if admitted.
+    fn new_process(
+        &mut self,
+        r: u32,
+        process: &mut [u64],
+        next_session: &mut u64,
+        now: Millis,
+    ) -> Result<Option<SessionId>, TestCaseError> {
+        process[r as usize] += 1;
+        let fresh = SessionId(*next_session);
+        *next_session += 1;
+        let who = identity_of(r, process[r as usize]);
+        let a = self.held.open(fresh, who.clone(), now).map(|w| w.session);
+        let b = self.one.open(fresh, who, now).map(|w| w.session);
+        prop_assert_eq!(&a, &b);
+        Ok(a.ok())
+    }
+}
+
 fn unknown(reply: &Reply) -> bool {
     matches!(reply, Err(rallypoint_core::OpError::Closed(m)) if m.contains("no longer kept"))
 }
@@ -270,14 +290,8 @@ fn run_schedule(steps: Vec<Step>, timeouts: bool) -> Result<(), TestCaseError> {
                 pair.one.close_with(s, Departure::ProcessGone, now);
                 check(&mut pair, &mut clients, &sessions, &format!("step {n}: {step:?}"))?;
                 // A new process for the slot.
-                process[*r as usize] += 1;
-                let fresh = SessionId(next_session);
-                next_session += 1;
-                let who = identity_of(*r, process[*r as usize]);
-                let a = pair.held.open(fresh, who.clone(), now).map(|w| w.session);
-                let b = pair.one.open(fresh, who, now).map(|w| w.session);
-                prop_assert_eq!(&a, &b);
-                if a.is_ok() {
+                let fresh = pair.new_process(*r, &mut process, &mut next_session, now)?;
+                if let Some(fresh) = fresh {
                     sessions[*r as usize] = fresh;
                     clients[*r as usize] = Client::default();
                 }
@@ -290,14 +304,8 @@ fn run_schedule(steps: Vec<Step>, timeouts: bool) -> Result<(), TestCaseError> {
                     pair.run(&[(s, client.next_id)], &Request::Leave, now);
                 }
                 check(&mut pair, &mut clients, &sessions, &format!("step {n}: {step:?} (leave)"))?;
-                process[*r as usize] += 1;
-                let fresh = SessionId(next_session);
-                next_session += 1;
-                let who = identity_of(*r, process[*r as usize]);
-                let a = pair.held.open(fresh, who.clone(), now).map(|w| w.session);
-                let b = pair.one.open(fresh, who, now).map(|w| w.session);
-                prop_assert_eq!(&a, &b);
-                if a.is_ok() {
+                let fresh = pair.new_process(*r, &mut process, &mut next_session, now)?;
+                if let Some(fresh) = fresh {
                     // The old session stays open (taken over); its client goes on
                     // making calls no more.
                     sessions.push(s);
