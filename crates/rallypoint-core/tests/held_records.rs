@@ -469,3 +469,37 @@ fn a_resume_does_not_push_a_kept_reply_out_with_the_records_calls() {
         assert_eq!(copy, first, "held = {held}: the add's copy");
     }
 }
+
+/// Rank 1 is held at barrier 'b' (rank 0 has not come), says Leave, and a new
+/// process takes rank 1 over: the old session's call fails with `TakenOver`, its
+/// arrival stays counted, and nobody is blocked in the generation any more. The
+/// status report says what it says when the call was made on its own.
+#[test]
+fn a_generation_whose_held_calls_all_failed_alone_blocks_nobody() {
+    let mut reports = Vec::new();
+    for held in [false, true] {
+        let config = Config { reconnect_grace_ms: 600_000, lease_ms: 0, ..Config::default() };
+        let mut engine = Engine::new(config);
+        let now = 1_000;
+        let (s1, tool, s1_new) = (SessionId(1), SessionId(2), SessionId(3));
+        engine.open(s1, identity(1), now).expect("open");
+        engine.open(tool, identity(6), now).expect("open");
+        match held {
+            true => engine.handle_calls_from(LINK, &[(s1, 1)], &[s1.0], &call(0), now),
+            false => engine.handle(s1, 1, call(0), now),
+        }
+        engine.handle(s1, 2, Request::Leave, now);
+        engine.open(s1_new, identity_of(1, 1), now).expect("a new process takes rank 1 over");
+        let replies = out(&mut engine);
+        let taken = replies.iter().any(|o| {
+            o.session == s1 && o.request_id == 1 && matches!(o.reply, Err(rallypoint_core::OpError::TakenOver { .. }))
+        });
+        assert!(taken, "held = {held}: {replies:?}");
+        engine.handle(tool, 1, Request::Status, now);
+        let report = out(&mut engine).into_iter().find(|o| o.session == tool).map(|o| o.reply);
+        let Some(Ok(Response::Value(report))) = report else { panic!("held = {held}: no status report") };
+        reports.push(String::from_utf8_lossy(&report).into_owned());
+    }
+    assert!(!reports[0].contains("waiting: barrier 'b'"), "{}", reports[0]);
+    assert_eq!(reports[0], reports[1], "the status report, one at a time and held");
+}

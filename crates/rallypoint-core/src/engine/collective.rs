@@ -724,9 +724,10 @@ impl Generation {
         record.sessions.push(session);
     }
 
-    /// Whether anybody waits for its release.
+    /// Whether anybody waits for its release (a record whose sessions all failed
+    /// alone holds nobody).
     fn blocks(&self) -> bool {
-        !self.waiters.is_empty() || !self.records.is_empty()
+        !self.waiters.is_empty() || self.records.iter().any(|record| !record.calls.is_empty())
     }
 
     /// Who the generation still waits for: a broadcast, only its root.
