@@ -516,20 +516,13 @@ impl Shared {
                     if !resumed.is_empty() {
                         // As for a request: the calls of the sub-session left go, and
                         // those of the one resuming are the session's.
-                        let left: Vec<bool> =
-                            calls.iter().map(|(session, _)| resumed.iter().any(|(_, t)| t == session)).collect();
-                        let (mut c, mut r) = (left.iter(), left.iter());
-                        calls.retain(|_| !c.next().copied().unwrap_or(false));
-                        routes.retain(|_| !r.next().copied().unwrap_or(false));
+                        retain_calls(&mut calls, &mut routes, |session| resumed.iter().all(|(_, t)| *t != session));
                         for (session, _) in &mut calls {
                             *session = resumed.iter().find(|(sub, _)| sub == session).map_or(*session, |(_, s)| *s);
                         }
                     }
                     if outbox.lost_any() {
-                        let carried: Vec<bool> = calls.iter().map(|&(session, _)| carried(&state, session)).collect();
-                        let (mut c, mut r) = (carried.iter(), carried.iter());
-                        calls.retain(|_| c.next().copied().unwrap_or(true));
-                        routes.retain(|_| r.next().copied().unwrap_or(true));
+                        retain_calls(&mut calls, &mut routes, |session| carried(&state, session));
                     }
                     state.engine.handle_calls_from(outbox.link(), &calls, &routes, &request, now);
                 }
@@ -768,16 +761,8 @@ fn dispatch(state: &mut State, mut caller: Option<(SessionId, Immediate<'_>)>) {
                 routed.push(Routed { route: *route, request_id: out.request_id, reply: out.reply });
             }
             Some(Sink::Agent(outbox, sub)) => {
-                // A release's replies come in runs of one agent's ranks: look at the last first.
-                let (sub, id, reply) = (*sub, out.request_id, out.reply);
-                match agents.iter_mut().rev().find(|(agent, _)| Arc::ptr_eq(agent, outbox)) {
-                    Some((_, replies)) => replies.push(sub, id, reply),
-                    None => {
-                        let mut replies = AgentReplies::with_room(outgoing.len() + 1);
-                        replies.push(sub, id, reply);
-                        agents.push((Arc::clone(outbox), replies));
-                    }
-                }
+                let room = outgoing.len() + 1;
+                replies_for(&mut agents, outbox, room).push(*sub, out.request_id, out.reply);
             }
             None => {}
         }
@@ -810,14 +795,7 @@ fn release_records(
     for record in records {
         match links.get(&record.link.id) {
             Some(outbox) if outbox.routes_hold(record.link) => {
-                match agents.iter_mut().rev().find(|(agent, _)| Arc::ptr_eq(agent, outbox)) {
-                    Some((_, replies)) => replies.push_released(&record.calls),
-                    None => {
-                        let mut replies = AgentReplies::with_room(record.calls.len());
-                        replies.push_released(&record.calls);
-                        agents.push((Arc::clone(outbox), replies));
-                    }
-                }
+                replies_for(agents, outbox, record.calls.len()).push_released(&record.calls);
             }
             // A session moved off the agent since the calls came, or the agent is
             // gone (and the sessions it carried with it).
@@ -839,20 +817,43 @@ fn reroute(
             Some(Sink::Reactor(_, route)) => {
                 routed.push(Routed { route: *route, request_id: id, reply: Ok(Response::Done) });
             }
-            Some(Sink::Agent(agent, sub)) => match agents.iter_mut().rev().find(|(a, _)| Arc::ptr_eq(a, agent)) {
-                Some((_, replies)) => replies.push(*sub, id, Ok(Response::Done)),
-                None => agents.push((Arc::clone(agent), released_to(*sub, id))),
-            },
+            Some(Sink::Agent(agent, sub)) => replies_for(agents, agent, 1).push(*sub, id, Ok(Response::Done)),
             None => {}
         }
     }
 }
 
-/// `Done` to one call of an agent.
-fn released_to(sub: u64, id: u64) -> AgentReplies {
-    let mut replies = AgentReplies::with_room(1);
-    replies.push(sub, id, Ok(Response::Done));
-    replies
+/// Keeps the calls whose session `keep` takes, with their routes (`routes[i]` is
+/// the route of `calls[i]`), in order.
+fn retain_calls(calls: &mut Vec<(SessionId, u64)>, routes: &mut Vec<u64>, keep: impl Fn(SessionId) -> bool) {
+    let mut kept = 0;
+    for at in 0..calls.len().min(routes.len()) {
+        if keep(calls[at].0) {
+            calls.swap(kept, at);
+            routes.swap(kept, at);
+            kept += 1;
+        }
+    }
+    calls.truncate(kept);
+    routes.truncate(kept);
+}
+
+/// The replies gathered for `outbox` in this dispatch, with room for `room` if there
+/// were none yet. A release's replies come in runs of one agent's ranks: the last
+/// agent is looked at first.
+fn replies_for<'a>(
+    agents: &'a mut Vec<(Arc<AgentOutbox>, AgentReplies)>,
+    outbox: &Arc<AgentOutbox>,
+    room: usize,
+) -> &'a mut AgentReplies {
+    let at = match agents.iter().rposition(|(agent, _)| Arc::ptr_eq(agent, outbox)) {
+        Some(at) => at,
+        None => {
+            agents.push((Arc::clone(outbox), AgentReplies::with_room(room)));
+            agents.len() - 1
+        }
+    };
+    &mut agents[at].1
 }
 
 #[cfg(test)]
