@@ -144,14 +144,10 @@ impl Arrivals {
         match self {
             Arrivals::Dense { arrived, count, values, world } => {
                 let at = rank as usize;
-                let Some(word) = arrived.get_mut(at / 64).filter(|_| at < *world) else { return };
-                let bit = 1 << (at % 64);
-                if *word & bit == 0 {
-                    *word |= bit;
-                    *count += 1;
-                }
-                if let Some(slot) = values.get_mut(at) {
-                    *slot = None;
+                if mark(arrived, count, *world, at) {
+                    if let Some(slot) = values.get_mut(at) {
+                        *slot = None;
+                    }
                 }
             }
             Arrivals::Sparse(map) => {
@@ -164,14 +160,8 @@ impl Arrivals {
         match self {
             Arrivals::Dense { arrived, count, values, world } => {
                 let rank = rank as usize;
-                if rank >= *world {
+                if !mark(arrived, count, *world, rank) {
                     return;
-                }
-                let word = &mut arrived[rank / 64];
-                let bit = 1 << (rank % 64);
-                if *word & bit == 0 {
-                    *word |= bit;
-                    *count += 1;
                 }
                 if !value.is_empty() && values.is_empty() {
                     *values = vec![None; *world];
@@ -202,6 +192,18 @@ impl Arrivals {
             }
         }
     }
+}
+
+/// Marks rank `at` arrived in a dense set of `world` ranks, counting it once;
+/// false (nothing marked) past the world.
+fn mark(arrived: &mut [u64], count: &mut usize, world: usize, at: usize) -> bool {
+    let Some(word) = arrived.get_mut(at / 64).filter(|_| at < world) else { return false };
+    let bit = 1 << (at % 64);
+    if *word & bit == 0 {
+        *word |= bit;
+        *count += 1;
+    }
+    true
 }
 
 #[cfg(test)]
