@@ -721,7 +721,8 @@ impl Engine {
         let mut job = None;
         for (i, &(session, request_id)) in calls.iter().enumerate() {
             let route = routes.get(i).copied().unwrap_or_default();
-            self.settle_made();
+            // It reads no kept reply: nothing to settle first (`gate` and
+            // `hold_stretch` do, for what they read).
             let gated = self.gate_held(session, request_id, request, now);
             if let Some((Caller { rank: Some(rank), world_size: Some(world_size), torch, keep, .. }, of)) = gated {
                 if job.is_some_and(|job| job != of) {
