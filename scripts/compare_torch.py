@@ -142,8 +142,9 @@ def report(path):
     if direct_ns:
         out += ["### Direct connections: barrier round vs the kernel's floor (range of the runs' medians)", "",
                 "| N | floor | torch BARRIER on torch | rallypoint TCPStore BARRIER | rallypoint native "
-                "| native: torch ÷ native | native ÷ floor | CPU µs per rank-round, native: server / load |",
-                "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                "| native: torch ÷ native | native ÷ floor | CPU µs per rank-round, native: server / load "
+                "| native, bare client | torch ÷ bare | CPU, bare: server / load |",
+                "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
         def span(xs):
             if not xs:
@@ -157,12 +158,20 @@ def report(path):
             rb = [x["median_us"] for x in pick("direct-barrier", "rallypoint", n)]
             nat = pick("direct-native", "rallypoint", n)
             nb = [x["median_us"] for x in nat]
-            cpu = " ; ".join(f"{x.get('server_cpu_us_per_rank_round') or 0:.2f} / "
-                             f"{x.get('client_cpu_us_per_rank_round') or 0:.2f}" for x in nat)
+            bare = pick("direct-native-bare", "rallypoint", n)
+            bb = [x["median_us"] for x in bare]
+
+            def cpu(xs):
+                return " ; ".join(f"{x.get('server_cpu_us_per_rank_round') or 0:.2f} / "
+                                  f"{x.get('client_cpu_us_per_rank_round') or 0:.2f}" for x in xs) or "—"
+
             out.append(f"| {n:,} | {span(fl)} | {span(tb)} | {span(rb)} | {span(nb)} "
-                       f"| {ratio(med(tb), med(nb))} | {ratio(med(nb), med(fl))} | {cpu} |")
+                       f"| {ratio(med(tb), med(nb))} | {ratio(med(nb), med(fl))} | {cpu(nat)} "
+                       f"| {span(bb)} | {ratio(med(tb), med(bb)) if bb else '—'} | {cpu(bare)} |")
         out += ["", "(ratios of the medians over runs; target: torch ÷ native ≥ 1.0×, native ÷ floor ≤ 1.1×, "
-                "and the load generator's CPU below the server's)", ""]
+                "and the load generator's CPU below the server's. The bare client speaks the native protocol "
+                "without the client library, as the TCPStore load speaks torch's: what the library costs "
+                "is the difference)", ""]
     ag_t, ag_r = pick("synchronize", "torch"), pick("all-gather", "rallypoint")
     if ag_t and ag_r:
         t, r = ag_t[0], ag_r[0]

@@ -16,10 +16,11 @@ use rallypoint_client::{blocking, Client, Identity, Members};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
+use crate::bare::BareConn;
 use crate::tcpstore::{self, StoreConn};
 use crate::{
-    close_all, connect_many, ensure_fds, floor, mono_ns, on_target, options, print_report, process_cpu_ns, round_stats,
-    run_rounds, wake_floor, BarrierRound, Protocol, Round, Sources, Target, Times,
+    close_all, connect_bounded, connect_many, ensure_fds, floor, mono_ns, on_target, options, print_report,
+    process_cpu_ns, round_stats, run_rounds, wake_floor, BarrierRound, Protocol, Round, Sources, Target, Times,
 };
 
 #[derive(clap::Args, Debug)]
@@ -69,6 +70,12 @@ pub struct Args {
     /// they fit in 90 % of the ephemeral port range), 0 = never bind. `--protocol tcpstore` only
     #[arg(long, value_name = "K")]
     src_addrs: Option<u32>,
+    /// Native clients speak the protocol directly, one task per socket and a buffer,
+    /// without the client library (as the TCPStore load speaks torch's): what the
+    /// library costs per call is the difference from the same run without it.
+    /// Barrier rounds from one process only
+    #[arg(long)]
+    bare: bool,
     /// Native clients are the blocking client, each on its own thread (as a rank
     /// process using the Python package has it), instead of async tasks; needs `--procs`
     #[arg(long)]
@@ -110,6 +117,8 @@ struct Report {
     warmup_rounds: u32,
     /// Native clients were blocking clients on threads of their own.
     blocking: bool,
+    /// Native clients spoke the protocol directly, without the client library.
+    bare: bool,
     #[serde(flatten)]
     round: Times,
     connect_ms: f64,
@@ -164,6 +173,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if args.blocking && (args.protocol != Protocol::Native || args.procs == 1) {
         bail!("--blocking is for native clients spread over --procs processes");
     }
+    if args.bare && (args.protocol != Protocol::Native || args.procs > 1 || args.op != Op::Barrier) {
+        bail!("--bare is for native barrier rounds from one process (no --procs, --op barrier)");
+    }
     if let Some(shard) = args.shard {
         return run_shard(&args, shard, sources).await;
     }
@@ -181,6 +193,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 /// The clients of one load-generator process.
 enum Clients {
     Native(Vec<Client>),
+    Bare(Vec<BareConn>),
     Store(Vec<StoreConn>),
 }
 
@@ -188,6 +201,7 @@ impl Clients {
     fn extend(&mut self, more: Clients) {
         match (self, more) {
             (Clients::Native(a), Clients::Native(b)) => a.extend(b),
+            (Clients::Bare(a), Clients::Bare(b)) => a.extend(b),
             (Clients::Store(a), Clients::Store(b)) => a.extend(b),
             _ => unreachable!("one process speaks one protocol"),
         }
@@ -198,6 +212,8 @@ impl Clients {
             Clients::Native(clients) => close_all(clients).await,
             // A TCPStore client just disconnects: torch's never says goodbye either.
             Clients::Store(conns) => drop(conns),
+            // As a killed rank would; the job is this run's alone.
+            Clients::Bare(conns) => drop(conns),
         }
     }
 }
@@ -215,6 +231,22 @@ impl Setup<'_> {
     async fn connect(&self, ranks: Range<u32>) -> anyhow::Result<Clients> {
         let n = self.args.clients;
         Ok(match self.args.protocol {
+            Protocol::Native if self.args.bare => {
+                let addr = tcpstore::resolve(self.addr)?;
+                let timeout = self.timeout;
+                Clients::Bare(
+                    connect_bounded(ranks, |rank| {
+                        let identity = Identity::ranked(self.job, rank, n);
+                        async move {
+                            match tokio::time::timeout(timeout, BareConn::connect(addr, identity)).await {
+                                Ok(conn) => conn.with_context(|| format!("connecting bare native client {rank}")),
+                                Err(_) => bail!("connecting bare native client {rank}: no answer within {timeout:?}"),
+                            }
+                        }
+                    })
+                    .await?,
+                )
+            }
             Protocol::Native => Clients::Native(
                 connect_many(ranks, |rank| options(self.addr, Identity::ranked(self.job, rank, n), self.timeout))
                     .await?,
@@ -240,6 +272,10 @@ impl Setup<'_> {
                 };
                 (Clients::Native(clients), ends)
             }
+            Clients::Bare(conns) => {
+                let (conns, ends) = run_rounds(conns, total, Arc::new(BareRound { name: "bench", timeout })).await;
+                (Clients::Bare(conns), ends)
+            }
             Clients::Store(conns) => {
                 // BARRIER's counter never resets: every round needs its own key.
                 let round = StoreRound { prefix: format!("/rpbench/{}/", self.job), op, n, timeout };
@@ -247,6 +283,18 @@ impl Setup<'_> {
                 (Clients::Store(conns), ends)
             }
         }
+    }
+}
+
+/// Each round is one native barrier `name` of the whole job, spoken directly.
+struct BareRound {
+    name: &'static str,
+    timeout: Duration,
+}
+
+impl Round<BareConn> for BareRound {
+    async fn round(&self, conn: &mut BareConn, _: usize) -> anyhow::Result<()> {
+        conn.barrier(self.name, self.timeout).await
     }
 }
 
@@ -379,6 +427,7 @@ fn report(
         rounds: args.rounds,
         warmup_rounds: args.warmup,
         blocking: args.blocking,
+        bare: args.bare,
         round: stats.times,
         connect_ms,
         server_rss_one_conn_bytes: one,
@@ -598,6 +647,7 @@ fn floor_report(args: &Args, op: Op, round: Times, connect_ms: f64) -> Report {
     Report {
         op,
         blocking: false,
+        bare: false,
         protocol: None,
         clients: if op == Op::WakeFloor { args.procs } else { args.clients },
         procs: if op == Op::WakeFloor { args.procs } else { 1 },

@@ -8,6 +8,7 @@
 
 mod all_gather;
 mod attack;
+mod bare;
 mod barrier;
 mod floor;
 mod handshake;
@@ -437,27 +438,41 @@ fn ensure_fds(needed: u64) -> anyhow::Result<()> {
 /// `options(id)`, a bounded number at a time so the listen backlog never
 /// overflows. Returns them in no set order.
 async fn connect_many(ids: Range<u32>, options: impl Fn(u32) -> ConnectOptions) -> anyhow::Result<Vec<Client>> {
+    connect_bounded(ids, |i| {
+        let options = options(i);
+        async move { Client::connect_with(options).await.with_context(|| format!("connecting client {i}")) }
+    })
+    .await
+}
+
+/// Connects one client per index in `ids` with `connect`, a bounded number at a
+/// time so that the listen backlog never overflows; stops at the first failure.
+async fn connect_bounded<T, F>(ids: Range<u32>, connect: impl Fn(u32) -> F) -> anyhow::Result<Vec<T>>
+where
+    T: Send + 'static,
+    F: Future<Output = anyhow::Result<T>> + Send + 'static,
+{
     const IN_FLIGHT: usize = 256;
     let slots = Arc::new(Semaphore::new(IN_FLIGHT));
     let mut connecting = JoinSet::new();
-    let mut clients = Vec::with_capacity(ids.len());
+    let mut conns = Vec::with_capacity(ids.len());
     for i in ids {
         let slot = Arc::clone(&slots).acquire_owned().await?;
-        let options = options(i);
+        let connected = connect(i);
         connecting.spawn(async move {
-            let client = Client::connect_with(options).await;
+            let connected = connected.await;
             drop(slot);
-            client.with_context(|| format!("connecting client {i}"))
+            connected
         });
         // Collect as we go so that a failure stops the loop early.
         while let Some(connected) = connecting.try_join_next() {
-            clients.push(connected??);
+            conns.push(connected??);
         }
     }
     while let Some(connected) = connecting.join_next().await {
-        clients.push(connected??);
+        conns.push(connected??);
     }
-    Ok(clients)
+    Ok(conns)
 }
 
 /// Options for a client of `addr` with `identity` and `timeout`.

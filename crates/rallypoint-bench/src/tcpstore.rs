@@ -6,7 +6,6 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::ops::Range;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, ensure, Context};
@@ -14,8 +13,6 @@ use bytes::{Bytes, BytesMut};
 use rallypoint_proto::tcpstore::{encode_command, Command, VALIDATE_MAGIC};
 use tokio::io::{AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::TcpStream;
-use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
 
 use crate::Sources;
 
@@ -202,35 +199,21 @@ pub fn resolve(addr: &str) -> anyhow::Result<SocketAddr> {
 }
 
 /// Connects one client per index in `ids` (from its source address), a bounded
-/// number at a time so the listen backlog never overflows; each within `timeout`.
+/// number at a time (see [`crate::connect_bounded`]); each within `timeout`.
 pub async fn connect_many(
     addr: SocketAddr,
     ids: Range<u32>,
     sources: Sources,
     timeout: Duration,
 ) -> anyhow::Result<Vec<StoreConn>> {
-    const IN_FLIGHT: usize = 256;
-    let slots = Arc::new(Semaphore::new(IN_FLIGHT));
-    let mut connecting = JoinSet::new();
-    let mut conns = Vec::with_capacity(ids.len());
-    for i in ids {
-        let slot = Arc::clone(&slots).acquire_owned().await?;
+    crate::connect_bounded(ids, |i| {
         let source = sources.of(i);
-        connecting.spawn(async move {
-            let conn = tokio::time::timeout(timeout, StoreConn::connect(addr, source)).await;
-            drop(slot);
-            match conn {
+        async move {
+            match tokio::time::timeout(timeout, StoreConn::connect(addr, source)).await {
                 Ok(conn) => conn.with_context(|| format!("connecting TCPStore client {i} from {source:?}")),
                 Err(_) => Err(anyhow::anyhow!("connecting TCPStore client {i}: no answer within {timeout:?}")),
             }
-        });
-        // Collect as we go so that a failure stops the loop early.
-        while let Some(connected) = connecting.try_join_next() {
-            conns.push(connected??);
         }
-    }
-    while let Some(connected) = connecting.join_next().await {
-        conns.push(connected??);
-    }
-    Ok(conns)
+    })
+    .await
 }

@@ -1,0 +1,91 @@
+//! `bench barrier --bare`: rallypoint's native barrier spoken directly, without the
+//! client library: one task per socket with its own buffers, one request in flight,
+//! no reply slots, no connection task, no heartbeats, no resume. It is what the
+//! benchmark's TCPStore load is to torch's protocol, so the two protocols are
+//! compared on equal terms, and what the client library costs per call shows as
+//! the difference between this load and `--protocol native`.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use bytes::BytesMut;
+use rallypoint_client::{Identity, Members};
+use rallypoint_core::{Request, Response};
+use rallypoint_proto::native::{
+    decode_server_frame, encode_client_frame, encode_preamble, ClientFrame, FrameLimits, ServerFrame,
+};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::connect_tcp;
+
+/// One native connection that has been welcomed.
+pub struct BareConn {
+    stream: TcpStream,
+    /// Bytes read and not decoded yet.
+    read: BytesMut,
+    /// The frame being written.
+    out: BytesMut,
+    next_id: u64,
+}
+
+impl BareConn {
+    /// Connects and says hello as `identity`; returns once welcomed.
+    pub async fn connect(addr: SocketAddr, identity: Identity) -> anyhow::Result<BareConn> {
+        let stream = connect_tcp(addr, None).await?;
+        let mut conn = BareConn { stream, read: BytesMut::with_capacity(256), out: BytesMut::new(), next_id: 1 };
+        encode_preamble(&mut conn.out);
+        encode_client_frame(&ClientFrame::Hello(identity), &mut conn.out);
+        conn.flush().await?;
+        match conn.frame().await? {
+            ServerFrame::Welcome(_) => Ok(conn),
+            ServerFrame::Refused(error) => bail!("refused: {error}"),
+            other => bail!("expected a welcome, got {}", describe(&other)),
+        }
+    }
+
+    async fn flush(&mut self) -> anyhow::Result<()> {
+        self.stream.write_all(&self.out).await?;
+        self.out.clear();
+        Ok(())
+    }
+
+    /// The next whole frame from the coordinator.
+    async fn frame(&mut self) -> anyhow::Result<ServerFrame> {
+        loop {
+            if let Some(frame) = decode_server_frame(&mut self.read, &FrameLimits::unbounded())? {
+                return Ok(frame);
+            }
+            if self.stream.read_buf(&mut self.read).await.context("reading from the coordinator")? == 0 {
+                bail!("the coordinator closed the connection");
+            }
+        }
+    }
+
+    /// One barrier `name` of the whole job; the coordinator gives up on it after `timeout`.
+    pub async fn barrier(&mut self, name: &str, timeout: Duration) -> anyhow::Result<()> {
+        let id = self.next_id;
+        self.next_id += 1;
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        let request = Request::Barrier { name: name.to_owned(), members: Members::World, timeout_ms: Some(timeout_ms) };
+        encode_client_frame(&ClientFrame::Request { id, request }, &mut self.out);
+        self.flush().await?;
+        match self.frame().await? {
+            ServerFrame::Reply { id: replied, reply } if replied == id => match reply? {
+                Response::Done => Ok(()),
+                other => bail!("unexpected reply to barrier: {other:?}"),
+            },
+            other => bail!("expected the reply to request {id}, got {}", describe(&other)),
+        }
+    }
+}
+
+fn describe(frame: &ServerFrame) -> String {
+    match frame {
+        ServerFrame::Reply { id, .. } => format!("the reply to request {id}"),
+        ServerFrame::Welcome(_) => "a welcome".to_owned(),
+        ServerFrame::Refused(error) => format!("a refusal ({error})"),
+        _ => "a frame this client never asked for".to_owned(),
+    }
+}
