@@ -3,14 +3,16 @@
 //! no reply slots, no connection task, no heartbeats, no resume. It is what the
 //! benchmark's TCPStore load is to torch's protocol, so the two protocols are
 //! compared on equal terms, and what the client library costs per call shows as
-//! the difference between this load and `--protocol native`.
+//! the difference between this load and `--protocol native`. It says the hello the
+//! library says (host, pid, incarnation), so the coordinator keeps for its calls
+//! what it keeps for the library's: only the client's side differs.
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 
 use anyhow::{bail, Context};
 use bytes::BytesMut;
-use rallypoint_client::{Identity, Members};
+use rallypoint_client::{process_incarnation, Identity, Members};
 use rallypoint_core::{Request, Response};
 use rallypoint_proto::native::{
     decode_server_frame, encode_client_frame, encode_preamble, ClientFrame, FrameLimits, ServerFrame,
@@ -31,9 +33,14 @@ pub struct BareConn {
 }
 
 impl BareConn {
-    /// Connects and says hello as `identity`; returns once welcomed.
-    pub async fn connect(addr: SocketAddr, identity: Identity) -> anyhow::Result<BareConn> {
-        let stream = connect_tcp(addr, None).await?;
+    /// Connects (from `source`, if given) and says hello as `identity`, with this
+    /// host, pid and process incarnation as the client library fills them in; returns
+    /// once welcomed.
+    pub async fn connect(addr: SocketAddr, source: Option<IpAddr>, mut identity: Identity) -> anyhow::Result<BareConn> {
+        identity.host = rallypoint_net::hostname();
+        identity.pid = std::process::id();
+        identity.incarnation = Some(process_incarnation());
+        let stream = connect_tcp(addr, source).await?;
         let mut conn = BareConn { stream, read: BytesMut::with_capacity(256), out: BytesMut::new(), next_id: 1 };
         encode_preamble(&mut conn.out);
         encode_client_frame(&ClientFrame::Hello(identity), &mut conn.out);

@@ -67,13 +67,13 @@ pub struct Args {
     procs: u32,
     /// Loopback source addresses to bind clients to (127.0.0.2, 127.0.0.3, ...), each
     /// with its own ephemeral ports; default: as many as the clients need (none while
-    /// they fit in 90 % of the ephemeral port range), 0 = never bind. `--protocol tcpstore` only
+    /// they fit in 90 % of the ephemeral port range), 0 = never bind. `--protocol tcpstore` or `--bare` only
     #[arg(long, value_name = "K")]
     src_addrs: Option<u32>,
-    /// Native clients speak the protocol directly, one task per socket and a buffer,
-    /// without the client library (as the TCPStore load speaks torch's): what the
-    /// library costs per call is the difference from the same run without it.
-    /// Barrier rounds from one process only
+    /// Native barrier clients without the client library: one task and its buffers
+    /// per socket, no heartbeats (rounds must come within the coordinator's lease), no
+    /// resume, no leave. The baseline for what the library costs per call: compare
+    /// with the same run without `--bare`. Native protocol, `--op barrier`, one process
     #[arg(long)]
     bare: bool,
     /// Native clients are the blocking client, each on its own thread (as a rank
@@ -153,6 +153,9 @@ struct ShardReport {
 const READY: &str = "ready";
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    if args.bare && (args.protocol != Protocol::Native || args.procs > 1 || args.op != Op::Barrier) {
+        bail!("--bare is for native barrier rounds from one process (no --procs, --op barrier)");
+    }
     if args.op == Op::Floor {
         return run_floor(&args).await;
     }
@@ -160,10 +163,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         return run_wake_floor(&args).await;
     }
     let sources = Sources::plan(args.src_addrs, args.clients);
-    if args.protocol == Protocol::Native && sources.addrs > 0 {
+    if args.protocol == Protocol::Native && !args.bare && sources.addrs > 0 {
         bail!(
             "{} clients need {} source addresses, which the native client library cannot bind; \
-             use --protocol tcpstore",
+             use --protocol tcpstore or --bare",
             args.clients,
             sources.addrs
         );
@@ -172,9 +175,6 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     ensure_fds(u64::from(args.clients.div_ceil(args.procs)) + 64)?;
     if args.blocking && (args.protocol != Protocol::Native || args.procs == 1) {
         bail!("--blocking is for native clients spread over --procs processes");
-    }
-    if args.bare && (args.protocol != Protocol::Native || args.procs > 1 || args.op != Op::Barrier) {
-        bail!("--bare is for native barrier rounds from one process (no --procs, --op barrier)");
     }
     if let Some(shard) = args.shard {
         return run_shard(&args, shard, sources).await;
@@ -236,9 +236,9 @@ impl Setup<'_> {
                 let timeout = self.timeout;
                 Clients::Bare(
                     connect_bounded(ranks, |rank| {
-                        let identity = Identity::ranked(self.job, rank, n);
+                        let (identity, source) = (Identity::ranked(self.job, rank, n), self.sources.of(rank));
                         async move {
-                            match tokio::time::timeout(timeout, BareConn::connect(addr, identity)).await {
+                            match tokio::time::timeout(timeout, BareConn::connect(addr, source, identity)).await {
                                 Ok(conn) => conn.with_context(|| format!("connecting bare native client {rank}")),
                                 Err(_) => bail!("connecting bare native client {rank}: no answer within {timeout:?}"),
                             }
@@ -273,8 +273,17 @@ impl Setup<'_> {
                 (Clients::Native(clients), ends)
             }
             Clients::Bare(conns) => {
-                let (conns, ends) = run_rounds(conns, total, Arc::new(BareRound { name: "bench", timeout })).await;
-                (Clients::Bare(conns), ends)
+                // The coordinator answers each round by the barrier's timeout. Should it
+                // not, the whole run is bounded here rather than each call by a timer of
+                // its own, which would cost every call a timer the library does not pay.
+                let limit = (timeout + Duration::from_secs(5)) * (self.args.warmup + self.args.rounds);
+                let rounds = run_rounds(conns, total, Arc::new(BareRound { name: "bench", timeout }));
+                match tokio::time::timeout(limit, rounds).await {
+                    Ok((conns, ends)) => (Clients::Bare(conns), ends),
+                    Err(_) => {
+                        (Clients::Bare(Vec::new()), Err(anyhow::anyhow!("the rounds did not end within {limit:?}")))
+                    }
+                }
             }
             Clients::Store(conns) => {
                 // BARRIER's counter never resets: every round needs its own key.

@@ -63,20 +63,19 @@ fn barrier_of_4096_native_clients() {
     assert!(report["median_us"].as_f64().is_some_and(|us| us > 0.0), "{report}");
 }
 
-/// The native barrier spoken without the client library (`--bare`): every round
-/// released, and the report says which client ran.
+/// The native barrier spoken without the client library (`--bare`): the run succeeds
+/// only if every round was released, and the report says which client ran.
 #[test]
 fn a_bare_native_barrier_runs_every_round() {
     let report = bench(&["barrier", "--bare", "--clients", "256", "--rounds", "20", "--warmup", "2"]);
     assert_eq!((report["bare"].as_bool(), report["clients"].as_u64()), (Some(true), Some(256)), "{report}");
-    assert_eq!(report["rounds"].as_u64(), Some(20), "{report}");
     assert!(report["median_us"].as_f64().is_some_and(|us| us > 0.0), "{report}");
 }
 
 /// `--bare` is the native barrier from one process: anything else is refused by name.
 #[test]
 fn bare_clients_refuse_what_they_cannot_run() {
-    for extra in [&["--protocol", "tcpstore"][..], &["--op", "ping"], &["--procs", "2"]] {
+    for extra in [&["--protocol", "tcpstore"][..], &["--op", "ping"], &["--op", "floor"], &["--procs", "2"]] {
         let out = Command::new(BIN)
             .args(["barrier", "--bare", "--clients", "4", "--rounds", "1"])
             .args(extra)
