@@ -70,21 +70,32 @@ impl BareConn {
         }
     }
 
-    /// One barrier `name` of the whole job; the coordinator gives up on it after `timeout`.
-    pub async fn barrier(&mut self, name: &str, timeout: Duration) -> anyhow::Result<()> {
-        let id = self.next_id;
+    /// Sends `request` and waits for its reply, which must be `Done`.
+    async fn call(&mut self, request: Request) -> anyhow::Result<()> {
+        let (id, what) = (self.next_id, request.name());
         self.next_id += 1;
-        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        let request = Request::Barrier { name: name.to_owned(), members: Members::World, timeout_ms: Some(timeout_ms) };
         encode_client_frame(&ClientFrame::Request { id, request }, &mut self.out);
         self.flush().await?;
         match self.frame().await? {
             ServerFrame::Reply { id: replied, reply } if replied == id => match reply? {
                 Response::Done => Ok(()),
-                other => bail!("unexpected reply to barrier: {other:?}"),
+                other => bail!("unexpected reply to {what}: {other:?}"),
             },
             other => bail!("expected the reply to request {id}, got {}", describe(&other)),
         }
+    }
+
+    /// One barrier `name` of the whole job; the coordinator gives up on it after `timeout`.
+    pub async fn barrier(&mut self, name: &str, timeout: Duration) -> anyhow::Result<()> {
+        let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        self.call(Request::Barrier { name: name.to_owned(), members: Members::World, timeout_ms: Some(timeout_ms) })
+            .await
+    }
+
+    /// Leaves as a closed client does, so that the coordinator does not count the
+    /// rank as lost (and does that work while the next benchmark runs).
+    pub async fn leave(mut self) -> anyhow::Result<()> {
+        self.call(Request::Leave).await
     }
 }
 

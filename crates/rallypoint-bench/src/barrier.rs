@@ -15,6 +15,7 @@ use anyhow::{bail, ensure, Context};
 use rallypoint_client::{blocking, Client, Identity, Members};
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::task::JoinSet;
 
 use crate::bare::BareConn;
 use crate::tcpstore::{self, StoreConn};
@@ -72,7 +73,7 @@ pub struct Args {
     src_addrs: Option<u32>,
     /// Native barrier clients without the client library: one task and its buffers
     /// per socket, no heartbeats (rounds must come within the coordinator's lease), no
-    /// resume, no leave. The baseline for what the library costs per call: compare
+    /// resume. The baseline for what the library costs per call: compare
     /// with the same run without `--bare`. Native protocol, `--op barrier`, one process
     #[arg(long)]
     bare: bool,
@@ -212,8 +213,12 @@ impl Clients {
             Clients::Native(clients) => close_all(clients).await,
             // A TCPStore client just disconnects: torch's never says goodbye either.
             Clients::Store(conns) => drop(conns),
-            // As a killed rank would; the job is this run's alone.
-            Clients::Bare(conns) => drop(conns),
+            Clients::Bare(conns) => {
+                // Concurrently, as the library's clients close. A failed leave only
+                // leaves a rank for the coordinator to count as lost.
+                let mut leaving: JoinSet<_> = conns.into_iter().map(BareConn::leave).collect();
+                while leaving.join_next().await.is_some() {}
+            }
         }
     }
 }
