@@ -191,9 +191,13 @@ mod tests {
             std::fs::create_dir(&dir).expect("socket directory");
             dir
         };
-        // Killed launcher: pid gone, socket file left, nobody listening.
+        // Killed launcher: pid gone, socket file left, nobody listening. Bound without
+        // listening: a listener closed here would still answer while a child that
+        // another test spawns meanwhile holds a copy of it, until that child execs.
         let stale = make(format!("{DIR_PREFIX}{dead}-a0"));
-        drop(UnixListener::bind(stale.join("agent.sock")).expect("bind"));
+        let socket = socket2::Socket::new(socket2::Domain::UNIX, socket2::Type::STREAM, None).expect("socket");
+        socket.bind(&socket2::SockAddr::unix(stale.join("agent.sock")).expect("address")).expect("bind");
+        drop(socket);
         // Pid gone (as seen from here) but its agent still answers: kept.
         let answering = make(format!("{DIR_PREFIX}{dead}-b0"));
         let _listener = UnixListener::bind(answering.join("agent.sock")).expect("bind");
