@@ -1,12 +1,16 @@
 //! `rallypoint bench barrier --op floor`: what the kernel alone costs for a barrier
 //! round with one TCP connection per rank, measured in the same run as the barriers
-//! it bounds. No coordinator, no runtime, no client library, no protocol: one thread
-//! holds N blocking connections and writes a 16-byte arrival on each; a server
-//! thread (in a child process, so that each side has its own file-descriptor limit,
-//! as a coordinator and its load generator do) reads them all through epoll, one
-//! read per ready connection, and once all N arrived writes a 16-byte release on
-//! each; the client thread reads the N releases in order. A barrier that keeps one
+//! it bounds. No coordinator, no runtime, no client library, no protocol: a client
+//! thread per core (as the load generators have a worker per core) holds its share
+//! of N connections and writes a 16-byte arrival on each; a server thread (in a child
+//! process, so that each side has its own file-descriptor limit, as a coordinator and
+//! its load generator do) reads them all through epoll, one read per ready
+//! connection, and once all N arrived writes a 16-byte release on each; each client
+//! thread reads its releases through epoll, as they come. A barrier that keeps one
 //! connection per rank sends these 2N messages, and nothing it does can take less.
+//! (The floor's first client, one thread reading the releases in order with blocking
+//! reads, slept on every release not yet written and sent every arrival alone: it ran
+//! slower than torch's server, and so bounded nothing.)
 
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -101,34 +105,63 @@ struct ClientTimes {
     cpu_ns: u64,
 }
 
-/// The client side: N blocking connections, then `total` rounds of N arrivals
-/// written and N releases read.
-fn run_clients(addr: SocketAddr, n: usize, total: usize, timeout: Duration) -> io::Result<ClientTimes> {
+/// The client side: N connections shared out over a thread per core, then `total`
+/// rounds of N arrivals written and N releases read through epoll. A round ends when
+/// its last release is read, on whichever thread.
+fn run_clients(addr: SocketAddr, n: usize, total: usize, timeout: Duration) -> anyhow::Result<ClientTimes> {
     let started = std::time::Instant::now();
     let mut conns = Vec::with_capacity(n);
     for _ in 0..n {
         let conn = TcpStream::connect_timeout(&addr, timeout)?;
         conn.set_nodelay(true)?;
-        // A stuck round fails the benchmark instead of hanging it.
-        conn.set_read_timeout(Some(timeout))?;
+        conn.set_nonblocking(true)?;
         conns.push(conn);
     }
     let connecting = started.elapsed();
-    let arrival = [1u8; MESSAGE];
-    let mut release = [0u8; MESSAGE];
+    let threads = std::thread::available_parallelism().map_or(1, usize::from).min(n.max(1));
+    let start_ns = mono_ns();
+    let mut running = Vec::with_capacity(threads);
+    while !conns.is_empty() {
+        let share = conns.split_off(conns.len() - conns.len().div_ceil(threads - running.len()));
+        running.push(std::thread::spawn(move || client_thread(share, total, timeout)));
+    }
+    let (mut round_end_ns, mut cpu_ns) = (vec![0u64; total], 0);
+    for thread in running {
+        let (ends, cpu) = thread.join().map_err(|_| anyhow::anyhow!("a floor client thread panicked"))??;
+        for (end, at) in round_end_ns.iter_mut().zip(ends) {
+            *end = (*end).max(at);
+        }
+        cpu_ns += cpu;
+    }
+    Ok(ClientTimes { start_ns, round_end_ns, connecting, cpu_ns })
+}
+
+/// One client thread's rounds over its connections: when each round's last release
+/// came, and the CPU the thread spent.
+fn client_thread(mut conns: Vec<TcpStream>, total: usize, timeout: Duration) -> anyhow::Result<(Vec<u64>, u64)> {
+    let poll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
+    for (i, conn) in conns.iter().enumerate() {
+        epoll::add(&poll, conn, epoll::EventData::new_u64(i as u64), epoll::EventFlags::IN)?;
+    }
     let mut round_end_ns = Vec::with_capacity(total);
-    let (start_ns, cpu_start) = (mono_ns(), thread_cpu_ns());
-    for _ in 0..total {
-        for conn in &mut conns {
-            conn.write_all(&arrival)?;
-        }
-        for conn in &mut conns {
-            conn.read_exact(&mut release)?;
-        }
+    let cpu_start = thread_cpu_ns();
+    for round in 0..total {
+        write_each(&mut conns, 1)?;
+        // A stuck round fails the benchmark instead of hanging it.
+        read_arrivals(&poll, &mut conns, timeout).with_context(|| format!("the releases of round {round}"))?;
         round_end_ns.push(mono_ns());
     }
-    let cpu_ns = thread_cpu_ns().saturating_sub(cpu_start);
-    Ok(ClientTimes { start_ns, round_end_ns, connecting, cpu_ns })
+    Ok((round_end_ns, thread_cpu_ns().saturating_sub(cpu_start)))
+}
+
+/// Writes one message of `byte`s on each connection.
+fn write_each(conns: &mut [TcpStream], byte: u8) -> anyhow::Result<()> {
+    for conn in conns {
+        let written = conn.write(&[byte; MESSAGE])?;
+        // 16 bytes into a socket whose peer read everything before: always whole.
+        ensure!(written == MESSAGE, "a message did not fit into its socket");
+    }
+    Ok(())
 }
 
 /// The serving child: prints its port, takes N connections, serves `total` rounds,
@@ -153,18 +186,47 @@ pub(crate) fn serve(plan: &Plan) -> anyhow::Result<()> {
     let cpu_start = thread_cpu_ns();
     for round in 0..total {
         read_arrivals(&poll, &mut conns, plan.timeout).with_context(|| format!("round {round}"))?;
-        for conn in &mut conns {
-            let written = conn.write(&[2u8; MESSAGE])?;
-            // 16 bytes into a socket whose peer read everything before: always whole.
-            ensure!(written == MESSAGE, "a release did not fit into its socket");
-        }
+        write_each(&mut conns, 2)?;
     }
     let cpu_ns = thread_cpu_ns().saturating_sub(cpu_start);
+    wait_closed(&poll, &conns, plan.timeout)?;
     println!("{}", serde_json::to_string(&ServerReport { cpu_ns })?);
     Ok(())
 }
 
-/// Reads until every connection's arrival is in.
+/// Waits until the client closed every connection. Closing them first would end a
+/// connection whose release was read while the client still waits on another's, and
+/// the client would take that end for a failure.
+fn wait_closed(poll: &OwnedFd, conns: &[TcpStream], timeout: Duration) -> anyhow::Result<()> {
+    let mut open = conns.len();
+    let mut events = Vec::with_capacity(1024);
+    let mut buf = [0u8; 64];
+    let limit = rustix::time::Timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: 0 };
+    while open > 0 {
+        events.clear();
+        epoll::wait(poll, rustix::buffer::spare_capacity(&mut events), Some(&limit))?;
+        if events.is_empty() {
+            bail!("{open} clients did not close their connections within {timeout:?}");
+        }
+        for event in &events {
+            let mut conn = &conns[event.data.u64() as usize];
+            match conn.read(&mut buf) {
+                Ok(0) => {
+                    // Level-triggered: a closed connection would be reported again.
+                    epoll::delete(poll, conn)?;
+                    open -= 1;
+                }
+                Ok(_) => bail!("a client sent more than its arrivals"),
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                Err(error) => return Err(error.into()),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Reads until every connection's message (an arrival, or on the client's side a
+/// release) is in.
 fn read_arrivals(poll: &OwnedFd, conns: &mut [TcpStream], timeout: Duration) -> anyhow::Result<()> {
     let mut missing = conns.len() * MESSAGE;
     let mut events = Vec::with_capacity(1024);
@@ -174,7 +236,7 @@ fn read_arrivals(poll: &OwnedFd, conns: &mut [TcpStream], timeout: Duration) -> 
         events.clear();
         epoll::wait(poll, rustix::buffer::spare_capacity(&mut events), Some(&limit))?;
         if events.is_empty() {
-            bail!("no arrival for {timeout:?}");
+            bail!("no message for {timeout:?}");
         }
         for event in &events {
             let conn = &mut conns[event.data.u64() as usize];
@@ -219,10 +281,9 @@ mod tests {
             }
             for _ in 0..3 {
                 read_arrivals(&poll, &mut conns, Duration::from_secs(30)).expect("arrivals");
-                for conn in &mut conns {
-                    conn.write_all(&[2u8; MESSAGE]).expect("release");
-                }
+                write_each(&mut conns, 2).expect("releases");
             }
+            wait_closed(&poll, &conns, Duration::from_secs(30)).expect("closed");
         });
         let times = run_clients(addr, n, 3, Duration::from_secs(30)).expect("clients");
         server.join().expect("server");
