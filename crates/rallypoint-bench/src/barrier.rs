@@ -135,7 +135,7 @@ struct Report {
     /// server given by `--addr` without `--server-pid`.
     server_cpu_us_per_rank_round: Option<f64>,
     /// ... and the load-generator processes together (for `--op floor`, the client
-    /// thread), over the same rounds.
+    /// threads together), over the same rounds.
     client_cpu_us_per_rank_round: Option<f64>,
 }
 
