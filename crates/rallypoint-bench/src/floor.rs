@@ -148,7 +148,7 @@ fn client_thread(mut conns: Vec<TcpStream>, total: usize, timeout: Duration) -> 
     for round in 0..total {
         write_each(&mut conns, 1)?;
         // A stuck round fails the benchmark instead of hanging it.
-        read_arrivals(&poll, &mut conns, timeout).with_context(|| format!("the releases of round {round}"))?;
+        read_arrivals(&poll, &conns, timeout).with_context(|| format!("the releases of round {round}"))?;
         round_end_ns.push(mono_ns());
     }
     Ok((round_end_ns, thread_cpu_ns().saturating_sub(cpu_start)))
@@ -185,7 +185,7 @@ pub(crate) fn serve(plan: &Plan) -> anyhow::Result<()> {
     drop(listener);
     let cpu_start = thread_cpu_ns();
     for round in 0..total {
-        read_arrivals(&poll, &mut conns, plan.timeout).with_context(|| format!("round {round}"))?;
+        read_arrivals(&poll, &conns, plan.timeout).with_context(|| format!("round {round}"))?;
         write_each(&mut conns, 2)?;
     }
     let cpu_ns = thread_cpu_ns().saturating_sub(cpu_start);
@@ -199,56 +199,62 @@ pub(crate) fn serve(plan: &Plan) -> anyhow::Result<()> {
 /// the client would take that end for a failure.
 fn wait_closed(poll: &OwnedFd, conns: &[TcpStream], timeout: Duration) -> anyhow::Result<()> {
     let mut open = conns.len();
-    let mut events = Vec::with_capacity(1024);
-    let mut buf = [0u8; 64];
-    let limit = rustix::time::Timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: 0 };
-    while open > 0 {
-        events.clear();
-        epoll::wait(poll, rustix::buffer::spare_capacity(&mut events), Some(&limit))?;
-        if events.is_empty() {
-            bail!("{open} clients did not close their connections within {timeout:?}");
-        }
-        for event in &events {
-            let mut conn = &conns[event.data.u64() as usize];
-            match conn.read(&mut buf) {
-                Ok(0) => {
-                    // Level-triggered: a closed connection would be reported again.
-                    epoll::delete(poll, conn)?;
-                    open -= 1;
-                }
-                Ok(_) => bail!("a client sent more than its arrivals"),
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
-                Err(error) => return Err(error.into()),
-            }
-        }
-    }
-    Ok(())
+    let waited = read_ready(poll, conns, timeout, open == 0, |conn, got| {
+        ensure!(got == 0, "a client sent more than its arrivals");
+        // Level-triggered: a closed connection would be reported again.
+        epoll::delete(poll, conn)?;
+        open -= 1;
+        Ok(open == 0)
+    });
+    waited.with_context(|| format!("{open} clients did not close their connections"))
 }
 
 /// Reads until every connection's message (an arrival, or on the client's side a
 /// release) is in.
-fn read_arrivals(poll: &OwnedFd, conns: &mut [TcpStream], timeout: Duration) -> anyhow::Result<()> {
+fn read_arrivals(poll: &OwnedFd, conns: &[TcpStream], timeout: Duration) -> anyhow::Result<()> {
     let mut missing = conns.len() * MESSAGE;
+    read_ready(poll, conns, timeout, missing == 0, |_, got| {
+        ensure!(got > 0, "the peer closed a connection");
+        missing = missing.saturating_sub(got);
+        Ok(missing == 0)
+    })
+}
+
+/// Reads once from each connection epoll reports ready (level-triggered: one read
+/// per ready connection, no second read to learn that it is drained), handing
+/// `read` the connection and how many bytes came (0: it was closed), until `read`
+/// says that all is in; `done` already: nothing to wait for.
+fn read_ready(
+    poll: &OwnedFd,
+    conns: &[TcpStream],
+    timeout: Duration,
+    done: bool,
+    mut read: impl FnMut(&TcpStream, usize) -> anyhow::Result<bool>,
+) -> anyhow::Result<()> {
+    if done {
+        return Ok(());
+    }
     let mut events = Vec::with_capacity(1024);
     let mut buf = [0u8; 64];
     let limit = rustix::time::Timespec { tv_sec: timeout.as_secs() as i64, tv_nsec: 0 };
-    while missing > 0 {
+    loop {
         events.clear();
         epoll::wait(poll, rustix::buffer::spare_capacity(&mut events), Some(&limit))?;
         if events.is_empty() {
-            bail!("no message for {timeout:?}");
+            bail!("nothing came for {timeout:?}");
         }
         for event in &events {
-            let conn = &mut conns[event.data.u64() as usize];
-            match conn.read(&mut buf) {
-                Ok(0) => bail!("a client closed its connection"),
-                Ok(got) => missing = missing.saturating_sub(got),
-                Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+            let mut conn = &conns[event.data.u64() as usize];
+            let got = match conn.read(&mut buf) {
+                Ok(got) => got,
+                Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(error) => return Err(error.into()),
+            };
+            if read(conn, got)? {
+                return Ok(());
             }
         }
     }
-    Ok(())
 }
 
 /// A listener on an ephemeral loopback port with a backlog for N connects at once
@@ -280,7 +286,7 @@ mod tests {
                 conns.push(conn);
             }
             for _ in 0..3 {
-                read_arrivals(&poll, &mut conns, Duration::from_secs(30)).expect("arrivals");
+                read_arrivals(&poll, &conns, Duration::from_secs(30)).expect("arrivals");
                 write_each(&mut conns, 2).expect("releases");
             }
             wait_closed(&poll, &conns, Duration::from_secs(30)).expect("closed");
