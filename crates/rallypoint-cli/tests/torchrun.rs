@@ -38,9 +38,12 @@ seen["executable"] = sys.executable
 seen["unbuffered"] = "-u" in sys.orig_argv[:sys.orig_argv.index(sys.argv[0]) if sys.argv[0] in sys.orig_argv else None]
 out = os.environ["OUT"]
 name = "%s-%s" % (os.environ["GROUP_RANK"], os.environ["LOCAL_RANK"])
-with open(os.path.join(out, name + ".tmp"), "w") as f:
+# Written whole under a name of this process's own, then renamed: two jobs stacked on
+# one node share the directory and each has a worker of the same name.
+tmp = os.path.join(out, "%s.%d.tmp" % (name, os.getpid()))
+with open(tmp, "w") as f:
     json.dump(seen, f)
-os.rename(os.path.join(out, name + ".tmp"), os.path.join(out, name + ".json"))
+os.rename(tmp, os.path.join(out, name + ".json"))
 print("out of rank", os.environ["RANK"])
 print("err of rank", os.environ["RANK"], file=sys.stderr)
 if os.environ.get("FAIL_ONCE") == os.environ["RANK"] and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
