@@ -97,7 +97,7 @@ pub(crate) async fn measure(plan: &Plan) -> anyhow::Result<Measured> {
     })
 }
 
-/// What the client thread measured.
+/// What the client threads measured, together.
 struct ClientTimes {
     start_ns: u64,
     round_end_ns: Vec<u64>,
