@@ -135,6 +135,20 @@ struct Client {
     outstanding: BTreeMap<u64, Request>,
 }
 
+/// `calls` of one request into `engine`: `held`, as one run from an agent's link
+/// (each call routed by its session), else one at a time, as direct connections
+/// make them.
+fn send(engine: &mut Engine, held: bool, calls: &[(SessionId, u64)], request: &Request, now: Millis) {
+    if held {
+        let routes: Vec<u64> = calls.iter().map(|(s, _)| s.0).collect();
+        engine.handle_calls_from(LINK, calls, &routes, request, now);
+    } else {
+        for &(s, id) in calls {
+            engine.handle(s, id, request.clone(), now);
+        }
+    }
+}
+
 struct Pair {
     held: Engine,
     one: Engine,
@@ -143,17 +157,9 @@ struct Pair {
 impl Pair {
     /// `calls` of one request: the held engine as one run, the other one by one.
     fn run(&mut self, calls: &[(SessionId, u64)], request: &Request, now: Millis) {
-        if matches!(request, Request::Barrier { .. } | Request::AllGather { .. }) {
-            let routes: Vec<u64> = calls.iter().map(|(s, _)| s.0).collect();
-            self.held.handle_calls_from(LINK, calls, &routes, request, now);
-        } else {
-            for &(s, id) in calls {
-                self.held.handle(s, id, request.clone(), now);
-            }
-        }
-        for &(s, id) in calls {
-            self.one.handle(s, id, request.clone(), now);
-        }
+        let collective = matches!(request, Request::Barrier { .. } | Request::AllGather { .. });
+        send(&mut self.held, collective, calls, request, now);
+        send(&mut self.one, false, calls, request, now);
     }
 }
 
@@ -368,12 +374,7 @@ fn a_held_call_failed_by_an_abort_or_a_reset_replays_the_failure() {
         let (s0, s1) = (SessionId(1), SessionId(2));
         engine.open(s0, identity(0), now).expect("open");
         engine.open(s1, identity(1), now).expect("open");
-        let b = call(0);
-        let send = |engine: &mut Engine, now| match held {
-            true => engine.handle_calls_from(LINK, &[(s1, 1)], &[s1.0], &b, now),
-            false => engine.handle(s1, 1, b.clone(), now),
-        };
-        send(&mut engine, now);
+        send(&mut engine, held, &[(s1, 1)], &call(0), now);
         let _ = out(&mut engine);
         engine.close_with(s1, Departure::Unknown, now);
         engine.handle(s0, 1, end.clone(), now);
@@ -384,7 +385,7 @@ fn a_held_call_failed_by_an_abort_or_a_reset_replays_the_failure() {
         );
         assert!(failed, "{end:?}: {first:?}");
         engine.resume(s1, &identity(1), now + 10).expect("resumed");
-        send(&mut engine, now + 10);
+        send(&mut engine, held, &[(s1, 1)], &call(0), now + 10);
         let copy: Vec<Reply> = out(&mut engine).into_iter().filter(|o| o.session == s1).map(|o| o.reply).collect();
         assert_eq!(copy, first, "{end:?}, held = {held}: the copy's reply");
     }
@@ -407,29 +408,18 @@ fn a_held_call_of_a_second_session_of_a_rank_is_remembered_past_later_generation
         }
         let second = sessions[4];
         engine.open(second, identity(1), now).expect("open a second session of rank 1");
-        let send = |engine: &mut Engine, calls: &[(SessionId, u64)]| {
-            if held {
-                let routes: Vec<u64> = calls.iter().map(|(s, _)| s.0).collect();
-                engine.handle_calls_from(LINK, calls, &routes, &call(0), now);
-            } else {
-                for &(s, id) in calls {
-                    engine.handle(s, id, call(0), now);
-                }
-            }
-        };
-        send(&mut engine, &[(sessions[0], 1), (second, 1), (sessions[2], 1), (sessions[3], 1)]);
+        let b = call(0);
+        send(&mut engine, held, &[(sessions[0], 1), (second, 1), (sessions[2], 1), (sessions[3], 1)], &b, now);
         engine.close_with(second, Departure::Unknown, now);
         let _ = out(&mut engine);
         for id in 1..=4 {
-            send(
-                &mut engine,
-                &[(sessions[0], id + 1), (sessions[1], id), (sessions[2], id + 1), (sessions[3], id + 1)],
-            );
+            let calls = [(sessions[0], id + 1), (sessions[1], id), (sessions[2], id + 1), (sessions[3], id + 1)];
+            send(&mut engine, held, &calls, &b, now);
         }
         let released = out(&mut engine);
         assert_eq!(released.len(), 16, "four generations released: {released:?}");
         engine.resume(second, &identity(1), now).expect("resumed");
-        send(&mut engine, &[(second, 1)]);
+        send(&mut engine, held, &[(second, 1)], &b, now);
         let copy: Vec<Reply> = out(&mut engine).into_iter().filter(|o| o.session == second).map(|o| o.reply).collect();
         assert_eq!(copy, [Ok(Response::Done)], "held = {held}: the copy's reply");
     }
@@ -452,11 +442,7 @@ fn a_resume_does_not_push_a_kept_reply_out_with_the_records_calls() {
         for i in 0..400u64 {
             let request =
                 Request::Barrier { name: format!("layer-{}", i % 100), members: Members::World, timeout_ms: None };
-            if held {
-                engine.handle_calls_from(LINK, &[(s, i + 1)], &[s.0], &request, now);
-            } else {
-                engine.handle(s, i + 1, request, now);
-            }
+            send(&mut engine, held, &[(s, i + 1)], &request, now);
         }
         let add = Request::Add { key: "n".into(), delta: 1 };
         engine.handle(s, 401, add.clone(), now);
@@ -484,10 +470,7 @@ fn a_generation_whose_held_calls_all_failed_alone_blocks_nobody() {
         let (s1, tool, s1_new) = (SessionId(1), SessionId(2), SessionId(3));
         engine.open(s1, identity(1), now).expect("open");
         engine.open(tool, identity(6), now).expect("open");
-        match held {
-            true => engine.handle_calls_from(LINK, &[(s1, 1)], &[s1.0], &call(0), now),
-            false => engine.handle(s1, 1, call(0), now),
-        }
+        send(&mut engine, held, &[(s1, 1)], &call(0), now);
         engine.handle(s1, 2, Request::Leave, now);
         engine.open(s1_new, identity_of(1, 1), now).expect("a new process takes rank 1 over");
         let replies = out(&mut engine);
