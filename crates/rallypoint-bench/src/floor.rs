@@ -6,11 +6,16 @@
 //! process, so that each side has its own file-descriptor limit, as a coordinator and
 //! its load generator do) reads them all through epoll, one read per ready
 //! connection, and once all N arrived writes a 16-byte release on each; each client
-//! thread reads its releases through epoll, as they come. A barrier that keeps one
-//! connection per rank sends these 2N messages, and nothing it does can take less.
-//! (The floor's first client, one thread reading the releases in order with blocking
-//! reads, slept on every release not yet written and sent every arrival alone: it ran
-//! slower than torch's server, and so bounded nothing.)
+//! thread reads its releases through epoll, as they come, and writes a connection's
+//! next arrival as soon as its release is read, as a rank that goes on to its next
+//! barrier does. A barrier that keeps one connection per rank sends these 2N
+//! messages, and nothing it does can take less.
+//!
+//! Two earlier clients bounded nothing, as they ran slower than torch's server: one
+//! thread reading the releases in order with blocking reads slept on every release
+//! not yet written; and threads that wrote a round's arrivals only once all their
+//! releases were in left the server idle while they caught up, where a barrier's
+//! ranks arrive again while the server is still releasing the others.
 
 use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -137,30 +142,49 @@ fn run_clients(addr: SocketAddr, n: usize, total: usize, timeout: Duration) -> a
 }
 
 /// One client thread's rounds over its connections: when each round's last release
-/// came, and the CPU the thread spent.
-fn client_thread(mut conns: Vec<TcpStream>, total: usize, timeout: Duration) -> anyhow::Result<(Vec<u64>, u64)> {
+/// came, and the CPU the thread spent. A connection's release of round r is read
+/// before its arrival of round r + 1 goes, and the server releases round r + 1 only
+/// once every arrival of it is in: so the releases come a round at a time, and
+/// counting them tells the rounds apart.
+fn client_thread(conns: Vec<TcpStream>, total: usize, timeout: Duration) -> anyhow::Result<(Vec<u64>, u64)> {
     let poll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
     for (i, conn) in conns.iter().enumerate() {
         epoll::add(&poll, conn, epoll::EventData::new_u64(i as u64), epoll::EventFlags::IN)?;
     }
     let mut round_end_ns = Vec::with_capacity(total);
     let cpu_start = thread_cpu_ns();
-    for round in 0..total {
-        write_each(&mut conns, 1)?;
-        // A stuck round fails the benchmark instead of hanging it.
-        read_arrivals(&poll, &conns, timeout).with_context(|| format!("the releases of round {round}"))?;
-        round_end_ns.push(mono_ns());
+    if total > 0 {
+        write_each(&conns, 1)?;
     }
+    let (share, mut released) = (conns.len() * MESSAGE, 0);
+    // A stuck round fails the benchmark instead of hanging it.
+    read_ready(&poll, &conns, timeout, total == 0, |mut conn, got| {
+        ensure!(got > 0, "the peer closed a connection");
+        released += got;
+        let round = round_end_ns.len();
+        if round + 1 < total {
+            write_message(&mut conn, 1)?;
+        }
+        if released >= share {
+            round_end_ns.push(mono_ns());
+            released = 0;
+        }
+        Ok(round_end_ns.len() == total)
+    })
+    .with_context(|| format!("the releases of round {}", round_end_ns.len()))?;
     Ok((round_end_ns, thread_cpu_ns().saturating_sub(cpu_start)))
 }
 
 /// Writes one message of `byte`s on each connection.
-fn write_each(conns: &mut [TcpStream], byte: u8) -> anyhow::Result<()> {
-    for conn in conns {
-        let written = conn.write(&[byte; MESSAGE])?;
-        // 16 bytes into a socket whose peer read everything before: always whole.
-        ensure!(written == MESSAGE, "a message did not fit into its socket");
-    }
+fn write_each(conns: &[TcpStream], byte: u8) -> anyhow::Result<()> {
+    conns.iter().try_for_each(|mut conn| write_message(&mut conn, byte))
+}
+
+/// Writes one message of `byte`s on `conn`.
+fn write_message(conn: &mut &TcpStream, byte: u8) -> anyhow::Result<()> {
+    let written = conn.write(&[byte; MESSAGE])?;
+    // 16 bytes into a socket whose peer read everything before: always whole.
+    ensure!(written == MESSAGE, "a message did not fit into its socket");
     Ok(())
 }
 
@@ -186,7 +210,7 @@ pub(crate) fn serve(plan: &Plan) -> anyhow::Result<()> {
     let cpu_start = thread_cpu_ns();
     for round in 0..total {
         read_arrivals(&poll, &conns, plan.timeout).with_context(|| format!("round {round}"))?;
-        write_each(&mut conns, 2)?;
+        write_each(&conns, 2)?;
     }
     let cpu_ns = thread_cpu_ns().saturating_sub(cpu_start);
     wait_closed(&poll, &conns, plan.timeout)?;
@@ -287,7 +311,7 @@ mod tests {
             }
             for _ in 0..3 {
                 read_arrivals(&poll, &conns, Duration::from_secs(30)).expect("arrivals");
-                write_each(&mut conns, 2).expect("releases");
+                write_each(&conns, 2).expect("releases");
             }
             wait_closed(&poll, &conns, Duration::from_secs(30)).expect("closed");
         });
