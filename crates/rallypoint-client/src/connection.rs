@@ -367,6 +367,10 @@ struct Pending {
     /// When the task looks next for calls past their deadline; `None`: no timer
     /// (nobody waited since it last looked). Never after the earliest deadline.
     armed: Option<Instant>,
+    /// When the latest call the coordinator ran was made, as its reply tells: a sign
+    /// of life of the rank, as a heartbeat is ([`write_loop`]). A call refused as
+    /// invalid did not reach the lease, and one not answered yet may never.
+    last_call: Option<Instant>,
     /// A reply cell its call no longer holds, for the next call: a rank making one
     /// call at a time then allocates none (see [`Link::recycle`]).
     spare: Option<Arc<ReplyCell>>,
@@ -565,6 +569,7 @@ impl Link {
                 calls: Calls::default(),
                 closed: None,
                 armed: None,
+                last_call: None,
                 stashed: VecDeque::new(),
                 adopted: Vec::new(),
                 spare: None,
@@ -632,6 +637,11 @@ impl Link {
         }
         let deadline = Instant::from_std(deadline).min(Instant::now() + LONGEST_WAIT);
         Ok(self.insert(pending, id, deadline, limit))
+    }
+
+    /// When the latest call the coordinator ran was made ([`Pending::last_call`]).
+    fn last_call(&self) -> Option<Instant> {
+        self.lock().last_call
     }
 
     /// Takes the reply stashed for barrier call `id` through a channel, if it came.
@@ -849,7 +859,17 @@ impl Link {
 
     /// Hands call `id` its reply; `me`: the call reading, which needs no wake-up.
     fn complete(&self, id: u64, result: Result<Response, Error>, me: Option<u64>) {
-        let mut call = self.lock().calls.remove(&id);
+        let mut call = {
+            let mut pending = self.lock();
+            let call = pending.calls.remove(&id);
+            // Made at its deadline less its limit (earlier, for a limit beyond
+            // `LONGEST_WAIT`), which is all a sign of life needs.
+            let made = call.as_ref().and_then(|call| call.deadline.checked_sub(call.limit));
+            if let Some(made) = made.filter(|_| !matches!(result, Err(Error::Op(OpError::Invalid(_))))) {
+                pending.last_call = pending.last_call.max(Some(made));
+            }
+            call
+        };
         if call.is_none() {
             // No call: a heartbeat, a call that timed out on this side, a reply sent
             // again for a request that was re-sent after a cut, or a barrier call
@@ -1521,8 +1541,8 @@ async fn write_loop(
         encode_client_frame(&ClientFrame::Request { id, request }, &mut buf);
     }
     let mut written = Vec::new();
-    // Heartbeats since the coordinator last sent anything.
-    let (mut reads, mut silent) = (link.reads.load(Ordering::Relaxed), 0u32);
+    // Reads from the coordinator at the last tick, and the last tick that found more.
+    let (mut reads, mut heard) = (link.reads.load(Ordering::Relaxed), Instant::now());
     loop {
         let mut shutdown = None;
         if buf.is_empty() {
@@ -1554,15 +1574,23 @@ async fn write_loop(
                     }
                     link.written(std::mem::take(&mut written));
                 }
-                () = tick(beat) => {
-                    let now = link.reads.load(Ordering::Relaxed);
-                    silent = if now == reads { silent + 1 } else { 0 };
-                    reads = now;
-                    if silent >= SILENT_BEATS {
-                        return Ended::Cut(format!("nothing from the coordinator for {silent} heartbeat periods"));
+                (at, period) = tick(beat) => {
+                    let count = link.reads.load(Ordering::Relaxed);
+                    let answered = count != reads;
+                    if answered {
+                        (reads, heard) = (count, at);
                     }
-                    let request = Request::Heartbeat;
-                    encode_client_frame(&ClientFrame::Request { id: link.next_id(), request }, &mut buf);
+                    // Counted in time, not ticks: a skipped heartbeat moves the next tick.
+                    if at.duration_since(heard) >= period * SILENT_BEATS {
+                        return Ended::Cut(format!("nothing from the coordinator for {SILENT_BEATS} heartbeat periods"));
+                    }
+                    match (beat.as_mut(), next_beat(period, answered, link.last_call(), at)) {
+                        (Some(beat), Some(due)) => beat.reset_at(due),
+                        _ => {
+                            let request = Request::Heartbeat;
+                            encode_client_frame(&ClientFrame::Request { id: link.next_id(), request }, &mut buf);
+                        }
+                    }
                 }
             }
         }
@@ -1696,11 +1724,22 @@ async fn yield_to_ready_tasks() {
     .await
 }
 
-async fn tick(beat: &mut Option<Interval>) {
+/// At a heartbeat's tick `now`: `None` if it must go, else when the next one is due
+/// instead. It is skipped while calls go out and replies come back (`answered`:
+/// something came since the last tick): a call is as good a sign of life as a
+/// heartbeat, so the next one is due a `period` after the latest call (`last_call`),
+/// which keeps the lease's margin. Without replies, heartbeats go as ever: they are
+/// how silence is told from calls the coordinator holds (a barrier, a wait for a key).
+fn next_beat(period: Duration, answered: bool, last_call: Option<Instant>, now: Instant) -> Option<Instant> {
+    let due = last_call? + period;
+    (answered && due > now).then_some(due)
+}
+
+/// The next heartbeat's tick: when it was due, and the heartbeat period. Never, for
+/// a coordinator without leases.
+async fn tick(beat: &mut Option<Interval>) -> (Instant, Duration) {
     match beat {
-        Some(beat) => {
-            beat.tick().await;
-        }
+        Some(beat) => (beat.tick().await, beat.period()),
         None => std::future::pending().await,
     }
 }

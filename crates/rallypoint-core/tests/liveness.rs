@@ -152,6 +152,18 @@ fn a_rank_taking_in_a_long_write_keeps_its_lease() {
 }
 
 #[test]
+fn every_request_keeps_a_lease_even_those_answered_outside_a_jobs_step() {
+    // Clients skip heartbeats while their calls flow: each of these must count.
+    for request in [Request::Jobs, Request::Snapshot, Request::Status, Request::NumKeys] {
+        let (mut h, s0, s1, a) = rank_0_waiting_under_a_1s_lease();
+        steps_of_400ms(&mut h, s0, 5, |h| {
+            h.call(s1, request.clone()).unwrap();
+        });
+        assert!(h.pending(s0, a), "rank 1 calling {} for 2 s is not lost", request.name());
+    }
+}
+
+#[test]
 fn lost_ranks_lists_who_was_lost_how_and_when_last_heard_from() {
     let (mut h, s0, _s1, _) = rank_0_waiting_under_a_1s_lease();
     let other = h.rank("other", 0, 1);

@@ -336,6 +336,96 @@ async fn a_silent_coordinator_is_noticed_while_a_call_reads() {
     drop(client);
 }
 
+/// The requests a scripted coordinator saw, in order: whether each was a heartbeat,
+/// and when it came.
+type Seen = Arc<std::sync::Mutex<Vec<(bool, tokio::time::Instant)>>>;
+
+/// A scripted coordinator that answers every add with `reply` and every heartbeat
+/// with Done.
+fn answering(mut conn: Conn, reply: Result<Response, rallypoint_core::OpError>) -> (Seen, tokio::task::JoinHandle<()>) {
+    let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let task = tokio::spawn({
+        let seen = Arc::clone(&seen);
+        async move {
+            while let Some(frame) = conn.frame().await {
+                let ClientFrame::Request { id, request } = frame else { continue };
+                let beat = request == Request::Heartbeat;
+                seen.lock().expect("seen").push((beat, tokio::time::Instant::now()));
+                let reply = if beat { Ok(Response::Done) } else { reply.clone() };
+                conn.send(ServerFrame::Reply { id, reply }).await;
+            }
+        }
+    });
+    (seen, task)
+}
+
+/// Adds back to back for `periods` heartbeat periods of a second; how many were made.
+async fn calls_for(client: &Client, periods: f64) -> usize {
+    let started = tokio::time::Instant::now();
+    let mut made = 0;
+    while started.elapsed() < Duration::from_secs_f64(periods) && made < 10_000 {
+        let _ = bounded(client.add("k", 1)).await;
+        made += 1;
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    made
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answered_calls_stand_in_for_heartbeats() {
+    // Heartbeats every second, had no call gone out for that long.
+    let (_listener, client, conn) = connected(3000).await;
+    let (seen, coordinator) = answering(conn, Ok(Response::Int(10)));
+    let made = calls_for(&client, 3.5).await;
+    let beats = || seen.lock().expect("seen").iter().filter(|(beat, _)| *beat).count();
+    assert_eq!(beats(), 0, "no heartbeat while {made} calls went out and were answered");
+    // Without calls, heartbeats keep the lease again, the first a period after the
+    // last call (half a period more leaves room for a busy machine).
+    bounded(async {
+        while beats() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    let seen = seen.lock().expect("seen").clone();
+    let first = seen.iter().position(|(beat, _)| *beat).expect("a heartbeat");
+    let gap = seen[first].1 - seen[first - 1].1;
+    assert!(gap < Duration::from_millis(1500), "the first heartbeat came {gap:?} after the last call");
+    coordinator.abort();
+    drop(client);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_refused_as_invalid_do_not_stand_in_for_heartbeats() {
+    // They never reached the lease: heartbeats go on as if no call went out.
+    let (_listener, client, conn) = connected(3000).await;
+    let invalid = Err(rallypoint_core::OpError::Invalid("a key too long".into()));
+    let (seen, coordinator) = answering(conn, invalid);
+    let made = calls_for(&client, 3.5).await;
+    let beats = seen.lock().expect("seen").iter().filter(|(beat, _)| *beat).count();
+    assert!(beats >= 2, "{beats} heartbeats while {made} invalid calls went out");
+    coordinator.abort();
+    drop(client);
+}
+
+#[test]
+fn a_heartbeat_is_skipped_only_within_a_period_of_an_answered_call() {
+    use super::next_beat;
+    use tokio::time::Instant;
+    let period = Duration::from_secs(5);
+    let now = Instant::now();
+    let call = now - Duration::from_secs(2);
+    // Calls went out and replies came: the next heartbeat is due a period after the call.
+    assert_eq!(next_beat(period, true, Some(call), now), Some(call + period));
+    // Nothing came since the last tick: it goes, so that silence is found.
+    assert_eq!(next_beat(period, false, Some(call), now), None);
+    // The latest call is a period old or older: it goes.
+    assert_eq!(next_beat(period, true, Some(now - period), now), None);
+    assert_eq!(next_beat(period, true, Some(now - 2 * period), now), None);
+    // No call answered yet (or only ones refused as invalid).
+    assert_eq!(next_beat(period, true, None, now), None);
+}
+
 mod calls {
     use std::collections::HashMap;
     use std::sync::{Arc, Mutex};

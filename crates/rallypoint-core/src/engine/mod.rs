@@ -493,6 +493,11 @@ impl Engine {
             self.attribute(session, rank, now);
         }
         let Some((caller, _)) = self.gate(session, request_id, &request, now, Run::Alone) else { return };
+        if matches!(request, Request::Reset { .. } | Request::Jobs | Request::Snapshot) {
+            // Answered here rather than by a step of the job, but a sign of life all the
+            // same: a client skips heartbeats while its calls flow (docs/PROTOCOL.md, 9).
+            self.alive(session, now);
+        }
         if let Request::Reset { incarnation } = request {
             let reply = self.reset(session, incarnation, now);
             return self.outgoing.push(Outgoing::new(session, request_id, reply));
