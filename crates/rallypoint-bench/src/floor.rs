@@ -156,16 +156,22 @@ fn client_thread(conns: Vec<TcpStream>, total: usize, timeout: Duration) -> anyh
     if total > 0 {
         write_each(&conns, 1)?;
     }
-    let (share, mut released) = (conns.len() * MESSAGE, 0);
+    // Bytes of each connection's release read so far, and whole releases this round.
+    let (mut partial, mut released) = (vec![0; conns.len()], 0);
     // A stuck round fails the benchmark instead of hanging it.
-    read_ready(&poll, &conns, timeout, total == 0, |mut conn, got| {
+    read_ready(&poll, &conns, timeout, total == 0, |i, mut conn, got| {
         ensure!(got > 0, "the peer closed a connection");
-        released += got;
-        let round = round_end_ns.len();
-        if round + 1 < total {
+        partial[i] += got;
+        if partial[i] < MESSAGE {
+            return Ok(false);
+        }
+        ensure!(partial[i] == MESSAGE, "the server sent more than one release");
+        partial[i] = 0;
+        released += 1;
+        if round_end_ns.len() + 1 < total {
             write_message(&mut conn, 1)?;
         }
-        if released >= share {
+        if released == conns.len() {
             round_end_ns.push(mono_ns());
             released = 0;
         }
@@ -223,7 +229,7 @@ pub(crate) fn serve(plan: &Plan) -> anyhow::Result<()> {
 /// the client would take that end for a failure.
 fn wait_closed(poll: &OwnedFd, conns: &[TcpStream], timeout: Duration) -> anyhow::Result<()> {
     let mut open = conns.len();
-    let waited = read_ready(poll, conns, timeout, open == 0, |conn, got| {
+    let waited = read_ready(poll, conns, timeout, open == 0, |_, conn, got| {
         ensure!(got == 0, "a client sent more than its arrivals");
         // Level-triggered: a closed connection would be reported again.
         epoll::delete(poll, conn)?;
@@ -237,7 +243,7 @@ fn wait_closed(poll: &OwnedFd, conns: &[TcpStream], timeout: Duration) -> anyhow
 /// release) is in.
 fn read_arrivals(poll: &OwnedFd, conns: &[TcpStream], timeout: Duration) -> anyhow::Result<()> {
     let mut missing = conns.len() * MESSAGE;
-    read_ready(poll, conns, timeout, missing == 0, |_, got| {
+    read_ready(poll, conns, timeout, missing == 0, |_, _, got| {
         ensure!(got > 0, "the peer closed a connection");
         missing = missing.saturating_sub(got);
         Ok(missing == 0)
@@ -246,14 +252,14 @@ fn read_arrivals(poll: &OwnedFd, conns: &[TcpStream], timeout: Duration) -> anyh
 
 /// Reads once from each connection epoll reports ready (level-triggered: one read
 /// per ready connection, no second read to learn that it is drained), handing
-/// `read` the connection and how many bytes came (0: it was closed), until `read`
-/// says that all is in; `done` already: nothing to wait for.
+/// `read` the connection, its index and how many bytes came (0: it was closed),
+/// until `read` says that all is in; `done` already: nothing to wait for.
 fn read_ready(
     poll: &OwnedFd,
     conns: &[TcpStream],
     timeout: Duration,
     done: bool,
-    mut read: impl FnMut(&TcpStream, usize) -> anyhow::Result<bool>,
+    mut read: impl FnMut(usize, &TcpStream, usize) -> anyhow::Result<bool>,
 ) -> anyhow::Result<()> {
     if done {
         return Ok(());
@@ -268,13 +274,14 @@ fn read_ready(
             bail!("nothing came for {timeout:?}");
         }
         for event in &events {
-            let mut conn = &conns[event.data.u64() as usize];
+            let i = event.data.u64() as usize;
+            let mut conn = &conns[i];
             let got = match conn.read(&mut buf) {
                 Ok(got) => got,
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(error) => return Err(error.into()),
             };
-            if read(conn, got)? {
+            if read(i, conn, got)? {
                 return Ok(());
             }
         }
