@@ -20,8 +20,9 @@ use tokio::task::JoinSet;
 use crate::bare::BareConn;
 use crate::tcpstore::{self, StoreConn};
 use crate::{
-    close_all, connect_bounded, connect_many, ensure_fds, floor, mono_ns, on_target, options, print_report,
-    process_cpu_ns, round_stats, run_rounds, wake_floor, BarrierRound, Protocol, Round, Sources, Target, Times,
+    close_all, connect_bounded, connect_many, connect_within, ensure_fds, floor, mono_ns, on_target, options,
+    print_report, process_cpu_ns, round_stats, run_rounds, wake_floor, BarrierRound, Protocol, Round, Sources, Target,
+    Times,
 };
 
 #[derive(clap::Args, Debug)]
@@ -242,12 +243,8 @@ impl Setup<'_> {
                 Clients::Bare(
                     connect_bounded(ranks, |rank| {
                         let (identity, source) = (Identity::ranked(self.job, rank, n), self.sources.of(rank));
-                        async move {
-                            match tokio::time::timeout(timeout, BareConn::connect(addr, source, identity)).await {
-                                Ok(conn) => conn.with_context(|| format!("connecting bare native client {rank}")),
-                                Err(_) => bail!("connecting bare native client {rank}: no answer within {timeout:?}"),
-                            }
-                        }
+                        let what = format!("connecting bare native client {rank}");
+                        connect_within(timeout, what, BareConn::connect(addr, source, identity))
                     })
                     .await?,
                 )

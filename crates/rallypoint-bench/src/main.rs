@@ -475,6 +475,19 @@ where
     Ok(conns)
 }
 
+/// `connect`, given up after `timeout`; either failure is said as `what` (e.g.
+/// "connecting client 3").
+async fn connect_within<T>(
+    timeout: Duration,
+    what: impl std::fmt::Display,
+    connect: impl Future<Output = anyhow::Result<T>>,
+) -> anyhow::Result<T> {
+    match tokio::time::timeout(timeout, connect).await {
+        Ok(conn) => conn.with_context(|| what.to_string()),
+        Err(_) => bail!("{what}: no answer within {timeout:?}"),
+    }
+}
+
 /// Options for a client of `addr` with `identity` and `timeout`.
 fn options(addr: &str, identity: Identity, timeout: Duration) -> ConnectOptions {
     ConnectOptions::new(addr, identity).with_timeout(timeout)

@@ -208,12 +208,8 @@ pub async fn connect_many(
 ) -> anyhow::Result<Vec<StoreConn>> {
     crate::connect_bounded(ids, |i| {
         let source = sources.of(i);
-        async move {
-            match tokio::time::timeout(timeout, StoreConn::connect(addr, source)).await {
-                Ok(conn) => conn.with_context(|| format!("connecting TCPStore client {i} from {source:?}")),
-                Err(_) => Err(anyhow::anyhow!("connecting TCPStore client {i}: no answer within {timeout:?}")),
-            }
-        }
+        let what = format!("connecting TCPStore client {i} from {source:?}");
+        crate::connect_within(timeout, what, StoreConn::connect(addr, source))
     })
     .await
 }
