@@ -150,6 +150,7 @@ impl Reactor {
                     conns: Slab::new(),
                     next_conn: 0,
                     runnable: Vec::new(),
+                    dirty: Vec::new(),
                     stalls,
                     scratch: Scratch::default(),
                 }
@@ -228,6 +229,11 @@ struct Loop {
     next_conn: u64,
     /// Connections to service in this turn.
     runnable: Vec<usize>,
+    /// The mailbox's dirty list, taken: it trades places with the mailbox's at
+    /// each wake-up, so that neither is grown afresh every round (a round wakes
+    /// every rank waiting on it, and growing a list that long reallocates it
+    /// several times, each time going through the allocator's freed chunks).
+    dirty: Vec<usize>,
     stalls: Stalls,
     scratch: Scratch,
 }
@@ -278,6 +284,9 @@ impl Loop {
         let mut read_buf = vec![0u8; Buffering::TORCH.chunk];
         // Connections whose read budget ran out: serviced again without sleeping.
         let mut again = Vec::new();
+        // This turn's connections, traded with `runnable` (each keeps its capacity,
+        // as `dirty` does).
+        let mut serving = Vec::new();
         loop {
             let timeout = if again.is_empty() {
                 self.stalls.next_check.map(|at| at.saturating_duration_since(std::time::Instant::now()))
@@ -318,7 +327,8 @@ impl Loop {
             }
             let mut bulk = 0;
             let mut deferred = Vec::new();
-            for key in std::mem::take(&mut self.runnable) {
+            std::mem::swap(&mut serving, &mut self.runnable);
+            for key in serving.drain(..) {
                 // Connections streaming a large request take turns, a few per pass, so
                 // that one pass of the loop (what every other connection waits for)
                 // stays short however many of them there are. Those deferred go first
@@ -371,15 +381,18 @@ impl Loop {
     /// Adopts new connections, queues the dirty ones and takes the replies routed to
     /// ranks; false once told to stop.
     fn take_mail(&mut self) -> bool {
-        let Inbox { adopt, ranks, dirty, stop } = std::mem::take(&mut *self.mailbox.lock());
+        let (adopt, ranks, stop) = {
+            let mut inbox = self.mailbox.lock();
+            std::mem::swap(&mut inbox.dirty, &mut self.dirty);
+            // `stop` stays set: hand-overs are refused while the connections close.
+            (std::mem::take(&mut inbox.adopt), std::mem::take(&mut inbox.ranks), inbox.stop)
+        };
         if stop {
-            // Keep refusing hand-overs while the connections close.
-            self.mailbox.lock().stop = true;
             return false;
         }
         self.shared.take_routed(&mut self.scratch.routed);
         self.deliver();
-        self.runnable.extend(dirty);
+        self.runnable.append(&mut self.dirty);
         for (stream, account, peer, rbuf, charge) in adopt {
             let stream = Counted::from_parts(TcpStream::from_std(stream), account);
             let conn = Conn::new(stream, peer, rbuf, charge, Arc::clone(&self.shared), self.limits);

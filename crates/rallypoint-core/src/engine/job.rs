@@ -142,6 +142,6 @@ impl Job {
     }
 }
 
-pub(crate) fn send_key_replies(done: Vec<(WaitId, Reply)>, out: &mut Vec<Outgoing>) {
+pub(crate) fn send_key_replies(done: impl IntoIterator<Item = (WaitId, Reply)>, out: &mut Vec<Outgoing>) {
     out.extend(done.into_iter().map(|((session, request_id), reply)| Outgoing::new(session, request_id, reply)));
 }

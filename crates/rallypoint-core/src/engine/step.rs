@@ -31,8 +31,9 @@ pub(crate) struct Step<'a> {
     pub hot: &'a mut Hots,
     pub config: &'a Config,
     pub notices: &'a mut Vec<String>,
-    /// Key waits a request completed, answered before its own reply.
-    woken: Vec<(WaitId, Reply)>,
+    /// Key waits a request completed, answered before its own reply (the engine's
+    /// list, empty between requests).
+    woken: &'a mut Vec<(WaitId, Reply)>,
 }
 
 /// Who sent the request being handled.
@@ -98,8 +99,10 @@ impl<'a> Step<'a> {
         hot: &'a mut Hots,
         config: &'a Config,
         notices: &'a mut Vec<String>,
+        woken: &'a mut Vec<(WaitId, Reply)>,
     ) -> Self {
-        Step { job, ctx, sessions, hot, config, notices, woken: Vec::new() }
+        debug_assert!(woken.is_empty(), "key waits woken by an earlier step were not answered");
+        Step { job, ctx, sessions, hot, config, notices, woken }
     }
 
     /// Session `id` of the job opened with `identity`.
@@ -223,7 +226,7 @@ impl<'a> Step<'a> {
             Ok(()) => self.apply(&caller, request),
             Err(error) => Some(Err(error)),
         };
-        send_key_replies(std::mem::take(&mut self.woken), self.ctx.out);
+        send_key_replies(self.woken.drain(..), self.ctx.out);
         if let Some(reply) = reply {
             self.ctx.reply(caller.wait_id(), reply);
         }
@@ -327,7 +330,7 @@ impl<'a> Step<'a> {
     /// Runs an admitted request. Returns its reply, or None if it waits (its reply
     /// comes when it is released or times out).
     fn apply(&mut self, caller: &Caller, request: Request) -> Option<Reply> {
-        let (store, woken) = (&mut self.job.store, &mut self.woken);
+        let (store, woken) = (&mut self.job.store, &mut *self.woken);
         match request {
             Request::Heartbeat => DONE,
             Request::Leave => self.leave(caller),
@@ -380,29 +383,29 @@ impl<'a> Step<'a> {
     }
 
     fn set(&mut self, key: Bytes, value: Bytes) -> Option<Reply> {
-        self.job.store.set(key, value, &mut self.woken);
+        self.job.store.set(key, value, self.woken);
         DONE
     }
 
     fn append(&mut self, key: Bytes, value: Bytes) -> Option<Reply> {
-        self.job.store.append(key, &value, &mut self.woken);
+        self.job.store.append(key, &value, self.woken);
         DONE
     }
 
     fn multi_set(&mut self, entries: Vec<(Bytes, Bytes)>) -> Option<Reply> {
         for (key, value) in entries {
-            self.job.store.set(key, value, &mut self.woken);
+            self.job.store.set(key, value, self.woken);
         }
         DONE
     }
 
     fn queue_push(&mut self, key: Bytes, value: Bytes) -> Option<Reply> {
-        self.job.store.queue_push(key, value, &mut self.woken);
+        self.job.store.queue_push(key, value, self.woken);
         DONE
     }
 
     fn cancel_wait(&mut self, caller: &Caller) -> Option<Reply> {
-        self.job.store.cancel_session(caller.session, &mut self.woken);
+        self.job.store.cancel_session(caller.session, self.woken);
         DONE
     }
 
@@ -488,7 +491,7 @@ impl<'a> Step<'a> {
         world_size: i64,
         timeout_ms: Option<u64>,
     ) -> Option<Reply> {
-        match self.job.store.barrier(caller.wait_id(), key, world_size, self.ctx.now, &mut self.woken) {
+        match self.job.store.barrier(caller.wait_id(), key, world_size, self.ctx.now, self.woken) {
             Err(error) => Some(Err(error)),
             Ok(Some(reply)) => Some(reply),
             Ok(None) => {

@@ -424,6 +424,8 @@ impl Store {
         if self.barrier_waiters.get(key).is_some_and(BTreeSet::is_empty) {
             self.barrier_waiters.remove(key);
         }
+        // Once, rather than growing by doubling through a round's thousands of replies.
+        done.reserve(released.len());
         for (_, id) in released {
             if let Some(wait) = self.waits.remove(&id) {
                 let counters = &mut self.counters[wait.kind.counted()];
@@ -437,6 +439,8 @@ impl Store {
     /// One of each wait's keys arrived: answer those with nothing left. `present` is
     /// a key to count as existing even if it does not (see `compare_set`).
     fn count_off(&mut self, ids: Vec<WaitId>, present: Option<&Bytes>, done: &mut Vec<(WaitId, Reply)>) {
+        // At most one reply each (see `release_barriers`).
+        done.reserve(ids.len());
         for id in ids {
             let Some(wait) = self.waits.get_mut(&id) else { continue };
             wait.missing = wait.missing.saturating_sub(1);
