@@ -71,6 +71,33 @@ fn cancel_wait_ends_the_sessions_waits_and_always_answers() {
 }
 
 #[test]
+fn cancel_wait_fails_only_the_waits_still_pending_oldest_first() {
+    let mut h = Harness::new();
+    let s = anon(&mut h);
+    let other = anon(&mut h);
+    let answered = h.send(s, wait(&["y"]));
+    let first = h.send(s, wait(&["x"]));
+    let last = h.send(s, wait(&["z"]));
+    let others = h.send(other, wait(&["x"]));
+    ok(Some(h.call(other, Request::Set { key: b("y"), value: b("1") })));
+    assert_eq!(ok(h.take(s, answered)), Response::Done);
+    // On the engine itself, to see the order the replies leave in.
+    let cancel = 1_000;
+    h.engine.handle(s, cancel, Request::CancelWait, h.now);
+    let order: Vec<u64> = h.engine.drain_outgoing().map(|o| o.request_id).collect();
+    assert_eq!(order, [first, last, cancel]);
+    // The other session's wait on the same key stays, and is the only one answered.
+    ok(Some(h.call(other, Request::Set { key: b("x"), value: b("1") })));
+    assert_eq!(ok(h.take(other, others)), Response::Done);
+    assert!(h.pending(s, first));
+    // Waiting again after the cancel is counted afresh.
+    let again = h.send(s, wait(&["w"]));
+    h.kill(other);
+    ok(Some(h.call(s, Request::Set { key: b("w"), value: b("1") })));
+    assert_eq!(ok(h.take(s, again)), Response::Done);
+}
+
+#[test]
 fn store_barrier_counts_at_its_key_and_never_resets() {
     let mut h = Harness::new();
     let (a, c) = (anon(&mut h), anon(&mut h));

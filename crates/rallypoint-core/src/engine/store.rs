@@ -1,7 +1,7 @@
 //! A job's key-value data and the requests blocked until keys exist.
 //! Semantics follow PyTorch's TCPStore wherever the operation exists there.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashSet, VecDeque};
 
 use super::HashMap;
 
@@ -38,8 +38,15 @@ pub(crate) type WaitId = (SessionId, u64);
 pub(crate) struct Store {
     data: HashMap<Bytes, Bytes>,
     waiters_by_key: HashMap<Bytes, Vec<WaitId>>,
-    /// Ordered so that one session's waits are a contiguous range.
-    waits: BTreeMap<WaitId, KeyWait>,
+    /// By request: every arrival of a round looks its own up, inserts it and
+    /// takes it out again, which a hash map does without the comparisons an
+    /// ordered map makes at each of its levels.
+    waits: HashMap<WaitId, KeyWait>,
+    /// The request ids of each session's waits, in no order, so that a session's
+    /// waits are found without looking at anyone else's. A session's list stays
+    /// (empty) until the session's waits are dropped, so that a rank waiting once
+    /// per round does not allocate it every round.
+    by_session: HashMap<SessionId, Vec<u64>>,
     /// TCPStore queues: a namespace apart from `data` (torch's libuv server does the same).
     queues: HashMap<Bytes, VecDeque<Bytes>>,
     /// Store barriers waiting for the counter at their key.
@@ -89,8 +96,11 @@ impl Store {
         self.waits.contains_key(&id)
     }
 
+    /// Every wait, in the order of their ids (session, then request).
     pub fn waits(&self) -> impl Iterator<Item = (&WaitId, &KeyWait)> {
-        self.waits.iter()
+        let mut waits: Vec<_> = self.waits.iter().collect();
+        waits.sort_unstable_by_key(|(id, _)| **id);
+        waits.into_iter()
     }
 
     pub fn barrier_keys(&self) -> impl Iterator<Item = &Bytes> {
@@ -146,8 +156,10 @@ impl Store {
             return Ok(Some(Ok(Response::Done)));
         }
         self.barrier_waiters.entry(key.clone()).or_default().insert((world_size, id));
-        self.waits
-            .insert(id, KeyWait { kind: WaitKind::Barrier { world_size }, keys: vec![key], missing: 0, started: now });
+        self.insert_wait(
+            id,
+            KeyWait { kind: WaitKind::Barrier { world_size }, keys: vec![key], missing: 0, started: now },
+        );
         Ok(None)
     }
 
@@ -293,7 +305,7 @@ impl Store {
             return Ok(Some(Ok(self.answer(kind, &keys))));
         }
         self.register(id, &absent);
-        self.waits.insert(id, KeyWait { kind, keys, missing: absent.len(), started: now });
+        self.insert_wait(id, KeyWait { kind, keys, missing: absent.len(), started: now });
         Ok(None)
     }
 
@@ -314,19 +326,41 @@ impl Store {
         for id in self.session_waits(session) {
             self.remove_wait(id);
         }
+        self.by_session.remove(&session);
     }
 
+    /// The waits of `session`, oldest request first.
     fn session_waits(&self, session: SessionId) -> Vec<WaitId> {
-        self.waits.range((session, 0)..=(session, u64::MAX)).map(|(id, _)| *id).collect()
+        let requests = self.by_session.get(&session).map_or(&[][..], Vec::as_slice);
+        let mut ids: Vec<WaitId> = requests.iter().map(|&request| (session, request)).collect();
+        ids.sort_unstable();
+        ids
     }
 
-    /// Fails every wait with `error` (the job was aborted).
+    fn insert_wait(&mut self, id: WaitId, wait: KeyWait) {
+        self.waits.insert(id, wait);
+        self.by_session.entry(id.0).or_default().push(id.1);
+    }
+
+    /// Takes wait `id` out of the maps of waits (not out of those of its keys).
+    fn take_wait(&mut self, id: WaitId) -> Option<KeyWait> {
+        let wait = self.waits.remove(&id)?;
+        if let Some(requests) = self.by_session.get_mut(&id.0) {
+            if let Some(at) = requests.iter().position(|&request| request == id.1) {
+                requests.swap_remove(at);
+            }
+        }
+        Some(wait)
+    }
+
+    /// Fails every wait with `error` (the job was aborted), in the order of their ids.
     pub fn fail_all(&mut self, error: &OpError, done: &mut Vec<(WaitId, Reply)>) {
         self.waiters_by_key.clear();
         self.barrier_waiters.clear();
-        for (id, _) in std::mem::take(&mut self.waits) {
-            done.push((id, Err(error.clone())));
-        }
+        self.by_session.clear();
+        let mut ids: Vec<WaitId> = std::mem::take(&mut self.waits).into_keys().collect();
+        ids.sort_unstable();
+        done.extend(ids.into_iter().map(|id| (id, Err(error.clone()))));
     }
 
     pub fn absent(&self, keys: &[Bytes]) -> Vec<Bytes> {
@@ -341,7 +375,7 @@ impl Store {
     }
 
     fn remove_wait(&mut self, id: WaitId) -> Option<KeyWait> {
-        let wait = self.waits.remove(&id)?;
+        let wait = self.take_wait(id)?;
         if let WaitKind::Barrier { world_size } = wait.kind {
             for key in &wait.keys {
                 if let Some(waiters) = self.barrier_waiters.get_mut(key) {
@@ -427,7 +461,7 @@ impl Store {
         // Once, rather than growing by doubling through a round's thousands of replies.
         done.reserve(released.len());
         for (_, id) in released {
-            if let Some(wait) = self.waits.remove(&id) {
+            if let Some(wait) = self.take_wait(id) {
                 let counters = &mut self.counters[wait.kind.counted()];
                 counters.releases += 1;
                 counters.wait.observe(self.now.saturating_sub(wait.started));
@@ -452,7 +486,7 @@ impl Store {
             let mut absent = self.absent(&keys);
             absent.retain(|k| Some(k) != present);
             if absent.is_empty() {
-                if let Some(wait) = self.waits.remove(&id) {
+                if let Some(wait) = self.take_wait(id) {
                     let counters = &mut self.counters[wait.kind.counted()];
                     counters.releases += 1;
                     counters.wait.observe(self.now.saturating_sub(wait.started));
