@@ -122,6 +122,29 @@ fn store_barrier_counts_at_its_key_and_never_resets() {
 }
 
 #[test]
+fn store_barrier_rounds_on_fresh_keys_answer_each_waiter_once() {
+    let mut h = Harness::new();
+    let s: Vec<SessionId> = (0..4).map(|_| anon(&mut h)).collect();
+    for round in 0..3 {
+        let key = b(&format!("/round/{round}"));
+        let bar = |timeout_ms| Request::StoreBarrier { key: key.clone(), world_size: 4, timeout_ms };
+        let late = h.send(s[0], bar(Some(10)));
+        let waiting: Vec<u64> = s[1..3].iter().map(|&x| h.send(x, bar(None))).collect();
+        h.advance(20);
+        // Timed out, and answered so; its arrival stays counted.
+        assert!(matches!(err(h.take(s[0], late)), OpError::KeyTimeout { .. }), "round {round}");
+        assert!(s[1..3].iter().zip(&waiting).all(|(&x, &w)| h.pending(x, w)), "round {round}");
+        let last = h.send(s[3], bar(None));
+        assert_eq!(ok(h.take(s[3], last)), Response::Done, "round {round}");
+        for (&x, &w) in s[1..3].iter().zip(&waiting) {
+            assert_eq!(ok(h.take(x, w)), Response::Done, "round {round}");
+        }
+        // Nothing more for the one that timed out.
+        assert!(h.pending(s[0], late), "round {round}");
+    }
+}
+
+#[test]
 fn compare_set_on_a_missing_key_wakes_waiters_without_creating_it() {
     let mut h = Harness::new();
     let s = anon(&mut h);

@@ -1,7 +1,7 @@
 //! A job's key-value data and the requests blocked until keys exist.
 //! Semantics follow PyTorch's TCPStore wherever the operation exists there.
 
-use std::collections::{BTreeSet, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 
 use super::HashMap;
 
@@ -34,6 +34,9 @@ pub(crate) struct KeyWait {
 
 pub(crate) type WaitId = (SessionId, u64);
 
+/// The store barriers of one world size waiting at a key.
+type WaitSet = HashSet<WaitId, foldhash::fast::RandomState>;
+
 #[derive(Debug, Default)]
 pub(crate) struct Store {
     data: HashMap<Bytes, Bytes>,
@@ -49,10 +52,18 @@ pub(crate) struct Store {
     by_session: HashMap<SessionId, Vec<u64>>,
     /// TCPStore queues: a namespace apart from `data` (torch's libuv server does the same).
     queues: HashMap<Bytes, VecDeque<Bytes>>,
-    /// Store barriers waiting for the counter at their key.
-    /// Ordered by world size, so an arrival releases the waiters it satisfies
-    /// without looking at the others (N arrivals stay O(N log N), not O(N²)).
-    barrier_waiters: HashMap<Bytes, BTreeSet<(i64, WaitId)>>,
+    /// Store barriers waiting for the counter at their key, by the world size they
+    /// state (a round's usually all state one): an arrival releases the waiters it
+    /// satisfies without looking at the others, and joining or leaving a round is
+    /// a hash of the request, not a search through every waiter.
+    barrier_waiters: HashMap<Bytes, BTreeMap<i64, WaitSet>>,
+    /// The set of the latest round released, emptied, for the next round's key: a
+    /// round's set grows to the world size, and growing it afresh every round
+    /// would rehash it each time it doubles.
+    spare_waiters: WaitSet,
+    /// The waiters a release answers, sorted (their sets have no order); kept for
+    /// the next release.
+    releasing: Vec<WaitId>,
     /// Keys ever used as store-barrier counters, for status reports.
     barrier_keys: BTreeSet<Bytes>,
     /// The time of the request being handled (set by the caller before each): when a
@@ -155,7 +166,9 @@ impl Store {
             counters.releases += 1;
             return Ok(Some(Ok(Response::Done)));
         }
-        self.barrier_waiters.entry(key.clone()).or_default().insert((world_size, id));
+        let Store { barrier_waiters, spare_waiters, .. } = self;
+        let by_size = barrier_waiters.entry(key.clone()).or_default();
+        by_size.entry(world_size).or_insert_with(|| std::mem::take(spare_waiters)).insert(id);
         self.insert_wait(
             id,
             KeyWait { kind: WaitKind::Barrier { world_size }, keys: vec![key], missing: 0, started: now },
@@ -378,11 +391,15 @@ impl Store {
         let wait = self.take_wait(id)?;
         if let WaitKind::Barrier { world_size } = wait.kind {
             for key in &wait.keys {
-                if let Some(waiters) = self.barrier_waiters.get_mut(key) {
-                    waiters.remove(&(world_size, id));
+                let Some(by_size) = self.barrier_waiters.get_mut(key) else { continue };
+                if let Some(waiters) = by_size.get_mut(&world_size) {
+                    waiters.remove(&id);
                     if waiters.is_empty() {
-                        self.barrier_waiters.remove(key);
+                        by_size.remove(&world_size);
                     }
+                }
+                if by_size.is_empty() {
+                    self.barrier_waiters.remove(key);
                 }
             }
             return Some(wait);
@@ -438,29 +455,37 @@ impl Store {
 
     /// Answers the barrier waiters of `key` whose world size the counter has reached.
     fn release_barriers(&mut self, key: &Bytes, done: &mut Vec<(WaitId, Reply)>) {
-        let Some(waiters) = self.barrier_waiters.get_mut(key) else { return };
+        let Some(by_size) = self.barrier_waiters.get_mut(key) else { return };
         let Some(count) = self.data.get(key).and_then(|v| parse_stoll(v)) else { return };
-        match waiters.first() {
+        match by_size.first_key_value() {
             None => {
                 self.barrier_waiters.remove(key);
                 return;
             }
             // Every arrival but a round's last reaches nobody's world size: no split then.
-            Some(&(world_size, _)) if world_size > count => return,
+            Some((&world_size, _)) if world_size > count => return,
             Some(_) => {}
         }
-        // Everything ordered before (count + 1, _) has a world size the counter reached.
+        // The world sizes up to the count are reached.
         let still_waiting = match count.checked_add(1) {
-            Some(next) => waiters.split_off(&(next, (SessionId(0), 0))),
-            None => BTreeSet::new(),
+            Some(next) => by_size.split_off(&next),
+            None => BTreeMap::new(),
         };
-        let released = std::mem::replace(waiters, still_waiting);
-        if self.barrier_waiters.get(key).is_some_and(BTreeSet::is_empty) {
+        let reached = std::mem::replace(by_size, still_waiting);
+        if by_size.is_empty() {
             self.barrier_waiters.remove(key);
         }
-        // Once, rather than growing by doubling through a round's thousands of replies.
-        done.reserve(released.len());
-        for (_, id) in released {
+        let mut releasing = std::mem::take(&mut self.releasing);
+        for mut waiters in reached.into_values() {
+            releasing.extend(waiters.drain());
+            if waiters.capacity() > self.spare_waiters.capacity() {
+                self.spare_waiters = waiters;
+            }
+        }
+        // Answered in the order of their ids, whatever order their sets keep.
+        releasing.sort_unstable();
+        done.reserve(releasing.len());
+        for id in releasing.drain(..) {
             if let Some(wait) = self.take_wait(id) {
                 let counters = &mut self.counters[wait.kind.counted()];
                 counters.releases += 1;
@@ -468,6 +493,7 @@ impl Store {
                 done.push((id, Ok(Response::Done)));
             }
         }
+        self.releasing = releasing;
     }
 
     /// One of each wait's keys arrived: answer those with nothing left. `present` is
