@@ -1,14 +1,13 @@
 //! One job: its keys, its collectives, its ranks, and whether it was aborted.
 
 use crate::counters::{op, JobCounters, KV_OPS};
-use crate::{AbortInfo, Config, JobIncarnation, Millis, OpError, Outgoing, SessionId};
+use crate::{AbortInfo, Config, JobIncarnation, Millis, OpError, SessionId};
 
 use super::collective::{Collectives, Ctx};
 use super::ranks::{Change, Ranks};
-use super::store::{Store, WaitId};
+use super::store::Store;
 use super::timers::Timer;
 use super::{HashMap, JobId};
-use crate::Reply;
 use bytes::Bytes;
 
 #[derive(Debug)]
@@ -104,18 +103,14 @@ impl Job {
     pub fn supersede(&mut self, to: JobIncarnation, ctx: &mut Ctx<'_>) {
         self.superseded = Some(Box::new(to));
         let Some(error) = self.reset_error() else { return };
-        let mut done = Vec::new();
-        self.store.fail_all(&error, &mut done);
-        send_key_replies(done, ctx.out);
+        self.store.fail_all(&error, ctx.out);
         self.collectives.fail_all(&error, &self.ranks, ctx);
     }
 
     /// Fails every wait of `session` with `error` (its rank was taken over). Its
     /// arrivals stay counted: they happened.
     pub fn fail_session(&mut self, session: SessionId, error: &OpError, ctx: &mut Ctx<'_>) {
-        let mut done = Vec::new();
-        self.store.fail_session(session, error, &mut done);
-        send_key_replies(done, ctx.out);
+        self.store.fail_session(session, error, ctx.out);
         self.collectives.fail_session(session, error, ctx);
     }
 
@@ -126,9 +121,7 @@ impl Job {
         }
         self.aborted = Some(by);
         let Some(error) = self.abort_error() else { return };
-        let mut done = Vec::new();
-        self.store.fail_all(&error, &mut done);
-        send_key_replies(done, ctx.out);
+        self.store.fail_all(&error, ctx.out);
         self.collectives.fail_all(&error, &self.ranks, ctx);
     }
 
@@ -140,8 +133,4 @@ impl Job {
             Change::Lost => self.collectives.rank_lost(rank, &self.ranks, ctx),
         }
     }
-}
-
-pub(crate) fn send_key_replies(done: impl IntoIterator<Item = (WaitId, Reply)>, out: &mut Vec<Outgoing>) {
-    out.extend(done.into_iter().map(|((session, request_id), reply)| Outgoing::new(session, request_id, reply)));
 }

@@ -29,7 +29,6 @@ use collective::{Ctx, Held, HeldCall, RunCall};
 use job::Job;
 use resume::{Detached, Kept, Resent, Resumable};
 use step::{Caller, Keep, Step};
-use store::WaitId;
 use timers::{Timer, Timers};
 
 /// Jobs are numbered so that timers never point at a newer job of the same name.
@@ -169,11 +168,6 @@ pub struct Engine {
     released: Vec<(usize, usize)>,
     /// Records of node agents' calls released (see [`Engine::take_records`]).
     records: Vec<std::sync::Arc<Record>>,
-    /// Lent to each step for the key waits its request completes (see `Step`),
-    /// empty between steps: kept rather than allocated per request, since a
-    /// round's last arrival completes every rank's wait, and freeing a list that
-    /// long makes the allocator go through every small chunk freed before it.
-    woken: Vec<(WaitId, Reply)>,
 }
 
 /// What a call of [`Engine::gate`] is part of.
@@ -207,7 +201,6 @@ impl Engine {
             settled: 0,
             released: Vec::new(),
             records: Vec::new(),
-            woken: Vec::new(),
         }
     }
 
@@ -403,8 +396,7 @@ impl Engine {
         let (out, timers, tracked) = (&mut self.outgoing, &mut self.timers, &mut self.tracked);
         let (released, records) = (&mut self.released, &mut self.records);
         let ctx = Ctx { job: id, now, out, timers, tracked, released, settled, records };
-        let (sessions, hot, woken) = (&mut self.sessions, &mut self.hot, &mut self.woken);
-        Some(Step::new(job, ctx, sessions, hot, &self.config, &mut self.notices, woken))
+        Some(Step::new(job, ctx, &mut self.sessions, &mut self.hot, &self.config, &mut self.notices))
     }
 
     /// Admits a PyTorch TCPStore connection of process `pid` on `host`: a session

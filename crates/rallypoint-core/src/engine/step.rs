@@ -16,7 +16,7 @@ use crate::error::Secs;
 use crate::ranges::{runs, split};
 
 use super::collective::{Call, CollectiveAt, Ctx, Held, Link, RunCall};
-use super::job::{send_key_replies, Job};
+use super::job::Job;
 use super::store::{WaitId, WaitKind};
 use super::timers::{CollectiveDeadline, Timer};
 use super::{resume, torch, validate, Hots, Session, Sessions};
@@ -31,9 +31,6 @@ pub(crate) struct Step<'a> {
     pub hot: &'a mut Hots,
     pub config: &'a Config,
     pub notices: &'a mut Vec<String>,
-    /// Key waits a request completed, answered before its own reply (the engine's
-    /// list, empty between requests).
-    woken: &'a mut Vec<(WaitId, Reply)>,
 }
 
 /// Who sent the request being handled.
@@ -99,10 +96,8 @@ impl<'a> Step<'a> {
         hot: &'a mut Hots,
         config: &'a Config,
         notices: &'a mut Vec<String>,
-        woken: &'a mut Vec<(WaitId, Reply)>,
     ) -> Self {
-        debug_assert!(woken.is_empty(), "key waits woken by an earlier step were not answered");
-        Step { job, ctx, sessions, hot, config, notices, woken }
+        Step { job, ctx, sessions, hot, config, notices }
     }
 
     /// Session `id` of the job opened with `identity`.
@@ -226,7 +221,6 @@ impl<'a> Step<'a> {
             Ok(()) => self.apply(&caller, request),
             Err(error) => Some(Err(error)),
         };
-        send_key_replies(self.woken.drain(..), self.ctx.out);
         if let Some(reply) = reply {
             self.ctx.reply(caller.wait_id(), reply);
         }
@@ -330,7 +324,9 @@ impl<'a> Step<'a> {
     /// Runs an admitted request. Returns its reply, or None if it waits (its reply
     /// comes when it is released or times out).
     fn apply(&mut self, caller: &Caller, request: Request) -> Option<Reply> {
-        let (store, woken) = (&mut self.job.store, &mut *self.woken);
+        // The store answers the key waits a request completes into `out`, ahead of
+        // the request's own reply.
+        let (store, out) = (&mut self.job.store, &mut *self.ctx.out);
         match request {
             Request::Heartbeat => DONE,
             Request::Leave => self.leave(caller),
@@ -341,8 +337,8 @@ impl<'a> Step<'a> {
             Request::Set { key, value } => self.set(key, value),
             Request::Append { key, value } => self.append(key, value),
             Request::MultiSet { entries } => self.multi_set(entries),
-            Request::Add { key, delta } => Some(store.add(key, delta, woken).map(Response::Int)),
-            Request::CompareSet { key, expected, desired } => value(store.compare_set(key, expected, desired, woken)),
+            Request::Add { key, delta } => Some(store.add(key, delta, out).map(Response::Int)),
+            Request::CompareSet { key, expected, desired } => value(store.compare_set(key, expected, desired, out)),
             Request::Delete { key } => boolean(store.delete(&key)),
             Request::Check { keys } => boolean(store.all_exist(&keys)),
             Request::NumKeys => int(i64::try_from(store.len()).unwrap_or(i64::MAX)),
@@ -383,29 +379,29 @@ impl<'a> Step<'a> {
     }
 
     fn set(&mut self, key: Bytes, value: Bytes) -> Option<Reply> {
-        self.job.store.set(key, value, self.woken);
+        self.job.store.set(key, value, self.ctx.out);
         DONE
     }
 
     fn append(&mut self, key: Bytes, value: Bytes) -> Option<Reply> {
-        self.job.store.append(key, &value, self.woken);
+        self.job.store.append(key, &value, self.ctx.out);
         DONE
     }
 
     fn multi_set(&mut self, entries: Vec<(Bytes, Bytes)>) -> Option<Reply> {
         for (key, value) in entries {
-            self.job.store.set(key, value, self.woken);
+            self.job.store.set(key, value, self.ctx.out);
         }
         DONE
     }
 
     fn queue_push(&mut self, key: Bytes, value: Bytes) -> Option<Reply> {
-        self.job.store.queue_push(key, value, self.woken);
+        self.job.store.queue_push(key, value, self.ctx.out);
         DONE
     }
 
     fn cancel_wait(&mut self, caller: &Caller) -> Option<Reply> {
-        self.job.store.cancel_session(caller.session, self.woken);
+        self.job.store.cancel_session(caller.session, self.ctx.out);
         DONE
     }
 
@@ -491,7 +487,7 @@ impl<'a> Step<'a> {
         world_size: i64,
         timeout_ms: Option<u64>,
     ) -> Option<Reply> {
-        match self.job.store.barrier(caller.wait_id(), key, world_size, self.ctx.now, self.woken) {
+        match self.job.store.barrier(caller.wait_id(), key, world_size, self.ctx.now, self.ctx.out) {
             Err(error) => Some(Err(error)),
             Ok(Some(reply)) => Some(reply),
             Ok(None) => {

@@ -8,7 +8,7 @@ use super::HashMap;
 use bytes::{Bytes, BytesMut};
 
 use crate::counters::{op, OpCounters};
-use crate::{Millis, OpError, Reply, Response, SessionId};
+use crate::{Millis, OpError, Outgoing, Reply, Response, SessionId};
 
 /// What a blocked request returns once its keys exist.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -33,6 +33,12 @@ pub(crate) struct KeyWait {
 }
 
 pub(crate) type WaitId = (SessionId, u64);
+
+/// Answers wait `id`: the store's replies go straight into the engine's outgoing
+/// ones (`done`), ahead of the reply to the request that completed the wait.
+fn answer(done: &mut Vec<Outgoing>, (session, request_id): WaitId, reply: Reply) {
+    done.push(Outgoing::new(session, request_id, reply));
+}
 
 /// The store barriers of one world size waiting at a key.
 type WaitSet = HashSet<WaitId, foldhash::fast::RandomState>;
@@ -119,7 +125,7 @@ impl Store {
     }
 
     /// Appends to queue `key` and wakes one waiter on that name, as torch does.
-    pub fn queue_push(&mut self, key: Bytes, value: Bytes, done: &mut Vec<(WaitId, Reply)>) {
+    pub fn queue_push(&mut self, key: Bytes, value: Bytes, done: &mut Vec<Outgoing>) {
         let key = own(key);
         self.queues.entry(key.clone()).or_default().push_back(own(value));
         self.wake_one(&key, done);
@@ -149,7 +155,7 @@ impl Store {
         key: Bytes,
         world_size: i64,
         now: Millis,
-        done: &mut Vec<(WaitId, Reply)>,
+        done: &mut Vec<Outgoing>,
     ) -> Result<Option<Reply>, OpError> {
         if self.waits.contains_key(&id) {
             return Err(OpError::Invalid(format!("request id {} is already waiting on this session", id.1)));
@@ -177,20 +183,20 @@ impl Store {
     }
 
     /// Fails every wait of `session` with `error`.
-    pub fn fail_session(&mut self, session: SessionId, error: &OpError, done: &mut Vec<(WaitId, Reply)>) {
+    pub fn fail_session(&mut self, session: SessionId, error: &OpError, done: &mut Vec<Outgoing>) {
         for id in self.session_waits(session) {
             if self.remove_wait(id).is_some() {
-                done.push((id, Err(error.clone())));
+                answer(done, id, Err(error.clone()));
             }
         }
     }
 
     /// Ends every wait of `session` (torch's CANCEL_WAIT); each fails with `Closed`,
     /// so that every request still gets exactly one reply.
-    pub fn cancel_session(&mut self, session: SessionId, done: &mut Vec<(WaitId, Reply)>) {
+    pub fn cancel_session(&mut self, session: SessionId, done: &mut Vec<Outgoing>) {
         for id in self.session_waits(session) {
             if self.remove_wait(id).is_some() {
-                done.push((id, Err(OpError::Closed("the wait was canceled".into()))));
+                answer(done, id, Err(OpError::Closed("the wait was canceled".into())));
             }
         }
     }
@@ -200,13 +206,13 @@ impl Store {
     }
 
     /// Stores `value` and returns the waits it completed.
-    pub fn set(&mut self, key: Bytes, value: Bytes, done: &mut Vec<(WaitId, Reply)>) {
+    pub fn set(&mut self, key: Bytes, value: Bytes, done: &mut Vec<Outgoing>) {
         self.put(key, own(value), done);
     }
 
     /// Stores a value that is already owned (not a view into a read buffer). An existing
     /// key keeps its stored copy, so updating a key allocates nothing for it.
-    fn put(&mut self, key: Bytes, value: Bytes, done: &mut Vec<(WaitId, Reply)>) {
+    fn put(&mut self, key: Bytes, value: Bytes, done: &mut Vec<Outgoing>) {
         match self.data.get_mut(&key) {
             Some(slot) => *slot = value,
             None => {
@@ -216,7 +222,7 @@ impl Store {
         self.wake(&key, done);
     }
 
-    pub fn append(&mut self, key: Bytes, value: &[u8], done: &mut Vec<(WaitId, Reply)>) {
+    pub fn append(&mut self, key: Bytes, value: &[u8], done: &mut Vec<Outgoing>) {
         match self.data.get_mut(&key) {
             Some(old) => {
                 let mut joined = BytesMut::with_capacity(old.len() + value.len());
@@ -232,7 +238,7 @@ impl Store {
     }
 
     /// Adds `delta` to the decimal integer at `key` (absent counts as 0), like TCPStore.
-    pub fn add(&mut self, key: Bytes, delta: i64, done: &mut Vec<(WaitId, Reply)>) -> Result<i64, OpError> {
+    pub fn add(&mut self, key: Bytes, delta: i64, done: &mut Vec<Outgoing>) -> Result<i64, OpError> {
         // One lookup for the read and the write: `add` is the hottest request there is.
         let slot = self.data.get_mut(&key);
         let current = match &slot {
@@ -261,13 +267,7 @@ impl Store {
     /// On a missing key with a non-empty `expected` nothing is stored, yet waiters on
     /// the key are woken and answered as if it existed: torch's libuv server does
     /// exactly that, and a torch `wait` returns there.
-    pub fn compare_set(
-        &mut self,
-        key: Bytes,
-        expected: Bytes,
-        desired: Bytes,
-        done: &mut Vec<(WaitId, Reply)>,
-    ) -> Bytes {
+    pub fn compare_set(&mut self, key: Bytes, expected: Bytes, desired: Bytes, done: &mut Vec<Outgoing>) -> Bytes {
         match self.data.get(&key) {
             Some(current) if *current == expected => {
                 self.set(key, desired.clone(), done);
@@ -367,13 +367,15 @@ impl Store {
     }
 
     /// Fails every wait with `error` (the job was aborted), in the order of their ids.
-    pub fn fail_all(&mut self, error: &OpError, done: &mut Vec<(WaitId, Reply)>) {
+    pub fn fail_all(&mut self, error: &OpError, done: &mut Vec<Outgoing>) {
         self.waiters_by_key.clear();
         self.barrier_waiters.clear();
         self.by_session.clear();
         let mut ids: Vec<WaitId> = std::mem::take(&mut self.waits).into_keys().collect();
         ids.sort_unstable();
-        done.extend(ids.into_iter().map(|id| (id, Err(error.clone()))));
+        done.extend(
+            ids.into_iter().map(|(session, request_id)| Outgoing::new(session, request_id, Err(error.clone()))),
+        );
     }
 
     pub fn absent(&self, keys: &[Bytes]) -> Vec<Bytes> {
@@ -425,7 +427,7 @@ impl Store {
     }
 
     /// `key` now exists: count it off every wait on it and answer those with nothing left.
-    fn wake(&mut self, key: &Bytes, done: &mut Vec<(WaitId, Reply)>) {
+    fn wake(&mut self, key: &Bytes, done: &mut Vec<Outgoing>) {
         // Most writes have nobody waiting: skip the lookups (and hashing) then.
         if !self.barrier_waiters.is_empty() {
             self.release_barriers(key, done);
@@ -438,7 +440,7 @@ impl Store {
     }
 
     /// A queue push wakes only the oldest waiter on that name (torch: wakeupOneWaitingClient).
-    fn wake_one(&mut self, key: &Bytes, done: &mut Vec<(WaitId, Reply)>) {
+    fn wake_one(&mut self, key: &Bytes, done: &mut Vec<Outgoing>) {
         let Some(ids) = self.waiters_by_key.get_mut(key) else { return };
         let first = ids.remove(0);
         if ids.is_empty() {
@@ -448,13 +450,13 @@ impl Store {
     }
 
     /// Counts `key` off its waiters as if it existed, without it existing.
-    fn wake_as_if_set(&mut self, key: &Bytes, done: &mut Vec<(WaitId, Reply)>) {
+    fn wake_as_if_set(&mut self, key: &Bytes, done: &mut Vec<Outgoing>) {
         let Some(ids) = self.waiters_by_key.remove(key) else { return };
         self.count_off(ids, Some(key), done);
     }
 
     /// Answers the barrier waiters of `key` whose world size the counter has reached.
-    fn release_barriers(&mut self, key: &Bytes, done: &mut Vec<(WaitId, Reply)>) {
+    fn release_barriers(&mut self, key: &Bytes, done: &mut Vec<Outgoing>) {
         let Some(by_size) = self.barrier_waiters.get_mut(key) else { return };
         let Some(count) = self.data.get(key).and_then(|v| parse_stoll(v)) else { return };
         match by_size.first_key_value() {
@@ -490,7 +492,7 @@ impl Store {
                 let counters = &mut self.counters[wait.kind.counted()];
                 counters.releases += 1;
                 counters.wait.observe(self.now.saturating_sub(wait.started));
-                done.push((id, Ok(Response::Done)));
+                answer(done, id, Ok(Response::Done));
             }
         }
         self.releasing = releasing;
@@ -498,7 +500,7 @@ impl Store {
 
     /// One of each wait's keys arrived: answer those with nothing left. `present` is
     /// a key to count as existing even if it does not (see `compare_set`).
-    fn count_off(&mut self, ids: Vec<WaitId>, present: Option<&Bytes>, done: &mut Vec<(WaitId, Reply)>) {
+    fn count_off(&mut self, ids: Vec<WaitId>, present: Option<&Bytes>, done: &mut Vec<Outgoing>) {
         // At most one reply each (see `release_barriers`).
         done.reserve(ids.len());
         for id in ids {
@@ -516,7 +518,8 @@ impl Store {
                     let counters = &mut self.counters[wait.kind.counted()];
                     counters.releases += 1;
                     counters.wait.observe(self.now.saturating_sub(wait.started));
-                    done.push((id, Ok(self.answer(wait.kind, &keys))));
+                    let reply = Ok(self.answer(wait.kind, &keys));
+                    answer(done, id, reply);
                 }
             } else {
                 self.register(id, &absent);
