@@ -6,6 +6,7 @@ use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
 use super::HashMap;
 
 use bytes::{Bytes, BytesMut};
+use smallvec::SmallVec;
 
 use crate::counters::{op, OpCounters};
 use crate::{Millis, OpError, Outgoing, Reply, Response, SessionId};
@@ -26,7 +27,8 @@ pub(crate) enum WaitKind {
 #[derive(Debug)]
 pub(crate) struct KeyWait {
     pub kind: WaitKind,
-    pub keys: Vec<Bytes>,
+    /// Most waits are on one key (a get, a store barrier): kept inline then.
+    pub keys: SmallVec<[Bytes; 1]>,
     /// Distinct keys still absent when last counted; a re-check runs when it reaches 0.
     missing: usize,
     pub started: Millis,
@@ -160,7 +162,12 @@ impl Store {
         if self.waits.contains_key(&id) {
             return Err(OpError::Invalid(format!("request id {} is already waiting on this session", id.1)));
         }
-        let key = own(key);
+        // Every rank of a round names the same key: the stored one is shared rather
+        // than the request's copied (and then shared) at every arrival.
+        let key = match self.data.get_key_value(&key) {
+            Some((stored, _)) => stored.clone(),
+            None => own(key),
+        };
         // Looked up first: every rank of a round names the same key.
         if !self.barrier_keys.contains(&key) {
             self.barrier_keys.insert(key.clone());
@@ -175,10 +182,8 @@ impl Store {
         let Store { barrier_waiters, spare_waiters, .. } = self;
         let by_size = barrier_waiters.entry(key.clone()).or_default();
         by_size.entry(world_size).or_insert_with(|| std::mem::take(spare_waiters)).insert(id);
-        self.insert_wait(
-            id,
-            KeyWait { kind: WaitKind::Barrier { world_size }, keys: vec![key], missing: 0, started: now },
-        );
+        let keys = smallvec::smallvec![key];
+        self.insert_wait(id, KeyWait { kind: WaitKind::Barrier { world_size }, keys, missing: 0, started: now });
         Ok(None)
     }
 
@@ -248,8 +253,8 @@ impl Store {
             }
         };
         let new = current.checked_add(delta).ok_or_else(|| OpError::Overflow { key: key.clone(), current, delta })?;
-        // Decimal text, as TCPStore stores counters; freshly allocated, so no copy needed.
-        let value = Bytes::from(new.to_string());
+        // Decimal text, as TCPStore stores counters: one allocation of its exact size.
+        let value = Bytes::copy_from_slice(itoa::Buffer::new().format(new).as_bytes());
         match slot {
             Some(slot) => *slot = value,
             None => {
@@ -318,7 +323,7 @@ impl Store {
             return Ok(Some(Ok(self.answer(kind, &keys))));
         }
         self.register(id, &absent);
-        self.insert_wait(id, KeyWait { kind, keys, missing: absent.len(), started: now });
+        self.insert_wait(id, KeyWait { kind, keys: SmallVec::from_vec(keys), missing: absent.len(), started: now });
         Ok(None)
     }
 
@@ -328,7 +333,7 @@ impl Store {
         self.counters[wait.kind.counted()].timeouts += 1;
         let missing = match wait.kind {
             // The counter exists; what is missing is its release.
-            WaitKind::Barrier { .. } => wait.keys,
+            WaitKind::Barrier { .. } => wait.keys.into_vec(),
             _ => self.absent(&wait.keys),
         };
         Some(Err(OpError::KeyTimeout { waited_ms: now.saturating_sub(wait.started), missing }))
