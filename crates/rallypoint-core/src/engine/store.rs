@@ -65,9 +65,9 @@ pub(crate) struct Store {
     /// satisfies without looking at the others, and joining or leaving a round is
     /// a hash of the request, not a search through every waiter.
     barrier_waiters: HashMap<Bytes, BTreeMap<i64, WaitSet>>,
-    /// The set of the latest round released, emptied, for the next round's key: a
-    /// round's set grows to the world size, and growing it afresh every round
-    /// would rehash it each time it doubles.
+    /// The largest set a release emptied, kept for the next round's key: a round's
+    /// set grows to the world size, and growing it afresh every round would rehash
+    /// it each time it doubles.
     spare_waiters: WaitSet,
     /// The waiters a release answers, sorted (their sets have no order); kept for
     /// the next release.
@@ -347,7 +347,7 @@ impl Store {
         self.by_session.remove(&session);
     }
 
-    /// The waits of `session`, oldest request first.
+    /// The waits of `session`, in the order of their request ids.
     fn session_waits(&self, session: SessionId) -> Vec<WaitId> {
         let requests = self.by_session.get(&session).map_or(&[][..], Vec::as_slice);
         let mut ids: Vec<WaitId> = requests.iter().map(|&request| (session, request)).collect();
@@ -491,6 +491,7 @@ impl Store {
         }
         // Answered in the order of their ids, whatever order their sets keep.
         releasing.sort_unstable();
+        // Once, rather than growing through a round's thousands of replies.
         done.reserve(releasing.len());
         for id in releasing.drain(..) {
             if let Some(wait) = self.take_wait(id) {
