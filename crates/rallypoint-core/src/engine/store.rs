@@ -122,6 +122,12 @@ impl Store {
         waits.into_iter()
     }
 
+    /// Every wait, in no order: for whoever only counts or gathers them into sets,
+    /// and may do so once per key.
+    pub fn waits_in_any_order(&self) -> impl Iterator<Item = (&WaitId, &KeyWait)> {
+        self.waits.iter()
+    }
+
     pub fn barrier_keys(&self) -> impl Iterator<Item = &Bytes> {
         self.barrier_keys.iter()
     }

@@ -112,7 +112,7 @@ fn barrier_arrivals(
     let mut world = None;
     let mut arrived = BTreeSet::new();
     let mut all_known = true;
-    for ((session, _), wait) in job.store.waits() {
+    for ((session, _), wait) in job.store.waits_in_any_order() {
         let WaitKind::Barrier { world_size } = wait.kind else { continue };
         if wait.keys.first() != Some(key) {
             continue;
@@ -259,7 +259,7 @@ pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: 
         }
     }
     let mut missing_by_group: Vec<(Bytes, BTreeSet<u32>)> = Vec::new();
-    for (_, wait) in job.store.waits() {
+    for (_, wait) in job.store.waits_in_any_order() {
         for (prefix, missing) in missing_addresses(job, wait) {
             match missing_by_group.iter_mut().find(|(p, _)| *p == prefix) {
                 Some((_, set)) => set.extend(missing),
@@ -331,7 +331,7 @@ pub(crate) fn view(job: &Job, sessions: &[(SessionId, &Identity, bool)]) -> Opti
             groups.entry(Bytes::copy_from_slice(prefix)).or_default().0.insert(rank);
         }
     }
-    for (_, wait) in job.store.waits() {
+    for (_, wait) in job.store.waits_in_any_order() {
         for (prefix, missing) in missing_addresses(job, wait) {
             groups.entry(prefix).or_default().1.extend(missing);
         }
