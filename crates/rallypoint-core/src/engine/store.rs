@@ -216,7 +216,7 @@ impl Store {
         self.data.len()
     }
 
-    /// Stores `value` and returns the waits it completed.
+    /// Stores `value` and answers, into `done`, the waits it completed.
     pub fn set(&mut self, key: Bytes, value: Bytes, done: &mut Vec<Outgoing>) {
         self.put(key, own(value), done);
     }
