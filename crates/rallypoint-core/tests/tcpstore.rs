@@ -145,6 +145,31 @@ fn store_barrier_rounds_on_fresh_keys_answer_each_waiter_once() {
 }
 
 #[test]
+fn status_lists_store_barriers_waited_at_and_the_last_used_not_every_round() {
+    let mut h = Harness::new();
+    let t: Vec<SessionId> = (0..2).map(|r| torch(&mut h, r, 100 + r as u32)).collect();
+    let bar = |key: &str, world_size| Request::StoreBarrier { key: b(key), world_size, timeout_ms: None };
+    let stuck = h.send(t[0], bar("/stuck", 2));
+    let rounds = 200;
+    for round in 0..rounds {
+        assert_eq!(ok(Some(h.call(t[1], bar(&format!("/round/{round}"), 1)))), Response::Done);
+    }
+    assert!(h.pending(t[0], stuck));
+    let tool = h.open(Identity::anonymous("j"));
+    let Response::Value(report) = ok(Some(h.call(tool, Request::Status))) else { panic!("status is text") };
+    let report = String::from_utf8_lossy(&report).into_owned();
+    let listed: Vec<&str> = report.lines().filter(|l| l.starts_with("store barrier ")).collect();
+    assert!(
+        listed.iter().any(|l| l.starts_with("store barrier \"/stuck\": counter 1, 1 waiting for world size 2")),
+        "{report}"
+    );
+    let last = format!("store barrier \"/round/{}\": counter 1", rounds - 1);
+    assert!(listed.iter().any(|l| l.starts_with(&last)), "{report}");
+    assert!(!listed.iter().any(|l| l.starts_with("store barrier \"/round/0\":")), "{report}");
+    assert!(listed.len() < 50, "{} store barriers listed:\n{report}", listed.len());
+}
+
+#[test]
 fn compare_set_on_a_missing_key_wakes_waiters_without_creating_it() {
     let mut h = Harness::new();
     let s = anon(&mut h);

@@ -1,7 +1,7 @@
 //! A job's key-value data and the requests blocked until keys exist.
 //! Semantics follow PyTorch's TCPStore wherever the operation exists there.
 
-use std::collections::{BTreeMap, BTreeSet, HashSet, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 
 use super::HashMap;
 
@@ -10,6 +10,10 @@ use smallvec::SmallVec;
 
 use crate::counters::{op, OpCounters};
 use crate::{Millis, OpError, Outgoing, Reply, Response, SessionId};
+
+/// Store-barrier keys a status report lists after their rounds were released: enough
+/// for the few a job reuses, or the last rounds of one that takes a key per round.
+pub(crate) const RECENT_BARRIER_KEYS: usize = 16;
 
 /// What a blocked request returns once its keys exist.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -72,8 +76,11 @@ pub(crate) struct Store {
     /// The waiters a release answers, sorted (their sets have no order); kept for
     /// the next release.
     releasing: Vec<WaitId>,
-    /// Keys ever used as store-barrier counters, for status reports.
-    barrier_keys: BTreeSet<Bytes>,
+    /// The keys last used as store-barrier counters, the latest last: with the keys
+    /// that have waiters, the ones status reports list. Bounded: a job that counts
+    /// each round on a key of its own would otherwise have every report list, and
+    /// count the waiters of, every round it ever ran.
+    recent_barrier_keys: VecDeque<Bytes>,
     /// The time of the request being handled (set by the caller before each): when a
     /// wait it completes ends.
     pub now: Millis,
@@ -128,8 +135,34 @@ impl Store {
         self.waits.iter()
     }
 
+    /// The store-barrier counters a status report lists, in key order: every key
+    /// with waiters, and the ones last used.
     pub fn barrier_keys(&self) -> impl Iterator<Item = &Bytes> {
-        self.barrier_keys.iter()
+        let mut keys: Vec<&Bytes> = self.barrier_waiters.keys().chain(&self.recent_barrier_keys).collect();
+        keys.sort_unstable();
+        keys.dedup();
+        keys.into_iter()
+    }
+
+    /// The store barriers waiting at `key`: the world size each states, and its id.
+    pub fn barrier_waiters(&self, key: &[u8]) -> impl Iterator<Item = (i64, &WaitId)> {
+        let by_size = self.barrier_waiters.get(key).into_iter().flatten();
+        by_size.flat_map(|(&world_size, waiters)| waiters.iter().map(move |id| (world_size, id)))
+    }
+
+    /// Notes `key` as the store-barrier counter used last.
+    fn used_for_barrier(&mut self, key: &Bytes) {
+        let recent = &mut self.recent_barrier_keys;
+        match recent.iter().position(|known| known == key) {
+            Some(at) => {
+                recent.remove(at);
+            }
+            None if recent.len() >= RECENT_BARRIER_KEYS => {
+                recent.pop_front();
+            }
+            None => {}
+        }
+        recent.push_back(key.clone());
     }
 
     /// Appends to queue `key` and wakes one waiter on that name, as torch does.
@@ -174,9 +207,9 @@ impl Store {
             Some((stored, _)) => stored.clone(),
             None => own(key),
         };
-        // Looked up first: every rank of a round names the same key.
-        if !self.barrier_keys.contains(&key) {
-            self.barrier_keys.insert(key.clone());
+        // Every rank of a round names the same key: one comparison, but for its first.
+        if self.recent_barrier_keys.back() != Some(&key) {
+            self.used_for_barrier(&key);
         }
         let count = self.add(key.clone(), 1, done)?;
         let counters = &mut self.counters[WaitKind::Barrier { world_size }.counted()];
@@ -580,7 +613,37 @@ fn parse_stoll(value: &[u8]) -> Option<i64> {
 
 #[cfg(test)]
 mod tests {
-    use super::parse_stoll;
+    use bytes::Bytes;
+
+    use super::{parse_stoll, Store, RECENT_BARRIER_KEYS};
+    use crate::{Response, SessionId};
+
+    #[test]
+    fn barrier_keys_are_those_waited_at_and_the_last_used() {
+        let mut store = Store::default();
+        let arrive = |store: &mut Store, id: u64, key: &str, world_size| {
+            let key = Bytes::from(key.to_owned());
+            store.barrier((SessionId(1), id), key, world_size, 0, &mut Vec::new()).expect("a store barrier")
+        };
+        // A round that never completes, then many that each count on a key of their own.
+        assert_eq!(arrive(&mut store, 0, "stuck", 2), None);
+        for round in 0..100 {
+            assert_eq!(arrive(&mut store, round + 1, &format!("round/{round}"), 1), Some(Ok(Response::Done)));
+        }
+        // Used again: last used, and listed once. An older key comes back in, pushing
+        // the least recently used one out.
+        arrive(&mut store, 1_000, "round/90", 1);
+        arrive(&mut store, 1_001, "round/5", 1);
+        let oldest_kept = 100 - RECENT_BARRIER_KEYS + 1;
+        let mut expected: Vec<String> = (oldest_kept..100).map(|round| format!("round/{round}")).collect();
+        expected.extend(["round/5".to_owned(), "stuck".to_owned()]);
+        expected.sort();
+        let listed: Vec<String> = store.barrier_keys().map(|key| String::from_utf8_lossy(key).into_owned()).collect();
+        assert_eq!(listed, expected);
+        let waiting: Vec<_> = store.barrier_waiters(b"stuck").collect();
+        assert_eq!(waiting, [(2, &(SessionId(1), 0))]);
+        assert_eq!(store.barrier_waiters(b"round/99").count(), 0);
+    }
 
     #[test]
     fn stoll_semantics() {

@@ -112,11 +112,8 @@ fn barrier_arrivals(
     let mut world = None;
     let mut arrived = BTreeSet::new();
     let mut all_known = true;
-    for ((session, _), wait) in job.store.waits_in_any_order() {
-        let WaitKind::Barrier { world_size } = wait.kind else { continue };
-        if wait.keys.first() != Some(key) {
-            continue;
-        }
+    // By world size, smallest first: the largest stated speaks for the key.
+    for (world_size, (session, _)) in job.store.barrier_waiters(key) {
         waiting += 1;
         world = Some(world_size);
         match rank_of(*session) {
