@@ -1,6 +1,7 @@
 //! A job's key-value data and the requests blocked until keys exist.
 //! Semantics follow PyTorch's TCPStore wherever the operation exists there.
 
+use std::collections::hash_map::Entry;
 use std::collections::{BTreeMap, HashSet, VecDeque};
 
 use super::HashMap;
@@ -201,17 +202,12 @@ impl Store {
         if self.waits.contains_key(&id) {
             return Err(OpError::Invalid(format!("request id {} is already waiting on this session", id.1)));
         }
-        // Every rank of a round names the same key: the stored one is shared rather
-        // than the request's copied (and then shared) at every arrival.
-        let key = match self.data.get_key_value(&key) {
-            Some((stored, _)) => stored.clone(),
-            None => own(key),
-        };
+        let (key, count) = self.increment(key, 1)?;
         // Every rank of a round names the same key: one comparison, but for its first.
         if self.recent_barrier_keys.back() != Some(&key) {
             self.used_for_barrier(&key);
         }
-        let count = self.add(key.clone(), 1, done)?;
+        self.wake_counted(&key, Some(count), done);
         let counters = &mut self.counters[WaitKind::Barrier { world_size }.counted()];
         counters.arrivals += 1;
         if count >= world_size {
@@ -283,25 +279,36 @@ impl Store {
 
     /// Adds `delta` to the decimal integer at `key` (absent counts as 0), like TCPStore.
     pub fn add(&mut self, key: Bytes, delta: i64, done: &mut Vec<Outgoing>) -> Result<i64, OpError> {
-        // One lookup for the read and the write: `add` is the hottest request there is.
-        let slot = self.data.get_mut(&key);
-        let current = match &slot {
-            None => 0,
-            Some(value) => {
-                parse_stoll(value).ok_or_else(|| OpError::NotANumber { key: key.clone(), value: (*value).clone() })?
-            }
-        };
-        let new = current.checked_add(delta).ok_or_else(|| OpError::Overflow { key: key.clone(), current, delta })?;
+        let (key, new) = self.increment(key, delta)?;
+        self.wake_counted(&key, Some(new), done);
+        Ok(new)
+    }
+
+    /// Adds `delta` to the decimal counter at `key` (a missing key counts as 0) and
+    /// wakes nobody; returns the key as stored, to share rather than copy, and the
+    /// new count. One lookup for the read and the write: `add`, and a store barrier
+    /// at every rank's arrival, are the hottest requests there are.
+    fn increment(&mut self, key: Bytes, delta: i64) -> Result<(Bytes, i64), OpError> {
         // Decimal text, as TCPStore stores counters: one allocation of its exact size.
-        let value = Bytes::copy_from_slice(itoa::Buffer::new().format(new).as_bytes());
-        match slot {
-            Some(slot) => *slot = value,
-            None => {
-                self.data.insert(own(key.clone()), value);
+        let text = |count: i64| Bytes::copy_from_slice(itoa::Buffer::new().format(count).as_bytes());
+        match self.data.entry(key) {
+            Entry::Occupied(mut slot) => {
+                let (key, value) = (slot.key(), slot.get());
+                let current =
+                    parse_stoll(value).ok_or_else(|| OpError::NotANumber { key: key.clone(), value: value.clone() })?;
+                let new =
+                    current.checked_add(delta).ok_or_else(|| OpError::Overflow { key: key.clone(), current, delta })?;
+                slot.insert(text(new));
+                Ok((slot.key().clone(), new))
+            }
+            // Once per key: the request's key may be a view of a large read buffer,
+            // which the stored one must not keep.
+            Entry::Vacant(slot) => {
+                let key = own(slot.into_key());
+                self.data.insert(key.clone(), text(delta));
+                Ok((key, delta))
             }
         }
-        self.wake(&key, done);
-        Ok(new)
     }
 
     /// TCPStore's compare_set: swap when the current value equals `expected`; a missing key
@@ -472,9 +479,14 @@ impl Store {
 
     /// `key` now exists: count it off every wait on it and answer those with nothing left.
     fn wake(&mut self, key: &Bytes, done: &mut Vec<Outgoing>) {
+        self.wake_counted(key, None, done);
+    }
+
+    /// [`Store::wake`], for a write whose value, as a counter, is `count` if known.
+    fn wake_counted(&mut self, key: &Bytes, count: Option<i64>, done: &mut Vec<Outgoing>) {
         // Most writes have nobody waiting: skip the lookups (and hashing) then.
         if !self.barrier_waiters.is_empty() {
-            self.release_barriers(key, done);
+            self.release_barriers(key, count, done);
         }
         if self.waiters_by_key.is_empty() {
             return;
@@ -499,10 +511,11 @@ impl Store {
         self.count_off(ids, Some(key), done);
     }
 
-    /// Answers the barrier waiters of `key` whose world size the counter has reached.
-    fn release_barriers(&mut self, key: &Bytes, done: &mut Vec<Outgoing>) {
+    /// Answers the barrier waiters of `key` whose world size the counter has reached
+    /// (`count`: its value, if known; else read from the key).
+    fn release_barriers(&mut self, key: &Bytes, count: Option<i64>, done: &mut Vec<Outgoing>) {
         let Some(by_size) = self.barrier_waiters.get_mut(key) else { return };
-        let Some(count) = self.data.get(key).and_then(|v| parse_stoll(v)) else { return };
+        let Some(count) = count.or_else(|| self.data.get(key).and_then(|v| parse_stoll(v))) else { return };
         match by_size.first_key_value() {
             None => {
                 self.barrier_waiters.remove(key);
