@@ -292,6 +292,45 @@ fn status_says_who_waits_in_which_collective_and_who_is_missing() {
 }
 
 #[test]
+fn a_name_used_again_after_many_others_joins_each_ranks_next_generation() {
+    // A job that names each step's barrier afresh: names out of use keep their
+    // per-rank counts in little memory, and a rank's next call of one still joins the
+    // generation after its last.
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..3).map(|r| h.rank("j", r, 3)).collect();
+    // Rank 0 also waits at a barrier the others never come to, all along.
+    let long = h.send(s[0], barrier("long", None));
+    let round = |h: &mut Harness, name: &str| {
+        let ids: Vec<u64> = s.iter().map(|&sess| h.send(sess, barrier(name, None))).collect();
+        for (&sess, id) in s.iter().zip(ids) {
+            assert_eq!(ok(h.take(sess, id)), Response::Done, "{name}");
+        }
+    };
+    round(&mut h, "step/0");
+    round(&mut h, "step/0");
+    for step in 1..300 {
+        round(&mut h, &format!("step/{step}"));
+    }
+    // Rank 2 calls "step/0" a third time: alone in generation 3.
+    let third = h.send(s[2], barrier("step/0", None));
+    let report = status(&mut h, "j");
+    let waiting: Vec<&str> = report.lines().filter(|l| l.starts_with("waiting: ")).collect();
+    assert_eq!(waiting.len(), 2, "{report}");
+    assert!(waiting[0].starts_with("waiting: barrier 'long' (generation 1) for 0.0 s: 1 of 3 arrived"), "{report}");
+    assert!(waiting[1].starts_with("waiting: barrier 'step/0' (generation 3) for 0.0 s: 1 of 3 arrived"), "{report}");
+    // The others' third calls release it.
+    let others: Vec<u64> = s[..2].iter().map(|&sess| h.send(sess, barrier("step/0", None))).collect();
+    assert_eq!(ok(h.take(s[2], third)), Response::Done);
+    for (&sess, id) in s[..2].iter().zip(others) {
+        assert_eq!(ok(h.take(sess, id)), Response::Done);
+    }
+    // The barrier waited at all along still fails at once when a member is lost.
+    h.kill(s[1]);
+    let OpError::PeerLost { op, peer } = err(h.take(s[0], long)) else { panic!("a lost peer") };
+    assert_eq!((op.name.as_str(), op.generation, peer.rank), ("long", 1, 1));
+}
+
+#[test]
 fn status_names_the_first_64_missing_and_counts_the_rest() {
     let mut h = Harness::new();
     let r0 = h.rank("big", 0, 1_000);

@@ -165,7 +165,28 @@ struct Collective {
     calls: Calls,
     pending: BTreeMap<u64, Generation>,
     failed: BTreeMap<u64, OpError>,
+    /// [`Collectives::switches`] when a call last came to it after another's.
+    last_use: u64,
+    /// In [`Collectives::busy`].
+    busy: bool,
 }
+
+impl Collective {
+    /// Keeps what a collective no one waits in needs in little memory: its counts as
+    /// one ([`Calls::settle`]), and no node of an empty map of generations (a map
+    /// keeps its first node, room for a dozen generations, once emptied).
+    fn settle(&mut self) {
+        if self.pending.is_empty() {
+            self.pending = BTreeMap::new();
+            self.calls.settle();
+        }
+    }
+}
+
+/// Calls that came to another collective than the call before them, after which a
+/// collective not called meanwhile is settled ([`Collective::settle`]): a job's
+/// collectives in use keep their counts as they are.
+const SETTLE_AFTER: usize = 64;
 
 /// Calls per rank of the job that the records of ended generations may hold in all
 /// (see [`EndedRecords`]), and at least this many calls for a small job.
@@ -217,12 +238,21 @@ impl EndedRecords {
 /// call keeps the rest in a map.
 /// A count is never zero once kept, so a slot costs what a bare count would.
 #[derive(Debug, Default)]
-struct Calls(ByRank<NonZeroU64>);
+struct Calls {
+    counts: ByRank<NonZeroU64>,
+    /// `(n, count)`: every rank below `n` that `counts` does not hold called `count`
+    /// times. What a collective no longer in use keeps ([`Calls::settle`]): a job that
+    /// names each step's barrier afresh would otherwise keep a count per rank for
+    /// every step it ran.
+    settled: Option<(u32, NonZeroU64)>,
+}
 
 impl Calls {
     /// Counts a call of `rank`; returns its generation.
     fn next(&mut self, rank: u32) -> u64 {
-        let (count, made) = self.0.get_or_make(rank, || NonZeroU64::MIN);
+        let before = self.settled_count(rank);
+        let (count, made) =
+            self.counts.get_or_make(rank, || before.map_or(NonZeroU64::MIN, |count| count.saturating_add(1)));
         if !made {
             *count = count.saturating_add(1);
         }
@@ -232,7 +262,48 @@ impl Calls {
     /// The count of a rank that called before, to take its next call's generation
     /// from and count it in one look (`None`: it never called).
     fn of_known(&mut self, rank: u32) -> Option<&mut NonZeroU64> {
-        self.0.get_mut(rank)
+        if self.settled.is_some() && !self.counts.contains(rank) {
+            let count = self.settled_count(rank)?;
+            return Some(self.counts.get_or_insert_with(rank, || count));
+        }
+        self.counts.get_mut(rank)
+    }
+
+    /// What [`Calls::settled`] says of `rank`.
+    fn settled_count(&self, rank: u32) -> Option<NonZeroU64> {
+        self.settled.filter(|&(n, _)| rank < n).map(|(_, count)| count)
+    }
+
+    /// Keeps the counts as one `(n, count)` if every rank below some `n`, and no
+    /// other, called the same number of times (every member of every generation of a
+    /// whole-job collective has); else leaves them as they are.
+    fn settle(&mut self) {
+        let (settled_n, settled_count) = self.settled.map_or((0, None), |(n, count)| (n, Some(count)));
+        let (mut common, mut n, mut below, mut beyond) = (None, settled_n, 0u64, 0u64);
+        for (rank, &count) in self.counts.iter() {
+            if *common.get_or_insert(count) != count {
+                return;
+            }
+            if rank < settled_n {
+                below += 1;
+            } else {
+                beyond += 1;
+            }
+            n = n.max(rank.saturating_add(1));
+        }
+        // Ranks below the settled `n` that `counts` does not hold keep the settled count.
+        if below < u64::from(settled_n) {
+            match (common, settled_count) {
+                (Some(count), Some(settled)) if count != settled => return,
+                (None, settled) => common = settled,
+                _ => {}
+            }
+        }
+        let Some(count) = common else { return };
+        if u64::from(settled_n) + beyond == u64::from(n) {
+            self.settled = Some((n, count));
+            self.counts = ByRank::default();
+        }
     }
 }
 
@@ -268,8 +339,19 @@ pub(crate) struct Collectives {
     /// up by `&str`, with no key to build for each call.
     by_name: [HashMap<String, usize>; 3],
     /// Every collective the job ever called, in the order first called: none is
-    /// dropped while the job lives.
+    /// dropped while the job lives (a rank's next call of any of them continues its
+    /// count), but those not in use are settled ([`Collective::settle`]).
     all: Vec<Collective>,
+    /// The collective the last call came to.
+    last_called: Option<usize>,
+    /// Calls so far that came to another collective than the call before them.
+    switches: u64,
+    /// The last [`SETTLE_AFTER`] such calls: the collective, and `switches` then.
+    uses: VecDeque<(usize, u64)>,
+    /// The collectives that may have generations pending, each once: what the passes
+    /// over pending generations (a rank lost, a session's end, a status report) look
+    /// at, rather than every collective the job ever called.
+    busy: Vec<usize>,
     failed_kept: usize,
     max_gather_bytes: usize,
     ended: EndedRecords,
@@ -299,6 +381,10 @@ impl Collectives {
         Collectives {
             by_name: Default::default(),
             all: Vec::new(),
+            last_called: None,
+            switches: 0,
+            uses: VecDeque::new(),
+            busy: Vec::new(),
             failed_kept: failed_kept.max(1),
             max_gather_bytes,
             ended: EndedRecords::default(),
@@ -315,9 +401,42 @@ impl Collectives {
         let at = self.all.len();
         let calls = Calls::default();
         let (pending, failed) = (BTreeMap::new(), BTreeMap::new());
-        self.all.push(Collective { kind, name: name.to_owned(), calls, pending, failed });
+        self.all.push(Collective { kind, name: name.to_owned(), calls, pending, failed, last_use: 0, busy: false });
         by_name.insert(name.to_owned(), at);
         CollectiveAt(at)
+    }
+
+    /// A call came to the collective at `at` after one to another: the collective
+    /// not called since [`SETTLE_AFTER`] such calls ago, if any, is settled.
+    fn switch_to(&mut self, at: usize) {
+        if self.busy.len() > 2 * SETTLE_AFTER {
+            self.busy_now();
+        }
+        self.last_called = Some(at);
+        self.switches += 1;
+        if let Some(coll) = self.all.get_mut(at) {
+            coll.last_use = self.switches;
+        }
+        self.uses.push_back((at, self.switches));
+        while self.uses.len() > SETTLE_AFTER {
+            let Some((old, when)) = self.uses.pop_front() else { break };
+            // Called again since, it has a later entry.
+            if let Some(coll) = self.all.get_mut(old).filter(|coll| coll.last_use == when) {
+                coll.settle();
+            }
+        }
+    }
+
+    /// [`Collectives::busy`] without the collectives no generation is pending in any
+    /// more, in the order they were first called.
+    fn busy_now(&mut self) {
+        let all = &mut self.all;
+        self.busy.retain(|&at| {
+            let coll = &mut all[at];
+            coll.busy = !coll.pending.is_empty();
+            coll.busy
+        });
+        self.busy.sort_unstable();
     }
 
     /// A call of the collective at `at` (see [`Collectives::find`]). A generation is
@@ -331,6 +450,9 @@ impl Collectives {
         ranks: &Ranks,
         ctx: &mut Ctx<'_>,
     ) -> Option<u64> {
+        if self.last_called != Some(at) {
+            self.switch_to(at);
+        }
         let failed_kept = self.failed_kept;
         let coll = self.all.get_mut(at)?;
         let (kind, name) = (coll.kind, coll.name.as_str());
@@ -381,6 +503,10 @@ impl Collectives {
                     return None;
                 }
                 let arrivals = Arrivals::for_members(&members, ranks);
+                if !coll.busy {
+                    coll.busy = true;
+                    self.busy.push(at);
+                }
                 coll.pending.entry(number).or_insert(Generation {
                     shape: shape(),
                     members,
@@ -533,7 +659,9 @@ impl Collectives {
 
     /// A rank of the job connected: role member sets waiting on it may now be known.
     pub fn rank_connected(&mut self, ranks: &Ranks, ctx: &mut Ctx<'_>) {
-        for coll in &mut self.all {
+        self.busy_now();
+        for &at in &self.busy {
+            let coll = &mut self.all[at];
             let unresolved: Vec<u64> = coll
                 .pending
                 .iter_mut()
@@ -550,7 +678,9 @@ impl Collectives {
     /// `rank` was lost: fail every pending generation that still needs it.
     pub fn rank_lost(&mut self, rank: u32, ranks: &Ranks, ctx: &mut Ctx<'_>) {
         let failed_kept = self.failed_kept;
-        for coll in &mut self.all {
+        self.busy_now();
+        for &at in &self.busy {
+            let coll = &mut self.all[at];
             let kind = coll.kind;
             let doomed: Vec<u64> = coll
                 .pending
@@ -604,7 +734,7 @@ impl Collectives {
     /// Every generation somebody is blocked in, by name, kind and generation.
     fn waited_in(&self) -> Vec<(&str, CollectiveKind, u64, &Generation)> {
         let mut blocked: Vec<(&str, CollectiveKind, u64, &Generation)> = Vec::new();
-        for coll in &self.all {
+        for coll in self.busy.iter().map(|&at| &self.all[at]) {
             // A broadcast released to the waiters stays pending until every member
             // came, but blocks nobody.
             let waiting = coll.pending.iter().filter(|(_, g)| g.blocks());
@@ -643,7 +773,9 @@ impl Collectives {
 
     /// Fails the waits of `session` with `error`, leaving its arrivals counted.
     pub fn fail_session(&mut self, session: SessionId, error: &OpError, ctx: &mut Ctx<'_>) {
-        for coll in &mut self.all {
+        self.busy_now();
+        for &at in &self.busy {
+            let coll = &mut self.all[at];
             for g in coll.pending.values_mut() {
                 g.waiters.retain(|&(s, id)| {
                     if s != session {
@@ -677,7 +809,10 @@ impl Collectives {
         let mut found = Vec::new();
         let mine =
             |record: &Record| record.waiters().filter(|&(s, _)| s == session).map(|(_, id)| id).collect::<Vec<_>>();
-        for (at, coll) in self.all.iter().enumerate() {
+        // In the order the collectives were first called, as `busy_now` keeps them.
+        let mut busy = self.busy.clone();
+        busy.sort_unstable();
+        for (at, coll) in busy.into_iter().map(|at| (at, &self.all[at])) {
             let at = u32::try_from(at).unwrap_or(u32::MAX);
             for (&generation, g) in &coll.pending {
                 for record in &g.records {
@@ -695,7 +830,9 @@ impl Collectives {
 
     /// The job was aborted: fail everything pending.
     pub fn fail_all(&mut self, error: &OpError, ranks: &Ranks, ctx: &mut Ctx<'_>) {
-        for coll in &mut self.all {
+        self.busy_now();
+        for &at in &self.busy {
+            let coll = &mut self.all[at];
             for (_, g) in std::mem::take(&mut coll.pending) {
                 for waiter in g.waiters.into_iter().chain(g.records.iter().flat_map(Record::waiters)) {
                     ctx.reply(waiter, Err(error.clone()));
@@ -873,21 +1010,115 @@ impl Collectives {
 
 #[cfg(test)]
 mod tests {
-    use super::Calls;
+    use std::num::NonZeroU64;
+
+    use super::{Call, Calls, Collectives, Ctx, SETTLE_AFTER};
+    use crate::engine::ranks::Ranks;
+    use crate::engine::timers::Timers;
+    use crate::{CollectiveKind, Members, Response, SessionId};
+
+    fn count(n: u64) -> NonZeroU64 {
+        NonZeroU64::new(n).expect("a count")
+    }
+
+    #[test]
+    fn settled_counts_go_on_as_the_counts_they_replace() {
+        let mut calls = Calls::default();
+        for _ in 0..3 {
+            for rank in 0..4 {
+                calls.next(rank);
+            }
+        }
+        calls.settle();
+        assert_eq!((calls.settled, calls.counts.len()), (Some((4, count(3))), 0));
+        assert_eq!(calls.next(1), 4, "a rank's next call joins the generation after its last");
+        assert_eq!(calls.next(4), 1, "a rank that never called starts at 1");
+        assert_eq!(calls.of_known(2).map(|c| c.get()), Some(3));
+        assert_eq!(calls.of_known(9), None);
+        // Not all alike (ranks 1 and 4 moved on, 2 did not): left as they are.
+        calls.settle();
+        assert_eq!((calls.settled, calls.counts.len()), (Some((4, count(3))), 3));
+        // Every rank of 0..5 at 4 calls: settled anew.
+        for rank in [0, 2, 3, 4, 4, 4] {
+            calls.next(rank);
+        }
+        calls.settle();
+        assert_eq!((calls.settled, calls.counts.len()), (Some((5, count(4))), 0));
+        // Ranks with a gap between them are not all ranks below one: not settled.
+        let mut gap = Calls::default();
+        gap.next(0);
+        gap.next(2);
+        gap.settle();
+        assert_eq!((gap.settled, gap.counts.len()), (None, 2));
+    }
+
+    #[test]
+    fn collectives_out_of_use_are_settled_and_those_in_use_are_not() {
+        let mut collectives = Collectives::new(4, 1 << 20);
+        let ranks = Ranks::default();
+        let (mut out, mut timers, mut tracked, mut released, mut records) =
+            (Vec::new(), Timers::default(), 0, Vec::new(), Vec::new());
+        let mut ctx = Ctx {
+            job: 1,
+            now: 0,
+            out: &mut out,
+            timers: &mut timers,
+            tracked: &mut tracked,
+            released: &mut released,
+            settled: true,
+            records: &mut records,
+        };
+        let mut arrive = |collectives: &mut Collectives, name: &str, rank: u32| {
+            let at = collectives.find(CollectiveKind::Barrier, name);
+            let mut call = Call {
+                session: SessionId(u64::from(rank) + 1),
+                request_id: 1,
+                rank,
+                world_size: 2,
+                members: Members::World,
+                value: bytes::Bytes::new(),
+                root: None,
+                timeout_ms: None,
+                held: None,
+            };
+            collectives.arrive(at, &mut call, &ranks, &mut ctx);
+        };
+        // "step" is called between the others; each other name once, by both ranks.
+        let others = 3 * SETTLE_AFTER;
+        for i in 0..others {
+            for rank in 0..2 {
+                arrive(&mut collectives, "step", rank);
+                arrive(&mut collectives, &format!("once/{i}"), rank);
+            }
+        }
+        // One rank of a last name waits.
+        arrive(&mut collectives, "waits", 0);
+        let settled = |name: &str| {
+            let at = collectives.by_name[0][name];
+            let coll = &collectives.all[at];
+            (coll.calls.settled, coll.calls.counts.len())
+        };
+        assert_eq!(settled("once/0"), (Some((2, count(1))), 0));
+        assert_eq!(settled(&format!("once/{}", others - 2 * SETTLE_AFTER)), (Some((2, count(1))), 0));
+        assert_eq!(settled(&format!("once/{}", others - 1)), (None, 2), "used within the last switches");
+        assert_eq!(settled("step"), (None, 2), "in use");
+        assert_eq!(settled("waits"), (None, 1));
+        assert!(out.iter().all(|o| o.reply == Ok(Response::Done)));
+    }
 
     #[test]
     fn a_ranks_count_moves_into_the_vector_with_the_ranks_that_come() {
         let mut calls = Calls::default();
         // A rank far beyond the few counted is kept aside.
         assert_eq!((calls.next(1_000), calls.next(1_000)), (1, 2));
-        assert!(calls.0.dense_len() < 1_000, "one rank costs no vector of its rank's size");
+        assert!(calls.counts.dense_len() < 1_000, "one rank costs no vector of its rank's size");
         for rank in 0..600 {
             assert_eq!(calls.next(rank), 1);
         }
         // With enough ranks counted, its next call moves it into the vector.
         assert_eq!(calls.next(1_000), 3);
-        assert!(calls.0.dense_len() > 1_000 && calls.0.sparse_len() == 0, "moved with the ranks that came");
+        assert!(calls.counts.dense_len() > 1_000 && calls.counts.sparse_len() == 0, "moved with the ranks that came");
         assert_eq!(calls.next(u32::MAX), 1);
-        assert!(calls.0.dense_len() <= 2 * 602 + 64);
+        assert!(calls.counts.dense_len() <= 2 * 602 + 64);
     }
 }
