@@ -6,6 +6,7 @@
 //! A generation that failed is remembered, so a late arrival gets the same error.
 
 use std::collections::{BTreeMap, VecDeque};
+use std::ops::Range;
 
 use super::HashMap;
 use std::num::NonZeroU64;
@@ -240,11 +241,11 @@ impl EndedRecords {
 #[derive(Debug, Default)]
 struct Calls {
     counts: ByRank<NonZeroU64>,
-    /// `(n, count)`: every rank below `n` that `counts` does not hold called `count`
-    /// times. What a collective no longer in use keeps ([`Calls::settle`]): a job that
-    /// names each step's barrier afresh would otherwise keep a count per rank for
-    /// every step it ran.
-    settled: Option<(u32, NonZeroU64)>,
+    /// `(ranks, count)`: every rank of `ranks` that `counts` does not hold called
+    /// `count` times. What a collective no longer in use keeps ([`Calls::settle`]): a
+    /// job that names each step's barrier afresh would otherwise keep a count per rank
+    /// for every step it ran.
+    settled: Option<(Range<u32>, NonZeroU64)>,
 }
 
 impl Calls {
@@ -271,37 +272,46 @@ impl Calls {
 
     /// What [`Calls::settled`] says of `rank`.
     fn settled_count(&self, rank: u32) -> Option<NonZeroU64> {
-        self.settled.filter(|&(n, _)| rank < n).map(|(_, count)| count)
+        self.settled.as_ref().filter(|(ranks, _)| ranks.contains(&rank)).map(|&(_, count)| count)
     }
 
-    /// Keeps the counts as one `(n, count)` if every rank below some `n`, and no
+    /// Keeps the counts as one `(ranks, count)` if every rank of a range, and no
     /// other, called the same number of times (every member of every generation of a
-    /// whole-job collective has); else leaves them as they are.
+    /// collective of the whole job, or of one run of ranks, has); else leaves them as
+    /// they are.
     fn settle(&mut self) {
-        let (settled_n, settled_count) = self.settled.map_or((0, None), |(n, count)| (n, Some(count)));
-        let (mut common, mut n, mut below, mut beyond) = (None, settled_n, 0u64, 0u64);
+        let (settled, settled_count) = match &self.settled {
+            Some((ranks, count)) => (ranks.clone(), Some(*count)),
+            None => (0..0, None),
+        };
+        let (mut common, mut ranks, mut inside, mut outside) = (None, settled.clone(), 0u64, 0u64);
         for (rank, &count) in self.counts.iter() {
             if *common.get_or_insert(count) != count {
                 return;
             }
-            if rank < settled_n {
-                below += 1;
+            if settled.contains(&rank) {
+                inside += 1;
             } else {
-                beyond += 1;
+                outside += 1;
             }
-            n = n.max(rank.saturating_add(1));
+            ranks = if ranks.is_empty() {
+                rank..rank.saturating_add(1)
+            } else {
+                ranks.start.min(rank)..ranks.end.max(rank.saturating_add(1))
+            };
         }
-        // Ranks below the settled `n` that `counts` does not hold keep the settled count.
-        if below < u64::from(settled_n) {
+        // Ranks of the settled range that `counts` does not hold keep the settled count.
+        let settled_len = u64::from(settled.end - settled.start);
+        if inside < settled_len {
             match (common, settled_count) {
-                (Some(count), Some(settled)) if count != settled => return,
-                (None, settled) => common = settled,
+                (Some(count), Some(known)) if count != known => return,
+                (None, known) => common = known,
                 _ => {}
             }
         }
         let Some(count) = common else { return };
-        if u64::from(settled_n) + beyond == u64::from(n) {
-            self.settled = Some((n, count));
+        if settled_len + outside == u64::from(ranks.end - ranks.start) {
+            self.settled = Some((ranks, count));
             self.counts = ByRank::default();
         }
     }
@@ -1030,26 +1040,37 @@ mod tests {
             }
         }
         calls.settle();
-        assert_eq!((calls.settled, calls.counts.len()), (Some((4, count(3))), 0));
+        assert_eq!((calls.settled.clone(), calls.counts.len()), (Some((0..4, count(3))), 0));
         assert_eq!(calls.next(1), 4, "a rank's next call joins the generation after its last");
         assert_eq!(calls.next(4), 1, "a rank that never called starts at 1");
         assert_eq!(calls.of_known(2).map(|c| c.get()), Some(3));
         assert_eq!(calls.of_known(9), None);
         // Not all alike (ranks 1 and 4 moved on, 2 did not): left as they are.
         calls.settle();
-        assert_eq!((calls.settled, calls.counts.len()), (Some((4, count(3))), 3));
+        assert_eq!((calls.settled.clone(), calls.counts.len()), (Some((0..4, count(3))), 3));
         // Every rank of 0..5 at 4 calls: settled anew.
         for rank in [0, 2, 3, 4, 4, 4] {
             calls.next(rank);
         }
         calls.settle();
-        assert_eq!((calls.settled, calls.counts.len()), (Some((5, count(4))), 0));
-        // Ranks with a gap between them are not all ranks below one: not settled.
+        assert_eq!((calls.settled.clone(), calls.counts.len()), (Some((0..5, count(4))), 0));
+        // Ranks with a gap between them are not one range: not settled.
         let mut gap = Calls::default();
         gap.next(0);
         gap.next(2);
         gap.settle();
-        assert_eq!((gap.settled, gap.counts.len()), (None, 2));
+        assert_eq!((gap.settled.clone(), gap.counts.len()), (None, 2));
+        // A run of ranks not from 0 (a subgroup's), and then one more rank after it.
+        let mut group = Calls::default();
+        for rank in [4, 5, 6, 7, 4, 5, 6, 7] {
+            group.next(rank);
+        }
+        group.settle();
+        assert_eq!((group.settled.clone(), group.counts.len()), (Some((4..8, count(2))), 0));
+        assert_eq!((group.next(3), group.next(3), group.next(8), group.next(8)), (1, 2, 1, 2));
+        group.settle();
+        assert_eq!((group.settled.clone(), group.counts.len()), (Some((3..9, count(2))), 0));
+        assert_eq!((group.next(3), group.next(5), group.next(2)), (3, 3, 1));
     }
 
     #[test]
@@ -1096,10 +1117,10 @@ mod tests {
         let settled = |name: &str| {
             let at = collectives.by_name[0][name];
             let coll = &collectives.all[at];
-            (coll.calls.settled, coll.calls.counts.len())
+            (coll.calls.settled.clone(), coll.calls.counts.len())
         };
-        assert_eq!(settled("once/0"), (Some((2, count(1))), 0));
-        assert_eq!(settled(&format!("once/{}", others - 2 * SETTLE_AFTER)), (Some((2, count(1))), 0));
+        assert_eq!(settled("once/0"), (Some((0..2, count(1))), 0));
+        assert_eq!(settled(&format!("once/{}", others - 2 * SETTLE_AFTER)), (Some((0..2, count(1))), 0));
         assert_eq!(settled(&format!("once/{}", others - 1)), (None, 2), "used within the last switches");
         assert_eq!(settled("step"), (None, 2), "in use");
         assert_eq!(settled("waits"), (None, 1));

@@ -203,7 +203,7 @@ impl Store {
             return Err(OpError::Invalid(format!("request id {} is already waiting on this session", id.1)));
         }
         let (key, count) = self.increment(key, 1)?;
-        // Every rank of a round names the same key: one comparison, but for its first.
+        // Every rank of a round names the same key: only its first arrival notes it.
         if self.recent_barrier_keys.back() != Some(&key) {
             self.used_for_barrier(&key);
         }
