@@ -362,6 +362,10 @@ pub(crate) struct Collectives {
     /// over pending generations (a rank lost, a session's end, a status report) look
     /// at, rather than every collective the job ever called.
     busy: Vec<usize>,
+    /// `busy`'s length when last pruned: it is pruned again once twice as long (or
+    /// [`SETTLE_AFTER`] long), so that many collectives waited in at once do not make
+    /// every call prune it.
+    busy_pruned: usize,
     failed_kept: usize,
     max_gather_bytes: usize,
     ended: EndedRecords,
@@ -395,6 +399,7 @@ impl Collectives {
             switches: 0,
             uses: VecDeque::new(),
             busy: Vec::new(),
+            busy_pruned: 0,
             failed_kept: failed_kept.max(1),
             max_gather_bytes,
             ended: EndedRecords::default(),
@@ -419,7 +424,7 @@ impl Collectives {
     /// A call came to the collective at `at` after one to another: the collective
     /// not called since [`SETTLE_AFTER`] such calls ago, if any, is settled.
     fn switch_to(&mut self, at: usize) {
-        if self.busy.len() > 2 * SETTLE_AFTER {
+        if self.busy.len() > 2 * self.busy_pruned.max(SETTLE_AFTER) {
             self.busy_now();
         }
         self.last_called = Some(at);
@@ -447,6 +452,7 @@ impl Collectives {
             coll.busy
         });
         self.busy.sort_unstable();
+        self.busy_pruned = self.busy.len();
     }
 
     /// A call of the collective at `at` (see [`Collectives::find`]). A generation is
