@@ -6,23 +6,36 @@
 //! - a kill fails every pending call at once, naming exactly the killed rank;
 //! - a timeout names exactly the ranks that had not called the generation;
 //! - every caller of a generation gets the same outcome.
+//!
+//! Between them, a rank may call many barriers of its own, each named afresh: the
+//! world barrier, idle then, is settled as a collective out of use is, and the
+//! properties must hold across that.
 
 mod common;
 
 use std::collections::HashMap;
 
-use common::{barrier, Harness};
+use common::{barrier, barrier_of, Harness};
 use proptest::prelude::*;
-use rallypoint_core::{OpError, Reply, Response, SessionId};
+use rallypoint_core::{Members, OpError, Reply, Response, SessionId};
 
 #[derive(Debug, Clone)]
 enum Step {
-    Arrive { rank: u32, timeout_ms: Option<u64> },
+    Arrive {
+        rank: u32,
+        timeout_ms: Option<u64>,
+    },
     Kill(u32),
     Leave(u32),
     Connect(u32),
     Advance(u64),
+    /// The rank calls [`ELSEWHERE`] barriers of its own, each with a new name.
+    Elsewhere(u32),
 }
+
+/// More collectives than the engine's window of those in use: the world barrier is
+/// settled while they are called.
+const ELSEWHERE: usize = 70;
 
 fn step(world: u32) -> impl Strategy<Value = Step> {
     prop_oneof![
@@ -32,6 +45,7 @@ fn step(world: u32) -> impl Strategy<Value = Step> {
         1 => (0..world).prop_map(Step::Leave),
         2 => (0..world).prop_map(Step::Connect),
         2 => prop_oneof![Just(10u64), Just(100), Just(300)].prop_map(Step::Advance),
+        1 => (0..world).prop_map(Step::Elsewhere),
     ]
 }
 
@@ -142,6 +156,7 @@ proptest! {
         for r in 0..world {
             m.session[r as usize] = Some(h.rank("j", r, world));
         }
+        let mut names = 0;
         for step in steps {
             let mut killed = None;
             match step {
@@ -179,6 +194,15 @@ proptest! {
                     m.lost[rank as usize] = false;
                 }
                 Step::Advance(ms) => h.advance(ms),
+                Step::Elsewhere(rank) if rank < world => {
+                    let Some(s) = m.session[rank as usize] else { continue };
+                    if m.waiting.values().any(|&(r, _)| r == rank) { continue }
+                    for _ in 0..ELSEWHERE {
+                        names += 1;
+                        let alone = barrier_of(&format!("elsewhere/{names}"), Members::Ranks(vec![rank]), None);
+                        prop_assert_eq!(h.call(s, alone), Ok(Response::Done));
+                    }
+                }
                 _ => continue,
             }
             m.check(&mut h, killed)?;
