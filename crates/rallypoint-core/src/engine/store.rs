@@ -424,9 +424,10 @@ impl Store {
         self.by_session.clear();
         let mut ids: Vec<WaitId> = std::mem::take(&mut self.waits).into_keys().collect();
         ids.sort_unstable();
-        done.extend(
-            ids.into_iter().map(|(session, request_id)| Outgoing::new(session, request_id, Err(error.clone()))),
-        );
+        done.reserve(ids.len());
+        for id in ids {
+            answer(done, id, Err(error.clone()));
+        }
     }
 
     pub fn absent(&self, keys: &[Bytes]) -> Vec<Bytes> {
@@ -547,13 +548,19 @@ impl Store {
         done.reserve(releasing.len());
         for id in releasing.drain(..) {
             if let Some(wait) = self.take_wait(id) {
-                let counters = &mut self.counters[wait.kind.counted()];
-                counters.releases += 1;
-                counters.wait.observe(self.now.saturating_sub(wait.started));
-                answer(done, id, Ok(Response::Done));
+                self.released(id, &wait, Ok(Response::Done), done);
             }
         }
         self.releasing = releasing;
+    }
+
+    /// Answers wait `id`, taken out of the waits, with `reply`, and counts its release
+    /// and how long it waited.
+    fn released(&mut self, id: WaitId, wait: &KeyWait, reply: Reply, done: &mut Vec<Outgoing>) {
+        let counters = &mut self.counters[wait.kind.counted()];
+        counters.releases += 1;
+        counters.wait.observe(self.now.saturating_sub(wait.started));
+        answer(done, id, reply);
     }
 
     /// One of each wait's keys arrived: answer those with nothing left. `present` is
@@ -573,11 +580,8 @@ impl Store {
             absent.retain(|k| Some(k) != present);
             if absent.is_empty() {
                 if let Some(wait) = self.take_wait(id) {
-                    let counters = &mut self.counters[wait.kind.counted()];
-                    counters.releases += 1;
-                    counters.wait.observe(self.now.saturating_sub(wait.started));
                     let reply = Ok(self.answer(wait.kind, &keys));
-                    answer(done, id, reply);
+                    self.released(id, &wait, reply, done);
                 }
             } else {
                 self.register(id, &absent);
