@@ -451,15 +451,20 @@ fn slurm_variables_place_each_launcher() {
     assert!(done.stderr.contains("srun --ntasks-per-node=1 rallypoint launch"), "{}", done.stderr);
 }
 
+// Rank 1 leaves the group before it raises: torch's gloo teardown at interpreter exit
+// sometimes aborts ("terminate called without an active exception", under torchrun too),
+// which would turn its exit code 1 into SIGABRT. Rank 0 then waits outside gloo, so that a
+// closed peer cannot make it fail before rank 1 does.
 const GLOO: &str = r#"
-import os, torch, torch.distributed as dist
+import os, time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)
 print("sum", t.item())
 if dist.get_rank() == 1:
+    dist.destroy_process_group()
     raise ValueError("bad batch on purpose")
-dist.barrier()
+time.sleep(120)
 "#;
 
 #[test]
