@@ -11,6 +11,11 @@
 //! its socket, exactly as without a channel) and wakes every waiting rank of the
 //! channel with one futex wake.
 //!
+//! A rank gives its slot up when it leaves the channel (its client keeps seats
+//! for only so many barriers) or its connection ends; a channel left with no rank
+//! in a slot is retired, so that barriers named afresh as a job goes on do not
+//! use up the agent's channels.
+//!
 //! Failure: a rank whose connection ends loses its slot at once, and the
 //! coordinator learns of the end as for any rank (so the barrier fails on every
 //! peer, each woken with its slot marked failed and the typed error naming the
@@ -31,9 +36,9 @@ use tracing::{debug, warn};
 
 use crate::hub::{FastMap, Hub};
 
-/// Channels an agent makes at most: one per distinct barrier call its ranks make
-/// through shared memory (and one more per [`SLOTS`] ranks at the same call).
-/// Past it, barriers go through messages.
+/// Channels an agent has at once: one per distinct barrier call its ranks hold
+/// slots for (and one more per [`SLOTS`] ranks at the same call). Past it,
+/// barriers go through messages.
 const MAX_CHANNELS: usize = 256;
 /// Slots per channel: as many ranks as a node runs, and more go to another channel.
 const SLOTS: u32 = rallypoint_net::shm_barrier::MAX_SLOTS;
@@ -61,8 +66,11 @@ pub(crate) struct Channels {
 
 #[derive(Default)]
 struct Registry {
-    /// A channel's id is its index.
+    /// The channels not retired.
     channels: Vec<Arc<Channel>>,
+    /// Channels made so far: the next one's id (never reused: a rank that left a
+    /// channel may still map its file under that id).
+    made: u64,
 }
 
 /// A sub-session's slot: `(channel, slot)`.
@@ -105,7 +113,7 @@ struct Seats {
     attached: u32,
     /// Of them, how many have an arrival forwarded and not yet finished.
     held: u32,
-    /// The agent stopped serving: the task ends.
+    /// The agent stopped serving, or the channel was retired: its task ends.
     closed: bool,
 }
 
@@ -158,13 +166,14 @@ impl Channels {
         let doorbell = unsafe { AsyncFd::register_with_interest(watched, Interest::READABLE) }
             .map_err(|error| cannot_watch(error.into()))?;
         let channel = Arc::new(Channel {
-            id: registry.channels.len() as u64,
+            id: registry.made,
             job: job.to_owned(),
             request: request.clone(),
             shm,
             seats: Mutex::new(Seats { slots: Vec::new(), free: Vec::new(), attached: 0, held: 0, closed: false }),
             poke: Notify::new(),
         });
+        registry.made += 1;
         registry.channels.push(Arc::clone(&channel));
         debug!(channel = channel.id, %job, ?request, "new barrier channel");
         tokio::spawn(serve(Arc::clone(&channel), doorbell, Arc::clone(hub)));
@@ -177,11 +186,47 @@ impl Channels {
     pub(crate) fn detach(&self, sub: u64) {
         let Some(seated) = lock(&self.seated).remove(&sub) else { return };
         for (channel, slot) in seated {
-            if let Some(call) = channel.unseat(sub, slot) {
-                lock(&self.calls).remove(&(sub, call));
-            }
-            channel.poke.notify_one();
+            self.unseat(sub, &channel, slot);
         }
+    }
+
+    /// Sub-session `sub` gives up slot `slot` of channel `id` (nothing if it holds
+    /// no such slot). Returns whether it still holds a slot of that channel.
+    pub(crate) fn leave(&self, sub: u64, id: u64, slot: u32) -> bool {
+        let (left, still) = {
+            let mut seated = lock(&self.seated);
+            let Some(seats) = seated.get_mut(&sub) else { return false };
+            let at = seats.iter().position(|(channel, s)| channel.id == id && *s == slot);
+            let left = at.map(|at| seats.swap_remove(at));
+            (left, seats.iter().any(|(channel, _)| channel.id == id))
+        };
+        if let Some((channel, slot)) = left {
+            self.unseat(sub, &channel, slot);
+        }
+        still
+    }
+
+    /// Frees `sub`'s slot `slot` of `channel` (a call it had forwarded is no longer
+    /// the channel's to finish), and retires the channel if no rank is left in it.
+    fn unseat(&self, sub: u64, channel: &Arc<Channel>, slot: u32) {
+        if let Some(call) = channel.unseat(sub, slot) {
+            lock(&self.calls).remove(&(sub, call));
+        }
+        {
+            let mut registry = lock(&self.registry);
+            let mut seats = lock(&channel.seats);
+            if seats.attached == 0 && !seats.closed {
+                seats.closed = true;
+                registry.channels.retain(|kept| !Arc::ptr_eq(kept, channel));
+                debug!(channel = channel.id, "barrier channel retired: no rank in it");
+            }
+        }
+        channel.poke.notify_one();
+    }
+
+    /// Channels not retired.
+    pub(crate) fn live(&self) -> usize {
+        lock(&self.registry).channels.len()
     }
 
     /// The call `(sub, id)`, if it was forwarded from a slot: marks the slot's round

@@ -240,11 +240,12 @@ impl Agent {
     #[must_use = "dropping the handle stops the agent"]
     pub fn spawn(self) -> AgentHandle {
         let local_addr = self.local_addr.clone();
+        let hub = Arc::clone(&self.hub);
         let (stop, stopped) = oneshot::channel::<()>();
         let task = tokio::spawn(self.run_until(async move {
             let _ = stopped.await;
         }));
-        AgentHandle { local_addr, stop, task }
+        AgentHandle { local_addr, hub, stop, task }
     }
 }
 
@@ -254,11 +255,18 @@ pub struct AgentHandle {
     /// Never sent: dropping it is the stop signal.
     stop: oneshot::Sender<()>,
     task: JoinHandle<Result<(), AgentError>>,
+    hub: Arc<Hub>,
 }
 
 impl AgentHandle {
     pub fn local_addr(&self) -> &str {
         &self.local_addr
+    }
+
+    /// Barrier channels the agent has now: one per barrier call its ranks hold
+    /// slots for (docs/PROTOCOL.md, section 15).
+    pub fn barrier_channels(&self) -> usize {
+        self.hub.channels.live()
     }
 
     /// Stops the agent (its ranks are lost to the coordinator) and returns how it ended.

@@ -445,6 +445,13 @@ fn forward(
             // The call itself goes up as any request; its reply follows the answer above.
             requests.push((id, request));
         }
+        Inbound::LeaveBarrierChannel { channel, slot } => {
+            if !hub.channels.leave(sub, channel, slot) {
+                // Should the rank come back to the channel, it needs its files again:
+                // it forgets them with its last slot.
+                lock(&local.out).channels_given.remove(&channel);
+            }
+        }
         Inbound::Invalid { id, message } => {
             if let Some(held_back) = warnings.admit() {
                 warn!(sub, %message, held_back, "bad request from a local rank");

@@ -903,7 +903,7 @@ fn a_killed_process_is_lost_at_once_whatever_the_reconnect_grace() {
 }
 
 /// Ranks on a node agent's Unix socket wait in a barrier through shared memory
-/// with the agent (docs/PROTOCOL.md, section 15: a barrier's first call goes as a
+/// with the agent (docs/PROTOCOL.md, section 15: a barrier's second call goes as a
 /// request that gets the channel, its later ones through the channel); one is
 /// SIGKILLed while they wait, and every other one is woken at once with the
 /// failure naming it.
@@ -921,15 +921,16 @@ fn a_rank_killed_in_a_shared_memory_barrier_is_named_by_every_peer() {
         command.args(["--rank", &r.to_string(), "--world-size", "5", "--timeout", "300"]);
         command
     };
-    // World of 5: all pass the first generation; rank 4 then leaves, so ranks 0 to
-    // 3 wait in the second (through the channel) until rank 1 is killed.
-    let mut peers: Vec<Guard> = [0, 2, 3].into_iter().map(|r| spawn(rank(r, 2))).collect();
-    let mut victim = spawn(rank(1, 2));
-    assert_code(&finish(&mut spawn(rank(4, 1))), 0);
+    // World of 5: all pass the first two generations (the second gets the channel);
+    // rank 4 then leaves, so ranks 0 to 3 wait in the third (through the channel)
+    // until rank 1 is killed.
+    let mut peers: Vec<Guard> = [0, 2, 3].into_iter().map(|r| spawn(rank(r, 3))).collect();
+    let mut victim = spawn(rank(1, 3));
+    assert_code(&finish(&mut spawn(rank(4, 2))), 0);
     for pid in peers.iter().map(Guard::pid).chain([victim.pid()]) {
         wait_mapped(pid, "memfd:rallypoint-barrier");
     }
-    // Mapped with the first generation's reply; the second arrives at once after.
+    // Mapped with the second generation's reply; the third arrives at once after.
     thread::sleep(Duration::from_millis(300));
     victim.0.kill().expect("SIGKILL rank 1");
     let killed_at = Instant::now();

@@ -1,10 +1,13 @@
 //! Barriers through shared memory with this node's agent (docs/PROTOCOL.md,
 //! section 15).
 //!
-//! On a Unix socket to its node agent, the first call of a barrier (name, members,
+//! On a Unix socket to its node agent, the second call of a barrier (name, members,
 //! timeout) goes as a request that also asks the agent for a *channel*; with one,
 //! every later call of that barrier arrives by writing the channel's shared memory
-//! and waits on its futex instead of sending a request and reading a reply. The
+//! and waits on its futex instead of sending a request and reading a reply. (Not
+//! the first call: a program that names a barrier afresh at every step would make
+//! the agent map a channel for each name, used once, costing more than the message
+//! it saves.) The
 //! call still has a request id: if the barrier fails, the slot says so and the
 //! coordinator's typed error (the timeout naming the missing ranks, the lost rank)
 //! arrives on the socket as that id's reply, exactly as without a channel. Where
@@ -44,7 +47,11 @@ use crate::connection::{Command, Link, Reply};
 use crate::error::Error;
 
 /// Barrier calls (name, members, timeout) a client keeps track of: a program that
-/// names each barrier afresh must not make the list grow without end.
+/// names each barrier afresh must not make the list grow without end. Past it, a
+/// barrier called once makes room first, and a seat only when every other barrier
+/// has one: its slot is given back to the agent ([`ClientFrame::LeaveBarrierChannel`]).
+///
+/// [`ClientFrame::LeaveBarrierChannel`]: rallypoint_proto::native::ClientFrame::LeaveBarrierChannel
 const MAX_USES: usize = 64;
 
 /// This client's barrier channels.
@@ -58,13 +65,15 @@ struct State {
     /// Channels of the current connection by id; `None`: one that could not be mapped.
     mapped: HashMap<u64, Option<Arc<Mapped>>>,
     /// Answers to attach requests, by request id, until their calls take them:
-    /// `None` for no channel.
-    answers: HashMap<u64, Option<(Arc<Mapped>, u32)>>,
+    /// `(channel id, channel, slot)`, or `None` for no channel.
+    answers: HashMap<u64, Option<(u64, Arc<Mapped>, u32)>>,
     /// How each barrier call (name, members, timeout) goes.
     uses: Vec<(Request, Use)>,
 }
 
 enum Use {
+    /// Called once, through messages: the next call asks for a channel.
+    Once,
     /// Through messages, for good: no channel for it (or it broke).
     Messages,
     /// A call is in flight through the channel (or attaching): others of this
@@ -162,6 +171,8 @@ pub(crate) enum Waiting {
 }
 
 struct Seat {
+    /// The agent's id of the channel.
+    id: u64,
     channel: Arc<Mapped>,
     slot: u32,
     /// The last round arrived at.
@@ -204,7 +215,7 @@ impl Channels {
                 mapped
             }
         };
-        let answer = mapped.filter(|m| slot < m.channel.slots()).map(|mapped| (mapped, slot));
+        let answer = mapped.filter(|m| slot < m.channel.slots()).map(|mapped| (channel, mapped, slot));
         state.answers.insert(id, answer);
         Ok(())
     }
@@ -282,6 +293,10 @@ pub(crate) async fn barrier(
         let epoch = state.epoch;
         match state.uses.iter_mut().find(|(r, _)| r == request) {
             Some((_, Use::Messages | Use::Busy { .. })) => return None,
+            Some((_, used @ Use::Once)) => {
+                *used = Use::Busy { call: None };
+                None
+            }
             Some((_, used @ Use::Seat(_))) => match std::mem::replace(used, Use::Busy { call: None }) {
                 Use::Seat(seat) if seat.epoch == epoch => {
                     let id = link.next_id();
@@ -291,15 +306,14 @@ pub(crate) async fn barrier(
                 _ => None,
             },
             None => {
-                if state.uses.len() >= MAX_USES {
-                    // The oldest barrier not in a call makes room: called again, it
-                    // asks for a channel again (its old slot stays the agent's, idle,
-                    // until the connection ends).
-                    let idle = state.uses.iter().position(|(_, used)| !matches!(used, Use::Busy { .. }))?;
-                    state.uses.remove(idle);
+                let left = if state.uses.len() >= MAX_USES { make_room(&mut state)? } else { None };
+                state.uses.push((request.clone(), Use::Once));
+                drop(state);
+                if let Some((channel, slot)) = left {
+                    // Lost with the connection otherwise, as the slot is.
+                    let _ = caller.commands.send(Command::LeaveChannel { channel, slot });
                 }
-                state.uses.push((request.clone(), Use::Busy { call: None }));
-                None
+                return None;
             }
         }
     };
@@ -309,6 +323,24 @@ pub(crate) async fn barrier(
     let (outcome, seat) = arrive_and_wait(link, seat, id, wait, waiting).await;
     put_back(link, |r| r == request, seat);
     Some(outcome)
+}
+
+/// Forgets a barrier not in a call: the oldest called once or going through
+/// messages, else the oldest with a seat. `None`: every barrier is in a call.
+/// `Some(Some((channel, slot)))`: the seat forgotten, to give back to the agent.
+fn make_room(state: &mut State) -> Option<Option<(u64, u32)>> {
+    let cheap = state.uses.iter().position(|(_, used)| matches!(used, Use::Once | Use::Messages));
+    let at = cheap.or_else(|| state.uses.iter().position(|(_, used)| matches!(used, Use::Seat(_))))?;
+    let (_, forgotten) = state.uses.remove(at);
+    let Use::Seat(seat) = forgotten else { return Some(None) };
+    if seat.epoch != state.epoch {
+        // Its connection ended, and the slot with it.
+        return Some(None);
+    }
+    // This client holds no other seat of the channel (one per barrier call): the
+    // agent sends its files again should a later call be given a slot of it.
+    state.mapped.remove(&seat.id);
+    Some(Some((seat.id, seat.slot)))
 }
 
 /// Records how the next call of the barrier `is` picks out goes once a call through
@@ -420,33 +452,27 @@ async fn attach(caller: &Caller<'_>, request: &Request, wait: Duration) -> Optio
     drop(registered);
     let answer = link.channels.lock().answers.remove(&id);
     let used = match answer {
-        Some(Some((channel, slot))) if link.channels.epoch() == epoch => {
-            Some(Use::Seat(Seat { channel, slot, round: 0, epoch }))
+        Some(Some((id, channel, slot))) if link.channels.epoch() == epoch => {
+            Use::Seat(Seat { id, channel, slot, round: 0, epoch })
         }
-        Some(Some(_)) => None,
-        Some(None) => Some(Use::Messages),
+        Some(None) => Use::Messages,
         // Refused unread: a peer that does not know the frame.
         None if matches!(result, Err(Error::Op(rallypoint_core::OpError::Invalid(_)))) => {
-            set_use(link, request, Some(Use::Messages));
+            set_use(link, request, Use::Messages);
             return None;
         }
-        // No answer (the connection ended first): ask again on the next one.
-        None => None,
+        // No answer, or one of a connection that ended since: ask again at the next call.
+        Some(Some(_)) | None => Use::Once,
     };
     set_use(link, request, used);
     Some(result)
 }
 
-/// Sets how `request`'s calls go (`None`: ask again at the next call).
-fn set_use(link: &Link, request: &Request, used: Option<Use>) {
+/// Sets how `request`'s calls go.
+fn set_use(link: &Link, request: &Request, used: Use) {
     let mut state = link.channels.lock();
-    let at = state.uses.iter().position(|(r, _)| r == request);
-    match (at, used) {
-        (Some(at), Some(used)) => state.uses[at].1 = used,
-        (Some(at), None) => {
-            state.uses.swap_remove(at);
-        }
-        (None, _) => {}
+    if let Some((_, known)) = state.uses.iter_mut().find(|(r, _)| r == request) {
+        *known = used;
     }
 }
 

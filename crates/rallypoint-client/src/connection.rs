@@ -233,6 +233,11 @@ pub(crate) enum Command {
         id: u64,
         request: Request,
     },
+    /// This client gives up slot `slot` of barrier channel `channel` (module `channel`).
+    LeaveChannel {
+        channel: u64,
+        slot: u32,
+    },
     /// Nothing of this shared-memory slab's current contents is held any more; the
     /// slab belongs to connection `epoch` (a later connection knows it not).
     Release {
@@ -1695,6 +1700,10 @@ fn gather(
                 encode_client_frame(&ClientFrame::ReleaseShared { slab }, buf)
             }
             Command::Release { .. } => {}
+            // Of a connection that ended meanwhile, the agent knows no such slot: ignored.
+            Command::LeaveChannel { channel, slot } => {
+                encode_client_frame(&ClientFrame::LeaveBarrierChannel { channel, slot }, buf)
+            }
             Command::Shutdown(done) => return Some(done),
             // Dropping a client while another of its clones is mid-call: the call fails.
             Command::Abandon(done) => return Some(done),

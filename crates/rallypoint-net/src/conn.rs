@@ -501,6 +501,12 @@ pub enum Inbound {
         id: u64,
         request: Request,
     },
+    /// The rank gives up slot `slot` of barrier channel `channel` (a slot it does
+    /// not hold is no one's business: ignored).
+    LeaveBarrierChannel {
+        channel: u64,
+        slot: u32,
+    },
     /// A whole frame that does not decode (skipped): answer request `id`, if it
     /// could be read, with an `Invalid` error saying `message`.
     Invalid {
@@ -522,6 +528,9 @@ pub fn decode_requests(rbuf: &mut BytesMut, limits: &FrameLimits, mut on: impl F
             Ok(Some(ClientFrame::TakeSharedReplies)) => on(Inbound::TakeSharedReplies),
             Ok(Some(ClientFrame::ReleaseShared { slab })) => on(Inbound::ReleaseShared { slab }),
             Ok(Some(ClientFrame::AttachBarrier { id, request })) => on(Inbound::AttachBarrier { id, request }),
+            Ok(Some(ClientFrame::LeaveBarrierChannel { channel, slot })) => {
+                on(Inbound::LeaveBarrierChannel { channel, slot })
+            }
             Ok(Some(ClientFrame::Hello(_))) => return Err(End::SecondHello),
             Ok(Some(ClientFrame::AuthStart { .. } | ClientFrame::AuthProof { .. })) => {
                 on(Inbound::Invalid { id: None, message: "a token handshake frame after the hello".to_owned() })

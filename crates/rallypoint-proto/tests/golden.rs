@@ -140,6 +140,10 @@ fn barrier_channel_frames() {
         ServerFrame::NoBarrierChannel { id: 4, reason: "tcp".into() },
         "10 00 00 00 9e 04 00 00 00 00 00 00 00 03 00 00 00 74 63 70",
     );
+    client(
+        ClientFrame::LeaveBarrierChannel { channel: 1, slot: 3 },
+        "0d 00 00 00 1e 01 00 00 00 00 00 00 00 03 00 00 00",
+    );
 }
 
 /// The token handshake of docs/PROTOCOL.md, section 5.1, with the nonces and

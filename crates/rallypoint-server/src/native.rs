@@ -460,9 +460,9 @@ impl<S: AsyncRead + AsyncWrite + Unpin> Connection<S> {
         let (peer, wbuf, warnings) = (self.peer, &mut self.wbuf, &mut self.warnings);
         let result = decode_requests(&mut self.rbuf, &self.settings.limits, |input| match input {
             Inbound::Request { id, request } => requests.push((id, request)),
-            // Only node agents hand out shared replies: they serve the Unix sockets
-            // of their node, the coordinator only TCP. Replies stay plain frames.
-            Inbound::TakeSharedReplies | Inbound::ReleaseShared { .. } => {}
+            // Only node agents hand out shared replies and barrier channels: they serve
+            // the Unix sockets of their node, the coordinator only TCP. Replies stay plain frames.
+            Inbound::TakeSharedReplies | Inbound::ReleaseShared { .. } | Inbound::LeaveBarrierChannel { .. } => {}
             // Likewise barrier channels: the call goes through messages, as all later ones.
             Inbound::AttachBarrier { id, request } => {
                 let reason = "barrier channels are a node agent's, over its Unix socket".to_owned();

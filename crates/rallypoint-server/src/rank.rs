@@ -268,9 +268,9 @@ impl RankConn {
         let mut no_channel: Vec<u64> = Vec::new();
         let decoded = decode_requests(&mut self.rbuf, &self.limits, |input| match input {
             Inbound::Request { id, request } => requests.push((id, request)),
-            // Only node agents hand out shared replies: they serve the Unix sockets
-            // of their node, the coordinator only TCP. Replies stay plain frames.
-            Inbound::TakeSharedReplies | Inbound::ReleaseShared { .. } => {}
+            // Only node agents hand out shared replies and barrier channels: they serve
+            // the Unix sockets of their node, the coordinator only TCP. Replies stay plain frames.
+            Inbound::TakeSharedReplies | Inbound::ReleaseShared { .. } | Inbound::LeaveBarrierChannel { .. } => {}
             // Likewise barrier channels: the call goes through messages, as all later ones.
             Inbound::AttachBarrier { id, request } => {
                 no_channel.push(id);

@@ -40,8 +40,8 @@ struct Agent {
 }
 
 impl Agent {
-    /// Accepts a rank, says welcome, and answers its first barrier call with slot
-    /// 0 of a channel (and the call's reply).
+    /// Accepts a rank, says welcome, answers its first barrier call (a request),
+    /// and its second, which asks for a channel, with slot 0 of one (and the call's reply).
     async fn accept(listener: &Listener) -> Agent {
         let stream = bounded(listener.accept()).await.expect("accept");
         let (reader, writer) = stream.into_split();
@@ -54,12 +54,16 @@ impl Agent {
         loop {
             match agent.frame().await {
                 Some(ClientFrame::Hello(_)) | Some(ClientFrame::TakeSharedReplies) => {}
+                Some(ClientFrame::Request { id, request: Request::Barrier { .. } }) => {
+                    agent.send(ServerFrame::Reply { id, reply: Ok(Response::Done) }).await;
+                    continue;
+                }
                 Some(ClientFrame::AttachBarrier { id, request: Request::Barrier { .. } }) => {
                     agent.give_channel(id).await;
                     agent.send(ServerFrame::Reply { id, reply: Ok(Response::Done) }).await;
                     return agent;
                 }
-                other => panic!("expected a hello, then a barrier asking for a channel; got {other:?}"),
+                other => panic!("expected a hello, then a barrier, then one asking for a channel; got {other:?}"),
             }
             if agent.buf.is_empty() {
                 let welcome = Welcome { session: SessionId(1), lease_ms: 0, job_incarnation: None };
@@ -187,6 +191,7 @@ async fn seated_async() -> (Client, Agent, SocketDir) {
         async {
             let client = Client::connect_with(options(&addr)).await.expect("connect");
             client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await.expect("the first call");
+            client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await.expect("the second call");
             client
         },
         Agent::accept(&listener)
@@ -200,6 +205,7 @@ async fn seated_blocking() -> (blocking::Client, Agent, SocketDir) {
     let connecting = tokio::task::spawn_blocking(move || {
         let client = blocking::Client::connect_with(options(&addr)).expect("connect");
         client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).expect("the first call");
+        client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).expect("the second call");
         client
     });
     let agent = Agent::accept(&listener).await;
@@ -248,6 +254,32 @@ async fn a_released_round_registers_no_reply() {
         bounded(waiting).await.expect("task").expect("a released round");
     }
     assert!(client.link().registered().is_empty());
+}
+
+/// Barriers named afresh, each called once, go as plain requests and ask for no
+/// channel; more of them than a client keeps track of do not cost the seat of the
+/// barrier it calls again and again, whose next call still goes through its channel.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn names_used_once_ask_for_no_channel_and_leave_the_seats_alone() {
+    let (client, mut agent, _dir) = seated_async().await;
+    for step in 0..2 * super::MAX_USES {
+        let name = format!("step-{step}");
+        let call = {
+            let client = client.clone();
+            tokio::spawn(async move { client.barrier(&name, Members::World, Some(BARRIER_TIMEOUT)).await })
+        };
+        match agent.frame().await {
+            Some(ClientFrame::Request { id, request: Request::Barrier { .. } }) => {
+                agent.send(ServerFrame::Reply { id, reply: Ok(Response::Done) }).await;
+            }
+            other => panic!("step {step}: expected a plain barrier request, got {other:?}"),
+        }
+        bounded(call).await.expect("task").unwrap_or_else(|e| panic!("step {step}: {e}"));
+    }
+    let waiting = spawn_barrier(&client);
+    agent.arrival(1).await;
+    agent.finish(1, Outcome::Released);
+    bounded(waiting).await.expect("task").expect("a released round through the seat");
 }
 
 /// The agent sends a failed round's error before the rank wakes to see the
@@ -376,12 +408,14 @@ async fn a_call_cut_in_the_channel_is_sent_again_on_the_resumed_session() {
                 let client = tokio::task::spawn_blocking(move || {
                     let client = blocking::Client::connect_with(options(&addr)).expect("connect");
                     client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).expect("the first call");
+                    client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).expect("the second call");
                     client
                 });
                 (None, Some(bounded(client).await.expect("connecting")))
             } else {
                 let client = Client::connect_with(options(&addr)).await.expect("connect");
                 client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await.expect("the first call");
+                client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await.expect("the second call");
                 (Some(client), None)
             }
         };

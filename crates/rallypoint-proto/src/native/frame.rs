@@ -33,6 +33,7 @@ pub(crate) mod kind {
     // Barriers through shared memory (docs/PROTOCOL.md, section 15); numbered past
     // the request opcodes so that neither is ever mistaken for the other in a dump.
     pub const ATTACH_BARRIER: u8 = 0x1d;
+    pub const LEAVE_BARRIER_CHANNEL: u8 = 0x1e;
     pub const BARRIER_CHANNEL: u8 = 0x9d;
     pub const NO_BARRIER_CHANNEL: u8 = 0x9e;
     // Node agents (docs/PROTOCOL.md, section 12).
@@ -77,6 +78,10 @@ pub enum ClientFrame {
     /// [`ServerFrame::NoBarrierChannel`] says whether there is one, before the
     /// call's Reply.
     AttachBarrier { id: u64, request: Request },
+    /// The client gives up slot `slot` of barrier channel `channel`, which it is not
+    /// in a call through: its later calls of that barrier go as requests, or ask for
+    /// a channel again.
+    LeaveBarrierChannel { channel: u64, slot: u32 },
     /// First frame after the preamble of a client (or node agent) with a token:
     /// its fresh nonce, to which the server's proof will be bound.
     AuthStart { nonce: [u8; NONCE_LEN] },
@@ -169,6 +174,11 @@ pub fn encode_client_frame(frame: &ClientFrame, dst: &mut BytesMut) {
             dst.put_u8(kind::ATTACH_BARRIER);
             dst.put_u64_le(*id);
             encode_request(request, dst);
+        }
+        ClientFrame::LeaveBarrierChannel { channel, slot } => {
+            dst.put_u8(kind::LEAVE_BARRIER_CHANNEL);
+            dst.put_u64_le(*channel);
+            dst.put_u32_le(*slot);
         }
         ClientFrame::AuthStart { nonce } => {
             dst.put_u8(kind::AUTH_START);
@@ -406,6 +416,9 @@ fn client_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ClientFrame
                 other => return Err(DecodeError(format!("attach-barrier names a {}, not a barrier", other.name()))),
             }
         }
+        kind::LEAVE_BARRIER_CHANNEL => {
+            ClientFrame::LeaveBarrierChannel { channel: r.u64("channel")?, slot: r.u32("slot")? }
+        }
         kind::AUTH_START => ClientFrame::AuthStart { nonce: r.array("nonce")? },
         kind::AUTH_PROOF => ClientFrame::AuthProof { proof: r.array("proof")? },
         other => return Err(DecodeError::unknown("client frame kind", other)),
@@ -416,6 +429,7 @@ fn client_body(r: &mut Reader, id: &mut Option<u64>) -> DecodeResult<ClientFrame
         ClientFrame::TakeSharedReplies => "take-shared-replies",
         ClientFrame::ReleaseShared { .. } => "release-shared",
         ClientFrame::AttachBarrier { .. } => "attach-barrier",
+        ClientFrame::LeaveBarrierChannel { .. } => "leave-barrier-channel",
         ClientFrame::AuthStart { .. } => "auth-start",
         ClientFrame::AuthProof { .. } => "auth-proof",
     })?;

@@ -101,7 +101,8 @@ pub(crate) fn barrier_of(client: &Client, name: &'static str) -> JoinHandle<Resu
 
 /// A rank behind a Unix-socket agent (which stays up) whose connection is cut while
 /// its barrier call waits, with the call gone through a message (the first call of a
-/// barrier) or through the barrier channel (the later ones): it reconnects through the
+/// barrier, and the second, which asks for a channel) or through the barrier channel
+/// (the later ones): it reconnects through the
 /// agent and resumes its session, its call completes, nobody is lost, and its arrival
 /// counted once (the next generation waits for it). The agent reports the cut only
 /// after watching the rank's process, so the new hello usually overtakes the close of
@@ -109,9 +110,9 @@ pub(crate) fn barrier_of(client: &Client, name: &'static str) -> JoinHandle<Resu
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rank_cut_from_its_agent_resumes_through_it_mid_barrier() {
     let server = start_server_with(long_grace()).await;
-    // The generation whose call is cut: the first goes as a message, the second
-    // through the channel the first asked for.
-    for cut_at in [1u64, 2] {
+    // The generation whose call is cut: the first goes as a message, the second as
+    // one asking for a channel, the third through that channel.
+    for cut_at in [1u64, 2, 3] {
         let job = format!("cut-at-{cut_at}");
         let agent = start_agent(&server, true).await;
         let path = socket_path(&agent);
@@ -134,8 +135,8 @@ async fn a_rank_cut_from_its_agent_resumes_through_it_mid_barrier() {
             })
             .await;
             if generation == cut_at {
-                if cut_at == 2 {
-                    assert!(maps_a_barrier_channel(), "rank 1's second call went through a channel");
+                if cut_at == 3 {
+                    assert!(maps_a_barrier_channel(), "rank 1's third call went through a channel");
                 }
                 cut(r1_fd);
             }

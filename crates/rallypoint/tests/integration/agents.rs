@@ -542,8 +542,53 @@ pub(crate) fn maps_a_barrier_channel() -> bool {
     std::fs::read_to_string("/proc/self/maps").expect("own maps").contains("memfd:rallypoint-barrier")
 }
 
+/// A job that names its barriers afresh as it goes, through a Unix-socket agent:
+/// a name called once takes no barrier channel; names called again take one each,
+/// and the agent retires those its ranks give back (a client keeps seats for so
+/// many barriers) or leave with their connections. More names than the agent has
+/// channels for at once never use them up.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn barriers_named_afresh_do_not_use_up_the_agents_channels() {
+    let server = start_server().await;
+    let agent = start_agent(&server, true).await;
+    let clients = [connect_via(&agent, rank("fresh", 0, 2)).await, connect_via(&agent, rank("fresh", 1, 2)).await];
+    let pass = |name: String| {
+        let mut calls = JoinSet::new();
+        for client in clients.clone() {
+            let name = name.clone();
+            calls.spawn(async move { client.barrier(&name, Members::World, WAIT).await });
+        }
+        async move {
+            bounded("a barrier", async {
+                while let Some(outcome) = calls.join_next().await {
+                    outcome.expect("task").unwrap_or_else(|e| panic!("{name}: {e}"));
+                }
+            })
+            .await
+        }
+    };
+    for step in 0..300 {
+        pass(format!("once-{step}")).await;
+    }
+    assert_eq!(agent.barrier_channels(), 0, "a barrier called once asks for no channel");
+    for step in 0..300 {
+        for _ in 0..3 {
+            pass(format!("again-{step}")).await;
+        }
+    }
+    let live = agent.barrier_channels();
+    assert!((1..=64).contains(&live), "channels of the barriers the ranks still keep seats for: {live}");
+    drop(clients);
+    bounded("channels retired", async {
+        while agent.barrier_channels() > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+}
+
 /// Ranks on a Unix-socket agent pass a barrier through shared memory from its
-/// second call on, async and blocking clients alike, round after round together
+/// third call on (the second asks for a channel), async and blocking clients alike, round after round together
 /// with peers behind a TCP agent and connected directly; when one of them drops
 /// out mid-barrier, every peer (waiting in the channel or not) is told at once, by name.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
