@@ -82,6 +82,12 @@ pub struct Args {
     /// process using the Python package has it), instead of async tasks; needs `--procs`
     #[arg(long)]
     blocking: bool,
+    /// Before the rounds, every client passes K barriers, each named afresh and
+    /// called once, as a job that names a barrier per step does (through a node
+    /// agent: whether they use up its barrier channels). Native client library,
+    /// `--op barrier`
+    #[arg(long, value_name = "K", default_value_t = 0)]
+    names_before: u32,
     /// Internal: run as child I of `--procs`, with the clients it owns
     #[arg(long, value_name = "I", hide = true)]
     shard: Option<u32>,
@@ -121,6 +127,10 @@ struct Report {
     blocking: bool,
     /// Native clients spoke the protocol directly, without the client library.
     bare: bool,
+    /// Barriers named afresh that every client passed before the rounds (`--names-before`).
+    names_before: u32,
+    /// ... and their mean time each, in ms (`None` without them).
+    names_before_ms_each: Option<f64>,
     #[serde(flatten)]
     round: Times,
     connect_ms: f64,
@@ -146,6 +156,8 @@ struct ShardReport {
     start_ns: u64,
     round_end_ns: Vec<u64>,
     connect_ms: f64,
+    /// How long its clients took to pass the `--names-before` barriers.
+    names_before_ms: f64,
     /// CPU this process spent on its rounds.
     cpu_ns: u64,
 }
@@ -177,6 +189,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     ensure_fds(u64::from(args.clients.div_ceil(args.procs)) + 64)?;
     if args.blocking && (args.protocol != Protocol::Native || args.procs == 1) {
         bail!("--blocking is for native clients spread over --procs processes");
+    }
+    if args.names_before > 0 && (args.protocol != Protocol::Native || args.bare || args.op != Op::Barrier) {
+        bail!("--names-before is for barrier rounds of the native client library (no --bare, --op barrier)");
     }
     if let Some(shard) = args.shard {
         return run_shard(&args, shard, sources).await;
@@ -367,6 +382,10 @@ async fn measure(args: &Args, target: &Target, sources: Sources) -> anyhow::Resu
     connecting += started.elapsed();
     settle().await;
     let rss_idle = target.server_rss();
+    let names_before_ms = match &clients {
+        Clients::Native(native) => names_before(native, args.names_before, setup.timeout).await?,
+        _ => 0.0,
+    };
 
     if !args.json {
         eprintln!("running {} rounds (+{} warm-up) ...", args.rounds, args.warmup);
@@ -383,6 +402,7 @@ async fn measure(args: &Args, target: &Target, sources: Sources) -> anyhow::Resu
     };
     let mut report = report(args, sources, start, &ends, ms(connecting), (rss_before, rss_idle, per_conn))?;
     report.set_cpu(server_cpu, client_cpu);
+    report.set_names_before(names_before_ms);
     Ok(report)
 }
 
@@ -408,6 +428,12 @@ impl CpuMeter {
 }
 
 impl Report {
+    /// Sets the mean time of a `--names-before` barrier from their total, `ms`.
+    fn set_names_before(&mut self, ms: f64) {
+        self.names_before_ms_each =
+            (self.names_before > 0).then(|| (ms / f64::from(self.names_before) * 1e3).round() / 1e3);
+    }
+
     /// Sets the CPU figures from the ns spent over all rounds.
     fn set_cpu(&mut self, server_ns: Option<u64>, client_ns: Option<u64>) {
         let rank_rounds = f64::from(self.clients) * f64::from(self.rounds + self.warmup_rounds);
@@ -439,6 +465,8 @@ fn report(
         warmup_rounds: args.warmup,
         blocking: args.blocking,
         bare: args.bare,
+        names_before: args.names_before,
+        names_before_ms_each: None,
         round: stats.times,
         connect_ms,
         server_rss_one_conn_bytes: one,
@@ -468,6 +496,10 @@ async fn run_shard(args: &Args, shard: u32, sources: Sources) -> anyhow::Result<
     let started = Instant::now();
     let clients = setup.connect(shard_ranks(args.clients, args.procs, shard)).await?;
     let connect_ms = ms(started.elapsed());
+    let names_before_ms = match &clients {
+        Clients::Native(native) => names_before(native, args.names_before, timeout).await?,
+        _ => 0.0,
+    };
     ready_then_go(timeout).await?;
     let cpu = CpuMeter::start(None);
     let start_ns = mono_ns();
@@ -476,8 +508,51 @@ async fn run_shard(args: &Args, shard: u32, sources: Sources) -> anyhow::Result<
     clients.close().await;
     let round_end_ns = ends?;
     let cpu_ns = cpu_ns.unwrap_or(0);
-    println!("{}", serde_json::to_string(&ShardReport { start_ns, round_end_ns, connect_ms, cpu_ns })?);
+    let report = ShardReport { start_ns, round_end_ns, connect_ms, names_before_ms, cpu_ns };
+    println!("{}", serde_json::to_string(&report)?);
     Ok(())
+}
+
+/// Every client passes `k` barriers named afresh (`--names-before`), all together;
+/// returns how long they took, in ms.
+async fn names_before(clients: &[Client], k: u32, timeout: Duration) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    for i in 0..k {
+        let name = format!("once-{i}");
+        let mut passing: JoinSet<_> = clients
+            .iter()
+            .map(|client| {
+                let (client, name) = (client.clone(), name.clone());
+                async move { client.barrier(&name, Members::World, Some(timeout)).await }
+            })
+            .collect();
+        while let Some(passed) = passing.join_next().await {
+            passed?.with_context(|| format!("barrier {name}"))?;
+        }
+    }
+    Ok(started.elapsed().as_secs_f64() * 1e3)
+}
+
+/// [`names_before`] for blocking clients, each on a thread of its own.
+fn names_before_blocking(clients: &[blocking::Client], k: u32, timeout: Duration) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let threads: Vec<_> = clients
+        .iter()
+        .cloned()
+        .map(|client| {
+            std::thread::spawn(move || {
+                (0..k).try_for_each(|i| {
+                    client
+                        .barrier(&format!("once-{i}"), Members::World, Some(timeout))
+                        .with_context(|| format!("barrier once-{i}"))
+                })
+            })
+        })
+        .collect();
+    for thread in threads {
+        thread.join().map_err(|_| anyhow::anyhow!("a client thread panicked"))??;
+    }
+    Ok(started.elapsed().as_secs_f64() * 1e3)
 }
 
 /// A child's clients are connected: tells the parent, and waits for its go (so that
@@ -504,6 +579,13 @@ async fn run_blocking_shard(args: &Args, shard: u32, addr: &str, job: &str, time
     })
     .await??;
     let connect_ms = ms(started.elapsed());
+    let (k, clients) = (args.names_before, clients);
+    let (names_before_ms, clients) = tokio::task::spawn_blocking(move || {
+        let ms = names_before_blocking(&clients, k, timeout);
+        (ms, clients)
+    })
+    .await?;
+    let names_before_ms = names_before_ms?;
     ready_then_go(timeout).await?;
     let cpu = CpuMeter::start(None);
     let start_ns = mono_ns();
@@ -541,7 +623,8 @@ async fn run_blocking_shard(args: &Args, shard: u32, addr: &str, job: &str, time
     })
     .await??;
     let cpu_ns = cpu.stop().1.unwrap_or(0);
-    println!("{}", serde_json::to_string(&ShardReport { start_ns, round_end_ns, connect_ms, cpu_ns })?);
+    let report = ShardReport { start_ns, round_end_ns, connect_ms, names_before_ms, cpu_ns };
+    println!("{}", serde_json::to_string(&report)?);
     Ok(())
 }
 
@@ -563,6 +646,7 @@ async fn measure_procs(args: &Args, target: &Target, sources: Sources) -> anyhow
             .args(["--src-addrs", &sources.addrs.to_string()])
             .args(["--op", op_name(args.op), "--protocol", protocol_name(args.protocol)])
             .args(args.blocking.then_some("--blocking"))
+            .args(["--names-before", &args.names_before.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .kill_on_drop(true);
@@ -588,7 +672,7 @@ async fn measure_procs(args: &Args, target: &Target, sources: Sources) -> anyhow
     }
     let mut start_ns = u64::MAX;
     let mut round_end_ns = vec![0u64; (args.warmup + args.rounds) as usize];
-    let (mut client_cpu, mut server_ns) = (0u64, None);
+    let (mut client_cpu, mut server_ns, mut names_before_ms) = (0u64, None, 0f64);
     // Generous: all rounds, each bounded by --timeout inside the children.
     let limit = timeout * (args.warmup + args.rounds + 1);
     for (i, (mut child, _, mut stdout)) in children.into_iter().enumerate() {
@@ -603,6 +687,7 @@ async fn measure_procs(args: &Args, target: &Target, sources: Sources) -> anyhow
             server_ns = server_cpu.take().and_then(|meter| meter.stop().0);
         }
         client_cpu += shard.cpu_ns;
+        names_before_ms = names_before_ms.max(shard.names_before_ms);
         start_ns = start_ns.min(shard.start_ns);
         for (end, at) in round_end_ns.iter_mut().zip(shard.round_end_ns) {
             *end = (*end).max(at);
@@ -615,6 +700,7 @@ async fn measure_procs(args: &Args, target: &Target, sources: Sources) -> anyhow
     };
     let mut report = report(args, sources, start_ns, &round_end_ns, connect_ms, (None, rss_idle, per_conn))?;
     report.set_cpu(server_ns, Some(client_cpu));
+    report.set_names_before(names_before_ms);
     Ok(report)
 }
 
@@ -659,6 +745,8 @@ fn floor_report(args: &Args, op: Op, round: Times, connect_ms: f64) -> Report {
         op,
         blocking: false,
         bare: false,
+        names_before: 0,
+        names_before_ms_each: None,
         protocol: None,
         clients: if op == Op::WakeFloor { args.procs } else { args.clients },
         procs: if op == Op::WakeFloor { args.procs } else { 1 },
@@ -702,6 +790,9 @@ fn print_text(r: &Report) {
         r.warmup_rounds,
         r.connect_ms
     );
+    if let Some(each) = r.names_before_ms_each {
+        println!("before them, {} barriers named afresh: {each:.3} ms each", r.names_before);
+    }
     println!("round time: {}", r.round);
     if let (Some(server), Some(client)) = (r.server_cpu_us_per_rank_round, r.client_cpu_us_per_rank_round) {
         println!("CPU per rank and round: server {server:.2} µs, load generator {client:.2} µs");

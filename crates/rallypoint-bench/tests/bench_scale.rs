@@ -86,6 +86,31 @@ fn bare_clients_refuse_what_they_cannot_run() {
     }
 }
 
+/// `--names-before K`: every client passes K barriers named afresh before the rounds,
+/// in one process and spread over blocking children alike, and the report says how
+/// long each took; what cannot run them is refused by name.
+#[test]
+fn barriers_named_afresh_run_before_the_rounds() {
+    for procs in [&["--procs", "1"][..], &["--procs", "4", "--blocking"]] {
+        let mut args = vec!["barrier", "--clients", "4", "--rounds", "3", "--warmup", "1", "--names-before", "20"];
+        args.extend(procs);
+        let report = bench(&args);
+        assert_eq!(report["names_before"].as_u64(), Some(20), "{report}");
+        assert!(report["names_before_ms_each"].as_f64().is_some_and(|ms| ms > 0.0), "{report}");
+    }
+    let report = bench(&["barrier", "--clients", "2", "--rounds", "2"]);
+    assert!(report["names_before_ms_each"].is_null(), "{report}");
+    for extra in [&["--bare"][..], &["--protocol", "tcpstore"], &["--op", "ping"]] {
+        let out = Command::new(BIN)
+            .args(["barrier", "--clients", "2", "--rounds", "1", "--names-before", "3"])
+            .args(extra)
+            .output()
+            .expect("run rallypoint bench");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains("--names-before is for barrier rounds"), "{extra:?}: {err}");
+    }
+}
+
 #[test]
 fn tcpstore_barrier_of_4096_clients_from_two_processes() {
     let n = clients().to_string();
