@@ -310,7 +310,7 @@ pub(crate) async fn barrier(
                 state.uses.push((request.clone(), Use::Once));
                 drop(state);
                 if let Some((channel, slot)) = left {
-                    // Lost with the connection otherwise, as the slot is.
+                    // Fails only once the connection task is gone, and the slot with it.
                     let _ = caller.commands.send(Command::LeaveChannel { channel, slot });
                 }
                 return None;
@@ -452,8 +452,8 @@ async fn attach(caller: &Caller<'_>, request: &Request, wait: Duration) -> Optio
     drop(registered);
     let answer = link.channels.lock().answers.remove(&id);
     let used = match answer {
-        Some(Some((id, channel, slot))) if link.channels.epoch() == epoch => {
-            Use::Seat(Seat { id, channel, slot, round: 0, epoch })
+        Some(Some((channel_id, channel, slot))) if link.channels.epoch() == epoch => {
+            Use::Seat(Seat { id: channel_id, channel, slot, round: 0, epoch })
         }
         Some(None) => Use::Messages,
         // Refused unread: a peer that does not know the frame.
