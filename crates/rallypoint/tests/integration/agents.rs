@@ -587,6 +587,50 @@ async fn barriers_named_afresh_do_not_use_up_the_agents_channels() {
     .await;
 }
 
+/// A rank gives its seat in a barrier's channel back (it made room for barriers of
+/// its own) while its peer keeps using the channel; it comes back to the barrier,
+/// through messages and then through the same channel, whose files the agent sends
+/// it again, and every round passes for both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_that_gave_its_seat_back_comes_back_to_a_channel_in_use() {
+    let server = start_server().await;
+    let agent = start_agent(&server, true).await;
+    let ranks = [connect_via(&agent, rank("back", 0, 2)).await, connect_via(&agent, rank("back", 1, 2)).await];
+    let step = |rounds: u32| {
+        let mut calls = JoinSet::new();
+        for client in ranks.clone() {
+            calls.spawn(async move {
+                for round in 0..rounds {
+                    client.barrier("step", Members::World, WAIT).await.map_err(|e| format!("round {round}: {e}"))?;
+                }
+                Ok::<(), String>(())
+            });
+        }
+        async move {
+            bounded("the steps", async {
+                while let Some(outcome) = calls.join_next().await {
+                    outcome.expect("task").unwrap_or_else(|e| panic!("{e}"));
+                }
+            })
+            .await
+        }
+    };
+    // Both seated in the channel of `step`.
+    step(4).await;
+    // Rank 1 alone makes barriers of its own, each called three times (so each
+    // takes a seat), more than its client keeps: the oldest seat, `step`'s, goes back.
+    for own in 0..80 {
+        let name = format!("own-{own}");
+        for _ in 0..3 {
+            bounded("an own barrier", ranks[1].barrier(&name, Members::Ranks(vec![1]), WAIT))
+                .await
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+        }
+    }
+    // Through messages, asking for the channel (which rank 0 kept), then through it.
+    step(6).await;
+}
+
 /// Ranks on a Unix-socket agent pass a barrier through shared memory from its
 /// third call on (the second asks for a channel), async and blocking clients alike, round after round together
 /// with peers behind a TCP agent and connected directly; when one of them drops
