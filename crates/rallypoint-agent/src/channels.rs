@@ -190,20 +190,18 @@ impl Channels {
         }
     }
 
-    /// Sub-session `sub` gives up slot `slot` of channel `id` (nothing if it holds
-    /// no such slot). Returns whether it still holds a slot of that channel.
+    /// Sub-session `sub` gives up slot `slot` of channel `id`. Returns whether it
+    /// held that slot (nothing happens otherwise).
     pub(crate) fn leave(&self, sub: u64, id: u64, slot: u32) -> bool {
-        let (left, still) = {
+        let left = {
             let mut seated = lock(&self.seated);
             let Some(seats) = seated.get_mut(&sub) else { return false };
             let at = seats.iter().position(|(channel, s)| channel.id == id && *s == slot);
-            let left = at.map(|at| seats.swap_remove(at));
-            (left, seats.iter().any(|(channel, _)| channel.id == id))
+            at.map(|at| seats.swap_remove(at))
         };
-        if let Some((channel, slot)) = left {
-            self.unseat(sub, &channel, slot);
-        }
-        still
+        let Some((channel, slot)) = left else { return false };
+        self.unseat(sub, &channel, slot);
+        true
     }
 
     /// Frees `sub`'s slot `slot` of `channel` (a call it had forwarded is no longer

@@ -446,9 +446,9 @@ fn forward(
             requests.push((id, request));
         }
         Inbound::LeaveBarrierChannel { channel, slot } => {
-            if !hub.channels.leave(sub, channel, slot) {
-                // Should the rank come back to the channel, it needs its files again:
-                // it forgets them with its last slot.
+            if hub.channels.leave(sub, channel, slot) {
+                // The rank forgets the channel's files as it leaves a slot of it:
+                // they go again with the next slot it is given there.
                 lock(&local.out).channels_given.remove(&channel);
             }
         }

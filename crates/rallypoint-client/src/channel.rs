@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use rallypoint_core::{Members, Request, Response};
 use rallypoint_net::shm_barrier::{Outcome, RankChannel, Until, Waited};
-use tokio::sync::Notify;
+use tokio::sync::{mpsc, Notify};
 use tracing::{debug, warn};
 
 use crate::connection::{Command, Link, Reply};
@@ -55,8 +55,11 @@ use crate::error::Error;
 const MAX_USES: usize = 64;
 
 /// This client's barrier channels.
-#[derive(Default)]
-pub(crate) struct Channels(Mutex<State>);
+pub(crate) struct Channels {
+    state: Mutex<State>,
+    /// The connection task's queue, for the slots given back.
+    commands: mpsc::WeakUnboundedSender<Command>,
+}
 
 #[derive(Default)]
 struct State {
@@ -182,7 +185,27 @@ struct Seat {
 
 impl Channels {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    pub(crate) fn new(commands: mpsc::WeakUnboundedSender<Command>) -> Self {
+        Channels { state: Mutex::default(), commands }
+    }
+
+    /// Gives slot `slot` of channel `id`, of connection `epoch`, back to the agent,
+    /// which then sends the channel's files again with a later slot of it: the
+    /// mapping goes too (a seat holding it keeps it). Sent under the lock, so that
+    /// it goes out before any later attach request of this client. A slot of a
+    /// connection that ended went with it.
+    fn give_back(&self, state: &mut State, id: u64, slot: u32, epoch: u64) {
+        if epoch != state.epoch {
+            return;
+        }
+        state.mapped.remove(&id);
+        // Fails only once the connection task is gone, and the slot with it.
+        if let Some(commands) = self.commands.upgrade() {
+            let _ = commands.send(Command::LeaveChannel { channel: id, slot, epoch });
+        }
     }
 
     /// The connection's reader got a channel for attach request `id` (its files in
@@ -216,6 +239,11 @@ impl Channels {
             }
         };
         let answer = mapped.filter(|m| slot < m.channel.slots()).map(|mapped| (channel, mapped, slot));
+        if answer.is_none() {
+            // A slot this client cannot use must not count it in at the agent.
+            let epoch = state.epoch;
+            self.give_back(&mut state, channel, slot, epoch);
+        }
         state.answers.insert(id, answer);
         Ok(())
     }
@@ -306,50 +334,94 @@ pub(crate) async fn barrier(
                 _ => None,
             },
             None => {
-                let left = if state.uses.len() >= MAX_USES { make_room(&mut state)? } else { None };
-                state.uses.push((request.clone(), Use::Once));
-                drop(state);
-                if let Some((channel, slot)) = left {
-                    // Fails only once the connection task is gone, and the slot with it.
-                    let _ = caller.commands.send(Command::LeaveChannel { channel, slot });
+                if state.uses.len() >= MAX_USES && !link.channels.make_room(&mut state) {
+                    // Every barrier it keeps track of is in a call.
+                    return None;
                 }
+                state.uses.push((request.clone(), Use::Once));
                 return None;
             }
         }
     };
     let Some((seat, id)) = seat else {
-        return attach(&caller, request, wait).await;
+        let mut in_call = InCall { link, request, seat: None, done: false };
+        let done = attach(&caller, request, wait).await;
+        in_call.done = true;
+        return done;
     };
-    let (outcome, seat) = arrive_and_wait(link, seat, id, wait, waiting).await;
-    put_back(link, |r| r == request, seat);
+    let mut in_call = InCall { link, request, seat: Some((seat.id, seat.slot, seat.epoch)), done: false };
+    let (outcome, then) = arrive_and_wait(link, seat, id, wait, waiting).await;
+    in_call.done = true;
+    put_back(link, |r| r == request, then);
     Some(outcome)
 }
 
-/// Forgets a barrier not in a call: the oldest called once or going through
-/// messages, else the oldest with a seat. `None`: every barrier is in a call.
-/// `Some(Some((channel, slot)))`: the seat forgotten, to give back to the agent.
-fn make_room(state: &mut State) -> Option<Option<(u64, u32)>> {
-    let cheap = state.uses.iter().position(|(_, used)| matches!(used, Use::Once | Use::Messages));
-    let at = cheap.or_else(|| state.uses.iter().position(|(_, used)| matches!(used, Use::Seat(_))))?;
-    let (_, forgotten) = state.uses.remove(at);
-    let Use::Seat(seat) = forgotten else { return Some(None) };
-    if seat.epoch != state.epoch {
-        // Its connection ended, and the slot with it.
-        return Some(None);
+/// A barrier call in flight through a channel or asking for one, which its caller
+/// may drop mid-way (a timeout of its own around it): the barrier then asks for a
+/// channel again at its next call, rather than staying in a call for good (its
+/// calls through messages, never making room), and a seat the call held goes back
+/// to the agent, which may hold its arrival.
+struct InCall<'a> {
+    link: &'a Link,
+    request: &'a Request,
+    /// The seat's channel id, slot and connection.
+    seat: Option<(u64, u32, u64)>,
+    done: bool,
+}
+
+impl Drop for InCall<'_> {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        let mut state = self.link.channels.lock();
+        if let Some((id, slot, epoch)) = self.seat {
+            self.link.channels.give_back(&mut state, id, slot, epoch);
+        }
+        if let Some((_, used)) = state.uses.iter_mut().find(|(r, _)| r == self.request) {
+            *used = Use::Once;
+        }
     }
-    // This client holds no other seat of the channel (one per barrier call): the
-    // agent sends its files again should a later call be given a slot of it.
-    state.mapped.remove(&seat.id);
-    Some(Some((seat.id, seat.slot)))
+}
+
+impl Channels {
+    /// Forgets a barrier not in a call: the oldest called once or going through
+    /// messages, else the oldest with a seat, whose slot goes back to the agent.
+    /// `false`: every barrier is in a call.
+    fn make_room(&self, state: &mut State) -> bool {
+        let cheap = state.uses.iter().position(|(_, used)| matches!(used, Use::Once | Use::Messages));
+        let Some(at) = cheap.or_else(|| state.uses.iter().position(|(_, used)| matches!(used, Use::Seat(_)))) else {
+            return false;
+        };
+        if let (_, Use::Seat(seat)) = state.uses.remove(at) {
+            self.give_back(state, seat.id, seat.slot, seat.epoch);
+        }
+        true
+    }
+}
+
+/// What becomes of a seat once a call through it ended.
+enum Then {
+    /// Kept for the barrier's next call.
+    Keep(Seat),
+    /// No longer to be trusted (the agent may still hold an arrival from it): its
+    /// slot goes back to the agent, and the barrier's next call asks for a channel.
+    GiveBack(Seat),
 }
 
 /// Records how the next call of the barrier `is` picks out goes once a call through
-/// its seat ended: with the seat, or (`None`: it can no longer be trusted) through
-/// messages.
-fn put_back(link: &Link, is: impl Fn(&Request) -> bool, seat: Option<Seat>) {
+/// its seat ended.
+fn put_back(link: &Link, is: impl Fn(&Request) -> bool, then: Then) {
     let mut state = link.channels.lock();
+    let next = match then {
+        Then::Keep(seat) => Use::Seat(seat),
+        Then::GiveBack(seat) => {
+            link.channels.give_back(&mut state, seat.id, seat.slot, seat.epoch);
+            Use::Once
+        }
+    };
     if let Some((_, used)) = state.uses.iter_mut().find(|(r, _)| is(r)) {
-        *used = seat.map_or(Use::Messages, Use::Seat);
+        *used = next;
     }
 }
 
@@ -436,10 +508,14 @@ async fn attach(caller: &Caller<'_>, request: &Request, wait: Duration) -> Optio
     let epoch = link.channels.epoch();
     let (id, reply) = match link.register(wait) {
         Ok(registered) => registered,
-        Err(error) => return Some(Err(error)),
+        Err(error) => {
+            set_use(link, request, Use::Once);
+            return Some(Err(error));
+        }
     };
     let registered = crate::client::Registered { link, id, settled: false };
     if caller.commands.send(Command::AttachBarrier { id, request: request.clone() }).is_err() {
+        set_use(link, request, Use::Once);
         return Some(Err(link.disconnected()));
     }
     let result = match tokio::time::timeout(wait, reply).await {
@@ -484,7 +560,7 @@ async fn arrive_and_wait(
     id: u64,
     wait: Duration,
     waiting: Waiting,
-) -> (Result<(), Error>, Option<Seat>) {
+) -> (Result<(), Error>, Then) {
     let arrival = arrive(link, seat, id, wait, waiting);
     let (waited, deadline) = match waiting {
         Waiting::Thread => wait_thread(link, &arrival),
@@ -531,7 +607,7 @@ fn wait_thread(link: &Link, arrival: &Arrival) -> (Waited, Option<Instant>) {
 /// How a wait in the channel ended: with the call's outcome, or with the outcome
 /// still to read on the socket.
 enum Settled {
-    Done(Result<(), Error>, Option<Seat>),
+    Done(Result<(), Error>, Then),
     Reply(Pending),
 }
 
@@ -542,14 +618,14 @@ struct Pending {
     got: Option<Reply>,
     deadline: Instant,
     wait: Duration,
-    kept: Option<Seat>,
+    kept: Then,
     /// The call's connection was cut during the wait: its reply comes on the resumed
     /// session (see `Link::adopt_channel_calls`).
     cut: bool,
 }
 
 impl Pending {
-    async fn reply(self, link: &Link) -> (Result<(), Error>, Option<Seat>) {
+    async fn reply(self, link: &Link) -> (Result<(), Error>, Then) {
         let Pending { id, got, deadline, wait, kept, cut } = self;
         // Registered only now (a released round has no reply); the agent may have
         // sent it before, in which case it waits in the stash.
@@ -579,17 +655,17 @@ fn settle(link: &Link, arrival: Arrival, waited: Waited, deadline: Option<Instan
     // Needed from here on only if the round did not simply end released.
     let deadline = || deadline.unwrap_or_else(|| Instant::now() + wait);
     match waited {
-        Waited::Ended(Outcome::Released) => Settled::Done(Ok(()), Some(seat)),
+        Waited::Ended(Outcome::Released) => Settled::Done(Ok(()), Then::Keep(seat)),
         // The error is on its way on the socket (or came), as the reply to the call's id.
         Waited::Ended(Outcome::Failed) => {
-            Settled::Reply(Pending { id, got: None, deadline: deadline(), wait, kept: Some(seat), cut: false })
+            Settled::Reply(Pending { id, got: None, deadline: deadline(), wait, kept: Then::Keep(seat), cut: false })
         }
         Waited::Stopped => {
             let ended = seat.channel.ended.load(Ordering::Acquire);
             let finished = seat.channel.channel.outcome(seat.slot, seat.round).is_some();
             // A seat of an ended connection is kept only to be replaced: the next
             // call asks for a channel on the next connection.
-            let kept = (ended || finished).then_some(seat);
+            let kept = if ended || finished { Then::Keep(seat) } else { Then::GiveBack(seat) };
             if !ended {
                 return Settled::Reply(Pending { id, got: None, deadline: deadline(), wait, kept, cut: false });
             }
@@ -612,7 +688,7 @@ fn settle(link: &Link, arrival: Arrival, waited: Waited, deadline: Option<Instan
                 }
             }
         }
-        Waited::TimedOut => Settled::Done(Err(Error::Timeout(wait)), None),
+        Waited::TimedOut => Settled::Done(Err(Error::Timeout(wait)), Then::GiveBack(seat)),
     }
 }
 

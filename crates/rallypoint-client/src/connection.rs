@@ -233,10 +233,12 @@ pub(crate) enum Command {
         id: u64,
         request: Request,
     },
-    /// This client gives up slot `slot` of barrier channel `channel` (module `channel`).
+    /// This client gives up slot `slot` of barrier channel `channel`, given on
+    /// connection `epoch` (module `channel`).
     LeaveChannel {
         channel: u64,
         slot: u32,
+        epoch: u64,
     },
     /// Nothing of this shared-memory slab's current contents is held any more; the
     /// slab belongs to connection `epoch` (a later connection knows it not).
@@ -548,6 +550,7 @@ impl Closed {
 impl Link {
     fn new(addr: String, welcome: Welcome, releases: mpsc::WeakUnboundedSender<Command>) -> Self {
         let read_wake = Arc::new(ReadWake::default());
+        let channels = Channels::new(releases.clone());
         let read = ReadSide {
             reader: None,
             direct: false,
@@ -584,7 +587,7 @@ impl Link {
             welcome: Mutex::new(welcome),
             direct: Mutex::new(Direct::default()),
             deadline_moved: Notify::new(),
-            channels: Channels::default(),
+            channels,
             stashes: AtomicU64::new(0),
         }
     }
@@ -1700,10 +1703,11 @@ fn gather(
                 encode_client_frame(&ClientFrame::ReleaseShared { slab }, buf)
             }
             Command::Release { .. } => {}
-            // Of a connection that ended meanwhile, the agent knows no such slot: ignored.
-            Command::LeaveChannel { channel, slot } => {
+            Command::LeaveChannel { channel, slot, epoch: of } if of == epoch => {
                 encode_client_frame(&ClientFrame::LeaveBarrierChannel { channel, slot }, buf)
             }
+            // The slot went with its connection.
+            Command::LeaveChannel { .. } => {}
             Command::Shutdown(done) => return Some(done),
             // Dropping a client while another of its clones is mid-call: the call fails.
             Command::Abandon(done) => return Some(done),

@@ -37,6 +37,8 @@ struct Agent {
     buf: BytesMut,
     files: VecDeque<OwnedFd>,
     channel: AgentChannel,
+    /// The slots the rank gave back (LeaveBarrierChannel), as `(channel, slot)`.
+    left: Vec<(u64, u32)>,
 }
 
 impl Agent {
@@ -47,7 +49,8 @@ impl Agent {
         let (reader, writer) = stream.into_split();
         let channel = AgentChannel::create(2).expect("a channel");
         channel.set_attached(1);
-        let mut agent = Agent { reader, writer, buf: BytesMut::new(), files: VecDeque::new(), channel };
+        let mut agent =
+            Agent { reader, writer, buf: BytesMut::new(), files: VecDeque::new(), channel, left: Vec::new() };
         while decode_preamble(&mut agent.buf).expect("preamble").is_none() {
             agent.read().await;
         }
@@ -76,11 +79,17 @@ impl Agent {
         bounded(self.reader.read_with_files(&mut self.buf, 4096, &mut self.files)).await.expect("read")
     }
 
-    /// The next frame; `None` once the rank closed the connection.
+    /// The next frame but slots given back (kept in `left`); `None` once the rank
+    /// closed the connection.
     async fn frame(&mut self) -> Option<ClientFrame> {
         loop {
-            if let Some(frame) = decode_client_frame(&mut self.buf, &FrameLimits::unbounded()).expect("a frame") {
-                return Some(frame);
+            match decode_client_frame(&mut self.buf, &FrameLimits::unbounded()).expect("a frame") {
+                Some(ClientFrame::LeaveBarrierChannel { channel, slot }) => {
+                    self.left.push((channel, slot));
+                    continue;
+                }
+                Some(frame) => return Some(frame),
+                None => {}
             }
             if self.read().await == 0 {
                 return None;
@@ -280,6 +289,7 @@ async fn names_used_once_ask_for_no_channel_and_leave_the_seats_alone() {
     agent.arrival(1).await;
     agent.finish(1, Outcome::Released);
     bounded(waiting).await.expect("task").expect("a released round through the seat");
+    assert!(agent.left.is_empty(), "no seat was given back: {:?}", agent.left);
 }
 
 /// The agent sends a failed round's error before the rank wakes to see the
@@ -359,7 +369,8 @@ async fn a_connection_ending_during_a_wait_gives_what_came_before_it() {
 
 /// A reply on the socket stops a wait in the channel even though the slot never
 /// says the round ended (an agent answering the call otherwise): an async call at
-/// once, a blocking one at its next wake-up (here, a release of other rounds).
+/// once, a blocking one at its next wake-up (here, a release of other rounds). The
+/// seat is not trusted again: its slot is given back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reply_without_the_slots_mark_stops_the_wait() {
     let (client, mut agent, _dir) = seated_async().await;
@@ -367,6 +378,9 @@ async fn a_reply_without_the_slots_mark_stops_the_wait() {
     let call = agent.arrival(1).await;
     agent.send(ServerFrame::Reply { id: call, reply: Err(lost()) }).await;
     assert_lost(bounded(waiting).await.expect("task"));
+    drop(client);
+    while agent.frame().await.is_some() {}
+    assert_eq!(agent.left, [(1, 0)], "the slot given back");
 
     let (client, mut agent, _dir) = seated_blocking().await;
     let waiting = blocking_call_whose_error_was_read(&client, &mut agent).await;
@@ -380,7 +394,7 @@ async fn accept_again(listener: &Listener, session: u64) -> (Agent, Option<Sessi
     let stream = bounded(listener.accept()).await.expect("accept");
     let (reader, writer) = stream.into_split();
     let channel = AgentChannel::create(2).expect("a channel");
-    let mut agent = Agent { reader, writer, buf: BytesMut::new(), files: VecDeque::new(), channel };
+    let mut agent = Agent { reader, writer, buf: BytesMut::new(), files: VecDeque::new(), channel, left: Vec::new() };
     while decode_preamble(&mut agent.buf).expect("preamble").is_none() {
         agent.read().await;
     }

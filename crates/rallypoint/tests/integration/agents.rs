@@ -631,6 +631,40 @@ async fn a_rank_that_gave_its_seat_back_comes_back_to_a_channel_in_use() {
     step(6).await;
 }
 
+/// A barrier call waiting in its channel that its caller drops (a timeout of the
+/// caller's own) gives its seat back: the agent retires the channel it was alone
+/// in, the peer's arrival still completes the round the dropped call arrived at, and
+/// the rank's next calls ask for a channel again and pass.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_barrier_call_dropped_in_its_channel_gives_its_seat_back() {
+    let server = start_server().await;
+    let agent = start_agent(&server, true).await;
+    let (r0, r1) = (connect_via(&agent, rank("drop", 0, 2)).await, connect(&server, rank("drop", 1, 2)).await);
+    let both = |times: u32| {
+        let (r0, r1) = (r0.clone(), r1.clone());
+        async move {
+            for time in 0..times {
+                let (a, b) =
+                    tokio::join!(r0.barrier("step", Members::World, WAIT), r1.barrier("step", Members::World, WAIT));
+                a.and(b).unwrap_or_else(|e| panic!("step {time}: {e}"));
+            }
+        }
+    };
+    bounded("seated", both(3)).await;
+    assert_eq!(agent.barrier_channels(), 1, "rank 0 is in the channel of `step`");
+    let dropped = tokio::time::timeout(Duration::from_millis(300), r0.barrier("step", Members::World, WAIT)).await;
+    assert!(dropped.is_err(), "rank 1 has not arrived: {dropped:?}");
+    bounded("the channel retired", async {
+        while agent.barrier_channels() > 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    bounded("rank 1 completes the round", r1.barrier("step", Members::World, WAIT)).await.expect("rank 1 passes");
+    bounded("again", both(3)).await;
+    assert_eq!(agent.barrier_channels(), 1, "rank 0 asked for a channel again");
+}
+
 /// Ranks on a Unix-socket agent pass a barrier through shared memory from its
 /// third call on (the second asks for a channel), async and blocking clients alike, round after round together
 /// with peers behind a TCP agent and connected directly; when one of them drops
