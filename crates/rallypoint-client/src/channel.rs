@@ -208,6 +208,20 @@ impl Channels {
         }
     }
 
+    /// Forgets a barrier not in a call: the oldest called once or going through
+    /// messages, else the oldest with a seat, whose slot goes back to the agent.
+    /// `false`: every barrier is in a call.
+    fn make_room(&self, state: &mut State) -> bool {
+        let cheap = state.uses.iter().position(|(_, used)| matches!(used, Use::Once | Use::Messages));
+        let Some(at) = cheap.or_else(|| state.uses.iter().position(|(_, used)| matches!(used, Use::Seat(_)))) else {
+            return false;
+        };
+        if let (_, Use::Seat(seat)) = state.uses.remove(at) {
+            self.give_back(state, seat.id, seat.slot, seat.epoch);
+        }
+        true
+    }
+
     /// The connection's reader got a channel for attach request `id` (its files in
     /// `files` if the channel is new to this connection). `Err`: the files are missing.
     pub(crate) fn answered(
@@ -381,22 +395,6 @@ impl Drop for InCall<'_> {
         if let Some((_, used)) = state.uses.iter_mut().find(|(r, _)| r == self.request) {
             *used = Use::Once;
         }
-    }
-}
-
-impl Channels {
-    /// Forgets a barrier not in a call: the oldest called once or going through
-    /// messages, else the oldest with a seat, whose slot goes back to the agent.
-    /// `false`: every barrier is in a call.
-    fn make_room(&self, state: &mut State) -> bool {
-        let cheap = state.uses.iter().position(|(_, used)| matches!(used, Use::Once | Use::Messages));
-        let Some(at) = cheap.or_else(|| state.uses.iter().position(|(_, used)| matches!(used, Use::Seat(_)))) else {
-            return false;
-        };
-        if let (_, Use::Seat(seat)) = state.uses.remove(at) {
-            self.give_back(state, seat.id, seat.slot, seat.epoch);
-        }
-        true
     }
 }
 
