@@ -542,6 +542,36 @@ pub(crate) fn maps_a_barrier_channel() -> bool {
     std::fs::read_to_string("/proc/self/maps").expect("own maps").contains("memfd:rallypoint-barrier")
 }
 
+/// Every client calls barrier `name` of the world `times` times, all at once.
+async fn all_pass(clients: &[Client], name: &str, times: u32) {
+    let mut calls = JoinSet::new();
+    for client in clients {
+        let (client, name) = (client.clone(), name.to_owned());
+        calls.spawn(async move {
+            for time in 0..times {
+                client.barrier(&name, Members::World, WAIT).await.map_err(|e| format!("{name}, call {time}: {e}"))?;
+            }
+            Ok::<(), String>(())
+        });
+    }
+    bounded("barrier calls", async {
+        while let Some(outcome) = calls.join_next().await {
+            outcome.expect("task").unwrap_or_else(|e| panic!("{e}"));
+        }
+    })
+    .await
+}
+
+/// Waits until `agent` has `n` barrier channels.
+async fn channels_become(agent: &AgentHandle, n: usize) {
+    bounded("the agent's barrier channels", async {
+        while agent.barrier_channels() != n {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+}
+
 /// A job that names its barriers afresh as it goes, through a Unix-socket agent:
 /// a name called once takes no barrier channel; names called again take one each,
 /// and the agent retires those its ranks give back (a client keeps seats for so
@@ -552,39 +582,17 @@ async fn barriers_named_afresh_do_not_use_up_the_agents_channels() {
     let server = start_server().await;
     let agent = start_agent(&server, true).await;
     let clients = [connect_via(&agent, rank("fresh", 0, 2)).await, connect_via(&agent, rank("fresh", 1, 2)).await];
-    let pass = |name: String| {
-        let mut calls = JoinSet::new();
-        for client in clients.clone() {
-            let name = name.clone();
-            calls.spawn(async move { client.barrier(&name, Members::World, WAIT).await });
-        }
-        async move {
-            bounded("a barrier", async {
-                while let Some(outcome) = calls.join_next().await {
-                    outcome.expect("task").unwrap_or_else(|e| panic!("{name}: {e}"));
-                }
-            })
-            .await
-        }
-    };
     for step in 0..300 {
-        pass(format!("once-{step}")).await;
+        all_pass(&clients, &format!("once-{step}"), 1).await;
     }
     assert_eq!(agent.barrier_channels(), 0, "a barrier called once asks for no channel");
     for step in 0..300 {
-        for _ in 0..3 {
-            pass(format!("again-{step}")).await;
-        }
+        all_pass(&clients, &format!("again-{step}"), 3).await;
     }
     let live = agent.barrier_channels();
     assert!((1..=64).contains(&live), "channels of the barriers the ranks still keep seats for: {live}");
     drop(clients);
-    bounded("channels retired", async {
-        while agent.barrier_channels() > 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
+    channels_become(&agent, 0).await;
 }
 
 /// A rank gives its seat in a barrier's channel back (it made room for barriers of
@@ -596,27 +604,8 @@ async fn a_rank_that_gave_its_seat_back_comes_back_to_a_channel_in_use() {
     let server = start_server().await;
     let agent = start_agent(&server, true).await;
     let ranks = [connect_via(&agent, rank("back", 0, 2)).await, connect_via(&agent, rank("back", 1, 2)).await];
-    let step = |rounds: u32| {
-        let mut calls = JoinSet::new();
-        for client in ranks.clone() {
-            calls.spawn(async move {
-                for round in 0..rounds {
-                    client.barrier("step", Members::World, WAIT).await.map_err(|e| format!("round {round}: {e}"))?;
-                }
-                Ok::<(), String>(())
-            });
-        }
-        async move {
-            bounded("the steps", async {
-                while let Some(outcome) = calls.join_next().await {
-                    outcome.expect("task").unwrap_or_else(|e| panic!("{e}"));
-                }
-            })
-            .await
-        }
-    };
     // Both seated in the channel of `step`.
-    step(4).await;
+    all_pass(&ranks, "step", 4).await;
     // Rank 1 alone makes barriers of its own, each called three times (so each
     // takes a seat), more than its client keeps: the oldest seat, `step`'s, goes back.
     for own in 0..80 {
@@ -628,7 +617,7 @@ async fn a_rank_that_gave_its_seat_back_comes_back_to_a_channel_in_use() {
         }
     }
     // Through messages, asking for the channel (which rank 0 kept), then through it.
-    step(6).await;
+    all_pass(&ranks, "step", 6).await;
 }
 
 /// A barrier call waiting in its channel that its caller drops (a timeout of the
@@ -639,29 +628,16 @@ async fn a_rank_that_gave_its_seat_back_comes_back_to_a_channel_in_use() {
 async fn a_barrier_call_dropped_in_its_channel_gives_its_seat_back() {
     let server = start_server().await;
     let agent = start_agent(&server, true).await;
-    let (r0, r1) = (connect_via(&agent, rank("drop", 0, 2)).await, connect(&server, rank("drop", 1, 2)).await);
-    let both = |times: u32| {
-        let (r0, r1) = (r0.clone(), r1.clone());
-        async move {
-            for time in 0..times {
-                let (a, b) =
-                    tokio::join!(r0.barrier("step", Members::World, WAIT), r1.barrier("step", Members::World, WAIT));
-                a.and(b).unwrap_or_else(|e| panic!("step {time}: {e}"));
-            }
-        }
-    };
-    bounded("seated", both(3)).await;
+    let ranks = [connect_via(&agent, rank("drop", 0, 2)).await, connect(&server, rank("drop", 1, 2)).await];
+    all_pass(&ranks, "step", 3).await;
     assert_eq!(agent.barrier_channels(), 1, "rank 0 is in the channel of `step`");
-    let dropped = tokio::time::timeout(Duration::from_millis(300), r0.barrier("step", Members::World, WAIT)).await;
+    let dropped =
+        tokio::time::timeout(Duration::from_millis(300), ranks[0].barrier("step", Members::World, WAIT)).await;
     assert!(dropped.is_err(), "rank 1 has not arrived: {dropped:?}");
-    bounded("the channel retired", async {
-        while agent.barrier_channels() > 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await;
-    bounded("rank 1 completes the round", r1.barrier("step", Members::World, WAIT)).await.expect("rank 1 passes");
-    bounded("again", both(3)).await;
+    // The channel retired.
+    channels_become(&agent, 0).await;
+    bounded("rank 1 completes the round", ranks[1].barrier("step", Members::World, WAIT)).await.expect("rank 1 passes");
+    all_pass(&ranks, "step", 3).await;
     assert_eq!(agent.barrier_channels(), 1, "rank 0 asked for a channel again");
 }
 
