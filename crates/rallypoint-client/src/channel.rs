@@ -67,11 +67,31 @@ struct State {
     epoch: u64,
     /// Channels of the current connection by id; `None`: one that could not be mapped.
     mapped: HashMap<u64, Option<Arc<Mapped>>>,
-    /// Answers to attach requests, by request id, until their calls take them:
-    /// `(channel id, channel, slot)`, or `None` for no channel.
-    answers: HashMap<u64, Option<(u64, Arc<Mapped>, u32)>>,
+    /// The attach requests of this connection, by request id, from when they are
+    /// sent until their calls take their answers (or, for a call that gave up,
+    /// until the answer comes).
+    answers: HashMap<u64, Answer>,
+    /// Slots to give back once no answer is due ([`Channels::give_back`]).
+    leaving: Vec<(u64, u32)>,
     /// How each barrier call (name, members, timeout) goes.
     uses: Vec<(Request, Use)>,
+}
+
+/// An attach request's answer, as its call finds it.
+enum Answer {
+    /// Not come yet.
+    Awaited,
+    /// Not come yet, and its call gave up: a slot it gives goes back.
+    Abandoned,
+    /// `(channel id, channel, slot)`, or `None` for no channel.
+    Got(Option<(u64, Arc<Mapped>, u32)>),
+}
+
+impl State {
+    /// Whether an answer to an attach request may still come.
+    fn answer_due(&self) -> bool {
+        self.answers.values().any(|answer| matches!(answer, Answer::Awaited | Answer::Abandoned))
+    }
 }
 
 enum Use {
@@ -192,19 +212,33 @@ impl Channels {
         Channels { state: Mutex::default(), commands }
     }
 
-    /// Gives slot `slot` of channel `id`, of connection `epoch`, back to the agent,
-    /// which then sends the channel's files again with a later slot of it: the
-    /// mapping goes too (a seat holding it keeps it). Sent under the lock, so that
-    /// it goes out before any later attach request of this client. A slot of a
-    /// connection that ended went with it.
+    /// Gives slot `slot` of channel `id`, of connection `epoch`, back to the agent
+    /// (a slot of a connection that ended went with it), once no answer to an
+    /// attach request is due: see [`Channels::send_leaves`].
     fn give_back(&self, state: &mut State, id: u64, slot: u32, epoch: u64) {
-        if epoch != state.epoch {
+        if epoch == state.epoch {
+            state.leaving.push((id, slot));
+            self.send_leaves(state);
+        }
+    }
+
+    /// Sends the slots to give back, unless an answer to an attach request is due.
+    /// The agent sends a channel's files again with the first slot of it after a
+    /// leave, so the client forgets its mapping as it leaves (a seat holding it
+    /// keeps it); an answer the agent sent before it read the leave comes without
+    /// them, and would find no mapping: hence no leave while one may come. Sent
+    /// under the lock, so that each goes out before any later attach request.
+    fn send_leaves(&self, state: &mut State) {
+        if state.leaving.is_empty() || state.answer_due() {
             return;
         }
-        state.mapped.remove(&id);
-        // Fails only once the connection task is gone, and the slot with it.
-        if let Some(commands) = self.commands.upgrade() {
-            let _ = commands.send(Command::LeaveChannel { channel: id, slot, epoch });
+        let epoch = state.epoch;
+        for (id, slot) in std::mem::take(&mut state.leaving) {
+            state.mapped.remove(&id);
+            // Fails only once the connection task is gone, and the slot with it.
+            if let Some(commands) = self.commands.upgrade() {
+                let _ = commands.send(Command::LeaveChannel { channel: id, slot, epoch });
+            }
         }
     }
 
@@ -253,18 +287,43 @@ impl Channels {
             }
         };
         let answer = mapped.filter(|m| slot < m.channel.slots()).map(|mapped| (channel, mapped, slot));
-        if answer.is_none() {
-            // A slot this client cannot use must not count it in at the agent.
-            let epoch = state.epoch;
-            self.give_back(&mut state, channel, slot, epoch);
+        let epoch = state.epoch;
+        match state.answers.remove(&id) {
+            Some(Answer::Awaited) if answer.is_some() => {
+                state.answers.insert(id, Answer::Got(answer));
+            }
+            // A slot this client cannot use, or that no call waits for (any more),
+            // must not count it in at the agent.
+            known => {
+                let kept = match known {
+                    Some(Answer::Awaited) => Some(Answer::Got(None)),
+                    // A second answer (the agent broke the protocol): the first stands.
+                    Some(got @ Answer::Got(_)) => Some(got),
+                    Some(Answer::Abandoned) | None => None,
+                };
+                if let Some(kept) = kept {
+                    state.answers.insert(id, kept);
+                }
+                self.give_back(&mut state, channel, slot, epoch);
+            }
         }
-        state.answers.insert(id, answer);
+        self.send_leaves(&mut state);
         Ok(())
     }
 
     /// The connection's reader was told there is no channel for attach request `id`.
     pub(crate) fn refused(&self, id: u64) {
-        self.lock().answers.insert(id, None);
+        let mut state = self.lock();
+        match state.answers.remove(&id) {
+            Some(Answer::Awaited) => {
+                state.answers.insert(id, Answer::Got(None));
+            }
+            Some(Answer::Got(got)) => {
+                state.answers.insert(id, Answer::Got(got));
+            }
+            Some(Answer::Abandoned) | None => {}
+        }
+        self.send_leaves(&mut state);
     }
 
     /// The connection ended: its channels are given up, and whoever waits on one is
@@ -274,6 +333,7 @@ impl Channels {
             let mut state = self.lock();
             state.epoch += 1;
             state.answers.clear();
+            state.leaving.clear();
             std::mem::take(&mut state.mapped)
         };
         for mapped in mapped.into_values().flatten() {
@@ -512,7 +572,11 @@ async fn attach(caller: &Caller<'_>, request: &Request, wait: Duration) -> Optio
         }
     };
     let registered = crate::client::Registered { link, id, settled: false };
+    link.channels.lock().answers.insert(id, Answer::Awaited);
+    let _awaiting = Awaiting { channels: &link.channels, id };
     if caller.commands.send(Command::AttachBarrier { id, request: request.clone() }).is_err() {
+        // Not sent: no answer is due.
+        link.channels.lock().answers.remove(&id);
         set_use(link, request, Use::Once);
         return Some(Err(link.disconnected()));
     }
@@ -524,14 +588,15 @@ async fn attach(caller: &Caller<'_>, request: &Request, wait: Duration) -> Optio
         Err(_) => Err(Error::Timeout(wait)),
     };
     drop(registered);
-    let answer = link.channels.lock().answers.remove(&id);
+    let unread = matches!(result, Err(Error::Op(rallypoint_core::OpError::Invalid(_))));
+    let answer = link.channels.take_answer(id, unread);
     let used = match answer {
         Some(Some((channel_id, channel, slot))) if link.channels.epoch() == epoch => {
             Use::Seat(Seat { id: channel_id, channel, slot, round: 0, epoch })
         }
         Some(None) => Use::Messages,
         // Refused unread: a peer that does not know the frame.
-        None if matches!(result, Err(Error::Op(rallypoint_core::OpError::Invalid(_)))) => {
+        None if unread => {
             set_use(link, request, Use::Messages);
             return None;
         }
@@ -540,6 +605,50 @@ async fn attach(caller: &Caller<'_>, request: &Request, wait: Duration) -> Optio
     };
     set_use(link, request, used);
     Some(result)
+}
+
+/// An attach request in flight: should its call give up before taking the answer
+/// (dropped by its caller), a slot the answer gave goes back to the agent, and an
+/// answer that comes later finds no call ([`Channels::answered`] gives it back).
+struct Awaiting<'a> {
+    channels: &'a Channels,
+    id: u64,
+}
+
+impl Drop for Awaiting<'_> {
+    fn drop(&mut self) {
+        let mut state = self.channels.lock();
+        // Taken already unless the call was dropped.
+        match state.answers.remove(&self.id) {
+            Some(Answer::Got(Some((channel, _, slot)))) => {
+                let epoch = state.epoch;
+                self.channels.give_back(&mut state, channel, slot, epoch);
+            }
+            Some(Answer::Awaited | Answer::Abandoned) => {
+                state.answers.insert(self.id, Answer::Abandoned);
+            }
+            Some(Answer::Got(None)) | None => self.channels.send_leaves(&mut state),
+        }
+    }
+}
+
+impl Channels {
+    /// Takes the answer to attach request `id`, if it came; if not, it stays due
+    /// (a slot it gives then goes back), unless `unread`: the peer refused the
+    /// request unread, and no answer comes.
+    fn take_answer(&self, id: u64, unread: bool) -> Option<Option<(u64, Arc<Mapped>, u32)>> {
+        let mut state = self.lock();
+        let taken = match state.answers.remove(&id) {
+            Some(Answer::Got(answer)) => Some(answer),
+            Some(Answer::Awaited | Answer::Abandoned) if !unread => {
+                state.answers.insert(id, Answer::Abandoned);
+                None
+            }
+            _ => None,
+        };
+        self.send_leaves(&mut state);
+        taken
+    }
 }
 
 /// Sets how `request`'s calls go.

@@ -45,6 +45,15 @@ impl Agent {
     /// Accepts a rank, says welcome, answers its first barrier call (a request),
     /// and its second, which asks for a channel, with slot 0 of one (and the call's reply).
     async fn accept(listener: &Listener) -> Agent {
+        let (mut agent, id) = Agent::accept_until_attach(listener).await;
+        agent.give_channel(id).await;
+        agent.send(ServerFrame::Reply { id, reply: Ok(Response::Done) }).await;
+        agent
+    }
+
+    /// As [`Agent::accept`], up to the call that asks for a channel, unanswered:
+    /// returns its request id.
+    async fn accept_until_attach(listener: &Listener) -> (Agent, u64) {
         let stream = bounded(listener.accept()).await.expect("accept");
         let (reader, writer) = stream.into_split();
         let channel = AgentChannel::create(2).expect("a channel");
@@ -61,11 +70,7 @@ impl Agent {
                     agent.send(ServerFrame::Reply { id, reply: Ok(Response::Done) }).await;
                     continue;
                 }
-                Some(ClientFrame::AttachBarrier { id, request: Request::Barrier { .. } }) => {
-                    agent.give_channel(id).await;
-                    agent.send(ServerFrame::Reply { id, reply: Ok(Response::Done) }).await;
-                    return agent;
-                }
+                Some(ClientFrame::AttachBarrier { id, request: Request::Barrier { .. } }) => return (agent, id),
                 other => panic!("expected a hello, then a barrier, then one asking for a channel; got {other:?}"),
             }
             if agent.buf.is_empty() {
@@ -290,6 +295,89 @@ async fn names_used_once_ask_for_no_channel_and_leave_the_seats_alone() {
     agent.finish(1, Outcome::Released);
     bounded(waiting).await.expect("task").expect("a released round through the seat");
     assert!(agent.left.is_empty(), "no seat was given back: {:?}", agent.left);
+}
+
+/// A call asking for a channel that its caller drops (a timeout of its own) gives
+/// the slot it was given back, whether the answer came before it was dropped or
+/// after; the barrier's next call asks again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_dropped_while_asking_for_a_channel_gives_its_slot_back() {
+    for answer_first in [true, false] {
+        let (listener, addr, _dir) = listen().await;
+        let calling = async {
+            let client = Client::connect_with(options(&addr)).await.expect("connect");
+            client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await.expect("the first call");
+            let asking = client.barrier("b", Members::World, Some(BARRIER_TIMEOUT));
+            let dropped = tokio::time::timeout(Duration::from_millis(200), asking).await;
+            assert!(dropped.is_err(), "no reply came: {dropped:?}");
+            client
+        };
+        let accepting = async {
+            let (mut agent, id) = Agent::accept_until_attach(&listener).await;
+            if answer_first {
+                agent.give_channel(id).await;
+            }
+            (agent, id)
+        };
+        let (client, (mut agent, id)) = tokio::join!(calling, accepting);
+        if !answer_first {
+            agent.give_channel(id).await;
+        }
+        // The next call asks again.
+        let next = spawn_barrier(&client);
+        match agent.frame().await {
+            Some(ClientFrame::AttachBarrier { id, .. }) => {
+                agent.send(ServerFrame::NoBarrierChannel { id, reason: "not again".to_owned() }).await;
+                agent.send(ServerFrame::Reply { id, reply: Ok(Response::Done) }).await;
+            }
+            other => panic!("answer first {answer_first}: expected the next call to ask, got {other:?}"),
+        }
+        bounded(next).await.expect("task").expect("the next call");
+        drop(client);
+        while agent.frame().await.is_some() {}
+        assert_eq!(agent.left, [(1, 0)], "answer first {answer_first}: the slot given back");
+    }
+}
+
+/// The agent answers a dropped call's request for a channel only after the
+/// barrier's next call asked again, which gets another slot of the same channel
+/// without its files (the agent has not read a leave yet): the client kept the
+/// mapping for it, uses the new slot, and gives the first one back only then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_given_back_while_an_answer_is_due_keeps_the_files_for_it() {
+    let (listener, addr, _dir) = listen().await;
+    let calling = async {
+        let client = Client::connect_with(options(&addr)).await.expect("connect");
+        client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await.expect("the first call");
+        let asking = client.barrier("b", Members::World, Some(BARRIER_TIMEOUT));
+        assert!(tokio::time::timeout(Duration::from_millis(200), asking).await.is_err(), "no reply came");
+        client
+    };
+    let (client, (mut agent, first)) = tokio::join!(calling, Agent::accept_until_attach(&listener));
+    let again = spawn_barrier(&client);
+    let second = match agent.frame().await {
+        Some(ClientFrame::AttachBarrier { id, .. }) => id,
+        other => panic!("expected the next call to ask again, got {other:?}"),
+    };
+    // Slot 0 (with the files) for the dropped call, slot 1 (without) for this one.
+    agent.give_channel(first).await;
+    agent.send(ServerFrame::BarrierChannel { id: second, channel: 1, slot: 1 }).await;
+    agent.send(ServerFrame::Reply { id: second, reply: Ok(Response::Done) }).await;
+    bounded(again).await.expect("task").expect("the call given slot 1");
+    // The next call arrives in slot 1.
+    let next = spawn_barrier(&client);
+    bounded(async {
+        while agent.channel.arrival(1, 0).is_none() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    agent.channel.finish(1, 1, Outcome::Released);
+    agent.channel.release();
+    bounded(next).await.expect("task").expect("a round through slot 1");
+    drop(client);
+    while agent.frame().await.is_some() {}
+    assert_eq!(agent.left, [(1, 0)], "the dropped call's slot given back");
 }
 
 /// The agent sends a failed round's error before the rank wakes to see the
