@@ -67,6 +67,10 @@ struct State {
     epoch: u64,
     /// Channels of the current connection by id; `None`: one that could not be mapped.
     mapped: HashMap<u64, Option<Arc<Mapped>>>,
+    /// Every channel mapped on the current connection that a seat may still hold,
+    /// those forgotten in `mapped` (given back) included: the connection's end
+    /// must reach their waiters too.
+    live: Vec<Weak<Mapped>>,
     /// The attach requests of this connection, by request id, from when they are
     /// sent until their calls take their answers (or, for a call that gave up,
     /// until the answer comes).
@@ -275,7 +279,10 @@ impl Channels {
                 let mapped =
                     match Watched::of(&file, &doorbell).and_then(|w| Ok((w, RankChannel::map(file, doorbell)?))) {
                         Ok((watched, channel)) => {
-                            Some(Arc::new(Mapped { channel, ended: AtomicBool::new(false), watched }))
+                            let mapped = Arc::new(Mapped { channel, ended: AtomicBool::new(false), watched });
+                            state.live.retain(|live| live.strong_count() > 0);
+                            state.live.push(Arc::downgrade(&mapped));
+                            Some(mapped)
                         }
                         Err(error) => {
                             debug!(channel, %error, "cannot map a barrier channel; its barriers go through messages");
@@ -329,14 +336,15 @@ impl Channels {
     /// The connection ended: its channels are given up, and whoever waits on one is
     /// woken to find out.
     pub(crate) fn connection_ended(&self) {
-        let mapped = {
+        let live = {
             let mut state = self.lock();
             state.epoch += 1;
             state.answers.clear();
             state.leaving.clear();
-            std::mem::take(&mut state.mapped)
+            state.mapped.clear();
+            std::mem::take(&mut state.live)
         };
-        for mapped in mapped.into_values().flatten() {
+        for mapped in live.iter().filter_map(Weak::upgrade) {
             mapped.ended.store(true, Ordering::Release);
             mapped.channel.wake_waiters();
         }
@@ -352,9 +360,19 @@ impl Channels {
     /// a reply to such a call is rare, and their waits then cost nothing more.)
     pub(crate) fn wake_async_waiters(&self) {
         let watched: Vec<Arc<Watched>> =
-            self.lock().mapped.values().flatten().map(|mapped| Arc::clone(&mapped.watched)).collect();
+            self.lock().live.iter().filter_map(Weak::upgrade).map(|mapped| Arc::clone(&mapped.watched)).collect();
         for watched in watched {
             watched.moved.notify_waiters();
+        }
+    }
+
+    /// A reply to request `id` came that no call took: if it was an attach request
+    /// whose call gave up, its answer, which comes before the reply, is not due.
+    pub(crate) fn reply_came(&self, id: u64) {
+        let mut state = self.lock();
+        if matches!(state.answers.get(&id), Some(Answer::Abandoned)) {
+            state.answers.remove(&id);
+            self.send_leaves(&mut state);
         }
     }
 
@@ -563,7 +581,6 @@ pub(crate) fn barrier_on_thread(link: &Arc<Link>, call: &BarrierCall<'_>, wait: 
 /// older agent), and the caller makes the call, and all later ones, as requests.
 async fn attach(caller: &Caller<'_>, request: &Request, wait: Duration) -> Option<Result<(), Error>> {
     let link = caller.link;
-    let epoch = link.channels.epoch();
     let (id, reply) = match link.register(wait) {
         Ok(registered) => registered,
         Err(error) => {
@@ -572,9 +589,15 @@ async fn attach(caller: &Caller<'_>, request: &Request, wait: Duration) -> Optio
         }
     };
     let registered = crate::client::Registered { link, id, settled: false };
-    link.channels.lock().answers.insert(id, Answer::Awaited);
+    // Counted on, and asked on, this connection: queued past its end, it goes as
+    // a plain request.
+    let epoch = {
+        let mut state = link.channels.lock();
+        state.answers.insert(id, Answer::Awaited);
+        state.epoch
+    };
     let _awaiting = Awaiting { channels: &link.channels, id };
-    if caller.commands.send(Command::AttachBarrier { id, request: request.clone() }).is_err() {
+    if caller.commands.send(Command::AttachBarrier { id, request: request.clone(), epoch }).is_err() {
         // Not sent: no answer is due.
         link.channels.lock().answers.remove(&id);
         set_use(link, request, Use::Once);

@@ -228,10 +228,11 @@ pub(crate) enum Command {
         request: Request,
     },
     /// The barrier call `request`, asking the node agent for a barrier channel for
-    /// its later calls (module `channel`).
+    /// its later calls (module `channel`), on connection `epoch`.
     AttachBarrier {
         id: u64,
         request: Request,
+        epoch: u64,
     },
     /// This client gives up slot `slot` of barrier channel `channel`, given on
     /// connection `epoch` (module `channel`).
@@ -882,6 +883,7 @@ impl Link {
             // No call: a heartbeat, a call that timed out on this side, a reply sent
             // again for a request that was re-sent after a cut, or a barrier call
             // through a channel that has not looked for its reply yet (kept for it).
+            self.channels.reply_came(id);
             if !self.channels.calling(id) {
                 return;
             }
@@ -1690,11 +1692,17 @@ fn gather(
                 }
                 *gathered += 1;
             }
-            Command::AttachBarrier { id, request } => {
-                let frame = ClientFrame::AttachBarrier { id, request };
+            Command::AttachBarrier { id, request, epoch: of } => {
+                // Asked on a connection that ended, it goes as the plain request it
+                // also is: its call counts on no answer on this one.
+                let frame = if of == epoch {
+                    ClientFrame::AttachBarrier { id, request }
+                } else {
+                    ClientFrame::Request { id, request }
+                };
                 encode_client_frame(&frame, buf);
                 // Sent again after a cut as the plain request it also is.
-                if let ClientFrame::AttachBarrier { id, request } = frame {
+                if let ClientFrame::AttachBarrier { id, request } | ClientFrame::Request { id, request } = frame {
                     written.push((id, request));
                 }
                 *gathered += 1;

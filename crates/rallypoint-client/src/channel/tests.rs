@@ -380,6 +380,45 @@ async fn a_slot_given_back_while_an_answer_is_due_keeps_the_files_for_it() {
     assert_eq!(agent.left, [(1, 0)], "the dropped call's slot given back");
 }
 
+/// A request for a channel whose call gave up, answered by its reply alone (an
+/// agent that could not read it answers `Invalid`), leaves no answer due: a seat
+/// given back later goes back at once, not with the connection's end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attach_answered_by_its_reply_alone_holds_no_leave_back() {
+    let (listener, addr, _dir) = listen().await;
+    let calling = async {
+        let client = Client::connect_with(options(&addr)).await.expect("connect");
+        client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await.expect("the first call");
+        let asking = client.barrier("b", Members::World, Some(BARRIER_TIMEOUT));
+        assert!(tokio::time::timeout(Duration::from_millis(200), asking).await.is_err(), "no reply came");
+        client
+    };
+    let (client, (mut agent, dropped)) = tokio::join!(calling, Agent::accept_until_attach(&listener));
+    let invalid = OpError::Invalid("cannot read it".to_owned());
+    agent.send(ServerFrame::Reply { id: dropped, reply: Err(invalid) }).await;
+    // The next call asks again and is seated; a call through the seat is dropped.
+    let again = spawn_barrier(&client);
+    match agent.frame().await {
+        Some(ClientFrame::AttachBarrier { id, .. }) => {
+            agent.give_channel(id).await;
+            agent.send(ServerFrame::Reply { id, reply: Ok(Response::Done) }).await;
+        }
+        other => panic!("expected the next call to ask again, got {other:?}"),
+    }
+    bounded(again).await.expect("task").expect("seated");
+    let waiting = spawn_barrier(&client);
+    agent.arrival(1).await;
+    waiting.abort();
+    let _ = waiting.await;
+    bounded(async {
+        while agent.left.is_empty() {
+            let _ = tokio::time::timeout(Duration::from_millis(10), agent.frame()).await;
+        }
+    })
+    .await;
+    assert_eq!(agent.left, [(1, 0)], "the dropped call's seat given back");
+}
+
 /// The agent sends a failed round's error before the rank wakes to see the
 /// failure: the connection keeps the reply for the call, which finds it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
