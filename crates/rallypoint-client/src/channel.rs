@@ -7,12 +7,11 @@
 //! and waits on its futex instead of sending a request and reading a reply. (Not
 //! the first call: a program that names a barrier afresh at every step would make
 //! the agent map a channel for each name, used once, costing more than the message
-//! it saves.) The
-//! call still has a request id: if the barrier fails, the slot says so and the
-//! coordinator's typed error (the timeout naming the missing ranks, the lost rank)
-//! arrives on the socket as that id's reply, exactly as without a channel. Where
-//! there is no channel (TCP, the coordinator itself, an agent that has none to
-//! give), the barrier goes through messages as before.
+//! it saves.) The call still has a request id: if the barrier fails, the slot says
+//! so and the coordinator's typed error (the timeout naming the missing ranks, the
+//! lost rank) arrives on the socket as that id's reply, exactly as without a
+//! channel. Where there is no channel (TCP, the coordinator itself, an agent that
+//! has none to give), the barrier goes through messages as before.
 //!
 //! A released round (the common case) has no reply, so the call only takes an id
 //! and registers no reply slot: it touches nothing but the channel's memory. Only
@@ -31,6 +30,12 @@
 //! calls ask again on the next connection. A call waiting when the connection is
 //! cut may have been counted: it is sent again as a request on the resumed session,
 //! as any request written and not answered is (`Link::adopt_channel_calls`).
+//!
+//! A seat goes back to the agent (LeaveBarrierChannel) when the client stops
+//! keeping track of its barrier ([`MAX_USES`]) or stops trusting it (a call through
+//! it timed out or was dropped), so that the agent retires channels no rank is in;
+//! the leave waits while an answer to an attach request may still come, as that
+//! answer may count on the channel's files not being forgotten ([`Channels::send_leaves`]).
 
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
