@@ -297,29 +297,37 @@ async fn names_used_once_ask_for_no_channel_and_leave_the_seats_alone() {
     assert!(agent.left.is_empty(), "no seat was given back: {:?}", agent.left);
 }
 
+/// A client whose second call of barrier `b`, asking for a channel, its caller
+/// dropped unanswered (`answer_first`: after the agent gave it slot 0 of one); with
+/// the agent, that call's request id, and the socket's directory.
+async fn dropped_while_asking(answer_first: bool) -> (Client, Agent, u64, SocketDir) {
+    let (listener, addr, dir) = listen().await;
+    let calling = async {
+        let client = Client::connect_with(options(&addr)).await.expect("connect");
+        client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await.expect("the first call");
+        let asking = client.barrier("b", Members::World, Some(BARRIER_TIMEOUT));
+        let dropped = tokio::time::timeout(Duration::from_millis(200), asking).await;
+        assert!(dropped.is_err(), "no reply came: {dropped:?}");
+        client
+    };
+    let accepting = async {
+        let (mut agent, id) = Agent::accept_until_attach(&listener).await;
+        if answer_first {
+            agent.give_channel(id).await;
+        }
+        (agent, id)
+    };
+    let (client, (agent, id)) = tokio::join!(calling, accepting);
+    (client, agent, id, dir)
+}
+
 /// A call asking for a channel that its caller drops (a timeout of its own) gives
 /// the slot it was given back, whether the answer came before it was dropped or
 /// after; the barrier's next call asks again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_dropped_while_asking_for_a_channel_gives_its_slot_back() {
     for answer_first in [true, false] {
-        let (listener, addr, _dir) = listen().await;
-        let calling = async {
-            let client = Client::connect_with(options(&addr)).await.expect("connect");
-            client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await.expect("the first call");
-            let asking = client.barrier("b", Members::World, Some(BARRIER_TIMEOUT));
-            let dropped = tokio::time::timeout(Duration::from_millis(200), asking).await;
-            assert!(dropped.is_err(), "no reply came: {dropped:?}");
-            client
-        };
-        let accepting = async {
-            let (mut agent, id) = Agent::accept_until_attach(&listener).await;
-            if answer_first {
-                agent.give_channel(id).await;
-            }
-            (agent, id)
-        };
-        let (client, (mut agent, id)) = tokio::join!(calling, accepting);
+        let (client, mut agent, id, _dir) = dropped_while_asking(answer_first).await;
         if !answer_first {
             agent.give_channel(id).await;
         }
@@ -345,15 +353,7 @@ async fn a_call_dropped_while_asking_for_a_channel_gives_its_slot_back() {
 /// mapping for it, uses the new slot, and gives the first one back only then.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_given_back_while_an_answer_is_due_keeps_the_files_for_it() {
-    let (listener, addr, _dir) = listen().await;
-    let calling = async {
-        let client = Client::connect_with(options(&addr)).await.expect("connect");
-        client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await.expect("the first call");
-        let asking = client.barrier("b", Members::World, Some(BARRIER_TIMEOUT));
-        assert!(tokio::time::timeout(Duration::from_millis(200), asking).await.is_err(), "no reply came");
-        client
-    };
-    let (client, (mut agent, first)) = tokio::join!(calling, Agent::accept_until_attach(&listener));
+    let (client, mut agent, first, _dir) = dropped_while_asking(false).await;
     let again = spawn_barrier(&client);
     let second = match agent.frame().await {
         Some(ClientFrame::AttachBarrier { id, .. }) => id,
@@ -385,15 +385,7 @@ async fn a_slot_given_back_while_an_answer_is_due_keeps_the_files_for_it() {
 /// given back later goes back at once, not with the connection's end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attach_answered_by_its_reply_alone_holds_no_leave_back() {
-    let (listener, addr, _dir) = listen().await;
-    let calling = async {
-        let client = Client::connect_with(options(&addr)).await.expect("connect");
-        client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await.expect("the first call");
-        let asking = client.barrier("b", Members::World, Some(BARRIER_TIMEOUT));
-        assert!(tokio::time::timeout(Duration::from_millis(200), asking).await.is_err(), "no reply came");
-        client
-    };
-    let (client, (mut agent, dropped)) = tokio::join!(calling, Agent::accept_until_attach(&listener));
+    let (client, mut agent, dropped, _dir) = dropped_while_asking(false).await;
     let invalid = OpError::Invalid("cannot read it".to_owned());
     agent.send(ServerFrame::Reply { id: dropped, reply: Err(invalid) }).await;
     // The next call asks again and is seated; a call through the seat is dropped.
