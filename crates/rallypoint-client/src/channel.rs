@@ -299,25 +299,26 @@ impl Channels {
             }
         };
         let answer = mapped.filter(|m| slot < m.channel.slots()).map(|mapped| (channel, mapped, slot));
-        let epoch = state.epoch;
-        match state.answers.remove(&id) {
-            Some(Answer::Awaited) if answer.is_some() => {
-                state.answers.insert(id, Answer::Got(answer));
+        let usable = answer.is_some();
+        let taken = match state.answers.get_mut(&id) {
+            Some(awaited @ Answer::Awaited) => {
+                *awaited = Answer::Got(answer);
+                usable
             }
-            // A slot this client cannot use, or that no call waits for (any more),
-            // must not count it in at the agent.
-            known => {
-                let kept = match known {
-                    Some(Answer::Awaited) => Some(Answer::Got(None)),
-                    // A second answer (the agent broke the protocol): the first stands.
-                    Some(got @ Answer::Got(_)) => Some(got),
-                    Some(Answer::Abandoned) | None => None,
-                };
-                if let Some(kept) = kept {
-                    state.answers.insert(id, kept);
-                }
-                self.give_back(&mut state, channel, slot, epoch);
+            // Its call gave up: no answer is due any more.
+            Some(Answer::Abandoned) => {
+                state.answers.remove(&id);
+                false
             }
+            // A second answer (the agent broke the protocol: the first stands), or
+            // one to no attach request of this connection.
+            Some(Answer::Got(_)) | None => false,
+        };
+        // A slot this client cannot use, or that no call waits for, must not count
+        // it in at the agent.
+        if !taken {
+            let epoch = state.epoch;
+            self.give_back(&mut state, channel, slot, epoch);
         }
         self.send_leaves(&mut state);
         Ok(())
@@ -326,14 +327,12 @@ impl Channels {
     /// The connection's reader was told there is no channel for attach request `id`.
     pub(crate) fn refused(&self, id: u64) {
         let mut state = self.lock();
-        match state.answers.remove(&id) {
-            Some(Answer::Awaited) => {
-                state.answers.insert(id, Answer::Got(None));
+        match state.answers.get_mut(&id) {
+            Some(awaited @ Answer::Awaited) => *awaited = Answer::Got(None),
+            Some(Answer::Abandoned) => {
+                state.answers.remove(&id);
             }
-            Some(Answer::Got(got)) => {
-                state.answers.insert(id, Answer::Got(got));
-            }
-            Some(Answer::Abandoned) | None => {}
+            Some(Answer::Got(_)) | None => {}
         }
         self.send_leaves(&mut state);
     }
