@@ -110,15 +110,17 @@ pub struct Client {
     inner: Arc<Inner>,
 }
 
+/// What every call reads first, in one cache line (see [`Link`]).
+#[repr(C, align(64))]
 struct Inner {
-    identity: Identity,
-    timeout: Duration,
     link: Arc<Link>,
+    timeout: Duration,
     commands: mpsc::UnboundedSender<Command>,
     /// A call found the coordinator silent (no reply within its timeout).
     silent: AtomicBool,
     /// Barriers may go through shared memory with the node agent (module `channel`).
     barrier_channels: bool,
+    identity: Identity,
 }
 
 /// Forgets a call's reply slot if the call stops waiting before its reply

@@ -27,6 +27,7 @@ use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::io;
+use std::num::NonZeroU64;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -79,11 +80,20 @@ const MAX_STASHED: usize = 128;
 /// Until then it keeps the call's request once written, to send again should the
 /// connection be cut first: with the cell the call touches anyway, not in the map of
 /// calls, which then holds little.
-struct ReplyCell(Mutex<Cell>);
+struct ReplyCell(Mutex<Held>);
+
+/// A cell's state, and the waker of the call that looked at it last: kept when the
+/// cell is recycled ([`Link::recycle`]), so that the same caller's next call (a
+/// rank's loop) need not clone it again. (A reply that comes before the next call
+/// first looks may wake the caller before it: a spurious wake-up, which is allowed;
+/// the call finds its reply when it looks.)
+struct Held {
+    cell: Cell,
+    waker: Option<Waker>,
+}
 
 enum Cell {
     Waiting {
-        waker: Option<Waker>,
         /// The request, once written to a connection.
         written: Option<Request>,
     },
@@ -94,28 +104,38 @@ enum Cell {
 }
 
 impl ReplyCell {
-    fn lock(&self) -> MutexGuard<'_, Cell> {
+    fn new(cell: Cell) -> ReplyCell {
+        ReplyCell(Mutex::new(Held { cell, waker: None }))
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Held> {
         self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
     fn waiting() -> Cell {
-        Cell::Waiting { waker: None, written: None }
+        Cell::Waiting { written: None }
     }
 
-    /// Ends the wait with `end`; returns the waker of the call that waited, if it
-    /// left one. What the cell held (a written request) goes after the lock.
-    fn end_with(&self, end: Cell) -> Option<Waker> {
-        let held = std::mem::replace(&mut *self.lock(), end);
-        match held {
-            Cell::Waiting { waker, .. } => waker,
-            _ => None,
+    /// Ends the wait with `end`; `wake`: wakes the call that waited, if it left a
+    /// waker. The wake-up and what the cell held (a written request) go after the
+    /// lock: a waker may do anything, even poll the call at once.
+    fn end_with(&self, end: Cell, wake: bool) {
+        let (left, waker) = {
+            let mut held = self.lock();
+            let left = std::mem::replace(&mut held.cell, end);
+            let waker = if wake && matches!(left, Cell::Waiting { .. }) { held.waker.clone() } else { None };
+            (left, waker)
+        };
+        drop(left);
+        if let Some(waker) = waker {
+            waker.wake();
         }
     }
 
     /// Keeps the call's request, written to the connection (unless the call has
     /// ended meanwhile); `keep_first`: a request kept already stays.
     fn keep_written(&self, request: Request, keep_first: bool) {
-        if let Cell::Waiting { written, .. } = &mut *self.lock() {
+        if let Cell::Waiting { written } = &mut self.lock().cell {
             if !(keep_first && written.is_some()) {
                 *written = Some(request);
             }
@@ -124,20 +144,20 @@ impl ReplyCell {
 
     /// The call's request if it was written.
     fn written(&self) -> Option<Request> {
-        match &*self.lock() {
-            Cell::Waiting { written, .. } => written.clone(),
+        match &self.lock().cell {
+            Cell::Waiting { written } => written.clone(),
             _ => None,
         }
     }
 
     fn was_written(&self) -> bool {
-        matches!(&*self.lock(), Cell::Waiting { written: Some(_), .. })
+        matches!(&self.lock().cell, Cell::Waiting { written: Some(_) })
     }
 
     /// Takes the call's request back: it was not written after all.
     fn unwritten(&self) -> Option<Request> {
-        match &mut *self.lock() {
-            Cell::Waiting { written, .. } => written.take(),
+        match &mut self.lock().cell {
+            Cell::Waiting { written } => written.take(),
             _ => None,
         }
     }
@@ -168,18 +188,14 @@ impl ReplySlot {
 
     fn fill(mut self, filled: Cell, wake: bool) {
         self.sent = true;
-        if let Some(waker) = self.cell.end_with(filled).filter(|_| wake) {
-            waker.wake();
-        }
+        self.cell.end_with(filled, wake);
     }
 }
 
 impl Drop for ReplySlot {
     fn drop(&mut self) {
         if !self.sent {
-            if let Some(waker) = self.cell.end_with(Cell::Dropped) {
-                waker.wake();
-            }
+            self.cell.end_with(Cell::Dropped, true);
         }
     }
 }
@@ -196,12 +212,12 @@ pub(crate) type Received = Result<Result<Response, Error>, ReplyDropped>;
 
 impl Reply {
     fn poll_cell(&self, waker: &Waker) -> Poll<Received> {
-        let mut cell = self.0.lock();
-        if let Cell::Waiting { waker: known, .. } = &mut *cell {
-            keep_waker(known, waker);
+        let mut held = self.0.lock();
+        if let Cell::Waiting { .. } = held.cell {
+            keep_waker(&mut held.waker, waker);
             return Poll::Pending;
         }
-        match std::mem::replace(&mut *cell, Cell::Taken) {
+        match std::mem::replace(&mut held.cell, Cell::Taken) {
             Cell::Filled(result) => Poll::Ready(Ok(result)),
             _ => Poll::Ready(Err(ReplyDropped)),
         }
@@ -209,7 +225,7 @@ impl Reply {
 
     /// A reply that came before its call looked for it.
     pub(crate) fn came(result: Result<Response, Error>) -> Reply {
-        Reply(Arc::new(ReplyCell(Mutex::new(Cell::Filled(result)))))
+        Reply(Arc::new(ReplyCell::new(Cell::Filled(result))))
     }
 }
 
@@ -256,29 +272,42 @@ pub(crate) enum Command {
     Flush,
 }
 
+/// The cache lines of a [`Link`] that a lone call touches (its first ones).
+const HOT_LINES: usize = 5;
+
+// Up to the end of the read side's buffer, the last of what a lone call touches.
+// (The mutex's own state is counted in full, before its data or after it.)
+#[cfg(target_os = "linux")]
+const _: () = assert!(
+    std::mem::offset_of!(Link, read) + size_of::<Mutex<ReadSide>>() - size_of::<ReadSide>()
+        + std::mem::offset_of!(ReadSide, files)
+        <= HOT_LINES * 64
+);
+
 /// State shared by every clone of a client and its connection task.
 ///
 /// In declared order (`repr(C)`, here and in the parts a call uses), what every
-/// call touches first: a rank whose work between two calls evicts the caches, or a
+/// call touches first, in as few cache lines as it fits ([`HOT_LINES`], from a
+/// line's start): a rank whose work between two calls evicts the caches, or a
 /// process with thousands of connections, finds its link cold at every call, and
 /// pays a cache miss per line touched, not per field.
-#[repr(C)]
+#[repr(C, align(64))]
 pub(crate) struct Link {
     pending: Mutex<Pending>,
     next_id: AtomicU64,
     /// Reads from the coordinator so far: the writer checks between heartbeats that
     /// the coordinator still sends something.
     reads: AtomicU64,
-    /// Replies handed to their calls since the writer last looked: each woke a
-    /// caller that may be about to send its next request.
-    delivered: AtomicUsize,
+    /// Whom the socket's read readiness wakes: the waker every read registers.
+    read_wake: Arc<ReadWake>,
+    read_waker: Waker,
     /// How calls write their requests themselves.
     direct: Mutex<Direct>,
     /// The read half and what reading it needs, for the task and calls alike.
     read: Mutex<ReadSide>,
-    /// Whom the socket's read readiness wakes: the waker every read registers.
-    read_wake: Arc<ReadWake>,
-    read_waker: Waker,
+    /// Replies handed to their calls since the writer last looked: each woke a
+    /// caller that may be about to send its next request.
+    delivered: AtomicUsize,
     addr: String,
     /// The latest welcome: the session (the resume token) and the job's incarnation.
     welcome: Mutex<Welcome>,
@@ -303,16 +332,17 @@ pub(crate) struct Link {
 /// the lock reads; [`ReadWake`] sends the socket's wake-ups to whoever reads now.
 #[repr(C)]
 struct ReadSide {
-    /// The call reading for everyone; `None`: the task.
-    call: Option<u64>,
-    /// `None` between connections, and once a read found the connection ended.
-    reader: Option<ReadHalf>,
+    /// The call reading for everyone; `None`: the task. (Request ids start at 1.)
+    call: Option<NonZeroU64>,
     /// [`ReadWake::wakes`] before the last read that found nothing.
     seen_wakes: u64,
     /// Calls may read themselves (not over TLS: decrypting takes the task).
     direct: bool,
-    /// How the connection ended, found by a call: for the task to act on.
-    ended: Option<Ended>,
+    /// `None` between connections, and once a read found the connection ended.
+    reader: Option<ReadHalf>,
+    /// How the connection ended, found by a call: for the task to act on. Boxed:
+    /// every call looks at it, and it is large.
+    ended: Option<Box<Ended>>,
     buf: BytesMut,
     /// Files of shared-memory slabs, received with (or before) the first frame
     /// naming each, in order; and the slabs mapped so far, kept for the connection's life.
@@ -372,6 +402,10 @@ fn keep_waker(slot: &mut Option<Waker>, waker: &Waker) {
 
 #[repr(C)]
 struct Pending {
+    calls: Calls,
+    /// Set once the connection has ended for good: why, as reported to every later
+    /// call. Boxed: every call looks at it, and it is large.
+    closed: Option<Box<Closed>>,
     /// When the task looks next for calls past their deadline; `None`: no timer
     /// (nobody waited since it last looked). Never after the earliest deadline.
     armed: Option<Instant>,
@@ -382,10 +416,13 @@ struct Pending {
     /// A reply cell its call no longer holds, for the next call: a rank making one
     /// call at a time then allocates none (see [`Link::recycle`]).
     spare: Option<Arc<ReplyCell>>,
-    /// Set once the connection has ended for good: why, as reported to every later
-    /// call. Boxed: every call looks at it, and it is large.
-    closed: Option<Box<Closed>>,
-    calls: Calls,
+    /// What only barrier calls through a channel use. Boxed, out of the lines
+    /// every call touches.
+    channel_calls: Box<ChannelCalls>,
+}
+
+#[derive(Default)]
+struct ChannelCalls {
     /// Replies to barrier calls through a channel that came before their calls
     /// looked for them, oldest first. Such a call takes only a request id, no
     /// reply slot: a released round has no reply. Only a failed round has, and the
@@ -397,7 +434,7 @@ struct Pending {
     adopted: Vec<(u64, Reply)>,
 }
 
-impl Pending {
+impl ChannelCalls {
     fn take_stashed(&mut self, id: u64) -> Option<Result<Response, Error>> {
         let at = self.stashed.iter().position(|(stashed, _)| *stashed == id)?;
         self.stashed.remove(at).map(|(_, result)| result)
@@ -428,7 +465,9 @@ struct Calls {
     /// How many there are, `one` included: while it is one, `more` is not touched.
     count: usize,
     /// Keyed by our own request ids (no peer chooses them): a fast hash will do.
-    more: HashMap<u64, Call, foldhash::fast::RandomState>,
+    /// Boxed, out of the lines a lone call touches.
+    #[allow(clippy::box_collection, reason = "8 bytes among the lines every call touches, not 32")]
+    more: Box<HashMap<u64, Call, foldhash::fast::RandomState>>,
 }
 
 impl Calls {
@@ -495,7 +534,7 @@ impl Calls {
     fn take(&mut self) -> impl Iterator<Item = (u64, Call)> {
         self.count = 0;
         let one = self.one.take();
-        one.into_iter().chain(std::mem::take(&mut self.more))
+        one.into_iter().chain(std::mem::take(&mut *self.more))
     }
 }
 
@@ -579,9 +618,8 @@ impl Link {
                 closed: None,
                 armed: None,
                 last_call: None,
-                stashed: VecDeque::new(),
-                adopted: Vec::new(),
                 spare: None,
+                channel_calls: Box::default(),
             }),
             delivered: AtomicUsize::new(0),
             reads: AtomicU64::new(0),
@@ -635,10 +673,10 @@ impl Link {
     /// a reply is stashed under, so that it is found whenever it comes.
     pub(crate) fn claim(&self, id: u64, deadline: std::time::Instant, limit: Duration) -> Result<Reply, Error> {
         let mut pending = self.lock();
-        if let Some(result) = pending.take_stashed(id) {
+        if let Some(result) = pending.channel_calls.take_stashed(id) {
             return Ok(Reply::came(result));
         }
-        if let Some(reply) = pending.take_adopted(id) {
+        if let Some(reply) = pending.channel_calls.take_adopted(id) {
             return Ok(reply);
         }
         if let Some(closed) = &pending.closed {
@@ -655,14 +693,14 @@ impl Link {
 
     /// Takes the reply stashed for barrier call `id` through a channel, if it came.
     pub(crate) fn take_stashed(&self, id: u64) -> Option<Result<Response, Error>> {
-        self.lock().take_stashed(id)
+        self.lock().channel_calls.take_stashed(id)
     }
 
     /// Whether barrier call `id` through a channel was adopted when its connection
     /// was cut: its outcome is the reply to its request, sent again if the session
     /// resumes ([`Link::claim`] hands it over).
     pub(crate) fn adopted(&self, id: u64) -> bool {
-        self.lock().adopted.iter().any(|(adopted, _)| *adopted == id)
+        self.lock().channel_calls.adopted.iter().any(|(adopted, _)| *adopted == id)
     }
 
     /// The connection was cut: each barrier call in flight through one of its
@@ -677,8 +715,8 @@ impl Link {
         let in_flight = self.channels.in_flight();
         let mut pending = self.lock();
         // Calls that ended meanwhile without looking (their round was released).
-        let Pending { adopted, calls, .. } = &mut *pending;
-        adopted.retain(|(id, _)| calls.contains_key(id));
+        let Pending { channel_calls, calls, .. } = &mut *pending;
+        channel_calls.adopted.retain(|(id, _)| calls.contains_key(id));
         for (id, request) in in_flight {
             // Looking for its reply already (its round failed): sent again too, as
             // the reply may have been lost with the connection.
@@ -687,15 +725,15 @@ impl Link {
                 continue;
             }
             // Its reply came before the cut: the call finds it stashed.
-            if pending.stashed.iter().any(|(stashed, _)| *stashed == id) {
+            if pending.channel_calls.stashed.iter().any(|(stashed, _)| *stashed == id) {
                 continue;
             }
-            let cell = Arc::new(ReplyCell(Mutex::new(Cell::Waiting { waker: None, written: Some(request) })));
+            let cell = Arc::new(ReplyCell::new(Cell::Waiting { written: Some(request) }));
             let slot = ReplySlot { cell: Arc::clone(&cell), sent: false };
             // The call bounds its own wait (and forgets the call past it).
             let call = Call { slot, deadline: Instant::now() + LONGEST_WAIT, limit: LONGEST_WAIT };
             pending.calls.insert(id, call);
-            pending.adopted.push((id, Reply(cell)));
+            pending.channel_calls.adopted.push((id, Reply(cell)));
         }
     }
 
@@ -708,17 +746,17 @@ impl Link {
     /// [`Link::stashes`] said before the call's id went out, so that a wait checks
     /// with one load while none came.
     pub(crate) fn replied(&self, id: u64, seen: u64) -> bool {
-        self.stashes() != seen && self.lock().stashed.iter().any(|(stashed, _)| *stashed == id)
+        self.stashes() != seen && self.lock().channel_calls.stashed.iter().any(|(stashed, _)| *stashed == id)
     }
 
     /// Registers call `id` in `pending` (the lock taken); returns its reply.
     fn insert(&self, mut pending: MutexGuard<'_, Pending>, id: u64, deadline: Instant, limit: Duration) -> Reply {
         let cell = match pending.spare.take() {
             Some(spare) => {
-                *spare.lock() = ReplyCell::waiting();
+                spare.lock().cell = ReplyCell::waiting();
                 spare
             }
-            None => Arc::new(ReplyCell(Mutex::new(ReplyCell::waiting()))),
+            None => Arc::new(ReplyCell::new(ReplyCell::waiting())),
         };
         let (slot, reply) = (ReplySlot { cell: Arc::clone(&cell), sent: false }, Reply(cell));
         pending.calls.insert(id, Call { slot, deadline, limit });
@@ -804,7 +842,7 @@ impl Link {
             // A reply its call never took (dropped after the reply came) goes now,
             // outside the locks, not with a next call that may never come: a shared
             // reply holds its slab until it goes.
-            let left = std::mem::replace(&mut *reply.0.lock(), Cell::Taken);
+            let left = std::mem::replace(&mut reply.0.lock().cell, Cell::Taken);
             drop(left);
             self.lock().spare.get_or_insert_with(|| Arc::clone(&reply.0));
         }
@@ -891,10 +929,11 @@ impl Link {
             // It may have looked meanwhile.
             call = pending.calls.remove(&id);
             if call.is_none() {
-                if pending.stashed.len() >= MAX_STASHED {
-                    pending.stashed.pop_front();
+                let stashed = &mut pending.channel_calls.stashed;
+                if stashed.len() >= MAX_STASHED {
+                    stashed.pop_front();
                 }
-                pending.stashed.push_back((id, result));
+                stashed.push_back((id, result));
                 // Under the lock: whoever sees the count moved finds the reply.
                 self.stashes.fetch_add(1, Ordering::AcqRel);
                 drop(pending);
@@ -952,7 +991,7 @@ impl Link {
             return Poll::Ready(received);
         }
         let mut side = self.lock_read();
-        if side.call != Some(id) {
+        if side.call != NonZeroU64::new(id) {
             let alone = side.call.is_none()
                 && side.direct
                 && side.reader.is_some()
@@ -961,7 +1000,7 @@ impl Link {
             if !alone {
                 return Poll::Pending;
             }
-            side.call = Some(id);
+            side.call = NonZeroU64::new(id);
             *reading = true;
             // The last read left the socket's wake-up registered: nothing to read
             // until it comes (to this call from now on). Had it come to the task
@@ -1002,7 +1041,7 @@ impl Link {
     }
 
     fn give_back(&self, side: &mut ReadSide, id: u64) {
-        if side.call != Some(id) {
+        if side.call != NonZeroU64::new(id) {
             return;
         }
         side.call = None;
@@ -1029,7 +1068,7 @@ impl Link {
         }
         side.call = None;
         if let Some(ended) = side.ended.take() {
-            return Poll::Ready(ended);
+            return Poll::Ready(*ended);
         }
         match self.drive(&mut side, None) {
             Some(ended) => Poll::Ready(ended),
@@ -1042,7 +1081,7 @@ impl Link {
         let Some(ended) = ended else { return };
         #[cfg(test)]
         self.ends_found_by_calls.fetch_add(1, Ordering::Relaxed);
-        side.ended = Some(ended);
+        side.ended = Some(Box::new(ended));
         side.call = None;
         let task = {
             let mut targets = self.read_wake.lock();

@@ -97,7 +97,7 @@ async fn bounded<F: std::future::Future>(future: F) -> F::Output {
 
 /// Waits until call `id` reads the socket itself.
 async fn until_reading(link: &Link, id: u64) {
-    until(link, |side| side.call == Some(id)).await;
+    until(link, |side| side.call == std::num::NonZeroU64::new(id)).await;
 }
 
 /// Waits until the link's read side is as `ready` says.
@@ -428,7 +428,7 @@ fn a_heartbeat_is_skipped_only_within_a_period_of_an_answered_call() {
 
 mod calls {
     use std::collections::HashMap;
-    use std::sync::{Arc, Mutex};
+    use std::sync::Arc;
 
     use proptest::prelude::*;
     use tokio::time::Instant;
@@ -436,7 +436,7 @@ mod calls {
     use super::super::{Call, Calls, ReplyCell, ReplySlot};
 
     fn call(tag: u32) -> Call {
-        let cell = Arc::new(ReplyCell(Mutex::new(ReplyCell::waiting())));
+        let cell = Arc::new(ReplyCell::new(ReplyCell::waiting()));
         // The tag rides in the limit, so that a replaced call is told from its successor.
         Call {
             slot: ReplySlot { cell, sent: true },
@@ -499,4 +499,33 @@ mod calls {
             }
         }
     }
+}
+
+/// What a lone call touches of its link (its calls, the id counter, the read
+/// wake-up, the write side's flag, the read side up to its buffer) lies within the
+/// link's first [`super::HOT_LINES`] cache lines, from a line's start: a field put
+/// among them, or a part grown, would spread a call over more lines.
+#[cfg(target_os = "linux")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_a_lone_call_touches_of_its_link_fits_its_first_lines() {
+    use std::mem::offset_of;
+
+    use super::{ReadSide, HOT_LINES};
+    let (_listener, client, _conn) = connected(0).await;
+    let link: &Link = client.link();
+    let base = std::ptr::from_ref(link) as usize;
+    assert_eq!(base % 64, 0, "the link starts a cache line");
+    let side = std::ptr::from_ref(&*link.lock_read()) as usize;
+    let hot_end = side + offset_of!(ReadSide, files) - base;
+    assert!(hot_end <= HOT_LINES * 64, "a lone call's part of the link ends at byte {hot_end}");
+    for (field, at) in [
+        ("next_id", offset_of!(Link, next_id)),
+        ("reads", offset_of!(Link, reads)),
+        ("read_wake", offset_of!(Link, read_wake)),
+        ("read_waker", offset_of!(Link, read_waker)),
+        ("direct", offset_of!(Link, direct)),
+    ] {
+        assert!(at < hot_end, "{field} at byte {at}, after the read side's buffer");
+    }
+    drop(client);
 }
