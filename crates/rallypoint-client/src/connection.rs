@@ -70,7 +70,7 @@ const RESUME_WINDOW_WITHOUT_LEASE: Duration = Duration::from_secs(15);
 /// and must not overflow the clock.
 const LONGEST_WAIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 /// Replies kept for barrier calls through a channel that had not looked for them
-/// yet ([`Pending::stashed`]). More than a client has such calls in flight (one per
+/// yet ([`ChannelCalls::stashed`]). More than a client has such calls in flight (one per
 /// barrier it keeps a seat for); the bound only matters for replies that come
 /// after their calls gave up, which nobody takes.
 const MAX_STASHED: usize = 128;
@@ -84,9 +84,10 @@ struct ReplyCell(Mutex<Held>);
 
 /// A cell's state, and the waker of the call that looked at it last: kept when the
 /// cell is recycled ([`Link::recycle`]), so that the same caller's next call (a
-/// rank's loop) need not clone it again. (A reply that comes before the next call
-/// first looks may wake the caller before it: a spurious wake-up, which is allowed;
-/// the call finds its reply when it looks.)
+/// rank's loop) need not clone it again. Until then it holds on to that caller's
+/// task. (A reply that comes before the next call first looks may wake the caller
+/// before it: a spurious wake-up, which is allowed; the call finds its reply when
+/// it looks.)
 struct Held {
     cell: Cell,
     waker: Option<Waker>,
@@ -116,9 +117,9 @@ impl ReplyCell {
         Cell::Waiting { written: None }
     }
 
-    /// Ends the wait with `end`; `wake`: wakes the call that waited, if it left a
-    /// waker. The wake-up and what the cell held (a written request) go after the
-    /// lock: a waker may do anything, even poll the call at once.
+    /// Ends the wait with `end`; `wake`: wakes the call that waited, if one left a
+    /// waker (see [`Held`] for a recycled cell's). The wake-up and what the cell
+    /// held (a written request) go after the lock.
     fn end_with(&self, end: Cell, wake: bool) {
         let (left, waker) = {
             let mut held = self.lock();
@@ -276,7 +277,8 @@ pub(crate) enum Command {
 const HOT_LINES: usize = 5;
 
 // Up to the end of the read side's buffer, the last of what a lone call touches.
-// (The mutex's own state is counted in full, before its data or after it.)
+// A mutex's data starts at most its own state's size in: so this end is never
+// placed too early.
 #[cfg(target_os = "linux")]
 const _: () = assert!(
     std::mem::offset_of!(Link, read) + size_of::<Mutex<ReadSide>>() - size_of::<ReadSide>()
@@ -315,7 +317,7 @@ pub(crate) struct Link {
     deadline_moved: Notify,
     /// Barrier channels given on this connection (module `channel`).
     pub(crate) channels: Channels,
-    /// Replies stashed so far ([`Pending::stashed`]): a channel call waiting learns
+    /// Replies stashed so far ([`ChannelCalls::stashed`]): a channel call waiting learns
     /// with one load whether its reply may have come.
     stashes: AtomicU64,
     /// Replies read by their own calls.
@@ -344,6 +346,8 @@ struct ReadSide {
     /// every call looks at it, and it is large.
     ended: Option<Box<Ended>>,
     buf: BytesMut,
+    // What follows is for shared replies only: out of a lone call's lines
+    // (`HOT_LINES`), so a plain reply reads none of it.
     /// Files of shared-memory slabs, received with (or before) the first frame
     /// naming each, in order; and the slabs mapped so far, kept for the connection's life.
     files: VecDeque<OwnedFd>,
@@ -1149,7 +1153,6 @@ impl Link {
         let broken = |why: String| Ended::Done(self.lost(why), None);
         let limits = FrameLimits::unbounded();
         let ReadSide { buf, files, slabs, releases, epoch, .. } = side;
-        let epoch = *epoch;
         if buf.is_empty() {
             return Ok(());
         }
@@ -1173,7 +1176,7 @@ impl Link {
                             }
                         }
                     };
-                    let releases = releases.clone();
+                    let (releases, epoch) = (releases.clone(), *epoch);
                     let release = move || {
                         if let Some(commands) = releases.upgrade() {
                             let _ = commands.send(Command::Release { slab, epoch });
