@@ -1,6 +1,6 @@
 //! rallypoint's clients: [`Client`] (async, on tokio) and [`blocking::Client`], one
 //! connection to the coordinator (or to this node's agent) each, shared by all
-//! their clones; and [`env`], the contract between a launcher and its workers: the
+//! their clones; and [`env`](mod@env), the contract between a launcher and its workers: the
 //! variables a launcher sets ([`env::worker_env`]) and how a client resolves them,
 //! with explicit values, into connection settings ([`env::Settings`]).
 
@@ -12,7 +12,7 @@ pub mod env;
 mod error;
 mod incarnation;
 
-pub use client::{job_incarnation, reset_job, Client, ConnectOptions, DEFAULT_TIMEOUT};
+pub use client::{job_incarnation, reset_job, Client, ConnectOptions, DEFAULT_TIMEOUT, LEAVE_WAIT};
 pub use error::Error;
 pub use incarnation::{new_job_incarnation, process_incarnation};
 pub use rallypoint_core::{
