@@ -382,10 +382,7 @@ async fn measure(args: &Args, target: &Target, sources: Sources) -> anyhow::Resu
     connecting += started.elapsed();
     settle().await;
     let rss_idle = target.server_rss();
-    let names_before_ms = match &clients {
-        Clients::Native(native) => names_before(native, args.names_before, setup.timeout).await?,
-        _ => 0.0,
-    };
+    let names_before_ms = names_before(&clients, args.names_before, setup.timeout).await?;
 
     if !args.json {
         eprintln!("running {} rounds (+{} warm-up) ...", args.rounds, args.warmup);
@@ -496,10 +493,7 @@ async fn run_shard(args: &Args, shard: u32, sources: Sources) -> anyhow::Result<
     let started = Instant::now();
     let clients = setup.connect(shard_ranks(args.clients, args.procs, shard)).await?;
     let connect_ms = ms(started.elapsed());
-    let names_before_ms = match &clients {
-        Clients::Native(native) => names_before(native, args.names_before, timeout).await?,
-        _ => 0.0,
-    };
+    let names_before_ms = names_before(&clients, args.names_before, timeout).await?;
     ready_then_go(timeout).await?;
     let cpu = CpuMeter::start(None);
     let start_ns = mono_ns();
@@ -514,8 +508,10 @@ async fn run_shard(args: &Args, shard: u32, sources: Sources) -> anyhow::Result<
 }
 
 /// Every client passes `k` barriers named afresh (`--names-before`), all together;
-/// returns how long they took, in ms.
-async fn names_before(clients: &[Client], k: u32, timeout: Duration) -> anyhow::Result<f64> {
+/// returns how long they took, in ms (0 for clients other than the library's,
+/// which the flag is refused for).
+async fn names_before(clients: &Clients, k: u32, timeout: Duration) -> anyhow::Result<f64> {
+    let Clients::Native(clients) = clients else { return Ok(0.0) };
     let started = Instant::now();
     for i in 0..k {
         let name = format!("once-{i}");

@@ -97,6 +97,13 @@ enum Answer {
 }
 
 impl State {
+    /// Sets how the calls of the barrier `is` picks out go.
+    fn set_use(&mut self, is: impl Fn(&Request) -> bool, used: Use) {
+        if let Some((_, known)) = self.uses.iter_mut().find(|(r, _)| is(r)) {
+            *known = used;
+        }
+    }
+
     /// Whether an answer to an attach request may still come.
     fn answer_due(&self) -> bool {
         self.answers.values().any(|answer| matches!(answer, Answer::Awaited | Answer::Abandoned))
@@ -474,9 +481,7 @@ impl Drop for InCall<'_> {
         if let Some((id, slot, epoch)) = self.seat {
             self.link.channels.give_back(&mut state, id, slot, epoch);
         }
-        if let Some((_, used)) = state.uses.iter_mut().find(|(r, _)| r == self.request) {
-            *used = Use::Once;
-        }
+        state.set_use(|r| r == self.request, Use::Once);
     }
 }
 
@@ -500,9 +505,7 @@ fn put_back(link: &Link, is: impl Fn(&Request) -> bool, then: Then) {
             Use::Once
         }
     };
-    if let Some((_, used)) = state.uses.iter_mut().find(|(r, _)| is(r)) {
-        *used = next;
-    }
+    state.set_use(is, next);
 }
 
 /// A barrier call as its caller states it: found among the calls a client keeps
@@ -680,10 +683,7 @@ impl Channels {
 
 /// Sets how `request`'s calls go.
 fn set_use(link: &Link, request: &Request, used: Use) {
-    let mut state = link.channels.lock();
-    if let Some((_, known)) = state.uses.iter_mut().find(|(r, _)| r == request) {
-        *known = used;
-    }
+    link.channels.lock().set_use(|r| r == request, used);
 }
 
 /// One round through the channel; returns its outcome and the seat, unless the
