@@ -657,6 +657,8 @@ impl Drop for Awaiting<'_> {
             Some(Answer::Awaited | Answer::Abandoned) => {
                 state.answers.insert(self.id, Answer::Abandoned);
             }
+            // Taken, or removed unsent by `attach`: slots held back while it was
+            // due may go now.
             Some(Answer::Got(None)) | None => self.channels.send_leaves(&mut state),
         }
     }
