@@ -94,6 +94,14 @@ def report(path):
     def ratio(a, b):
         return f"{a / b:,.2f}×" if a and b else "—"
 
+    # CPU per rank-round over the measured rounds, where the run reports it (builds
+    # from before it did: over all rounds, warm-up included).
+    def server_cpu(x):
+        return x.get("server_cpu_us_per_measured_rank_round") or x.get("server_cpu_us_per_rank_round")
+
+    def load_cpu(x):
+        return x.get("client_cpu_us_per_measured_rank_round") or x.get("client_cpu_us_per_rank_round")
+
     out = []
     # Barrier at N (the headline): round medians of each system, and the ping floor.
     n = max((r["n"] for r in runs if r["run"] == "barrier"), default=None)
@@ -162,8 +170,7 @@ def report(path):
             bb = [x["median_us"] for x in bare]
 
             def cpu(xs):
-                return " ; ".join(f"{x.get('server_cpu_us_per_rank_round') or 0:.2f} / "
-                                  f"{x.get('client_cpu_us_per_rank_round') or 0:.2f}" for x in xs) or "—"
+                return " ; ".join(f"{server_cpu(x) or 0:.2f} / {load_cpu(x) or 0:.2f}" for x in xs) or "—"
 
             out.append(f"| {n:,} | {span(fl)} | {span(tb)} | {span(rb)} | {span(nb)} "
                        f"| {ratio(med(tb), med(nb))} | {ratio(med(nb), med(fl))} | {cpu(nat)} "
@@ -171,7 +178,22 @@ def report(path):
         out += ["", "(ratios of the medians over runs; target: torch ÷ native ≥ 1.0×, native ÷ floor ≤ 1.1×, "
                 "and the load generator's CPU below the server's. The bare client speaks the native protocol "
                 "without the client library, as the TCPStore load speaks torch's: what the library costs "
-                "is the difference)", ""]
+                "is the difference. CPU over the measured rounds where the run reports it, else over all)", ""]
+        out += ["### Direct connections: the load generator's CPU ÷ its server's, per rank-round "
+                "(median over runs, over the measured rounds where the run reports them; range in brackets)", "",
+                "| N | floor (its client ÷ its server) | torch's BARRIER load ÷ torch's server "
+                "| TCPStore BARRIER load ÷ rallypoint | native, client library ÷ rallypoint "
+                "| native, bare client ÷ rallypoint |",
+                "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for n in direct_ns:
+            cells = []
+            for run, server in (("direct-floor", "none"), ("direct-barrier", "torch"),
+                                ("direct-barrier", "rallypoint"), ("direct-native", "rallypoint"),
+                                ("direct-native-bare", "rallypoint")):
+                rs = [load_cpu(x) / server_cpu(x) for x in pick(run, server, n) if load_cpu(x) and server_cpu(x)]
+                cells.append(f"{med(rs):.2f} ({min(rs):.2f}–{max(rs):.2f})" if rs else "—")
+            out.append(f"| {n:,} | " + " | ".join(cells) + " |")
+        out += ["", "(target: the client library's load below its server's, < 1.0)", ""]
     ag_t, ag_r = pick("synchronize", "torch"), pick("all-gather", "rallypoint")
     if ag_t and ag_r:
         t, r = ag_t[0], ag_r[0]

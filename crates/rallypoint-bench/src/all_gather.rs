@@ -112,7 +112,7 @@ async fn measure_via(args: &Args, addrs: &[String]) -> anyhow::Result<Report> {
     let round = Arc::new(AllGatherRound { size: args.size as usize, n, timeout });
     let start = mono_ns();
     let total = (args.warmup + args.rounds) as usize;
-    let (clients, ends) = run_rounds(clients, total, round).await;
+    let (clients, ends) = run_rounds(clients, total, round, None).await;
     close_all(clients).await;
     let ends = ends.context("an all-gather round failed")?;
     let stats = round_stats(start, &ends, args.warmup as usize).context("no rounds measured")?;

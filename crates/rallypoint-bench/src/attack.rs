@@ -198,7 +198,7 @@ async fn healthy_rounds(
 ) -> anyhow::Result<(Vec<Client>, Times)> {
     let round = Arc::new(BarrierRound { name: "healthy", timeout });
     let start = crate::mono_ns();
-    let (clients, ends) = run_rounds(clients, warmup + rounds, round).await;
+    let (clients, ends) = run_rounds(clients, warmup + rounds, round, None).await;
     let stats = round_stats(start, &ends?, warmup).context("no rounds measured")?;
     Ok((clients, stats.times))
 }

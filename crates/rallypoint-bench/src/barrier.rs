@@ -21,8 +21,8 @@ use crate::bare::BareConn;
 use crate::tcpstore::{self, StoreConn};
 use crate::{
     close_all, connect_bounded, connect_many, connect_within, ensure_fds, floor, mono_ns, on_target, options,
-    print_report, process_cpu_ns, round_stats, run_rounds, wake_floor, BarrierRound, Protocol, Round, Sources, Target,
-    Times,
+    print_report, process_cpu_ns, round_stats, run_rounds, wake_floor, BarrierRound, CpuWindow, Protocol, Round,
+    Sources, Target, Times,
 };
 
 #[derive(clap::Args, Debug)]
@@ -148,6 +148,12 @@ struct Report {
     /// ... and the load-generator processes together (for `--op floor`, the client
     /// threads together), over the same rounds.
     client_cpu_us_per_rank_round: Option<f64>,
+    /// The server's CPU per rank and round over the measured rounds alone, as the
+    /// round times are (see `CpuWindow`): what one more round costs. One load
+    /// process, or `--op floor`; `None` with `--procs` > 1.
+    server_cpu_us_per_measured_rank_round: Option<f64>,
+    /// ... and the load generator's.
+    client_cpu_us_per_measured_rank_round: Option<f64>,
 }
 
 /// What a child load generator reports to its parent.
@@ -275,14 +281,16 @@ impl Setup<'_> {
     }
 
     /// Runs warm-up and measured rounds; returns when each round's last client was released.
-    async fn rounds(&self, clients: Clients) -> (Clients, anyhow::Result<Vec<u64>>) {
+    async fn rounds(&self, clients: Clients, window: Option<Arc<CpuWindow>>) -> (Clients, anyhow::Result<Vec<u64>>) {
         let total = (self.args.warmup + self.args.rounds) as usize;
         let (op, n, timeout) = (self.args.op, self.args.clients, self.timeout);
         match clients {
             Clients::Native(clients) => {
                 let (clients, ends) = match op {
-                    Op::Barrier => run_rounds(clients, total, Arc::new(BarrierRound { name: "bench", timeout })).await,
-                    Op::Ping => run_rounds(clients, total, Arc::new(PingRound)).await,
+                    Op::Barrier => {
+                        run_rounds(clients, total, Arc::new(BarrierRound { name: "bench", timeout }), window).await
+                    }
+                    Op::Ping => run_rounds(clients, total, Arc::new(PingRound), window).await,
                     Op::Floor | Op::WakeFloor => {
                         unreachable!("the floors run without a server (run_floor, run_wake_floor)")
                     }
@@ -294,7 +302,7 @@ impl Setup<'_> {
                 // not, the whole run is bounded here rather than each call by a timer of
                 // its own, which would cost every call a timer the library does not pay.
                 let limit = (timeout + Duration::from_secs(5)) * (self.args.warmup + self.args.rounds);
-                let rounds = run_rounds(conns, total, Arc::new(BareRound { name: "bench", timeout }));
+                let rounds = run_rounds(conns, total, Arc::new(BareRound { name: "bench", timeout }), window);
                 match tokio::time::timeout(limit, rounds).await {
                     Ok((conns, ends)) => (Clients::Bare(conns), ends),
                     Err(_) => {
@@ -305,7 +313,7 @@ impl Setup<'_> {
             Clients::Store(conns) => {
                 // BARRIER's counter never resets: every round needs its own key.
                 let round = StoreRound { prefix: format!("/rpbench/{}/", self.job), op, n, timeout };
-                let (conns, ends) = run_rounds(conns, total, Arc::new(round)).await;
+                let (conns, ends) = run_rounds(conns, total, Arc::new(round), window).await;
                 (Clients::Store(conns), ends)
             }
         }
@@ -387,9 +395,12 @@ async fn measure(args: &Args, target: &Target, sources: Sources) -> anyhow::Resu
     if !args.json {
         eprintln!("running {} rounds (+{} warm-up) ...", args.rounds, args.warmup);
     }
-    let cpu = CpuMeter::start(target.server_pid().or(args.server_pid));
+    let server_pid = target.server_pid().or(args.server_pid);
+    let cpu = CpuMeter::start(server_pid);
     let start = mono_ns();
-    let (clients, ends) = setup.rounds(clients).await;
+    let window =
+        Arc::new(CpuWindow::new(server_pid, n as usize, args.warmup as usize, (args.warmup + args.rounds) as usize));
+    let (clients, ends) = setup.rounds(clients, Some(Arc::clone(&window))).await;
     let (server_cpu, client_cpu) = cpu.stop();
     clients.close().await;
     let ends = ends.context("a barrier round failed")?;
@@ -399,6 +410,7 @@ async fn measure(args: &Args, target: &Target, sources: Sources) -> anyhow::Resu
     };
     let mut report = report(args, sources, start, &ends, ms(connecting), (rss_before, rss_idle, per_conn))?;
     report.set_cpu(server_cpu, client_cpu);
+    report.set_measured_cpu(window.spent(), window.rounds());
     report.set_names_before(names_before_ms);
     Ok(report)
 }
@@ -439,6 +451,14 @@ impl Report {
         self.server_cpu_us_per_rank_round = server_ns.map(per);
         self.client_cpu_us_per_rank_round = client_ns.map(per);
     }
+
+    /// Sets the CPU figures of the measured rounds alone: (server, load) ns over `rounds`.
+    fn set_measured_cpu(&mut self, (server_ns, client_ns): (Option<u64>, Option<u64>), rounds: usize) {
+        let rank_rounds = f64::from(self.clients) * rounds as f64;
+        let per = |ns: u64| (ns as f64 / rank_rounds).round() / 1e3;
+        self.server_cpu_us_per_measured_rank_round = server_ns.filter(|_| rounds > 0).map(per);
+        self.client_cpu_us_per_measured_rank_round = client_ns.filter(|_| rounds > 0).map(per);
+    }
 }
 
 fn report(
@@ -471,6 +491,8 @@ fn report(
         server_rss_per_conn_bytes: per_conn,
         server_cpu_us_per_rank_round: None,
         client_cpu_us_per_rank_round: None,
+        server_cpu_us_per_measured_rank_round: None,
+        client_cpu_us_per_measured_rank_round: None,
     })
 }
 
@@ -497,7 +519,7 @@ async fn run_shard(args: &Args, shard: u32, sources: Sources) -> anyhow::Result<
     ready_then_go(timeout).await?;
     let cpu = CpuMeter::start(None);
     let start_ns = mono_ns();
-    let (clients, ends) = setup.rounds(clients).await;
+    let (clients, ends) = setup.rounds(clients, None).await;
     let (_, cpu_ns) = cpu.stop();
     clients.close().await;
     let round_end_ns = ends?;
@@ -714,6 +736,10 @@ async fn run_floor(args: &Args) -> anyhow::Result<()> {
     let measured = floor::measure(&plan).await?;
     let mut report = floor_report(args, Op::Floor, measured.round, ms(measured.connecting));
     report.set_cpu(Some(measured.server_cpu_ns), Some(measured.client_cpu_ns));
+    report.set_measured_cpu(
+        (Some(measured.server_measured_cpu_ns), Some(measured.client_measured_cpu_ns)),
+        args.rounds as usize,
+    );
     print_report(&report, args.json, print_text)
 }
 
@@ -756,6 +782,8 @@ fn floor_report(args: &Args, op: Op, round: Times, connect_ms: f64) -> Report {
         server_rss_per_conn_bytes: None,
         server_cpu_us_per_rank_round: None,
         client_cpu_us_per_rank_round: None,
+        server_cpu_us_per_measured_rank_round: None,
+        client_cpu_us_per_measured_rank_round: None,
     }
 }
 

@@ -54,16 +54,21 @@ impl Plan {
 pub(crate) struct Measured {
     pub(crate) round: Times,
     pub(crate) connecting: Duration,
-    /// CPU of the serving thread, and of the client thread, over all rounds (ns).
+    /// CPU of the serving thread, and of the client threads, over all rounds (ns).
     pub(crate) server_cpu_ns: u64,
     pub(crate) client_cpu_ns: u64,
+    /// ... and over the measured rounds alone (after the warm-up).
+    pub(crate) server_measured_cpu_ns: u64,
+    pub(crate) client_measured_cpu_ns: u64,
 }
 
 /// What the serving child reports once all rounds are done.
 #[derive(Debug, Serialize, Deserialize)]
 struct ServerReport {
-    /// CPU its serving thread spent from the first round to the last.
+    /// CPU its serving thread spent from the first round to the last ...
     cpu_ns: u64,
+    /// ... and from the end of the warm-up to the last.
+    measured_cpu_ns: u64,
 }
 
 /// Runs the floor: a serving child process, and the clients on a thread of this one.
@@ -85,7 +90,9 @@ pub(crate) async fn measure(plan: &Plan) -> anyhow::Result<Measured> {
     let port: u16 = line.trim().parse().with_context(|| format!("the floor's serving process said {line:?}"))?;
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
     let timeout = plan.timeout;
-    let clients = tokio::task::spawn_blocking(move || run_clients(addr, n as usize, total, timeout)).await??;
+    let warmup = plan.warmup as usize;
+    let clients =
+        tokio::task::spawn_blocking(move || run_clients(addr, n as usize, (warmup, total), timeout)).await??;
     line.clear();
     tokio::time::timeout(plan.timeout, stdout.read_line(&mut line))
         .await
@@ -99,6 +106,8 @@ pub(crate) async fn measure(plan: &Plan) -> anyhow::Result<Measured> {
         connecting: clients.connecting,
         server_cpu_ns: server.cpu_ns,
         client_cpu_ns: clients.cpu_ns,
+        server_measured_cpu_ns: server.measured_cpu_ns,
+        client_measured_cpu_ns: clients.measured_cpu_ns,
     })
 }
 
@@ -108,12 +117,19 @@ struct ClientTimes {
     round_end_ns: Vec<u64>,
     connecting: Duration,
     cpu_ns: u64,
+    /// Over the rounds after the warm-up.
+    measured_cpu_ns: u64,
 }
 
 /// The client side: N connections shared out over a thread per core, then `total`
-/// rounds of N arrivals written and N releases read through epoll. A round ends when
-/// its last release is read, on whichever thread.
-fn run_clients(addr: SocketAddr, n: usize, total: usize, timeout: Duration) -> anyhow::Result<ClientTimes> {
+/// rounds (`warmup` of them first) of N arrivals written and N releases read
+/// through epoll. A round ends when its last release is read, on whichever thread.
+fn run_clients(
+    addr: SocketAddr,
+    n: usize,
+    (warmup, total): (usize, usize),
+    timeout: Duration,
+) -> anyhow::Result<ClientTimes> {
     let started = std::time::Instant::now();
     let mut conns = Vec::with_capacity(n);
     for _ in 0..n {
@@ -128,17 +144,24 @@ fn run_clients(addr: SocketAddr, n: usize, total: usize, timeout: Duration) -> a
     let mut running = Vec::with_capacity(threads);
     while !conns.is_empty() {
         let share = conns.split_off(conns.len() - conns.len().div_ceil(threads - running.len()));
-        running.push(std::thread::spawn(move || client_thread(share, total, timeout)));
+        running.push(std::thread::spawn(move || client_thread(share, (warmup, total), timeout)));
     }
-    let (mut round_end_ns, mut cpu_ns) = (vec![0u64; total], 0);
+    let (mut round_end_ns, mut cpu_ns, mut measured_cpu_ns) = (vec![0u64; total], 0, 0);
     for thread in running {
         let (ends, cpu) = thread.join().map_err(|_| anyhow::anyhow!("a floor client thread panicked"))??;
         for (end, at) in round_end_ns.iter_mut().zip(ends) {
             *end = (*end).max(at);
         }
-        cpu_ns += cpu;
+        cpu_ns += cpu.all;
+        measured_cpu_ns += cpu.measured;
     }
-    Ok(ClientTimes { start_ns, round_end_ns, connecting, cpu_ns })
+    Ok(ClientTimes { start_ns, round_end_ns, connecting, cpu_ns, measured_cpu_ns })
+}
+
+/// CPU a thread spent over all rounds, and over those after the warm-up (ns).
+struct ThreadCpu {
+    all: u64,
+    measured: u64,
 }
 
 /// One client thread's rounds over its connections: when each round's last release
@@ -146,13 +169,18 @@ fn run_clients(addr: SocketAddr, n: usize, total: usize, timeout: Duration) -> a
 /// before its arrival of round r + 1 goes, and the server releases round r + 1 only
 /// once every arrival of it is in: so the releases come a round at a time, and
 /// counting them tells the rounds apart.
-fn client_thread(conns: Vec<TcpStream>, total: usize, timeout: Duration) -> anyhow::Result<(Vec<u64>, u64)> {
+fn client_thread(
+    conns: Vec<TcpStream>,
+    (warmup, total): (usize, usize),
+    timeout: Duration,
+) -> anyhow::Result<(Vec<u64>, ThreadCpu)> {
     let poll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
     for (i, conn) in conns.iter().enumerate() {
         epoll::add(&poll, conn, epoll::EventData::new_u64(i as u64), epoll::EventFlags::IN)?;
     }
     let mut round_end_ns = Vec::with_capacity(total);
     let cpu_start = thread_cpu_ns();
+    let mut measured_from = cpu_start;
     if total > 0 {
         write_each(&conns, 1)?;
     }
@@ -174,11 +202,15 @@ fn client_thread(conns: Vec<TcpStream>, total: usize, timeout: Duration) -> anyh
         if released == conns.len() {
             round_end_ns.push(mono_ns());
             released = 0;
+            if round_end_ns.len() == warmup {
+                measured_from = thread_cpu_ns();
+            }
         }
         Ok(round_end_ns.len() == total)
     })
     .with_context(|| format!("the releases of round {}", round_end_ns.len()))?;
-    Ok((round_end_ns, thread_cpu_ns().saturating_sub(cpu_start)))
+    let end = thread_cpu_ns();
+    Ok((round_end_ns, ThreadCpu { all: end.saturating_sub(cpu_start), measured: end.saturating_sub(measured_from) }))
 }
 
 /// Writes one message of `byte`s on each connection.
@@ -214,13 +246,18 @@ pub(crate) fn serve(plan: &Plan) -> anyhow::Result<()> {
     }
     drop(listener);
     let cpu_start = thread_cpu_ns();
+    let mut measured_from = cpu_start;
     for round in 0..total {
         read_arrivals(&poll, &conns, plan.timeout).with_context(|| format!("round {round}"))?;
         write_each(&conns, 2)?;
+        if round + 1 == plan.warmup as usize {
+            measured_from = thread_cpu_ns();
+        }
     }
-    let cpu_ns = thread_cpu_ns().saturating_sub(cpu_start);
+    let end = thread_cpu_ns();
+    let (cpu_ns, measured_cpu_ns) = (end.saturating_sub(cpu_start), end.saturating_sub(measured_from));
     wait_closed(&poll, &conns, plan.timeout)?;
-    println!("{}", serde_json::to_string(&ServerReport { cpu_ns })?);
+    println!("{}", serde_json::to_string(&ServerReport { cpu_ns, measured_cpu_ns })?);
     Ok(())
 }
 
@@ -322,9 +359,11 @@ mod tests {
             }
             wait_closed(&poll, &conns, Duration::from_secs(30)).expect("closed");
         });
-        let times = run_clients(addr, n, 3, Duration::from_secs(30)).expect("clients");
+        let times = run_clients(addr, n, (1, 3), Duration::from_secs(30)).expect("clients");
         server.join().expect("server");
         assert_eq!(times.round_end_ns.len(), 3);
         assert!(times.round_end_ns.windows(2).all(|w| w[0] <= w[1]));
+        // The measured rounds are some of all rounds.
+        assert!(times.measured_cpu_ns <= times.cpu_ns, "{} > {}", times.measured_cpu_ns, times.cpu_ns);
     }
 }

@@ -194,7 +194,7 @@ async fn measure(args: &Args, material: &Material, mode: Mode, target: &Target) 
     let timeout = Duration::from_secs(120);
     let round = Arc::new(BarrierRound { name: "bench", timeout });
     let start = mono_ns();
-    let (clients, ends) = run_rounds(clients, (args.warmup + args.rounds) as usize, round).await;
+    let (clients, ends) = run_rounds(clients, (args.warmup + args.rounds) as usize, round, None).await;
     close_all(clients).await;
     let ends = ends.context("a barrier round failed")?;
     let barrier = round_stats(start, &ends, args.warmup as usize).context("no rounds measured")?.times;

@@ -24,7 +24,8 @@ use std::future::Future;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -365,17 +366,84 @@ impl Round<Client> for BarrierRound {
     }
 }
 
+/// The CPU of the measured rounds alone (after the warm-up), as the round times
+/// are: this process's, and the server's if its pid is known. Each end is read by
+/// the client that finishes its round last. Outside them lie costs of the
+/// benchmark, not of a round: spawning the clients' tasks, the first rounds on cold
+/// caches, joining the tasks.
+struct CpuWindow {
+    server_pid: Option<u32>,
+    clients: usize,
+    /// The rounds that end the warm-up and the measured rounds (counted from 1).
+    edges: [usize; 2],
+    /// Clients that finished each edge's round so far.
+    finished: [AtomicUsize; 2],
+    marks: [OnceLock<CpuMark>; 2],
+}
+
+/// The CPU spent so far by this process and by the server, in ns.
+#[derive(Clone, Copy)]
+struct CpuMark {
+    server: Option<u64>,
+    client: Option<u64>,
+}
+
+impl CpuWindow {
+    /// Without warm-up rounds the window opens now, before the clients' tasks start.
+    fn new(server_pid: Option<u32>, clients: usize, warmup: usize, total: usize) -> CpuWindow {
+        let window = CpuWindow {
+            server_pid,
+            clients,
+            edges: [warmup, total],
+            finished: Default::default(),
+            marks: Default::default(),
+        };
+        if warmup == 0 {
+            let _ = window.marks[0].set(window.mark());
+        }
+        window
+    }
+
+    fn mark(&self) -> CpuMark {
+        CpuMark { server: self.server_pid.and_then(|pid| process_cpu_ns(Some(pid))), client: process_cpu_ns(None) }
+    }
+
+    /// A client finished round `r` (counted from 0).
+    fn finished(&self, r: usize) {
+        for ((edge, finished), mark) in self.edges.iter().zip(&self.finished).zip(&self.marks) {
+            if r + 1 == *edge && finished.fetch_add(1, Ordering::AcqRel) + 1 == self.clients {
+                let _ = mark.set(self.mark());
+            }
+        }
+    }
+
+    /// The rounds measured.
+    fn rounds(&self) -> usize {
+        self.edges[1] - self.edges[0]
+    }
+
+    /// (server, this process) ns spent over the measured rounds; `None` where an
+    /// end is missing (a round failed, or the server's pid is unknown).
+    fn spent(&self) -> (Option<u64>, Option<u64>) {
+        let (Some(from), Some(to)) = (self.marks[0].get(), self.marks[1].get()) else { return (None, None) };
+        let between = |a: Option<u64>, b: Option<u64>| Some(b?.saturating_sub(a?));
+        (between(from.server, to.server), between(from.client, to.client))
+    }
+}
+
 /// Runs rounds `0..total` of `op` on every client, each client looping on its own
 /// like a rank of a training job. Returns the clients and, per round, when its last
-/// client finished it ([`mono_ns`]); or the first failure.
+/// client finished it ([`mono_ns`]); or the first failure. `window`: told as each
+/// client finishes a round.
 async fn run_rounds<C: Send + 'static, R: Round<C>>(
     clients: Vec<C>,
     total: usize,
     op: Arc<R>,
+    window: Option<Arc<CpuWindow>>,
 ) -> (Vec<C>, anyhow::Result<Vec<u64>>) {
     let mut running = JoinSet::new();
     for mut client in clients {
-        let op = Arc::clone(&op);
+        let (op, window) = (Arc::clone(&op), window.clone());
         running.spawn(async move {
             let mut released = Vec::with_capacity(total);
             for r in 0..total {
@@ -383,6 +451,9 @@ async fn run_rounds<C: Send + 'static, R: Round<C>>(
                     return (client, Err(err.context(format!("round {r}"))));
                 }
                 released.push(mono_ns());
+                if let Some(window) = &window {
+                    window.finished(r);
+                }
             }
             (client, Ok(released))
         });
@@ -584,6 +655,31 @@ mod tests {
         assert_eq!((stats.count, t.median_us, t.p99_us, t.min_us, t.max_us), (100, 50.0, 99.0, 1.0, 100.0));
         assert_eq!(t.mean_us, 50.5);
         assert!(Stats::of(&mut []).is_none());
+    }
+
+    /// The window opens when the last client finishes the warm-up and closes when the
+    /// last finishes the last round; a client that never gets there leaves it open.
+    #[test]
+    fn the_cpu_window_spans_the_measured_rounds_of_every_client() {
+        let window = CpuWindow::new(None, 2, 1, 3);
+        window.finished(0);
+        assert!(window.marks[0].get().is_none(), "one client of two is not the warm-up's end");
+        window.finished(0);
+        assert!(window.marks[0].get().is_some());
+        for r in [1, 1, 2] {
+            window.finished(r);
+        }
+        assert_eq!(window.spent(), (None, None), "a client is still in the last round");
+        window.finished(2);
+        let (server, client) = window.spent();
+        assert_eq!((server, client.is_some(), window.rounds()), (None, true, 2));
+
+        // Without warm-up the window opens at once; with the server's pid (here this
+        // process's) both are measured.
+        let window = CpuWindow::new(Some(std::process::id()), 1, 0, 1);
+        assert!(window.marks[0].get().is_some());
+        window.finished(0);
+        assert!(matches!(window.spent(), (Some(_), Some(_))));
     }
 
     #[test]

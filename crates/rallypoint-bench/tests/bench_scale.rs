@@ -70,6 +70,11 @@ fn a_bare_native_barrier_runs_every_round() {
     let report = bench(&["barrier", "--bare", "--clients", "256", "--rounds", "20", "--warmup", "2"]);
     assert_eq!((report["bare"].as_bool(), report["clients"].as_u64()), (Some(true), Some(256)), "{report}");
     assert!(report["median_us"].as_f64().is_some_and(|us| us > 0.0), "{report}");
+    // The CPU of the measured rounds, the server's (started by the benchmark) and the load's.
+    for side in ["server", "client"] {
+        let cpu = &report[format!("{side}_cpu_us_per_measured_rank_round")];
+        assert!(cpu.as_f64().is_some_and(|us| us > 0.0), "{side}: {report}");
+    }
 }
 
 /// `--bare` is the native barrier from one process: anything else is refused by name.
