@@ -94,13 +94,19 @@ def report(path):
     def ratio(a, b):
         return f"{a / b:,.2f}×" if a and b else "—"
 
-    # CPU per rank-round over the measured rounds, where the run reports it (builds
-    # from before it did: over all rounds, warm-up included).
+    # CPU per rank-round over the measured rounds where the run reports both sides
+    # (builds from before it did: over all rounds, warm-up included); never one of
+    # each kind.
+    def cpu_of(x, side):
+        kind = "measured_" if (x.get("server_cpu_us_per_measured_rank_round") is not None
+                               and x.get("client_cpu_us_per_measured_rank_round") is not None) else ""
+        return x.get(f"{side}_cpu_us_per_{kind}rank_round")
+
     def server_cpu(x):
-        return x.get("server_cpu_us_per_measured_rank_round") or x.get("server_cpu_us_per_rank_round")
+        return cpu_of(x, "server")
 
     def load_cpu(x):
-        return x.get("client_cpu_us_per_measured_rank_round") or x.get("client_cpu_us_per_rank_round")
+        return cpu_of(x, "client")
 
     out = []
     # Barrier at N (the headline): round medians of each system, and the ping floor.

@@ -148,9 +148,9 @@ struct Report {
     /// ... and the load-generator processes together (for `--op floor`, the client
     /// threads together), over the same rounds.
     client_cpu_us_per_rank_round: Option<f64>,
-    /// The server's CPU per rank and round over the measured rounds alone, as the
-    /// round times are (see `CpuWindow`): what one more round costs. One load
-    /// process, or `--op floor`; `None` with `--procs` > 1.
+    /// The server's CPU per rank and round over the measured rounds alone (see
+    /// `CpuWindow`): what one more round costs. Barrier rounds from one load process
+    /// after at least one warm-up round, or `--op floor`; else `None`.
     server_cpu_us_per_measured_rank_round: Option<f64>,
     /// ... and the load generator's.
     client_cpu_us_per_measured_rank_round: Option<f64>,
@@ -398,9 +398,11 @@ async fn measure(args: &Args, target: &Target, sources: Sources) -> anyhow::Resu
     let server_pid = target.server_pid().or(args.server_pid);
     let cpu = CpuMeter::start(server_pid);
     let start = mono_ns();
-    let window =
-        Arc::new(CpuWindow::new(server_pid, n as usize, args.warmup as usize, (args.warmup + args.rounds) as usize));
-    let (clients, ends) = setup.rounds(clients, Some(Arc::clone(&window))).await;
+    // Pings do not move in step: no window (see `CpuWindow`).
+    let window = CpuWindow::new(server_pid, args.warmup as usize, (args.warmup + args.rounds) as usize)
+        .filter(|_| args.op == Op::Barrier)
+        .map(Arc::new);
+    let (clients, ends) = setup.rounds(clients, window.clone()).await;
     let (server_cpu, client_cpu) = cpu.stop();
     clients.close().await;
     let ends = ends.context("a barrier round failed")?;
@@ -410,7 +412,9 @@ async fn measure(args: &Args, target: &Target, sources: Sources) -> anyhow::Resu
     };
     let mut report = report(args, sources, start, &ends, ms(connecting), (rss_before, rss_idle, per_conn))?;
     report.set_cpu(server_cpu, client_cpu);
-    report.set_measured_cpu(window.spent(), window.rounds());
+    if let Some(window) = window {
+        report.set_measured_cpu(window.spent(), window.rounds());
+    }
     report.set_names_before(names_before_ms);
     Ok(report)
 }
@@ -736,10 +740,13 @@ async fn run_floor(args: &Args) -> anyhow::Result<()> {
     let measured = floor::measure(&plan).await?;
     let mut report = floor_report(args, Op::Floor, measured.round, ms(measured.connecting));
     report.set_cpu(Some(measured.server_cpu_ns), Some(measured.client_cpu_ns));
-    report.set_measured_cpu(
-        (Some(measured.server_measured_cpu_ns), Some(measured.client_measured_cpu_ns)),
-        args.rounds as usize,
-    );
+    // As `CpuWindow`: the window needs a warm-up round before it.
+    if args.warmup > 0 {
+        report.set_measured_cpu(
+            (Some(measured.server_measured_cpu_ns), Some(measured.client_measured_cpu_ns)),
+            args.rounds as usize,
+        );
+    }
     print_report(&report, args.json, print_text)
 }
 
@@ -820,6 +827,11 @@ fn print_text(r: &Report) {
     println!("round time: {}", r.round);
     if let (Some(server), Some(client)) = (r.server_cpu_us_per_rank_round, r.client_cpu_us_per_rank_round) {
         println!("CPU per rank and round: server {server:.2} µs, load generator {client:.2} µs");
+    }
+    if let (Some(server), Some(client)) =
+        (r.server_cpu_us_per_measured_rank_round, r.client_cpu_us_per_measured_rank_round)
+    {
+        println!("... over the measured rounds alone: server {server:.2} µs, load generator {client:.2} µs");
     }
     if let (Some(idle), Some(per_conn)) = (r.server_rss_idle_bytes, r.server_rss_per_conn_bytes) {
         println!(

@@ -57,7 +57,8 @@ pub(crate) struct Measured {
     /// CPU of the serving thread, and of the client threads, over all rounds (ns).
     pub(crate) server_cpu_ns: u64,
     pub(crate) client_cpu_ns: u64,
-    /// ... and over the measured rounds alone (after the warm-up).
+    /// ... and over the measured rounds alone: for the server from the end of the
+    /// warm-up to the end of the last round, for the clients as `CpuWindow`'s.
     pub(crate) server_measured_cpu_ns: u64,
     pub(crate) client_measured_cpu_ns: u64,
 }
@@ -158,7 +159,7 @@ fn run_clients(
     Ok(ClientTimes { start_ns, round_end_ns, connecting, cpu_ns, measured_cpu_ns })
 }
 
-/// CPU a thread spent over all rounds, and over those after the warm-up (ns).
+/// CPU a thread spent over all rounds, and over the measured ones (ns).
 struct ThreadCpu {
     all: u64,
     measured: u64,
@@ -180,7 +181,9 @@ fn client_thread(
     }
     let mut round_end_ns = Vec::with_capacity(total);
     let cpu_start = thread_cpu_ns();
-    let mut measured_from = cpu_start;
+    // From the first release of the last warm-up round to the first of the last
+    // round, each read before that connection's next arrival goes (see `CpuWindow`).
+    let (mut measured_from, mut measured_to) = (cpu_start, None);
     if total > 0 {
         write_each(&conns, 1)?;
     }
@@ -196,21 +199,25 @@ fn client_thread(
         ensure!(partial[i] == MESSAGE, "the server sent more than one release");
         partial[i] = 0;
         released += 1;
+        if released == 1 && round_end_ns.len() + 1 == warmup {
+            measured_from = thread_cpu_ns();
+        }
+        if released == 1 && round_end_ns.len() + 1 == total {
+            measured_to = Some(thread_cpu_ns());
+        }
         if round_end_ns.len() + 1 < total {
             write_message(&mut conn, 1)?;
         }
         if released == conns.len() {
             round_end_ns.push(mono_ns());
             released = 0;
-            if round_end_ns.len() == warmup {
-                measured_from = thread_cpu_ns();
-            }
         }
         Ok(round_end_ns.len() == total)
     })
     .with_context(|| format!("the releases of round {}", round_end_ns.len()))?;
     let end = thread_cpu_ns();
-    Ok((round_end_ns, ThreadCpu { all: end.saturating_sub(cpu_start), measured: end.saturating_sub(measured_from) }))
+    let measured = measured_to.unwrap_or(end).saturating_sub(measured_from);
+    Ok((round_end_ns, ThreadCpu { all: end.saturating_sub(cpu_start), measured }))
 }
 
 /// Writes one message of `byte`s on each connection.

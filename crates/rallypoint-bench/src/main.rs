@@ -24,7 +24,6 @@ use std::future::Future;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
@@ -366,42 +365,35 @@ impl Round<Client> for BarrierRound {
     }
 }
 
-/// The CPU of the measured rounds alone (after the warm-up), as the round times
-/// are: this process's, and the server's if its pid is known. Each end is read by
-/// the client that finishes its round last. Outside them lie costs of the
-/// benchmark, not of a round: spawning the clients' tasks, the first rounds on cold
-/// caches, joining the tasks.
+/// The CPU of the measured rounds alone: this process's, and the server's if its
+/// pid is known. Outside them lie costs of the benchmark, not of a round: spawning
+/// the clients' tasks, the first rounds on cold caches, joining the tasks.
+///
+/// Both ends are read when the *first* client is released from a round: from the
+/// last warm-up round's first release to the last round's. Between two releases of
+/// the same rank in a lock-step barrier lie exactly so many rounds of both sides'
+/// work. Reading at the last release instead would leave out the next round's
+/// arrivals the other clients sent already, at the start, and find none of them at
+/// the end, where no round follows: the load's sends of one round would be missing.
+/// So a window needs a warm-up round before it, and rounds in step (a barrier, not
+/// pings).
 struct CpuWindow {
     server_pid: Option<u32>,
-    clients: usize,
-    /// The rounds that end the warm-up and the measured rounds (counted from 1).
+    /// The rounds whose first release opens and closes the window (counted from 1).
     edges: [usize; 2],
-    /// Clients that finished each edge's round so far.
-    finished: [AtomicUsize; 2],
     marks: [OnceLock<CpuMark>; 2],
 }
 
 /// The CPU spent so far by this process and by the server, in ns.
-#[derive(Clone, Copy)]
 struct CpuMark {
     server: Option<u64>,
     client: Option<u64>,
 }
 
 impl CpuWindow {
-    /// Without warm-up rounds the window opens now, before the clients' tasks start.
-    fn new(server_pid: Option<u32>, clients: usize, warmup: usize, total: usize) -> CpuWindow {
-        let window = CpuWindow {
-            server_pid,
-            clients,
-            edges: [warmup, total],
-            finished: Default::default(),
-            marks: Default::default(),
-        };
-        if warmup == 0 {
-            let _ = window.marks[0].set(window.mark());
-        }
-        window
+    /// `None` without a warm-up round to open it.
+    fn new(server_pid: Option<u32>, warmup: usize, total: usize) -> Option<CpuWindow> {
+        (warmup > 0).then(|| CpuWindow { server_pid, edges: [warmup, total], marks: Default::default() })
     }
 
     fn mark(&self) -> CpuMark {
@@ -410,8 +402,9 @@ impl CpuWindow {
 
     /// A client finished round `r` (counted from 0).
     fn finished(&self, r: usize) {
-        for ((edge, finished), mark) in self.edges.iter().zip(&self.finished).zip(&self.marks) {
-            if r + 1 == *edge && finished.fetch_add(1, Ordering::AcqRel) + 1 == self.clients {
+        for (edge, mark) in self.edges.iter().zip(&self.marks) {
+            if r + 1 == *edge && mark.get().is_none() {
+                // Two clients racing here both read the clock; the first to set wins.
                 let _ = mark.set(self.mark());
             }
         }
@@ -423,7 +416,7 @@ impl CpuWindow {
     }
 
     /// (server, this process) ns spent over the measured rounds; `None` where an
-    /// end is missing (a round failed, or the server's pid is unknown).
+    /// end is missing (no round ended, or the server's pid is unknown).
     fn spent(&self) -> (Option<u64>, Option<u64>) {
         let (Some(from), Some(to)) = (self.marks[0].get(), self.marks[1].get()) else { return (None, None) };
         let between = |a: Option<u64>, b: Option<u64>| Some(b?.saturating_sub(a?));
@@ -657,28 +650,29 @@ mod tests {
         assert!(Stats::of(&mut []).is_none());
     }
 
-    /// The window opens when the last client finishes the warm-up and closes when the
-    /// last finishes the last round; a client that never gets there leaves it open.
+    /// The window opens at the first release from the last warm-up round and closes
+    /// at the first from the last round; without a warm-up round there is none.
     #[test]
-    fn the_cpu_window_spans_the_measured_rounds_of_every_client() {
-        let window = CpuWindow::new(None, 2, 1, 3);
+    fn the_cpu_window_runs_from_a_first_release_to_a_first_release() {
+        assert!(CpuWindow::new(None, 0, 3).is_none());
+        let window = CpuWindow::new(None, 1, 3).expect("a warm-up round");
         window.finished(0);
-        assert!(window.marks[0].get().is_none(), "one client of two is not the warm-up's end");
+        let opened = window.marks[0].get().map(|mark| mark.client);
+        assert!(opened.is_some());
         window.finished(0);
-        assert!(window.marks[0].get().is_some());
-        for r in [1, 1, 2] {
+        assert_eq!(window.marks[0].get().map(|mark| mark.client), opened, "a later release moves nothing");
+        for r in [1, 1] {
             window.finished(r);
         }
-        assert_eq!(window.spent(), (None, None), "a client is still in the last round");
+        assert_eq!(window.spent(), (None, None), "no release from the last round yet");
         window.finished(2);
         let (server, client) = window.spent();
         assert_eq!((server, client.is_some(), window.rounds()), (None, true, 2));
 
-        // Without warm-up the window opens at once; with the server's pid (here this
-        // process's) both are measured.
-        let window = CpuWindow::new(Some(std::process::id()), 1, 0, 1);
-        assert!(window.marks[0].get().is_some());
+        // With the server's pid (here this process's) both are measured.
+        let window = CpuWindow::new(Some(std::process::id()), 1, 2).expect("a warm-up round");
         window.finished(0);
+        window.finished(1);
         assert!(matches!(window.spent(), (Some(_), Some(_))));
     }
 
