@@ -449,19 +449,23 @@ impl Report {
 
     /// Sets the CPU figures from the ns spent over all rounds.
     fn set_cpu(&mut self, server_ns: Option<u64>, client_ns: Option<u64>) {
-        let rank_rounds = f64::from(self.clients) * f64::from(self.rounds + self.warmup_rounds);
-        // µs with three decimals.
-        let per = |ns: u64| (ns as f64 / rank_rounds).round() / 1e3;
+        let per = self.per_rank_round((self.rounds + self.warmup_rounds) as usize);
         self.server_cpu_us_per_rank_round = server_ns.map(per);
         self.client_cpu_us_per_rank_round = client_ns.map(per);
     }
 
     /// Sets the CPU figures of the measured rounds alone: (server, load) ns over `rounds`.
     fn set_measured_cpu(&mut self, (server_ns, client_ns): (Option<u64>, Option<u64>), rounds: usize) {
+        let per = self.per_rank_round(rounds);
+        self.server_cpu_us_per_measured_rank_round = server_ns.map(per);
+        self.client_cpu_us_per_measured_rank_round = client_ns.map(per);
+    }
+
+    /// ns spent over `rounds` (at least one: `--rounds` is) to µs per rank and
+    /// round, with three decimals.
+    fn per_rank_round(&self, rounds: usize) -> impl Fn(u64) -> f64 + Copy {
         let rank_rounds = f64::from(self.clients) * rounds as f64;
-        let per = |ns: u64| (ns as f64 / rank_rounds).round() / 1e3;
-        self.server_cpu_us_per_measured_rank_round = server_ns.filter(|_| rounds > 0).map(per);
-        self.client_cpu_us_per_measured_rank_round = client_ns.filter(|_| rounds > 0).map(per);
+        move |ns| (ns as f64 / rank_rounds).round() / 1e3
     }
 }
 
