@@ -117,7 +117,7 @@ mod tests {
     use super::*;
 
     fn barrier(name: &str) -> Request {
-        Request::Barrier { name: name.to_owned(), members: Members::World, timeout_ms: Some(1000) }
+        Request::Barrier { name: name.into(), members: Members::World, timeout_ms: Some(1000) }
     }
 
     fn sealed(up: &mut Up) -> Vec<AgentFrame> {

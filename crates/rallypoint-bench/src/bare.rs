@@ -88,8 +88,7 @@ impl BareConn {
     /// One barrier `name` of the whole job; the coordinator gives up on it after `timeout`.
     pub async fn barrier(&mut self, name: &str, timeout: Duration) -> anyhow::Result<()> {
         let timeout_ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
-        self.call(Request::Barrier { name: name.to_owned(), members: Members::World, timeout_ms: Some(timeout_ms) })
-            .await
+        self.call(Request::Barrier { name: name.into(), members: Members::World, timeout_ms: Some(timeout_ms) }).await
     }
 
     /// Leaves as a closed client does, so that the coordinator does not count the

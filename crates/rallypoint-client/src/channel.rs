@@ -523,7 +523,7 @@ impl BarrierCall<'_> {
     }
 
     fn request(&self) -> Request {
-        Request::Barrier { name: self.name.to_owned(), members: self.members.clone(), timeout_ms: self.timeout_ms }
+        Request::Barrier { name: self.name.into(), members: self.members.clone(), timeout_ms: self.timeout_ms }
     }
 }
 

@@ -203,7 +203,7 @@ impl Future for BarrierCall<'_> {
                         unreachable!("matched above")
                     };
                     let (timeout_ms, wait) = client.blocking_timeout(timeout);
-                    let request = Request::Barrier { name: name.to_owned(), members, timeout_ms };
+                    let request = Request::Barrier { name: name.into(), members, timeout_ms };
                     if client.inner.barrier_channels {
                         let caller = channel::Caller { link: &client.inner.link, commands: &client.inner.commands };
                         let limit = wait.saturating_add(SAFETY_MARGIN);
@@ -603,7 +603,7 @@ impl Client {
         timeout: Option<Duration>,
     ) -> Result<Arc<[Bytes]>, Error> {
         let (timeout_ms, wait) = self.blocking_timeout(timeout);
-        let request = Request::AllGather { name: name.to_owned(), members, value: bytes(value), timeout_ms };
+        let request = Request::AllGather { name: name.into(), members, value: bytes(value), timeout_ms };
         match self.call(request, wait).await? {
             Response::Gathered(gathered) => Ok(gathered.into_values()),
             other => Err(unexpected("all_gather", other)),
@@ -621,7 +621,7 @@ impl Client {
     ) -> Result<Bytes, Error> {
         let (timeout_ms, wait) = self.blocking_timeout(timeout);
         let request = Request::Broadcast {
-            name: name.to_owned(),
+            name: name.into(),
             members,
             root,
             value: value.map(Bytes::copy_from_slice),

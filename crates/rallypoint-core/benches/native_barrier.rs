@@ -13,7 +13,7 @@
 
 use std::time::Instant;
 
-use rallypoint_core::{Config, Engine, Identity, Members, Millis, Request, SessionId};
+use rallypoint_core::{Config, Engine, Identity, Members, Millis, Name, Request, SessionId};
 
 fn main() {
     let benching = std::env::args().any(|a| a == "--bench");
@@ -38,7 +38,7 @@ fn main() {
         // A millisecond a round: every kept reply stays within its age.
         let now: Millis = round;
         for rank in 0..n {
-            let name = if fresh { format!("step/{round}") } else { "step".into() };
+            let name: Name = if fresh { compact_str::format_compact!("step/{round}") } else { "step".into() };
             let request = Request::Barrier { name, members: Members::World, timeout_ms: None };
             engine.handle(session(rank), round + 1, request, now);
             answered += engine.drain_outgoing().count() as u64;

@@ -27,5 +27,5 @@ pub use error::{
     ProcessInfo, RankInfo, RankRanges, RankState,
 };
 pub use identity::{Identity, Incarnation, SessionId};
-pub use request::{Gathered, Members, Millis, Outgoing, Reply, Request, Response, Welcome, MAX_JOBS_LISTED};
+pub use request::{Gathered, Members, Millis, Name, Outgoing, Reply, Request, Response, Welcome, MAX_JOBS_LISTED};
 pub use session_table::{SessionTable, SlotTable, Slotted};

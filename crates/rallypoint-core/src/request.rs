@@ -12,6 +12,11 @@ use crate::ranges::{runs, RankList};
 /// Milliseconds on the caller's monotonic clock. The engine never reads a clock.
 pub type Millis = u64;
 
+/// A collective's name (barrier, all-gather, broadcast). Kept inline up to 24
+/// bytes: a rank's call then allocates nothing for it, and its request, held until
+/// the reply in case the connection is cut, frees nothing on a line gone cold.
+pub type Name = compact_str::CompactString;
+
 /// Which ranks take part in a barrier or collective.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum Members {
@@ -85,19 +90,19 @@ pub enum Request {
         prefix: Bytes,
     },
     Barrier {
-        name: String,
+        name: Name,
         members: Members,
         timeout_ms: Option<u64>,
     },
     AllGather {
-        name: String,
+        name: Name,
         members: Members,
         value: Bytes,
         timeout_ms: Option<u64>,
     },
     /// `value` is required from the root and ignored from the others.
     Broadcast {
-        name: String,
+        name: Name,
         members: Members,
         root: u32,
         value: Option<Bytes>,

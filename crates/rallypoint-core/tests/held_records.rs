@@ -440,8 +440,11 @@ fn a_resume_does_not_push_a_kept_reply_out_with_the_records_calls() {
         let who = Identity { incarnation: Some(5), ..Identity::ranked("solo", 0, 1) };
         engine.open(s, who.clone(), now).expect("open");
         for i in 0..400u64 {
-            let request =
-                Request::Barrier { name: format!("layer-{}", i % 100), members: Members::World, timeout_ms: None };
+            let request = Request::Barrier {
+                name: format!("layer-{}", i % 100).into(),
+                members: Members::World,
+                timeout_ms: None,
+            };
             send(&mut engine, held, &[(s, i + 1)], &request, now);
         }
         let add = Request::Add { key: "n".into(), delta: 1 };

@@ -170,17 +170,15 @@ pub(crate) fn decode_request(r: &mut Reader) -> DecodeResult<Request> {
         },
         op::NUM_KEYS => Request::NumKeys,
         op::LIST_KEYS => Request::ListKeys { prefix: r.bytes("prefix")? },
-        op::BARRIER => {
-            Request::Barrier { name: r.string("name")?, members: decode_members(r)?, timeout_ms: timeout(r)? }
-        }
+        op::BARRIER => Request::Barrier { name: r.name("name")?, members: decode_members(r)?, timeout_ms: timeout(r)? },
         op::ALL_GATHER => Request::AllGather {
-            name: r.string("name")?,
+            name: r.name("name")?,
             members: decode_members(r)?,
             value: r.bytes("value")?,
             timeout_ms: timeout(r)?,
         },
         op::BROADCAST => Request::Broadcast {
-            name: r.string("name")?,
+            name: r.name("name")?,
             members: decode_members(r)?,
             root: r.u32("root")?,
             value: r.option("value", |r| r.bytes("value"))?,

@@ -3,6 +3,7 @@
 //! lists. Every read is bounds-checked: peer bytes can make decoding fail, never panic.
 
 use bytes::{Buf, BufMut, Bytes, BytesMut};
+use rallypoint_core::Name;
 
 /// What was wrong with a frame body; becomes the message of a `BadRequest`/`BadReply`.
 #[derive(Debug)]
@@ -79,10 +80,24 @@ impl Reader {
     }
 
     pub(crate) fn string(&mut self, field: &str) -> DecodeResult<String> {
-        let raw = self.bytes(field)?;
-        std::str::from_utf8(&raw)
-            .map(str::to_owned)
-            .map_err(|_| DecodeError(format!("field '{field}' is not valid UTF-8")))
+        self.text(field, str::to_owned)
+    }
+
+    /// A collective's name: copied out of the body (inline when short, see [`Name`]),
+    /// so that a call held in the engine pins no frame.
+    pub(crate) fn name(&mut self, field: &str) -> DecodeResult<Name> {
+        self.text(field, |text| Name::from(text))
+    }
+
+    /// A UTF-8 byte string, made into `T` by `own` from the body in place.
+    fn text<T>(&mut self, field: &str, own: impl FnOnce(&str) -> T) -> DecodeResult<T> {
+        let len = self.u32(field)? as usize;
+        self.need(len, field)?;
+        let text = std::str::from_utf8(&self.buf[..len])
+            .map(own)
+            .map_err(|_| DecodeError(format!("field '{field}' is not valid UTF-8")))?;
+        self.buf.advance(len);
+        Ok(text)
     }
 
     /// A flag byte (0 = absent, 1 = present) followed by the value if present.

@@ -8,7 +8,7 @@ use proptest::option;
 use proptest::prelude::*;
 use rallypoint_core::{
     AbortInfo, AuthRefusal, CallShape, CollectiveKind, Gathered, Identity, JobIncarnation, LossReason, Members,
-    Missing, OpError, OpRef, ProcessInfo, RankInfo, RankRanges, RankState, Request, Response, SessionId, Welcome,
+    Missing, Name, OpError, OpRef, ProcessInfo, RankInfo, RankRanges, RankState, Request, Response, SessionId, Welcome,
 };
 use rallypoint_proto::native::{ClientFrame, FrameLimits, ProtoError, ServerFrame};
 
@@ -23,6 +23,11 @@ pub fn keys() -> impl Strategy<Value = Vec<Bytes>> {
 /// Any Unicode, multi-byte characters included.
 pub fn string() -> impl Strategy<Value = String> {
     ".{0,6}"
+}
+
+/// A collective's name, either side of the 24 bytes kept inline.
+pub fn name() -> impl Strategy<Value = Name> {
+    prop_oneof![".{0,6}", ".{20,40}"].prop_map(Name::from)
 }
 
 pub fn members() -> impl Strategy<Value = Members> {
@@ -66,14 +71,10 @@ pub fn request() -> impl Strategy<Value = Request> {
         vec((bytes(), bytes()), 0..4).prop_map(|entries| Request::MultiSet { entries }),
         Just(Request::NumKeys),
         bytes().prop_map(|prefix| Request::ListKeys { prefix }),
-        (string(), members(), t()).prop_map(|(name, members, timeout_ms)| Request::Barrier {
-            name,
-            members,
-            timeout_ms
-        }),
-        (string(), members(), bytes(), t())
+        (name(), members(), t()).prop_map(|(name, members, timeout_ms)| Request::Barrier { name, members, timeout_ms }),
+        (name(), members(), bytes(), t())
             .prop_map(|(name, members, value, timeout_ms)| { Request::AllGather { name, members, value, timeout_ms } }),
-        (string(), members(), any::<u32>(), option::of(bytes()), t()).prop_map(
+        (name(), members(), any::<u32>(), option::of(bytes()), t()).prop_map(
             |(name, members, root, value, timeout_ms)| Request::Broadcast { name, members, root, value, timeout_ms }
         ),
         string().prop_map(|reason| Request::Abort { reason }),
