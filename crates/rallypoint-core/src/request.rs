@@ -12,9 +12,10 @@ use crate::ranges::{runs, RankList};
 /// Milliseconds on the caller's monotonic clock. The engine never reads a clock.
 pub type Millis = u64;
 
-/// A collective's name (barrier, all-gather, broadcast). Kept inline up to 24
-/// bytes: a rank's call then allocates nothing for it, and its request, held until
-/// the reply in case the connection is cut, frees nothing on a line gone cold.
+/// A collective's name (barrier, all-gather, broadcast). Kept inline when no longer
+/// than a `String` itself: a rank's call then allocates nothing for it, and its
+/// request, held until the reply in case the connection is cut, frees nothing on a
+/// line gone cold.
 pub type Name = compact_str::CompactString;
 
 /// Which ranks take part in a barrier or collective.

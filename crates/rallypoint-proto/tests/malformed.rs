@@ -69,11 +69,26 @@ fn trailing_bytes_are_rejected() {
     assert_eq!(message, "1 unexpected trailing bytes after heartbeat");
 }
 
+/// A u32-length-prefixed field of `bytes`.
+fn field(bytes: &[u8]) -> Vec<u8> {
+    let mut out = u32::try_from(bytes.len()).expect("a short field").to_le_bytes().to_vec();
+    out.extend_from_slice(bytes);
+    out
+}
+
 #[test]
 fn invalid_utf8_names_the_field() {
     // barrier with name = [0xff]
     let (_, message) = bad_request(&request_body(&[0x0d, 1, 0, 0, 0, 0xff, 0, 0]));
     assert_eq!(message, "field 'name' is not valid UTF-8");
+    // The same past what a name keeps inline.
+    let mut long = vec![b'a'; 40];
+    long.push(0xff);
+    let (_, message) = bad_request(&request_body(&[&[0x0d][..], &field(&long), &[0, 0]].concat()));
+    assert_eq!(message, "field 'name' is not valid UTF-8");
+    // abort with reason = [0xc3] (a character cut short): a string field, not a name.
+    let (_, message) = bad_request(&request_body(&[&[0x10][..], &field(&[b'x', 0xc3])].concat()));
+    assert_eq!(message, "field 'reason' is not valid UTF-8");
 }
 
 #[test]

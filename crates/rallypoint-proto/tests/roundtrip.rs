@@ -5,7 +5,7 @@ mod common;
 use bytes::BytesMut;
 use common::{client_frame, op_error, request, response, samples, server_frame};
 use proptest::prelude::*;
-use rallypoint_core::{OpError, Request, Response};
+use rallypoint_core::{Members, Name, OpError, Request, Response};
 use rallypoint_proto::native::{
     decode_client_frame, decode_server_frame, encode_client_frame, encode_reply, encode_server_frame, ClientFrame,
     FrameLimits, ServerFrame,
@@ -33,6 +33,26 @@ fn every_request_variant_round_trips() {
     for (id, request) in all.into_iter().enumerate() {
         let frame = ClientFrame::Request { id: id as u64, request };
         assert_eq!(client_round_trip(&frame), frame);
+    }
+}
+
+/// A decoded name lives inline while it fits (a rank's barrier then allocates nothing
+/// for it), on the heap past that, and reads back the same either way.
+#[test]
+fn names_either_side_of_inline_round_trip() {
+    let inline = std::mem::size_of::<String>();
+    for len in [0, 1, inline - 1, inline, inline + 1, 200] {
+        let name = Name::from("n".repeat(len));
+        let frame = ClientFrame::Request {
+            id: 1,
+            request: Request::Barrier { name: name.clone(), members: Members::World, timeout_ms: None },
+        };
+        let ClientFrame::Request { request: Request::Barrier { name: decoded, .. }, .. } = client_round_trip(&frame)
+        else {
+            panic!("a barrier request decodes as one");
+        };
+        assert_eq!(decoded, name);
+        assert_eq!(decoded.is_heap_allocated(), len > inline, "a name of {len} bytes");
     }
 }
 

@@ -25,9 +25,10 @@ pub fn string() -> impl Strategy<Value = String> {
     ".{0,6}"
 }
 
-/// A collective's name, either side of the 24 bytes kept inline.
+/// A collective's name: short and multi-byte, up to the most kept inline on 64-bit
+/// targets, and past it.
 pub fn name() -> impl Strategy<Value = Name> {
-    prop_oneof![".{0,6}", ".{20,40}"].prop_map(Name::from)
+    prop_oneof![".{0,6}", "[ -~]{20,24}", "[ -~]{25,64}"].prop_map(Name::from)
 }
 
 pub fn members() -> impl Strategy<Value = Members> {
