@@ -527,7 +527,7 @@ impl MembersArgs {
             return Ok(Members::Ranks(ranks.clone()));
         }
         Ok(match &self.role {
-            Some(role) => Members::Role(role.clone()),
+            Some(role) => Members::Role(role.as_str().into()),
             None => Members::World,
         })
     }

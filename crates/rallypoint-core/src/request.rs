@@ -12,10 +12,10 @@ use crate::ranges::{runs, RankList};
 /// Milliseconds on the caller's monotonic clock. The engine never reads a clock.
 pub type Millis = u64;
 
-/// A collective's name (barrier, all-gather, broadcast). Kept inline when no longer
-/// than a `String` itself: a rank's call then allocates nothing for it, and its
-/// request, held until the reply in case the connection is cut, frees nothing on a
-/// line gone cold.
+/// A collective's name (barrier, all-gather, broadcast), or the role its members
+/// hold ([`Members::Role`]). Kept inline when no longer than a `String` itself: a
+/// rank's call then allocates nothing for it, and its request, held until the reply
+/// in case the connection is cut, frees nothing on a line gone cold.
 pub type Name = compact_str::CompactString;
 
 /// Which ranks take part in a barrier or collective.
@@ -26,7 +26,7 @@ pub enum Members {
     /// An explicit set of ranks (order and duplicates do not matter).
     Ranks(Vec<u32>),
     /// Every rank whose identity names this role.
-    Role(String),
+    Role(Name),
 }
 
 impl fmt::Display for Members {

@@ -74,7 +74,7 @@ fn members(py: Python<'_>, ranks: Option<Vec<i64>>, role: Option<String>) -> PyR
         (Some(ranks), None) => {
             Ok(Members::Ranks(ranks.into_iter().map(|r| rank(py, "ranks", r)).collect::<PyResult<_>>()?))
         }
-        (None, Some(role)) => Ok(Members::Role(role)),
+        (None, Some(role)) => Ok(Members::Role(role.into())),
         (Some(_), Some(_)) => Err(errors::invalid(py, "give ranks or role, not both".to_owned())),
     }
 }

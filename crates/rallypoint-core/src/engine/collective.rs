@@ -980,7 +980,7 @@ fn member_set(members: &Members, world_size: u32) -> MemberSet {
     match members {
         Members::World => MemberSet::World(world_size),
         Members::Ranks(list) => MemberSet::Listed(list.clone()),
-        Members::Role(name) => MemberSet::Role { name: name.clone(), world_size, resolved: None },
+        Members::Role(name) => MemberSet::Role { name: name.to_string(), world_size, resolved: None },
     }
 }
 

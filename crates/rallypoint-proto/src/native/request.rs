@@ -221,7 +221,7 @@ pub(crate) fn decode_members(r: &mut Reader) -> DecodeResult<Members> {
     Ok(match r.u8("members")? {
         members::WORLD => Members::World,
         members::RANKS => Members::Ranks(r.list("members.ranks", 4, |r| r.u32("members.ranks"))?),
-        members::ROLE => Members::Role(r.string("members.role")?),
+        members::ROLE => Members::Role(r.name("members.role")?),
         other => return Err(DecodeError::unknown("members tag", other)),
     })
 }
