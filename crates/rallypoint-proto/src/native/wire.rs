@@ -83,8 +83,8 @@ impl Reader {
         self.text(field, str::to_owned)
     }
 
-    /// A collective's name: copied out of the body, as a [`Name`] owns its bytes
-    /// (inline when short).
+    /// A collective's or a role's name: copied out of the body, as a [`Name`] owns
+    /// its bytes (inline when short).
     pub(crate) fn name(&mut self, field: &str) -> DecodeResult<Name> {
         self.text(field, |text| Name::from(text))
     }
