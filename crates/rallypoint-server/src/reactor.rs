@@ -499,7 +499,7 @@ impl Loop {
     /// Writes the replies routed to ranks (a barrier's release) to their connections.
     fn deliver(&mut self) {
         let mut routed = std::mem::take(&mut self.scratch.routed);
-        while !routed.is_empty() {
+        loop {
             for Routed { route, request_id, reply } in routed.drain(..) {
                 let Some(Entry { conn: Served::Rank(conn), id, .. }) = self.conns.get_mut(route.key) else { continue };
                 // The connection it was for closed, and another one took its slot.
@@ -512,10 +512,17 @@ impl Loop {
                 }
             }
             // Closing a connection may have routed more: its rank is lost to its peers.
+            if self.scratch.routed.is_empty() {
+                break;
+            }
             std::mem::swap(&mut routed, &mut self.scratch.routed);
         }
-        // Keeps its allocation for the next turn.
-        self.scratch.routed = routed;
+        // The drained list keeps its allocation for the next turn: a release routes
+        // a reply per waiting rank, and growing a list that size anew every round
+        // costs a copy of it per doubling, each into memory not in the cache.
+        if routed.capacity() > self.scratch.routed.capacity() {
+            self.scratch.routed = routed;
+        }
     }
 
     /// Watches rank `key`'s socket for writability while a write waits, and stops

@@ -170,6 +170,10 @@ struct Collective {
     last_use: u64,
     /// In [`Collectives::busy`].
     busy: bool,
+    /// The list of waiters of the generation released last, emptied: the next
+    /// generation takes it rather than growing one anew, as a barrier of thousands
+    /// of ranks would every round (a copy of the list per doubling).
+    spare_waiters: Vec<(SessionId, u64)>,
 }
 
 impl Collective {
@@ -180,6 +184,7 @@ impl Collective {
         if self.pending.is_empty() {
             self.pending = BTreeMap::new();
             self.calls.settle();
+            self.spare_waiters = Vec::new();
         }
     }
 }
@@ -416,7 +421,17 @@ impl Collectives {
         let at = self.all.len();
         let calls = Calls::default();
         let (pending, failed) = (BTreeMap::new(), BTreeMap::new());
-        self.all.push(Collective { kind, name: name.to_owned(), calls, pending, failed, last_use: 0, busy: false });
+        let spare_waiters = Vec::new();
+        self.all.push(Collective {
+            kind,
+            name: name.to_owned(),
+            calls,
+            pending,
+            failed,
+            last_use: 0,
+            busy: false,
+            spare_waiters,
+        });
         by_name.insert(name.to_owned(), at);
         CollectiveAt(at)
     }
@@ -527,7 +542,7 @@ impl Collectives {
                     shape: shape(),
                     members,
                     arrivals,
-                    waiters: Vec::new(),
+                    waiters: std::mem::take(&mut coll.spare_waiters),
                     records: Vec::new(),
                     started: ctx.now,
                     deadline: None,
@@ -943,8 +958,10 @@ impl Collective {
             }
             _ => {}
         }
-        if complete {
-            self.pending.remove(&generation);
+        if let Some(mut done) = complete.then(|| self.pending.remove(&generation)).flatten() {
+            if done.waiters.is_empty() && done.waiters.capacity() > self.spare_waiters.capacity() {
+                self.spare_waiters = std::mem::take(&mut done.waiters);
+            }
         }
     }
 
@@ -1131,6 +1148,55 @@ mod tests {
         assert_eq!(settled("step"), (None, 2), "in use");
         assert_eq!(settled("waits"), (None, 1));
         assert!(out.iter().all(|o| o.reply == Ok(Response::Done)));
+        let spare = |name: &str| collectives.all[collectives.by_name[0][name]].spare_waiters.capacity();
+        assert!(spare("step") >= 2, "a released generation's list of waiters is kept for the next");
+        assert_eq!(spare("once/0"), 0, "and dropped with the rest once the collective settles");
+    }
+
+    #[test]
+    fn a_barriers_next_generation_takes_the_list_of_waiters_the_last_one_released() {
+        let n = 64;
+        let mut collectives = Collectives::new(4, 1 << 20);
+        let ranks = Ranks::default();
+        let (mut out, mut timers, mut tracked, mut released, mut records) =
+            (Vec::new(), Timers::default(), 0, Vec::new(), Vec::new());
+        let mut ctx = Ctx {
+            job: 1,
+            now: 0,
+            out: &mut out,
+            timers: &mut timers,
+            tracked: &mut tracked,
+            released: &mut released,
+            settled: true,
+            records: &mut records,
+        };
+        let at = collectives.find(CollectiveKind::Barrier, "step");
+        let mut lists = Vec::new();
+        for round in 1..=3u64 {
+            for rank in 0..n {
+                let mut call = Call {
+                    session: SessionId(u64::from(rank) + 1),
+                    request_id: round,
+                    rank,
+                    world_size: n,
+                    members: Members::World,
+                    value: bytes::Bytes::new(),
+                    root: None,
+                    timeout_ms: None,
+                    held: None,
+                };
+                collectives.arrive(at, &mut call, &ranks, &mut ctx);
+                let coll = &collectives.all[at.0];
+                if let (0, Some(last), Some(waiting)) = (rank, lists.last(), coll.pending.values().next()) {
+                    assert_eq!(waiting.waiters.as_ptr(), *last, "round {round} waits in the list kept");
+                    assert_eq!(coll.spare_waiters.capacity(), 0, "taken, not copied");
+                }
+            }
+            let spare = &collectives.all[at.0].spare_waiters;
+            assert!(spare.is_empty() && spare.capacity() >= n as usize, "round {round}: kept, emptied");
+            lists.push(spare.as_ptr());
+        }
+        assert_eq!(ctx.out.len(), 3 * n as usize, "each round released every rank");
     }
 
     #[test]
