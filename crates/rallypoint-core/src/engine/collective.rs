@@ -1045,7 +1045,9 @@ impl Collectives {
 mod tests {
     use std::num::NonZeroU64;
 
-    use super::{Call, Calls, Collectives, Ctx, SETTLE_AFTER};
+    use std::sync::Arc;
+
+    use super::{Call, Calls, Collectives, Ctx, Outgoing, Record, SETTLE_AFTER};
     use crate::engine::ranks::Ranks;
     use crate::engine::timers::Timers;
     use crate::{CollectiveKind, Members, Response, SessionId};
@@ -1096,36 +1098,55 @@ mod tests {
         assert_eq!((group.next(3), group.next(5), group.next(2)), (3, 3, 1));
     }
 
+    /// What [`Collectives::arrive`] writes to, kept for a test to read.
+    #[derive(Default)]
+    struct Sinks {
+        out: Vec<Outgoing>,
+        timers: Timers,
+        tracked: usize,
+        released: Vec<(usize, usize)>,
+        records: Vec<Arc<Record>>,
+    }
+
+    impl Sinks {
+        fn ctx(&mut self) -> Ctx<'_> {
+            Ctx {
+                job: 1,
+                now: 0,
+                out: &mut self.out,
+                timers: &mut self.timers,
+                tracked: &mut self.tracked,
+                released: &mut self.released,
+                settled: true,
+                records: &mut self.records,
+            }
+        }
+    }
+
+    /// Rank `rank`'s call `request_id` of a whole-job barrier, `world_size` ranks.
+    fn barrier_call(rank: u32, world_size: u32, request_id: u64) -> Call {
+        Call {
+            session: SessionId(u64::from(rank) + 1),
+            request_id,
+            rank,
+            world_size,
+            members: Members::World,
+            value: bytes::Bytes::new(),
+            root: None,
+            timeout_ms: None,
+            held: None,
+        }
+    }
+
     #[test]
     fn collectives_out_of_use_are_settled_and_those_in_use_are_not() {
         let mut collectives = Collectives::new(4, 1 << 20);
         let ranks = Ranks::default();
-        let (mut out, mut timers, mut tracked, mut released, mut records) =
-            (Vec::new(), Timers::default(), 0, Vec::new(), Vec::new());
-        let mut ctx = Ctx {
-            job: 1,
-            now: 0,
-            out: &mut out,
-            timers: &mut timers,
-            tracked: &mut tracked,
-            released: &mut released,
-            settled: true,
-            records: &mut records,
-        };
+        let mut sinks = Sinks::default();
+        let mut ctx = sinks.ctx();
         let mut arrive = |collectives: &mut Collectives, name: &str, rank: u32| {
             let at = collectives.find(CollectiveKind::Barrier, name);
-            let mut call = Call {
-                session: SessionId(u64::from(rank) + 1),
-                request_id: 1,
-                rank,
-                world_size: 2,
-                members: Members::World,
-                value: bytes::Bytes::new(),
-                root: None,
-                timeout_ms: None,
-                held: None,
-            };
-            collectives.arrive(at, &mut call, &ranks, &mut ctx);
+            collectives.arrive(at, &mut barrier_call(rank, 2, 1), &ranks, &mut ctx);
         };
         // "step" is called between the others; each other name once, by both ranks.
         let others = 3 * SETTLE_AFTER;
@@ -1147,7 +1168,7 @@ mod tests {
         assert_eq!(settled(&format!("once/{}", others - 1)), (None, 2), "used within the last switches");
         assert_eq!(settled("step"), (None, 2), "in use");
         assert_eq!(settled("waits"), (None, 1));
-        assert!(out.iter().all(|o| o.reply == Ok(Response::Done)));
+        assert!(sinks.out.iter().all(|o| o.reply == Ok(Response::Done)));
         let spare = |name: &str| collectives.all[collectives.by_name[0][name]].spare_waiters.capacity();
         assert!(spare("step") >= 2, "a released generation's list of waiters is kept for the next");
         assert_eq!(spare("once/0"), 0, "and dropped with the rest once the collective settles");
@@ -1158,34 +1179,13 @@ mod tests {
         let n = 64;
         let mut collectives = Collectives::new(4, 1 << 20);
         let ranks = Ranks::default();
-        let (mut out, mut timers, mut tracked, mut released, mut records) =
-            (Vec::new(), Timers::default(), 0, Vec::new(), Vec::new());
-        let mut ctx = Ctx {
-            job: 1,
-            now: 0,
-            out: &mut out,
-            timers: &mut timers,
-            tracked: &mut tracked,
-            released: &mut released,
-            settled: true,
-            records: &mut records,
-        };
+        let mut sinks = Sinks::default();
+        let mut ctx = sinks.ctx();
         let at = collectives.find(CollectiveKind::Barrier, "step");
         let mut lists = Vec::new();
         for round in 1..=3u64 {
             for rank in 0..n {
-                let mut call = Call {
-                    session: SessionId(u64::from(rank) + 1),
-                    request_id: round,
-                    rank,
-                    world_size: n,
-                    members: Members::World,
-                    value: bytes::Bytes::new(),
-                    root: None,
-                    timeout_ms: None,
-                    held: None,
-                };
-                collectives.arrive(at, &mut call, &ranks, &mut ctx);
+                collectives.arrive(at, &mut barrier_call(rank, n, round), &ranks, &mut ctx);
                 let coll = &collectives.all[at.0];
                 if let (0, Some(last), Some(waiting)) = (rank, lists.last(), coll.pending.values().next()) {
                     assert_eq!(waiting.waiters.as_ptr(), *last, "round {round} waits in the list kept");
@@ -1196,7 +1196,7 @@ mod tests {
             assert!(spare.is_empty() && spare.capacity() >= n as usize, "round {round}: kept, emptied");
             lists.push(spare.as_ptr());
         }
-        assert_eq!(ctx.out.len(), 3 * n as usize, "each round released every rank");
+        assert_eq!(sinks.out.len(), 3 * n as usize, "each round released every rank");
     }
 
     #[test]
