@@ -414,6 +414,13 @@ impl Collectives {
 
     /// The collective `kind` `name`, made now if it was never called.
     pub fn find(&mut self, kind: CollectiveKind, name: &str) -> CollectiveAt {
+        // Most calls come to the collective the call before them came to (every rank
+        // of a round calls the same barrier): one comparison of the name, no hashing.
+        if let Some(at) = self.last_called {
+            if self.all.get(at).is_some_and(|last| last.kind == kind && last.name == name) {
+                return CollectiveAt(at);
+            }
+        }
         let by_name = &mut self.by_name[kind_index(kind)];
         if let Some(&at) = by_name.get(name) {
             return CollectiveAt(at);
@@ -1047,7 +1054,7 @@ mod tests {
 
     use std::sync::Arc;
 
-    use super::{Call, Calls, Collectives, Ctx, Outgoing, Record, SETTLE_AFTER};
+    use super::{kind_index, Call, Calls, Collectives, Ctx, Outgoing, Record, SETTLE_AFTER};
     use crate::engine::ranks::Ranks;
     use crate::engine::timers::Timers;
     use crate::{CollectiveKind, Members, Response, SessionId};
@@ -1169,6 +1176,14 @@ mod tests {
         assert_eq!(settled("step"), (None, 2), "in use");
         assert_eq!(settled("waits"), (None, 1));
         assert!(sinks.out.iter().all(|o| o.reply == Ok(Response::Done)));
+        // The last call came to barrier "waits": found again as that, with no lookup;
+        // an all-gather of the same name is another collective.
+        let waits = collectives.find(CollectiveKind::Barrier, "waits");
+        assert_eq!((Some(waits.0), collectives.by_name[0]["waits"]), (collectives.last_called, waits.0));
+        let gather = collectives.find(CollectiveKind::AllGather, "waits");
+        assert_ne!(gather.0, waits.0, "another kind, another collective");
+        assert_eq!(collectives.by_name[kind_index(CollectiveKind::AllGather)]["waits"], gather.0);
+        assert_eq!(collectives.find(CollectiveKind::Barrier, "step").0, collectives.by_name[0]["step"]);
         let spare = |name: &str| collectives.all[collectives.by_name[0][name]].spare_waiters.capacity();
         assert!(spare("step") >= 2, "a released generation's list of waiters is kept for the next");
         assert_eq!(spare("once/0"), 0, "and dropped with the rest once the collective settles");
