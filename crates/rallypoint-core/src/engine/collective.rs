@@ -170,10 +170,6 @@ struct Collective {
     last_use: u64,
     /// In [`Collectives::busy`].
     busy: bool,
-    /// The list of waiters of the generation released last, emptied: the next
-    /// generation takes it rather than growing one anew, as a barrier of thousands
-    /// of ranks would every round (a copy of the list per doubling).
-    spare_waiters: Vec<(SessionId, u64)>,
 }
 
 impl Collective {
@@ -184,7 +180,6 @@ impl Collective {
         if self.pending.is_empty() {
             self.pending = BTreeMap::new();
             self.calls.settle();
-            self.spare_waiters = Vec::new();
         }
     }
 }
@@ -371,6 +366,12 @@ pub(crate) struct Collectives {
     /// [`SETTLE_AFTER`] long), so that many collectives waited in at once do not make
     /// every call prune it.
     busy_pruned: usize,
+    /// The list of waiters of the generation completed last, emptied: the next
+    /// generation of any collective of the job takes it rather than growing one
+    /// anew, as a barrier of thousands of ranks would every round (a copy of the list
+    /// per doubling, into memory not in the cache). One per job: a job waits in one
+    /// collective at a time, mostly, and this holds at most the largest list.
+    spare_waiters: Vec<(SessionId, u64)>,
     failed_kept: usize,
     max_gather_bytes: usize,
     ended: EndedRecords,
@@ -383,6 +384,14 @@ fn kind_index(kind: CollectiveKind) -> usize {
         CollectiveKind::Barrier => 0,
         CollectiveKind::AllGather => 1,
         CollectiveKind::Broadcast => 2,
+    }
+}
+
+/// Keeps `done`, a completed generation's emptied list of waiters, as the job's spare
+/// ([`Collectives::spare_waiters`]) if it is larger.
+fn keep_spare(spare: &mut Vec<(SessionId, u64)>, done: Option<Vec<(SessionId, u64)>>) {
+    if let Some(done) = done.filter(|done| done.is_empty() && done.capacity() > spare.capacity()) {
+        *spare = done;
     }
 }
 
@@ -405,6 +414,7 @@ impl Collectives {
             uses: VecDeque::new(),
             busy: Vec::new(),
             busy_pruned: 0,
+            spare_waiters: Vec::new(),
             failed_kept: failed_kept.max(1),
             max_gather_bytes,
             ended: EndedRecords::default(),
@@ -428,17 +438,7 @@ impl Collectives {
         let at = self.all.len();
         let calls = Calls::default();
         let (pending, failed) = (BTreeMap::new(), BTreeMap::new());
-        let spare_waiters = Vec::new();
-        self.all.push(Collective {
-            kind,
-            name: name.to_owned(),
-            calls,
-            pending,
-            failed,
-            last_use: 0,
-            busy: false,
-            spare_waiters,
-        });
+        self.all.push(Collective { kind, name: name.to_owned(), calls, pending, failed, last_use: 0, busy: false });
         by_name.insert(name.to_owned(), at);
         CollectiveAt(at)
     }
@@ -549,7 +549,7 @@ impl Collectives {
                     shape: shape(),
                     members,
                     arrivals,
-                    waiters: std::mem::take(&mut coll.spare_waiters),
+                    waiters: std::mem::take(&mut self.spare_waiters),
                     records: Vec::new(),
                     started: ctx.now,
                     deadline: None,
@@ -601,7 +601,8 @@ impl Collectives {
             }
         }
         if complete || kind == CollectiveKind::Broadcast {
-            coll.progress(kind, number, counters, &mut self.ended, ctx);
+            let done = coll.progress(kind, number, counters, &mut self.ended, ctx);
+            keep_spare(&mut self.spare_waiters, done);
             self.ended.trim(ranks);
         }
         (kind == CollectiveKind::Barrier).then_some(number)
@@ -674,7 +675,8 @@ impl Collectives {
             }
         }
         if let Some(number) = completed {
-            coll.progress(CollectiveKind::Barrier, number, counters, &mut self.ended, ctx);
+            let done = coll.progress(CollectiveKind::Barrier, number, counters, &mut self.ended, ctx);
+            keep_spare(&mut self.spare_waiters, done);
             self.ended.trim(ranks);
         }
         i
@@ -707,7 +709,9 @@ impl Collectives {
                 .filter_map(|(gen, g)| g.members.resolve(ranks).then_some(*gen))
                 .collect();
             for generation in unresolved {
-                coll.progress(coll.kind, generation, &mut self.counters[counted(coll.kind)], &mut self.ended, ctx);
+                let done =
+                    coll.progress(coll.kind, generation, &mut self.counters[counted(coll.kind)], &mut self.ended, ctx);
+                keep_spare(&mut self.spare_waiters, done);
             }
         }
         self.ended.trim(ranks);
@@ -917,7 +921,8 @@ impl Generation {
 }
 
 impl Collective {
-    /// Releases the generation if everyone it waits for is there.
+    /// Releases the generation if everyone it waits for is there; once it is
+    /// complete, its list of waiters, emptied (for [`keep_spare`]).
     fn progress(
         &mut self,
         kind: CollectiveKind,
@@ -925,8 +930,8 @@ impl Collective {
         counters: &mut OpCounters,
         book: &mut EndedRecords,
         ctx: &mut Ctx<'_>,
-    ) {
-        let Some(g) = self.pending.get_mut(&generation) else { return };
+    ) -> Option<Vec<(SessionId, u64)>> {
+        let g = self.pending.get_mut(&generation)?;
         let complete = g.members.count() == Some(g.arrivals.count());
         let waited = ctx.now.saturating_sub(g.started);
         match kind {
@@ -965,11 +970,8 @@ impl Collective {
             }
             _ => {}
         }
-        if let Some(mut done) = complete.then(|| self.pending.remove(&generation)).flatten() {
-            if done.waiters.is_empty() && done.waiters.capacity() > self.spare_waiters.capacity() {
-                self.spare_waiters = std::mem::take(&mut done.waiters);
-            }
-        }
+        let done = complete.then(|| self.pending.remove(&generation)).flatten();
+        done.map(|done| done.waiters)
     }
 
     fn fail(
@@ -1184,34 +1186,32 @@ mod tests {
         assert_ne!(gather.0, waits.0, "another kind, another collective");
         assert_eq!(collectives.by_name[kind_index(CollectiveKind::AllGather)]["waits"], gather.0);
         assert_eq!(collectives.find(CollectiveKind::Barrier, "step").0, collectives.by_name[0]["step"]);
-        let spare = |name: &str| collectives.all[collectives.by_name[0][name]].spare_waiters.capacity();
-        assert!(spare("step") >= 2, "a released generation's list of waiters is kept for the next");
-        assert_eq!(spare("once/0"), 0, "and dropped with the rest once the collective settles");
     }
 
     #[test]
-    fn a_barriers_next_generation_takes_the_list_of_waiters_the_last_one_released() {
+    fn a_generation_takes_the_list_of_waiters_the_last_one_released() {
         let n = 64;
         let mut collectives = Collectives::new(4, 1 << 20);
         let ranks = Ranks::default();
         let mut sinks = Sinks::default();
         let mut ctx = sinks.ctx();
-        let at = collectives.find(CollectiveKind::Barrier, "step");
         let mut lists = Vec::new();
-        for round in 1..=3u64 {
+        // Three rounds of one barrier, then one of a barrier named afresh.
+        for (round, name) in [(1, "step"), (2, "step"), (3, "step"), (1, "next")] {
+            let at = collectives.find(CollectiveKind::Barrier, name);
             for rank in 0..n {
                 collectives.arrive(at, &mut barrier_call(rank, n, round), &ranks, &mut ctx);
-                let coll = &collectives.all[at.0];
-                if let (0, Some(last), Some(waiting)) = (rank, lists.last(), coll.pending.values().next()) {
-                    assert_eq!(waiting.waiters.as_ptr(), *last, "round {round} waits in the list kept");
-                    assert_eq!(coll.spare_waiters.capacity(), 0, "taken, not copied");
+                let waiting = collectives.all[at.0].pending.values().next();
+                if let (0, Some(last), Some(waiting)) = (rank, lists.last(), waiting) {
+                    assert_eq!(waiting.waiters.as_ptr(), *last, "{name} {round} waits in the list kept");
+                    assert_eq!(collectives.spare_waiters.capacity(), 0, "taken, not copied");
                 }
             }
-            let spare = &collectives.all[at.0].spare_waiters;
-            assert!(spare.is_empty() && spare.capacity() >= n as usize, "round {round}: kept, emptied");
+            let spare = &collectives.spare_waiters;
+            assert!(spare.is_empty() && spare.capacity() >= n as usize, "{name} {round}: kept, emptied");
             lists.push(spare.as_ptr());
         }
-        assert_eq!(sinks.out.len(), 3 * n as usize, "each round released every rank");
+        assert_eq!(sinks.out.len(), 4 * n as usize, "each round released every rank");
     }
 
     #[test]
