@@ -401,3 +401,28 @@ fn an_all_gather_too_large_to_reply_fails_for_every_member() {
     assert_eq!(err(h.take(s[0], a)), e);
     assert_eq!(h.call(s[2], gather("1")).unwrap_err(), e, "the late member learns the generation failed");
 }
+
+#[test]
+fn a_role_broadcast_whose_root_turns_out_not_to_be_a_member_fails_its_members() {
+    let mut h = Harness::new();
+    let w0 = h.role_rank("j", 0, 4, "workers");
+    let w2 = h.role_rank("j", 2, 4, "workers");
+    let bc = |root: u32| Request::Broadcast {
+        name: "cfg".into(),
+        members: Members::Role("workers".into()),
+        root,
+        value: None,
+        timeout_ms: None,
+    };
+    // Rank 3 has not connected: whether it is a worker is not known yet.
+    let a = h.send(w0, bc(3));
+    let c = h.send(w2, bc(3));
+    let _s1 = h.role_rank("j", 1, 4, "servers");
+    assert!(h.pending(w0, a) && h.pending(w2, c));
+    // Rank 3 is a server: every worker came, and none of them is the root.
+    let _s3 = h.role_rank("j", 3, 4, "servers");
+    for (sess, id) in [(w0, a), (w2, c)] {
+        let e = err(h.take(sess, id));
+        assert!(e.to_string().contains("root rank 3") && e.to_string().contains("'workers'"), "{e}");
+    }
+}

@@ -601,7 +601,7 @@ impl Collectives {
             }
         }
         if complete || kind == CollectiveKind::Broadcast {
-            let done = coll.progress(kind, number, counters, &mut self.ended, ctx);
+            let done = coll.progress(kind, number, counters, (&mut self.ended, failed_kept), ctx);
             keep_spare(&mut self.spare_waiters, done);
             self.ended.trim(ranks);
         }
@@ -675,7 +675,8 @@ impl Collectives {
             }
         }
         if let Some(number) = completed {
-            let done = coll.progress(CollectiveKind::Barrier, number, counters, &mut self.ended, ctx);
+            let done =
+                coll.progress(CollectiveKind::Barrier, number, counters, (&mut self.ended, self.failed_kept), ctx);
             keep_spare(&mut self.spare_waiters, done);
             self.ended.trim(ranks);
         }
@@ -709,8 +710,8 @@ impl Collectives {
                 .filter_map(|(gen, g)| g.members.resolve(ranks).then_some(*gen))
                 .collect();
             for generation in unresolved {
-                let done =
-                    coll.progress(coll.kind, generation, &mut self.counters[counted(coll.kind)], &mut self.ended, ctx);
+                let counters = &mut self.counters[counted(coll.kind)];
+                let done = coll.progress(coll.kind, generation, counters, (&mut self.ended, self.failed_kept), ctx);
                 keep_spare(&mut self.spare_waiters, done);
             }
         }
@@ -921,14 +922,15 @@ impl Generation {
 }
 
 impl Collective {
-    /// Releases the generation if everyone it waits for is there; once it is
-    /// complete, its list of waiters, emptied (for [`keep_spare`]).
+    /// Releases the generation if everyone it waits for is there (or fails it: a
+    /// broadcast whose every member came without its root); once it is complete,
+    /// its emptied list of waiters, for [`keep_spare`].
     fn progress(
         &mut self,
         kind: CollectiveKind,
         generation: u64,
         counters: &mut OpCounters,
-        book: &mut EndedRecords,
+        (book, failed_kept): (&mut EndedRecords, usize),
         ctx: &mut Ctx<'_>,
     ) -> Option<Vec<(SessionId, u64)>> {
         let g = self.pending.get_mut(&generation)?;
@@ -945,6 +947,14 @@ impl Collective {
                     g.released = true;
                     counters.releases += 1;
                     counters.wait.observe(waited);
+                }
+                if complete && !g.released {
+                    // The root is not a member: a role's root is checked when it calls
+                    // or connects, and it connected after the members called.
+                    let error =
+                        OpError::Invalid(format!("root rank {root} is not among its members, {}", g.shape.members));
+                    self.fail(generation, error, failed_kept, book, ctx);
+                    return None;
                 }
             }
             CollectiveKind::Barrier if complete => {
@@ -1178,8 +1188,8 @@ mod tests {
         assert_eq!(settled("step"), (None, 2), "in use");
         assert_eq!(settled("waits"), (None, 1));
         assert!(sinks.out.iter().all(|o| o.reply == Ok(Response::Done)));
-        // The last call came to barrier "waits": found again as that, with no lookup;
-        // an all-gather of the same name is another collective.
+        // The last call came to barrier "waits": found again, as by name; an
+        // all-gather of the same name is another collective.
         let waits = collectives.find(CollectiveKind::Barrier, "waits");
         assert_eq!((Some(waits.0), collectives.by_name[0]["waits"]), (collectives.last_called, waits.0));
         let gather = collectives.find(CollectiveKind::AllGather, "waits");
@@ -1201,8 +1211,8 @@ mod tests {
             let at = collectives.find(CollectiveKind::Barrier, name);
             for rank in 0..n {
                 collectives.arrive(at, &mut barrier_call(rank, n, round), &ranks, &mut ctx);
-                let waiting = collectives.all[at.0].pending.values().next();
-                if let (0, Some(last), Some(waiting)) = (rank, lists.last(), waiting) {
+                if let (0, Some(last)) = (rank, lists.last()) {
+                    let waiting = collectives.all[at.0].pending.values().next().expect("rank 0 waits");
                     assert_eq!(waiting.waiters.as_ptr(), *last, "{name} {round} waits in the list kept");
                     assert_eq!(collectives.spare_waiters.capacity(), 0, "taken, not copied");
                 }
