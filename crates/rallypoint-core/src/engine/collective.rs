@@ -601,7 +601,7 @@ impl Collectives {
             }
         }
         if complete || kind == CollectiveKind::Broadcast {
-            let done = coll.progress(kind, number, counters, (&mut self.ended, failed_kept), ctx);
+            let done = coll.progress(kind, number, counters, &mut self.ended, failed_kept, ctx);
             keep_spare(&mut self.spare_waiters, done);
             self.ended.trim(ranks);
         }
@@ -675,8 +675,7 @@ impl Collectives {
             }
         }
         if let Some(number) = completed {
-            let done =
-                coll.progress(CollectiveKind::Barrier, number, counters, (&mut self.ended, self.failed_kept), ctx);
+            let done = coll.progress(CollectiveKind::Barrier, number, counters, &mut self.ended, self.failed_kept, ctx);
             keep_spare(&mut self.spare_waiters, done);
             self.ended.trim(ranks);
         }
@@ -711,7 +710,7 @@ impl Collectives {
                 .collect();
             for generation in unresolved {
                 let counters = &mut self.counters[counted(coll.kind)];
-                let done = coll.progress(coll.kind, generation, counters, (&mut self.ended, self.failed_kept), ctx);
+                let done = coll.progress(coll.kind, generation, counters, &mut self.ended, self.failed_kept, ctx);
                 keep_spare(&mut self.spare_waiters, done);
             }
         }
@@ -930,7 +929,8 @@ impl Collective {
         kind: CollectiveKind,
         generation: u64,
         counters: &mut OpCounters,
-        (book, failed_kept): (&mut EndedRecords, usize),
+        book: &mut EndedRecords,
+        failed_kept: usize,
         ctx: &mut Ctx<'_>,
     ) -> Option<Vec<(SessionId, u64)>> {
         let g = self.pending.get_mut(&generation)?;

@@ -32,7 +32,7 @@ pub fn name() -> impl Strategy<Value = Name> {
 }
 
 pub fn members() -> impl Strategy<Value = Members> {
-    prop_oneof![Just(Members::World), vec(any::<u32>(), 0..5).prop_map(Members::Ranks), name().prop_map(Members::Role),]
+    prop_oneof![Just(Members::World), vec(any::<u32>(), 0..5).prop_map(Members::Ranks), name().prop_map(Members::Role)]
 }
 
 pub fn identity() -> impl Strategy<Value = Identity> {
