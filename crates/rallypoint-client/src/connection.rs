@@ -117,14 +117,14 @@ impl ReplyCell {
         Cell::Waiting { written: None }
     }
 
-    /// Ends the wait with `end`; `wake`: wakes the call that waited, if one left a
-    /// waker (see [`Held`] for a recycled cell's). The wake-up and what the cell
-    /// held (a written request) go after the lock.
-    fn end_with(&self, end: Cell, wake: bool) {
+    /// Ends the wait with `end` and wakes the call that waited, if one left a waker
+    /// (see [`Held`] for a recycled cell's). The wake-up and what the cell held (a
+    /// written request) go after the lock.
+    fn end_with(&self, end: Cell) {
         let (left, waker) = {
             let mut held = self.lock();
             let left = std::mem::replace(&mut held.cell, end);
-            let waker = if wake && matches!(left, Cell::Waiting { .. }) { held.waker.clone() } else { None };
+            let waker = if matches!(left, Cell::Waiting { .. }) { held.waker.clone() } else { None };
             (left, waker)
         };
         drop(left);
@@ -173,30 +173,21 @@ pub(crate) struct ReplySlot {
 
 impl ReplySlot {
     /// Fills the cell and wakes the call.
-    fn send(self, result: Result<Response, Error>) {
-        self.fill(Cell::Filled(result), true);
-    }
-
-    /// Fills the cell of the call that is reading it, running now: no wake-up.
-    fn send_quietly(self, result: Result<Response, Error>) {
-        self.fill(Cell::Filled(result), false);
+    fn send(mut self, result: Result<Response, Error>) {
+        self.sent = true;
+        self.cell.end_with(Cell::Filled(result));
     }
 
     /// Drops the slot without telling the call (which no longer waits).
     fn forget(mut self) {
         self.sent = true;
     }
-
-    fn fill(mut self, filled: Cell, wake: bool) {
-        self.sent = true;
-        self.cell.end_with(filled, wake);
-    }
 }
 
 impl Drop for ReplySlot {
     fn drop(&mut self) {
         if !self.sent {
-            self.cell.end_with(Cell::Dropped, true);
+            self.cell.end_with(Cell::Dropped);
         }
     }
 }
@@ -755,13 +746,8 @@ impl Link {
 
     /// Registers call `id` in `pending` (the lock taken); returns its reply.
     fn insert(&self, mut pending: MutexGuard<'_, Pending>, id: u64, deadline: Instant, limit: Duration) -> Reply {
-        let cell = match pending.spare.take() {
-            Some(spare) => {
-                spare.lock().cell = ReplyCell::waiting();
-                spare
-            }
-            None => Arc::new(ReplyCell::new(ReplyCell::waiting())),
-        };
+        // A spare was left waiting ([`Link::recycle`]): taking it needs no lock of its own.
+        let cell = pending.spare.take().unwrap_or_else(|| Arc::new(ReplyCell::new(ReplyCell::waiting())));
         let (slot, reply) = (ReplySlot { cell: Arc::clone(&cell), sent: false }, Reply(cell));
         pending.calls.insert(id, Call { slot, deadline, limit });
         // Usually later than the timer (calls share one timeout): nothing to tell.
@@ -846,7 +832,8 @@ impl Link {
             // A reply its call never took (dropped after the reply came) goes now,
             // outside the locks, not with a next call that may never come: a shared
             // reply holds its slab until it goes.
-            let left = std::mem::replace(&mut reply.0.lock().cell, Cell::Taken);
+            // Left waiting, as the next call needs it: it holds no slot, so nothing fills it.
+            let left = std::mem::replace(&mut reply.0.lock().cell, ReplyCell::waiting());
             drop(left);
             self.lock().spare.get_or_insert_with(|| Arc::clone(&reply.0));
         }
@@ -908,8 +895,9 @@ impl Link {
         }
     }
 
-    /// Hands call `id` its reply; `me`: the call reading, which needs no wake-up.
-    fn complete(&self, id: u64, result: Result<Response, Error>, me: Option<u64>) {
+    /// Hands call `id` its reply; `me`: the call reading, which takes its own reply
+    /// as it is, with no wake-up and no lock of its cell.
+    fn complete(&self, id: u64, result: Result<Response, Error>, me: Option<&mut Mine>) {
         let mut call = {
             let mut pending = self.lock();
             let call = pending.calls.remove(&id);
@@ -946,12 +934,15 @@ impl Link {
                 return;
             }
         }
-        if let Some(call) = call {
-            if me == Some(id) {
+        let Some(call) = call else { return };
+        match me {
+            Some(mine) if mine.id == id => {
                 #[cfg(test)]
                 self.own_replies.fetch_add(1, Ordering::Relaxed);
-                call.slot.send_quietly(result);
-            } else {
+                call.slot.forget();
+                mine.reply = Some(result);
+            }
+            _ => {
                 self.delivered.fetch_add(1, Ordering::Relaxed);
                 // The caller may have stopped waiting meanwhile; that is fine.
                 call.slot.send(result);
@@ -988,6 +979,15 @@ impl Link {
     /// ([`Link::poll_task_read`]).
     /// `reading`: the call may be reading (kept by the caller between polls).
     fn poll_reply(&self, id: u64, reply: &Reply, reading: &mut bool, cx: &mut Context<'_>) -> Poll<Received> {
+        if *reading {
+            // Still the reader: nobody else has routed a reply since it last read,
+            // so its cell can only have been filled by a failure (a timeout, the
+            // connection's end), which it looks for after reading.
+            let mut side = self.lock_read();
+            if side.call == NonZeroU64::new(id) {
+                return self.read_own(&mut side, id, reply, reading, cx);
+            }
+        }
         if let Poll::Ready(received) = reply.poll_cell(cx.waker()) {
             if std::mem::take(reading) {
                 self.stop_reading(id);
@@ -1012,11 +1012,27 @@ impl Link {
             keep_waker(&mut self.read_wake.lock().call, cx.waker());
             return Poll::Pending;
         }
+        self.read_own(&mut side, id, reply, reading, cx)
+    }
+
+    /// [`Link::poll_reply`] for call `id`, the one reading for everyone.
+    fn read_own(
+        &self,
+        side: &mut ReadSide,
+        id: u64,
+        reply: &Reply,
+        reading: &mut bool,
+        cx: &mut Context<'_>,
+    ) -> Poll<Received> {
         keep_waker(&mut self.read_wake.lock().call, cx.waker());
-        let ended = self.drive(&mut side, Some(id));
-        self.settle(&mut side, ended);
-        let received = std::task::ready!(reply.poll_cell(cx.waker()));
-        self.give_back(&mut side, id);
+        let mut mine = Mine { id, reply: None };
+        let ended = self.drive(side, Some(&mut mine));
+        self.settle(side, ended);
+        let received = match mine.reply {
+            Some(result) => Ok(result),
+            None => std::task::ready!(reply.poll_cell(cx.waker())),
+        };
+        self.give_back(side, id);
         *reading = false;
         Poll::Ready(received)
     }
@@ -1122,10 +1138,10 @@ impl Link {
     /// Routes what was read, and reads the socket until it has nothing more (its
     /// next wake-up then comes through [`ReadWake`]); `me`: the call reading.
     /// `Some` once the connection has ended (nothing reads it again).
-    fn drive(&self, side: &mut ReadSide, me: Option<u64>) -> Option<Ended> {
+    fn drive(&self, side: &mut ReadSide, mut me: Option<&mut Mine>) -> Option<Ended> {
         let mut cx = Context::from_waker(&self.read_waker);
         let ended = loop {
-            if let Err(ended) = self.route(side, me) {
+            if let Err(ended) = self.route(side, me.as_deref_mut()) {
                 break ended;
             }
             let ReadSide { reader: Some(reader), buf, files, .. } = side else { return None };
@@ -1149,7 +1165,7 @@ impl Link {
     }
 
     /// Routes the frames read so far to their calls.
-    fn route(&self, side: &mut ReadSide, me: Option<u64>) -> Result<(), Ended> {
+    fn route(&self, side: &mut ReadSide, mut me: Option<&mut Mine>) -> Result<(), Ended> {
         let broken = |why: String| Ended::Done(self.lost(why), None);
         let limits = FrameLimits::unbounded();
         let ReadSide { buf, files, slabs, releases, epoch, .. } = side;
@@ -1159,7 +1175,9 @@ impl Link {
         loop {
             match decode_server_frame(buf, &limits) {
                 Ok(None) => return Ok(()),
-                Ok(Some(ServerFrame::Reply { id, reply })) => self.complete(id, reply.map_err(Error::Op), me),
+                Ok(Some(ServerFrame::Reply { id, reply })) => {
+                    self.complete(id, reply.map_err(Error::Op), me.as_deref_mut())
+                }
                 Ok(Some(ServerFrame::SharedReply { id, slab, len })) => {
                     let map = match slabs.entry(slab) {
                         Entry::Occupied(known) => Arc::clone(known.get()),
@@ -1186,7 +1204,7 @@ impl Link {
                         Ok(body) => decode_shared_reply(id, body).map_err(|error| Error::Protocol(error.to_string())),
                         Err(error) => Err(Error::Protocol(error.to_string())),
                     };
-                    self.complete(id, reply.and_then(|reply| reply.map_err(Error::Op)), me);
+                    self.complete(id, reply.and_then(|reply| reply.map_err(Error::Op)), me.as_deref_mut());
                 }
                 Ok(Some(ServerFrame::BarrierChannel { id, channel, slot })) => {
                     if let Err(why) = self.channels.answered(id, channel, slot, files) {
@@ -1206,13 +1224,19 @@ impl Link {
                     return Err(broken("the coordinator sent a second handshake frame".to_owned()));
                 }
                 Err(ProtoError::BadReply { id: Some(id), message }) => {
-                    self.complete(id, Err(Error::Protocol(message)), me)
+                    self.complete(id, Err(Error::Protocol(message)), me.as_deref_mut())
                 }
                 Err(error) if !error.is_fatal() => debug!(addr = %self.addr, %error, "skipped a malformed frame"),
                 Err(error) => return Err(broken(format!("malformed data: {error}"))),
             }
         }
     }
+}
+
+/// The call reading for everyone, and its own reply once read ([`Link::complete`]).
+struct Mine {
+    id: u64,
+    reply: Option<Result<Response, Error>>,
 }
 
 /// A call's wait for its reply ([`Link::poll_reply`]); dropped before it, it gives
