@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use rallypoint_core::{Identity, Members};
+use rallypoint_core::{Gathered, Identity, Members};
 
 use crate::{client, ConnectOptions, Error};
 
@@ -164,7 +164,7 @@ impl Client {
         members: Members,
         value: impl AsRef<[u8]>,
         timeout: Option<Duration>,
-    ) -> Result<Arc<[Bytes]>, Error> {
+    ) -> Result<Gathered, Error> {
         self.runtime.block_on(self.inner.all_gather(name, members, value, timeout))
     }
 

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rallypoint_core::snapshot::JobSnapshot;
-use rallypoint_core::{Identity, Members, Request, Response};
+use rallypoint_core::{Gathered, Identity, Members, Request, Response};
 use tokio::sync::{mpsc, oneshot};
 
 use rallypoint_net::auth::Token;
@@ -594,18 +594,19 @@ impl Client {
         BarrierCall { client: self, state: BarrierState::Start { name, members, timeout, waiting } }
     }
 
-    /// Every member contributes `value`; each gets all values in rank order.
+    /// Every member contributes `value`; each gets all values in rank order, read in
+    /// place from the reply's bytes (see [`Gathered`]).
     pub async fn all_gather(
         &self,
         name: &str,
         members: Members,
         value: impl AsRef<[u8]>,
         timeout: Option<Duration>,
-    ) -> Result<Arc<[Bytes]>, Error> {
+    ) -> Result<Gathered, Error> {
         let (timeout_ms, wait) = self.blocking_timeout(timeout);
         let request = Request::AllGather { name: name.into(), members, value: bytes(value), timeout_ms };
         match self.call(request, wait).await? {
-            Response::Gathered(gathered) => Ok(gathered.into_values()),
+            Response::Gathered(gathered) => Ok(gathered),
             other => Err(unexpected("all_gather", other)),
         }
     }

@@ -1,11 +1,11 @@
 //! Requests a session sends, and the replies it gets.
 
 use std::fmt;
-use std::sync::{Arc, OnceLock};
 
 use bytes::Bytes;
 
 use crate::error::OpError;
+use crate::gathered::Gathered;
 use crate::identity::SessionId;
 use crate::ranges::{runs, RankList};
 
@@ -282,81 +282,6 @@ pub enum Response {
 }
 
 pub type Reply = Result<Response, OpError>;
-
-/// An all-gather's result: every member's value in rank order.
-///
-/// Every member gets the same result, so clones share it whole: the values, and
-/// their wire encoding once a codec has made it. Encoding it once per generation
-/// instead of once per recipient is what keeps an all-gather's work on the
-/// coordinator linear in the number of ranks (each reply is N values long).
-#[derive(Clone)]
-pub struct Gathered {
-    values: Arc<[Bytes]>,
-    encoding: Arc<OnceLock<Bytes>>,
-    /// Bytes of all the values together, counted once for every clone.
-    len: usize,
-}
-
-impl Gathered {
-    pub fn new(values: impl Into<Arc<[Bytes]>>) -> Self {
-        let values = values.into();
-        Gathered { len: total_len(&values), values, encoding: Arc::default() }
-    }
-
-    /// A result whose encoding is already known, such as the bytes it was decoded
-    /// from; `encoding` must be exactly what the codec would make of `values`.
-    pub fn with_encoding(values: impl Into<Arc<[Bytes]>>, encoding: Bytes) -> Self {
-        let values = values.into();
-        Gathered { len: total_len(&values), values, encoding: Arc::new(OnceLock::from(encoding)) }
-    }
-
-    pub fn values(&self) -> &Arc<[Bytes]> {
-        &self.values
-    }
-
-    /// Bytes of all the values together.
-    pub fn values_len(&self) -> usize {
-        self.len
-    }
-
-    pub fn into_values(self) -> Arc<[Bytes]> {
-        self.values
-    }
-
-    /// The encoding made so far, if any (see [`Gathered::encoding`]).
-    pub fn cached_encoding(&self) -> Option<&Bytes> {
-        self.encoding.get()
-    }
-
-    /// The values' encoding, made by `encode` on first use and shared by every clone
-    /// after that; concurrent first uses wait for one `encode` rather than each
-    /// making their own. The cache holds one encoding: it belongs to the one wire
-    /// format that carries all-gather results (the native protocol's).
-    pub fn encoding(&self, encode: impl FnOnce(&[Bytes]) -> Bytes) -> &Bytes {
-        self.encoding.get_or_init(|| encode(&self.values))
-    }
-}
-
-fn total_len(values: &[Bytes]) -> usize {
-    values.iter().map(Bytes::len).fold(0, usize::saturating_add)
-}
-
-/// Equal values make equal results, whether or not either is encoded yet.
-impl PartialEq for Gathered {
-    fn eq(&self, other: &Self) -> bool {
-        // `Arc`'s own `==` skips the content only for sized types: without this,
-        // telling the shared result of N members apart compared N values each time.
-        Arc::ptr_eq(&self.values, &other.values) || self.values == other.values
-    }
-}
-
-impl Eq for Gathered {}
-
-impl fmt::Debug for Gathered {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_tuple("Gathered").field(&self.values).finish()
-    }
-}
 
 /// A reply the engine has produced for a session's request.
 #[derive(Debug, Clone, PartialEq, Eq)]

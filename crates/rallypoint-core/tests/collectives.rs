@@ -197,7 +197,7 @@ fn all_gather_returns_values_in_rank_order_and_is_reusable() {
         let expected: Vec<Bytes> = (0..3).map(|r| Bytes::from(format!("r{r}g{round}"))).collect();
         for (r, id) in ids {
             match ok(h.take(s[r], id)) {
-                Response::Gathered(gathered) => assert_eq!(&gathered.values()[..], &expected[..]),
+                Response::Gathered(gathered) => assert_eq!(gathered.to_vec(), expected),
                 other => panic!("{other:?}"),
             }
         }

@@ -324,10 +324,9 @@ impl Launchers {
         };
         let mut layout = Layout { base_rank: 0, world_size: 0, counts: Vec::with_capacity(counts.len()) };
         for (node, count) in counts.iter().enumerate() {
-            let n: u32 = std::str::from_utf8(count)
-                .ok()
-                .and_then(|s| s.parse().ok())
-                .ok_or_else(|| Error::Protocol(format!("node {node} announced a bad worker count {count:?}")))?;
+            let n: u32 = std::str::from_utf8(count).ok().and_then(|s| s.parse().ok()).ok_or_else(|| {
+                Error::Protocol(format!("node {node} announced a bad worker count \"{}\"", count.escape_ascii()))
+            })?;
             if (node as u32) < self.node {
                 layout.base_rank += n;
             }

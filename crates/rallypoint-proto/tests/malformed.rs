@@ -150,6 +150,45 @@ fn malformed_server_frames() {
     assert_eq!(err.to_string(), "malformed server frame (request id 5): field 'bool': invalid bool 0x02");
 }
 
+/// The message of a Reply frame for request 5 holding a Gathered reply of `fields`,
+/// which must be malformed; checks the frame was consumed whole.
+fn bad_gathered_reply(fields: &[u8]) -> String {
+    let body = [&[0x83][..], &5u64.to_le_bytes(), &[0x06], fields].concat();
+    let mut src = frame(&body);
+    match decode_server_frame(&mut src, &FrameLimits::default()) {
+        Err(error @ ProtoError::BadReply { id: Some(5), .. }) => {
+            assert!(src.is_empty(), "malformed frame not consumed");
+            assert!(!error.is_fatal());
+            let ProtoError::BadReply { message, .. } = error else { unreachable!() };
+            message
+        }
+        other => panic!("expected BadReply, got {other:?}"),
+    }
+}
+
+#[test]
+fn malformed_gathered_replies_name_what_is_wrong() {
+    assert_eq!(bad_gathered_reply(&[]), "field 'gathered': the value count needs 4 bytes, 0 left");
+    assert_eq!(bad_gathered_reply(&[1, 0]), "field 'gathered': the value count needs 4 bytes, 2 left");
+    // Three values take at least 12 bytes: refused before anything is read.
+    assert_eq!(
+        bad_gathered_reply(&[3, 0, 0, 0, 0, 0, 0, 0]),
+        "field 'gathered': 3 values cannot fit in the 4 bytes left"
+    );
+    assert_eq!(
+        bad_gathered_reply(&[0xff, 0xff, 0xff, 0xff, 0, 0]),
+        "field 'gathered': 4294967295 values cannot fit in the 2 bytes left"
+    );
+    // The second value's length field is cut short.
+    let cut = [&[2, 0, 0, 0][..], &field(b"abcdefgh"), &[1, 0]].concat();
+    assert_eq!(bad_gathered_reply(&cut), "field 'gathered': value 1: its length needs 4 bytes, 2 left");
+    // The first value claims 10 bytes; 3 follow.
+    let long = [&[1, 0, 0, 0][..], &10u32.to_le_bytes(), b"abc"].concat();
+    assert_eq!(bad_gathered_reply(&long), "field 'gathered': value 0: 10 bytes cannot fit in the 3 bytes left");
+    let trailing = [&[1, 0, 0, 0][..], &field(b"a"), &[0xee]].concat();
+    assert_eq!(bad_gathered_reply(&trailing), "1 unexpected trailing bytes after reply");
+}
+
 #[test]
 fn preamble() {
     let mut src = BytesMut::new();

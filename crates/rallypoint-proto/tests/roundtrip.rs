@@ -2,10 +2,11 @@
 
 mod common;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use common::{client_frame, op_error, request, response, samples, server_frame};
+use proptest::collection::vec;
 use proptest::prelude::*;
-use rallypoint_core::{Members, Name, OpError, Request, Response};
+use rallypoint_core::{Gathered, Members, Name, OpError, Request, Response};
 use rallypoint_proto::native::{
     decode_client_frame, decode_server_frame, encode_client_frame, encode_reply, encode_server_frame, ClientFrame,
     FrameLimits, ServerFrame,
@@ -71,8 +72,59 @@ fn every_response_and_error_variant_round_trips() {
     }
 }
 
+/// The all-gather result a client decodes from the reply carrying `values`.
+fn decoded_gathered(values: &[Bytes]) -> Gathered {
+    let frame = ServerFrame::Reply { id: 1, reply: Ok(Response::Gathered(Gathered::new(values.to_vec()))) };
+    match server_round_trip(&frame) {
+        ServerFrame::Reply { id: 1, reply: Ok(Response::Gathered(gathered)) } => gathered,
+        other => panic!("expected a Gathered reply, got {other:?}"),
+    }
+}
+
+/// A decoded result holds exactly the values sent, in order, read through every accessor.
+fn assert_holds(gathered: &Gathered, values: &[Bytes]) {
+    assert_eq!(gathered, &Gathered::new(values.to_vec()));
+    assert_eq!(gathered.len(), values.len());
+    assert_eq!(gathered.is_empty(), values.is_empty());
+    assert_eq!(gathered.values_len(), values.iter().map(Bytes::len).sum::<usize>());
+    assert!(gathered.iter().eq(values.iter().map(|v| &v[..])));
+    assert_eq!(gathered.to_vec(), values);
+    for (i, value) in values.iter().enumerate() {
+        assert_eq!(&gathered[i], &value[..]);
+        assert_eq!(gathered.value(i).as_ref(), Some(value));
+    }
+    assert_eq!(gathered.get(values.len()), None);
+}
+
+#[test]
+fn empty_and_wide_all_gathers_round_trip() {
+    assert_holds(&decoded_gathered(&[]), &[]);
+    let empties = vec![Bytes::new(); 3];
+    assert_holds(&decoded_gathered(&empties), &empties);
+    let wide: Vec<Bytes> = (0..1024u32).map(|r| Bytes::from(r.to_string())).collect();
+    assert_holds(&decoded_gathered(&wide), &wide);
+}
+
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(1024))]
+
+    #[test]
+    fn decoded_all_gathers_hold_the_values_sent(values in vec(vec(any::<u8>(), 0..40), 0..40)) {
+        let values: Vec<Bytes> = values.into_iter().map(Bytes::from).collect();
+        let gathered = decoded_gathered(&values);
+        assert_holds(&gathered, &values);
+        // Not equal to a result one value shorter, or with one byte changed.
+        if let Some((last, rest)) = values.split_last() {
+            prop_assert_ne!(&gathered, &Gathered::new(rest.to_vec()));
+            let mut last = last.to_vec();
+            match last.last_mut() {
+                Some(byte) => *byte = byte.wrapping_add(1),
+                None => last.push(0),
+            }
+            let changed = [rest, &[Bytes::from(last)]].concat();
+            prop_assert_ne!(&gathered, &Gathered::new(changed));
+        }
+    }
 
     #[test]
     fn client_frames_round_trip(frame in client_frame()) {

@@ -422,8 +422,9 @@ impl Client {
         let value = blob("value", value)?;
         let (members, timeout) = (members(py, ranks, role)?, crate::client::timeout(py, timeout)?);
         let client = self.handle(py)?;
-        let values = self.run(py, client.all_gather(name, members, value, timeout))?;
-        Ok(list(py, &values))
+        let gathered = self.run(py, client.all_gather(name, members, value, timeout))?;
+        // Each value is copied into its Python bytes straight from the reply.
+        Ok(gathered.iter().map(|value| PyBytes::new(py, value)).collect())
     }
 
     /// Returns `root`'s value on every member; the root must pass a value, the

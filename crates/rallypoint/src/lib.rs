@@ -22,7 +22,7 @@
 //! the benchmarks (`rallypoint-bench`) are a binary of their own; the page and the
 //! stacks are the command's, not re-exported here.
 
-pub use rallypoint_client::{blocking, env, Client, ConnectOptions, Error, DEFAULT_TIMEOUT};
+pub use rallypoint_client::{blocking, env, Client, ConnectOptions, Error, Gathered, DEFAULT_TIMEOUT};
 pub use rallypoint_core::{
     AbortInfo, CallShape, CollectiveKind, Config, Identity, Limits, LossReason, Members, OpError, OpRef, RankInfo,
     RankState,
@@ -33,7 +33,8 @@ pub use rallypoint_server::{Server, ServerConfig, ServerHandle};
 /// The async client and its options ([`rallypoint_client`]).
 pub mod client {
     pub use rallypoint_client::{
-        AuthFailure, AuthRefusal, Client, ConnectOptions, Credentials, Error, TlsClient, Token, DEFAULT_TIMEOUT,
+        AuthFailure, AuthRefusal, Client, ConnectOptions, Credentials, Error, Gathered, GatheredIter, TlsClient, Token,
+        DEFAULT_TIMEOUT,
     };
 }
 

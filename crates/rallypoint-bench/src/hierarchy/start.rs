@@ -149,9 +149,8 @@ async fn start_rank(
     };
     match call(&mut conn, &mut buf, 2, gather).await? {
         ServerFrame::Reply { reply: Ok(Response::Gathered(gathered)), .. } => {
-            let got = gathered.values();
-            if got.len() != ranks as usize || got.get(rank as usize) != Some(&address(rank)) {
-                bail!("rank {rank}: the all-gather gave {} values, not {ranks} with this rank's own", got.len());
+            if gathered.len() != ranks as usize || gathered.get(rank as usize) != Some(&address(rank)[..]) {
+                bail!("rank {rank}: the all-gather gave {} values, not {ranks} with this rank's own", gathered.len());
             }
         }
         // The body is N values of `size` bytes, each with its length.

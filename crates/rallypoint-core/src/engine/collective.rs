@@ -970,7 +970,7 @@ impl Collective {
             CollectiveKind::AllGather if complete => {
                 counters.releases += 1;
                 counters.wait.observe(waited);
-                let values: Arc<[Bytes]> =
+                let values: Vec<Bytes> =
                     g.members.in_order().map(|r| g.arrivals.get(r).cloned().unwrap_or_default()).collect();
                 // One result for all: each waiter's reply is an O(1) clone of it.
                 let gathered = Gathered::new(values);

@@ -540,7 +540,7 @@ fn all_gather_and_broadcast_resent_after_a_cut_count_once() {
     d.send(s[2], 1, gather("c"));
     for session in &s {
         let Some(Ok(Response::Gathered(g))) = d.last(*session, 1) else { panic!("{:?}", d.last(*session, 1)) };
-        assert_eq!(&g.values()[..], [b("a"), b("b"), b("c")]);
+        assert_eq!(g.to_vec(), [b("a"), b("b"), b("c")]);
     }
     assert_eq!(d.replies_to(s[1], 1).len(), 1);
 

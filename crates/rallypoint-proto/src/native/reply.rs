@@ -58,11 +58,12 @@ pub(crate) fn encode_reply_body_shared(reply: &Reply, dst: &mut BytesMut) -> Opt
     Some(tail)
 }
 
-/// Length of the fields after the tag of a Gathered reply.
+/// Length of the fields after the tag of a Gathered reply; saturates rather than wrap.
 pub(crate) fn gathered_len(gathered: &Gathered) -> usize {
     match gathered.cached_encoding() {
         Some(encoding) => encoding.len(),
-        None => blobs_len(gathered.values()),
+        // The count, then each value with its length.
+        None => gathered.len().saturating_add(1).saturating_mul(4).saturating_add(gathered.values_len()),
     }
 }
 
@@ -113,7 +114,12 @@ fn encode_response(response: &Response, dst: &mut BytesMut) {
             // Encoding into a buffer of its own first would cost a second copy.
             match gathered.cached_encoding() {
                 Some(encoding) => dst.put_slice(encoding),
-                None => put_blobs(dst, gathered.values()),
+                None => {
+                    dst.put_count(gathered.len());
+                    for value in gathered {
+                        dst.put_blob(value);
+                    }
+                }
             }
         }
         Response::Popped { len_before, value } => {
@@ -131,12 +137,9 @@ fn decode_response_fields(tag: u8, r: &mut Reader) -> DecodeResult<Response> {
         tag::INT => Response::Int(r.i64("int")?),
         tag::BOOL => Response::Bool(r.bool("bool")?),
         tag::VALUES => Response::Values(blobs(r, "values")?),
-        tag::GATHERED => {
-            // The values' encoding is the bytes just read: a node agent passing the
-            // reply on to its rank writes them as they are.
-            let (values, encoding) = r.spanned(|r| blobs(r, "gathered"))?;
-            Response::Gathered(Gathered::with_encoding(values, encoding))
-        }
+        // Kept as the bytes read, its values sliced out on access: a node agent
+        // passing the reply on to its rank writes them as they are.
+        tag::GATHERED => Response::Gathered(r.split("gathered", Gathered::decode)?),
         tag::POPPED => {
             Response::Popped { len_before: r.i64("len_before")?, value: r.option("value", |r| r.bytes("value"))? }
         }

@@ -134,12 +134,15 @@ impl Reader {
         Ok(items)
     }
 
-    /// What `read` returns, and the bytes it consumed (without copying them).
-    pub(crate) fn spanned<T>(&mut self, read: impl FnOnce(&mut Self) -> DecodeResult<T>) -> DecodeResult<(T, Bytes)> {
-        let mut span = self.buf.clone();
-        let value = read(self)?;
-        span.truncate(span.len() - self.buf.len());
-        Ok((value, span))
+    /// A field read by `decode`, which splits it off the front of what is left of the
+    /// body: for a type that reads its own layout (an all-gather's result, which keeps
+    /// the bytes it was read from).
+    pub(crate) fn split<T, E: std::fmt::Display>(
+        &mut self,
+        field: &str,
+        decode: impl FnOnce(&mut Bytes) -> Result<T, E>,
+    ) -> DecodeResult<T> {
+        decode(&mut self.buf).map_err(|e| DecodeError(format!("field '{field}': {e}")))
     }
 
     /// Succeeds if the whole body was consumed.

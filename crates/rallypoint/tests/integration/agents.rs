@@ -2,14 +2,13 @@
 //! semantic (barriers, all-gather, the store, timeouts naming the missing ranks,
 //! a dead rank named with its host) exactly as with direct connections.
 
-use std::sync::Arc;
 use std::time::Duration;
-
-use bytes::Bytes;
 
 use rallypoint::agent::{Agent, AgentConfig, AgentError, AgentHandle};
 use rallypoint::server::ServerHandle;
-use rallypoint::{Client, ConnectOptions, Error, Identity, LossReason, Members, OpError, RankInfo, RankState};
+use rallypoint::{
+    Client, ConnectOptions, Error, Gathered, Identity, LossReason, Members, OpError, RankInfo, RankState,
+};
 use rallypoint_core::{CollectiveKind, Request, Response};
 use rallypoint_proto::native::{AgentFrame, FrameLimits, RootFrame};
 use tokio::task::JoinSet;
@@ -93,7 +92,7 @@ async fn close_cleanly(clients: Vec<Client>, agents: impl IntoIterator<Item = Ag
 
 /// Every client all-gathers `value(its index)` under `name` at once; the results in
 /// client order.
-async fn all_gather_each(clients: &[Client], name: &str, value: impl Fn(usize) -> Vec<u8>) -> Vec<Arc<[Bytes]>> {
+async fn all_gather_each(clients: &[Client], name: &str, value: impl Fn(usize) -> Vec<u8>) -> Vec<Gathered> {
     let mut gathering = JoinSet::new();
     for (r, client) in clients.iter().enumerate() {
         let (client, name, value) = (client.clone(), name.to_owned(), value(r));
@@ -113,7 +112,7 @@ async fn large_all_gather_through_agents() {
     let value = |r: usize| vec![r as u8 + 1; 100 * 1024];
     let expected: Vec<Vec<u8>> = (0..6).map(value).collect();
     for gathered in all_gather_each(&clients, "big", value).await {
-        assert!(gathered.iter().map(|v| v.as_ref()).eq(expected.iter().map(Vec::as_slice)));
+        assert!(gathered.iter().eq(expected.iter().map(Vec::as_slice)));
     }
     server.shutdown().await;
 }
@@ -150,7 +149,7 @@ async fn large_results_reach_unix_ranks_as_shared_memory() {
         let mapped = shared_reply_mappings();
         for (r, gathered) in results.into_iter().enumerate() {
             let expected: Vec<Vec<u8>> = (0..4).map(value).collect();
-            assert!(gathered.iter().map(|v| v.as_ref()).eq(expected.iter().map(Vec::as_slice)));
+            assert!(gathered.iter().eq(expected.iter().map(Vec::as_slice)));
             let shared = mapped.iter().any(|range| range.contains(&(gathered[0].as_ptr() as usize)));
             assert_eq!(shared, r != 3 && size > 1000, "rank {r}, round {round}: shared {shared}");
         }
@@ -173,9 +172,7 @@ async fn slabs_are_reused_once_released_and_never_while_held() {
     let value = |r: usize, round: usize| vec![(10 * round + r) as u8; 64 * 1024];
     let gather = |round: usize| all_gather_each(&clients, "s", move |r| value(r, round));
     let expected = |round: usize| (0..3).map(|r| value(r, round)).collect::<Vec<_>>();
-    let same = |gathered: &[Bytes], round: usize| {
-        gathered.iter().map(|v| v.as_ref()).eq(expected(round).iter().map(Vec::as_slice))
-    };
+    let same = |gathered: &Gathered, round: usize| gathered.iter().eq(expected(round).iter().map(Vec::as_slice));
 
     // Released at once: a later round reuses the slab. A release travels on the
     // rank's connection, so on a loaded machine it may miss the very next round.
@@ -213,7 +210,7 @@ async fn all_gather_and_kv_through_agents() {
     let server = start_server().await;
     let (_a, _b, clients) = six_ranks(&server, "gather").await;
     for gathered in all_gather_each(&clients, "vals", |r| format!("v{r}").into_bytes()).await {
-        let values: Vec<&[u8]> = gathered.iter().map(|v| v.as_ref()).collect();
+        let values: Vec<&[u8]> = gathered.iter().collect();
         assert_eq!(values, [b"v0", b"v1", b"v2", b"v3", b"v4", b"v5"]);
     }
 

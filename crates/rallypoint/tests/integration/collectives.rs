@@ -211,7 +211,7 @@ async fn all_gather_and_broadcast() {
     })
     .await;
     for values in gathered {
-        let values: Vec<&[u8]> = values.iter().map(|v| v.as_ref()).collect();
+        let values: Vec<&[u8]> = values.iter().collect();
         assert_eq!(values, [&b"zero"[..], b"one", b"two"]);
     }
     let got = bounded("broadcast", async {
@@ -255,7 +255,7 @@ async fn large_all_gathers_in_flight_together_arrive_whole() {
             let (name, gathered) = done.expect("task");
             let gathered = gathered.expect("all_gather");
             let expected: Vec<Vec<u8>> = (0..RANKS).map(|r| value(r, name)).collect();
-            assert!(gathered.iter().map(|v| v.as_ref()).eq(expected.iter().map(Vec::as_slice)), "g{name}");
+            assert!(gathered.iter().eq(expected.iter().map(Vec::as_slice)), "g{name}");
         }
     })
     .await;

@@ -255,14 +255,12 @@ async fn an_all_gather_retried_after_a_cut_contributes_once() {
     let mine = bounded("rank 1's all-gather", r1.all_gather("g", Members::World, "b", None)).await.expect("gather");
     let theirs = bounded("rank 0's all-gather", first).await.expect("task").expect("gather");
     assert_eq!(proxy.connections(), 2, "the connection was not cut once");
-    assert_eq!(
-        (&mine[..], &theirs[..]),
-        (&["a", "b"].map(bytes::Bytes::from)[..], &["a", "b"].map(bytes::Bytes::from)[..])
-    );
+    let both = ["a", "b"].map(bytes::Bytes::from).to_vec();
+    assert_eq!((mine.to_vec(), theirs.to_vec()), (both.clone(), both));
     let c1 = r1.clone();
     let second = start_confirmed(&r1, async move { c1.all_gather("g", Members::World, "d", None).await }).await;
     let again = bounded("rank 0's second", r0.all_gather("g", Members::World, "c", None)).await.expect("gather");
-    assert_eq!(&again[..], &["c", "d"].map(bytes::Bytes::from)[..], "generation 2 holds both ranks' second values");
+    assert_eq!(again.to_vec(), ["c", "d"].map(bytes::Bytes::from), "generation 2 holds both ranks' second values");
     bounded("rank 1's second", second).await.expect("task").expect("gather");
     server.shutdown().await;
 }

@@ -41,7 +41,7 @@ async fn thousand_clients_reuse_one_barrier_ten_times() {
             let gathered = result.expect("client task");
             assert_eq!(gathered.len(), WORLD as usize);
             for (i, value) in gathered.iter().enumerate() {
-                assert_eq!(value.as_ref(), (i as u32).to_le_bytes(), "value of rank {i}");
+                assert_eq!(value, (i as u32).to_le_bytes(), "value of rank {i}");
             }
             done += 1;
         }
