@@ -829,10 +829,11 @@ impl Link {
     /// else holds it (its slot was filled or forgotten).
     fn recycle(&self, reply: &Reply) {
         if Arc::strong_count(&reply.0) == 1 {
-            // A reply its call never took (dropped after the reply came) goes now,
-            // outside the locks, not with a next call that may never come: a shared
-            // reply holds its slab until it goes.
-            // Left waiting, as the next call needs it: it holds no slot, so nothing fills it.
+            // What the cell still holds goes now, outside the locks, not with a next
+            // call that may never come: a reply its call never took (dropped after the
+            // reply came; a shared reply holds its slab until it goes), or the request
+            // of a call that read its own reply. Left waiting, as the next call needs
+            // it: it holds no slot, so nothing fills it.
             let left = std::mem::replace(&mut reply.0.lock().cell, ReplyCell::waiting());
             drop(left);
             self.lock().spare.get_or_insert_with(|| Arc::clone(&reply.0));
@@ -1240,7 +1241,8 @@ struct Mine {
 }
 
 /// A call's wait for its reply ([`Link::poll_reply`]); dropped before it, it gives
-/// reading back to the task.
+/// reading back to the task. Not to be polled once ready: its call is gone (the map
+/// of calls, not its cell, says whether a call lives), and it would wait for good.
 pub(crate) struct WaitReply<'a> {
     link: &'a Link,
     id: u64,

@@ -108,7 +108,18 @@ impl Gathered {
         })
     }
 
-    /// Every value as a [`Bytes`] of its own (see [`Gathered::value`]).
+    /// The first value (rank order), if any.
+    pub fn first(&self) -> Option<&[u8]> {
+        self.get(0)
+    }
+
+    /// The last value (rank order), if any.
+    pub fn last(&self) -> Option<&[u8]> {
+        self.len().checked_sub(1).and_then(|i| self.get(i))
+    }
+
+    /// Every value as a [`Bytes`] of its own (see [`Gathered::value`]). Each holds
+    /// the whole result's memory (a shared-memory reply's slab too) while it lives.
     pub fn to_vec(&self) -> Vec<Bytes> {
         match &self.0.form {
             Form::Built { values, .. } => values.to_vec(),
@@ -228,6 +239,25 @@ impl<'a> IntoIterator for &'a Gathered {
     }
 }
 
+impl From<Gathered> for Vec<Bytes> {
+    fn from(gathered: Gathered) -> Self {
+        gathered.to_vec()
+    }
+}
+
+/// A result equals a list of the same values in the same order.
+impl<B: AsRef<[u8]>> PartialEq<[B]> for Gathered {
+    fn eq(&self, other: &[B]) -> bool {
+        self.len() == other.len() && self.iter().zip(other).all(|(value, other)| value == other.as_ref())
+    }
+}
+
+impl<B: AsRef<[u8]>> PartialEq<Vec<B>> for Gathered {
+    fn eq(&self, other: &Vec<B>) -> bool {
+        *self == other[..]
+    }
+}
+
 /// Equal values make equal results, however each was made and whether or not
 /// either is encoded yet.
 impl PartialEq for Gathered {
@@ -250,10 +280,17 @@ impl fmt::Debug for Gathered {
 }
 
 /// The values of a [`Gathered`] in rank order ([`Gathered::iter`]).
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct GatheredIter<'a>(IterForm<'a>);
 
-#[derive(Clone, Debug)]
+/// How many values are left, not the bytes behind them (a reply can be large).
+impl fmt::Debug for GatheredIter<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GatheredIter").field("left", &self.len()).finish()
+    }
+}
+
+#[derive(Clone)]
 enum IterForm<'a> {
     Built(slice::Iter<'a, Bytes>),
     Decoded { encoding: &'a [u8], offsets: slice::Windows<'a, u32> },
@@ -441,6 +478,57 @@ mod tests {
             MalformedGathered::ValueTooLong { index: 1, len: 5, left: 4 }.to_string(),
             "value 1: 5 bytes cannot fit in the 4 bytes left"
         );
+    }
+
+    #[test]
+    fn first_last_and_comparison_with_a_list() {
+        for gathered in both(&[b"a", b"", b"c"]) {
+            assert_eq!((gathered.first(), gathered.last()), (Some(&b"a"[..]), Some(&b"c"[..])));
+            assert_eq!(gathered, vec![&b"a"[..], b"", b"c"]);
+            assert_ne!(gathered, vec![&b"a"[..], b"", b"d"]);
+            assert_ne!(gathered, vec![&b"a"[..], b""]);
+            assert_eq!(Vec::<Bytes>::from(gathered.clone()), [Bytes::from("a"), Bytes::new(), Bytes::from("c")]);
+            assert_eq!(format!("{:?}", gathered.iter()), "GatheredIter { left: 3 }");
+        }
+        for gathered in both(&[]) {
+            assert_eq!((gathered.first(), gathered.last()), (None, None));
+            assert_eq!(gathered, Vec::<Bytes>::new());
+        }
+    }
+
+    proptest::proptest! {
+        /// Whatever the bytes, decoding never panics; what it accepts is a prefix that
+        /// encodes its values again exactly, and what it refuses is left as it was.
+        #[test]
+        fn any_bytes_decode_to_what_they_encode_or_are_refused(
+            bytes in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..64),
+            values in proptest::collection::vec(proptest::collection::vec(proptest::prelude::any::<u8>(), 0..8), 0..6),
+            cut in 0usize..64,
+        ) {
+            // Random bytes (mostly refused), and valid encodings cut short or with
+            // bytes after them (accepted only whole).
+            let valid = encode(&values.iter().map(Vec::as_slice).collect::<Vec<_>>());
+            let mut cut_short = valid.clone();
+            cut_short.truncate(cut.min(valid.len()));
+            let mut longer = valid.clone();
+            longer.extend_from_slice(&bytes);
+            for input in [bytes.clone(), cut_short, longer] {
+                let mut buf = Bytes::from(input.clone());
+                match Gathered::decode(&mut buf) {
+                    Ok(gathered) => {
+                        let taken = input.len() - buf.len();
+                        let again = encode(&gathered.iter().collect::<Vec<_>>());
+                        proptest::prop_assert_eq!(&again[..], &input[..taken]);
+                        proptest::prop_assert_eq!(gathered.values_len(), gathered.iter().map(<[u8]>::len).sum::<usize>());
+                    }
+                    Err(_) => proptest::prop_assert_eq!(&buf[..], &input[..]),
+                }
+            }
+            let mut buf = Bytes::from(valid.clone());
+            let gathered = Gathered::decode(&mut buf).expect("a valid encoding");
+            proptest::prop_assert!(buf.is_empty());
+            proptest::prop_assert_eq!(gathered, values);
+        }
     }
 
     #[test]

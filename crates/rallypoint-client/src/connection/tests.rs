@@ -166,25 +166,23 @@ async fn a_lone_call_reads_its_own_reply() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reading_call_whose_deadline_passes_times_out_and_the_next_reads_its_own() {
-    let (listener, addr) = listen().await;
-    // The call's deadline; the client's only timeout.
-    let options = ConnectOptions::new(&addr, Identity::ranked("job", 0, 1)).with_timeout(Duration::from_millis(300));
-    let (client, mut conn) = tokio::join!(async { Client::connect_with(options).await.expect("connect") }, async {
-        let (mut conn, _) = Conn::accept(&listener).await;
-        conn.welcome(1, 0).await;
-        conn
-    });
+    let (_listener, client, mut conn) = connected(0).await;
     let link = Arc::clone(client.link());
-    until(&link, |side| side.reader.is_some()).await;
-    let late = {
-        let client = client.clone();
-        tokio::spawn(async move { client.add("k", 1).await })
-    };
-    let (id, request) = conn.request().await;
+    // A call as the client makes one, with a short deadline of its own (a client's
+    // calls wait their timeout and a margin).
+    let (id, reply) = link.register(Duration::from_millis(300)).expect("register");
+    let request = Request::Add { key: "k".into(), delta: 1 };
+    assert!(matches!(link.write_direct(id, request, &reply), super::DirectWrite::Written));
+    let late = tokio::spawn({
+        let link = Arc::clone(&link);
+        async move { super::WaitReply::new(&link, id, reply).await }
+    });
+    let (seen, request) = conn.request().await;
+    assert_eq!(seen, id);
     until_reading(&link, id).await;
     // Unanswered: the deadline passes while the call reads, with nothing to read.
     let outcome = bounded(late).await.expect("the call");
-    assert!(matches!(outcome, Err(crate::Error::Timeout(_))), "{outcome:?}");
+    assert!(matches!(outcome, Ok(Err(crate::Error::Timeout(_)))), "{outcome:?}");
     // Its reply, late, goes nowhere; the next call reads its own.
     conn.answer(id, &request).await;
     let call = spawn_add(&client, 2);
