@@ -16,8 +16,8 @@ pub use client::{job_incarnation, reset_job, Client, ConnectOptions, DEFAULT_TIM
 pub use error::Error;
 pub use incarnation::{new_job_incarnation, process_incarnation};
 pub use rallypoint_core::{
-    AbortInfo, AuthRefusal, CallShape, CollectiveKind, Gathered, GatheredIter, Identity, Incarnation, JobIncarnation,
-    LossReason, Members, OpError, OpRef, ProcessInfo, RankInfo, RankState,
+    AbortInfo, AuthRefusal, CallShape, CollectiveKind, Gathered, GatheredIntoIter, GatheredIter, Identity, Incarnation,
+    JobIncarnation, LossReason, MalformedGathered, Members, OpError, OpRef, ProcessInfo, RankInfo, RankState,
 };
 pub use rallypoint_net::auth::{Token, TokenError};
 pub use rallypoint_net::auth::{TOKEN_FILE_VAR, TOKEN_VAR};

@@ -23,6 +23,15 @@ const LEN_FIELD: usize = 4;
 /// Holding each value as a [`Bytes`] of its own would take N counts on the received
 /// buffer and drop them again, for every reply of N values; many ranks in one
 /// process, all reading one shared buffer, then contend for that one count.
+///
+/// Reading it: `g[r]` and `g.get(r)` give rank `r`'s value as `&[u8]`, `&g` and
+/// `g.iter()` go through them in rank order, and a result compares equal to a list
+/// of byte strings (`assert_eq!(g, [b"a", b"b"])`). For [`Bytes`] of its own (where
+/// the all-gather used to return an `Arc<[Bytes]>`): `g.value(r)`, `g.to_vec()`,
+/// `Vec::<Bytes>::from(g)`, or `for value in g`. Each such `Bytes`, like a clone of
+/// the result, holds the whole reply's memory while it lives (through a node agent,
+/// a shared-memory slab the agent cannot reuse until then): to keep a small value
+/// long, copy it (`Bytes::copy_from_slice(&g[r])`).
 #[derive(Clone)]
 pub struct Gathered(Arc<Inner>);
 
@@ -78,6 +87,7 @@ impl Gathered {
         }
     }
 
+    /// No values: the all-gather had no members.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
@@ -92,7 +102,8 @@ impl Gathered {
     }
 
     /// The `i`th value as a [`Bytes`] of its own, sharing the result's memory (not
-    /// copied): for keeping one value longer than the result.
+    /// copied): for keeping one value longer than the result. It holds all of the
+    /// result's memory while it lives (see [`Gathered`]).
     pub fn value(&self, i: usize) -> Option<Bytes> {
         match &self.0.form {
             Form::Built { values, .. } => values.get(i).cloned(),
@@ -135,7 +146,8 @@ impl Gathered {
     }
 
     /// The encoding made so far, if any (see [`Gathered::encoding`]); a decoded
-    /// result's is the bytes it was read from.
+    /// result's is the bytes it was read from. For codecs.
+    #[doc(hidden)]
     pub fn cached_encoding(&self) -> Option<&Bytes> {
         match &self.0.form {
             Form::Built { encoding, .. } => encoding.get(),
@@ -147,7 +159,8 @@ impl Gathered {
     /// after that; concurrent first uses wait for one `encode` rather than each
     /// making their own. The cache holds one encoding: it belongs to the one wire
     /// format that carries all-gather results (the native protocol's), which
-    /// [`Gathered::decode`] reads. A decoded result never calls `encode`.
+    /// [`Gathered::decode`] reads. A decoded result never calls `encode`. For codecs.
+    #[doc(hidden)]
     pub fn encoding(&self, encode: impl FnOnce(&[Bytes]) -> Bytes) -> &Bytes {
         match &self.0.form {
             Form::Built { values, encoding } => encoding.get_or_init(|| encode(values)),
@@ -230,6 +243,52 @@ impl Index<usize> for Gathered {
     }
 }
 
+/// Every value as a [`Bytes`] of its own, in rank order (see [`Gathered::value`]).
+impl IntoIterator for Gathered {
+    type Item = Bytes;
+    type IntoIter = GatheredIntoIter;
+
+    fn into_iter(self) -> GatheredIntoIter {
+        GatheredIntoIter { values: 0..self.len(), gathered: self }
+    }
+}
+
+/// The values of a [`Gathered`] taken by value ([`IntoIterator`]), each a [`Bytes`].
+#[derive(Clone)]
+pub struct GatheredIntoIter {
+    gathered: Gathered,
+    values: Range<usize>,
+}
+
+impl Iterator for GatheredIntoIter {
+    type Item = Bytes;
+
+    fn next(&mut self) -> Option<Bytes> {
+        self.values.next().and_then(|i| self.gathered.value(i))
+    }
+
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        self.values.size_hint()
+    }
+}
+
+impl DoubleEndedIterator for GatheredIntoIter {
+    fn next_back(&mut self) -> Option<Bytes> {
+        self.values.next_back().and_then(|i| self.gathered.value(i))
+    }
+}
+
+impl ExactSizeIterator for GatheredIntoIter {}
+
+impl FusedIterator for GatheredIntoIter {}
+
+/// How many values are left, not the bytes behind them.
+impl fmt::Debug for GatheredIntoIter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("GatheredIntoIter").field("left", &self.values.len()).finish()
+    }
+}
+
 impl<'a> IntoIterator for &'a Gathered {
     type Item = &'a [u8];
     type IntoIter = GatheredIter<'a>;
@@ -241,7 +300,7 @@ impl<'a> IntoIterator for &'a Gathered {
 
 impl From<Gathered> for Vec<Bytes> {
     fn from(gathered: Gathered) -> Self {
-        gathered.to_vec()
+        gathered.into_iter().collect()
     }
 }
 
@@ -255,6 +314,47 @@ impl<B: AsRef<[u8]>> PartialEq<[B]> for Gathered {
 impl<B: AsRef<[u8]>> PartialEq<Vec<B>> for Gathered {
     fn eq(&self, other: &Vec<B>) -> bool {
         *self == other[..]
+    }
+}
+
+impl<B: AsRef<[u8]>, const N: usize> PartialEq<[B; N]> for Gathered {
+    fn eq(&self, other: &[B; N]) -> bool {
+        *self == other[..]
+    }
+}
+
+impl<B: AsRef<[u8]>> PartialEq<&[B]> for Gathered {
+    fn eq(&self, other: &&[B]) -> bool {
+        *self == other[..]
+    }
+}
+
+impl<B: AsRef<[u8]>> PartialEq<Gathered> for Vec<B> {
+    fn eq(&self, other: &Gathered) -> bool {
+        *other == self[..]
+    }
+}
+
+impl From<Gathered> for Arc<[Bytes]> {
+    fn from(gathered: Gathered) -> Self {
+        gathered.into_iter().collect()
+    }
+}
+
+/// An empty result (no members).
+impl Default for Gathered {
+    fn default() -> Self {
+        Gathered::new(Vec::new())
+    }
+}
+
+/// As the values are: equal results hash alike, whichever form each has.
+impl std::hash::Hash for Gathered {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        state.write_usize(self.len());
+        for value in self {
+            value.hash(state);
+        }
     }
 }
 
@@ -489,7 +589,23 @@ mod tests {
             assert_ne!(gathered, vec![&b"a"[..], b""]);
             assert_eq!(Vec::<Bytes>::from(gathered.clone()), [Bytes::from("a"), Bytes::new(), Bytes::from("c")]);
             assert_eq!(format!("{:?}", gathered.iter()), "GatheredIter { left: 3 }");
+            assert_eq!(gathered, [b"a".as_slice(), b"", b"c"]);
+            assert_eq!(gathered, &[b"a".as_slice(), b"", b"c"][..]);
+            assert_eq!(vec![b"a".to_vec(), vec![], b"c".to_vec()], gathered);
+            let shared: Arc<[Bytes]> = gathered.clone().into();
+            assert_eq!(gathered, shared[..]);
+            let mut owned = gathered.clone().into_iter();
+            assert_eq!((owned.len(), format!("{owned:?}")), (3, "GatheredIntoIter { left: 3 }".to_owned()));
+            assert_eq!((owned.next_back(), owned.next()), (Some(Bytes::from("c")), Some(Bytes::from("a"))));
+            assert_eq!(owned.collect::<Vec<_>>(), [Bytes::new()]);
         }
+        // Equal results hash alike across forms; a default is the empty result.
+        use std::hash::BuildHasher;
+        let [built, decoded] = both(&[b"a", b"", b"c"]);
+        let state = std::hash::RandomState::new();
+        assert_eq!(state.hash_one(&built), state.hash_one(&decoded));
+        assert_ne!(state.hash_one(&built), state.hash_one(&both(&[b"a", b"c", b""])[1]));
+        assert_eq!(Gathered::default(), both(&[])[1]);
         for gathered in both(&[]) {
             assert_eq!((gathered.first(), gathered.last()), (None, None));
             assert_eq!(gathered, Vec::<Bytes>::new());

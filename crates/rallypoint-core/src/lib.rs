@@ -27,7 +27,7 @@ pub use error::{
     AbortInfo, AuthRefusal, CallShape, CollectiveKind, JobIncarnation, LossReason, Missing, OpError, OpRef,
     ProcessInfo, RankInfo, RankRanges, RankState,
 };
-pub use gathered::{Gathered, GatheredIter, MalformedGathered};
+pub use gathered::{Gathered, GatheredIntoIter, GatheredIter, MalformedGathered};
 pub use identity::{Identity, Incarnation, SessionId};
 pub use request::{Members, Millis, Name, Outgoing, Reply, Request, Response, Welcome, MAX_JOBS_LISTED};
 pub use session_table::{SessionTable, SlotTable, Slotted};

@@ -22,6 +22,8 @@
 //! the benchmarks (`rallypoint-bench`) are a binary of their own; the page and the
 //! stacks are the command's, not re-exported here.
 
+/// The byte strings values come as ([`Gathered::value`], [`Client::get`]).
+pub use bytes::{self, Bytes};
 pub use rallypoint_client::{blocking, env, Client, ConnectOptions, Error, Gathered, DEFAULT_TIMEOUT};
 pub use rallypoint_core::{
     AbortInfo, CallShape, CollectiveKind, Config, Identity, Limits, LossReason, Members, OpError, OpRef, RankInfo,
@@ -33,8 +35,8 @@ pub use rallypoint_server::{Server, ServerConfig, ServerHandle};
 /// The async client and its options ([`rallypoint_client`]).
 pub mod client {
     pub use rallypoint_client::{
-        AuthFailure, AuthRefusal, Client, ConnectOptions, Credentials, Error, Gathered, GatheredIter, TlsClient, Token,
-        DEFAULT_TIMEOUT,
+        AuthFailure, AuthRefusal, Client, ConnectOptions, Credentials, Error, Gathered, GatheredIntoIter, GatheredIter,
+        MalformedGathered, TlsClient, Token, DEFAULT_TIMEOUT,
     };
 }
 
