@@ -62,14 +62,19 @@ pub(crate) fn encode_reply_body_shared(reply: &Reply, dst: &mut BytesMut) -> Opt
 pub(crate) fn gathered_len(gathered: &Gathered) -> usize {
     match gathered.cached_encoding() {
         Some(encoding) => encoding.len(),
-        // The count, then each value with its length.
-        None => gathered.len().saturating_add(1).saturating_mul(4).saturating_add(gathered.values_len()),
+        None => list_len(gathered.len(), gathered.values_len()),
     }
 }
 
 /// Length of a `list<bytes>`; saturates rather than wrap.
 pub(crate) fn blobs_len(blobs: &[Bytes]) -> usize {
-    blobs.iter().fold(4, |total: usize, blob| total.saturating_add(blob.len()).saturating_add(4))
+    list_len(blobs.len(), blobs.iter().map(Bytes::len).fold(0, usize::saturating_add))
+}
+
+/// Length of a `list<bytes>` of `count` items of `bytes` together: the count, then
+/// each item with its length. Saturates rather than wrap.
+fn list_len(count: usize, bytes: usize) -> usize {
+    count.saturating_add(1).saturating_mul(4).saturating_add(bytes)
 }
 
 /// The `list<bytes>` of a Gathered reply, encoded by the first reply that needs it.
@@ -114,12 +119,7 @@ fn encode_response(response: &Response, dst: &mut BytesMut) {
             // Encoding into a buffer of its own first would cost a second copy.
             match gathered.cached_encoding() {
                 Some(encoding) => dst.put_slice(encoding),
-                None => {
-                    dst.put_count(gathered.len());
-                    for value in gathered {
-                        dst.put_blob(value);
-                    }
-                }
+                None => put_blobs(dst, gathered),
             }
         }
         Response::Popped { len_before, value } => {

@@ -226,8 +226,17 @@ pub(crate) fn decode_members(r: &mut Reader) -> DecodeResult<Members> {
     })
 }
 
-pub(crate) fn put_blobs(dst: &mut BytesMut, items: &[Bytes]) {
-    dst.put_list(items, |dst, item| dst.put_blob(item));
+/// A `list<bytes>`: the count, then each item with its length. Any byte strings,
+/// so that an all-gather's result writes its values as they lie, without a list.
+pub(crate) fn put_blobs<B: AsRef<[u8]>>(
+    dst: &mut BytesMut,
+    items: impl IntoIterator<Item = B, IntoIter: ExactSizeIterator>,
+) {
+    let items = items.into_iter();
+    dst.put_count(items.len());
+    for item in items {
+        dst.put_blob(item.as_ref());
+    }
 }
 
 pub(crate) fn blobs(r: &mut Reader, field: &str) -> DecodeResult<Vec<Bytes>> {
