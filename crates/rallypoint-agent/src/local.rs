@@ -120,14 +120,15 @@ impl Local {
         }
     }
 
-    /// For attach request `id`: slot `slot` of `channel`, whose memory file and
-    /// doorbell go with the first such frame to this rank.
+    /// For attach request `id`: slot `slot` of `channel`, whose memory file,
+    /// doorbell and release bell go with the first such frame to this rank.
     pub(crate) fn barrier_channel(&self, id: u64, channel: &Channel, slot: u32) {
         let mut out = lock(&self.out);
         if out.channels_given.insert(channel.id) {
             let at = out.written + out.buf.len() as u64;
             out.files.push_back((at, Arc::clone(&channel.shm.file)));
             out.files.push_back((at, Arc::clone(&channel.shm.doorbell)));
+            out.files.push_back((at, Arc::clone(&channel.shm.bell)));
         }
         encode_server_frame(&ServerFrame::BarrierChannel { id, channel: channel.id, slot }, &mut out.buf);
         self.push(&mut out);

@@ -22,8 +22,15 @@
 //!
 //! Waiting: the blocking client waits on the futex in its caller's thread (the
 //! one wake-up a release costs). The async client must not block a runtime
-//! thread (a process may hold thousands of clients): a watcher thread per channel
-//! and process sleeps on the futex for all of them and wakes their tasks.
+//! thread (a process may hold thousands of clients): one task per channel and
+//! process listens to the channel's release bell (an eventfd the agent rings after
+//! a release while anyone sleeps on it) through its runtime's event loop and wakes
+//! the process's tasks waiting on the channel, so a release wakes the runtime's
+//! thread directly, as a reply on a socket would. A thread in between (sleeping on
+//! the futex, then waking the tasks) would cost two more context switches a round.
+//! Where the bell cannot be listened to (or the runtime of its listener is gone), a
+//! watcher thread per channel and process sleeps on the futex for the async waiters
+//! and wakes their tasks.
 //!
 //! A channel belongs to one connection: when it ends, every rank of this process
 //! waiting on it is woken (the agent may be gone and never wake them), and later
@@ -40,11 +47,13 @@
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Once, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use rallypoint_core::{Members, Request, Response};
 use rallypoint_net::shm_barrier::{Outcome, RankChannel, Until, Waited};
+use tokio::io::unix::AsyncFd;
+use tokio::io::Interest;
 use tokio::sync::{mpsc, Notify};
 use tracing::{debug, warn};
 
@@ -133,14 +142,32 @@ struct Mapped {
     watched: Arc<Watched>,
 }
 
-/// A channel watched for the async waiters of this process: one thread per channel
-/// and process, however many clients of the process use it (each of them waiting
-/// in a thread of its own would wake as many threads at every release).
+/// A channel watched for the async waiters of this process, however many clients
+/// of the process use it (each waiter listening on its own would cost a wake-up
+/// each at every release): `moved` wakes them at each release, from the task that
+/// listens to the release bell or else from the watcher thread, and when their calls
+/// may have been answered on the socket or their connection ended.
 struct Watched {
     channel: RankChannel,
-    /// Wakes the async tasks waiting on the channel (from its watcher thread).
+    /// The task listening to the release bell, started by the process's first async
+    /// wait on the channel in that wait's runtime (stopped when this drops); `None`:
+    /// it could not be.
+    listener: OnceLock<Option<AbortOnDrop>>,
+    /// The listener could not start or has stopped (its runtime is gone): the
+    /// watcher thread wakes the waits from now on.
+    deaf: AtomicBool,
+    /// Wakes the async tasks waiting on the channel.
     moved: Notify,
     watcher: Once,
+}
+
+/// Stops a task when dropped.
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// A channel's memory file: (device, inode).
@@ -152,7 +179,7 @@ static WATCHED: Mutex<Vec<(FileKey, Weak<Watched>)>> = Mutex::new(Vec::new());
 impl Watched {
     /// The watcher of the channel whose memory file is `file` (mapping it anew for
     /// the watcher if this process has none yet).
-    fn of(file: &OwnedFd, doorbell: &OwnedFd) -> std::io::Result<Arc<Watched>> {
+    fn of(file: &OwnedFd, doorbell: &OwnedFd, bell: &OwnedFd) -> std::io::Result<Arc<Watched>> {
         use std::os::unix::fs::MetadataExt;
         let meta = std::fs::File::from(file.try_clone()?).metadata()?;
         let key = (meta.dev(), meta.ino());
@@ -161,18 +188,54 @@ impl Watched {
         if let Some(live) = watched.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
             return Ok(live);
         }
-        let channel = RankChannel::map(file.try_clone()?, doorbell.try_clone()?)?;
-        let made = Arc::new(Watched { channel, moved: Notify::new(), watcher: Once::new() });
+        let channel = RankChannel::map(file.try_clone()?, doorbell.try_clone()?, bell.try_clone()?)?;
+        let made = Arc::new(Watched {
+            channel,
+            listener: OnceLock::new(),
+            deaf: AtomicBool::new(false),
+            moved: Notify::new(),
+            watcher: Once::new(),
+        });
         watched.push((key, Arc::downgrade(&made)));
         Ok(made)
+    }
+
+    /// Whether a task listens to the release bell: started at the first call, in
+    /// the current runtime. `false`: none can, or it stopped; the caller then
+    /// starts the watcher thread ([`Watched::watch`]).
+    fn listen(self: &Arc<Self>) -> bool {
+        let listener = self.listener.get_or_init(|| {
+            // Outside a runtime (where no call of ours is polled): nothing to listen with.
+            let Ok(runtime) = tokio::runtime::Handle::try_current() else { return None };
+            let bell = self.channel.bell().try_clone_to_owned().and_then(|bell| {
+                // SAFETY: the descriptor is the AsyncFd's own (a duplicate), open until it drops.
+                unsafe { AsyncFd::register_with_interest(bell, Interest::READABLE) }.map_err(|error| error.into())
+            });
+            match bell {
+                Ok(bell) => {
+                    let listener = runtime.spawn(listen(bell, Deafened(Arc::downgrade(self))));
+                    Some(AbortOnDrop(listener.abort_handle()))
+                }
+                Err(error) => {
+                    debug!(%error, "cannot listen to a barrier channel's release bell");
+                    None
+                }
+            }
+        });
+        listener.is_some() && !self.deaf()
+    }
+
+    fn deaf(&self) -> bool {
+        self.deaf.load(Ordering::Acquire)
     }
 
     /// Starts the thread that watches the channel for async waiters, once.
     fn watch(self: &Arc<Self>) {
         self.watcher.call_once(|| {
             let watched = Arc::downgrade(self);
-            // Read here, before the caller arrives: any release from then on wakes it
-            // (read in the new thread, it could miss the release of this very round).
+            // Read here, before the caller's next look at its slot: any release from
+            // then on wakes it (read in the new thread, it could miss the release of
+            // this very round).
             let seen = self.channel.release_word();
             let started =
                 std::thread::Builder::new().name("rallypoint-barrier".to_owned()).spawn(move || watch(watched, seen));
@@ -181,6 +244,32 @@ impl Watched {
                 warn!(%error, "cannot start a barrier channel's watcher thread");
             }
         });
+    }
+}
+
+/// The task listening to a channel's release bell: wakes the channel's async waiters
+/// at each ring, until the channel is no longer used in this process. Should it
+/// stop otherwise (its runtime shut down, even before it first ran), its
+/// [`Deafened`] tells them so.
+async fn listen(bell: AsyncFd<OwnedFd>, watched: Deafened) {
+    while let Ok(mut rang) = bell.readable().await {
+        // Cleared before the waiters look: a ring after their look is a new edge.
+        rang.clear_ready();
+        let Some(watched) = watched.0.upgrade() else { return };
+        watched.moved.notify_waiters();
+    }
+}
+
+/// The channel a listener serves: dropped with the listener, it marks the channel
+/// [`Watched::deaf`] and wakes its waiters to find out (unless the channel is gone).
+struct Deafened(Weak<Watched>);
+
+impl Drop for Deafened {
+    fn drop(&mut self) {
+        if let Some(watched) = self.0.upgrade() {
+            watched.deaf.store(true, Ordering::Release);
+            watched.moved.notify_waiters();
+        }
     }
 }
 
@@ -205,7 +294,7 @@ fn watch(watched: Weak<Watched>, mut seen: u32) {
 pub(crate) enum Waiting {
     /// Blocks the calling thread (the blocking client's caller, not a runtime's).
     Thread,
-    /// Awaits, woken by the channel's watcher thread.
+    /// Awaits, woken by the task listening to the channel's release bell.
     Task,
 }
 
@@ -285,22 +374,25 @@ impl Channels {
         let mapped = match state.mapped.get(&channel) {
             Some(mapped) => mapped.clone(),
             None => {
-                let (Some(file), Some(doorbell)) = (files.pop_front(), files.pop_front()) else {
+                let (Some(file), Some(doorbell), Some(bell)) =
+                    (files.pop_front(), files.pop_front(), files.pop_front())
+                else {
                     return Err(format!("barrier channel {channel} came without its files"));
                 };
-                let mapped =
-                    match Watched::of(&file, &doorbell).and_then(|w| Ok((w, RankChannel::map(file, doorbell)?))) {
-                        Ok((watched, channel)) => {
-                            let mapped = Arc::new(Mapped { channel, ended: AtomicBool::new(false), watched });
-                            state.live.retain(|live| live.strong_count() > 0);
-                            state.live.push(Arc::downgrade(&mapped));
-                            Some(mapped)
-                        }
-                        Err(error) => {
-                            debug!(channel, %error, "cannot map a barrier channel; its barriers go through messages");
-                            None
-                        }
-                    };
+                let mapped = match Watched::of(&file, &doorbell, &bell)
+                    .and_then(|w| Ok((w, RankChannel::map(file, doorbell, bell)?)))
+                {
+                    Ok((watched, channel)) => {
+                        let mapped = Arc::new(Mapped { channel, ended: AtomicBool::new(false), watched });
+                        state.live.retain(|live| live.strong_count() > 0);
+                        state.live.push(Arc::downgrade(&mapped));
+                        Some(mapped)
+                    }
+                    Err(error) => {
+                        debug!(channel, %error, "cannot map a barrier channel; its barriers go through messages");
+                        None
+                    }
+                };
                 state.mapped.insert(channel, mapped.clone());
                 mapped
             }
@@ -358,6 +450,7 @@ impl Channels {
         for mapped in live.iter().filter_map(Weak::upgrade) {
             mapped.ended.store(true, Ordering::Release);
             mapped.channel.wake_waiters();
+            mapped.watched.moved.notify_waiters();
         }
     }
 
@@ -570,7 +663,7 @@ pub(crate) fn barrier_on_thread(link: &Arc<Link>, call: &BarrierCall<'_>, wait: 
         };
         (seat, id)
     };
-    let arrival = arrive(link, seat, id, wait, Waiting::Thread);
+    let arrival = arrive(link, seat, id, wait);
     let (waited, deadline) = wait_thread(link, &arrival);
     match settle(link, arrival, waited, deadline) {
         Settled::Done(outcome, seat) => {
@@ -697,7 +790,7 @@ async fn arrive_and_wait(
     wait: Duration,
     waiting: Waiting,
 ) -> (Result<(), Error>, Then) {
-    let arrival = arrive(link, seat, id, wait, waiting);
+    let arrival = arrive(link, seat, id, wait);
     let (waited, deadline) = match waiting {
         Waiting::Thread => wait_thread(link, &arrival),
         Waiting::Task => wait_task(link, &arrival).await,
@@ -721,13 +814,10 @@ struct Arrival {
 
 /// Arrives in the seat's slot for the next round as call `id` (its error, if any,
 /// comes on the socket under that id).
-fn arrive(link: &Link, mut seat: Seat, id: u64, wait: Duration, waiting: Waiting) -> Arrival {
+fn arrive(link: &Link, mut seat: Seat, id: u64, wait: Duration) -> Arrival {
     // Read before the id is in the slot: no reply to it can have come yet.
     let stashes = link.stashes();
     seat.round = seat.round.wrapping_add(1).max(1);
-    if waiting == Waiting::Task {
-        seat.channel.watched.watch();
-    }
     seat.channel.channel.arrive(seat.slot, seat.round, id);
     Arrival { id, seat, wait, stashes }
 }
@@ -829,8 +919,9 @@ fn settle(link: &Link, arrival: Arrival, waited: Waited, deadline: Option<Instan
 }
 
 /// [`RankChannel::wait`] for an async task: a spin while it pays, then woken by
-/// the channel's watcher thread; stops when the call's reply or the connection's
-/// end comes first. Returns as [`wait_thread`].
+/// the channel's release bell through the runtime (or by the watcher thread);
+/// stops when the call's reply or the connection's end comes first. Returns as
+/// [`wait_thread`].
 async fn wait_task(link: &Link, arrival: &Arrival) -> (Waited, Option<Instant>) {
     let (mapped, slot, round) = (&arrival.seat.channel, arrival.seat.slot, arrival.seat.round);
     if let Some(outcome) = mapped.channel.spin(slot, round) {
@@ -846,13 +937,21 @@ async fn wait_task(link: &Link, arrival: &Arrival) -> (Waited, Option<Instant>) 
 /// [`wait_task`] past its spin, until `deadline`.
 async fn wait_task_until(link: &Link, arrival: &Arrival, deadline: Instant) -> Waited {
     let (mapped, slot, round) = (&arrival.seat.channel, arrival.seat.slot, arrival.seat.round);
+    let watched = &mapped.watched;
     let deadline = tokio::time::Instant::from_std(deadline);
+    // Counted before the first look at the slot: every release from then on rings.
+    let asleep = watched.listen().then(|| mapped.channel.sleep_on_bell());
+    let sleep = tokio::time::sleep_until(deadline);
+    tokio::pin!(sleep);
     loop {
-        let moved = mapped.watched.moved.notified();
+        let moved = watched.moved.notified();
         tokio::pin!(moved);
         // Registered before looking, so that a release (or a reply: see
         // [`Channels::wake_async_waiters`]) after the look wakes it.
         moved.as_mut().enable();
+        if asleep.is_none() || watched.deaf() {
+            watched.watch();
+        }
         if let Some(outcome) = mapped.channel.outcome(slot, round) {
             return Waited::Ended(outcome);
         }
@@ -862,7 +961,7 @@ async fn wait_task_until(link: &Link, arrival: &Arrival, deadline: Instant) -> W
         }
         tokio::select! {
             () = moved => {}
-            () = tokio::time::sleep_until(deadline) => return Waited::TimedOut,
+            () = &mut sleep => return Waited::TimedOut,
         }
     }
 }

@@ -12,7 +12,9 @@
 //! agent's doorbell, an eventfd. The agent forwards the node's arrivals to the
 //! coordinator as one frame; when the coordinator releases them, it writes each
 //! slot's outcome and wakes every waiting rank at once with one futex wake on the
-//! header's release word. A failure is marked in the slot; its typed error travels
+//! header's release word, and rings the channel's *release bell* (a second eventfd)
+//! when a rank that cannot block a thread on the futex (an async task) sleeps in
+//! its event loop instead. A failure is marked in the slot; its typed error travels
 //! on the rank's socket as the reply to the rank's request id, as without a channel.
 //!
 //! The counts only decide *when* the agent looks; *what* it forwards is what the
@@ -23,13 +25,13 @@
 //! rallypoint_loom" cargo test -p rallypoint-net --release --lib shm_barrier`).
 
 mod atomic {
-    #[cfg(rallypoint_loom)]
-    pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering};
-    #[cfg(not(rallypoint_loom))]
-    pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+    #[cfg(all(test, rallypoint_loom))]
+    pub(crate) use loom::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
+    #[cfg(not(all(test, rallypoint_loom)))]
+    pub(crate) use std::sync::atomic::{fence, AtomicU32, AtomicU64, Ordering};
 }
 
-use atomic::{AtomicU32, AtomicU64, Ordering};
+use atomic::{fence, AtomicU32, AtomicU64, Ordering};
 
 /// What a slot's last finished round came to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +79,8 @@ pub(crate) trait Cells {
     fn expect(&self) -> &AtomicU32;
     /// Bumped by the agent after finishing rounds: the word ranks wait on.
     fn release(&self) -> &AtomicU32;
+    /// Ranks asleep in an event loop, woken by the release bell, not the futex.
+    fn bell_sleepers(&self) -> &AtomicU32;
     fn slot(&self, slot: u32) -> SlotCells<'_>;
 }
 
@@ -125,10 +129,28 @@ pub(crate) fn finish(cells: &impl Cells, slot: u32, round: u32, outcome: Outcome
 }
 
 /// The agent publishes the rounds finished since the last call; the caller then
-/// wakes the waiters (a futex wake of all on the release word).
-pub(crate) fn publish(cells: &impl Cells) {
+/// wakes the waiters (a futex wake of all on the release word) and, if this returns
+/// true, rings the release bell: a rank sleeps on it ([`sleep_on_bell`]).
+pub(crate) fn publish(cells: &impl Cells) -> bool {
     // Release: a rank that reads the new value sees every `finish` before it.
     cells.release().fetch_add(1, Ordering::Release);
+    // Against the rank's fence in `sleep_on_bell`: either it sees the rounds
+    // finished, or this sees it counted and rings.
+    fence(Ordering::SeqCst);
+    cells.bell_sleepers().load(Ordering::Relaxed) > 0
+}
+
+/// A rank is about to sleep on the release bell rather than the futex: counted
+/// before it looks at its slot for the last time, so that a release it does not
+/// see rings the bell ([`publish`]). Undone by [`woke_from_bell`].
+pub(crate) fn sleep_on_bell(cells: &impl Cells) {
+    cells.bell_sleepers().fetch_add(1, Ordering::Relaxed);
+    fence(Ordering::SeqCst);
+}
+
+/// A rank counted by [`sleep_on_bell`] no longer sleeps.
+pub(crate) fn woke_from_bell(cells: &impl Cells) {
+    cells.bell_sleepers().fetch_sub(1, Ordering::Relaxed);
 }
 
 /// A rank: the release word to wait on (read before looking at the slot, so that
@@ -143,10 +165,10 @@ pub(crate) fn outcome(cells: &impl Cells, slot: u32, round: u32) -> Option<Outco
     (s.done.load(Ordering::Acquire) == round).then(|| Outcome::of(s.outcome.load(Ordering::Relaxed)))
 }
 
-#[cfg(not(rallypoint_loom))]
+#[cfg(not(all(test, rallypoint_loom)))]
 pub use mapped::*;
 
-#[cfg(not(rallypoint_loom))]
+#[cfg(not(all(test, rallypoint_loom)))]
 mod mapped {
     use std::fs::File;
     use std::io;
@@ -176,6 +198,7 @@ mod mapped {
     const EXPECT: usize = 68;
     const RELEASE: usize = 128;
     const ATTACHED: usize = 132;
+    const BELL_SLEEPERS: usize = 136;
     /// Slots per channel at most: a node with more ranks at one barrier uses more channels.
     pub const MAX_SLOTS: u32 = 4096;
 
@@ -219,6 +242,9 @@ mod mapped {
         fn release(&self) -> &AtomicU32 {
             self.u32_at(RELEASE)
         }
+        fn bell_sleepers(&self) -> &AtomicU32 {
+            self.u32_at(BELL_SLEEPERS)
+        }
         fn slot(&self, slot: u32) -> SlotCells<'_> {
             let at = self.slot_offset(slot);
             SlotCells {
@@ -234,11 +260,12 @@ mod mapped {
         HEADER + slots as usize * SLOT
     }
 
-    /// A channel as its agent holds it: the memory file and the doorbell to pass to
-    /// the ranks, and the file mapped.
+    /// A channel as its agent holds it: the memory file, the doorbell and the
+    /// release bell to pass to the ranks, and the file mapped.
     pub struct AgentChannel {
         pub file: Arc<OwnedFd>,
         pub doorbell: Arc<OwnedFd>,
+        pub bell: Arc<OwnedFd>,
         words: Words,
     }
 
@@ -256,12 +283,13 @@ mod mapped {
             let file = OwnedFd::from(file);
             rustix::fs::fcntl_add_seals(&file, SEALS)?;
             let doorbell = rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
+            let bell = rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)?;
             let words = Words { map, slots };
             words.u32_at(0).store(MAGIC, Ordering::Relaxed);
             words.u32_at(4).store(VERSION, Ordering::Relaxed);
             words.u32_at(8).store(slots, Ordering::Relaxed);
             words.expect().store(u32::MAX, Ordering::SeqCst);
-            Ok(AgentChannel { file: Arc::new(file), doorbell: Arc::new(doorbell), words })
+            Ok(AgentChannel { file: Arc::new(file), doorbell: Arc::new(doorbell), bell: Arc::new(bell), words })
         }
 
         pub fn slots(&self) -> u32 {
@@ -298,10 +326,19 @@ mod mapped {
         }
 
         /// Publishes every round finished since the last call and wakes every rank
-        /// waiting on the channel: one futex wake of all.
+        /// waiting on the channel: one futex wake of all, and one ring of the release
+        /// bell if a rank sleeps on it.
         pub fn release(&self) {
-            super::publish(&self.words);
+            let ring = super::publish(&self.words);
             wake_all(self.words.release());
+            if ring {
+                ring_bell(&self.bell);
+            }
+        }
+
+        /// Ranks asleep on the release bell now (async tasks waiting for a release).
+        pub fn bell_sleepers(&self) -> u32 {
+            self.words.bell_sleepers().load(Ordering::SeqCst)
         }
 
         /// Every attached rank has counted its arrival (or the count ran ahead, see
@@ -321,6 +358,17 @@ mod mapped {
     pub struct RankChannel {
         words: Words,
         doorbell: OwnedFd,
+        bell: OwnedFd,
+    }
+
+    /// A rank counted among those asleep on the release bell ([`RankChannel::sleep_on_bell`])
+    /// until this is dropped.
+    pub struct BellSleep<'a>(&'a RankChannel);
+
+    impl Drop for BellSleep<'_> {
+        fn drop(&mut self) {
+            super::woke_from_bell(&self.0.words);
+        }
     }
 
     /// When a rank's wait for a round gives up.
@@ -346,8 +394,8 @@ mod mapped {
 
     impl RankChannel {
         /// Maps a channel's file (checked: sealed, of the layout this code knows,
-        /// as large as it says) with its doorbell.
-        pub fn map(file: OwnedFd, doorbell: OwnedFd) -> io::Result<RankChannel> {
+        /// as large as it says) with its doorbell and release bell.
+        pub fn map(file: OwnedFd, doorbell: OwnedFd, bell: OwnedFd) -> io::Result<RankChannel> {
             let invalid = |message: String| io::Error::new(io::ErrorKind::InvalidData, message);
             let seals = rustix::fs::fcntl_get_seals(&file)?;
             if !seals.contains(SealFlags::SHRINK) {
@@ -376,7 +424,7 @@ mod mapped {
                 return Err(invalid(format!("a barrier channel of {len} bytes claims {slots} slots")));
             }
             let words = Words { map: probe.map, slots };
-            Ok(RankChannel { words, doorbell })
+            Ok(RankChannel { words, doorbell, bell })
         }
 
         pub fn slots(&self) -> u32 {
@@ -472,6 +520,22 @@ mod mapped {
             self.outcome(slot, round)
         }
 
+        /// The release bell: an eventfd the agent writes after a release while a rank
+        /// sleeps on it ([`RankChannel::sleep_on_bell`]). Nobody reads it: a waiter
+        /// watches it edge-triggered (as an async runtime's event loop does), each
+        /// ring an edge, and looks at its slot after each.
+        pub fn bell(&self) -> std::os::fd::BorrowedFd<'_> {
+            self.bell.as_fd()
+        }
+
+        /// Counts the caller among the ranks asleep on the release bell until the
+        /// guard drops: from now on every release rings it. Call before the last
+        /// look at the slot (and be registered for the bell's edges before it).
+        pub fn sleep_on_bell(&self) -> BellSleep<'_> {
+            super::sleep_on_bell(&self.words);
+            BellSleep(self)
+        }
+
         /// The release word: it moves whenever the agent finishes rounds.
         pub fn release_word(&self) -> u32 {
             super::release_word(&self.words)
@@ -489,8 +553,11 @@ mod mapped {
         /// with ended): the release word moves, so no waiter can sleep through it.
         /// Other ranks waiting wake too, find nothing new, and wait again.
         pub fn wake_waiters(&self) {
-            super::publish(&self.words);
+            let ring = super::publish(&self.words);
             wake_all(self.words.release());
+            if ring {
+                ring_bell(&self.bell);
+            }
         }
     }
 
@@ -525,6 +592,13 @@ mod mapped {
         let _ = futex::wake(word, futex::Flags::empty(), i32::MAX as u32);
     }
 
+    /// Rings the release bell: an edge for every event loop watching it.
+    fn ring_bell(bell: &OwnedFd) {
+        // Nobody reads it, so its count only grows: full (2^64 - 2 rings), a write
+        // fails, and the edges stop; it takes centuries at a million rounds a second.
+        let _ = rustix::io::write(bell.as_fd(), &1u64.to_ne_bytes());
+    }
+
     #[cfg(test)]
     mod tests {
         use std::os::fd::AsFd;
@@ -536,7 +610,8 @@ mod mapped {
         fn rank_of(agent: &AgentChannel) -> RankChannel {
             let file = agent.file.as_fd().try_clone_to_owned().expect("dup");
             let doorbell = agent.doorbell.as_fd().try_clone_to_owned().expect("dup");
-            RankChannel::map(file, doorbell).expect("maps")
+            let bell = agent.bell.as_fd().try_clone_to_owned().expect("dup");
+            RankChannel::map(file, doorbell, bell).expect("maps")
         }
 
         /// Two ranks in two processes' worth of mappings: arrivals ring the doorbell
@@ -763,17 +838,46 @@ mod mapped {
             }
         }
 
+        /// Whether `bell` has rung since it was last emptied here (a rank never
+        /// empties it: this stands for an edge its event loop would see).
+        fn rang(bell: &OwnedFd) -> bool {
+            let mut buf = [0u8; 8];
+            matches!(rustix::io::read(bell.as_fd(), &mut buf), Ok(8))
+        }
+
+        /// The release bell rings at a release only while a rank sleeps on it,
+        /// and a rank's end of the connection (waking its own waiters) rings it too.
+        #[test]
+        fn the_release_bell_rings_only_while_a_rank_sleeps_on_it() {
+            let agent = channel_of(2);
+            let (rank, other) = (rank_of(&agent), rank_of(&agent));
+            let bell = rank.bell().try_clone_to_owned().expect("dup");
+            agent.release();
+            assert!(!rang(&bell), "nobody sleeps on the bell: no ring");
+            {
+                let _asleep = rank.sleep_on_bell();
+                let _other = other.sleep_on_bell();
+                agent.release();
+                assert!(rang(&bell), "a release while ranks sleep on the bell rings it");
+                rank.wake_waiters();
+                assert!(rang(&bell), "waking this process's waiters rings it too");
+            }
+            agent.release();
+            assert!(!rang(&bell), "both woke: no ring");
+        }
+
         #[test]
         fn only_a_sealed_channel_of_this_layout_maps() {
             let agent = AgentChannel::create(2).expect("a channel");
             let doorbell = || agent.doorbell.as_fd().try_clone_to_owned().expect("dup");
             let unsealed = rustix::fs::memfd_create("unsealed", MemfdFlags::CLOEXEC).expect("a memory file");
             rustix::fs::ftruncate(&unsealed, 4096).expect("size");
-            let error = RankChannel::map(unsealed, doorbell()).err().expect("unsealed");
+            let error = RankChannel::map(unsealed, doorbell(), doorbell()).err().expect("unsealed");
             assert!(error.to_string().contains("not sealed"), "{error}");
             // A slab (module `shm`) is sealed, but no channel.
             let slab = crate::shm::Slab::create(10).expect("a slab");
-            let error = RankChannel::map(slab.file.as_fd().try_clone_to_owned().expect("dup"), doorbell()).err();
+            let slab_file = slab.file.as_fd().try_clone_to_owned().expect("dup");
+            let error = RankChannel::map(slab_file, doorbell(), doorbell()).err();
             assert!(error.expect("not a channel").to_string().contains("magic"));
         }
     }
@@ -781,9 +885,11 @@ mod mapped {
 
 /// The protocol under `loom`: every interleaving (and every weak-memory outcome loom
 /// models) of ranks arriving and waiting against an agent that takes, forwards and
-/// releases. The futex and the doorbell (an eventfd) are modelled as what they
-/// guarantee: a futex wait sleeps only while the word still holds the value seen
-/// (checked under the kernel's lock), an eventfd keeps a count until read. Checked:
+/// releases, some ranks sleeping on the futex and some on the release bell. The
+/// futex and the eventfds are modelled as what they guarantee: a futex wait sleeps
+/// only while the word still holds the value seen (checked under the kernel's
+/// lock), the doorbell keeps a count until read, and an event loop registered for
+/// the release bell's edges wakes at any ring after it registered. Checked:
 /// no arrival goes unannounced (the agent would sleep forever, a deadlock loom
 /// reports), nothing is released before every rank arrived, a call id read is the
 /// arrival's own, and every rank sees its own round end.
@@ -804,6 +910,9 @@ mod model {
         futex: (Mutex<()>, Condvar),
         /// The doorbell: an eventfd's count.
         doorbell: (Mutex<u32>, Condvar),
+        bell_sleepers: AtomicU32,
+        /// The release bell, as an event loop watching it sees it: rings so far.
+        bell: (Mutex<u32>, Condvar),
         /// Set by the agent when it forwards a round: every rank had arrived.
         all_arrived: Vec<AtomicBool>,
     }
@@ -817,6 +926,9 @@ mod model {
         }
         fn release(&self) -> &AtomicU32 {
             &self.release
+        }
+        fn bell_sleepers(&self) -> &AtomicU32 {
+            &self.bell_sleepers
         }
         fn slot(&self, slot: u32) -> SlotCells<'_> {
             let [arrived, done, outcome] = &self.slots[slot as usize];
@@ -845,6 +957,26 @@ mod model {
             bell.notify_one();
         }
 
+        fn ring_release_bell(&self) {
+            let (rings, bell) = &self.bell;
+            *rings.lock().expect("lock") += 1;
+            bell.notify_all();
+        }
+
+        /// An event loop registered for the bell's edges: the rings it has seen.
+        fn bell_rings(&self) -> u32 {
+            *self.bell.0.lock().expect("lock")
+        }
+
+        /// Sleeps until the bell rang past `seen` rings (an edge since registering).
+        fn bell_wait(&self, seen: u32) {
+            let (rings, bell) = &self.bell;
+            let mut rung = rings.lock().expect("lock");
+            while *rung == seen {
+                rung = bell.wait(rung).expect("wait");
+            }
+        }
+
         /// Waits for the doorbell unless `look_again`; empties it.
         fn wait_bell(&self, look_again: bool) {
             let (count, bell) = &self.doorbell;
@@ -865,23 +997,38 @@ mod model {
             calls: (0..ranks).map(|_| AtomicU64::new(0)).collect(),
             futex: (Mutex::new(()), Condvar::new()),
             doorbell: (Mutex::new(0), Condvar::new()),
+            bell_sleepers: AtomicU32::new(0),
+            bell: (Mutex::new(0), Condvar::new()),
             all_arrived: (0..=rounds).map(|_| AtomicBool::new(false)).collect(),
         })
     }
 
-    fn rank(m: &Memory, slot: u32, rounds: u32) {
+    /// A rank; `on_bell`: it sleeps on the release bell, as an async task does,
+    /// else on the futex.
+    fn rank(m: &Memory, slot: u32, rounds: u32, on_bell: bool) {
         for round in 1..=rounds {
             if arrive(m, slot, round, u64::from(slot * 100 + round)) {
                 m.ring();
             }
+            if on_bell {
+                sleep_on_bell(m);
+            }
             loop {
                 let seen = release_word(m);
+                let rings = m.bell_rings();
                 if let Some(outcome) = outcome(m, slot, round) {
                     assert_eq!(outcome, Outcome::Released);
                     assert!(m.all_arrived[round as usize].load(Ordering::Relaxed), "released before everyone arrived");
                     break;
                 }
-                m.futex_wait(seen);
+                if on_bell {
+                    m.bell_wait(rings);
+                } else {
+                    m.futex_wait(seen);
+                }
+            }
+            if on_bell {
+                woke_from_bell(m);
             }
         }
     }
@@ -918,13 +1065,17 @@ mod model {
                     finish(m, slot, released, Outcome::Released);
                 }
                 look_again |= took(m, 0, ranks) > 0;
-                publish(m);
+                let ring = publish(m);
                 m.futex_wake();
+                if ring {
+                    m.ring_release_bell();
+                }
             }
         }
     }
 
-    fn check(ranks: u32, rounds: u32) {
+    /// `on_bell`: how many of the ranks (the first ones) sleep on the release bell.
+    fn check(ranks: u32, rounds: u32, on_bell: u32) {
         let mut builder = loom::model::Builder::new();
         builder.preemption_bound = Some(3);
         builder.check(move || {
@@ -932,7 +1083,7 @@ mod model {
             let threads: Vec<_> = (0..ranks)
                 .map(|slot| {
                     let m = Arc::clone(&m);
-                    loom::thread::spawn(move || rank(&m, slot, rounds))
+                    loom::thread::spawn(move || rank(&m, slot, rounds, slot < on_bell))
                 })
                 .collect();
             agent(&m, ranks, rounds);
@@ -944,21 +1095,36 @@ mod model {
 
     #[test]
     fn one_rank_one_round() {
-        check(1, 1);
+        check(1, 1, 0);
     }
 
     #[test]
     fn two_ranks_one_round() {
-        check(2, 1);
+        check(2, 1, 0);
     }
 
     #[test]
     fn two_ranks_two_rounds() {
-        check(2, 2);
+        check(2, 2, 0);
     }
 
     #[test]
     fn three_ranks_one_round() {
-        check(3, 1);
+        check(3, 1, 0);
+    }
+
+    #[test]
+    fn one_rank_on_the_bell_two_rounds() {
+        check(1, 2, 1);
+    }
+
+    #[test]
+    fn two_ranks_one_on_the_bell_two_rounds() {
+        check(2, 2, 1);
+    }
+
+    #[test]
+    fn two_ranks_on_the_bell_one_round() {
+        check(2, 1, 2);
     }
 }

@@ -3,9 +3,9 @@
 //! does on a Unix socket, instead of one request and one reply per rank and round.
 //!
 //! Each rank's first call is an AttachBarrier on its own connection. The agent
-//! answers BarrierChannel (a slot of a channel; the channel's memory file and
-//! doorbell come with the first BarrierChannel naming that channel *on the
-//! connection*, and every rank here has a connection of its own, so every answer
+//! answers BarrierChannel (a slot of a channel; the channel's memory file,
+//! doorbell and release bell come with the first BarrierChannel naming that channel
+//! *on the connection*, and every rank here has a connection of its own, so every answer
 //! carries them) or NoBarrierChannel (TCP, an agent out of channels), and then the
 //! call's reply. A rank without a channel makes its later calls as requests, as the
 //! client does. The files of a channel this process has mapped already are closed
@@ -16,9 +16,8 @@
 //! seated rank of the process through [`RankChannel::arrive`] (count, slot, and the
 //! doorbell when the arrival must ring it), then sleeps on each channel's release
 //! word until the agent has finished every one of this process's slots in it, and
-//! checks each slot's outcome. One thread for all the process's ranks is what the
-//! async client does too (a watcher thread per channel and process wakes the
-//! waiting tasks); a thread per simulated rank would measure the scheduler.
+//! checks each slot's outcome. One thread for all the process's ranks: a thread
+//! per simulated rank would measure the scheduler.
 //!
 //! Failure is read, never assumed away: a seated rank's socket carries nothing
 //! while its rounds succeed, so a task per connection waits on it, and any frame
@@ -59,20 +58,20 @@ const ERROR_FOLLOWS: Duration = Duration::from_secs(5);
 struct Mapped(Mutex<HashMap<(usize, u64), Arc<RankChannel>>>);
 
 impl Mapped {
-    /// The channel `channel` of agent `agent`, mapped from `file` and `doorbell`
-    /// unless this process has it already (the duplicates are then closed here).
+    /// The channel `channel` of agent `agent`, mapped from `files` (its memory file,
+    /// doorbell and release bell) unless this process has it already (the
+    /// duplicates are then closed here).
     fn channel(
         &self,
         agent: usize,
         channel: u64,
-        file: OwnedFd,
-        doorbell: OwnedFd,
+        [file, doorbell, bell]: [OwnedFd; 3],
     ) -> anyhow::Result<Arc<RankChannel>> {
         let mut mapped = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(known) = mapped.get(&(agent, channel)) {
             return Ok(Arc::clone(known));
         }
-        let rank_channel = RankChannel::map(file, doorbell)
+        let rank_channel = RankChannel::map(file, doorbell, bell)
             .with_context(|| format!("mapping barrier channel {channel} of agent {agent}"))?;
         let rank_channel = Arc::new(rank_channel);
         mapped.insert((agent, channel), Arc::clone(&rank_channel));
@@ -266,11 +265,12 @@ async fn attach(
     let attached = match conn.frame_with_files(buf, files).await? {
         ServerFrame::BarrierChannel { id: 1, channel, slot } => {
             // The first BarrierChannel naming a channel on a connection carries its
-            // memory file and doorbell; this connection has no other.
-            let (Some(file), Some(doorbell)) = (files.pop_front(), files.pop_front()) else {
+            // memory file, doorbell and release bell; this connection has no other.
+            let (Some(file), Some(doorbell), Some(bell)) = (files.pop_front(), files.pop_front(), files.pop_front())
+            else {
                 bail!("rank {rank}: barrier channel {channel} came without its files");
             };
-            let channel_map = shared.mapped.channel(agent, channel, file, doorbell)?;
+            let channel_map = shared.mapped.channel(agent, channel, [file, doorbell, bell])?;
             if slot >= channel_map.slots() {
                 bail!("rank {rank}: slot {slot} of barrier channel {channel}, which has {}", channel_map.slots());
             }

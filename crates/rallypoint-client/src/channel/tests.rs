@@ -6,6 +6,7 @@
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::BytesMut;
@@ -19,6 +20,7 @@ use rallypoint_proto::native::{
     decode_client_frame, decode_preamble, encode_server_frame, ClientFrame, FrameLimits, ServerFrame,
 };
 
+use super::Watched;
 use crate::{blocking, Client, ConnectOptions, Error};
 
 /// The longest any step of these tests waits: a bound, not a timing.
@@ -112,7 +114,7 @@ impl Agent {
     async fn give_channel(&mut self, id: u64) {
         let mut out = BytesMut::new();
         encode_server_frame(&ServerFrame::BarrierChannel { id, channel: 1, slot: 0 }, &mut out);
-        let files = [self.channel.file.as_fd(), self.channel.doorbell.as_fd()];
+        let files = [self.channel.file.as_fd(), self.channel.doorbell.as_fd(), self.channel.bell.as_fd()];
         let mut written = 0;
         while written == 0 {
             bounded(self.writer.writable()).await.expect("writable");
@@ -268,6 +270,57 @@ async fn a_released_round_registers_no_reply() {
         bounded(waiting).await.expect("task").expect("a released round");
     }
     assert!(client.link().registered().is_empty());
+}
+
+/// An async call asleep in the channel is woken through its runtime by the
+/// release bell: no watcher thread starts, and the bell stops ringing once the
+/// call is done.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_async_call_asleep_in_the_channel_wakes_by_the_release_bell() {
+    let (client, agent, _dir) = seated_async().await;
+    for round in 1..=3 {
+        let waiting = spawn_barrier(&client);
+        agent.arrival(round).await;
+        bounded(async {
+            while agent.channel.bell_sleepers() == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await;
+        agent.finish(round, Outcome::Released);
+        bounded(waiting).await.expect("task").expect("a released round");
+        assert_eq!(agent.channel.bell_sleepers(), 0, "round {round}: the call is done, yet counted asleep");
+    }
+    let state = client.link().channels.lock();
+    let watched: Vec<_> =
+        state.live.iter().filter_map(std::sync::Weak::upgrade).map(|m| Arc::clone(&m.watched)).collect();
+    assert_eq!(watched.len(), 1);
+    assert!(!watched[0].deaf(), "the listener stopped");
+    assert!(!watched[0].watcher.is_completed(), "a watcher thread started");
+}
+
+/// Once the runtime the release bell was listened to from is gone, async waits of
+/// the process in another runtime are woken by the watcher thread.
+#[test]
+fn waits_fall_back_to_the_watcher_thread_once_the_listeners_runtime_is_gone() {
+    let agent = AgentChannel::create(1).expect("a channel");
+    let dup = |fd: &OwnedFd| fd.try_clone().expect("dup");
+    let watched = Watched::of(&dup(&agent.file), &dup(&agent.doorbell), &dup(&agent.bell)).expect("mapped");
+    let runtime = || tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+    let first = runtime();
+    assert!(first.block_on(async { watched.listen() }), "a listener starts");
+    drop(first);
+    assert!(watched.deaf(), "the listener's runtime is gone, and it said so");
+    runtime().block_on(async {
+        assert!(!watched.listen());
+        let moved = watched.moved.notified();
+        tokio::pin!(moved);
+        moved.as_mut().enable();
+        watched.watch();
+        agent.release();
+        bounded(moved).await;
+    });
+    assert!(watched.watcher.is_completed());
 }
 
 /// Barriers named afresh, each called once, go as plain requests and ask for no

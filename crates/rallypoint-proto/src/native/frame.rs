@@ -104,8 +104,8 @@ pub enum ServerFrame {
     /// (decode the body with [`decode_shared_reply`]).
     SharedReply { id: u64, slab: u64, len: u64 },
     /// For [`ClientFrame::AttachBarrier`] `id` (whose reply still follows): slot
-    /// `slot` of barrier channel `channel` is the client's for that barrier's later calls. The channel's memory file and doorbell come
-    /// over the Unix socket with the first frame that names the channel.
+    /// `slot` of barrier channel `channel` is the client's for that barrier's later calls. The channel's memory file, doorbell
+    /// and release bell come over the Unix socket with the first frame that names the channel.
     BarrierChannel { id: u64, channel: u64, slot: u32 },
     /// For [`ClientFrame::AttachBarrier`] `id` (whose reply still follows): no
     /// channel (the barrier's calls go through messages); `reason` says why.
