@@ -22,15 +22,15 @@
 //!
 //! Waiting: the blocking client waits on the futex in its caller's thread (the
 //! one wake-up a release costs). The async client must not block a runtime
-//! thread (a process may hold thousands of clients): one task per channel and
-//! process listens to the channel's release bell (an eventfd the agent rings after
-//! a release while anyone sleeps on it) through its runtime's event loop and wakes
-//! the process's tasks waiting on the channel, so a release wakes the runtime's
-//! thread directly, as a reply on a socket would. A thread in between (sleeping on
-//! the futex, then waking the tasks) would cost two more context switches a round.
-//! Where the bell cannot be listened to (or the runtime of its listener is gone), a
-//! watcher thread per channel and process sleeps on the futex for the async waiters
-//! and wakes their tasks.
+//! thread (a process may hold thousands of clients): in each runtime that waits on
+//! a channel, one task listens to the channel's release bell (an eventfd the agent
+//! rings after a release while anyone sleeps on it) through the runtime's event
+//! loop and wakes the process's tasks waiting on the channel, so a release wakes
+//! the runtime's thread directly, as a reply on a socket would. A thread in between
+//! (sleeping on the futex, then waking the tasks) would cost two more context
+//! switches a round. Where the bell cannot be listened to (or the listener stopped),
+//! a watcher thread per channel and process sleeps on the futex for the async
+//! waiters and wakes their tasks.
 //!
 //! A channel belongs to one connection: when it ends, every rank of this process
 //! waiting on it is woken (the agent may be gone and never wake them), and later
@@ -144,21 +144,56 @@ struct Mapped {
 
 /// A channel watched for the async waiters of this process, however many clients
 /// of the process use it (each waiter listening on its own would cost a wake-up
-/// each at every release): `moved` wakes them at each release, from the task that
+/// each at every release): `moved` wakes them at each release, from a task that
 /// listens to the release bell or else from the watcher thread, and when their calls
 /// may have been answered on the socket or their connection ended.
 struct Watched {
     channel: RankChannel,
-    /// The task listening to the release bell, started by the process's first async
-    /// wait on the channel in that wait's runtime (stopped when this drops); `None`:
-    /// it could not be.
-    listener: OnceLock<Option<AbortOnDrop>>,
-    /// The listener could not start or has stopped (its runtime is gone): the
-    /// watcher thread wakes the waits from now on.
-    deaf: AtomicBool,
+    /// The listener of the first runtime that waited on the channel (read without a
+    /// lock: a process usually has one), and those of any other: a wait must not
+    /// depend on another runtime's event loop, which may be busy or not turning.
+    first: OnceLock<Listener>,
+    others: Mutex<Vec<Arc<Listener>>>,
     /// Wakes the async tasks waiting on the channel.
     moved: Notify,
     watcher: Once,
+    /// Listeners fail to start, as where the bell cannot be registered.
+    #[cfg(test)]
+    refuse_listeners: AtomicBool,
+}
+
+/// The task listening to a channel's release bell in one runtime (stopped when
+/// this drops).
+struct Listener {
+    runtime: tokio::runtime::Id,
+    /// `None`: it could not start.
+    task: Option<AbortOnDrop>,
+    /// It stopped (its runtime shut down): the watcher thread wakes the waits.
+    deaf: AtomicBool,
+}
+
+impl Listener {
+    /// Whether the runtime's waits can count on it.
+    fn hears(&self) -> bool {
+        self.task.is_some() && !self.deaf.load(Ordering::Acquire)
+    }
+}
+
+/// The listener of the caller's runtime, as [`Watched::listen`] finds it.
+enum Ear<'a> {
+    First(&'a Listener),
+    Other(Arc<Listener>),
+}
+
+impl std::ops::Deref for Ear<'_> {
+    type Target = Listener;
+
+    fn deref(&self) -> &Listener {
+        match self {
+            Ear::First(listener) => listener,
+            Ear::Other(listener) => listener,
+        }
+    }
 }
 
 /// Stops a task when dropped.
@@ -188,45 +223,79 @@ impl Watched {
         if let Some(live) = watched.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
             return Ok(live);
         }
-        let channel = RankChannel::map(file.try_clone()?, doorbell.try_clone()?, bell.try_clone()?)?;
+        let channel = RankChannel::map(file.try_clone()?, doorbell.try_clone()?, Some(bell.try_clone()?))?;
         let made = Arc::new(Watched {
             channel,
-            listener: OnceLock::new(),
-            deaf: AtomicBool::new(false),
+            first: OnceLock::new(),
+            others: Mutex::new(Vec::new()),
             moved: Notify::new(),
             watcher: Once::new(),
+            #[cfg(test)]
+            refuse_listeners: AtomicBool::new(false),
         });
         watched.push((key, Arc::downgrade(&made)));
         Ok(made)
     }
 
-    /// Whether a task listens to the release bell: started at the first call, in
-    /// the current runtime. `false`: none can, or it stopped; the caller then
-    /// starts the watcher thread ([`Watched::watch`]).
-    fn listen(self: &Arc<Self>) -> bool {
-        let listener = self.listener.get_or_init(|| {
-            // Outside a runtime (where no call of ours is polled): nothing to listen with.
-            let Ok(runtime) = tokio::runtime::Handle::try_current() else { return None };
-            let bell = self.channel.bell().try_clone_to_owned().and_then(|bell| {
-                // SAFETY: the descriptor is the AsyncFd's own (a duplicate), open until it drops.
-                unsafe { AsyncFd::register_with_interest(bell, Interest::READABLE) }.map_err(|error| error.into())
-            });
-            match bell {
-                Ok(bell) => {
-                    let listener = runtime.spawn(listen(bell, Deafened(Arc::downgrade(self))));
-                    Some(AbortOnDrop(listener.abort_handle()))
-                }
-                Err(error) => {
-                    debug!(%error, "cannot listen to a barrier channel's release bell");
-                    None
-                }
-            }
-        });
-        listener.is_some() && !self.deaf()
+    /// The task listening to the release bell in the current runtime, started at
+    /// its first call there; `None` outside a runtime. Where it does not hear
+    /// ([`Listener::hears`]), the caller starts the watcher thread ([`Watched::watch`]).
+    /// (The runtime must have IO enabled, as any of our connections needs.)
+    fn listen(self: &Arc<Self>) -> Option<Ear<'_>> {
+        let runtime = tokio::runtime::Handle::try_current().ok()?;
+        let id = runtime.id();
+        let first = self.first.get_or_init(|| self.start_listener(&runtime));
+        if first.runtime == id {
+            return Some(Ear::First(first));
+        }
+        let mut others = self.others.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        if let Some(known) = others.iter().find(|listener| listener.runtime == id) {
+            return Some(Ear::Other(Arc::clone(known)));
+        }
+        // Those of runtimes gone go first: a process may start runtimes one after another.
+        others.retain(|listener| listener.hears());
+        let made = Arc::new(self.start_listener(&runtime));
+        others.push(Arc::clone(&made));
+        Some(Ear::Other(made))
     }
 
-    fn deaf(&self) -> bool {
-        self.deaf.load(Ordering::Acquire)
+    fn start_listener(self: &Arc<Self>, runtime: &tokio::runtime::Handle) -> Listener {
+        let bell = self
+            .channel
+            .bell()
+            .map_or_else(|| Err(std::io::Error::other("a mapping without the bell")), |bell| bell.try_clone_to_owned());
+        let bell = bell.and_then(|bell| {
+            #[cfg(test)]
+            if self.refuse_listeners.load(Ordering::Relaxed) {
+                return Err(std::io::Error::other("refused by the test"));
+            }
+            // SAFETY: the descriptor is the AsyncFd's own (a duplicate), open until it drops.
+            unsafe { AsyncFd::register_with_interest(bell, Interest::READABLE) }.map_err(|error| error.into())
+        });
+        let task = match bell {
+            Ok(bell) => {
+                let deafened = Deafened { watched: Arc::downgrade(self), runtime: runtime.id() };
+                Some(AbortOnDrop(runtime.spawn(listen(bell, deafened)).abort_handle()))
+            }
+            Err(error) => {
+                debug!(%error, "cannot listen to a barrier channel's release bell");
+                None
+            }
+        };
+        Listener { runtime: runtime.id(), task, deaf: AtomicBool::new(false) }
+    }
+
+    /// The listener of `runtime` stopped.
+    fn deafen(&self, runtime: tokio::runtime::Id) {
+        let mark = |listener: &Listener| {
+            if listener.runtime == runtime {
+                listener.deaf.store(true, Ordering::Release);
+            }
+        };
+        if let Some(first) = self.first.get() {
+            mark(first);
+        }
+        self.others.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).iter().for_each(|l| mark(l));
     }
 
     /// Starts the thread that watches the channel for async waiters, once.
@@ -247,27 +316,31 @@ impl Watched {
     }
 }
 
-/// The task listening to a channel's release bell: wakes the channel's async waiters
+/// A task listening to a channel's release bell: wakes the channel's async waiters
 /// at each ring, until the channel is no longer used in this process. Should it
 /// stop otherwise (its runtime shut down, even before it first ran), its
 /// [`Deafened`] tells them so.
-async fn listen(bell: AsyncFd<OwnedFd>, watched: Deafened) {
+async fn listen(bell: AsyncFd<OwnedFd>, listener: Deafened) {
     while let Ok(mut rang) = bell.readable().await {
         // Cleared before the waiters look: a ring after their look is a new edge.
         rang.clear_ready();
-        let Some(watched) = watched.0.upgrade() else { return };
+        let Some(watched) = listener.watched.upgrade() else { return };
         watched.moved.notify_waiters();
     }
 }
 
-/// The channel a listener serves: dropped with the listener, it marks the channel
-/// [`Watched::deaf`] and wakes its waiters to find out (unless the channel is gone).
-struct Deafened(Weak<Watched>);
+/// The channel and runtime a listener serves: dropped with the listener, it marks
+/// it deaf ([`Listener::hears`]) and wakes the waiters to find out (unless the
+/// channel is gone).
+struct Deafened {
+    watched: Weak<Watched>,
+    runtime: tokio::runtime::Id,
+}
 
 impl Drop for Deafened {
     fn drop(&mut self) {
-        if let Some(watched) = self.0.upgrade() {
-            watched.deaf.store(true, Ordering::Release);
+        if let Some(watched) = self.watched.upgrade() {
+            watched.deafen(self.runtime);
             watched.moved.notify_waiters();
         }
     }
@@ -294,7 +367,8 @@ fn watch(watched: Weak<Watched>, mut seen: u32) {
 pub(crate) enum Waiting {
     /// Blocks the calling thread (the blocking client's caller, not a runtime's).
     Thread,
-    /// Awaits, woken by the task listening to the channel's release bell.
+    /// Awaits, woken by the task listening to the channel's release bell in its
+    /// runtime (or else by the watcher thread).
     Task,
 }
 
@@ -379,8 +453,9 @@ impl Channels {
                 else {
                     return Err(format!("barrier channel {channel} came without its files"));
                 };
+                // The bell is listened to through the process's mapping (`Watched`) alone.
                 let mapped = match Watched::of(&file, &doorbell, &bell)
-                    .and_then(|w| Ok((w, RankChannel::map(file, doorbell, bell)?)))
+                    .and_then(|w| Ok((w, RankChannel::map(file, doorbell, None)?)))
                 {
                     Ok((watched, channel)) => {
                         let mapped = Arc::new(Mapped { channel, ended: AtomicBool::new(false), watched });
@@ -939,8 +1014,9 @@ async fn wait_task_until(link: &Link, arrival: &Arrival, deadline: Instant) -> W
     let (mapped, slot, round) = (&arrival.seat.channel, arrival.seat.slot, arrival.seat.round);
     let watched = &mapped.watched;
     let deadline = tokio::time::Instant::from_std(deadline);
-    // Counted before the first look at the slot: every release from then on rings.
-    let asleep = watched.listen().then(|| mapped.channel.sleep_on_bell());
+    let ear = watched.listen();
+    // Counted before its last look at the slot: every release from then on rings.
+    let _asleep = ear.as_ref().filter(|ear| ear.hears()).map(|_| mapped.channel.sleep_on_bell());
     let sleep = tokio::time::sleep_until(deadline);
     tokio::pin!(sleep);
     loop {
@@ -949,7 +1025,7 @@ async fn wait_task_until(link: &Link, arrival: &Arrival, deadline: Instant) -> W
         // Registered before looking, so that a release (or a reply: see
         // [`Channels::wake_async_waiters`]) after the look wakes it.
         moved.as_mut().enable();
-        if asleep.is_none() || watched.deaf() {
+        if !ear.as_ref().is_some_and(|ear| ear.hears()) {
             watched.watch();
         }
         if let Some(outcome) = mapped.channel.outcome(slot, round) {

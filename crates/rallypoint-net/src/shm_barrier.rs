@@ -358,7 +358,9 @@ mod mapped {
     pub struct RankChannel {
         words: Words,
         doorbell: OwnedFd,
-        bell: OwnedFd,
+        /// `None`: this mapping neither listens to the bell nor rings it (a process
+        /// with many mappings of one channel keeps the bell with one of them).
+        bell: Option<OwnedFd>,
     }
 
     /// A rank counted among those asleep on the release bell ([`RankChannel::sleep_on_bell`])
@@ -394,8 +396,9 @@ mod mapped {
 
     impl RankChannel {
         /// Maps a channel's file (checked: sealed, of the layout this code knows,
-        /// as large as it says) with its doorbell and release bell.
-        pub fn map(file: OwnedFd, doorbell: OwnedFd, bell: OwnedFd) -> io::Result<RankChannel> {
+        /// as large as it says) with its doorbell and, if this mapping listens to it,
+        /// its release bell.
+        pub fn map(file: OwnedFd, doorbell: OwnedFd, bell: Option<OwnedFd>) -> io::Result<RankChannel> {
             let invalid = |message: String| io::Error::new(io::ErrorKind::InvalidData, message);
             let seals = rustix::fs::fcntl_get_seals(&file)?;
             if !seals.contains(SealFlags::SHRINK) {
@@ -524,8 +527,8 @@ mod mapped {
         /// sleeps on it ([`RankChannel::sleep_on_bell`]). Nobody reads it: a waiter
         /// watches it edge-triggered (as an async runtime's event loop does), each
         /// ring an edge, and looks at its slot after each.
-        pub fn bell(&self) -> std::os::fd::BorrowedFd<'_> {
-            self.bell.as_fd()
+        pub fn bell(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+            self.bell.as_ref().map(AsFd::as_fd)
         }
 
         /// Counts the caller among the ranks asleep on the release bell until the
@@ -555,8 +558,8 @@ mod mapped {
         pub fn wake_waiters(&self) {
             let ring = super::publish(&self.words);
             wake_all(self.words.release());
-            if ring {
-                ring_bell(&self.bell);
+            if let (true, Some(bell)) = (ring, &self.bell) {
+                ring_bell(bell);
             }
         }
     }
@@ -611,7 +614,7 @@ mod mapped {
             let file = agent.file.as_fd().try_clone_to_owned().expect("dup");
             let doorbell = agent.doorbell.as_fd().try_clone_to_owned().expect("dup");
             let bell = agent.bell.as_fd().try_clone_to_owned().expect("dup");
-            RankChannel::map(file, doorbell, bell).expect("maps")
+            RankChannel::map(file, doorbell, Some(bell)).expect("maps")
         }
 
         /// Two ranks in two processes' worth of mappings: arrivals ring the doorbell
@@ -851,7 +854,7 @@ mod mapped {
         fn the_release_bell_rings_only_while_a_rank_sleeps_on_it() {
             let agent = channel_of(2);
             let (rank, other) = (rank_of(&agent), rank_of(&agent));
-            let bell = rank.bell().try_clone_to_owned().expect("dup");
+            let bell = rank.bell().expect("a bell").try_clone_to_owned().expect("dup");
             agent.release();
             assert!(!rang(&bell), "nobody sleeps on the bell: no ring");
             {
@@ -872,12 +875,12 @@ mod mapped {
             let doorbell = || agent.doorbell.as_fd().try_clone_to_owned().expect("dup");
             let unsealed = rustix::fs::memfd_create("unsealed", MemfdFlags::CLOEXEC).expect("a memory file");
             rustix::fs::ftruncate(&unsealed, 4096).expect("size");
-            let error = RankChannel::map(unsealed, doorbell(), doorbell()).err().expect("unsealed");
+            let error = RankChannel::map(unsealed, doorbell(), None).err().expect("unsealed");
             assert!(error.to_string().contains("not sealed"), "{error}");
             // A slab (module `shm`) is sealed, but no channel.
             let slab = crate::shm::Slab::create(10).expect("a slab");
             let slab_file = slab.file.as_fd().try_clone_to_owned().expect("dup");
-            let error = RankChannel::map(slab_file, doorbell(), doorbell()).err();
+            let error = RankChannel::map(slab_file, doorbell(), None).err();
             assert!(error.expect("not a channel").to_string().contains("magic"));
         }
     }

@@ -71,7 +71,9 @@ impl Mapped {
         if let Some(known) = mapped.get(&(agent, channel)) {
             return Ok(Arc::clone(known));
         }
-        let rank_channel = RankChannel::map(file, doorbell, bell)
+        // Its ranks wait on the futex: the bell goes.
+        drop(bell);
+        let rank_channel = RankChannel::map(file, doorbell, None)
             .with_context(|| format!("mapping barrier channel {channel} of agent {agent}"))?;
         let rank_channel = Arc::new(rank_channel);
         mapped.insert((agent, channel), Arc::clone(&rank_channel));

@@ -272,6 +272,24 @@ async fn a_released_round_registers_no_reply() {
     assert!(client.link().registered().is_empty());
 }
 
+/// The one channel the seated client mapped, as this process watches it.
+fn watched_of(client: &Client) -> Arc<Watched> {
+    let state = client.link().channels.lock();
+    let live: Vec<_> = state.live.iter().filter_map(std::sync::Weak::upgrade).collect();
+    assert_eq!(live.len(), 1, "one channel mapped");
+    Arc::clone(&live[0].watched)
+}
+
+/// Waits until a call is asleep on the release bell.
+async fn asleep_on_the_bell(agent: &Agent) {
+    bounded(async {
+        while agent.channel.bell_sleepers() == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+}
+
 /// An async call asleep in the channel is woken through its runtime by the
 /// release bell: no watcher thread starts, and the bell stops ringing once the
 /// call is done.
@@ -281,46 +299,74 @@ async fn an_async_call_asleep_in_the_channel_wakes_by_the_release_bell() {
     for round in 1..=3 {
         let waiting = spawn_barrier(&client);
         agent.arrival(round).await;
-        bounded(async {
-            while agent.channel.bell_sleepers() == 0 {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        })
-        .await;
+        asleep_on_the_bell(&agent).await;
         agent.finish(round, Outcome::Released);
         bounded(waiting).await.expect("task").expect("a released round");
         assert_eq!(agent.channel.bell_sleepers(), 0, "round {round}: the call is done, yet counted asleep");
     }
-    let state = client.link().channels.lock();
-    let watched: Vec<_> =
-        state.live.iter().filter_map(std::sync::Weak::upgrade).map(|m| Arc::clone(&m.watched)).collect();
-    assert_eq!(watched.len(), 1);
-    assert!(!watched[0].deaf(), "the listener stopped");
-    assert!(!watched[0].watcher.is_completed(), "a watcher thread started");
+    let watched = watched_of(&client);
+    assert!(watched.first.get().is_some_and(|listener| listener.hears()), "no listener, or it stopped");
+    assert!(!watched.watcher.is_completed(), "a watcher thread started");
 }
 
-/// Once the runtime the release bell was listened to from is gone, async waits of
-/// the process in another runtime are woken by the watcher thread.
-#[test]
-fn waits_fall_back_to_the_watcher_thread_once_the_listeners_runtime_is_gone() {
-    let agent = AgentChannel::create(1).expect("a channel");
-    let dup = |fd: &OwnedFd| fd.try_clone().expect("dup");
-    let watched = Watched::of(&dup(&agent.file), &dup(&agent.doorbell), &dup(&agent.bell)).expect("mapped");
-    let runtime = || tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
-    let first = runtime();
-    assert!(first.block_on(async { watched.listen() }), "a listener starts");
-    drop(first);
-    assert!(watched.deaf(), "the listener's runtime is gone, and it said so");
-    runtime().block_on(async {
-        assert!(!watched.listen());
-        let moved = watched.moved.notified();
-        tokio::pin!(moved);
-        moved.as_mut().enable();
-        watched.watch();
-        agent.release();
-        bounded(moved).await;
+/// One async round of the seated client in `runtime`, asleep on the bell before
+/// the agent ends it (on a thread of its own, so that the test's runtime drives
+/// the agent meanwhile).
+async fn round_in(runtime: Arc<tokio::runtime::Runtime>, client: &Client, agent: &Agent, round: u32) {
+    let client = client.clone();
+    let waiting = std::thread::spawn(move || {
+        runtime.block_on(async { client.barrier("b", Members::World, Some(BARRIER_TIMEOUT)).await })
     });
-    assert!(watched.watcher.is_completed());
+    agent.arrival(round).await;
+    asleep_on_the_bell(agent).await;
+    agent.finish(round, Outcome::Released);
+    let done = bounded(tokio::task::spawn_blocking(move || waiting.join())).await;
+    done.expect("task").expect("thread").expect("a released round");
+}
+
+/// A call in a second runtime hears the bell through a listener of that runtime,
+/// while the first runtime's (which listened first) is not driven; the listener of
+/// a runtime that shuts down says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_runtime_hears_the_bell_through_its_own_listener() {
+    let (client, agent, _dir) = seated_async().await;
+    let runtime = || Arc::new(tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime"));
+    let (first, second) = (runtime(), runtime());
+    round_in(Arc::clone(&first), &client, &agent, 1).await;
+    // The first runtime stays, not driven by anyone from here on.
+    round_in(Arc::clone(&second), &client, &agent, 2).await;
+    round_in(Arc::clone(&second), &client, &agent, 3).await;
+    let watched = watched_of(&client);
+    assert!(watched.first.get().is_some_and(|listener| listener.runtime == first.handle().id()));
+    let others: Vec<_> = watched.others.lock().expect("lock").iter().map(|l| l.runtime).collect();
+    assert_eq!(others, [second.handle().id()]);
+    // Runtimes are dropped where blocking is allowed.
+    let first = Arc::into_inner(first).expect("the only handle on the first runtime");
+    bounded(tokio::task::spawn_blocking(move || drop(first))).await.expect("dropped");
+    assert!(!watched.first.get().expect("a listener").hears(), "its runtime is gone, and it did not say so");
+    assert!(!watched.watcher.is_completed(), "a watcher thread started");
+    bounded(tokio::task::spawn_blocking(move || drop(second))).await.expect("dropped");
+}
+
+/// Where no listener can start, an async call asleep in the channel is woken by
+/// the watcher thread.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_without_a_listener_is_woken_by_the_watcher_thread() {
+    let (client, agent, _dir) = seated_async().await;
+    let watched = watched_of(&client);
+    watched.refuse_listeners.store(true, Ordering::Relaxed);
+    let waiting = spawn_barrier(&client);
+    agent.arrival(1).await;
+    // The call starts the watcher before it sleeps.
+    bounded(async {
+        while !watched.watcher.is_completed() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    assert_eq!(agent.channel.bell_sleepers(), 0, "asleep on a bell nobody listens to");
+    agent.finish(1, Outcome::Released);
+    bounded(waiting).await.expect("task").expect("a released round");
 }
 
 /// Barriers named afresh, each called once, go as plain requests and ask for no
