@@ -22,15 +22,16 @@
 //!
 //! Waiting: the blocking client waits on the futex in its caller's thread (the
 //! one wake-up a release costs). The async client must not block a runtime
-//! thread (a process may hold thousands of clients): in each runtime that waits on
-//! a channel, one task listens to the channel's release bell (an eventfd the agent
-//! rings after a release while anyone sleeps on it) through the runtime's event
-//! loop and wakes the process's tasks waiting on the channel, so a release wakes
-//! the runtime's thread directly, as a reply on a socket would. A thread in between
-//! (sleeping on the futex, then waking the tasks) would cost two more context
-//! switches a round. Where the bell cannot be listened to (or the listener stopped),
-//! a watcher thread per channel and process sleeps on the futex for the async
-//! waiters and wakes their tasks.
+//! thread (a process may hold thousands of clients): one task listens to the
+//! channel's release bell (an eventfd the agent rings after a release while anyone
+//! sleeps on it) through an event loop, that of the runtime serving the client's
+//! connection (which must turn for the client to work at all), and wakes the
+//! process's tasks waiting on the channel, so a release wakes a runtime's thread
+//! directly, as a reply on a socket would. A thread in between (sleeping on the
+//! futex, then waking the tasks) would cost two more context switches a round.
+//! Where the bell cannot be listened to (or the listener stopped), a watcher thread
+//! per channel and process sleeps on the futex for the async waiters and wakes
+//! their tasks.
 //!
 //! A channel belongs to one connection: when it ends, every rank of this process
 //! waiting on it is woken (the agent may be gone and never wake them), and later
@@ -73,6 +74,9 @@ pub(crate) struct Channels {
     state: Mutex<State>,
     /// The connection task's queue, for the slots given back.
     commands: mpsc::WeakUnboundedSender<Command>,
+    /// The runtime serving the connection, where the release bells are listened to
+    /// for its async calls; `None`: made outside one (no connection task, no listener).
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 #[derive(Default)]
@@ -149,9 +153,10 @@ struct Mapped {
 /// may have been answered on the socket or their connection ended.
 struct Watched {
     channel: RankChannel,
-    /// The listener of the first runtime that waited on the channel (read without a
-    /// lock: a process usually has one), and those of any other: a wait must not
-    /// depend on another runtime's event loop, which may be busy or not turning.
+    /// The listener in the runtime of the first connection that waited on the
+    /// channel (read without a lock: a process usually has one runtime), and those
+    /// of any other: a wait depends on no runtime but its own connection's, which
+    /// must turn anyway (heartbeats, replies), not on one that may be busy or idle.
     first: OnceLock<Listener>,
     others: Mutex<Vec<Arc<Listener>>>,
     /// Wakes the async tasks waiting on the channel.
@@ -237,50 +242,40 @@ impl Watched {
         Ok(made)
     }
 
-    /// The task listening to the release bell in the current runtime, started at
-    /// its first call there; `None` outside a runtime. Where it does not hear
-    /// ([`Listener::hears`]), the caller starts the watcher thread ([`Watched::watch`]).
-    /// (The runtime must have IO enabled, as any of our connections needs.)
-    fn listen(self: &Arc<Self>) -> Option<Ear<'_>> {
-        let runtime = tokio::runtime::Handle::try_current().ok()?;
+    /// The task listening to the release bell in `runtime` (a connection's), started
+    /// at its first call there. Where it does not hear ([`Listener::hears`]), the
+    /// caller starts the watcher thread ([`Watched::watch`]).
+    fn listen(self: &Arc<Self>, runtime: &tokio::runtime::Handle) -> Ear<'_> {
         let id = runtime.id();
-        let first = self.first.get_or_init(|| self.start_listener(&runtime));
+        let first = self.first.get_or_init(|| self.start_listener(runtime));
         if first.runtime == id {
-            return Some(Ear::First(first));
+            return Ear::First(first);
         }
         let mut others = self.others.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(known) = others.iter().find(|listener| listener.runtime == id) {
-            return Some(Ear::Other(Arc::clone(known)));
+            return Ear::Other(Arc::clone(known));
         }
         // Those of runtimes gone go first: a process may start runtimes one after another.
         others.retain(|listener| listener.hears());
-        let made = Arc::new(self.start_listener(&runtime));
+        let made = Arc::new(self.start_listener(runtime));
         others.push(Arc::clone(&made));
-        Some(Ear::Other(made))
+        Ear::Other(made)
     }
 
     fn start_listener(self: &Arc<Self>, runtime: &tokio::runtime::Handle) -> Listener {
-        let bell = self
-            .channel
-            .bell()
-            .map_or_else(|| Err(std::io::Error::other("a mapping without the bell")), |bell| bell.try_clone_to_owned());
-        let bell = bell.and_then(|bell| {
-            #[cfg(test)]
-            if self.refuse_listeners.load(Ordering::Relaxed) {
-                return Err(std::io::Error::other("refused by the test"));
-            }
-            // SAFETY: the descriptor is the AsyncFd's own (a duplicate), open until it drops.
-            unsafe { AsyncFd::register_with_interest(bell, Interest::READABLE) }.map_err(|error| error.into())
-        });
+        let bell = self.channel.bell().map(|bell| bell.try_clone_to_owned());
+        #[cfg(test)]
+        let bell = bell.filter(|_| !self.refuse_listeners.load(Ordering::Relaxed));
         let task = match bell {
-            Ok(bell) => {
+            Some(Ok(bell)) => {
                 let deafened = Deafened { watched: Arc::downgrade(self), runtime: runtime.id() };
                 Some(AbortOnDrop(runtime.spawn(listen(bell, deafened)).abort_handle()))
             }
-            Err(error) => {
+            Some(Err(error)) => {
                 debug!(%error, "cannot listen to a barrier channel's release bell");
                 None
             }
+            None => None,
         };
         Listener { runtime: runtime.id(), task, deaf: AtomicBool::new(false) }
     }
@@ -320,7 +315,18 @@ impl Watched {
 /// at each ring, until the channel is no longer used in this process. Should it
 /// stop otherwise (its runtime shut down, even before it first ran), its
 /// [`Deafened`] tells them so.
-async fn listen(bell: AsyncFd<OwnedFd>, listener: Deafened) {
+async fn listen(bell: OwnedFd, listener: Deafened) {
+    // Registered here, with the runtime the task runs in. A ring before this finds
+    // the bell readable at once (its count is never read back to 0): a spurious
+    // wake-up at worst, never a lost one.
+    // SAFETY: the descriptor is the AsyncFd's own (a duplicate), open until it drops.
+    let bell = match unsafe { AsyncFd::register_with_interest(bell, Interest::READABLE) } {
+        Ok(bell) => bell,
+        Err(error) => {
+            debug!(error = %std::io::Error::from(error), "cannot listen to a barrier channel's release bell");
+            return;
+        }
+    };
     while let Ok(mut rang) = bell.readable().await {
         // Cleared before the waiters look: a ring after their look is a new edge.
         rang.clear_ready();
@@ -368,7 +374,7 @@ pub(crate) enum Waiting {
     /// Blocks the calling thread (the blocking client's caller, not a runtime's).
     Thread,
     /// Awaits, woken by the task listening to the channel's release bell in its
-    /// runtime (or else by the watcher thread).
+    /// connection's runtime (or else by the watcher thread).
     Task,
 }
 
@@ -387,8 +393,9 @@ impl Channels {
         self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
     }
 
+    /// Channels of a connection whose task runs in the current runtime.
     pub(crate) fn new(commands: mpsc::WeakUnboundedSender<Command>) -> Self {
-        Channels { state: Mutex::default(), commands }
+        Channels { state: Mutex::default(), commands, runtime: tokio::runtime::Handle::try_current().ok() }
     }
 
     /// Gives slot `slot` of channel `id`, of connection `epoch`, back to the agent
@@ -1014,7 +1021,7 @@ async fn wait_task_until(link: &Link, arrival: &Arrival, deadline: Instant) -> W
     let (mapped, slot, round) = (&arrival.seat.channel, arrival.seat.slot, arrival.seat.round);
     let watched = &mapped.watched;
     let deadline = tokio::time::Instant::from_std(deadline);
-    let ear = watched.listen();
+    let ear = link.channels.runtime.as_ref().map(|runtime| watched.listen(runtime));
     // Counted before its last look at the slot: every release from then on rings.
     let _asleep = ear.as_ref().filter(|ear| ear.hears()).map(|_| mapped.channel.sleep_on_bell());
     let sleep = tokio::time::sleep_until(deadline);

@@ -324,11 +324,11 @@ async fn round_in(runtime: Arc<tokio::runtime::Runtime>, client: &Client, agent:
     done.expect("task").expect("thread").expect("a released round");
 }
 
-/// A call in a second runtime hears the bell through a listener of that runtime,
-/// while the first runtime's (which listened first) is not driven; the listener of
-/// a runtime that shuts down says so.
+/// Calls awaited in other runtimes than their connection's hear the bell through
+/// the listener in the connection's runtime, also while the runtime where a call
+/// first waited is no longer driven.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn each_runtime_hears_the_bell_through_its_own_listener() {
+async fn calls_in_other_runtimes_hear_the_bell_through_their_connections_runtime() {
     let (client, agent, _dir) = seated_async().await;
     let runtime = || Arc::new(tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime"));
     let (first, second) = (runtime(), runtime());
@@ -337,15 +337,33 @@ async fn each_runtime_hears_the_bell_through_its_own_listener() {
     round_in(Arc::clone(&second), &client, &agent, 2).await;
     round_in(Arc::clone(&second), &client, &agent, 3).await;
     let watched = watched_of(&client);
-    assert!(watched.first.get().is_some_and(|listener| listener.runtime == first.handle().id()));
-    let others: Vec<_> = watched.others.lock().expect("lock").iter().map(|l| l.runtime).collect();
-    assert_eq!(others, [second.handle().id()]);
-    // Runtimes are dropped where blocking is allowed.
-    let first = Arc::into_inner(first).expect("the only handle on the first runtime");
-    bounded(tokio::task::spawn_blocking(move || drop(first))).await.expect("dropped");
-    assert!(!watched.first.get().expect("a listener").hears(), "its runtime is gone, and it did not say so");
+    let listener = watched.first.get().expect("a listener");
+    assert_eq!(listener.runtime, tokio::runtime::Handle::current().id(), "not in the connection's runtime");
+    assert!(listener.hears());
+    assert!(watched.others.lock().expect("lock").is_empty());
     assert!(!watched.watcher.is_completed(), "a watcher thread started");
-    bounded(tokio::task::spawn_blocking(move || drop(second))).await.expect("dropped");
+    // Runtimes are dropped where blocking is allowed.
+    bounded(tokio::task::spawn_blocking(move || drop((first, second)))).await.expect("dropped");
+}
+
+/// A listener whose runtime shuts down says so: the waits it served fall back to
+/// the watcher thread, woken to find out.
+#[test]
+fn a_listener_whose_runtime_is_gone_stops_hearing() {
+    let agent = AgentChannel::create(1).expect("a channel");
+    let dup = |fd: &OwnedFd| fd.try_clone().expect("dup");
+    let watched = Watched::of(&dup(&agent.file), &dup(&agent.doorbell), &dup(&agent.bell)).expect("mapped");
+    let runtime = || tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
+    let listening = runtime();
+    assert!(watched.listen(listening.handle()).hears(), "a listener starts");
+    runtime().block_on(async {
+        let moved = watched.moved.notified();
+        tokio::pin!(moved);
+        moved.as_mut().enable();
+        std::thread::spawn(move || drop(listening)).join().expect("dropped");
+        bounded(moved).await;
+    });
+    assert!(!watched.first.get().expect("a listener").hears(), "its runtime is gone, and it did not say so");
 }
 
 /// Where no listener can start, an async call asleep in the channel is woken by
