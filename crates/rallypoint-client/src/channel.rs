@@ -178,13 +178,13 @@ struct Listener {
 }
 
 impl Listener {
-    /// Whether the runtime's waits can count on it.
+    /// Whether waits can count on it to wake them.
     fn hears(&self) -> bool {
         self.task.is_some() && !self.deaf.load(Ordering::Acquire)
     }
 }
 
-/// The listener of the caller's runtime, as [`Watched::listen`] finds it.
+/// The listener in a connection's runtime, as [`Watched::listen`] finds it.
 enum Ear<'a> {
     First(&'a Listener),
     Other(Arc<Listener>),
@@ -1001,9 +1001,9 @@ fn settle(link: &Link, arrival: Arrival, waited: Waited, deadline: Option<Instan
 }
 
 /// [`RankChannel::wait`] for an async task: a spin while it pays, then woken by
-/// the channel's release bell through the runtime (or by the watcher thread);
-/// stops when the call's reply or the connection's end comes first. Returns as
-/// [`wait_thread`].
+/// the channel's release bell through the connection's runtime (or by the watcher
+/// thread); stops when the call's reply or the connection's end comes first.
+/// Returns as [`wait_thread`].
 async fn wait_task(link: &Link, arrival: &Arrival) -> (Waited, Option<Instant>) {
     let (mapped, slot, round) = (&arrival.seat.channel, arrival.seat.slot, arrival.seat.round);
     if let Some(outcome) = mapped.channel.spin(slot, round) {
