@@ -290,9 +290,9 @@ async fn asleep_on_the_bell(agent: &Agent) {
     .await;
 }
 
-/// An async call asleep in the channel is woken through its runtime by the
-/// release bell: no watcher thread starts, and the bell stops ringing once the
-/// call is done.
+/// An async call asleep in the channel is woken by the release bell through its
+/// connection's runtime: no watcher thread starts, and the bell stops ringing once
+/// the call is done.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_async_call_asleep_in_the_channel_wakes_by_the_release_bell() {
     let (client, agent, _dir) = seated_async().await;
