@@ -58,7 +58,7 @@ use tokio::io::Interest;
 use tokio::sync::{mpsc, Notify};
 use tracing::{debug, warn};
 
-use crate::connection::{Command, Link, Reply};
+use crate::connection::{AbortOnDrop, Command, Link, Reply};
 use crate::error::Error;
 
 /// Barrier calls (name, members, timeout) a client keeps track of: a program that
@@ -173,8 +173,9 @@ struct Listener {
     runtime: tokio::runtime::Id,
     /// `None`: it could not start.
     task: Option<AbortOnDrop>,
-    /// It stopped (its runtime shut down): the watcher thread wakes the waits.
-    deaf: AtomicBool,
+    /// It stopped (its runtime shut down): the watcher thread wakes the waits. Set
+    /// by its [`Deafened`].
+    deaf: Arc<AtomicBool>,
 }
 
 impl Listener {
@@ -201,15 +202,6 @@ impl std::ops::Deref for Ear<'_> {
     }
 }
 
-/// Stops a task when dropped.
-struct AbortOnDrop(tokio::task::AbortHandle);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
-}
-
 /// A channel's memory file: (device, inode).
 type FileKey = (u64, u64);
 
@@ -219,7 +211,7 @@ static WATCHED: Mutex<Vec<(FileKey, Weak<Watched>)>> = Mutex::new(Vec::new());
 impl Watched {
     /// The watcher of the channel whose memory file is `file` (mapping it anew for
     /// the watcher if this process has none yet).
-    fn of(file: &OwnedFd, doorbell: &OwnedFd, bell: &OwnedFd) -> std::io::Result<Arc<Watched>> {
+    fn of(file: &OwnedFd, doorbell: &OwnedFd, bell: OwnedFd) -> std::io::Result<Arc<Watched>> {
         use std::os::unix::fs::MetadataExt;
         let meta = std::fs::File::from(file.try_clone()?).metadata()?;
         let key = (meta.dev(), meta.ino());
@@ -228,7 +220,7 @@ impl Watched {
         if let Some(live) = watched.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
             return Ok(live);
         }
-        let channel = RankChannel::map(file.try_clone()?, doorbell.try_clone()?, Some(bell.try_clone()?))?;
+        let channel = RankChannel::map(file.try_clone()?, doorbell.try_clone()?, Some(bell))?;
         let made = Arc::new(Watched {
             channel,
             first: OnceLock::new(),
@@ -266,9 +258,10 @@ impl Watched {
         let bell = self.channel.bell().map(|bell| bell.try_clone_to_owned());
         #[cfg(test)]
         let bell = bell.filter(|_| !self.refuse_listeners.load(Ordering::Relaxed));
+        let deaf = Arc::new(AtomicBool::new(false));
         let task = match bell {
             Some(Ok(bell)) => {
-                let deafened = Deafened { watched: Arc::downgrade(self), runtime: runtime.id() };
+                let deafened = Deafened { watched: Arc::downgrade(self), deaf: Arc::clone(&deaf) };
                 Some(AbortOnDrop(runtime.spawn(listen(bell, deafened)).abort_handle()))
             }
             Some(Err(error)) => {
@@ -277,20 +270,7 @@ impl Watched {
             }
             None => None,
         };
-        Listener { runtime: runtime.id(), task, deaf: AtomicBool::new(false) }
-    }
-
-    /// The listener of `runtime` stopped.
-    fn deafen(&self, runtime: tokio::runtime::Id) {
-        let mark = |listener: &Listener| {
-            if listener.runtime == runtime {
-                listener.deaf.store(true, Ordering::Release);
-            }
-        };
-        if let Some(first) = self.first.get() {
-            mark(first);
-        }
-        self.others.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).iter().for_each(|l| mark(l));
+        Listener { runtime: runtime.id(), task, deaf }
     }
 
     /// Starts the thread that watches the channel for async waiters, once.
@@ -335,18 +315,19 @@ async fn listen(bell: OwnedFd, listener: Deafened) {
     }
 }
 
-/// The channel and runtime a listener serves: dropped with the listener, it marks
-/// it deaf ([`Listener::hears`]) and wakes the waiters to find out (unless the
-/// channel is gone).
+/// The channel a listener serves and its [`Listener::deaf`]: dropped with the
+/// listener, it marks it deaf ([`Listener::hears`]) and wakes the waiters to find
+/// out (unless the channel is gone).
 struct Deafened {
     watched: Weak<Watched>,
-    runtime: tokio::runtime::Id,
+    deaf: Arc<AtomicBool>,
 }
 
 impl Drop for Deafened {
     fn drop(&mut self) {
+        // Before the wake-up, which the waiters answer by asking whether it hears.
+        self.deaf.store(true, Ordering::Release);
         if let Some(watched) = self.watched.upgrade() {
-            watched.deafen(self.runtime);
             watched.moved.notify_waiters();
         }
     }
@@ -461,7 +442,7 @@ impl Channels {
                     return Err(format!("barrier channel {channel} came without its files"));
                 };
                 // The bell is listened to through the process's mapping (`Watched`) alone.
-                let mapped = match Watched::of(&file, &doorbell, &bell)
+                let mapped = match Watched::of(&file, &doorbell, bell)
                     .and_then(|w| Ok((w, RankChannel::map(file, doorbell, None)?)))
                 {
                     Ok((watched, channel)) => {

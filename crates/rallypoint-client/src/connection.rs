@@ -1423,9 +1423,10 @@ pub(crate) fn spawn(addr: String, connected: Connected, redial: Redial) -> (Arc<
     (link, commands)
 }
 
-/// Stops the task that fails calls past their deadline once the connection task ends
-/// (the link fails the calls still waiting then).
-struct AbortOnDrop(tokio::task::AbortHandle);
+/// Stops a task when dropped: the one that fails calls past their deadline once the
+/// connection task ends (the link fails the calls still waiting then), a channel's
+/// bell listener once nothing uses the channel.
+pub(crate) struct AbortOnDrop(pub(crate) tokio::task::AbortHandle);
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {

@@ -58,21 +58,19 @@ const ERROR_FOLLOWS: Duration = Duration::from_secs(5);
 struct Mapped(Mutex<HashMap<(usize, u64), Arc<RankChannel>>>);
 
 impl Mapped {
-    /// The channel `channel` of agent `agent`, mapped from `files` (its memory file,
-    /// doorbell and release bell) unless this process has it already (the
-    /// duplicates are then closed here).
+    /// The channel `channel` of agent `agent`, mapped from `file` and `doorbell`
+    /// unless this process has it already (the duplicates are then closed here).
     fn channel(
         &self,
         agent: usize,
         channel: u64,
-        [file, doorbell, bell]: [OwnedFd; 3],
+        file: OwnedFd,
+        doorbell: OwnedFd,
     ) -> anyhow::Result<Arc<RankChannel>> {
         let mut mapped = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
         if let Some(known) = mapped.get(&(agent, channel)) {
             return Ok(Arc::clone(known));
         }
-        // Its ranks wait on the futex: the bell goes.
-        drop(bell);
         let rank_channel = RankChannel::map(file, doorbell, None)
             .with_context(|| format!("mapping barrier channel {channel} of agent {agent}"))?;
         let rank_channel = Arc::new(rank_channel);
@@ -268,11 +266,12 @@ async fn attach(
         ServerFrame::BarrierChannel { id: 1, channel, slot } => {
             // The first BarrierChannel naming a channel on a connection carries its
             // memory file, doorbell and release bell; this connection has no other.
-            let (Some(file), Some(doorbell), Some(bell)) = (files.pop_front(), files.pop_front(), files.pop_front())
+            // Its ranks wait on the futex: the bell is closed here.
+            let (Some(file), Some(doorbell), Some(_bell)) = (files.pop_front(), files.pop_front(), files.pop_front())
             else {
                 bail!("rank {rank}: barrier channel {channel} came without its files");
             };
-            let channel_map = shared.mapped.channel(agent, channel, [file, doorbell, bell])?;
+            let channel_map = shared.mapped.channel(agent, channel, file, doorbell)?;
             if slot >= channel_map.slots() {
                 bail!("rank {rank}: slot {slot} of barrier channel {channel}, which has {}", channel_map.slots());
             }

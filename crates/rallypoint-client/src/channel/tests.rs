@@ -352,7 +352,7 @@ async fn calls_in_other_runtimes_hear_the_bell_through_their_connections_runtime
 fn a_listener_whose_runtime_is_gone_stops_hearing() {
     let agent = AgentChannel::create(1).expect("a channel");
     let dup = |fd: &OwnedFd| fd.try_clone().expect("dup");
-    let watched = Watched::of(&dup(&agent.file), &dup(&agent.doorbell), &dup(&agent.bell)).expect("mapped");
+    let watched = Watched::of(&dup(&agent.file), &dup(&agent.doorbell), dup(&agent.bell)).expect("mapped");
     let runtime = || tokio::runtime::Builder::new_current_thread().enable_all().build().expect("a runtime");
     let listening = runtime();
     assert!(watched.listen(listening.handle()).hears(), "a listener starts");
