@@ -229,8 +229,6 @@ async fn seated_blocking() -> (blocking::Client, Agent, SocketDir) {
     (client, agent, dir)
 }
 
-/// A released round takes a request id and registers nothing: no reply slot waits
-/// while the rank waits in the channel, nor after.
 /// An async barrier call of the seated client, as a task.
 fn spawn_barrier(client: &Client) -> tokio::task::JoinHandle<Result<(), Error>> {
     let client = client.clone();
@@ -259,6 +257,8 @@ async fn blocking_call_whose_error_was_read(
     waiting
 }
 
+/// A released round takes a request id and registers nothing: no reply slot waits
+/// while the rank waits in the channel, nor after.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_released_round_registers_no_reply() {
     let (client, agent, _dir) = seated_async().await;
