@@ -329,11 +329,7 @@ mod mapped {
         /// waiting on the channel: one futex wake of all, and one ring of the release
         /// bell if a rank sleeps on it.
         pub fn release(&self) {
-            let ring = super::publish(&self.words);
-            wake_all(self.words.release());
-            if ring {
-                ring_bell(&self.bell);
-            }
+            publish_and_wake(&self.words, Some(&self.bell));
         }
 
         /// Ranks asleep on the release bell now (async tasks waiting for a release).
@@ -556,11 +552,7 @@ mod mapped {
         /// with ended): the release word moves, so no waiter can sleep through it.
         /// Other ranks waiting wake too, find nothing new, and wait again.
         pub fn wake_waiters(&self) {
-            let ring = super::publish(&self.words);
-            wake_all(self.words.release());
-            if let (true, Some(bell)) = (ring, &self.bell) {
-                ring_bell(bell);
-            }
+            publish_and_wake(&self.words, self.bell.as_ref());
         }
     }
 
@@ -587,6 +579,17 @@ mod mapped {
         rustix::thread::futex::Timespec {
             tv_sec: wait.as_secs().min(i64::MAX as u64) as i64,
             tv_nsec: i64::from(wait.subsec_nanos()),
+        }
+    }
+
+    /// Publishes the rounds finished since the last call (see [`super::publish`]) and
+    /// wakes every waiter: one futex wake of all, and one ring of `bell` (if this
+    /// mapping holds it) while a rank sleeps on it.
+    fn publish_and_wake(words: &Words, bell: Option<&OwnedFd>) {
+        let ring = super::publish(words);
+        wake_all(words.release());
+        if let (true, Some(bell)) = (ring, bell) {
+            ring_bell(bell);
         }
     }
 
