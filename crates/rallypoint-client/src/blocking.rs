@@ -142,20 +142,18 @@ impl Client {
     }
 
     pub fn barrier(&self, name: &str, members: Members, timeout: Option<Duration>) -> Result<(), Error> {
-        use crate::channel::OnThread;
-        // Through a channel seat already held, the whole call runs in this thread,
-        // outside the runtime: a release through shared memory wakes this thread
-        // itself, and entering the runtime for each round would cost more than the rest.
-        let outcome = match self.inner.barrier_on_thread(name, &members, timeout) {
-            OnThread::Done(outcome) => outcome,
-            OnThread::Conclude(concluding) => self.runtime.block_on(concluding.finish()),
-            OnThread::Elsewhere => {
+        use crate::InThread;
+        // Through a channel seat already held, the whole call runs in this thread:
+        // entering the runtime for each round would cost more than the rest.
+        match self.inner.barrier_in_thread(name, &members, timeout, None) {
+            InThread::Done(outcome) => outcome,
+            InThread::Conclude(concluding) => self.runtime.block_on(concluding.finish()),
+            InThread::Elsewhere => {
                 let waiting = crate::channel::Waiting::Thread;
-                return self.runtime.block_on(self.inner.barrier_waiting(name, members, timeout, waiting));
+                self.runtime.block_on(self.inner.barrier_waiting(name, members, timeout, waiting))
             }
-        };
-        self.inner.barrier_ended(&outcome);
-        outcome
+            InThread::Interrupted => unreachable!("a wait without an interrupt is never interrupted"),
+        }
     }
 
     pub fn all_gather(

@@ -691,6 +691,18 @@ pub(crate) enum OnThread {
     Conclude(Concluding),
     /// This client holds no seat for the barrier (yet): make the call with [`barrier`].
     Elsewhere,
+    /// The caller's [`Interrupt`] said to give up: the seat went back to the agent,
+    /// as an async call's does when it is dropped mid-wait ([`InCall`]).
+    Interrupted,
+}
+
+/// How a barrier waiting in its caller's thread may be given up before its timeout:
+/// `check` is asked about every `every` while the round goes on, and a `true` ends
+/// the wait. For bindings whose users expect Ctrl-C to end any wait (Python runs its
+/// signal handlers in `check`).
+pub struct Interrupt<'a> {
+    pub every: Duration,
+    pub check: &'a mut (dyn FnMut() -> bool + Send),
 }
 
 /// A call through a channel whose outcome, an error, comes on the socket.
@@ -711,7 +723,12 @@ impl Concluding {
 /// The blocking client's barrier through the seat it holds for it, entirely in the
 /// caller's thread: a released round (the common case) needs no runtime, no task and
 /// no future; only an outcome that comes on the socket is awaited, by the caller.
-pub(crate) fn barrier_on_thread(link: &Arc<Link>, call: &BarrierCall<'_>, wait: Duration) -> OnThread {
+pub(crate) fn barrier_on_thread(
+    link: &Arc<Link>,
+    call: &BarrierCall<'_>,
+    wait: Duration,
+    interrupt: Option<Interrupt<'_>>,
+) -> OnThread {
     let (seat, id) = {
         let mut state = link.channels.lock();
         let epoch = state.epoch;
@@ -727,7 +744,14 @@ pub(crate) fn barrier_on_thread(link: &Arc<Link>, call: &BarrierCall<'_>, wait: 
         (seat, id)
     };
     let arrival = arrive(link, seat, id, wait);
-    let (waited, deadline) = wait_thread(link, &arrival);
+    let waited = match interrupt {
+        None => Some(wait_thread(link, &arrival)),
+        Some(interrupt) => wait_thread_interruptibly(link, &arrival, interrupt),
+    };
+    let Some((waited, deadline)) = waited else {
+        put_back(link, |r| call.is(r), Then::GiveBack(arrival.seat));
+        return OnThread::Interrupted;
+    };
     match settle(link, arrival, waited, deadline) {
         Settled::Done(outcome, seat) => {
             put_back(link, |r| call.is(r), seat);
@@ -891,6 +915,35 @@ fn wait_thread(link: &Link, arrival: &Arrival) -> (Waited, Option<Instant>) {
     let (mapped, id, seen) = (&arrival.seat.channel, arrival.id, arrival.stashes);
     let stop = || mapped.ended.load(Ordering::Acquire) || link.replied(id, seen);
     mapped.channel.wait_until(arrival.seat.slot, arrival.seat.round, Until::Within(arrival.wait), stop)
+}
+
+/// [`wait_thread`] a slice of `interrupt.every` at a time, asking `interrupt.check`
+/// between slices; `None`: it said to give up.
+fn wait_thread_interruptibly(
+    link: &Link,
+    arrival: &Arrival,
+    interrupt: Interrupt<'_>,
+) -> Option<(Waited, Option<Instant>)> {
+    let (mapped, id, seen) = (&arrival.seat.channel, arrival.id, arrival.stashes);
+    let (slot, round) = (arrival.seat.slot, arrival.seat.round);
+    let stop = || mapped.ended.load(Ordering::Acquire) || link.replied(id, seen);
+    // `None`: too far out to represent, as good as none.
+    let deadline = Instant::now().checked_add(arrival.wait);
+    loop {
+        let until = match (Instant::now().checked_add(interrupt.every), deadline) {
+            (Some(slice), Some(deadline)) => Until::Deadline(slice.min(deadline)),
+            (Some(at), None) | (None, Some(at)) => Until::Deadline(at),
+            (None, None) => Until::Within(arrival.wait),
+        };
+        let (waited, _) = mapped.channel.wait_until(slot, round, until, stop);
+        let going = matches!(waited, Waited::TimedOut) && deadline.is_none_or(|deadline| Instant::now() < deadline);
+        if !going {
+            return Some((waited, deadline));
+        }
+        if (interrupt.check)() {
+            return None;
+        }
+    }
 }
 
 /// How a wait in the channel ended: with the call's outcome, or with the outcome

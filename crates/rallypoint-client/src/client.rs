@@ -44,6 +44,35 @@ const SAFETY_MARGIN: Duration = Duration::from_secs(5);
 /// How long [`Client::close`] waits for the coordinator to confirm the leave.
 pub const LEAVE_WAIT: Duration = Duration::from_secs(2);
 
+/// What [`Client::barrier_in_thread`] came to.
+pub enum InThread {
+    /// The call ended in the caller's thread.
+    Done(Result<(), Error>),
+    /// The round ended, and its outcome (an error) comes on the socket: await
+    /// [`BarrierConclusion::finish`] on the client's runtime.
+    Conclude(BarrierConclusion),
+    /// This client holds no channel seat for the barrier (yet: through a node agent,
+    /// a barrier's second call asks for one): make the call with [`Client::barrier`].
+    Elsewhere,
+    /// The interrupt said to give up: the call is abandoned as an async call dropped
+    /// mid-wait is (its seat goes back to the agent; the next call asks for another).
+    Interrupted,
+}
+
+/// A barrier through a channel whose outcome comes on the socket ([`InThread::Conclude`]).
+pub struct BarrierConclusion {
+    client: Client,
+    concluding: channel::Concluding,
+}
+
+impl BarrierConclusion {
+    pub async fn finish(self) -> Result<(), Error> {
+        let outcome = self.concluding.finish().await;
+        self.client.barrier_ended(&outcome);
+        outcome
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ConnectOptions {
     /// `host:port` of the coordinator.
@@ -559,25 +588,40 @@ impl Client {
         self.barrier_waiting(name, members, timeout, channel::Waiting::Task)
     }
 
-    /// The blocking client's barrier through the channel seat this client holds for
-    /// it, in the caller's thread (see [`channel::barrier_on_thread`]).
-    pub(crate) fn barrier_on_thread(
+    /// [`Client::barrier`] for a caller that blocks its thread (the blocking client,
+    /// the Python package): through the channel seat this client holds for the
+    /// barrier, the whole call runs in the caller's thread, outside the runtime. A
+    /// release through shared memory then wakes that thread itself, with no task, no
+    /// future and no hand-over to the runtime. `interrupt`: how the wait may be given
+    /// up before its timeout.
+    pub fn barrier_in_thread(
         &self,
         name: &str,
         members: &Members,
         timeout: Option<Duration>,
-    ) -> channel::OnThread {
+        interrupt: Option<channel::Interrupt<'_>>,
+    ) -> InThread {
         if !self.inner.barrier_channels {
-            return channel::OnThread::Elsewhere;
+            return InThread::Elsewhere;
         }
         let (timeout_ms, wait) = self.blocking_timeout(timeout);
         let call = channel::BarrierCall { name, members, timeout_ms };
-        channel::barrier_on_thread(&self.inner.link, &call, wait.saturating_add(SAFETY_MARGIN))
+        match channel::barrier_on_thread(&self.inner.link, &call, wait.saturating_add(SAFETY_MARGIN), interrupt) {
+            channel::OnThread::Done(outcome) => {
+                self.barrier_ended(&outcome);
+                InThread::Done(outcome)
+            }
+            channel::OnThread::Conclude(concluding) => {
+                InThread::Conclude(BarrierConclusion { client: self.clone(), concluding })
+            }
+            channel::OnThread::Elsewhere => InThread::Elsewhere,
+            channel::OnThread::Interrupted => InThread::Interrupted,
+        }
     }
 
     /// What a barrier through a channel that ended in a timeout tells the connection:
     /// the coordinator may have gone silent.
-    pub(crate) fn barrier_ended(&self, outcome: &Result<(), Error>) {
+    fn barrier_ended(&self, outcome: &Result<(), Error>) {
         if matches!(outcome, Err(Error::Timeout(_))) {
             self.inner.silent.store(true, Ordering::Relaxed);
         }

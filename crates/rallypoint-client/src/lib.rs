@@ -12,7 +12,10 @@ pub mod env;
 mod error;
 mod incarnation;
 
-pub use client::{job_incarnation, reset_job, Client, ConnectOptions, DEFAULT_TIMEOUT, LEAVE_WAIT};
+pub use channel::Interrupt;
+pub use client::{
+    job_incarnation, reset_job, BarrierConclusion, Client, ConnectOptions, InThread, DEFAULT_TIMEOUT, LEAVE_WAIT,
+};
 pub use error::Error;
 pub use incarnation::{new_job_incarnation, process_incarnation};
 pub use rallypoint_core::{

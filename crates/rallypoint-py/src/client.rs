@@ -10,7 +10,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyString};
 use rallypoint_client::env::{Overrides, Settings};
 use rallypoint_client::DEFAULT_TIMEOUT;
-use rallypoint_client::{ConnectOptions, Credentials, Error, Identity, Members, TlsClient, Token};
+use rallypoint_client::{ConnectOptions, Credentials, Error, Identity, InThread, Interrupt, Members, TlsClient, Token};
 use tokio::runtime::Runtime;
 
 use crate::errors;
@@ -405,7 +405,25 @@ impl Client {
     ) -> PyResult<()> {
         let (members, timeout) = (members(py, ranks, role)?, crate::client::timeout(py, timeout)?);
         let client = self.handle(py)?;
-        self.run(py, client.barrier(name, members, timeout))
+        // Through the channel seat a rank holds under a node agent, the call waits in
+        // this thread on shared memory: the release wakes this thread alone, where
+        // through the runtime it would wake a worker that then wakes this thread.
+        let mut signalled = None;
+        let mut check = || match Python::attach(|py| py.check_signals()) {
+            Ok(()) => false,
+            Err(raised) => {
+                signalled = Some(raised);
+                true
+            }
+        };
+        let interrupt = Interrupt { every: crate::SLICE, check: &mut check };
+        match py.detach(|| client.barrier_in_thread(name, &members, timeout, Some(interrupt))) {
+            InThread::Done(outcome) => outcome.map_err(|e| errors::to_py(py, e)),
+            InThread::Conclude(concluding) => self.run(py, concluding.finish()),
+            InThread::Elsewhere => self.run(py, client.barrier(name, members, timeout)),
+            InThread::Interrupted => Err(signalled
+                .unwrap_or_else(|| pyo3::exceptions::PyKeyboardInterrupt::new_err("the barrier was interrupted"))),
+        }
     }
 
     /// Every member contributes `value`; returns all values in rank order.

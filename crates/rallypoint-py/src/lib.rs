@@ -18,7 +18,7 @@ use tokio::runtime::Runtime;
 
 /// How long a blocking call waits with the GIL released before it runs Python's
 /// signal handlers, so that Ctrl-C interrupts any wait within about this long.
-const SLICE: Duration = Duration::from_millis(50);
+pub(crate) const SLICE: Duration = Duration::from_millis(50);
 
 /// Runs `future` on `runtime` to completion without holding the GIL, in slices of
 /// [`SLICE`]; between slices, pending signals are handled, and an exception they

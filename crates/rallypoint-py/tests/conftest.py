@@ -77,19 +77,28 @@ class Child:
 
 
 @pytest.fixture
-def children():
+def children_of():
+    """Starts `python ARGS` with the environment plus `env`; killed at the test's end."""
     started: List[Child] = []
 
-    def start(env: Dict[str, str], *args: str) -> Child:
-        """Runs rank_worker.py ARGS with the environment plus `env`."""
+    def start(args: List[str], env: Dict[str, str]) -> Child:
         full = dict(os.environ)
         full.update(env)
-        child = Child([os.path.join(HERE, "rank_worker.py"), *args], full)
+        child = Child(args, full)
         started.append(child)
         return child
 
     yield start
-    for child in started:
+    for child in reversed(started):
         if child.popen.poll() is None:
             child.popen.kill()
         child.popen.wait(10)
+
+
+@pytest.fixture
+def children(children_of):
+    def start(env: Dict[str, str], *args: str) -> Child:
+        """Runs rank_worker.py ARGS with the environment plus `env`."""
+        return children_of([os.path.join(HERE, "rank_worker.py"), *args], env)
+
+    return start

@@ -22,10 +22,20 @@ def main() -> None:
         client.close()
     elif action == "idle":
         time.sleep(60)  # connected, never arrives: the test kills it
-    elif action == "barrier":
+    elif action == "arrive-then-idle":
+        for _ in range(2):
+            client.barrier("b", timeout=30.0)
+        print("arrived", flush=True)
+        time.sleep(60)  # never arrives again: the test kills it
+    elif action in ("barrier", "seated-barrier"):
         # Ctrl-C raises KeyboardInterrupt, as at a terminal, even when the tests run
         # as a background job of a shell, which starts them with SIGINT ignored.
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        if action == "seated-barrier":
+            # Through a node agent, a barrier's second call asks for a seat in the
+            # agent's barrier channel; the third waits in it, in this thread.
+            for _ in range(2):
+                client.barrier("b", timeout=30.0)
         print("waiting", flush=True)
         started = time.monotonic()
         try:

@@ -1,4 +1,5 @@
-"""Processes as ranks: collectives, a killed rank named at once, Ctrl-C in a barrier."""
+"""Processes as ranks: collectives, a killed rank named at once, Ctrl-C in a barrier;
+the same two through a node agent, the barrier waiting in its shared-memory channel."""
 
 from __future__ import annotations
 
@@ -51,6 +52,42 @@ def test_ctrl_c_interrupts_a_barrier(coordinator, job, children):
     # Within 5 s, not at the barrier's 30 s timeout (no tighter bound: the machine is shared).
     child.expect("interrupted", timeout=5)
     assert child.popen.wait(10) == 0
+
+
+@pytest.fixture
+def agent(coordinator, children_of, tmp_path):
+    """A node agent in front of the coordinator on a Unix socket (the wheel's
+    `rallypoint agent`, as `rallypoint launch` starts one per node); its address."""
+    socket_path = tmp_path / "agent.sock"
+    command = ["-m", "rallypoint", "agent", "--upstream", coordinator.addr, "--listen", f"unix:{socket_path}"]
+    agent = children_of([*command, "--print-addr"], {"RUST_LOG": "warn"})
+    return agent.expect("unix:", timeout=20)
+
+
+def test_ctrl_c_interrupts_a_barrier_waiting_in_its_agents_channel(agent, job, children):
+    ranks = {"RALLYPOINT_ADDR": agent, "RALLYPOINT_JOB": job, "WORLD_SIZE": "2"}
+    waiter = children({**ranks, "RANK": "0"}, "seated-barrier")
+    children({**ranks, "RANK": "1"}, "arrive-then-idle").expect("arrived", timeout=20)
+    waiter.expect("waiting", timeout=20)
+    time.sleep(1.0)  # asleep in the channel by then, even on a loaded machine: rank 1 never comes
+    os.kill(waiter.pid, signal.SIGINT)
+    # Within 5 s, not at the barrier's 30 s timeout (no tighter bound: the machine is shared).
+    waiter.expect("interrupted", timeout=5)
+    assert waiter.popen.wait(10) == 0
+
+
+def test_killed_process_fails_a_barrier_waiting_in_its_agents_channel_at_once(agent, job, children):
+    ranks = {"RALLYPOINT_ADDR": agent, "RALLYPOINT_JOB": job, "WORLD_SIZE": "2"}
+    waiter = children({**ranks, "RANK": "0"}, "seated-barrier")
+    victim = children({**ranks, "RANK": "1"}, "arrive-then-idle")
+    victim.expect("arrived", timeout=20)
+    waiter.expect("waiting", timeout=20)
+    time.sleep(0.3)  # well inside the barrier
+    os.kill(victim.pid, signal.SIGKILL)
+    line = waiter.expect("peerlost ", timeout=5)
+    info = json.loads(line.split(" ", 1)[1])
+    assert (info["rank"], info["pid"], info["host"]) == (1, victim.pid, socket.gethostname())
+    assert info["reason"] == "connection dropped without a clean leave"
 
 
 def test_a_second_process_claiming_a_held_rank_raises_rank_held(coordinator, job, children):

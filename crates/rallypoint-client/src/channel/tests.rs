@@ -528,6 +528,72 @@ async fn an_attach_answered_by_its_reply_alone_holds_no_leave_back() {
     assert_eq!(agent.left, [(1, 0)], "the dropped call's seat given back");
 }
 
+/// A barrier call in the caller's thread that asks `interrupt_at`'s check (true from
+/// its `n`-th question on, counted in `asked`), as a task.
+fn spawn_in_thread(
+    client: &Client,
+    asked: &Arc<AtomicU32>,
+    interrupt_at: u32,
+) -> tokio::task::JoinHandle<crate::InThread> {
+    let (client, asked) = (client.clone(), Arc::clone(asked));
+    tokio::task::spawn_blocking(move || {
+        let mut check = || asked.fetch_add(1, Ordering::Relaxed) + 1 >= interrupt_at;
+        let interrupt = crate::Interrupt { every: Duration::from_millis(5), check: &mut check };
+        client.barrier_in_thread("b", &Members::World, Some(BARRIER_TIMEOUT), Some(interrupt))
+    })
+}
+
+/// A call waiting in its thread asks its interrupt between slices and goes on
+/// while it says no: the round's release ends it as any call's does, seat kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_in_thread_asks_its_interrupt_and_waits_on() {
+    let (client, mut agent, _dir) = seated_async().await;
+    let asked = Arc::new(AtomicU32::new(0));
+    let waiting = spawn_in_thread(&client, &asked, u32::MAX);
+    agent.arrival(1).await;
+    bounded(async {
+        while asked.load(Ordering::Relaxed) < 3 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    agent.finish(1, Outcome::Released);
+    match bounded(waiting).await.expect("thread") {
+        crate::InThread::Done(outcome) => outcome.expect("a released round"),
+        _ => panic!("the call did not end in its thread"),
+    }
+    // The seat is kept: the next call arrives in it, in round 2.
+    let next = spawn_in_thread(&client, &asked, u32::MAX);
+    agent.arrival(2).await;
+    agent.finish(2, Outcome::Released);
+    assert!(matches!(bounded(next).await.expect("thread"), crate::InThread::Done(Ok(()))));
+    drop(client);
+    while agent.frame().await.is_some() {}
+    assert!(agent.left.is_empty(), "a seat was given back: {:?}", agent.left);
+}
+
+/// A call waiting in its thread whose interrupt says yes gives up at once (its
+/// round still going on), and gives its seat back as a dropped async call does:
+/// the barrier's next call asks the agent for a channel again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_in_thread_interrupted_gives_its_seat_back() {
+    let (client, mut agent, _dir) = seated_async().await;
+    let asked = Arc::new(AtomicU32::new(0));
+    let waiting = spawn_in_thread(&client, &asked, 3);
+    agent.arrival(1).await;
+    assert!(matches!(bounded(waiting).await.expect("thread"), crate::InThread::Interrupted));
+    assert_eq!(asked.load(Ordering::Relaxed), 3, "asked until it said yes, and no more");
+    bounded(async {
+        while agent.left.is_empty() {
+            let _ = tokio::time::timeout(Duration::from_millis(10), agent.frame()).await;
+        }
+    })
+    .await;
+    assert_eq!(agent.left, [(1, 0)], "the interrupted call's seat given back");
+    let next = spawn_in_thread(&client, &asked, u32::MAX);
+    assert!(matches!(bounded(next).await.expect("thread"), crate::InThread::Elsewhere), "no seat is held now");
+}
+
 /// The agent sends a failed round's error before the rank wakes to see the
 /// failure: the connection keeps the reply for the call, which finds it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
