@@ -3,7 +3,7 @@ agent's Unix socket, as under `rallypoint launch`), timed as `rallypoint bench
 barrier --procs` times its own: a round ends when its last rank is released.
 
     python crates/rallypoint-py/bench/barrier_procs.py --addr unix:/path/agent.sock \
-        [--procs 256] [--rounds 30] [--warmup 3] [--job NAME]
+        [--procs 256] [--rounds 30] [--warmup 3] [--job NAME] [--limit SECS]
 
 Each rank process connects as `rallypoint.Client(addr, rank, world_size)`, passes
 the warm-up rounds, then notes the monotonic clock (shared by every process of the
@@ -59,6 +59,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--job", default=f"pybench-{uuid.uuid4().hex[:8]}")
+    parser.add_argument("--limit", type=float, default=900.0, help="seconds the whole run may take")
     args = parser.parse_args()
     if args.procs < 1 or args.rounds < 1 or args.warmup < 0:
         parser.error("--procs and --rounds must be at least 1, --warmup at least 0")
@@ -79,10 +80,14 @@ def main() -> int:
         pipes.append(ours)
         procs.append(proc)
 
+    deadline = time.monotonic() + args.limit
     connected, ends, errors = [], [], []
-    for pipe in pipes:
+    for rank, pipe in enumerate(pipes):
         try:
             while True:
+                if not pipe.poll(max(0.0, deadline - time.monotonic())):
+                    errors.append(f"rank {rank}: no results within --limit {args.limit} s")
+                    break
                 what, value = pipe.recv()
                 if what == "connected":
                     connected.append(value)
@@ -95,7 +100,9 @@ def main() -> int:
         except EOFError:
             errors.append("a rank process ended without its results")
     for proc in procs:
-        proc.join(timeout=60)
+        proc.join(timeout=max(1.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
     if errors:
         print(f"barrier_procs: {len(errors)} rank(s) failed; first: {errors[0]}", file=sys.stderr)
         return 1
