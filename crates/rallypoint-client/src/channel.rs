@@ -720,9 +720,10 @@ impl Concluding {
     }
 }
 
-/// The blocking client's barrier through the seat it holds for it, entirely in the
-/// caller's thread: a released round (the common case) needs no runtime, no task and
-/// no future; only an outcome that comes on the socket is awaited, by the caller.
+/// A barrier through the seat the client holds for it, entirely in the caller's
+/// thread (the blocking client's, the Python package's): a released round (the common
+/// case) needs no runtime, no task and no future; only an outcome that comes on the
+/// socket is awaited, by the caller. `interrupt`: see [`Interrupt`].
 pub(crate) fn barrier_on_thread(
     link: &Arc<Link>,
     call: &BarrierCall<'_>,
