@@ -1,12 +1,12 @@
 //! The blocking client: the same operations as [`crate::Client`], for code without
 //! an async runtime (plain threads, FFI bindings).
 //!
-//! Each client owns a small tokio runtime (one worker thread) that keeps the
-//! connection serviced, heartbeats included, between calls. Calls block the
-//! calling thread; many threads may share one client (it is `Clone`). Do not call
-//! it from inside an async runtime: that panics, as any `block_on` there does.
-//! Dropping the last clone without [`Client::close`] drops the connection
-//! abruptly, as for the async client.
+//! Each client owns a [`CallerRuntime`]: a call drives it in the calling thread while
+//! it waits (the reply wakes that thread alone), and a keeper thread drives it between
+//! calls, heartbeats included. Calls block the calling thread; many threads may share
+//! one client (it is `Clone`). Do not call it from inside an async runtime: that
+//! panics, as any `block_on` there does. Dropping the last clone without
+//! [`Client::close`] drops the connection abruptly, as for the async client.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -14,36 +14,12 @@ use std::time::Duration;
 use bytes::Bytes;
 use rallypoint_core::{Gathered, Identity, Members};
 
-use crate::{client, ConnectOptions, Error};
+use crate::{client, CallerRuntime, ConnectOptions, Error};
 
 #[derive(Clone)]
 pub struct Client {
     inner: client::Client,
-    runtime: Arc<Runtime>,
-}
-
-/// Owns the runtime and shuts it down without blocking if the last clone happens
-/// to be dropped inside an async context (where a normal drop would panic).
-struct Runtime(Option<tokio::runtime::Runtime>);
-
-impl Drop for Runtime {
-    fn drop(&mut self) {
-        if let Some(runtime) = self.0.take() {
-            if tokio::runtime::Handle::try_current().is_ok() {
-                runtime.shutdown_background();
-            }
-        }
-    }
-}
-
-impl Runtime {
-    fn block_on<F: std::future::Future>(&self, future: F) -> F::Output {
-        match &self.0 {
-            Some(runtime) => runtime.block_on(future),
-            // Taken only in drop.
-            None => unreachable!("the client runtime is gone"),
-        }
-    }
+    runtime: Arc<CallerRuntime>,
 }
 
 impl Client {
@@ -52,15 +28,15 @@ impl Client {
     }
 
     pub fn connect_with(options: ConnectOptions) -> Result<Client, Error> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(1)
-            .thread_name("rallypoint-client")
-            .enable_io()
-            .enable_time()
-            .build()
-            .map_err(|source| Error::Connect { addr: options.addr.clone(), waited: Duration::ZERO, source })?;
-        let runtime = Runtime(Some(runtime));
+        let runtime = CallerRuntime::new("rallypoint-client", Duration::MAX).map_err(|source| Error::Connect {
+            addr: options.addr.clone(),
+            waited: Duration::ZERO,
+            source,
+        })?;
         let inner = runtime.block_on(client::Client::connect_with(options))?;
+        if let Some(period) = inner.heartbeat_period() {
+            runtime.set_idle(period / 2);
+        }
         Ok(Client { inner, runtime: Arc::new(runtime) })
     }
 
@@ -206,13 +182,16 @@ impl Drop for Client {
     /// grace. Nothing to say if the client was closed. Waits on a channel rather than
     /// `block_on`, which could not run where a runtime is current (a blocking task).
     fn drop(&mut self) {
-        let Some(runtime) = self.runtime.0.as_ref().filter(|_| Arc::strong_count(&self.runtime) == 1) else { return };
+        if Arc::strong_count(&self.runtime) != 1 {
+            return;
+        }
         let (said, told) = std::sync::mpsc::channel();
         let inner = self.inner.clone();
-        runtime.spawn(async move {
+        self.runtime.spawn(async move {
             inner.abandon().await;
             let _ = said.send(());
         });
+        self.runtime.drive_now();
         let _ = told.recv_timeout(ABANDON_WAIT);
     }
 }

@@ -368,6 +368,12 @@ impl Client {
         self.inner.link.welcome().job_incarnation
     }
 
+    /// How often the client tells the coordinator it lives between calls; `None`: the
+    /// coordinator keeps no lease, and no heartbeat goes.
+    pub fn heartbeat_period(&self) -> Option<Duration> {
+        connection::heartbeat_period(self.inner.link.welcome().lease_ms)
+    }
+
     /// The connect timeout, which is also the default timeout of blocking operations.
     pub fn timeout(&self) -> Duration {
         self.inner.timeout

@@ -1477,8 +1477,7 @@ enum Ended {
 
 async fn run(mut connected: Connected, mut queue: mpsc::UnboundedReceiver<Command>, link: &Link, redial: Redial) {
     let lease = connected.welcome.lease_ms;
-    // Heartbeat at a third of the lease so that two may be lost before it expires.
-    let period = (lease > 0).then(|| Duration::from_millis((lease / 3).max(1)));
+    let period = heartbeat_period(lease);
     let mut beat = period.map(|period| {
         let mut beat = tokio::time::interval_at(Instant::now() + period, period);
         beat.set_missed_tick_behavior(MissedTickBehavior::Delay);
@@ -1531,6 +1530,12 @@ async fn run(mut connected: Connected, mut queue: mpsc::UnboundedReceiver<Comman
             }
         }
     }
+}
+
+/// The heartbeat period under a lease of `lease_ms` (none without a lease): a third
+/// of the lease, so that two may be lost before it expires.
+pub(crate) fn heartbeat_period(lease_ms: u64) -> Option<Duration> {
+    (lease_ms > 0).then(|| Duration::from_millis((lease_ms / 3).max(1)))
 }
 
 /// Connects again after a cut (`why`), resuming the session if the coordinator still

@@ -5,6 +5,7 @@
 //! with explicit values, into connection settings ([`env::Settings`]).
 
 pub mod blocking;
+mod caller_runtime;
 mod channel;
 mod client;
 mod connection;
@@ -12,6 +13,7 @@ pub mod env;
 mod error;
 mod incarnation;
 
+pub use caller_runtime::CallerRuntime;
 pub use channel::Interrupt;
 pub use client::{
     job_incarnation, reset_job, BarrierConclusion, Client, ConnectOptions, InThread, DEFAULT_TIMEOUT, LEAVE_WAIT,

@@ -1,5 +1,5 @@
-//! `rallypoint.Client`: the async Rust client on a one-thread runtime owned by the
-//! Python object. Every call releases the GIL and waits interruptibly ([`crate::wait`]).
+//! `rallypoint.Client`: the async Rust client on a runtime owned by the Python object,
+//! driven by the calling thread while it waits (see `rallypoint_client::CallerRuntime`). Every call releases the GIL and waits interruptibly ([`crate::wait`]).
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -10,8 +10,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyString};
 use rallypoint_client::env::{Overrides, Settings};
 use rallypoint_client::DEFAULT_TIMEOUT;
-use rallypoint_client::{ConnectOptions, Credentials, Error, Identity, InThread, Interrupt, Members, TlsClient, Token};
-use tokio::runtime::Runtime;
+use rallypoint_client::{
+    CallerRuntime, ConnectOptions, Credentials, Error, Identity, InThread, Interrupt, Members, TlsClient, Token,
+};
 
 use crate::errors;
 
@@ -29,7 +30,7 @@ pub struct Client {
     timeout: Duration,
     /// `None` once closed.
     client: Mutex<Option<rallypoint_client::Client>>,
-    runtime: Runtime,
+    runtime: CallerRuntime,
 }
 
 /// Bytes of a key or value given as `str` (UTF-8), `bytes` or `bytearray`.
@@ -108,13 +109,16 @@ impl Client {
         timeout: Duration,
         credentials: Credentials,
     ) -> PyResult<Client> {
-        let runtime = crate::runtime("rallypoint-client", 1).map_err(|source| {
+        let runtime = CallerRuntime::new("rallypoint-client", Duration::MAX).map_err(|source| {
             errors::to_py(py, Error::Connect { addr: addr.clone(), waited: Duration::ZERO, source })
         })?;
         let mut options = ConnectOptions::new(addr.clone(), identity).with_timeout(timeout);
         options.credentials = credentials;
         let client = crate::wait(py, &runtime, rallypoint_client::Client::connect_with(options))?
             .map_err(|e| errors::to_py(py, e))?;
+        if let Some(period) = client.heartbeat_period() {
+            runtime.set_idle(period / 2);
+        }
         // The identity with the host and pid that connect filled in.
         let identity = client.identity().clone();
         Ok(Client { addr, identity, local_rank, timeout, client: Mutex::new(Some(client)), runtime })
@@ -160,6 +164,7 @@ impl Drop for Client {
                 client.abandon().await;
                 let _ = said.send(());
             });
+            self.runtime.drive_now();
             let _ = told.recv_timeout(ABANDON_WAIT);
         }
     }

@@ -1,7 +1,7 @@
 //! `rallypoint._native`: the Rust half of the `rallypoint` Python package.
 //!
-//! [`client::Client`] wraps the async `rallypoint_client::Client` on a small tokio runtime
-//! of its own; [`coordinator::Coordinator`] runs a `rallypoint_client::Server` in the
+//! [`client::Client`] wraps the async `rallypoint_client::Client` on a
+//! `rallypoint_client::CallerRuntime` of its own; [`coordinator::Coordinator`] runs a `rallypoint_client::Server` in the
 //! process (for `rallypoint.spawn` and tests). The public API, the exception
 //! classes and `spawn` are in the pure-Python part (`python/rallypoint`).
 
@@ -23,7 +23,7 @@ pub(crate) const SLICE: Duration = Duration::from_millis(50);
 /// Runs `future` on `runtime` to completion without holding the GIL, in slices of
 /// [`SLICE`]; between slices, pending signals are handled, and an exception they
 /// raise (KeyboardInterrupt) drops the future and is returned.
-fn wait<F>(py: Python<'_>, runtime: &Runtime, future: F) -> PyResult<F::Output>
+fn wait<F>(py: Python<'_>, runtime: &impl BlockOn, future: F) -> PyResult<F::Output>
 where
     F: Future + Send,
     F::Output: Send,
@@ -36,6 +36,23 @@ where
             Ok(output) => return Ok(output),
             Err(_elapsed) => py.check_signals()?,
         }
+    }
+}
+
+/// What runs a future to completion in the calling thread.
+trait BlockOn: Sync {
+    fn block_on<F: Future>(&self, future: F) -> F::Output;
+}
+
+impl BlockOn for Runtime {
+    fn block_on<F: Future>(&self, future: F) -> F::Output {
+        Runtime::block_on(self, future)
+    }
+}
+
+impl BlockOn for rallypoint_client::CallerRuntime {
+    fn block_on<F: Future>(&self, future: F) -> F::Output {
+        rallypoint_client::CallerRuntime::block_on(self, future)
     }
 }
 
