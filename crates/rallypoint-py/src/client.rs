@@ -1,5 +1,6 @@
 //! `rallypoint.Client`: the async Rust client on a runtime owned by the Python object,
-//! driven by the calling thread while it waits (see `rallypoint_client::CallerRuntime`). Every call releases the GIL and waits interruptibly ([`crate::wait`]).
+//! driven by the calling thread while it waits (`rallypoint_client::CallerRuntime`).
+//! Every call releases the GIL and waits interruptibly ([`crate::wait`]).
 
 use std::future::Future;
 use std::path::PathBuf;

@@ -1,9 +1,10 @@
 //! `rallypoint._native`: the Rust half of the `rallypoint` Python package.
 //!
 //! [`client::Client`] wraps the async `rallypoint_client::Client` on a
-//! `rallypoint_client::CallerRuntime` of its own; [`coordinator::Coordinator`] runs a `rallypoint_client::Server` in the
-//! process (for `rallypoint.spawn` and tests). The public API, the exception
-//! classes and `spawn` are in the pure-Python part (`python/rallypoint`).
+//! `rallypoint_client::CallerRuntime` of its own; [`coordinator::Coordinator`] runs a
+//! `rallypoint_client::Server` in the process (for `rallypoint.spawn` and tests). The
+//! public API, the exception classes and `spawn` are in the pure-Python part
+//! (`python/rallypoint`).
 
 mod client;
 mod coordinator;
@@ -56,7 +57,7 @@ impl BlockOn for rallypoint_client::CallerRuntime {
     }
 }
 
-/// A runtime of `threads` worker threads that keeps connections serviced between calls.
+/// A runtime of `threads` worker threads, for the embedded coordinator.
 fn runtime(name: &str, threads: usize) -> std::io::Result<Runtime> {
     tokio::runtime::Builder::new_multi_thread().worker_threads(threads).thread_name(name).enable_all().build()
 }
