@@ -910,12 +910,19 @@ fn arrive(link: &Link, mut seat: Seat, id: u64, wait: Duration) -> Arrival {
     Arrival { id, seat, wait, stashes }
 }
 
+impl Arrival {
+    /// The wait ends without the round's end: the connection ended, or the call's
+    /// reply came on the socket.
+    fn stopped(&self, link: &Link) -> bool {
+        self.seat.channel.ended.load(Ordering::Acquire) || link.replied(self.id, self.stashes)
+    }
+}
+
 /// Waits in this thread for the round's end (or the connection's, or the call's
 /// answer on the socket); returns how, and the deadline it kept, if it read the clock.
 fn wait_thread(link: &Link, arrival: &Arrival) -> (Waited, Option<Instant>) {
-    let (mapped, id, seen) = (&arrival.seat.channel, arrival.id, arrival.stashes);
-    let stop = || mapped.ended.load(Ordering::Acquire) || link.replied(id, seen);
-    mapped.channel.wait_until(arrival.seat.slot, arrival.seat.round, Until::Within(arrival.wait), stop)
+    let stop = || arrival.stopped(link);
+    arrival.seat.channel.channel.wait_until(arrival.seat.slot, arrival.seat.round, Until::Within(arrival.wait), stop)
 }
 
 /// [`wait_thread`] a slice of `interrupt.every` at a time, asking `interrupt.check`
@@ -925,9 +932,8 @@ fn wait_thread_interruptibly(
     arrival: &Arrival,
     interrupt: Interrupt<'_>,
 ) -> Option<(Waited, Option<Instant>)> {
-    let (mapped, id, seen) = (&arrival.seat.channel, arrival.id, arrival.stashes);
-    let (slot, round) = (arrival.seat.slot, arrival.seat.round);
-    let stop = || mapped.ended.load(Ordering::Acquire) || link.replied(id, seen);
+    let (channel, slot, round) = (&arrival.seat.channel.channel, arrival.seat.slot, arrival.seat.round);
+    let stop = || arrival.stopped(link);
     // `None`: too far out to represent, as good as none.
     let deadline = Instant::now().checked_add(arrival.wait);
     loop {
@@ -936,7 +942,7 @@ fn wait_thread_interruptibly(
             (Some(at), None) | (None, Some(at)) => Until::Deadline(at),
             (None, None) => Until::Within(arrival.wait),
         };
-        let (waited, _) = mapped.channel.wait_until(slot, round, until, stop);
+        let (waited, _) = channel.wait_until(slot, round, until, stop);
         let going = matches!(waited, Waited::TimedOut) && deadline.is_none_or(|deadline| Instant::now() < deadline);
         if !going {
             return Some((waited, deadline));
@@ -1073,8 +1079,7 @@ async fn wait_task_until(link: &Link, arrival: &Arrival, deadline: Instant) -> W
         if let Some(outcome) = mapped.channel.outcome(slot, round) {
             return Waited::Ended(outcome);
         }
-        // The connection ended, or the reply came on the socket.
-        if mapped.ended.load(Ordering::Acquire) || link.replied(arrival.id, arrival.stashes) {
+        if arrival.stopped(link) {
             return Waited::Stopped;
         }
         tokio::select! {
