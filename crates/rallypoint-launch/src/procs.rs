@@ -330,10 +330,14 @@ mod tests {
             .output()
             .expect("spawn a marked process that leaves");
         let escaped: i32 = String::from_utf8_lossy(&marked.stdout).trim().parse().expect("its pid");
-        // Its environment reads empty until its `exec` of sleep has set it up.
+        // Its environment reads empty until its `exec` has set it up, and `setsid`
+        // (which execs with the environment already there) makes its own group
+        // only then: wait for both.
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        // SAFETY: getpgid only reads the process table.
+        let own_group = || unsafe { libc::getpgid(escaped) } == escaped;
         let mut strays = family.strays(&[]);
-        while !strays.contains(&escaped) && std::time::Instant::now() < deadline {
+        while !(strays.contains(&escaped) && own_group()) && std::time::Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(10));
             strays = family.strays(&[]);
         }
