@@ -490,7 +490,7 @@ mod tests {
     #[tokio::test]
     async fn slab_files_pass_once_each_in_order_even_more_than_one_write_carries() {
         let (ours, theirs) = tokio::net::UnixStream::pair().expect("socket pair");
-        let (_unread, writer) = Stream::Unix(ours).into_split();
+        let (_unread, writer) = Stream::unix(ours).expect("registers").into_split();
         let local = Local {
             writer,
             out: Mutex::new(LocalOut::default()),
@@ -515,7 +515,7 @@ mod tests {
             placed.iter().map(|p| (p.slab, p)).chain([(100, &placed[0]), (101, &placed[1])]).collect();
         let n = replies.len();
         let reader = tokio::spawn(async move {
-            let (mut reader, _writer) = Stream::Unix(theirs).into_split();
+            let (mut reader, _writer) = Stream::unix(theirs).expect("registers").into_split();
             let (mut buf, mut files, mut maps, mut got) = (BytesMut::new(), VecDeque::new(), HashMap::new(), 0);
             loop {
                 while let Some(frame) = decode_server_frame(&mut buf, &FrameLimits::unbounded()).expect("well-formed") {

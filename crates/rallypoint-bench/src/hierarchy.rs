@@ -24,12 +24,13 @@ use anyhow::{bail, Context};
 use bytes::BytesMut;
 use rallypoint_client::{Identity, Members};
 use rallypoint_core::{Request, Response};
+use rallypoint_net::unix_conn::UnixConn;
 use rallypoint_proto::native::{
     decode_server_frame, encode_client_frame, encode_preamble, ClientFrame, FrameLimits, ServerFrame,
 };
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
-use tokio::net::{TcpStream, UnixStream};
+use tokio::net::TcpStream;
 use tokio::process::{Child, Command};
 use tokio::task::JoinSet;
 
@@ -552,16 +553,17 @@ async fn go(gens: &mut [Spawned]) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// One rank's connection to its agent.
+/// One rank's connection to its agent (a Unix one registered as the client
+/// library's are: for reading only).
 enum Conn {
-    Unix(UnixStream),
+    Unix(UnixConn),
     Tcp(TcpStream),
 }
 
 impl Conn {
     async fn open(addr: &str) -> std::io::Result<Conn> {
         match rallypoint_net::unix_path(addr) {
-            Some(path) => Ok(Conn::Unix(UnixStream::connect(path).await?)),
+            Some(path) => Ok(Conn::Unix(UnixConn::connect(path)?)),
             None => {
                 let stream = TcpStream::connect(addr).await?;
                 stream.set_nodelay(true)?;

@@ -29,6 +29,7 @@ pub mod sync;
 #[cfg(feature = "test-pki")]
 pub mod test_pki;
 pub mod tls;
+pub mod unix_conn;
 pub mod warn_limit;
 
 pub use fdlimit::raise_fd_limit;

@@ -149,6 +149,12 @@ pub fn send_with_files(socket: BorrowedFd<'_>, buf: &[u8], files: &[BorrowedFd<'
     Ok(rustix::net::sendmsg(socket, &[IoSlice::new(buf)], &mut control, flags)?)
 }
 
+/// How many bytes [`recv_with_files`] asks for at most, given `room`: a read that
+/// gives fewer found the socket emptied (unless files came with it).
+pub fn read_size(room: usize) -> usize {
+    room.clamp(1, MAX_READ)
+}
+
 /// Reads what `socket` has into `buf` (up to `room` bytes) without waiting; files
 /// that came with the bytes are appended to `files`, in the order they were sent.
 pub fn recv_with_files(
@@ -161,7 +167,7 @@ pub fn recv_with_files(
     // regrow step by step; zeroed and read a bounded part at a time.
     buf.reserve(room);
     let start = buf.len();
-    buf.resize(start + room.clamp(1, MAX_READ), 0);
+    buf.resize(start + read_size(room), 0);
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS_PER_WRITE))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
     let received = rustix::net::recvmsg(

@@ -14,11 +14,11 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::BytesMut;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, Interest, ReadBuf};
-use tokio::net::{tcp, unix, TcpListener, TcpStream, UnixListener, UnixStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::net::{tcp, TcpListener, TcpStream, UnixStream};
 
-use crate::shm;
 use crate::tls::TlsClient;
+use crate::unix_conn::{UnixAcceptor, UnixConn, UnixReadHalf};
 
 type TlsStream = tokio_rustls::TlsStream<TcpStream>;
 
@@ -49,7 +49,8 @@ pub fn unix_path(addr: &str) -> Option<&Path> {
 
 pub enum Stream {
     Tcp(TcpStream),
-    Unix(UnixStream),
+    /// Registered for read readiness only (see [`crate::unix_conn`]).
+    Unix(UnixConn),
     /// Either side of a TLS connection (boxed: its state is large).
     Tls(Box<TlsStream>),
 }
@@ -64,7 +65,7 @@ impl Stream {
     /// Unix socket is this machine's, and its directory's permissions guard it).
     pub async fn connect_with(addr: &str, tls: Option<&TlsClient>) -> io::Result<Stream> {
         match unix_path(addr) {
-            Some(path) => Ok(Stream::Unix(UnixStream::connect(path).await?)),
+            Some(path) => Ok(Stream::Unix(UnixConn::connect(path)?)),
             None => {
                 let stream = TcpStream::connect(addr).await?;
                 stream.set_nodelay(true)?;
@@ -76,6 +77,11 @@ impl Stream {
         }
     }
 
+    /// A connected Unix stream socket, taken over from tokio's reactor ([`UnixConn`]).
+    pub fn unix(stream: UnixStream) -> io::Result<Stream> {
+        Ok(Stream::Unix(UnixConn::new(stream)?))
+    }
+
     pub fn into_split(self) -> (ReadHalf, WriteHalf) {
         match self {
             Stream::Tcp(s) => {
@@ -83,7 +89,7 @@ impl Stream {
                 (ReadHalf::Tcp(r), WriteHalf::Tcp(w))
             }
             Stream::Unix(s) => {
-                let (r, w) = s.into_split();
+                let (r, w) = s.split();
                 (ReadHalf::Unix(r), WriteHalf::Unix(w))
             }
             Stream::Tls(s) => {
@@ -96,13 +102,14 @@ impl Stream {
 
 pub enum ReadHalf {
     Tcp(tcp::OwnedReadHalf),
-    Unix(unix::OwnedReadHalf),
+    Unix(UnixReadHalf),
     Tls(tokio::io::ReadHalf<TlsStream>),
 }
 
 pub enum WriteHalf {
     Tcp(tcp::OwnedWriteHalf),
-    Unix(unix::OwnedWriteHalf),
+    /// Shuts writing down when dropped, as tokio's owned write halves do.
+    Unix(UnixConn),
     /// Behind a lock of its own: TLS cannot write without waiting ([`WriteHalf::try_write`]
     /// never writes), so a writer holding only `&self` writes with [`WriteHalf::write_locked`].
     Tls(Box<tokio::sync::Mutex<tokio::io::WriteHalf<TlsStream>>>),
@@ -127,14 +134,7 @@ impl ReadHalf {
                 buf.reserve(room);
                 r.read_buf(buf).await
             }
-            ReadHalf::Unix(r) => loop {
-                r.readable().await?;
-                let stream: &UnixStream = r.as_ref();
-                match stream.try_io(Interest::READABLE, || shm::recv_with_files(stream.as_fd(), buf, room, files)) {
-                    Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
-                    read => return read,
-                }
-            },
+            ReadHalf::Unix(r) => std::future::poll_fn(|cx| r.poll_recv_with_files(cx, buf, room, files)).await,
         }
     }
 
@@ -153,17 +153,7 @@ impl ReadHalf {
             // The future holds nothing but its borrows: polling it once is `poll_read`.
             ReadHalf::Tcp(r) => std::pin::pin!(r.read_buf(buf)).poll(cx),
             ReadHalf::Tls(r) => std::pin::pin!(r.read_buf(buf)).poll(cx),
-            ReadHalf::Unix(r) => {
-                let stream: &UnixStream = r.as_ref();
-                loop {
-                    std::task::ready!(stream.poll_read_ready(cx))?;
-                    // `WouldBlock` clears the readiness: the next poll registers `cx`.
-                    match stream.try_io(Interest::READABLE, || shm::recv_with_files(stream.as_fd(), buf, room, files)) {
-                        Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
-                        read => return Poll::Ready(read),
-                    }
-                }
-            }
+            ReadHalf::Unix(r) => r.poll_recv_with_files(cx, buf, room, files),
         }
     }
 }
@@ -202,10 +192,9 @@ impl WriteHalf {
             WriteHalf::Unix(w) => {
                 let mut rest = buf;
                 while !rest.is_empty() {
-                    w.writable().await?;
                     match w.try_write(rest) {
                         Ok(n) => rest = &rest[n..],
-                        Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+                        Err(error) if error.kind() == io::ErrorKind::WouldBlock => w.writable().await?,
                         Err(error) => return Err(error),
                     }
                 }
@@ -222,10 +211,7 @@ impl WriteHalf {
             WriteHalf::Tcp(_) | WriteHalf::Tls(_) => {
                 Err(io::Error::new(io::ErrorKind::Unsupported, "files can only pass over Unix sockets"))
             }
-            WriteHalf::Unix(w) => {
-                let stream: &UnixStream = w.as_ref();
-                stream.try_io(Interest::WRITABLE, || shm::send_with_files(stream.as_fd(), buf, files))
-            }
+            WriteHalf::Unix(w) => w.try_write_with_files(buf, files),
         }
     }
 
@@ -330,7 +316,7 @@ impl AsyncWrite for WriteHalf {
 /// is still this listener's socket).
 pub enum Listener {
     Tcp(TcpListener),
-    Unix(UnixListener, BoundPath),
+    Unix(UnixAcceptor, BoundPath),
 }
 
 /// The path of a bound Unix socket and the file it was bound as, so that dropping
@@ -350,7 +336,7 @@ impl Listener {
         match unix_path(addr) {
             Some(path) => {
                 clear_stale_socket(path)?;
-                let listener = UnixListener::bind(path)?;
+                let listener = UnixAcceptor::bind(path)?;
                 let meta = std::fs::symlink_metadata(path)?;
                 let bound = BoundPath { path: path.to_owned(), dev: meta.dev(), ino: meta.ino() };
                 Ok(Listener::Unix(listener, bound))
@@ -376,7 +362,7 @@ impl Listener {
                 set_keepalive(&stream)?;
                 Ok(Stream::Tcp(stream))
             }
-            Listener::Unix(l, _) => Ok(Stream::Unix(l.accept().await?.0)),
+            Listener::Unix(l, _) => Ok(Stream::Unix(l.accept().await?)),
         }
     }
 }

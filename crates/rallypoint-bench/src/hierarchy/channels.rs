@@ -26,7 +26,7 @@
 //! the run too, with the error that comes on that rank's socket.
 
 use std::collections::{HashMap, VecDeque};
-use std::os::fd::{AsFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -36,7 +36,6 @@ use bytes::BytesMut;
 use rallypoint_core::{Request, Response};
 use rallypoint_net::shm_barrier::{Outcome, RankChannel};
 use rallypoint_proto::native::{decode_server_frame, encode_client_frame, ClientFrame, FrameLimits, ServerFrame};
-use tokio::io::Interest;
 use tokio::task::JoinSet;
 
 use super::{ready_and_go, report, Conn, RankSetup};
@@ -408,14 +407,8 @@ impl Conn {
             if let Some(frame) = decode_server_frame(buf, &FrameLimits::unbounded())? {
                 return Ok(frame);
             }
-            stream.readable().await?;
-            let read = stream
-                .try_io(Interest::READABLE, || rallypoint_net::shm::recv_with_files(stream.as_fd(), buf, 1024, files));
-            match read {
-                Ok(0) => bail!("the agent closed the connection"),
-                Ok(_) => {}
-                Err(error) if error.kind() == std::io::ErrorKind::WouldBlock => {}
-                Err(error) => return Err(error.into()),
+            if std::future::poll_fn(|cx| stream.poll_recv_with_files(cx, buf, 1024, files)).await? == 0 {
+                bail!("the agent closed the connection");
             }
         }
     }
