@@ -41,7 +41,8 @@ type Registered = AsyncFd<StdUnixStream>;
 
 /// One side of a Unix stream connection, or the write half of one ([`UnixConn::split`]).
 pub struct UnixConn {
-    io: Arc<Registered>,
+    /// The socket, whose reading side the read half shares once split.
+    read: UnixReadHalf,
     /// The registration for writability of a write that found the socket full,
     /// kept until a write goes through ([`AsyncWrite::poll_write`]).
     room: Option<AsyncFd<OwnedFd>>,
@@ -69,30 +70,23 @@ impl UnixConn {
     fn register(stream: StdUnixStream) -> io::Result<UnixConn> {
         // SAFETY: the stream is the AsyncFd's own, its descriptor open until it drops.
         let io = unsafe { AsyncFd::register_with_interest(stream, Interest::READABLE) }.map_err(io::Error::from)?;
-        Ok(UnixConn { io: Arc::new(io), room: None, shutdown_on_drop: false })
+        Ok(UnixConn { read: UnixReadHalf { io: Arc::new(io) }, room: None, shutdown_on_drop: false })
     }
 
     /// The read half and the write half, sharing one registration.
     pub fn split(mut self) -> (UnixReadHalf, UnixConn) {
-        let read = UnixReadHalf { io: Arc::clone(&self.io) };
+        let read = UnixReadHalf { io: Arc::clone(&self.read.io) };
         self.shutdown_on_drop = true;
         (read, self)
     }
 
     fn fd(&self) -> BorrowedFd<'_> {
-        self.io.get_ref().as_fd()
+        self.read.io.get_ref().as_fd()
     }
 
-    /// Reads what the socket has into `buf` (making room for `room` bytes); files
-    /// passed with the bytes are appended to `files`. `Pending` once it had nothing.
-    pub fn poll_recv_with_files(
-        &self,
-        cx: &mut Context<'_>,
-        buf: &mut BytesMut,
-        room: usize,
-        files: &mut VecDeque<OwnedFd>,
-    ) -> Poll<io::Result<usize>> {
-        poll_recv_with_files(&self.io, cx, buf, room, files)
+    /// Its reading side, as the read half of a split connection has it.
+    pub fn reader(&self) -> &UnixReadHalf {
+        &self.read
     }
 
     /// Writes what the socket takes now without waiting (`WouldBlock` if nothing).
@@ -121,31 +115,9 @@ impl UnixConn {
         unsafe { AsyncFd::register_with_interest(duplicate, Interest::WRITABLE) }.map_err(io::Error::from)
     }
 
+    /// Shuts writing down: the peer reads the end of the stream.
     pub fn shutdown_write(&self) -> io::Result<()> {
-        self.io.get_ref().shutdown(Shutdown::Write)
-    }
-}
-
-/// Reads what the socket has into `buf` (making room for `room` bytes); files
-/// passed with the bytes are appended to `files`. `Pending` once it had nothing.
-fn poll_recv_with_files(
-    io: &Registered,
-    cx: &mut Context<'_>,
-    buf: &mut BytesMut,
-    room: usize,
-    files: &mut VecDeque<OwnedFd>,
-) -> Poll<io::Result<usize>> {
-    loop {
-        let mut ready = ready!(io.poll_read_ready(cx))?;
-        let had_files = files.len();
-        let asked = shm::read_size(room);
-        // `WouldBlock` clears the readiness: the next poll registers `cx`.
-        if let Ok(read) = ready.try_io(|io| shm::recv_with_files(io.get_ref().as_fd(), buf, room, files)) {
-            if matches!(read, Ok(n) if n > 0 && n < asked) && files.len() == had_files {
-                ready.clear_ready();
-            }
-            return Poll::Ready(read);
-        }
+        self.read.io.get_ref().shutdown(Shutdown::Write)
     }
 }
 
@@ -189,7 +161,18 @@ impl UnixReadHalf {
         room: usize,
         files: &mut VecDeque<OwnedFd>,
     ) -> Poll<io::Result<usize>> {
-        poll_recv_with_files(&self.io, cx, buf, room, files)
+        loop {
+            let mut ready = ready!(self.io.poll_read_ready(cx))?;
+            let had_files = files.len();
+            let asked = shm::read_size(room);
+            // `WouldBlock` clears the readiness: the next poll registers `cx`.
+            if let Ok(read) = ready.try_io(|io| shm::recv_with_files(io.get_ref().as_fd(), buf, room, files)) {
+                if matches!(read, Ok(n) if n > 0 && n < asked) && files.len() == had_files {
+                    ready.clear_ready();
+                }
+                return Poll::Ready(read);
+            }
+        }
     }
 }
 
@@ -249,7 +232,7 @@ impl Drop for UnixConn {
 
 impl AsyncRead for UnixConn {
     fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        poll_read(&self.io, cx, buf)
+        poll_read(&self.read.io, cx, buf)
     }
 }
 
@@ -263,7 +246,9 @@ impl AsyncWrite for UnixConn {
             }
         }
         let written = {
-            let (Some(room), fd) = (&this.room, this.io.get_ref().as_fd()) else { unreachable!("registered above") };
+            let (Some(room), fd) = (&this.room, this.read.io.get_ref().as_fd()) else {
+                unreachable!("registered above")
+            };
             loop {
                 let mut ready = ready!(room.poll_write_ready(cx))?;
                 // `WouldBlock` clears the readiness seen before the write, and only it.

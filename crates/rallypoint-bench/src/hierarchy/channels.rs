@@ -407,7 +407,7 @@ impl Conn {
             if let Some(frame) = decode_server_frame(buf, &FrameLimits::unbounded())? {
                 return Ok(frame);
             }
-            if std::future::poll_fn(|cx| stream.poll_recv_with_files(cx, buf, 1024, files)).await? == 0 {
+            if std::future::poll_fn(|cx| stream.reader().poll_recv_with_files(cx, buf, 1024, files)).await? == 0 {
                 bail!("the agent closed the connection");
             }
         }
