@@ -40,9 +40,6 @@ fn registered_events(fd: BorrowedFd<'_>) -> Vec<u32> {
     found.into_iter().map(|(_, events)| events).collect()
 }
 
-/// A Unix socket's write space is signalled each time its peer reads: the reactor
-/// must not be asked for it, or a rank asleep waiting for its reply is woken when
-/// the agent reads its request.
 fn temp_path(name: &str) -> std::path::PathBuf {
     let dir = std::env::temp_dir().join(format!("rallypoint-unix-conn-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
@@ -50,6 +47,9 @@ fn temp_path(name: &str) -> std::path::PathBuf {
     dir.join("agent.sock")
 }
 
+/// A Unix socket's write space is signalled each time its peer reads: the reactor
+/// must not be asked for it, or a rank asleep waiting for its reply is woken when
+/// the agent reads its request.
 #[tokio::test]
 async fn the_socket_is_watched_for_reading_only() {
     // Both ends as they are made: a rank connecting, an agent accepting.
@@ -123,7 +123,7 @@ async fn writable_waits_until_the_peer_reads() {
     assert!(timeout(Duration::from_millis(100), writer.writable()).await.is_err(), "full, yet writable");
     let mut buf = vec![0u8; 1 << 20];
     let waiting = tokio::spawn(async move { writer.writable().await });
-    while reader.read(&mut buf).await.expect("reads") == buf.len() {}
+    while timeout(BOUND, reader.read(&mut buf)).await.expect("within the bound").expect("reads") == buf.len() {}
     timeout(BOUND, waiting).await.expect("within the bound").expect("joined").expect("writable");
 }
 
