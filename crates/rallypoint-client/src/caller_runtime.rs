@@ -62,7 +62,7 @@ struct TurnState {
 
 impl Turns {
     fn lock(&self) -> MutexGuard<'_, TurnState> {
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        rallypoint_net::sync::lock(&self.state)
     }
 }
 

@@ -371,7 +371,7 @@ struct Seat {
 
 impl Channels {
     fn lock(&self) -> MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        rallypoint_net::sync::lock(&self.state)
     }
 
     /// Channels of a connection whose task runs in the current runtime.
