@@ -48,7 +48,7 @@ use tracing::{debug, info};
 use rallypoint_net::conn::{greet, AuthFailure, Buffering, Credentials, GreetError};
 use rallypoint_net::shm;
 use rallypoint_net::sync::Backoff;
-use rallypoint_net::{unix_path, ReadHalf, Stream, WriteHalf};
+use rallypoint_net::{unix_path, ReadHalf, Sender, Stream, WriteHalf};
 
 use crate::channel::Channels;
 use crate::error::Error;
@@ -540,11 +540,14 @@ impl Calls {
 #[derive(Default)]
 #[repr(C)]
 struct Direct {
-    writer: Option<Arc<WriteHalf>>,
+    /// With the socket's descriptor beside it: a call reaches the socket without
+    /// reading the half, cold at its turn in a process with many connections.
+    writer: Option<Sender>,
     /// The task is writing, or has `rest` to write first: calls hand their requests over.
     busy: bool,
     /// The end of a frame a call could write only in part; the task writes it next.
-    rest: BytesMut,
+    /// Boxed, out of the lines a lone call touches: it is rarely needed.
+    rest: Box<BytesMut>,
 }
 
 thread_local! {
@@ -783,7 +786,7 @@ impl Link {
         // Counted as written before its bytes go, so that a cut right after finds it
         // (see `Link::written`); the task takes the writer away under this lock first.
         reply.0.keep_written(request, false);
-        let done = match writer.try_write(&buf) {
+        let done = match writer.try_send(&buf) {
             Ok(all) if all == buf.len() => DirectWrite::Written,
             Ok(part) => {
                 rest.extend_from_slice(&buf[part..]);
@@ -1617,8 +1620,8 @@ async fn write_loop(
     resend: Vec<(u64, Request)>,
 ) -> Ended {
     let mut writer = Arc::new(writer);
-    if !writer.is_tls() {
-        link.lock_direct().writer = Some(Arc::clone(&writer));
+    if let Some(sender) = Sender::new(&writer) {
+        link.lock_direct().writer = Some(sender);
     }
     let mut buf = BytesMut::new();
     for (id, request) in resend {
@@ -1684,7 +1687,7 @@ async fn write_loop(
             let mut direct = link.lock_direct();
             let writes = !buf.is_empty() || !direct.rest.is_empty();
             direct.busy |= writes;
-            writes.then(|| std::mem::take(&mut direct.rest))
+            writes.then(|| std::mem::take(&mut *direct.rest))
         };
         if let Some(rest) = rest {
             let wrote = async {
@@ -1717,7 +1720,7 @@ async fn write_loop(
 fn take_writer(link: &Link) -> BytesMut {
     let mut direct = link.lock_direct();
     direct.writer = None;
-    std::mem::take(&mut direct.rest)
+    std::mem::take(&mut *direct.rest)
 }
 
 /// Shuts the write half down (a FIN, or TLS's close_notify) after what calls left.

@@ -6,10 +6,11 @@
 use std::collections::VecDeque;
 use std::future::Future;
 use std::io;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd, RawFd};
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -18,7 +19,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::net::{tcp, TcpListener, TcpStream, UnixStream};
 
 use crate::tls::TlsClient;
-use crate::unix_conn::{UnixAcceptor, UnixConn, UnixReadHalf};
+use crate::unix_conn::{self, UnixAcceptor, UnixConn, UnixReadHalf};
 
 type TlsStream = tokio_rustls::TlsStream<TcpStream>;
 
@@ -223,6 +224,36 @@ impl WriteHalf {
             WriteHalf::Unix(w) => w.writable().await,
             WriteHalf::Tls(_) => Ok(()),
         }
+    }
+}
+
+/// A shared write half with its socket's descriptor kept beside it, for writers
+/// that send without waiting ([`WriteHalf::try_write`]'s part). A process that
+/// writes to thousands of connections in turn (a load of many ranks) finds each
+/// half's own memory cold at its turn: this reaches the socket without reading it.
+pub struct Sender {
+    fd: RawFd,
+    /// Held, not read: it keeps `fd` open.
+    _half: Arc<WriteHalf>,
+}
+
+impl Sender {
+    /// `None` over TLS, which cannot write without waiting.
+    pub fn new(half: &Arc<WriteHalf>) -> Option<Sender> {
+        let fd = match &**half {
+            WriteHalf::Tcp(w) => w.as_ref().as_raw_fd(),
+            WriteHalf::Unix(w) => w.fd().as_raw_fd(),
+            WriteHalf::Tls(_) => return None,
+        };
+        Some(Sender { fd, _half: Arc::clone(half) })
+    }
+
+    /// Writes what the socket takes now without waiting (`WouldBlock` if nothing),
+    /// as [`WriteHalf::try_write`] does.
+    pub fn try_send(&self, buf: &[u8]) -> io::Result<usize> {
+        // SAFETY: `_half` owns the socket, open at least as long as `self` holds it.
+        let fd = unsafe { BorrowedFd::borrow_raw(self.fd) };
+        unix_conn::send(fd, buf)
     }
 }
 
@@ -482,6 +513,46 @@ mod tests {
         assert!(path.exists(), "the old listener removed the new one's socket");
         drop(new);
         assert!(!path.exists());
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+    /// A sender alone keeps its socket open: what it sends arrives, a full socket
+    /// is `WouldBlock` (the caller hands the rest to a writer that waits), and once
+    /// it is dropped, the peer reads the end of the stream. Over TCP and Unix sockets.
+    #[tokio::test]
+    async fn a_sender_sends_on_the_socket_its_half_keeps_open() {
+        use tokio::io::AsyncReadExt;
+        let dir = temp_dir("sender");
+        for addr in ["127.0.0.1:0".to_owned(), format!("unix:{}", dir.join("s.sock").display())] {
+            let listener = Listener::bind(&addr).await.expect("bind");
+            let addr = listener.local_addr().expect("address");
+            let (connected, accepted) = tokio::join!(Stream::connect(&addr), listener.accept());
+            let (_reader, writer) = connected.expect("connects").into_split();
+            let sender = Sender::new(&Arc::new(writer)).expect("not TLS");
+            let mut peer = accepted.expect("accepts");
+
+            assert_eq!(sender.try_send(b"hello").expect("sends"), 5, "{addr}");
+            let mut got = [0u8; 5];
+            peer.read_exact(&mut got).await.expect("reads");
+            assert_eq!(&got, b"hello", "{addr}");
+
+            // Fill the socket (the peer does not read): bounded by the kernel's buffers.
+            let chunk = vec![7u8; 1 << 16];
+            let mut sent = 0usize;
+            let full = (0..10_000).find_map(|_| match sender.try_send(&chunk) {
+                Ok(n) => {
+                    sent += n;
+                    None
+                }
+                Err(error) => Some(error),
+            });
+            let full = full.expect("the socket filled within 10,000 sends");
+            assert_eq!(full.kind(), io::ErrorKind::WouldBlock, "{addr}: {full}");
+
+            drop(sender);
+            let mut rest = Vec::new();
+            peer.read_to_end(&mut rest).await.expect("reads to the end");
+            assert_eq!(rest.len(), sent, "{addr}: every byte sent, then the end");
+        }
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 }

@@ -80,7 +80,7 @@ impl UnixConn {
         (read, self)
     }
 
-    fn fd(&self) -> BorrowedFd<'_> {
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
         self.read.io.get_ref().as_fd()
     }
 
@@ -217,7 +217,7 @@ impl UnixAcceptor {
 const SOCKET_FLAGS: SocketFlags = SocketFlags::NONBLOCK.union(SocketFlags::CLOEXEC);
 
 /// A send that neither waits nor raises `SIGPIPE` (a closed peer is an error).
-fn send(fd: BorrowedFd<'_>, buf: &[u8]) -> io::Result<usize> {
+pub(crate) fn send(fd: BorrowedFd<'_>, buf: &[u8]) -> io::Result<usize> {
     Ok(rustix::net::send(fd, buf, SendFlags::DONTWAIT | SendFlags::NOSIGNAL)?)
 }
 
