@@ -53,6 +53,7 @@ use std::time::{Duration, Instant};
 
 use rallypoint_core::{Members, Request, Response};
 use rallypoint_net::shm_barrier::{Outcome, RankChannel, Until, Waited};
+use rallypoint_net::sync::lock;
 use tokio::io::unix::AsyncFd;
 use tokio::io::Interest;
 use tokio::sync::{mpsc, Notify};
@@ -215,7 +216,7 @@ impl Watched {
         use std::os::unix::fs::MetadataExt;
         let meta = std::fs::File::from(file.try_clone()?).metadata()?;
         let key = (meta.dev(), meta.ino());
-        let mut watched = WATCHED.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut watched = lock(&WATCHED);
         watched.retain(|(_, w)| w.strong_count() > 0);
         if let Some(live) = watched.iter().find(|(k, _)| *k == key).and_then(|(_, w)| w.upgrade()) {
             return Ok(live);
@@ -243,7 +244,7 @@ impl Watched {
         if first.runtime == id {
             return Ear::First(first);
         }
-        let mut others = self.others.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut others = lock(&self.others);
         if let Some(known) = others.iter().find(|listener| listener.runtime == id) {
             return Ear::Other(Arc::clone(known));
         }
@@ -371,7 +372,7 @@ struct Seat {
 
 impl Channels {
     fn lock(&self) -> MutexGuard<'_, State> {
-        rallypoint_net::sync::lock(&self.state)
+        lock(&self.state)
     }
 
     /// Channels of a connection whose task runs in the current runtime.

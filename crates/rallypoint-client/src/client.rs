@@ -27,6 +27,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use rallypoint_net::auth::Token;
 use rallypoint_net::conn::Credentials;
+use rallypoint_net::sync::lock;
 use rallypoint_net::tls::TlsClient;
 
 use crate::channel;
@@ -316,7 +317,7 @@ impl Client {
                 connected = &mut connecting => return connected,
                 () = tokio::time::sleep_until(started + pause) => {
                     let waited = started.elapsed().as_secs();
-                    let why = failed.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone();
+                    let why = lock(&failed).clone();
                     let why = why.map(|why| format!(": {why}")).unwrap_or_default();
                     waiting(format!("rallypoint: waiting for the coordinator at {addr} ({waited} s of {limit} s){why}"));
                     // Reassuring, not flooding.

@@ -47,7 +47,7 @@ use tracing::{debug, info};
 
 use rallypoint_net::conn::{greet, AuthFailure, Buffering, Credentials, GreetError};
 use rallypoint_net::shm;
-use rallypoint_net::sync::Backoff;
+use rallypoint_net::sync::{lock, Backoff};
 use rallypoint_net::{unix_path, ReadHalf, Sender, Stream, WriteHalf};
 
 use crate::channel::Channels;
@@ -110,7 +110,7 @@ impl ReplyCell {
     }
 
     fn lock(&self) -> MutexGuard<'_, Held> {
-        self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.0)
     }
 
     fn waiting() -> Cell {
@@ -367,7 +367,7 @@ struct WakeTargets {
 
 impl ReadWake {
     fn lock(&self) -> MutexGuard<'_, WakeTargets> {
-        self.targets.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.targets)
     }
 }
 
@@ -630,12 +630,12 @@ impl Link {
     }
 
     fn lock_direct(&self) -> MutexGuard<'_, Direct> {
-        self.direct.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.direct)
     }
 
     fn lock(&self) -> MutexGuard<'_, Pending> {
         // Nothing panics while holding this lock; recover rather than cascade if it ever does.
-        self.pending.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.pending)
     }
 
     pub(crate) fn next_id(&self) -> u64 {
@@ -644,11 +644,11 @@ impl Link {
 
     /// The latest welcome (the session may have changed after a cut).
     pub(crate) fn welcome(&self) -> Welcome {
-        self.welcome.lock().unwrap_or_else(|poisoned| poisoned.into_inner()).clone()
+        lock(&self.welcome).clone()
     }
 
     fn set_welcome(&self, welcome: Welcome) {
-        *self.welcome.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = welcome;
+        *lock(&self.welcome) = welcome;
     }
 
     /// Allocates a request id and the slot its reply will arrive in; past `limit`
@@ -971,7 +971,7 @@ impl Link {
     }
 
     fn lock_read(&self) -> MutexGuard<'_, ReadSide> {
-        self.read.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+        lock(&self.read)
     }
 
     /// Waits for call `id`'s reply, reading it from the socket itself when no other
@@ -1325,7 +1325,7 @@ pub(crate) async fn connect(
             Ok(Err(Attempt::Io(error))) => {
                 debug!(addr, attempts, %error, "cannot reach the coordinator yet; retrying");
                 if let Some(failed) = failed {
-                    *failed.lock().unwrap_or_else(|poisoned| poisoned.into_inner()) = Some(error.to_string());
+                    *lock(failed) = Some(error.to_string());
                 }
                 last = Some(error);
             }

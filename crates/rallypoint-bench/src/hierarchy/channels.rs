@@ -35,6 +35,7 @@ use anyhow::{bail, Context};
 use bytes::BytesMut;
 use rallypoint_core::{Request, Response};
 use rallypoint_net::shm_barrier::{Outcome, RankChannel};
+use rallypoint_net::sync::lock;
 use rallypoint_proto::native::{decode_server_frame, encode_client_frame, ClientFrame, FrameLimits, ServerFrame};
 use tokio::task::JoinSet;
 
@@ -66,7 +67,7 @@ impl Mapped {
         file: OwnedFd,
         doorbell: OwnedFd,
     ) -> anyhow::Result<Arc<RankChannel>> {
-        let mut mapped = self.0.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut mapped = lock(&self.0);
         if let Some(known) = mapped.get(&(agent, channel)) {
             return Ok(Arc::clone(known));
         }
