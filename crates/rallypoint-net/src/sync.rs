@@ -1,7 +1,7 @@
 //! The two small things every connection of rallypoint needs besides bytes: a lock
 //! that survives a panic elsewhere, and a backoff for reconnecting.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use rand::Rng;
@@ -10,12 +10,23 @@ use rand::Rng;
 /// must not take every other job of a coordinator (or every rank of a node agent)
 /// down with it. The panic itself was logged where it happened; this says that the
 /// state it left is being used anyway.
+///
+/// Inlined, with the recovery out of line: the client takes several locks per
+/// call, and a call through a function here cost more than the lock itself.
+#[inline]
 pub fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
-    mutex.lock().unwrap_or_else(|poisoned| {
-        tracing::error!("a thread panicked while holding a lock; carrying on with the state it left");
-        mutex.clear_poison();
-        poisoned.into_inner()
-    })
+    match mutex.lock() {
+        Ok(guard) => guard,
+        Err(poisoned) => recover(mutex, poisoned),
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn recover<'a, T>(mutex: &'a Mutex<T>, poisoned: PoisonError<MutexGuard<'a, T>>) -> MutexGuard<'a, T> {
+    tracing::error!("a thread panicked while holding a lock; carrying on with the state it left");
+    mutex.clear_poison();
+    poisoned.into_inner()
 }
 
 /// Pauses between attempts to reach a coordinator (or an agent) that is not there
