@@ -68,7 +68,7 @@ impl Hub {
 
     /// Queues a rank's requests for the coordinator, merging its barrier calls with
     /// identical ones of other local ranks; false if the coordinator is already gone.
-    pub(crate) fn send_requests(&self, sub: u64, requests: Vec<(u64, Request)>) -> bool {
+    pub(crate) fn send_requests(&self, sub: u64, requests: impl IntoIterator<Item = (u64, Request)>) -> bool {
         let mut up = lock(&self.up);
         if up.lost.is_some() {
             return false;

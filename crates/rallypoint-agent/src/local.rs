@@ -20,6 +20,7 @@ use rallypoint_net::tls::TLS_FIRST_BYTE;
 use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
 use rallypoint_net::{ReadHalf, Stream, WriteHalf};
 use rallypoint_proto::native::{encode_agent_frame, encode_reply, encode_server_frame, AgentFrame, ServerFrame};
+use smallvec::SmallVec;
 use tokio::io::AsyncWriteExt;
 use tokio::sync::Notify;
 use tracing::{debug, warn};
@@ -382,7 +383,7 @@ async fn serve_session(
         return end;
     }
     loop {
-        Buffering::RANK.release_idle(&mut rbuf);
+        Buffering::NODE_RANK.release_idle(&mut rbuf);
         let buffered = rbuf.len();
         tokio::select! {
             biased;
@@ -391,7 +392,7 @@ async fn serve_session(
                 Ok(false) => {}
                 Err(error) => return End::Io(error),
             },
-            read = std::future::poll_fn(|cx| read_some(reader, &mut rbuf, Buffering::RANK, cx)) => match read {
+            read = std::future::poll_fn(|cx| read_some(reader, &mut rbuf, Buffering::NODE_RANK, cx)) => match read {
                 Ok(0) if rbuf.is_empty() => return End::Closed,
                 Ok(0) => return End::ClosedMidFrame { buffered: rbuf.len() },
                 Ok(read) => {
@@ -419,7 +420,8 @@ fn forward(
     warnings: &mut WarnLimit,
     charge: &mut Charge,
 ) -> Result<(), End> {
-    let mut requests = Vec::new();
+    // A rank has mostly one request in flight: kept inline, not allocated.
+    let mut requests: SmallVec<[(u64, Request); 1]> = SmallVec::new();
     let result = decode_requests(rbuf, &hub.limits, |input| match input {
         Inbound::Request { id, request } => {
             if matches!(request, Request::Leave) {

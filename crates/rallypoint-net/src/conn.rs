@@ -568,6 +568,10 @@ impl Buffering {
     /// Serving one rank: small requests, and tens of thousands of idle connections
     /// that must hold no buffer at all.
     pub const RANK: Buffering = Buffering { chunk: 4096, keep: 0 };
+    /// A node agent serving the ranks of its node: a node's ranks, not a job's, so
+    /// an idle connection keeps what its last small request was read into, for its
+    /// next request, rather than allocating a buffer for every request.
+    pub const NODE_RANK: Buffering = Buffering { chunk: 4096, keep: 256 };
     /// Serving one rank on a coordinator's reactor thread, which serves for the
     /// least CPU rather than the least memory: an idle connection keeps what its
     /// last small request was read into, for its next request.
@@ -847,6 +851,27 @@ mod tests {
         assert!(buf.capacity() >= 8192, "kept: within CLIENT's keep");
         Buffering::RANK.release_idle(&mut buf);
         assert_eq!(buf.capacity(), 0);
+    }
+
+    /// A node agent's rank connection reads its next small request into the
+    /// buffer its last one was read into (once that request's frame is gone), not
+    /// into a new allocation per request.
+    #[tokio::test]
+    async fn a_node_agents_rank_reads_the_next_request_where_the_last_one_was() {
+        let mut buf = BytesMut::new();
+        let mut first = None;
+        for request in 0..3u8 {
+            let mut reader: &[u8] = &[request; 40];
+            let got = std::future::poll_fn(|cx| read_some(&mut reader, &mut buf, Buffering::NODE_RANK, cx)).await;
+            assert_eq!(got.expect("reads"), 40);
+            assert_eq!(&buf[..], &[request; 40]);
+            let at = buf.as_ptr();
+            assert_eq!(*first.get_or_insert(at), at, "request {request} read into another allocation");
+            // Decoded and forwarded: the frame's bytes are gone before the next read.
+            drop(buf.split_to(40).freeze());
+            Buffering::NODE_RANK.release_idle(&mut buf);
+            assert!(buf.try_reclaim(40), "the idle buffer kept its allocation");
+        }
     }
 
     #[test]
