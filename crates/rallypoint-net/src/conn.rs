@@ -569,9 +569,9 @@ impl Buffering {
     /// that must hold no buffer at all.
     pub const RANK: Buffering = Buffering { chunk: 4096, keep: 0 };
     /// A node agent serving the ranks of its node: a node's ranks, not a job's, so
-    /// an idle connection keeps what its last small request was read into, for its
-    /// next request, rather than allocating a buffer for every request.
-    pub const NODE_RANK: Buffering = Buffering { chunk: 4096, keep: 256 };
+    /// it keeps their buffers as the coordinator's reactor does
+    /// ([`Buffering::RANK_ON_REACTOR`]) rather than allocating one per request.
+    pub const NODE_RANK: Buffering = Buffering::RANK_ON_REACTOR;
     /// Serving one rank on a coordinator's reactor thread, which serves for the
     /// least CPU rather than the least memory: an idle connection keeps what its
     /// last small request was read into, for its next request.

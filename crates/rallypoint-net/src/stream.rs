@@ -515,12 +515,12 @@ mod tests {
         assert!(!path.exists());
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }
+
     /// A sender alone keeps its socket open: what it sends arrives, a full socket
     /// is `WouldBlock` (the caller hands the rest to a writer that waits), and once
     /// it is dropped, the peer reads the end of the stream. Over TCP and Unix sockets.
     #[tokio::test]
     async fn a_sender_sends_on_the_socket_its_half_keeps_open() {
-        use tokio::io::AsyncReadExt;
         let dir = temp_dir("sender");
         for addr in ["127.0.0.1:0".to_owned(), format!("unix:{}", dir.join("s.sock").display())] {
             let listener = Listener::bind(&addr).await.expect("bind");

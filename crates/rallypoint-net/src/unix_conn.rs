@@ -246,9 +246,7 @@ impl AsyncWrite for UnixConn {
             }
         }
         let written = {
-            let (Some(room), fd) = (&this.room, this.read.io.get_ref().as_fd()) else {
-                unreachable!("registered above")
-            };
+            let (Some(room), fd) = (&this.room, this.fd()) else { unreachable!("registered above") };
             loop {
                 let mut ready = ready!(room.poll_write_ready(cx))?;
                 // `WouldBlock` clears the readiness seen before the write, and only it.
