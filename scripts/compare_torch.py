@@ -200,6 +200,26 @@ def report(path):
                 cells.append(f"{med(rs):.2f} ({min(rs):.2f}–{max(rs):.2f})" if rs else "—")
             out.append(f"| {n:,} | " + " | ".join(cells) + " |")
         out += ["", "(target: the client library's load below its server's, < 1.0)", ""]
+        kinds = (("direct-floor", "none"), ("direct-barrier", "torch"), ("direct-barrier", "rallypoint"),
+                 ("direct-native", "rallypoint"), ("direct-native-bare", "rallypoint"))
+        if any(x.get("tcp_segments_per_measured_rank_round") is not None
+               for run, server in kinds for n in direct_ns for x in pick(run, server, n)):
+            out += ["### Direct connections: TCP segments per rank-round, of them pure ACKs "
+                    "(median over runs, over the measured rounds)", "",
+                    "| N | floor | torch's BARRIER on torch | TCPStore BARRIER on rallypoint "
+                    "| native, client library | native, bare client |",
+                    "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+            for n in direct_ns:
+                cells = []
+                for run, server in kinds:
+                    xs = [x for x in pick(run, server, n) if x.get("tcp_segments_per_measured_rank_round") is not None]
+                    segs = [x["tcp_segments_per_measured_rank_round"] for x in xs]
+                    acks = [x["tcp_pure_acks_per_measured_rank_round"] for x in xs]
+                    cells.append(f"{med(segs):.2f} ({med(acks):.2f})" if xs else "—")
+                out.append(f"| {n:,} | " + " | ".join(cells) + " |")
+            out += ["", "(two per rank-round carry data, the arrival and the release; each pure ACK costs both "
+                    "ends about a message. An arrival held past the kernel's delayed-ACK timeout gets one, "
+                    "whatever the server: see docs/BENCHMARKS.md)", ""]
     ag_t, ag_r = pick("synchronize", "torch"), pick("all-gather", "rallypoint")
     if ag_t and ag_r:
         t, r = ag_t[0], ag_r[0]

@@ -22,7 +22,7 @@ use crate::tcpstore::{self, StoreConn};
 use crate::{
     close_all, connect_bounded, connect_many, connect_within, ensure_fds, floor, mono_ns, on_target, options,
     print_report, process_cpu_ns, round_stats, run_rounds, wake_floor, BarrierRound, CpuWindow, Protocol, Round,
-    Sources, Target, Times,
+    Sources, Target, TcpCounts, Times,
 };
 
 #[derive(clap::Args, Debug)]
@@ -154,6 +154,16 @@ struct Report {
     server_cpu_us_per_measured_rank_round: Option<f64>,
     /// ... and the load generator's.
     client_cpu_us_per_measured_rank_round: Option<f64>,
+    /// TCP segments sent per rank and round over the measured rounds (as the CPU
+    /// above), by every socket of the network namespace: two carry the arrival and
+    /// the release, the rest are pure ACKs. Only this run's inside the loopback-only
+    /// namespace of `scripts/compare-torch`; elsewhere other traffic counts too.
+    /// `None` where the window or `/proc/net` is missing.
+    tcp_segments_per_measured_rank_round: Option<f64>,
+    /// ... of them, pure ACKs (segments without data) ...
+    tcp_pure_acks_per_measured_rank_round: Option<f64>,
+    /// ... and of those, sent by the delayed-ACK timer.
+    tcp_delayed_acks_per_measured_rank_round: Option<f64>,
 }
 
 /// What a child load generator reports to its parent.
@@ -414,6 +424,7 @@ async fn measure(args: &Args, target: &Target, sources: Sources) -> anyhow::Resu
     report.set_cpu(server_cpu, client_cpu);
     if let Some(window) = window {
         report.set_measured_cpu(window.spent(), window.rounds());
+        report.set_measured_tcp(window.tcp_spent(), window.rounds());
     }
     report.set_names_before(names_before_ms);
     Ok(report)
@@ -461,6 +472,16 @@ impl Report {
         self.client_cpu_us_per_measured_rank_round = client_ns.map(per);
     }
 
+    /// Sets the TCP figures of the measured rounds from the segments sent over `rounds`.
+    fn set_measured_tcp(&mut self, tcp: Option<TcpCounts>, rounds: usize) {
+        let Some(tcp) = tcp else { return };
+        let rank_rounds = f64::from(self.clients) * rounds as f64;
+        let per = |count: u64| Some((count as f64 / rank_rounds * 1e3).round() / 1e3);
+        self.tcp_segments_per_measured_rank_round = per(tcp.segments);
+        self.tcp_pure_acks_per_measured_rank_round = per(tcp.segments.saturating_sub(tcp.data_segments));
+        self.tcp_delayed_acks_per_measured_rank_round = per(tcp.delayed_acks);
+    }
+
     /// ns spent over `rounds` (at least one: `--rounds` is) to µs per rank and
     /// round, with three decimals.
     fn per_rank_round(&self, rounds: usize) -> impl Fn(u64) -> f64 + Copy {
@@ -501,6 +522,9 @@ fn report(
         client_cpu_us_per_rank_round: None,
         server_cpu_us_per_measured_rank_round: None,
         client_cpu_us_per_measured_rank_round: None,
+        tcp_segments_per_measured_rank_round: None,
+        tcp_pure_acks_per_measured_rank_round: None,
+        tcp_delayed_acks_per_measured_rank_round: None,
     })
 }
 
@@ -750,6 +774,7 @@ async fn run_floor(args: &Args) -> anyhow::Result<()> {
             (Some(measured.server_measured_cpu_ns), Some(measured.client_measured_cpu_ns)),
             args.rounds as usize,
         );
+        report.set_measured_tcp(measured.measured_tcp, args.rounds as usize);
     }
     print_report(&report, args.json, print_text)
 }
@@ -795,6 +820,9 @@ fn floor_report(args: &Args, op: Op, round: Times, connect_ms: f64) -> Report {
         client_cpu_us_per_rank_round: None,
         server_cpu_us_per_measured_rank_round: None,
         client_cpu_us_per_measured_rank_round: None,
+        tcp_segments_per_measured_rank_round: None,
+        tcp_pure_acks_per_measured_rank_round: None,
+        tcp_delayed_acks_per_measured_rank_round: None,
     }
 }
 

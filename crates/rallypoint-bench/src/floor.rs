@@ -28,7 +28,7 @@ use rustix::event::epoll;
 use serde::{Deserialize, Serialize};
 use tokio::io::{AsyncBufReadExt, BufReader};
 
-use crate::{mono_ns, round_stats, thread_cpu_ns, Times};
+use crate::{mono_ns, round_stats, thread_cpu_ns, TcpCounts, Times};
 
 /// The arrival and the release: the size of a small frame.
 const MESSAGE: usize = 16;
@@ -61,6 +61,8 @@ pub(crate) struct Measured {
     /// warm-up to the end of the last round, for the clients as `CpuWindow`'s.
     pub(crate) server_measured_cpu_ns: u64,
     pub(crate) client_measured_cpu_ns: u64,
+    /// TCP segments sent over the measured rounds (as the server's CPU), where known.
+    pub(crate) measured_tcp: Option<TcpCounts>,
 }
 
 /// What the serving child reports once all rounds are done.
@@ -70,6 +72,8 @@ struct ServerReport {
     cpu_ns: u64,
     /// ... and from the end of the warm-up to the last.
     measured_cpu_ns: u64,
+    /// TCP segments sent over the same rounds.
+    measured_tcp: Option<TcpCounts>,
 }
 
 /// Runs the floor: a serving child process, and the clients on a thread of this one.
@@ -109,6 +113,7 @@ pub(crate) async fn measure(plan: &Plan) -> anyhow::Result<Measured> {
         client_cpu_ns: clients.cpu_ns,
         server_measured_cpu_ns: server.measured_cpu_ns,
         client_measured_cpu_ns: clients.measured_cpu_ns,
+        measured_tcp: server.measured_tcp,
     })
 }
 
@@ -253,18 +258,19 @@ pub(crate) fn serve(plan: &Plan) -> anyhow::Result<()> {
     }
     drop(listener);
     let cpu_start = thread_cpu_ns();
-    let mut measured_from = cpu_start;
+    let (mut measured_from, mut tcp_from) = (cpu_start, TcpCounts::read());
     for round in 0..total {
         read_arrivals(&poll, &conns, plan.timeout).with_context(|| format!("round {round}"))?;
         write_each(&conns, 2)?;
         if round + 1 == plan.warmup as usize {
-            measured_from = thread_cpu_ns();
+            (measured_from, tcp_from) = (thread_cpu_ns(), TcpCounts::read());
         }
     }
     let end = thread_cpu_ns();
     let (cpu_ns, measured_cpu_ns) = (end.saturating_sub(cpu_start), end.saturating_sub(measured_from));
+    let measured_tcp = TcpCounts::read().zip(tcp_from).map(|(to, from)| to.since(from));
     wait_closed(&poll, &conns, plan.timeout)?;
-    println!("{}", serde_json::to_string(&ServerReport { cpu_ns, measured_cpu_ns })?);
+    println!("{}", serde_json::to_string(&ServerReport { cpu_ns, measured_cpu_ns, measured_tcp })?);
     Ok(())
 }
 

@@ -331,6 +331,60 @@ fn process_cpu_ns(pid: Option<u32>) -> Option<u64> {
     read_clock_ns(clock)
 }
 
+/// The counters of one protocol in a `/proc/net/snmp`-style file (`Tcp:` in
+/// `/proc/net/snmp`, `TcpExt:` in `/proc/net/netstat`): a line of names, then one of
+/// values, both led by the prefix. Empty if the file cannot be read.
+fn net_counters(path: &str, prefix: &str) -> std::collections::HashMap<String, u64> {
+    parse_net_counters(&std::fs::read_to_string(path).unwrap_or_default(), prefix)
+}
+
+fn parse_net_counters(text: &str, prefix: &str) -> std::collections::HashMap<String, u64> {
+    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with(prefix)).collect();
+    match lines.as_slice() {
+        [names, values] => names
+            .split_whitespace()
+            .zip(values.split_whitespace())
+            .skip(1)
+            .filter_map(|(k, v)| Some((k.to_owned(), v.parse().ok()?)))
+            .collect(),
+        _ => std::collections::HashMap::new(),
+    }
+}
+
+/// TCP segments sent so far by every socket of this network namespace: over
+/// loopback, each is also received once. A barrier round needs two per rank that
+/// carry data (an arrival, a release); what else goes is pure ACKs, which cost
+/// both ends about as much as a message. An arrival held longer than the kernel's
+/// delayed-ACK timeout gets one (docs/BENCHMARKS.md, "Direct connections").
+#[derive(Clone, Copy, Debug, Default, Serialize, serde::Deserialize, PartialEq)]
+struct TcpCounts {
+    segments: u64,
+    data_segments: u64,
+    /// ACKs sent by the delayed-ACK timer.
+    delayed_acks: u64,
+}
+
+impl TcpCounts {
+    /// `None` where `/proc/net` is not readable (not Linux, or no procfs).
+    fn read() -> Option<TcpCounts> {
+        let tcp = net_counters("/proc/net/snmp", "Tcp:");
+        let ext = net_counters("/proc/net/netstat", "TcpExt:");
+        Some(TcpCounts {
+            segments: *tcp.get("OutSegs")?,
+            data_segments: *ext.get("TCPOrigDataSent")?,
+            delayed_acks: ext.get("DelayedACKs").copied().unwrap_or(0),
+        })
+    }
+
+    fn since(self, before: TcpCounts) -> TcpCounts {
+        TcpCounts {
+            segments: self.segments.saturating_sub(before.segments),
+            data_segments: self.data_segments.saturating_sub(before.data_segments),
+            delayed_acks: self.delayed_acks.saturating_sub(before.delayed_acks),
+        }
+    }
+}
+
 /// CPU time the calling thread has spent so far, in ns.
 fn thread_cpu_ns() -> u64 {
     read_clock_ns(libc::CLOCK_THREAD_CPUTIME_ID).unwrap_or(0)
@@ -384,10 +438,12 @@ struct CpuWindow {
     marks: [OnceLock<CpuMark>; 2],
 }
 
-/// The CPU spent so far by this process and by the server, in ns.
+/// The CPU spent so far by this process and by the server, in ns; and the TCP
+/// segments sent so far.
 struct CpuMark {
     server: Option<u64>,
     client: Option<u64>,
+    tcp: Option<TcpCounts>,
 }
 
 impl CpuWindow {
@@ -397,7 +453,11 @@ impl CpuWindow {
     }
 
     fn mark(&self) -> CpuMark {
-        CpuMark { server: self.server_pid.and_then(|pid| process_cpu_ns(Some(pid))), client: process_cpu_ns(None) }
+        CpuMark {
+            server: self.server_pid.and_then(|pid| process_cpu_ns(Some(pid))),
+            client: process_cpu_ns(None),
+            tcp: TcpCounts::read(),
+        }
     }
 
     /// A client finished round `r` (counted from 0).
@@ -421,6 +481,12 @@ impl CpuWindow {
         let (Some(from), Some(to)) = (self.marks[0].get(), self.marks[1].get()) else { return (None, None) };
         let between = |a: Option<u64>, b: Option<u64>| Some(b?.saturating_sub(a?));
         (between(from.server, to.server), between(from.client, to.client))
+    }
+
+    /// The TCP segments sent over the measured rounds, as [`CpuWindow::spent`].
+    fn tcp_spent(&self) -> Option<TcpCounts> {
+        let (Some(from), Some(to)) = (self.marks[0].get(), self.marks[1].get()) else { return None };
+        Some(to.tcp?.since(from.tcp?))
     }
 }
 
@@ -648,6 +714,27 @@ mod tests {
         assert_eq!((stats.count, t.median_us, t.p99_us, t.min_us, t.max_us), (100, 50.0, 99.0, 1.0, 100.0));
         assert_eq!(t.mean_us, 50.5);
         assert!(Stats::of(&mut []).is_none());
+    }
+
+    /// `/proc/net/snmp` and `/proc/net/netstat` name their counters on one line and
+    /// give their values on the next, and hold other protocols' lines too.
+    #[test]
+    fn tcp_counts_are_read_by_name_from_their_protocols_lines() {
+        let snmp = "Ip: Forwarding InReceives\nIp: 1 5\nTcp: RtoAlgorithm OutSegs InSegs\nTcp: 1 700 650\n";
+        let ext = "TcpExt: SyncookiesSent DelayedACKs TCPOrigDataSent\nTcpExt: 0 12 400\n\
+                   IpExt: InNoRoutes\nIpExt: 3\n";
+        let tcp = parse_net_counters(snmp, "Tcp:");
+        assert_eq!((tcp.get("OutSegs"), tcp.get("InReceives")), (Some(&700), None));
+        let ext = parse_net_counters(ext, "TcpExt:");
+        assert_eq!((ext.get("DelayedACKs"), ext.get("TCPOrigDataSent")), (Some(&12), Some(&400)));
+        assert!(parse_net_counters("Tcp: OutSegs\n", "Tcp:").is_empty(), "names without values");
+        let before = TcpCounts { segments: 700, data_segments: 400, delayed_acks: 12 };
+        let after = TcpCounts { segments: 1000, data_segments: 600, delayed_acks: 20 };
+        assert_eq!(after.since(before), TcpCounts { segments: 300, data_segments: 200, delayed_acks: 8 });
+        // Where Linux's /proc is, the counters are found.
+        if std::path::Path::new("/proc/net/snmp").exists() {
+            assert!(TcpCounts::read().is_some());
+        }
     }
 
     /// The window opens at the first release from the last warm-up round and closes

@@ -129,7 +129,7 @@ async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {
     let sources = Sources::plan(args.src_addrs, n);
     let job = format!("bench-storm-{}", std::process::id());
     let timeout = Duration::from_secs_f64(args.timeout);
-    let counters_before = listen_counters();
+    let counters_before = crate::net_counters("/proc/net/netstat", "TcpExt:");
     let start = mono_ns();
     let deadline = tokio::time::Instant::now() + timeout;
     let mut storm = JoinSet::new();
@@ -142,7 +142,7 @@ async fn measure(args: &Args, target: &Target) -> anyhow::Result<Report> {
     while let Some(outcome) = storm.join_next().await {
         outcomes.push(outcome.context("a storm client panicked")?);
     }
-    let counters_after = listen_counters();
+    let counters_after = crate::net_counters("/proc/net/netstat", "TcpExt:");
 
     let mut admit: Vec<Duration> = Vec::new();
     let mut report = Report {
@@ -264,21 +264,6 @@ async fn join_native(addr: SocketAddr, source: Option<IpAddr>, identity: &Identi
         if stream.read_buf(&mut buffered).await? == 0 {
             return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into());
         }
-    }
-}
-
-/// The `TcpExt` counters of `/proc/net/netstat` (empty if unreadable).
-fn listen_counters() -> HashMap<String, u64> {
-    let text = std::fs::read_to_string("/proc/net/netstat").unwrap_or_default();
-    let lines: Vec<&str> = text.lines().filter(|l| l.starts_with("TcpExt:")).collect();
-    match lines.as_slice() {
-        [names, values] => names
-            .split_whitespace()
-            .zip(values.split_whitespace())
-            .skip(1)
-            .filter_map(|(k, v)| Some((k.to_owned(), v.parse().ok()?)))
-            .collect(),
-        _ => HashMap::new(),
     }
 }
 
