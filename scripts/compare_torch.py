@@ -181,6 +181,18 @@ def report(path):
             out.append(f"| {n:,} | {span(fl)} | {span(tb)} | {span(rb)} | {span(nb)} "
                        f"| {ratio(med(tb), med(nb))} | {ratio(med(nb), med(fl))} | {cpu(nat)} "
                        f"| {span(bb)} | {ratio(med(tb), med(bb)) if bb else '—'} | {cpu(bare)} |")
+        # Run by run: each native run against torch's run of the same pass (the
+        # script runs them back to back, in the same order, once per pass).
+        by_run = []
+        for n in direct_ns:
+            pairs = [(t["median_us"], x["median_us"]) for t, x in
+                     zip(pick("direct-barrier", "torch", n), pick("direct-native", "rallypoint", n))]
+            if pairs:
+                rs = [t / x for t, x in pairs]
+                by_run.append(f"- N = {n:,}: torch ÷ native run by run {min(rs):.2f}–{max(rs):.2f}×, "
+                              f"{sum(r >= 1.0 for r in rs)} of {len(rs)} runs at 1.0× or more")
+        if by_run:
+            out += [""] + by_run
         out += ["", "(ratios of the medians over runs; target: torch ÷ native ≥ 1.0×, native ÷ floor ≤ 1.1×, "
                 "and the load generator's CPU below the server's. The bare client speaks the native protocol "
                 "without the client library, as the TCPStore load speaks torch's: what the library costs "

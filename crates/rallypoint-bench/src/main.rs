@@ -355,7 +355,7 @@ fn parse_net_counters(text: &str, prefix: &str) -> std::collections::HashMap<Str
 /// loopback, each is also received once. A barrier round needs two per rank that
 /// carry data (an arrival, a release); what else goes is pure ACKs, which cost
 /// both ends about as much as a message. An arrival held longer than the kernel's
-/// delayed-ACK timeout gets one (docs/BENCHMARKS.md, "Direct connections").
+/// delayed-ACK timeout gets one (docs/BENCHMARKS.md, "the kernel's loopback TCP").
 #[derive(Clone, Copy, Debug, Default, Serialize, serde::Deserialize, PartialEq)]
 struct TcpCounts {
     segments: u64,
