@@ -506,7 +506,7 @@ impl Loop {
                 if *id != route.conn {
                     continue;
                 }
-                conn.send(std::iter::once((request_id, reply)), &mut self.scratch.out);
+                conn.send(std::iter::once((request_id, reply.into())), &mut self.scratch.out);
                 if let Err(end) = conn.flush(&mut self.scratch.out).and_then(|_| self.watch_writes(route.key)) {
                     self.close(route.key, Ended::Rank(end));
                 }
