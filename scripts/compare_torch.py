@@ -197,6 +197,9 @@ def report(path):
                 "and the load generator's CPU below the server's. The bare client speaks the native protocol "
                 "without the client library, as the TCPStore load speaks torch's: what the library costs "
                 "is the difference. CPU over the measured rounds where the run reports it, else over all)", ""]
+        # The five loads of a pass, in the columns' order of the tables below.
+        kinds = (("direct-floor", "none"), ("direct-barrier", "torch"), ("direct-barrier", "rallypoint"),
+                 ("direct-native", "rallypoint"), ("direct-native-bare", "rallypoint"))
         out += ["### Direct connections: the load generator's CPU ÷ its server's, per rank-round "
                 "(median over runs, over the measured rounds where the run reports them; range in brackets)", "",
                 "| N | floor (its client ÷ its server) | torch's BARRIER load ÷ torch's server "
@@ -205,15 +208,11 @@ def report(path):
                 "| ---: | ---: | ---: | ---: | ---: | ---: |"]
         for n in direct_ns:
             cells = []
-            for run, server in (("direct-floor", "none"), ("direct-barrier", "torch"),
-                                ("direct-barrier", "rallypoint"), ("direct-native", "rallypoint"),
-                                ("direct-native-bare", "rallypoint")):
+            for run, server in kinds:
                 rs = [load_cpu(x) / server_cpu(x) for x in pick(run, server, n) if load_cpu(x) and server_cpu(x)]
                 cells.append(f"{med(rs):.2f} ({min(rs):.2f}–{max(rs):.2f})" if rs else "—")
             out.append(f"| {n:,} | " + " | ".join(cells) + " |")
         out += ["", "(target: the client library's load below its server's, < 1.0)", ""]
-        kinds = (("direct-floor", "none"), ("direct-barrier", "torch"), ("direct-barrier", "rallypoint"),
-                 ("direct-native", "rallypoint"), ("direct-native-bare", "rallypoint"))
         if any(x.get("tcp_segments_per_measured_rank_round") is not None
                for run, server in kinds for n in direct_ns for x in pick(run, server, n)):
             out += ["### Direct connections: TCP segments per rank-round, of them pure ACKs "

@@ -20,6 +20,7 @@ mod tcpstore;
 mod tcpstore_start;
 mod wake_floor;
 
+use std::collections::HashMap;
 use std::future::Future;
 use std::io;
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -334,11 +335,11 @@ fn process_cpu_ns(pid: Option<u32>) -> Option<u64> {
 /// The counters of one protocol in a `/proc/net/snmp`-style file (`Tcp:` in
 /// `/proc/net/snmp`, `TcpExt:` in `/proc/net/netstat`): a line of names, then one of
 /// values, both led by the prefix. Empty if the file cannot be read.
-fn net_counters(path: &str, prefix: &str) -> std::collections::HashMap<String, u64> {
+fn net_counters(path: &str, prefix: &str) -> HashMap<String, u64> {
     parse_net_counters(&std::fs::read_to_string(path).unwrap_or_default(), prefix)
 }
 
-fn parse_net_counters(text: &str, prefix: &str) -> std::collections::HashMap<String, u64> {
+fn parse_net_counters(text: &str, prefix: &str) -> HashMap<String, u64> {
     let lines: Vec<&str> = text.lines().filter(|l| l.starts_with(prefix)).collect();
     match lines.as_slice() {
         [names, values] => names
@@ -347,7 +348,7 @@ fn parse_net_counters(text: &str, prefix: &str) -> std::collections::HashMap<Str
             .skip(1)
             .filter_map(|(k, v)| Some((k.to_owned(), v.parse().ok()?)))
             .collect(),
-        _ => std::collections::HashMap::new(),
+        _ => HashMap::new(),
     }
 }
 
