@@ -422,11 +422,15 @@ impl Client {
     /// Registers a call (the connection task fails it past `limit`, one timer for all
     /// calls) and writes its request, or hands it to the task. The error is boxed:
     /// the call's future holds this result until it is first polled.
-    fn send_call(&self, request: Request, limit: Duration) -> Result<(Registered<'_>, connection::Reply), Box<Error>> {
+    fn send_call(
+        &self,
+        request: Request,
+        limit: Duration,
+    ) -> Result<(Registered<'_>, connection::CallReply), Box<Error>> {
         let link = &*self.inner.link;
-        let (id, reply) = link.register(limit)?;
+        let (id, reply) = link.open_call(limit)?;
         let registered = Registered { link, id, settled: false };
-        let handed = match link.write_direct(id, request, &reply) {
+        let handed = match link.write_direct(id, request) {
             DirectWrite::Written => true,
             DirectWrite::Partly => self.inner.commands.send(Command::Flush).is_ok(),
             DirectWrite::Queue(request) => self.inner.commands.send(Command::Request { id, request }).is_ok(),

@@ -28,6 +28,7 @@ use std::collections::{HashMap, VecDeque};
 use std::convert::Infallible;
 use std::io;
 use std::num::NonZeroU64;
+use std::ops::Range;
 use std::os::fd::OwnedFd;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -75,19 +76,68 @@ const LONGEST_WAIT: Duration = Duration::from_secs(100 * 365 * 24 * 3600);
 /// after their calls gave up, which nobody takes.
 const MAX_STASHED: usize = 128;
 
+/// Most bytes of a written request's frame kept as they are ([`Written::Frame`]):
+/// a barrier's with a name of up to 34 bytes.
+const KEPT_FRAME: usize = 62;
+
+/// A call's request once written, kept to send again should the connection be cut
+/// before its reply: as its frame when that is small (a barrier's, an `add`'s), so
+/// that what a call keeps stays in the line it touches anyway; else the request.
+enum Written {
+    Frame { len: u8, bytes: [u8; KEPT_FRAME] },
+    Request(Box<Request>),
+}
+
+impl Written {
+    /// Keeps `request`, written as `frame` (its plain request frame), in `kept`: as
+    /// the frame if small, and the request is given back; else boxed.
+    fn keep(kept: &mut Option<Written>, frame: &[u8], request: Request) -> Option<Request> {
+        let len = u8::try_from(frame.len()).ok().filter(|_| frame.len() <= KEPT_FRAME);
+        let Some(len) = len else {
+            *kept = Some(Written::Request(Box::new(request)));
+            return None;
+        };
+        // In place: the frame's bytes go to the line they are kept in, once.
+        if !matches!(kept, Some(Written::Frame { .. })) {
+            *kept = Some(Written::Frame { len: 0, bytes: [0; KEPT_FRAME] });
+        }
+        if let Some(Written::Frame { len: kept_len, bytes }) = kept {
+            bytes[..frame.len()].copy_from_slice(frame);
+            *kept_len = len;
+        }
+        Some(request)
+    }
+
+    /// Appends the request's frame (call `id`'s) to `buf`.
+    fn encode(&self, id: u64, buf: &mut BytesMut) {
+        match self {
+            Written::Frame { len, bytes } => buf.extend_from_slice(&bytes[..usize::from(*len)]),
+            Written::Request(request) => {
+                encode_client_frame(&ClientFrame::Request { id, request: (**request).clone() }, buf)
+            }
+        }
+    }
+
+    fn copy(&self) -> Written {
+        match self {
+            Written::Frame { len, bytes } => Written::Frame { len: *len, bytes: *bytes },
+            Written::Request(request) => Written::Request(request.clone()),
+        }
+    }
+}
+
 /// Where a call's reply goes: filled by whoever reads it from the socket (the task,
-/// or a call reading for everyone) or fails the call, taken by the call ([`Reply`]).
-/// Until then it keeps the call's request once written, to send again should the
-/// connection be cut first: with the cell the call touches anyway, not in the map of
-/// calls, which then holds little.
+/// or a call reading for everyone) or fails the call, taken by the call. Until then
+/// it keeps the call's request once written ([`Written`]). A call made while no
+/// other is in flight (a rank's barrier, a training step's `add`) uses the cell in
+/// its link's own lines ([`Pending::own`]); the others each have one of their own.
 struct ReplyCell(Mutex<Held>);
 
-/// A cell's state, and the waker of the call that looked at it last: kept when the
-/// cell is recycled ([`Link::recycle`]), so that the same caller's next call (a
-/// rank's loop) need not clone it again. Until then it holds on to that caller's
-/// task. (A reply that comes before the next call first looks may wake the caller
-/// before it: a spurious wake-up, which is allowed; the call finds its reply when
-/// it looks.)
+/// A cell's state, and the waker of the call that looked at it last: the link's own
+/// cell keeps it from call to call, so that the same caller's next call (a rank's
+/// loop) need not clone it again. Until then it holds on to that caller's task. (A
+/// reply that comes before the next call first looks may wake the caller before
+/// it: a spurious wake-up, which is allowed; the call finds its reply when it looks.)
 struct Held {
     cell: Cell,
     waker: Option<Waker>,
@@ -96,12 +146,79 @@ struct Held {
 enum Cell {
     Waiting {
         /// The request, once written to a connection.
-        written: Option<Request>,
+        written: Option<Written>,
     },
-    Filled(Result<Response, Error>),
+    /// Errors boxed: rare, and large.
+    Filled(Result<Response, Box<Error>>),
     /// The call was forgotten without a reply (the connection task is gone).
     Dropped,
     Taken,
+}
+
+impl Held {
+    const fn waiting() -> Cell {
+        Cell::Waiting { written: None }
+    }
+
+    /// Ends the wait with `end`: what the cell held, and the waker of the call that
+    /// waited if it left one, both for after the lock.
+    fn end(&mut self, end: Cell) -> (Cell, Option<Waker>) {
+        let left = std::mem::replace(&mut self.cell, end);
+        let waker = if matches!(left, Cell::Waiting { .. }) { self.waker.clone() } else { None };
+        (left, waker)
+    }
+
+    /// Keeps the call's request, written to the connection as `frame` (unless the
+    /// call has ended meanwhile); `keep_first`: a request kept already stays. Gives
+    /// the request back unless it is kept as it is.
+    fn keep_written(&mut self, frame: &[u8], request: Request, keep_first: bool) -> Option<Request> {
+        match &mut self.cell {
+            Cell::Waiting { written } if !(keep_first && written.is_some()) => Written::keep(written, frame, request),
+            _ => Some(request),
+        }
+    }
+
+    /// Keeps `request`, written, as it is (see [`Held::keep_written`]).
+    fn keep_request(&mut self, request: Request, keep_first: bool) {
+        if let Cell::Waiting { written } = &mut self.cell {
+            if !(keep_first && written.is_some()) {
+                *written = Some(Written::Request(Box::new(request)));
+            }
+        }
+    }
+
+    /// The call's request if it was written.
+    fn written(&self) -> Option<Written> {
+        match &self.cell {
+            Cell::Waiting { written } => written.as_ref().map(Written::copy),
+            _ => None,
+        }
+    }
+
+    fn was_written(&self) -> bool {
+        matches!(&self.cell, Cell::Waiting { written: Some(_) })
+    }
+
+    /// Takes the call's request back: it was not written after all.
+    fn unwritten(&mut self) -> Option<Written> {
+        match &mut self.cell {
+            Cell::Waiting { written } => written.take(),
+            _ => None,
+        }
+    }
+
+    /// The reply if it came (the cell is `then` after it), else keeps `waker` to be
+    /// woken when it does.
+    fn poll_take(&mut self, waker: &Waker, then: Cell) -> Poll<Received> {
+        if let Cell::Waiting { .. } = self.cell {
+            keep_waker(&mut self.waker, waker);
+            return Poll::Pending;
+        }
+        match std::mem::replace(&mut self.cell, then) {
+            Cell::Filled(result) => Poll::Ready(Ok(result.map_err(|error| *error))),
+            _ => Poll::Ready(Err(ReplyDropped)),
+        }
+    }
 }
 
 impl ReplyCell {
@@ -113,59 +230,19 @@ impl ReplyCell {
         lock(&self.0)
     }
 
-    fn waiting() -> Cell {
-        Cell::Waiting { written: None }
-    }
-
-    /// Ends the wait with `end` and wakes the call that waited, if one left a waker
-    /// (see [`Held`] for a recycled cell's). The wake-up and what the cell held (a
-    /// written request) go after the lock.
+    /// Ends the wait with `end` and wakes the call that waited, if one left a waker.
+    /// The wake-up and what the cell held (a written request) go after the lock.
     fn end_with(&self, end: Cell) {
-        let (left, waker) = {
-            let mut held = self.lock();
-            let left = std::mem::replace(&mut held.cell, end);
-            let waker = if matches!(left, Cell::Waiting { .. }) { held.waker.clone() } else { None };
-            (left, waker)
-        };
+        let (left, waker) = self.lock().end(end);
         drop(left);
         if let Some(waker) = waker {
             waker.wake();
         }
     }
-
-    /// Keeps the call's request, written to the connection (unless the call has
-    /// ended meanwhile); `keep_first`: a request kept already stays.
-    fn keep_written(&self, request: Request, keep_first: bool) {
-        if let Cell::Waiting { written } = &mut self.lock().cell {
-            if !(keep_first && written.is_some()) {
-                *written = Some(request);
-            }
-        }
-    }
-
-    /// The call's request if it was written.
-    fn written(&self) -> Option<Request> {
-        match &self.lock().cell {
-            Cell::Waiting { written } => written.clone(),
-            _ => None,
-        }
-    }
-
-    fn was_written(&self) -> bool {
-        matches!(&self.lock().cell, Cell::Waiting { written: Some(_) })
-    }
-
-    /// Takes the call's request back: it was not written after all.
-    fn unwritten(&self) -> Option<Request> {
-        match &mut self.lock().cell {
-            Cell::Waiting { written } => written.take(),
-            _ => None,
-        }
-    }
 }
 
-/// The filling side of a call's [`ReplyCell`], kept with the call; dropped unfilled,
-/// it tells the call so.
+/// The filling side of a call's own [`ReplyCell`], kept with the call; dropped
+/// unfilled, it tells the call so.
 pub(crate) struct ReplySlot {
     cell: Arc<ReplyCell>,
     sent: bool,
@@ -175,7 +252,7 @@ impl ReplySlot {
     /// Fills the cell and wakes the call.
     fn send(mut self, result: Result<Response, Error>) {
         self.sent = true;
-        self.cell.end_with(Cell::Filled(result));
+        self.cell.end_with(Cell::Filled(result.map_err(Box::new)));
     }
 
     /// Drops the slot without telling the call (which no longer waits).
@@ -192,7 +269,15 @@ impl Drop for ReplySlot {
     }
 }
 
-/// A call's reply, as a future; [`Link::poll_reply`] reads it from the socket too.
+/// Where a registered call's reply goes.
+enum Slot {
+    Cell(ReplySlot),
+    /// The link's own cell ([`Pending::own`]).
+    Own,
+}
+
+/// A reply in a cell of its own, as a future; [`Link::poll_reply`] reads it from
+/// the socket too.
 pub(crate) struct Reply(Arc<ReplyCell>);
 
 /// The call was forgotten without a reply: the connection is gone.
@@ -204,20 +289,12 @@ pub(crate) type Received = Result<Result<Response, Error>, ReplyDropped>;
 
 impl Reply {
     fn poll_cell(&self, waker: &Waker) -> Poll<Received> {
-        let mut held = self.0.lock();
-        if let Cell::Waiting { .. } = held.cell {
-            keep_waker(&mut held.waker, waker);
-            return Poll::Pending;
-        }
-        match std::mem::replace(&mut held.cell, Cell::Taken) {
-            Cell::Filled(result) => Poll::Ready(Ok(result)),
-            _ => Poll::Ready(Err(ReplyDropped)),
-        }
+        self.0.lock().poll_take(waker, Cell::Taken)
     }
 
     /// A reply that came before its call looked for it.
     pub(crate) fn came(result: Result<Response, Error>) -> Reply {
-        Reply(Arc::new(ReplyCell::new(Cell::Filled(result))))
+        Reply(Arc::new(ReplyCell::new(Cell::Filled(result.map_err(Box::new)))))
     }
 }
 
@@ -227,6 +304,13 @@ impl std::future::Future for Reply {
     fn poll(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Received> {
         self.poll_cell(cx.waker())
     }
+}
+
+/// Where a call made through [`Link::open_call`] finds its reply.
+pub(crate) enum CallReply {
+    /// In the link's own cell.
+    Own,
+    Cell(Reply),
 }
 
 /// What a call sends to the connection task.
@@ -265,7 +349,7 @@ pub(crate) enum Command {
 }
 
 /// The cache lines of a [`Link`] that a lone call touches (its first ones).
-const HOT_LINES: usize = 5;
+const HOT_LINES: usize = 6;
 
 // Up to the end of the read side's buffer, the last of what a lone call touches.
 // A mutex's data starts at most its own state's size in: so this end is never
@@ -398,6 +482,11 @@ fn keep_waker(slot: &mut Option<Waker>, waker: &Waker) {
 #[repr(C)]
 struct Pending {
     calls: Calls,
+    /// The call whose reply goes to [`Pending::own`], if one does.
+    own_call: Option<NonZeroU64>,
+    /// The link's own reply cell, for a call made while it is free: a rank making
+    /// one call at a time then touches no cell of its own, in lines of their own.
+    own: Held,
     /// Set once the connection has ended for good: why, as reported to every later
     /// call. Boxed: every call looks at it, and it is large.
     closed: Option<Box<Closed>>,
@@ -408,9 +497,6 @@ struct Pending {
     /// of life of the rank, as a heartbeat is ([`write_loop`]). A call refused as
     /// invalid did not reach the lease, and one not answered yet may never.
     last_call: Option<Instant>,
-    /// A reply cell its call no longer holds, for the next call: a rank making one
-    /// call at a time then allocates none (see [`Link::recycle`]).
-    spare: Option<Arc<ReplyCell>>,
     /// What only barrier calls through a channel use. Boxed, out of the lines
     /// every call touches.
     channel_calls: Box<ChannelCalls>,
@@ -441,10 +527,72 @@ impl ChannelCalls {
     }
 }
 
+impl Pending {
+    /// Keeps call `id`'s request, written as `frame` (see [`Held::keep_written`]);
+    /// gives the request back unless it is kept as it is.
+    fn keep_written(&mut self, id: u64, frame: &[u8], request: Request) -> Option<Request> {
+        match self.calls.get(&id).map(|call| &call.slot) {
+            Some(Slot::Cell(slot)) => slot.cell.lock().keep_written(frame, request, false),
+            Some(Slot::Own) => self.own.keep_written(frame, request, false),
+            // A call that stopped waiting meanwhile needs nothing kept.
+            None => Some(request),
+        }
+    }
+
+    /// Keeps call `id`'s written request as it is; `keep_first`: a request kept
+    /// already stays.
+    fn keep_request(&mut self, id: u64, request: Request, keep_first: bool) {
+        match self.calls.get(&id).map(|call| &call.slot) {
+            Some(Slot::Cell(slot)) => slot.cell.lock().keep_request(request, keep_first),
+            Some(Slot::Own) => self.own.keep_request(request, keep_first),
+            None => {}
+        }
+    }
+
+    /// Takes call `id`'s written request back: it was not written after all.
+    fn unwritten(&mut self, id: u64) -> Option<Written> {
+        match self.calls.get(&id).map(|call| &call.slot) {
+            Some(Slot::Cell(slot)) => slot.cell.lock().unwritten(),
+            Some(Slot::Own) => self.own.unwritten(),
+            None => None,
+        }
+    }
+
+    fn written(&self, slot: &Slot) -> Option<Written> {
+        match slot {
+            Slot::Cell(slot) => slot.cell.lock().written(),
+            Slot::Own => self.own.written(),
+        }
+    }
+
+    fn was_written(&self, slot: &Slot) -> bool {
+        match slot {
+            Slot::Cell(slot) => slot.cell.lock().was_written(),
+            Slot::Own => self.own.was_written(),
+        }
+    }
+
+    /// Frees the link's own cell from call `id` (if it holds it), taking what it held.
+    fn free_own(&mut self, id: u64) -> Option<Cell> {
+        if self.own_call != NonZeroU64::new(id) {
+            return None;
+        }
+        self.own_call = None;
+        match &mut self.own.cell {
+            // Nothing in it to drop (the usual end: a small request kept): emptied in place.
+            Cell::Waiting { written } if !matches!(written, Some(Written::Request(_))) => {
+                *written = None;
+                None
+            }
+            cell => Some(std::mem::replace(cell, Held::waiting())),
+        }
+    }
+}
+
 /// A call waiting for its reply (its request, once written, is kept in its slot's
 /// cell: sent again if that connection is cut before the reply).
 struct Call {
-    slot: ReplySlot,
+    slot: Slot,
     /// When the caller stops waiting: the call then fails with `Error::Timeout(limit)`.
     deadline: Instant,
     limit: Duration,
@@ -616,7 +764,8 @@ impl Link {
                 closed: None,
                 armed: None,
                 last_call: None,
-                spare: None,
+                own_call: None,
+                own: Held { cell: Held::waiting(), waker: None },
                 channel_calls: Box::default(),
             }),
             delivered: AtomicUsize::new(0),
@@ -651,8 +800,8 @@ impl Link {
         *lock(&self.welcome) = welcome;
     }
 
-    /// Allocates a request id and the slot its reply will arrive in; past `limit`
-    /// the call fails with [`Error::Timeout`].
+    /// Allocates a request id and a cell of its own its reply will arrive in; past
+    /// `limit` the call fails with [`Error::Timeout`].
     pub(crate) fn register(&self, limit: Duration) -> Result<(u64, Reply), Error> {
         let deadline = Instant::now() + limit.min(LONGEST_WAIT);
         let pending = self.lock();
@@ -660,8 +809,25 @@ impl Link {
             return Err(closed.error());
         }
         let id = self.next_id();
-        let reply = self.insert(pending, id, deadline, limit);
-        Ok((id, reply))
+        Ok((id, self.insert_cell(pending, id, deadline, limit)))
+    }
+
+    /// As [`Link::register`], for a call that waits through [`WaitReply`]: its reply
+    /// goes to the link's own cell if no other call holds it.
+    pub(crate) fn open_call(&self, limit: Duration) -> Result<(u64, CallReply), Error> {
+        let deadline = Instant::now() + limit.min(LONGEST_WAIT);
+        let mut pending = self.lock();
+        if let Some(closed) = &pending.closed {
+            return Err(closed.error());
+        }
+        let id = self.next_id();
+        if pending.own_call.is_some() {
+            return Ok((id, CallReply::Cell(self.insert_cell(pending, id, deadline, limit))));
+        }
+        // Left waiting, with nothing written, by the call that held it last.
+        pending.own_call = NonZeroU64::new(id);
+        self.insert(pending, id, Slot::Own, deadline, limit);
+        Ok((id, CallReply::Own))
     }
 
     /// The reply to barrier call `id` through a channel, which took only its id
@@ -681,7 +847,7 @@ impl Link {
             return Err(closed.error());
         }
         let deadline = Instant::from_std(deadline).min(Instant::now() + LONGEST_WAIT);
-        Ok(self.insert(pending, id, deadline, limit))
+        Ok(self.insert_cell(pending, id, deadline, limit))
     }
 
     /// When the latest call the coordinator ran was made ([`Pending::last_call`]).
@@ -718,18 +884,19 @@ impl Link {
         for (id, request) in in_flight {
             // Looking for its reply already (its round failed): sent again too, as
             // the reply may have been lost with the connection.
-            if let Some(call) = pending.calls.get(&id) {
-                call.slot.cell.keep_written(request, true);
+            if pending.calls.contains_key(&id) {
+                pending.keep_request(id, request, true);
                 continue;
             }
             // Its reply came before the cut: the call finds it stashed.
             if pending.channel_calls.stashed.iter().any(|(stashed, _)| *stashed == id) {
                 continue;
             }
-            let cell = Arc::new(ReplyCell::new(Cell::Waiting { written: Some(request) }));
+            let written = Some(Written::Request(Box::new(request)));
+            let cell = Arc::new(ReplyCell::new(Cell::Waiting { written }));
             let slot = ReplySlot { cell: Arc::clone(&cell), sent: false };
             // The call bounds its own wait (and forgets the call past it).
-            let call = Call { slot, deadline: Instant::now() + LONGEST_WAIT, limit: LONGEST_WAIT };
+            let call = Call { slot: Slot::Cell(slot), deadline: Instant::now() + LONGEST_WAIT, limit: LONGEST_WAIT };
             pending.calls.insert(id, call);
             pending.channel_calls.adopted.push((id, Reply(cell)));
         }
@@ -747,11 +914,16 @@ impl Link {
         self.stashes() != seen && self.lock().channel_calls.stashed.iter().any(|(stashed, _)| *stashed == id)
     }
 
-    /// Registers call `id` in `pending` (the lock taken); returns its reply.
-    fn insert(&self, mut pending: MutexGuard<'_, Pending>, id: u64, deadline: Instant, limit: Duration) -> Reply {
-        // A spare was left waiting ([`Link::recycle`]): taking it needs no lock of its own.
-        let cell = pending.spare.take().unwrap_or_else(|| Arc::new(ReplyCell::new(ReplyCell::waiting())));
-        let (slot, reply) = (ReplySlot { cell: Arc::clone(&cell), sent: false }, Reply(cell));
+    /// Registers call `id` in `pending` (the lock taken) with a cell of its own; returns its reply.
+    fn insert_cell(&self, pending: MutexGuard<'_, Pending>, id: u64, deadline: Instant, limit: Duration) -> Reply {
+        let cell = Arc::new(ReplyCell::new(Held::waiting()));
+        let slot = ReplySlot { cell: Arc::clone(&cell), sent: false };
+        self.insert(pending, id, Slot::Cell(slot), deadline, limit);
+        Reply(cell)
+    }
+
+    /// Registers call `id` in `pending` (the lock taken), its reply going to `slot`.
+    fn insert(&self, mut pending: MutexGuard<'_, Pending>, id: u64, slot: Slot, deadline: Instant, limit: Duration) {
         pending.calls.insert(id, Call { slot, deadline, limit });
         // Usually later than the timer (calls share one timeout): nothing to tell.
         let earlier = pending.armed.is_none_or(|armed| deadline < armed);
@@ -766,12 +938,11 @@ impl Link {
         if shared {
             self.share_reading();
         }
-        reply
     }
 
     /// Writes call `id`'s request now if the task is not writing; see [`DirectWrite`].
-    /// `reply`: the call's, which keeps the request once written.
-    pub(crate) fn write_direct(&self, id: u64, request: Request, reply: &Reply) -> DirectWrite {
+    /// The call's cell keeps the request once written.
+    pub(crate) fn write_direct(&self, id: u64, request: Request) -> DirectWrite {
         let mut direct = self.lock_direct();
         let Direct { writer: Some(writer), busy: false, rest } = &mut *direct else {
             return DirectWrite::Queue(request);
@@ -785,7 +956,7 @@ impl Link {
         let ClientFrame::Request { request, .. } = frame else { unreachable!("built above") };
         // Counted as written before its bytes go, so that a cut right after finds it
         // (see `Link::written`); the task takes the writer away under this lock first.
-        reply.0.keep_written(request, false);
+        let given_back = self.lock().keep_written(id, &buf, request);
         let done = match writer.try_send(&buf) {
             Ok(all) if all == buf.len() => DirectWrite::Written,
             Ok(part) => {
@@ -795,7 +966,11 @@ impl Link {
             }
             // Nothing went (the socket is full, or broke: the task learns that itself).
             // None: the call ended meanwhile, and nobody needs the request.
-            Err(_) => reply.0.unwritten().map_or(DirectWrite::Written, DirectWrite::Queue),
+            Err(_) => match self.lock().unwritten(id) {
+                None => DirectWrite::Written,
+                Some(Written::Request(request)) => DirectWrite::Queue(*request),
+                Some(Written::Frame { .. }) => given_back.map_or(DirectWrite::Written, DirectWrite::Queue),
+            },
         };
         buf.clear();
         Buffering::CLIENT.release_idle(&mut buf);
@@ -806,15 +981,36 @@ impl Link {
 
     /// Fails the calls whose deadline has passed, and sets the timer for the next.
     fn expire(&self, now: Instant) {
-        let expired: Vec<Call> = {
+        let expired: Vec<(u64, Call)> = {
             let mut pending = self.lock();
             let ids: Vec<u64> = pending.calls.iter().filter(|(_, c)| c.deadline <= now).map(|(id, _)| *id).collect();
-            let expired = ids.iter().filter_map(|id| pending.calls.remove(id)).collect();
+            let expired = ids.into_iter().filter_map(|id| Some((id, pending.calls.remove(&id)?))).collect();
             pending.armed = pending.calls.values().map(|call| call.deadline).min();
             expired
         };
-        for call in expired {
-            call.slot.send(Err(Error::Timeout(call.limit)));
+        for (id, call) in expired {
+            self.fill(id, call.slot, Err(Error::Timeout(call.limit)));
+        }
+    }
+
+    /// Ends call `id`'s wait with `result` through `slot`, its slot, taken out of the
+    /// calls (the lock not held), and wakes the call.
+    fn fill(&self, id: u64, slot: Slot, result: Result<Response, Error>) {
+        match slot {
+            Slot::Cell(slot) => slot.send(result),
+            Slot::Own => {
+                let (left, waker) = {
+                    let mut pending = self.lock();
+                    if pending.own_call != NonZeroU64::new(id) {
+                        return;
+                    }
+                    pending.own.end(Cell::Filled(result.map_err(Box::new)))
+                };
+                drop(left);
+                if let Some(waker) = waker {
+                    waker.wake();
+                }
+            }
         }
     }
 
@@ -828,27 +1024,16 @@ impl Link {
         &self.addr
     }
 
-    /// Keeps the cell of a reply its call is done with for the next call, if nothing
-    /// else holds it (its slot was filled or forgotten).
-    fn recycle(&self, reply: &Reply) {
-        if Arc::strong_count(&reply.0) == 1 {
-            // What the cell still holds goes now, outside the locks, not with a next
-            // call that may never come: a reply its call never took (dropped after the
-            // reply came; a shared reply holds its slab until it goes), or the request
-            // of a call that read its own reply. Left waiting, as the next call needs
-            // it: it holds no slot, so nothing fills it.
-            let left = std::mem::replace(&mut reply.0.lock().cell, ReplyCell::waiting());
-            drop(left);
-            self.lock().spare.get_or_insert_with(|| Arc::clone(&reply.0));
-        }
-    }
-
     /// Forgets a call whose caller stopped waiting (timed out or was cancelled).
     pub(crate) fn unregister(&self, id: u64) {
-        let call = self.lock().calls.remove(&id);
+        let (call, freed) = {
+            let mut pending = self.lock();
+            (pending.calls.remove(&id), pending.free_own(id))
+        };
+        drop(freed);
         // The caller is the one that stopped waiting: nobody to wake.
-        if let Some(call) = call {
-            call.slot.forget();
+        if let Some(Call { slot: Slot::Cell(slot), .. }) = call {
+            slot.forget();
         }
     }
 
@@ -860,27 +1045,28 @@ impl Link {
         }
     }
 
-    /// Keeps the requests just encoded for a write, so that they can be sent again
-    /// should the connection be cut before their replies (whether the write gets
-    /// through or not).
-    fn written(&self, requests: Vec<(u64, Request)>) {
+    /// Keeps the requests just encoded into `buf` for a write (each with where its
+    /// frame lies, `None` for one encoded as another kind of frame), so that they
+    /// can be sent again should the connection be cut before their replies (whether
+    /// the write gets through or not).
+    fn written(&self, buf: &[u8], requests: Vec<(u64, Option<Range<usize>>, Request)>) {
         if requests.is_empty() {
             return;
         }
-        let pending = self.lock();
-        for (id, request) in requests {
-            // A call that stopped waiting meanwhile needs nothing kept.
-            if let Some(call) = pending.calls.get(&id) {
-                call.slot.cell.keep_written(request, false);
+        let mut pending = self.lock();
+        for (id, frame, request) in requests {
+            match frame.and_then(|frame| buf.get(frame)) {
+                Some(frame) => drop(pending.keep_written(id, frame, request)),
+                None => pending.keep_request(id, request, false),
             }
         }
     }
 
     /// The requests written and not answered, to send again on a resumed session.
-    fn unanswered(&self) -> Vec<(u64, Request)> {
+    fn unanswered(&self) -> Vec<(u64, Written)> {
         let pending = self.lock();
-        let mut requests: Vec<(u64, Request)> =
-            pending.calls.iter().filter_map(|(id, call)| Some((*id, call.slot.cell.written()?))).collect();
+        let mut requests: Vec<(u64, Written)> =
+            pending.calls.iter().filter_map(|(id, call)| Some((*id, pending.written(&call.slot)?))).collect();
         // In the order first sent, as far as ids tell.
         requests.sort_by_key(|(id, _)| *id);
         requests
@@ -888,21 +1074,22 @@ impl Link {
 
     /// Fails the calls whose requests were written: the session they went to is gone.
     fn fail_written(&self, why: &str) {
-        let failed: Vec<Call> = {
+        let failed: Vec<(u64, Call)> = {
             let mut pending = self.lock();
             let ids: Vec<u64> =
-                pending.calls.iter().filter(|(_, c)| c.slot.cell.was_written()).map(|(id, _)| *id).collect();
-            ids.iter().filter_map(|id| pending.calls.remove(id)).collect()
+                pending.calls.iter().filter(|(_, c)| pending.was_written(&c.slot)).map(|(id, _)| *id).collect();
+            ids.into_iter().filter_map(|id| Some((id, pending.calls.remove(&id)?))).collect()
         };
-        for call in failed {
-            call.slot.send(Err(Error::Disconnected(why.to_owned())));
+        for (id, call) in failed {
+            self.fill(id, call.slot, Err(Error::Disconnected(why.to_owned())));
         }
     }
 
     /// Hands call `id` its reply; `me`: the call reading, which takes its own reply
     /// as it is, with no wake-up and no lock of its cell.
     fn complete(&self, id: u64, result: Result<Response, Error>, me: Option<&mut Mine>) {
-        let mut call = {
+        let mine = me.as_ref().is_some_and(|mine| mine.id == id);
+        let (mut call, freed) = {
             let mut pending = self.lock();
             let call = pending.calls.remove(&id);
             // Made at its deadline less its limit (earlier, for a limit beyond
@@ -911,8 +1098,15 @@ impl Link {
             if let Some(made) = made.filter(|_| !matches!(result, Err(Error::Op(OpError::Invalid(_))))) {
                 pending.last_call = pending.last_call.max(Some(made));
             }
-            call
+            // The call reading takes its reply as it is: the link's own cell, if it
+            // waited there, is free from now on.
+            let freed = match &call {
+                Some(Call { slot: Slot::Own, .. }) if mine => pending.free_own(id),
+                _ => None,
+            };
+            (call, freed)
         };
+        drop(freed);
         if call.is_none() {
             // No call: a heartbeat, a call that timed out on this side, a reply sent
             // again for a request that was re-sent after a cut, or a barrier call
@@ -943,13 +1137,15 @@ impl Link {
             Some(mine) if mine.id == id => {
                 #[cfg(test)]
                 self.own_replies.fetch_add(1, Ordering::Relaxed);
-                call.slot.forget();
+                if let Slot::Cell(slot) = call.slot {
+                    slot.forget();
+                }
                 mine.reply = Some(result);
             }
             _ => {
                 self.delivered.fetch_add(1, Ordering::Relaxed);
                 // The caller may have stopped waiting meanwhile; that is fine.
-                call.slot.send(result);
+                self.fill(id, call.slot, result);
             }
         }
     }
@@ -961,8 +1157,8 @@ impl Link {
             pending.closed.get_or_insert_with(|| Box::new(closed.clone()));
             pending.calls.take().collect::<Vec<_>>()
         };
-        for (_, call) in calls {
-            call.slot.send(Err(closed.error()));
+        for (id, call) in calls {
+            self.fill(id, call.slot, Err(closed.error()));
         }
     }
 
@@ -982,7 +1178,7 @@ impl Link {
     /// another call registers ([`Link::share_reading`]), or when the task runs
     /// ([`Link::poll_task_read`]).
     /// `reading`: the call may be reading (kept by the caller between polls).
-    fn poll_reply(&self, id: u64, reply: &Reply, reading: &mut bool, cx: &mut Context<'_>) -> Poll<Received> {
+    fn poll_reply(&self, id: u64, reply: &CallReply, reading: &mut bool, cx: &mut Context<'_>) -> Poll<Received> {
         if *reading {
             // Still the reader: nobody else has routed a reply since it last read,
             // so its cell can only have been filled by a failure (a timeout, the
@@ -992,7 +1188,7 @@ impl Link {
                 return self.read_own(&mut side, id, reply, reading, cx);
             }
         }
-        if let Poll::Ready(received) = reply.poll_cell(cx.waker()) {
+        if let Poll::Ready(received) = self.poll_cell(id, reply, cx.waker()) {
             if std::mem::take(reading) {
                 self.stop_reading(id);
             }
@@ -1024,7 +1220,7 @@ impl Link {
         &self,
         side: &mut ReadSide,
         id: u64,
-        reply: &Reply,
+        reply: &CallReply,
         reading: &mut bool,
         cx: &mut Context<'_>,
     ) -> Poll<Received> {
@@ -1034,11 +1230,29 @@ impl Link {
         self.settle(side, ended);
         let received = match mine.reply {
             Some(result) => Ok(result),
-            None => std::task::ready!(reply.poll_cell(cx.waker())),
+            None => std::task::ready!(self.poll_cell(id, reply, cx.waker())),
         };
         self.give_back(side, id);
         *reading = false;
         Poll::Ready(received)
+    }
+
+    /// Call `id`'s reply if it came to its cell (the link's own cell is then free),
+    /// else keeps `waker` to be woken when it does.
+    fn poll_cell(&self, id: u64, reply: &CallReply, waker: &Waker) -> Poll<Received> {
+        let CallReply::Cell(reply) = reply else {
+            let mut pending = self.lock();
+            // Not after its reply, as the cell may be another call's by then.
+            if pending.own_call != NonZeroU64::new(id) {
+                return Poll::Ready(Err(ReplyDropped));
+            }
+            let polled = pending.own.poll_take(waker, Held::waiting());
+            if polled.is_ready() {
+                pending.own_call = None;
+            }
+            return polled;
+        };
+        reply.poll_cell(waker)
     }
 
     /// Another call waits now: the task reads for all of them. A call reading for
@@ -1244,19 +1458,22 @@ struct Mine {
 }
 
 /// A call's wait for its reply ([`Link::poll_reply`]); dropped before it, it gives
-/// reading back to the task. Not to be polled once ready: its call is gone (the map
-/// of calls, not its cell, says whether a call lives), and it would wait for good.
+/// reading back to the task, and the link's own cell to the next call. Not to be
+/// polled once ready: its call is gone (the map of calls, not its cell, says
+/// whether a call lives), and it would wait for good.
 pub(crate) struct WaitReply<'a> {
     link: &'a Link,
     id: u64,
-    reply: Reply,
+    reply: CallReply,
     /// The call may be reading for everyone.
     reading: bool,
+    /// Ready: the call took its reply, and its cell is done with.
+    done: bool,
 }
 
 impl<'a> WaitReply<'a> {
-    pub(crate) fn new(link: &'a Link, id: u64, reply: Reply) -> Self {
-        WaitReply { link, id, reply, reading: false }
+    pub(crate) fn new(link: &'a Link, id: u64, reply: CallReply) -> Self {
+        WaitReply { link, id, reply, reading: false, done: false }
     }
 }
 
@@ -1265,7 +1482,9 @@ impl std::future::Future for WaitReply<'_> {
 
     fn poll(self: std::pin::Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Received> {
         let this = self.get_mut();
-        this.link.poll_reply(this.id, &this.reply, &mut this.reading, cx)
+        let polled = this.link.poll_reply(this.id, &this.reply, &mut this.reading, cx);
+        this.done = polled.is_ready();
+        polled
     }
 }
 
@@ -1274,7 +1493,10 @@ impl Drop for WaitReply<'_> {
         if self.reading {
             self.link.stop_reading(self.id);
         }
-        self.link.recycle(&self.reply);
+        // Dropped before its reply: the call is given up (the link's own cell freed).
+        if !self.done {
+            self.link.unregister(self.id);
+        }
     }
 }
 
@@ -1548,7 +1770,7 @@ async fn reconnect(
     redial: &Redial,
     window: Duration,
     why: &str,
-) -> Result<(Connected, Vec<(u64, Request)>), Closed> {
+) -> Result<(Connected, Vec<(u64, Written)>), Closed> {
     let token = link.welcome().session;
     let identity = Identity { resume: Some(token), ..redial.identity.clone() };
     let deadline = Instant::now() + window;
@@ -1617,7 +1839,7 @@ async fn write_loop(
     link: &Link,
     beat: &mut Option<Interval>,
     epoch: u64,
-    resend: Vec<(u64, Request)>,
+    resend: Vec<(u64, Written)>,
 ) -> Ended {
     let mut writer = Arc::new(writer);
     if let Some(sender) = Sender::new(&writer) {
@@ -1625,7 +1847,7 @@ async fn write_loop(
     }
     let mut buf = BytesMut::new();
     for (id, request) in resend {
-        encode_client_frame(&ClientFrame::Request { id, request }, &mut buf);
+        request.encode(id, &mut buf);
     }
     let mut written = Vec::new();
     // Reads from the coordinator at the last tick, and the last tick that found more.
@@ -1659,7 +1881,7 @@ async fn write_loop(
                             shutdown = gather(command, queue, &mut buf, &mut written, &mut gathered, epoch);
                         }
                     }
-                    link.written(std::mem::take(&mut written));
+                    link.written(&buf, std::mem::take(&mut written));
                 }
                 (at, period) = tick(beat) => {
                     let count = link.reads.load(Ordering::Relaxed);
@@ -1754,7 +1976,7 @@ fn gather(
     first: Command,
     queue: &mut mpsc::UnboundedReceiver<Command>,
     buf: &mut BytesMut,
-    written: &mut Vec<(u64, Request)>,
+    written: &mut Vec<(u64, Option<Range<usize>>, Request)>,
     gathered: &mut usize,
     epoch: u64,
 ) -> Option<oneshot::Sender<()>> {
@@ -1762,10 +1984,10 @@ fn gather(
     while let Some(command) = next.take() {
         match command {
             Command::Request { id, request } => {
-                let frame = ClientFrame::Request { id, request };
+                let (start, frame) = (buf.len(), ClientFrame::Request { id, request });
                 encode_client_frame(&frame, buf);
                 if let ClientFrame::Request { id, request } = frame {
-                    written.push((id, request));
+                    written.push((id, Some(start..buf.len()), request));
                 }
                 *gathered += 1;
             }
@@ -1780,7 +2002,7 @@ fn gather(
                 encode_client_frame(&frame, buf);
                 // Sent again after a cut as the plain request it also is.
                 if let ClientFrame::AttachBarrier { id, request } | ClientFrame::Request { id, request } = frame {
-                    written.push((id, request));
+                    written.push((id, None, request));
                 }
                 *gathered += 1;
             }

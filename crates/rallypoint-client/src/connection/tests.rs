@@ -10,7 +10,8 @@ use std::time::Duration;
 use bytes::BytesMut;
 use rallypoint_core::{Identity, Request, Response, SessionId, Welcome};
 use rallypoint_proto::native::{
-    decode_client_frame, decode_preamble, encode_server_frame, ClientFrame, FrameLimits, ServerFrame,
+    decode_client_frame, decode_preamble, encode_client_frame, encode_server_frame, ClientFrame, FrameLimits,
+    ServerFrame,
 };
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
@@ -170,9 +171,10 @@ async fn a_reading_call_whose_deadline_passes_times_out_and_the_next_reads_its_o
     let link = Arc::clone(client.link());
     // A call as the client makes one, with a short deadline of its own (a client's
     // calls wait their timeout and a margin).
-    let (id, reply) = link.register(Duration::from_millis(300)).expect("register");
+    let (id, reply) = link.open_call(Duration::from_millis(300)).expect("register");
+    assert!(matches!(reply, super::CallReply::Own), "a lone call waits in the link's own cell");
     let request = Request::Add { key: "k".into(), delta: 1 };
-    assert!(matches!(link.write_direct(id, request, &reply), super::DirectWrite::Written));
+    assert!(matches!(link.write_direct(id, request), super::DirectWrite::Written));
     let late = tokio::spawn({
         let link = Arc::clone(&link);
         async move { super::WaitReply::new(&link, id, reply).await }
@@ -195,33 +197,50 @@ async fn a_reading_call_whose_deadline_passes_times_out_and_the_next_reads_its_o
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reply_cell_serves_the_next_call_once_nothing_else_holds_it() {
+async fn calls_made_one_at_a_time_wait_in_the_links_own_cell() {
     let (_listener, client, mut conn) = connected(0).await;
     let link = Arc::clone(client.link());
-    let spare = || link.lock().spare.as_ref().map(Arc::as_ptr);
-    let mut kept = None;
+    let own = || link.lock().own_call.map(std::num::NonZeroU64::get);
     for delta in 1..=5 {
         let call = spawn_add(&client, delta);
         let (id, request) = conn.request().await;
-        assert_eq!(spare(), None, "the waiting call holds the spare cell");
+        assert_eq!(own(), Some(id), "the lone call waits in the link's own cell");
         conn.answer(id, &request).await;
         assert_eq!(bounded(call).await.expect("the call"), delta * 10);
-        let now = spare().expect("the done call's cell is kept");
-        assert_eq!(*kept.get_or_insert(now), now, "every call took the same cell");
+        assert_eq!(own(), None, "the done call left the cell free");
     }
-    // A call given up while registered: its slot held the cell when its wait was
-    // dropped. Its late reply must reach no later call.
+    // A call given up while registered: its wait, dropped, freed the cell. Its late
+    // reply must reach no later call.
     let held = client.clone();
     let given_up = tokio::spawn(async move { held.add("k", 6).await });
     let (late_id, late_request) = conn.request().await;
     given_up.abort();
     assert!(bounded(given_up).await.expect_err("aborted").is_cancelled());
     assert!(link.lock().calls.is_empty(), "the given-up call is forgotten");
+    assert_eq!(own(), None, "the given-up call left the cell free");
     let call = spawn_add(&client, 7);
     let (id, request) = conn.request().await;
+    assert_eq!(own(), Some(id));
     conn.answer(late_id, &late_request).await;
     conn.answer(id, &request).await;
     assert_eq!(bounded(call).await.expect("the call after"), 70);
+    // Calls in flight together: the first holds the cell, the others wait in cells
+    // of their own, and each gets its own reply whatever the order.
+    let calls: Vec<_> = (1..=3).map(|delta| spawn_add(&client, delta)).collect();
+    let mut requests = Vec::new();
+    for _ in 0..3 {
+        requests.push(conn.request().await);
+    }
+    assert!(own().is_some_and(|id| requests.iter().any(|(seen, _)| *seen == id)));
+    for (id, request) in requests.iter().rev() {
+        conn.answer(*id, request).await;
+    }
+    let mut sums = Vec::new();
+    for call in calls {
+        sums.push(bounded(call).await.expect("a call in flight"));
+    }
+    assert_eq!(sums, [10, 20, 30]);
+    assert_eq!(own(), None);
     drop(client);
 }
 
@@ -242,10 +261,10 @@ impl Drop for Watched {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reply_its_call_never_took_is_not_kept_with_the_spare_cell() {
+async fn a_reply_its_call_never_took_goes_with_its_wait() {
     let (_listener, client, _conn) = connected(0).await;
     let link = Arc::clone(client.link());
-    let (id, reply) = link.register(BOUND).expect("register");
+    let (id, reply) = link.open_call(BOUND).expect("register");
     let wait = super::WaitReply::new(&link, id, reply);
     // The reply reaches the call's slot, and the call is dropped (a select!, a
     // timeout around it) before it polls again.
@@ -253,8 +272,8 @@ async fn a_reply_its_call_never_took_is_not_kept_with_the_spare_cell() {
     let body = bytes::Bytes::from_owner(Watched(Arc::clone(&dropped), vec![7; 1 << 20]));
     link.complete(id, Ok(Response::Value(body)), None);
     drop(wait);
-    assert!(dropped.load(Ordering::SeqCst), "the reply nobody will take is still held (in the spare cell)");
-    assert!(link.lock().spare.is_some(), "the cell itself is kept for the next call");
+    assert!(dropped.load(Ordering::SeqCst), "the reply nobody will take is still held (in the link's own cell)");
+    assert!(link.lock().own_call.is_none(), "the cell is free for the next call");
     drop(client);
 }
 
@@ -344,6 +363,92 @@ async fn a_cut_found_by_a_reading_call_resumes_the_session_and_resends() {
     until_reading(&link, id).await;
     again.answer(id, &request).await;
     assert_eq!(bounded(call).await.expect("the call"), 80);
+    drop(client);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_in_flight_at_a_cut_are_resent_as_they_were_written() {
+    let (listener, client, mut conn) = connected(0).await;
+    let link = Arc::clone(client.link());
+    // The first waits in the link's own cell, the others in cells of their own; a
+    // long key makes a frame too large to keep as it is (its request is kept).
+    let keys = ["k".to_owned(), "long".repeat(30), "k2".to_owned()];
+    let calls: Vec<_> = keys
+        .iter()
+        .enumerate()
+        .map(|(at, key)| {
+            let (client, key) = (client.clone(), key.clone());
+            let delta = i64::try_from(at).expect("small") + 1;
+            tokio::spawn(async move { client.add(key, delta).await.expect("add") })
+        })
+        .collect();
+    let mut written = Vec::new();
+    for _ in &keys {
+        written.push(conn.request().await);
+    }
+    assert!(link.lock().own_call.is_some(), "one call waits in the link's own cell");
+    drop(conn);
+    let (mut again, identity) = Conn::accept(&listener).await;
+    assert_eq!(identity.resume, Some(SessionId(1)));
+    again.welcome(1, 0).await;
+    let mut resent = Vec::new();
+    for _ in &keys {
+        resent.push(again.request().await);
+    }
+    // In the order first sent, under the same ids, byte for byte the same requests.
+    written.sort_by_key(|(id, _)| *id);
+    assert_eq!(resent, written);
+    for (id, request) in &resent {
+        again.answer(*id, request).await;
+    }
+    let mut sums = Vec::new();
+    for call in calls {
+        sums.push(bounded(call).await.expect("a call in flight at the cut"));
+    }
+    assert_eq!(sums, [10, 20, 30]);
+    assert_eq!(link.lock().own_call, None);
+    drop(client);
+}
+
+/// What the task writes for the calls (over TLS, or while it is writing) is kept
+/// as what a call writes itself is: a request's own frame, wherever it lies in the
+/// write, or the request as it is when it went as another kind of frame.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_the_task_writes_are_kept_to_be_sent_again() {
+    let (_listener, client, _conn) = connected(0).await;
+    let link = Arc::clone(client.link());
+    let (own, own_reply) = link.open_call(BOUND).expect("a call");
+    assert!(matches!(own_reply, super::CallReply::Own));
+    let (celled, _reply) = link.register(BOUND).expect("a call");
+    let (attached, _attached_reply) = link.register(BOUND).expect("a call");
+    let requests = [
+        (own, Request::Add { key: "k".into(), delta: 1 }),
+        (celled, Request::Add { key: "long".repeat(40).into(), delta: 2 }),
+        (attached, Request::Add { key: "a".into(), delta: 3 }),
+    ];
+    let mut buf = BytesMut::new();
+    encode_client_frame(&ClientFrame::Request { id: 99, request: Request::Heartbeat }, &mut buf);
+    let mut written = Vec::new();
+    for (id, request) in &requests[..2] {
+        let start = buf.len();
+        encode_client_frame(&ClientFrame::Request { id: *id, request: request.clone() }, &mut buf);
+        written.push((*id, Some(start..buf.len()), request.clone()));
+    }
+    let (id, request) = &requests[2];
+    encode_client_frame(&ClientFrame::AttachBarrier { id: *id, request: request.clone() }, &mut buf);
+    written.push((*id, None, request.clone()));
+    link.written(&buf, written);
+    let unanswered = link.unanswered();
+    assert_eq!(unanswered.iter().map(|(id, _)| *id).collect::<Vec<_>>(), [own, celled, attached]);
+    for ((id, kept), (_, request)) in unanswered.iter().zip(&requests) {
+        let (mut again, mut first) = (BytesMut::new(), BytesMut::new());
+        kept.encode(*id, &mut again);
+        encode_client_frame(&ClientFrame::Request { id: *id, request: request.clone() }, &mut first);
+        assert_eq!(again, first, "call {id} is sent again as the plain request it was");
+    }
+    link.unregister(own);
+    assert_eq!(link.lock().own_call, None, "a call given up frees the link's own cell");
+    drop(own_reply);
     drop(client);
 }
 
@@ -456,6 +561,48 @@ fn a_heartbeat_is_skipped_only_within_a_period_of_an_answered_call() {
     assert_eq!(next_beat(period, true, None, now), None);
 }
 
+mod written {
+    use bytes::BytesMut;
+    use rallypoint_core::Request;
+    use rallypoint_proto::native::{encode_client_frame, ClientFrame};
+
+    use super::super::{Written, KEPT_FRAME};
+
+    fn frame(id: u64, request: &Request) -> BytesMut {
+        let mut buf = BytesMut::new();
+        encode_client_frame(&ClientFrame::Request { id, request: request.clone() }, &mut buf);
+        buf
+    }
+
+    /// A small frame is kept as it is and the request given back; a large one is
+    /// kept as its request; either is sent again as the same bytes.
+    #[test]
+    fn a_written_request_is_sent_again_as_it_was_written() {
+        for (key_len, as_frame) in [(1, true), (KEPT_FRAME - 30, true), (KEPT_FRAME, false), (4096, false)] {
+            let request = Request::Add { key: vec![b'k'; key_len].into(), delta: -3 };
+            let first = frame(77, &request);
+            assert_eq!(first.len() <= KEPT_FRAME, as_frame, "key of {key_len} bytes: a frame of {}", first.len());
+            let mut kept = None;
+            let back = Written::keep(&mut kept, &first, request.clone());
+            assert_eq!(back.as_ref(), as_frame.then_some(&request));
+            let kept = kept.expect("kept");
+            assert_eq!(matches!(kept, Written::Frame { .. }), as_frame);
+            let mut again = BytesMut::new();
+            kept.copy().encode(77, &mut again);
+            assert_eq!(again, first);
+        }
+        // A frame kept in place of a longer one keeps only its own bytes.
+        let (long, short) =
+            (Request::Add { key: "long-key".into(), delta: 1 }, Request::Add { key: "k".into(), delta: 2 });
+        let mut kept = None;
+        Written::keep(&mut kept, &frame(1, &long), long);
+        Written::keep(&mut kept, &frame(2, &short), short.clone());
+        let mut again = BytesMut::new();
+        kept.expect("kept").encode(2, &mut again);
+        assert_eq!(again, frame(2, &short));
+    }
+}
+
 mod calls {
     use std::collections::HashMap;
     use std::sync::Arc;
@@ -463,13 +610,13 @@ mod calls {
     use proptest::prelude::*;
     use tokio::time::Instant;
 
-    use super::super::{Call, Calls, ReplyCell, ReplySlot};
+    use super::super::{Call, Calls, Held, ReplyCell, ReplySlot, Slot};
 
     fn call(tag: u32) -> Call {
-        let cell = Arc::new(ReplyCell::new(ReplyCell::waiting()));
+        let cell = Arc::new(ReplyCell::new(Held::waiting()));
         // The tag rides in the limit, so that a replaced call is told from its successor.
         Call {
-            slot: ReplySlot { cell, sent: true },
+            slot: Slot::Cell(ReplySlot { cell, sent: true }),
             deadline: Instant::now(),
             limit: std::time::Duration::from_secs(tag.into()),
         }
