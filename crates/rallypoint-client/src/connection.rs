@@ -420,6 +420,8 @@ struct ReadSide {
     /// How the connection ended, found by a call: for the task to act on. Boxed:
     /// every call looks at it, and it is large.
     ended: Option<Box<Ended>>,
+    /// What came after the welcome, and what is held of a frame read in part: other
+    /// replies are read into their thread's buffer ([`Link::drive`]).
     buf: BytesMut,
     // What follows is for shared replies only: out of a lone call's lines
     // (`HOT_LINES`), so a plain reply reads none of it.
@@ -703,6 +705,11 @@ thread_local! {
     /// warm in its cache, rather than one per connection, which a process with many
     /// connections finds cold at every call.
     static ENCODED: std::cell::RefCell<BytesMut> = std::cell::RefCell::new(BytesMut::new());
+    /// Where a connection's replies are read while it holds no part of a frame: one
+    /// buffer per thread, warm in its cache (the kernel's copy and the decoding
+    /// then miss nothing), rather than the connection's own, cold at every reply
+    /// in a process with many connections. Only what is left of a frame goes there.
+    static RECEIVED: std::cell::RefCell<BytesMut> = std::cell::RefCell::new(BytesMut::new());
 }
 
 /// What [`Link::write_direct`] did with a request.
@@ -1357,6 +1364,31 @@ impl Link {
     /// next wake-up then comes through [`ReadWake`]); `me`: the call reading.
     /// `Some` once the connection has ended (nothing reads it again).
     fn drive(&self, side: &mut ReadSide, mut me: Option<&mut Mine>) -> Option<Ended> {
+        if !side.buf.is_empty() {
+            return self.read_and_route(side, me);
+        }
+        // Not reentrant (routing makes no read); the connection's own buffer serves
+        // if it were, and while the thread exits.
+        let warm = RECEIVED.try_with(|kept| {
+            let mut warm = kept.try_borrow_mut().ok()?;
+            std::mem::swap(&mut side.buf, &mut warm);
+            let ended = self.read_and_route(side, me.take());
+            std::mem::swap(&mut side.buf, &mut warm);
+            if !warm.is_empty() {
+                side.buf.extend_from_slice(&warm);
+                warm.clear();
+            }
+            Buffering::CLIENT.release_idle(&mut warm);
+            Some(ended)
+        });
+        match warm {
+            Ok(Some(ended)) => ended,
+            _ => self.read_and_route(side, me),
+        }
+    }
+
+    /// [`Link::drive`], reading into the read side's buffer, whichever it holds.
+    fn read_and_route(&self, side: &mut ReadSide, mut me: Option<&mut Mine>) -> Option<Ended> {
         let mut cx = Context::from_waker(&self.read_waker);
         let ended = loop {
             if let Err(ended) = self.route(side, me.as_deref_mut()) {

@@ -452,6 +452,32 @@ async fn requests_the_task_writes_are_kept_to_be_sent_again() {
     drop(client);
 }
 
+/// Replies are read into one buffer per thread while a connection holds no part of
+/// a frame: what a read leaves of one must go to that connection's own buffer, or
+/// the next connection read on the thread would take it (one thread here).
+#[tokio::test(flavor = "current_thread")]
+async fn part_of_a_reply_stays_with_its_connection() {
+    let ((_la, a, mut conn_a), (_lb, b, mut conn_b)) = (connected(0).await, connected(0).await);
+    let (link_a, link_b) = (Arc::clone(a.link()), Arc::clone(b.link()));
+    let call_a = spawn_add(&a, 1);
+    let (id_a, _) = conn_a.request().await;
+    let mut frame = BytesMut::new();
+    encode_server_frame(&ServerFrame::Reply { id: id_a, reply: Ok(Response::Int(7)) }, &mut frame);
+    let (head, tail) = frame.split_at(frame.len() / 2);
+    bounded(conn_a.stream.write_all(head)).await.expect("write");
+    until(&link_a, |side| side.buf.len() == head.len()).await;
+    // Another connection's whole reply, read on the same thread meanwhile.
+    let call_b = spawn_add(&b, 2);
+    let (id_b, request_b) = conn_b.request().await;
+    conn_b.answer(id_b, &request_b).await;
+    assert_eq!(bounded(call_b).await.expect("the other call"), 20);
+    assert!(link_b.lock_read().buf.is_empty(), "nothing of a frame is left with the other connection");
+    bounded(conn_a.stream.write_all(tail)).await.expect("write");
+    assert_eq!(bounded(call_a).await.expect("the call whose reply came in parts"), 7);
+    assert!(link_a.lock_read().buf.is_empty());
+    drop((a, b));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_coordinator_is_noticed_while_a_call_reads() {
     // Heartbeats every 200 ms; four unanswered ones make a cut.
