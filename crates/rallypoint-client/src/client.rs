@@ -430,7 +430,7 @@ impl Client {
         let link = &*self.inner.link;
         let (id, reply) = link.open_call(limit)?;
         let registered = Registered { link, id, settled: false };
-        let handed = match link.write_direct(id, request) {
+        let handed = match link.write_direct(id, request, &reply) {
             DirectWrite::Written => true,
             DirectWrite::Partly => self.inner.commands.send(Command::Flush).is_ok(),
             DirectWrite::Queue(request) => self.inner.commands.send(Command::Request { id, request }).is_ok(),

@@ -207,14 +207,15 @@ impl Held {
         }
     }
 
-    /// The reply if it came (the cell is `then` after it), else keeps `waker` to be
+    /// The reply if it came (the cell is `Taken` after it), else keeps `waker` to be
     /// woken when it does.
-    fn poll_take(&mut self, waker: &Waker, then: Cell) -> Poll<Received> {
+    #[inline]
+    fn poll_take(&mut self, waker: &Waker) -> Poll<Received> {
         if let Cell::Waiting { .. } = self.cell {
             keep_waker(&mut self.waker, waker);
             return Poll::Pending;
         }
-        match std::mem::replace(&mut self.cell, then) {
+        match std::mem::replace(&mut self.cell, Cell::Taken) {
             Cell::Filled(result) => Poll::Ready(Ok(result.map_err(|error| *error))),
             _ => Poll::Ready(Err(ReplyDropped)),
         }
@@ -288,8 +289,9 @@ pub(crate) struct ReplyDropped;
 pub(crate) type Received = Result<Result<Response, Error>, ReplyDropped>;
 
 impl Reply {
+    #[inline]
     fn poll_cell(&self, waker: &Waker) -> Poll<Received> {
-        self.0.lock().poll_take(waker, Cell::Taken)
+        self.0.lock().poll_take(waker)
     }
 
     /// A reply that came before its call looked for it.
@@ -385,6 +387,10 @@ pub(crate) struct Link {
     /// Replies handed to their calls since the writer last looked: each woke a
     /// caller that may be about to send its next request.
     delivered: AtomicUsize,
+    /// A reply cell its call no longer holds, for the next call that needs one:
+    /// calls that overlap (pipelined ones) then allocate none (see [`Link::recycle`]).
+    /// Out of the lines a lone call touches, which needs none.
+    spare: Mutex<Option<Arc<ReplyCell>>>,
     addr: String,
     /// The latest welcome: the session (the resume token) and the job's incarnation.
     welcome: Mutex<Welcome>,
@@ -551,13 +557,12 @@ impl Pending {
         }
     }
 
-    /// Takes call `id`'s written request back: it was not written after all.
-    fn unwritten(&mut self, id: u64) -> Option<Written> {
-        match self.calls.get(&id).map(|call| &call.slot) {
-            Some(Slot::Cell(slot)) => slot.cell.lock().unwritten(),
-            Some(Slot::Own) => self.own.unwritten(),
-            None => None,
+    /// [`Pending::keep_written`] for call `id`, which waits in the link's own cell.
+    fn keep_written_own(&mut self, id: u64, frame: &[u8], request: Request) -> Option<Request> {
+        if self.own_call != NonZeroU64::new(id) {
+            return Some(request);
         }
+        self.own.keep_written(frame, request, false)
     }
 
     fn written(&self, slot: &Slot) -> Option<Written> {
@@ -709,7 +714,10 @@ thread_local! {
     /// buffer per thread, warm in its cache (the kernel's copy and the decoding
     /// then miss nothing), rather than the connection's own, cold at every reply
     /// in a process with many connections. Only what is left of a frame goes there.
-    static RECEIVED: std::cell::RefCell<BytesMut> = std::cell::RefCell::new(BytesMut::new());
+    /// As large as a client keeps: a reply split off its front leaves the room for
+    /// the next read, which then need not move anything back, for thousands of reads.
+    static RECEIVED: std::cell::RefCell<BytesMut> =
+        std::cell::RefCell::new(BytesMut::with_capacity(Buffering::CLIENT.keep));
 }
 
 /// What [`Link::write_direct`] did with a request.
@@ -775,6 +783,7 @@ impl Link {
                 own: Held { cell: Held::waiting(), waker: None },
                 channel_calls: Box::default(),
             }),
+            spare: Mutex::new(None),
             delivered: AtomicUsize::new(0),
             reads: AtomicU64::new(0),
             welcome: Mutex::new(welcome),
@@ -923,7 +932,8 @@ impl Link {
 
     /// Registers call `id` in `pending` (the lock taken) with a cell of its own; returns its reply.
     fn insert_cell(&self, pending: MutexGuard<'_, Pending>, id: u64, deadline: Instant, limit: Duration) -> Reply {
-        let cell = Arc::new(ReplyCell::new(Held::waiting()));
+        // A spare was left waiting ([`Link::recycle`]).
+        let cell = lock(&self.spare).take().unwrap_or_else(|| Arc::new(ReplyCell::new(Held::waiting())));
         let slot = ReplySlot { cell: Arc::clone(&cell), sent: false };
         self.insert(pending, id, Slot::Cell(slot), deadline, limit);
         Reply(cell)
@@ -948,8 +958,8 @@ impl Link {
     }
 
     /// Writes call `id`'s request now if the task is not writing; see [`DirectWrite`].
-    /// The call's cell keeps the request once written.
-    pub(crate) fn write_direct(&self, id: u64, request: Request) -> DirectWrite {
+    /// The call's cell (`reply`'s) keeps the request once written.
+    pub(crate) fn write_direct(&self, id: u64, request: Request, reply: &CallReply) -> DirectWrite {
         let mut direct = self.lock_direct();
         let Direct { writer: Some(writer), busy: false, rest } = &mut *direct else {
             return DirectWrite::Queue(request);
@@ -963,7 +973,10 @@ impl Link {
         let ClientFrame::Request { request, .. } = frame else { unreachable!("built above") };
         // Counted as written before its bytes go, so that a cut right after finds it
         // (see `Link::written`); the task takes the writer away under this lock first.
-        let given_back = self.lock().keep_written(id, &buf, request);
+        let given_back = match reply {
+            CallReply::Own => self.lock().keep_written_own(id, &buf, request),
+            CallReply::Cell(reply) => reply.0.lock().keep_written(&buf, request, false),
+        };
         let done = match writer.try_send(&buf) {
             Ok(all) if all == buf.len() => DirectWrite::Written,
             Ok(part) => {
@@ -973,7 +986,7 @@ impl Link {
             }
             // Nothing went (the socket is full, or broke: the task learns that itself).
             // None: the call ended meanwhile, and nobody needs the request.
-            Err(_) => match self.lock().unwritten(id) {
+            Err(_) => match self.unwritten(id, reply) {
                 None => DirectWrite::Written,
                 Some(Written::Request(request)) => DirectWrite::Queue(*request),
                 Some(Written::Frame { .. }) => given_back.map_or(DirectWrite::Written, DirectWrite::Queue),
@@ -984,6 +997,19 @@ impl Link {
         // Gone only if the thread is exiting, and the buffer with it.
         let _ = ENCODED.try_with(|kept| *kept.borrow_mut() = buf);
         done
+    }
+
+    /// Takes call `id`'s written request back from its cell (`reply`'s): it was not
+    /// written after all.
+    fn unwritten(&self, id: u64, reply: &CallReply) -> Option<Written> {
+        match reply {
+            CallReply::Own => {
+                let mut pending = self.lock();
+                let own = pending.own_call == NonZeroU64::new(id);
+                own.then(|| pending.own.unwritten()).flatten()
+            }
+            CallReply::Cell(reply) => reply.0.lock().unwritten(),
+        }
     }
 
     /// Fails the calls whose deadline has passed, and sets the timer for the next.
@@ -1029,6 +1055,30 @@ impl Link {
 
     pub(crate) fn addr(&self) -> &str {
         &self.addr
+    }
+
+    /// Keeps the cell of a reply its call is done with for the next call that needs
+    /// one, if nothing else holds it (its slot was filled or forgotten).
+    fn recycle(&self, reply: &Reply) {
+        if Arc::strong_count(&reply.0) == 1 {
+            // What the cell still holds goes now, outside the locks, not with a next
+            // call that may never come: a reply its call never took, or the request of
+            // a call that read its own reply. Left waiting, as the next call needs it:
+            // it holds no slot, so nothing fills it.
+            let left = {
+                let mut held = reply.0.lock();
+                match held.cell {
+                    // Its reply taken (the usual end): nothing to drop.
+                    Cell::Taken => {
+                        held.cell = Held::waiting();
+                        None
+                    }
+                    _ => Some(std::mem::replace(&mut held.cell, Held::waiting())),
+                }
+            };
+            drop(left);
+            lock(&self.spare).get_or_insert_with(|| Arc::clone(&reply.0));
+        }
     }
 
     /// Forgets a call whose caller stopped waiting (timed out or was cancelled).
@@ -1246,6 +1296,7 @@ impl Link {
 
     /// Call `id`'s reply if it came to its cell (the link's own cell is then free),
     /// else keeps `waker` to be woken when it does.
+    #[inline]
     fn poll_cell(&self, id: u64, reply: &CallReply, waker: &Waker) -> Poll<Received> {
         let CallReply::Cell(reply) = reply else {
             let mut pending = self.lock();
@@ -1253,8 +1304,10 @@ impl Link {
             if pending.own_call != NonZeroU64::new(id) {
                 return Poll::Ready(Err(ReplyDropped));
             }
-            let polled = pending.own.poll_take(waker, Held::waiting());
-            if polled.is_ready() {
+            let polled = pending.own.poll_take(waker);
+            if let Cell::Taken = pending.own.cell {
+                // Free, waiting with nothing written, as the next call needs it.
+                pending.own.cell = Held::waiting();
                 pending.own_call = None;
             }
             return polled;
@@ -1374,11 +1427,11 @@ impl Link {
             std::mem::swap(&mut side.buf, &mut warm);
             let ended = self.read_and_route(side, me.take());
             std::mem::swap(&mut side.buf, &mut warm);
+            // (A large buffer goes before the thread's next read.)
             if !warm.is_empty() {
                 side.buf.extend_from_slice(&warm);
                 warm.clear();
             }
-            Buffering::CLIENT.release_idle(&mut warm);
             Some(ended)
         });
         match warm {
@@ -1528,6 +1581,9 @@ impl Drop for WaitReply<'_> {
         // Dropped before its reply: the call is given up (the link's own cell freed).
         if !self.done {
             self.link.unregister(self.id);
+        }
+        if let CallReply::Cell(reply) = &self.reply {
+            self.link.recycle(reply);
         }
     }
 }

@@ -174,7 +174,7 @@ async fn a_reading_call_whose_deadline_passes_times_out_and_the_next_reads_its_o
     let (id, reply) = link.open_call(Duration::from_millis(300)).expect("register");
     assert!(matches!(reply, super::CallReply::Own), "a lone call waits in the link's own cell");
     let request = Request::Add { key: "k".into(), delta: 1 };
-    assert!(matches!(link.write_direct(id, request), super::DirectWrite::Written));
+    assert!(matches!(link.write_direct(id, request, &reply), super::DirectWrite::Written));
     let late = tokio::spawn({
         let link = Arc::clone(&link);
         async move { super::WaitReply::new(&link, id, reply).await }
@@ -241,6 +241,15 @@ async fn calls_made_one_at_a_time_wait_in_the_links_own_cell() {
     }
     assert_eq!(sums, [10, 20, 30]);
     assert_eq!(own(), None);
+    // The cells of the overlapping calls are kept for the next ones that need one.
+    let spare = super::lock(&link.spare).as_ref().map(Arc::as_ptr).expect("a cell kept");
+    let (first, second) = (spawn_add(&client, 4), spawn_add(&client, 5));
+    let (a, b) = (conn.request().await, conn.request().await);
+    assert_eq!(super::lock(&link.spare).as_ref().map(Arc::as_ptr), None, "the second call took the kept cell");
+    conn.answer(a.0, &a.1).await;
+    conn.answer(b.0, &b.1).await;
+    assert_eq!((bounded(first).await.expect("a call"), bounded(second).await.expect("a call")), (40, 50));
+    assert_eq!(super::lock(&link.spare).as_ref().map(Arc::as_ptr), Some(spare), "and it is kept again");
     drop(client);
 }
 
