@@ -83,6 +83,7 @@ const KEPT_FRAME: usize = 62;
 /// A call's request once written, kept to send again should the connection be cut
 /// before its reply: as its frame when that is small (a barrier's, an `add`'s), so
 /// that what a call keeps stays in the line it touches anyway; else the request.
+#[derive(Clone)]
 enum Written {
     Frame { len: u8, bytes: [u8; KEPT_FRAME] },
     Request(Box<Request>),
@@ -97,7 +98,7 @@ impl Written {
             *kept = Some(Written::Request(Box::new(request)));
             return None;
         };
-        // In place: the frame's bytes go to the line they are kept in, once.
+        // Built in place, not moved in: the frame's bytes are written once, where kept.
         if !matches!(kept, Some(Written::Frame { .. })) {
             *kept = Some(Written::Frame { len: 0, bytes: [0; KEPT_FRAME] });
         }
@@ -115,13 +116,6 @@ impl Written {
             Written::Request(request) => {
                 encode_client_frame(&ClientFrame::Request { id, request: (**request).clone() }, buf)
             }
-        }
-    }
-
-    fn copy(&self) -> Written {
-        match self {
-            Written::Frame { len, bytes } => Written::Frame { len: *len, bytes: *bytes },
-            Written::Request(request) => Written::Request(request.clone()),
         }
     }
 }
@@ -190,7 +184,7 @@ impl Held {
     /// The call's request if it was written.
     fn written(&self) -> Option<Written> {
         match &self.cell {
-            Cell::Waiting { written } => written.as_ref().map(Written::copy),
+            Cell::Waiting { written } => written.clone(),
             _ => None,
         }
     }
@@ -242,8 +236,8 @@ impl ReplyCell {
     }
 }
 
-/// The filling side of a call's own [`ReplyCell`], kept with the call; dropped
-/// unfilled, it tells the call so.
+/// The filling side of a call's [`ReplyCell`], kept with the call; dropped unfilled,
+/// it tells the call so.
 pub(crate) struct ReplySlot {
     cell: Arc<ReplyCell>,
     sent: bool,

@@ -623,7 +623,7 @@ mod written {
             let kept = kept.expect("kept");
             assert_eq!(matches!(kept, Written::Frame { .. }), as_frame);
             let mut again = BytesMut::new();
-            kept.copy().encode(77, &mut again);
+            kept.clone().encode(77, &mut again);
             assert_eq!(again, first);
         }
         // A frame kept in place of a longer one keeps only its own bytes.
