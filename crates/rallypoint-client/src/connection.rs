@@ -163,11 +163,10 @@ impl Held {
     }
 
     /// Keeps the call's request, written to the connection as `frame` (unless the
-    /// call has ended meanwhile); `keep_first`: a request kept already stays. Gives
-    /// the request back unless it is kept as it is.
-    fn keep_written(&mut self, frame: &[u8], request: Request, keep_first: bool) -> Option<Request> {
+    /// call has ended meanwhile). Gives the request back unless it is kept as it is.
+    fn keep_written(&mut self, frame: &[u8], request: Request) -> Option<Request> {
         match &mut self.cell {
-            Cell::Waiting { written } if !(keep_first && written.is_some()) => Written::keep(written, frame, request),
+            Cell::Waiting { written } => Written::keep(written, frame, request),
             _ => Some(request),
         }
     }
@@ -534,8 +533,8 @@ impl Pending {
     /// gives the request back unless it is kept as it is.
     fn keep_written(&mut self, id: u64, frame: &[u8], request: Request) -> Option<Request> {
         match self.calls.get(&id).map(|call| &call.slot) {
-            Some(Slot::Cell(slot)) => slot.cell.lock().keep_written(frame, request, false),
-            Some(Slot::Own) => self.own.keep_written(frame, request, false),
+            Some(Slot::Cell(slot)) => slot.cell.lock().keep_written(frame, request),
+            Some(Slot::Own) => self.own.keep_written(frame, request),
             // A call that stopped waiting meanwhile needs nothing kept.
             None => Some(request),
         }
@@ -556,7 +555,7 @@ impl Pending {
         if self.own_call != NonZeroU64::new(id) {
             return Some(request);
         }
-        self.own.keep_written(frame, request, false)
+        self.own.keep_written(frame, request)
     }
 
     fn written(&self, slot: &Slot) -> Option<Written> {
@@ -813,24 +812,14 @@ impl Link {
     /// Allocates a request id and a cell of its own its reply will arrive in; past
     /// `limit` the call fails with [`Error::Timeout`].
     pub(crate) fn register(&self, limit: Duration) -> Result<(u64, Reply), Error> {
-        let deadline = Instant::now() + limit.min(LONGEST_WAIT);
-        let pending = self.lock();
-        if let Some(closed) = &pending.closed {
-            return Err(closed.error());
-        }
-        let id = self.next_id();
+        let (pending, id, deadline) = self.begin_call(limit)?;
         Ok((id, self.insert_cell(pending, id, deadline, limit)))
     }
 
     /// As [`Link::register`], for a call that waits through [`WaitReply`]: its reply
     /// goes to the link's own cell if no other call holds it.
     pub(crate) fn open_call(&self, limit: Duration) -> Result<(u64, CallReply), Error> {
-        let deadline = Instant::now() + limit.min(LONGEST_WAIT);
-        let mut pending = self.lock();
-        if let Some(closed) = &pending.closed {
-            return Err(closed.error());
-        }
-        let id = self.next_id();
+        let (mut pending, id, deadline) = self.begin_call(limit)?;
         if pending.own_call.is_some() {
             return Ok((id, CallReply::Cell(self.insert_cell(pending, id, deadline, limit))));
         }
@@ -838,6 +827,17 @@ impl Link {
         pending.own_call = NonZeroU64::new(id);
         self.insert(pending, id, Slot::Own, deadline, limit);
         Ok((id, CallReply::Own))
+    }
+
+    /// A new call's id and deadline (past `limit`), with the calls' lock to register
+    /// it under; the connection's end if it has ended for good.
+    fn begin_call(&self, limit: Duration) -> Result<(MutexGuard<'_, Pending>, u64, Instant), Error> {
+        let deadline = Instant::now() + limit.min(LONGEST_WAIT);
+        let pending = self.lock();
+        if let Some(closed) = &pending.closed {
+            return Err(closed.error());
+        }
+        Ok((pending, self.next_id(), deadline))
     }
 
     /// The reply to barrier call `id` through a channel, which took only its id
@@ -969,7 +969,7 @@ impl Link {
         // (see `Link::written`); the task takes the writer away under this lock first.
         let given_back = match reply {
             CallReply::Own => self.lock().keep_written_own(id, &buf, request),
-            CallReply::Cell(reply) => reply.0.lock().keep_written(&buf, request, false),
+            CallReply::Cell(reply) => reply.0.lock().keep_written(&buf, request),
         };
         let done = match writer.try_send(&buf) {
             Ok(all) if all == buf.len() => DirectWrite::Written,
