@@ -428,9 +428,9 @@ impl Client {
         limit: Duration,
     ) -> Result<(Registered<'_>, connection::CallReply), Box<Error>> {
         let link = &*self.inner.link;
-        let (id, reply) = link.open_call(limit)?;
+        let (id, reply, written) = link.call(request, limit)?;
         let registered = Registered { link, id, settled: false };
-        let handed = match link.write_direct(id, request, &reply) {
+        let handed = match written {
             DirectWrite::Written => true,
             DirectWrite::Partly => self.inner.commands.send(Command::Flush).is_ok(),
             DirectWrite::Queue(request) => self.inner.commands.send(Command::Request { id, request }).is_ok(),

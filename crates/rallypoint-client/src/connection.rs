@@ -38,8 +38,8 @@ use std::time::Duration;
 use bytes::BytesMut;
 use rallypoint_core::{Identity, OpError, Request, Response, Welcome};
 use rallypoint_proto::native::{
-    decode_server_frame, decode_shared_reply, encode_client_frame, pending_frame_len, ClientFrame, FrameLimits,
-    ProtoError, ServerFrame,
+    decode_server_frame, decode_shared_reply, encode_client_frame, encode_request_frame, pending_frame_len,
+    ClientFrame, FrameLimits, ProtoError, ServerFrame,
 };
 use tokio::io::AsyncWriteExt;
 use tokio::sync::{mpsc, oneshot, Notify};
@@ -113,9 +113,7 @@ impl Written {
     fn encode(&self, id: u64, buf: &mut BytesMut) {
         match self {
             Written::Frame { len, bytes } => buf.extend_from_slice(&bytes[..usize::from(*len)]),
-            Written::Request(request) => {
-                encode_client_frame(&ClientFrame::Request { id, request: (**request).clone() }, buf)
-            }
+            Written::Request(request) => encode_request_frame(id, request, buf),
         }
     }
 }
@@ -439,20 +437,49 @@ struct ReadSide {
 #[derive(Default)]
 struct ReadWake {
     targets: Mutex<WakeTargets>,
-    /// Wake-ups so far: a call giving reading back learns whether one came to it
-    /// after its last read.
-    wakes: AtomicU64,
+    /// The wake-ups so far ([`WAKE`] each), and [`CALLING`] while a call reads for
+    /// everyone (the wake-ups go to [`WakeTargets::call`] then). One word, so that a
+    /// wake-up counts itself and learns where it goes in one step, and a call giving
+    /// reading back stops taking them and learns whether one came since its last
+    /// read in one step too: none is lost between the two.
+    state: AtomicU64,
 }
+
+/// [`ReadWake::state`]'s flag: a call reads.
+const CALLING: u64 = 1;
+/// [`ReadWake::state`]'s count of one wake-up.
+const WAKE: u64 = 2;
 
 #[derive(Default)]
 struct WakeTargets {
     task: Option<Waker>,
+    /// The waker of the call reading, or of the last call that read: kept, so that
+    /// the same caller's next call (a rank's loop) need not clone it again. Until
+    /// then it holds on to that caller's task, as the link's own cell does.
     call: Option<Waker>,
 }
 
 impl ReadWake {
     fn lock(&self) -> MutexGuard<'_, WakeTargets> {
         lock(&self.targets)
+    }
+
+    /// The wake-ups so far.
+    fn wakes(&self) -> u64 {
+        self.state.load(Ordering::Acquire) / WAKE
+    }
+
+    /// Wake-ups go to the call reading, whose waker is `waker`, from now on.
+    fn to_call(&self, waker: &Waker) {
+        let mut targets = self.lock();
+        keep_waker(&mut targets.call, waker);
+        self.state.fetch_or(CALLING, Ordering::AcqRel);
+    }
+
+    /// Wake-ups go to the task from now on; returns the wake-ups so far, each of
+    /// which went to the call reading until now (the task gets any later one).
+    fn to_task(&self) -> u64 {
+        self.state.fetch_and(!CALLING, Ordering::AcqRel) / WAKE
     }
 }
 
@@ -464,8 +491,9 @@ impl Wake for ReadWake {
     fn wake_by_ref(self: &Arc<Self>) {
         let waker = {
             let targets = self.lock();
-            self.wakes.fetch_add(1, Ordering::AcqRel);
-            targets.call.as_ref().or(targets.task.as_ref()).cloned()
+            let calling = self.state.fetch_add(WAKE, Ordering::AcqRel) & CALLING != 0;
+            let call = targets.call.as_ref().filter(|_| calling);
+            call.or(targets.task.as_ref()).cloned()
         };
         if let Some(waker) = waker {
             waker.wake();
@@ -550,14 +578,6 @@ impl Pending {
         }
     }
 
-    /// [`Pending::keep_written`] for call `id`, which waits in the link's own cell.
-    fn keep_written_own(&mut self, id: u64, frame: &[u8], request: Request) -> Option<Request> {
-        if self.own_call != NonZeroU64::new(id) {
-            return Some(request);
-        }
-        self.own.keep_written(frame, request)
-    }
-
     fn written(&self, slot: &Slot) -> Option<Written> {
         match slot {
             Slot::Cell(slot) => slot.cell.lock().written(),
@@ -596,6 +616,16 @@ struct Call {
     /// When the caller stops waiting: the call then fails with `Error::Timeout(limit)`.
     deadline: Instant,
     limit: Duration,
+}
+
+/// What registering a call leaves to do once the calls' lock is released
+/// ([`Link::after_registration`]).
+#[must_use]
+struct Registration {
+    /// Its deadline comes before the task's timer: the task must be told.
+    earlier: bool,
+    /// Another call waits too: a call reading for everyone must give reading back.
+    shared: bool,
 }
 
 /// The calls waiting for their replies, by request id. A rank mostly makes one call
@@ -713,7 +743,15 @@ thread_local! {
         std::cell::RefCell::new(BytesMut::with_capacity(Buffering::CLIENT.keep));
 }
 
-/// What [`Link::write_direct`] did with a request.
+/// Gives the buffer a call encoded its request in back to its thread, emptied.
+fn return_encoded(mut buf: BytesMut) {
+    buf.clear();
+    Buffering::CLIENT.release_idle(&mut buf);
+    // Gone only if the thread is exiting, and the buffer with it.
+    let _ = ENCODED.try_with(|kept| *kept.borrow_mut() = buf);
+}
+
+/// What [`Link::call`] did with a request.
 pub(crate) enum DirectWrite {
     /// Written (or its end left to the task, which has been told so).
     Written,
@@ -812,21 +850,34 @@ impl Link {
     /// Allocates a request id and a cell of its own its reply will arrive in; past
     /// `limit` the call fails with [`Error::Timeout`].
     pub(crate) fn register(&self, limit: Duration) -> Result<(u64, Reply), Error> {
-        let (pending, id, deadline) = self.begin_call(limit)?;
-        Ok((id, self.insert_cell(pending, id, deadline, limit)))
+        let (mut pending, id, deadline) = self.begin_call(limit)?;
+        let (reply, registered) = self.insert_cell(&mut pending, id, deadline, limit);
+        drop(pending);
+        self.after_registration(registered);
+        Ok((id, reply))
     }
 
     /// As [`Link::register`], for a call that waits through [`WaitReply`]: its reply
     /// goes to the link's own cell if no other call holds it.
     pub(crate) fn open_call(&self, limit: Duration) -> Result<(u64, CallReply), Error> {
         let (mut pending, id, deadline) = self.begin_call(limit)?;
+        let (reply, registered) = self.open(&mut pending, id, deadline, limit);
+        drop(pending);
+        self.after_registration(registered);
+        Ok((id, reply))
+    }
+
+    /// Registers call `id` in `pending` (the lock taken), its reply going to the
+    /// link's own cell if no other call holds it, else to a cell of its own; what
+    /// the registration leaves to do once the lock is released goes to [`Link::after_registration`].
+    fn open(&self, pending: &mut Pending, id: u64, deadline: Instant, limit: Duration) -> (CallReply, Registration) {
         if pending.own_call.is_some() {
-            return Ok((id, CallReply::Cell(self.insert_cell(pending, id, deadline, limit))));
+            let (reply, registered) = self.insert_cell(pending, id, deadline, limit);
+            return (CallReply::Cell(reply), registered);
         }
         // Left waiting, with nothing written, by the call that held it last.
         pending.own_call = NonZeroU64::new(id);
-        self.insert(pending, id, Slot::Own, deadline, limit);
-        Ok((id, CallReply::Own))
+        (CallReply::Own, Self::insert(pending, id, Slot::Own, deadline, limit))
     }
 
     /// A new call's id and deadline (past `limit`), with the calls' lock to register
@@ -857,7 +908,10 @@ impl Link {
             return Err(closed.error());
         }
         let deadline = Instant::from_std(deadline).min(Instant::now() + LONGEST_WAIT);
-        Ok(self.insert_cell(pending, id, deadline, limit))
+        let (reply, registered) = self.insert_cell(&mut pending, id, deadline, limit);
+        drop(pending);
+        self.after_registration(registered);
+        Ok(reply)
     }
 
     /// When the latest call the coordinator ran was made ([`Pending::last_call`]).
@@ -925,24 +979,26 @@ impl Link {
     }
 
     /// Registers call `id` in `pending` (the lock taken) with a cell of its own; returns its reply.
-    fn insert_cell(&self, pending: MutexGuard<'_, Pending>, id: u64, deadline: Instant, limit: Duration) -> Reply {
+    fn insert_cell(&self, pending: &mut Pending, id: u64, deadline: Instant, limit: Duration) -> (Reply, Registration) {
         // A spare was left waiting ([`Link::recycle`]).
         let cell = lock(&self.spare).take().unwrap_or_else(|| Arc::new(ReplyCell::new(Held::waiting())));
         let slot = ReplySlot { cell: Arc::clone(&cell), sent: false };
-        self.insert(pending, id, Slot::Cell(slot), deadline, limit);
-        Reply(cell)
+        (Reply(cell), Self::insert(pending, id, Slot::Cell(slot), deadline, limit))
     }
 
     /// Registers call `id` in `pending` (the lock taken), its reply going to `slot`.
-    fn insert(&self, mut pending: MutexGuard<'_, Pending>, id: u64, slot: Slot, deadline: Instant, limit: Duration) {
+    fn insert(pending: &mut Pending, id: u64, slot: Slot, deadline: Instant, limit: Duration) -> Registration {
         pending.calls.insert(id, Call { slot, deadline, limit });
         // Usually later than the timer (calls share one timeout): nothing to tell.
         let earlier = pending.armed.is_none_or(|armed| deadline < armed);
         if earlier {
             pending.armed = Some(deadline);
         }
-        let shared = pending.calls.len() > 1;
-        drop(pending);
+        Registration { earlier, shared: pending.calls.len() > 1 }
+    }
+
+    /// What a call's registration left to do once the calls' lock is released.
+    fn after_registration(&self, Registration { earlier, shared }: Registration) {
         if earlier {
             self.deadline_moved.notify_one();
         }
@@ -951,26 +1007,45 @@ impl Link {
         }
     }
 
-    /// Writes call `id`'s request now if the task is not writing; see [`DirectWrite`].
-    /// The call's cell (`reply`'s) keeps the request once written.
-    pub(crate) fn write_direct(&self, id: u64, request: Request, reply: &CallReply) -> DirectWrite {
+    /// Registers a call of `request` (its reply going to the link's own cell if no
+    /// other call holds it; past `limit` it fails with [`Error::Timeout`]) and writes
+    /// the request now if the task is not writing; see [`DirectWrite`]. Registered
+    /// and kept as written under one lock of the calls, taken under the write side's,
+    /// so that the task, which takes the writer away under that lock at a cut, finds
+    /// the call written.
+    pub(crate) fn call(&self, request: Request, limit: Duration) -> Result<(u64, CallReply, DirectWrite), Error> {
+        let deadline = Instant::now() + limit.min(LONGEST_WAIT);
         let mut direct = self.lock_direct();
-        let Direct { writer: Some(writer), busy: false, rest } = &mut *direct else {
-            return DirectWrite::Queue(request);
-        };
         // Not reentrant: nothing below makes another call.
-        let Ok(mut buf) = ENCODED.try_with(|buf| std::mem::take(&mut *buf.borrow_mut())) else {
-            return DirectWrite::Queue(request);
+        let encoded = match &*direct {
+            Direct { writer: Some(_), busy: false, .. } => {
+                ENCODED.try_with(|buf| std::mem::take(&mut *buf.borrow_mut())).ok()
+            }
+            _ => None,
         };
-        let frame = ClientFrame::Request { id, request };
-        encode_client_frame(&frame, &mut buf);
-        let ClientFrame::Request { request, .. } = frame else { unreachable!("built above") };
-        // Counted as written before its bytes go, so that a cut right after finds it
-        // (see `Link::written`); the task takes the writer away under this lock first.
-        let given_back = match reply {
-            CallReply::Own => self.lock().keep_written_own(id, &buf, request),
+        let Some(mut buf) = encoded else {
+            drop(direct);
+            let (id, reply) = self.open_call(limit)?;
+            return Ok((id, reply, DirectWrite::Queue(request)));
+        };
+        let id = self.next_id();
+        encode_request_frame(id, &request, &mut buf);
+        let mut pending = self.lock();
+        if let Some(closed) = &pending.closed {
+            let error = closed.error();
+            drop(pending);
+            drop(direct);
+            return_encoded(buf);
+            return Err(error);
+        }
+        let (reply, registered) = self.open(&mut pending, id, deadline, limit);
+        // Counted as written before its bytes go, so that a cut right after finds it.
+        let given_back = match &reply {
+            CallReply::Own => pending.own.keep_written(&buf, request),
             CallReply::Cell(reply) => reply.0.lock().keep_written(&buf, request),
         };
+        drop(pending);
+        let Direct { writer: Some(writer), rest, .. } = &mut *direct else { unreachable!("checked above") };
         let done = match writer.try_send(&buf) {
             Ok(all) if all == buf.len() => DirectWrite::Written,
             Ok(part) => {
@@ -980,17 +1055,16 @@ impl Link {
             }
             // Nothing went (the socket is full, or broke: the task learns that itself).
             // None: the call ended meanwhile, and nobody needs the request.
-            Err(_) => match self.unwritten(id, reply) {
+            Err(_) => match self.unwritten(id, &reply) {
                 None => DirectWrite::Written,
                 Some(Written::Request(request)) => DirectWrite::Queue(*request),
                 Some(Written::Frame { .. }) => given_back.map_or(DirectWrite::Written, DirectWrite::Queue),
             },
         };
-        buf.clear();
-        Buffering::CLIENT.release_idle(&mut buf);
-        // Gone only if the thread is exiting, and the buffer with it.
-        let _ = ENCODED.try_with(|kept| *kept.borrow_mut() = buf);
-        done
+        drop(direct);
+        return_encoded(buf);
+        self.after_registration(registered);
+        Ok((id, reply, done))
     }
 
     /// Takes call `id`'s written request back from its cell (`reply`'s): it was not
@@ -1239,19 +1313,39 @@ impl Link {
                 return self.read_own(&mut side, id, reply, reading, cx);
             }
         }
-        if let Poll::Ready(received) = self.poll_cell(id, reply, cx.waker()) {
+        let cell = match reply {
+            CallReply::Cell(cell) => Some(cell),
+            CallReply::Own => None,
+        };
+        if let Some(Poll::Ready(received)) = cell.map(|cell| cell.poll_cell(cx.waker())) {
             if std::mem::take(reading) {
                 self.stop_reading(id);
             }
             return Poll::Ready(received);
         }
         let mut side = self.lock_read();
+        // The link's own cell is looked at under the read side's lock, with the count
+        // of calls waiting that taking reading over needs: one lock of the calls for both.
+        let mut lone = None;
+        if cell.is_none() {
+            let mut pending = self.lock();
+            if let Poll::Ready(received) = Self::poll_own(&mut pending, id, cx.waker()) {
+                drop(pending);
+                if std::mem::take(reading) {
+                    self.give_back(&mut side, id);
+                }
+                return Poll::Ready(received);
+            }
+            lone = Some(pending.calls.len() == 1);
+        }
         if side.call != NonZeroU64::new(id) {
+            // Counted under the read side's lock: a call registering after it takes
+            // reading back ([`Link::share_reading`]) once this lock is released.
             let alone = side.call.is_none()
                 && side.direct
                 && side.reader.is_some()
                 && side.ended.is_none()
-                && self.lock().calls.len() == 1;
+                && lone.unwrap_or_else(|| self.lock().calls.len() == 1);
             if !alone {
                 return Poll::Pending;
             }
@@ -1260,7 +1354,7 @@ impl Link {
             // The last read left the socket's wake-up registered: nothing to read
             // until it comes (to this call from now on). Had it come to the task
             // already, the task takes reading back when it runs, and reads.
-            keep_waker(&mut self.read_wake.lock().call, cx.waker());
+            self.read_wake.to_call(cx.waker());
             return Poll::Pending;
         }
         self.read_own(&mut side, id, reply, reading, cx)
@@ -1275,10 +1369,21 @@ impl Link {
         reading: &mut bool,
         cx: &mut Context<'_>,
     ) -> Poll<Received> {
-        keep_waker(&mut self.read_wake.lock().call, cx.waker());
         let mut mine = Mine { id, reply: None };
-        let ended = self.drive(side, Some(&mut mine));
-        self.settle(side, ended);
+        loop {
+            let ended = self.drive(side, Some(&mut mine));
+            self.settle(side, ended);
+            if mine.reply.is_some() || side.call != NonZeroU64::new(id) {
+                break;
+            }
+            // Nothing for it yet: the socket's next wake-up goes to this poll's waker
+            // (the last went to the one it registered before), and what came since
+            // the read is read now.
+            keep_waker(&mut self.read_wake.lock().call, cx.waker());
+            if self.read_wake.wakes() == side.seen_wakes {
+                break;
+            }
+        }
         let received = match mine.reply {
             Some(result) => Ok(result),
             None => std::task::ready!(self.poll_cell(id, reply, cx.waker())),
@@ -1292,21 +1397,26 @@ impl Link {
     /// else keeps `waker` to be woken when it does.
     #[inline]
     fn poll_cell(&self, id: u64, reply: &CallReply, waker: &Waker) -> Poll<Received> {
-        let CallReply::Cell(reply) = reply else {
-            let mut pending = self.lock();
-            // Not after its reply, as the cell may be another call's by then.
-            if pending.own_call != NonZeroU64::new(id) {
-                return Poll::Ready(Err(ReplyDropped));
-            }
-            let polled = pending.own.poll_take(waker);
-            if let Cell::Taken = pending.own.cell {
-                // Free, waiting with nothing written, as the next call needs it.
-                pending.own.cell = Held::waiting();
-                pending.own_call = None;
-            }
-            return polled;
-        };
-        reply.poll_cell(waker)
+        match reply {
+            CallReply::Own => Self::poll_own(&mut self.lock(), id, waker),
+            CallReply::Cell(reply) => reply.poll_cell(waker),
+        }
+    }
+
+    /// [`Link::poll_cell`] for call `id`, waiting in the link's own cell (`pending`'s).
+    #[inline]
+    fn poll_own(pending: &mut Pending, id: u64, waker: &Waker) -> Poll<Received> {
+        // Not after its reply, as the cell may be another call's by then.
+        if pending.own_call != NonZeroU64::new(id) {
+            return Poll::Ready(Err(ReplyDropped));
+        }
+        let polled = pending.own.poll_take(waker);
+        if let Cell::Taken = pending.own.cell {
+            // Free, waiting with nothing written, as the next call needs it.
+            pending.own.cell = Held::waiting();
+            pending.own_call = None;
+        }
+        polled
     }
 
     /// Another call waits now: the task reads for all of them. A call reading for
@@ -1318,9 +1428,8 @@ impl Link {
         if side.call.take().is_none() {
             return;
         }
-        self.read_wake.lock().call = None;
         // A wake-up since the last read went to that call: read what came now.
-        if self.read_wake.wakes.load(Ordering::Acquire) != side.seen_wakes {
+        if self.read_wake.to_task() != side.seen_wakes {
             let ended = self.drive(&mut side, None);
             self.settle(&mut side, ended);
         }
@@ -1337,10 +1446,9 @@ impl Link {
             return;
         }
         side.call = None;
-        self.read_wake.lock().call = None;
         // A wake-up since the call last read went to it, not the task: read what
         // came now (the socket's next wake-up goes to the task).
-        if self.read_wake.wakes.load(Ordering::Acquire) != side.seen_wakes {
+        if self.read_wake.to_task() != side.seen_wakes {
             let ended = self.drive(side, None);
             self.settle(side, ended);
         }
@@ -1356,7 +1464,7 @@ impl Link {
         {
             let mut targets = self.read_wake.lock();
             keep_waker(&mut targets.task, cx.waker());
-            targets.call = None;
+            let _ = self.read_wake.to_task();
         }
         side.call = None;
         if let Some(ended) = side.ended.take() {
@@ -1376,8 +1484,8 @@ impl Link {
         side.ended = Some(Box::new(ended));
         side.call = None;
         let task = {
-            let mut targets = self.read_wake.lock();
-            targets.call = None;
+            let targets = self.read_wake.lock();
+            let _ = self.read_wake.to_task();
             targets.task.clone()
         };
         if let Some(task) = task {
@@ -1404,6 +1512,7 @@ impl Link {
         side.buf = BytesMut::new();
         side.files.clear();
         side.slabs.clear();
+        let _ = self.read_wake.to_task();
         self.read_wake.lock().call = None;
     }
 
@@ -1444,7 +1553,7 @@ impl Link {
             let ReadSide { reader: Some(reader), buf, files, .. } = side else { return None };
             Buffering::CLIENT.release_idle(buf);
             let room = read_room(buf);
-            let wakes = self.read_wake.wakes.load(Ordering::Acquire);
+            let wakes = self.read_wake.wakes();
             match reader.poll_read_with_files(&mut cx, buf, room, files) {
                 Poll::Pending => {
                     side.seen_wakes = wakes;
@@ -2066,11 +2175,9 @@ fn gather(
     while let Some(command) = next.take() {
         match command {
             Command::Request { id, request } => {
-                let (start, frame) = (buf.len(), ClientFrame::Request { id, request });
-                encode_client_frame(&frame, buf);
-                if let ClientFrame::Request { id, request } = frame {
-                    written.push((id, Some(start..buf.len()), request));
-                }
+                let start = buf.len();
+                encode_request_frame(id, &request, buf);
+                written.push((id, Some(start..buf.len()), request));
                 *gathered += 1;
             }
             Command::AttachBarrier { id, request, epoch: of } => {

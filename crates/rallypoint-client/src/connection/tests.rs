@@ -171,10 +171,10 @@ async fn a_reading_call_whose_deadline_passes_times_out_and_the_next_reads_its_o
     let link = Arc::clone(client.link());
     // A call as the client makes one, with a short deadline of its own (a client's
     // calls wait their timeout and a margin).
-    let (id, reply) = link.open_call(Duration::from_millis(300)).expect("register");
-    assert!(matches!(reply, super::CallReply::Own), "a lone call waits in the link's own cell");
     let request = Request::Add { key: "k".into(), delta: 1 };
-    assert!(matches!(link.write_direct(id, request, &reply), super::DirectWrite::Written));
+    let (id, reply, written) = link.call(request, Duration::from_millis(300)).expect("register");
+    assert!(matches!(reply, super::CallReply::Own), "a lone call waits in the link's own cell");
+    assert!(matches!(written, super::DirectWrite::Written));
     let late = tokio::spawn({
         let link = Arc::clone(&link);
         async move { super::WaitReply::new(&link, id, reply).await }
@@ -346,6 +346,52 @@ async fn a_reading_call_held_unpolled_holds_up_no_other_call() {
     assert_eq!(second.expect("the second call"), 20);
     conn.answer(first_id, &first_request).await;
     assert_eq!(bounded(first).await.expect("the first call"), 10);
+    drop(client);
+}
+
+/// Counts its wake-ups: a waker the test polls with by hand.
+#[derive(Default)]
+struct Woken(std::sync::atomic::AtomicUsize);
+
+impl std::task::Wake for Woken {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// A reading call polled again with another waker (its future moved to another
+/// task, or polled under another combinator) is woken through that one when its
+/// reply comes, not through the waker it first read with.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reading_call_polled_with_another_waker_is_woken_through_it() {
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    let (_listener, client, mut conn) = connected(0).await;
+    let link = Arc::clone(client.link());
+    let (id, reply, _) = link.call(Request::Add { key: "k".into(), delta: 3 }, BOUND).expect("a call");
+    let mut wait = std::pin::pin!(super::WaitReply::new(&link, id, reply));
+    let (first, second) = (Arc::new(Woken::default()), Arc::new(Woken::default()));
+    let (first_waker, second_waker) = (Waker::from(Arc::clone(&first)), Waker::from(Arc::clone(&second)));
+    let (seen, request) = conn.request().await;
+    assert_eq!(seen, id);
+    assert!(wait.as_mut().poll(&mut Context::from_waker(&first_waker)).is_pending());
+    assert_eq!(link.lock_read().call, std::num::NonZeroU64::new(id), "the lone call reads");
+    // Polled again before its reply, by someone else: it still reads.
+    assert!(wait.as_mut().poll(&mut Context::from_waker(&second_waker)).is_pending());
+    assert_eq!(link.lock_read().call, std::num::NonZeroU64::new(id));
+    conn.answer(id, &request).await;
+    bounded(async {
+        while second.0.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    assert_eq!(first.0.load(Ordering::SeqCst), 0, "the reply woke the waker the call no longer polls with");
+    match wait.as_mut().poll(&mut Context::from_waker(&second_waker)) {
+        Poll::Ready(Ok(Ok(Response::Int(30)))) => {}
+        other => panic!("expected the call's reply, got {other:?}"),
+    }
+    assert_eq!(link.own_replies.load(Ordering::Relaxed), 1, "the call read its own reply");
     drop(client);
 }
 

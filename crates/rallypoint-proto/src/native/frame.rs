@@ -153,6 +153,18 @@ impl Default for FrameLimits {
     }
 }
 
+/// Appends the frame of request `id` (as [`ClientFrame::Request`] would be encoded)
+/// to `dst`: for a client that keeps its request rather than building a frame of it.
+pub fn encode_request_frame(id: u64, request: &Request, dst: &mut BytesMut) {
+    write_frame(dst, |dst| encode_request_body(id, request, dst));
+}
+
+fn encode_request_body(id: u64, request: &Request, dst: &mut BytesMut) {
+    dst.put_u8(kind::REQUEST);
+    dst.put_u64_le(id);
+    encode_request(request, dst);
+}
+
 /// Appends one whole frame (length prefix and body) to `dst`.
 pub fn encode_client_frame(frame: &ClientFrame, dst: &mut BytesMut) {
     write_frame(dst, |dst| match frame {
@@ -160,11 +172,7 @@ pub fn encode_client_frame(frame: &ClientFrame, dst: &mut BytesMut) {
             dst.put_u8(kind::HELLO);
             encode_identity(identity, dst);
         }
-        ClientFrame::Request { id, request } => {
-            dst.put_u8(kind::REQUEST);
-            dst.put_u64_le(*id);
-            encode_request(request, dst);
-        }
+        ClientFrame::Request { id, request } => encode_request_body(*id, request, dst),
         ClientFrame::TakeSharedReplies => dst.put_u8(kind::TAKE_SHARED_REPLIES),
         ClientFrame::ReleaseShared { slab } => {
             dst.put_u8(kind::RELEASE_SHARED);

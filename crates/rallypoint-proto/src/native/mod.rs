@@ -22,8 +22,8 @@ pub use agent::{
 pub use error::ProtoError;
 pub use frame::{
     decode_client_frame, decode_server_frame, decode_shared_reply, encode_client_frame, encode_reply,
-    encode_reply_body_parts, encode_reply_shared, encode_server_frame, pending_frame_len, reply_payload_len,
-    ClientFrame, FrameLimits, ServerFrame, MAX_FRAME_LEN, NONCE_LEN, PROOF_LEN,
+    encode_reply_body_parts, encode_reply_shared, encode_request_frame, encode_server_frame, pending_frame_len,
+    reply_payload_len, ClientFrame, FrameLimits, ServerFrame, MAX_FRAME_LEN, NONCE_LEN, PROOF_LEN,
 };
 
 /// First bytes a native client sends. A PyTorch TCPStore client's first byte is
