@@ -193,19 +193,41 @@ def report(path):
                               f"{sum(r >= 1.0 for r in rs)} of {len(rs)} runs at 1.0× or more")
         if by_run:
             out += [""] + by_run
+        if any(pick("direct-native-raw", "rallypoint", n) for n in direct_ns):
+            out += ["", "### Direct connections: the coordinator with the floor's clients (`--raw`), "
+                    "against the floor", "",
+                    "| N | floor | native, raw clients | raw ÷ floor | CPU µs per rank-round: floor's server / "
+                    "rallypoint | CPU, the floor's client / raw clients |",
+                    "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+            for n in direct_ns:
+                floors, raws = pick("direct-floor", "none", n), pick("direct-native-raw", "rallypoint", n)
+                fl, rw = [x["median_us"] for x in floors], [x["median_us"] for x in raws]
+                if not rw:
+                    continue
+
+                def cpus(xs, of):
+                    vals = [of(x) for x in xs if of(x)]
+                    return f"{med(vals):.2f}" if vals else "—"
+
+                out.append(f"| {n:,} | {span(fl)} | {span(rw)} | {ratio(med(rw), med(fl))} "
+                           f"| {cpus(floors, server_cpu)} / {cpus(raws, server_cpu)} "
+                           f"| {cpus(floors, load_cpu)} / {cpus(raws, load_cpu)} |")
+            out += ["", "(the raw clients cost what the floor's do: what the raw round takes over the floor's "
+                    "is the coordinator's own, the rest of the native round's over it the load generator's)"]
         out += ["", "(ratios of the medians over runs; target: torch ÷ native ≥ 1.0×, native ÷ floor ≤ 1.1×, "
                 "and the load generator's CPU below the server's. The bare client speaks the native protocol "
                 "without the client library, as the TCPStore load speaks torch's: what the library costs "
                 "is the difference. CPU over the measured rounds where the run reports it, else over all)", ""]
         # The five loads of a pass, in the columns' order of the tables below.
         kinds = (("direct-floor", "none"), ("direct-barrier", "torch"), ("direct-barrier", "rallypoint"),
-                 ("direct-native", "rallypoint"), ("direct-native-bare", "rallypoint"))
+                 ("direct-native", "rallypoint"), ("direct-native-bare", "rallypoint"),
+                 ("direct-native-raw", "rallypoint"))
         out += ["### Direct connections: the load generator's CPU ÷ its server's, per rank-round "
                 "(median over runs, over the measured rounds where the run reports them; range in brackets)", "",
                 "| N | floor (its client ÷ its server) | torch's BARRIER load ÷ torch's server "
                 "| TCPStore BARRIER load ÷ rallypoint | native, client library ÷ rallypoint "
-                "| native, bare client ÷ rallypoint |",
-                "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+                "| native, bare client ÷ rallypoint | native, raw clients ÷ rallypoint |",
+                "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for n in direct_ns:
             cells = []
             for run, server in kinds:
@@ -218,8 +240,8 @@ def report(path):
             out += ["### Direct connections: TCP segments per rank-round, of them pure ACKs "
                     "(median over runs, over the measured rounds)", "",
                     "| N | floor | torch's BARRIER on torch | TCPStore BARRIER on rallypoint "
-                    "| native, client library | native, bare client |",
-                    "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+                    "| native, client library | native, bare client | native, raw clients |",
+                    "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for n in direct_ns:
                 cells = []
                 for run, server in kinds:

@@ -36,10 +36,8 @@ impl BareConn {
     /// Connects (from `source`, if given) and says hello as `identity`, with this
     /// host, pid and process incarnation as the client library fills them in; returns
     /// once welcomed.
-    pub async fn connect(addr: SocketAddr, source: Option<IpAddr>, mut identity: Identity) -> anyhow::Result<BareConn> {
-        identity.host = rallypoint_net::hostname();
-        identity.pid = std::process::id();
-        identity.incarnation = Some(process_incarnation());
+    pub async fn connect(addr: SocketAddr, source: Option<IpAddr>, identity: Identity) -> anyhow::Result<BareConn> {
+        let identity = as_library_says(identity);
         let stream = connect_tcp(addr, source).await?;
         let mut conn = BareConn { stream, read: BytesMut::with_capacity(256), out: BytesMut::new(), next_id: 1 };
         encode_preamble(&mut conn.out);
@@ -96,6 +94,15 @@ impl BareConn {
     pub async fn leave(mut self) -> anyhow::Result<()> {
         self.call(Request::Leave).await
     }
+}
+
+/// `identity` with this host, pid and process incarnation, as the client library
+/// fills them in.
+pub(crate) fn as_library_says(mut identity: Identity) -> Identity {
+    identity.host = rallypoint_net::hostname();
+    identity.pid = std::process::id();
+    identity.incarnation = Some(process_incarnation());
+    identity
 }
 
 fn describe(frame: &ServerFrame) -> String {

@@ -21,7 +21,7 @@ use crate::bare::BareConn;
 use crate::tcpstore::{self, StoreConn};
 use crate::{
     close_all, connect_bounded, connect_many, connect_within, ensure_fds, floor, mono_ns, on_target, options,
-    print_report, process_cpu_ns, round_stats, run_rounds, wake_floor, BarrierRound, CpuWindow, Protocol, Round,
+    print_report, process_cpu_ns, raw, round_stats, run_rounds, wake_floor, BarrierRound, CpuWindow, Protocol, Round,
     Sources, Target, TcpCounts, Times,
 };
 
@@ -78,6 +78,13 @@ pub struct Args {
     /// with the same run without `--bare`. Native protocol, `--op barrier`, one process
     #[arg(long)]
     bare: bool,
+    /// Native barrier clients that cost what the floor's do (`--op floor`): a thread
+    /// per core with epoll over its share of the sockets, no runtime, no client
+    /// library, no heartbeats. The round against the floor's is then what the
+    /// coordinator costs over a server that only reads and writes. Native protocol,
+    /// `--op barrier`, one process
+    #[arg(long, conflicts_with = "bare")]
+    raw: bool,
     /// Native clients are the blocking client, each on its own thread (as a rank
     /// process using the Python package has it), instead of async tasks; needs `--procs`
     #[arg(long)]
@@ -127,6 +134,8 @@ struct Report {
     blocking: bool,
     /// Native clients spoke the protocol directly, without the client library.
     bare: bool,
+    /// ... from the floor's client threads (`--raw`).
+    raw: bool,
     /// Barriers named afresh that every client passed before the rounds (`--names-before`).
     names_before: u32,
     /// ... and their mean time each, in ms (`None` without them).
@@ -186,6 +195,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if args.bare && (args.protocol != Protocol::Native || args.procs > 1 || args.op != Op::Barrier) {
         bail!("--bare is for native barrier rounds from one process (no --procs, --op barrier)");
     }
+    if args.raw && (args.protocol != Protocol::Native || args.procs > 1 || args.op != Op::Barrier) {
+        bail!("--raw is for native barrier rounds from one process (no --procs, --op barrier)");
+    }
     if args.op == Op::Floor {
         return run_floor(&args).await;
     }
@@ -213,7 +225,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         return run_shard(&args, shard, sources).await;
     }
     let report = on_target(args.addr.clone(), async |target| {
-        if args.procs == 1 {
+        if args.raw {
+            measure_raw(&args, target, sources).await
+        } else if args.procs == 1 {
             measure(&args, target, sources).await
         } else {
             measure_procs(&args, target, sources).await
@@ -430,6 +444,52 @@ async fn measure(args: &Args, target: &Target, sources: Sources) -> anyhow::Resu
     Ok(report)
 }
 
+/// `--raw`: the rounds of [`measure`], from the floor's client threads (module `raw`).
+async fn measure_raw(args: &Args, target: &Target, sources: Sources) -> anyhow::Result<Report> {
+    let n = args.clients;
+    let job = format!("bench-barrier-{}", std::process::id());
+    let addr = tcpstore::resolve(&target.addr)?;
+    let timeout = Duration::from_secs_f64(args.timeout);
+    let server_pid = target.server_pid().or(args.server_pid);
+    let (warmup, total) = (args.warmup as usize, (args.warmup + args.rounds) as usize);
+    if !args.json {
+        eprintln!("connecting {n} raw clients to {addr} ...");
+    }
+    let (times, connecting, server_before) = tokio::task::spawn_blocking(move || {
+        let started = Instant::now();
+        let conns = (0..n)
+            .map(|rank| {
+                let identity = Identity::ranked(&job, rank, n);
+                raw::connect(addr, sources.of(rank), identity, timeout)
+                    .with_context(|| format!("connecting raw native client {rank}"))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        let connecting = started.elapsed();
+        // Settles a moment, so the server has admitted everyone and is idle.
+        std::thread::sleep(Duration::from_millis(500));
+        let sample = server_pid.map(|pid| Box::new(move || (process_cpu_ns(Some(pid)), TcpCounts::read())) as _);
+        let server_before = server_pid.and_then(|pid| process_cpu_ns(Some(pid)));
+        let wires = |share| raw::Native::new(share, "bench", timeout);
+        floor::run_clients(conns, wires, (warmup, total), timeout, sample)
+            .map(|times| (times, connecting, server_before))
+    })
+    .await??;
+    let mut report = report(args, sources, times.start_ns, &times.round_end_ns, ms(connecting), (None, None, None))?;
+    let [from, to, end] = match times.sampled {
+        Some(sampled) => sampled.map(Some),
+        None => [None, None, None],
+    };
+    let server_all = server_before.zip(end.and_then(|(cpu, _)| cpu)).map(|(at, end)| end.saturating_sub(at));
+    report.set_cpu(server_all, Some(times.cpu_ns));
+    // As `CpuWindow`: the window needs a warm-up round before it.
+    if let (Some((server_from, tcp_from)), Some((server_to, tcp_to)), true) = (from, to, args.warmup > 0) {
+        let server = server_from.zip(server_to).map(|(from, to)| to.saturating_sub(from));
+        report.set_measured_cpu((server, Some(times.measured_cpu_ns)), args.rounds as usize);
+        report.set_measured_tcp(tcp_to.zip(tcp_from).map(|(to, from)| to.since(from)), args.rounds as usize);
+    }
+    Ok(report)
+}
+
 /// CPU spent by the server process (if its pid is known) and by this one, from
 /// [`CpuMeter::start`] to [`CpuMeter::stop`].
 struct CpuMeter {
@@ -511,6 +571,7 @@ fn report(
         warmup_rounds: args.warmup,
         blocking: args.blocking,
         bare: args.bare,
+        raw: args.raw,
         names_before: args.names_before,
         names_before_ms_each: None,
         round: stats.times,
@@ -803,6 +864,7 @@ fn floor_report(args: &Args, op: Op, round: Times, connect_ms: f64) -> Report {
         op,
         blocking: false,
         bare: false,
+        raw: false,
         names_before: 0,
         names_before_ms_each: None,
         protocol: None,

@@ -96,8 +96,15 @@ pub(crate) async fn measure(plan: &Plan) -> anyhow::Result<Measured> {
     let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
     let timeout = plan.timeout;
     let warmup = plan.warmup as usize;
-    let clients =
-        tokio::task::spawn_blocking(move || run_clients(addr, n as usize, (warmup, total), timeout)).await??;
+    let clients = tokio::task::spawn_blocking(move || {
+        let started = std::time::Instant::now();
+        let conns = (0..n).map(|_| connect(addr, timeout)).collect::<io::Result<Vec<_>>>()?;
+        let connecting = started.elapsed();
+        let wires = |share| Plain { partial: vec![0; share] };
+        run_clients(conns, wires, (warmup, total), timeout, None).map(|times| (times, connecting))
+    })
+    .await??;
+    let (clients, connecting) = clients;
     line.clear();
     tokio::time::timeout(plan.timeout, stdout.read_line(&mut line))
         .await
@@ -108,7 +115,7 @@ pub(crate) async fn measure(plan: &Plan) -> anyhow::Result<Measured> {
     let stats = round_stats(clients.start_ns, &clients.round_end_ns, plan.warmup as usize).context("no rounds")?;
     Ok(Measured {
         round: stats.times,
-        connecting: clients.connecting,
+        connecting,
         server_cpu_ns: server.cpu_ns,
         client_cpu_ns: clients.cpu_ns,
         server_measured_cpu_ns: server.measured_cpu_ns,
@@ -117,42 +124,91 @@ pub(crate) async fn measure(plan: &Plan) -> anyhow::Result<Measured> {
     })
 }
 
-/// What the client threads measured, together.
-struct ClientTimes {
-    start_ns: u64,
-    round_end_ns: Vec<u64>,
-    connecting: Duration,
-    cpu_ns: u64,
-    /// Over the rounds after the warm-up.
-    measured_cpu_ns: u64,
+/// One blocking connection to `addr`, without Nagle's delay.
+fn connect(addr: SocketAddr, timeout: Duration) -> io::Result<TcpStream> {
+    let conn = TcpStream::connect_timeout(&addr, timeout)?;
+    conn.set_nodelay(true)?;
+    Ok(conn)
 }
 
-/// The client side: N connections shared out over a thread per core, then `total`
-/// rounds (`warmup` of them first) of N arrivals written and N releases read
-/// through epoll. A round ends when its last release is read, on whichever thread.
-fn run_clients(
-    addr: SocketAddr,
-    n: usize,
+/// What goes over a connection of the floor's client threads: the floor's plain
+/// messages ([`Plain`]), or a protocol's barrier (module `raw`).
+pub(crate) trait Wire: Send + 'static {
+    /// Writes the next arrival of connection `i` (of this thread's share).
+    fn arrive(&mut self, i: usize, conn: &TcpStream) -> anyhow::Result<()>;
+    /// Takes `bytes` read from connection `i`; whether its release is whole now.
+    fn take(&mut self, i: usize, bytes: &[u8]) -> anyhow::Result<bool>;
+    /// After the last round, with the connections blocking again: what a client
+    /// says before it goes.
+    fn finish(&mut self, _conns: &[TcpStream]) -> anyhow::Result<()> {
+        Ok(())
+    }
+}
+
+/// The floor's messages: [`MESSAGE`] bytes each way, no protocol.
+struct Plain {
+    /// Bytes of each connection's release read so far.
+    partial: Vec<usize>,
+}
+
+impl Wire for Plain {
+    fn arrive(&mut self, _: usize, mut conn: &TcpStream) -> anyhow::Result<()> {
+        write_message(&mut conn, 1)
+    }
+
+    fn take(&mut self, i: usize, bytes: &[u8]) -> anyhow::Result<bool> {
+        self.partial[i] += bytes.len();
+        if self.partial[i] < MESSAGE {
+            return Ok(false);
+        }
+        ensure!(self.partial[i] == MESSAGE, "the server sent more than one release");
+        self.partial[i] = 0;
+        Ok(true)
+    }
+}
+
+/// Sampled by the first client thread where its measured rounds start, where they
+/// end, and after the last round: a server's CPU (ns) and the TCP counters, for a
+/// server of another process.
+pub(crate) type Sample = Box<dyn FnMut() -> (Option<u64>, Option<TcpCounts>) + Send>;
+
+/// What the client threads measured, together.
+pub(crate) struct ClientTimes {
+    pub(crate) start_ns: u64,
+    pub(crate) round_end_ns: Vec<u64>,
+    pub(crate) cpu_ns: u64,
+    /// Over the rounds after the warm-up.
+    pub(crate) measured_cpu_ns: u64,
+    /// The [`Sample`]s at the measured rounds' start and end and after the last
+    /// round, if one was given.
+    pub(crate) sampled: Option<[(Option<u64>, Option<TcpCounts>); 3]>,
+}
+
+/// The client side: `conns` shared out over a thread per core, each speaking
+/// through the [`Wire`] `wire` makes for its share (of that many connections), then
+/// `total` rounds (`warmup` of them first) of an arrival written and a release read
+/// through epoll on every connection. A round ends when its last release is read,
+/// on whichever thread.
+pub(crate) fn run_clients<W: Wire>(
+    mut conns: Vec<TcpStream>,
+    mut wire: impl FnMut(usize) -> W,
     (warmup, total): (usize, usize),
     timeout: Duration,
+    mut sample: Option<Sample>,
 ) -> anyhow::Result<ClientTimes> {
-    let started = std::time::Instant::now();
-    let mut conns = Vec::with_capacity(n);
-    for _ in 0..n {
-        let conn = TcpStream::connect_timeout(&addr, timeout)?;
-        conn.set_nodelay(true)?;
+    for conn in &conns {
         conn.set_nonblocking(true)?;
-        conns.push(conn);
     }
-    let connecting = started.elapsed();
-    let threads = std::thread::available_parallelism().map_or(1, usize::from).min(n.max(1));
+    let threads = std::thread::available_parallelism().map_or(1, usize::from).min(conns.len().max(1));
     let start_ns = mono_ns();
     let mut running = Vec::with_capacity(threads);
     while !conns.is_empty() {
         let share = conns.split_off(conns.len() - conns.len().div_ceil(threads - running.len()));
-        running.push(std::thread::spawn(move || client_thread(share, (warmup, total), timeout)));
+        let wire = wire(share.len());
+        let sample = sample.take();
+        running.push(std::thread::spawn(move || client_thread(share, wire, (warmup, total), timeout, sample)));
     }
-    let (mut round_end_ns, mut cpu_ns, mut measured_cpu_ns) = (vec![0u64; total], 0, 0);
+    let (mut round_end_ns, mut cpu_ns, mut measured_cpu_ns, mut sampled) = (vec![0u64; total], 0, 0, None);
     for thread in running {
         let (ends, cpu) = thread.join().map_err(|_| anyhow::anyhow!("a floor client thread panicked"))??;
         for (end, at) in round_end_ns.iter_mut().zip(ends) {
@@ -160,14 +216,16 @@ fn run_clients(
         }
         cpu_ns += cpu.all;
         measured_cpu_ns += cpu.measured;
+        sampled = sampled.or(cpu.sampled);
     }
-    Ok(ClientTimes { start_ns, round_end_ns, connecting, cpu_ns, measured_cpu_ns })
+    Ok(ClientTimes { start_ns, round_end_ns, cpu_ns, measured_cpu_ns, sampled })
 }
 
-/// CPU a thread spent over all rounds, and over the measured ones (ns).
+/// CPU a thread spent over all rounds, and over the measured ones (ns); its samples.
 struct ThreadCpu {
     all: u64,
     measured: u64,
+    sampled: Option<[(Option<u64>, Option<TcpCounts>); 3]>,
 }
 
 /// One client thread's rounds over its connections: when each round's last release
@@ -177,8 +235,10 @@ struct ThreadCpu {
 /// counting them tells the rounds apart.
 fn client_thread(
     conns: Vec<TcpStream>,
+    mut wire: impl Wire,
     (warmup, total): (usize, usize),
     timeout: Duration,
+    mut sample: Option<Sample>,
 ) -> anyhow::Result<(Vec<u64>, ThreadCpu)> {
     let poll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
     for (i, conn) in conns.iter().enumerate() {
@@ -189,29 +249,31 @@ fn client_thread(
     // From the first release of the last warm-up round to the first of the last
     // round, each read before that connection's next arrival goes (see `CpuWindow`).
     let (mut measured_from, mut measured_to) = (cpu_start, None);
+    let mut samples = [None, None];
     if total > 0 {
-        write_each(&conns, 1)?;
+        for (i, conn) in conns.iter().enumerate() {
+            wire.arrive(i, conn)?;
+        }
     }
-    // Bytes of each connection's release read so far, and whole releases this round.
-    let (mut partial, mut released) = (vec![0; conns.len()], 0);
+    // Whole releases this round.
+    let mut released = 0;
     // A stuck round fails the benchmark instead of hanging it.
-    read_ready(&poll, &conns, timeout, total == 0, |i, mut conn, got| {
-        ensure!(got > 0, "the peer closed a connection");
-        partial[i] += got;
-        if partial[i] < MESSAGE {
+    read_ready(&poll, &conns, timeout, total == 0, |i, conn, bytes| {
+        ensure!(!bytes.is_empty(), "the peer closed a connection");
+        if !wire.take(i, bytes)? {
             return Ok(false);
         }
-        ensure!(partial[i] == MESSAGE, "the server sent more than one release");
-        partial[i] = 0;
         released += 1;
         if released == 1 && round_end_ns.len() + 1 == warmup {
             measured_from = thread_cpu_ns();
+            samples[0] = sample.as_mut().map(|sample| sample());
         }
         if released == 1 && round_end_ns.len() + 1 == total {
             measured_to = Some(thread_cpu_ns());
+            samples[1] = sample.as_mut().map(|sample| sample());
         }
         if round_end_ns.len() + 1 < total {
-            write_message(&mut conn, 1)?;
+            wire.arrive(i, conn)?;
         }
         if released == conns.len() {
             round_end_ns.push(mono_ns());
@@ -222,7 +284,15 @@ fn client_thread(
     .with_context(|| format!("the releases of round {}", round_end_ns.len()))?;
     let end = thread_cpu_ns();
     let measured = measured_to.unwrap_or(end).saturating_sub(measured_from);
-    Ok((round_end_ns, ThreadCpu { all: end.saturating_sub(cpu_start), measured }))
+    let sampled = match (samples, sample.as_mut()) {
+        ([Some(from), Some(to)], Some(sample)) => Some([from, to, sample()]),
+        _ => None,
+    };
+    for conn in &conns {
+        conn.set_nonblocking(false)?;
+    }
+    wire.finish(&conns)?;
+    Ok((round_end_ns, ThreadCpu { all: end.saturating_sub(cpu_start), measured, sampled }))
 }
 
 /// Writes one message of `byte`s on each connection.
@@ -279,8 +349,8 @@ pub(crate) fn serve(plan: &Plan) -> anyhow::Result<()> {
 /// the client would take that end for a failure.
 fn wait_closed(poll: &OwnedFd, conns: &[TcpStream], timeout: Duration) -> anyhow::Result<()> {
     let mut open = conns.len();
-    let waited = read_ready(poll, conns, timeout, open == 0, |_, conn, got| {
-        ensure!(got == 0, "a client sent more than its arrivals");
+    let waited = read_ready(poll, conns, timeout, open == 0, |_, conn, bytes| {
+        ensure!(bytes.is_empty(), "a client sent more than its arrivals");
         // Level-triggered: a closed connection would be reported again.
         epoll::delete(poll, conn)?;
         open -= 1;
@@ -293,23 +363,23 @@ fn wait_closed(poll: &OwnedFd, conns: &[TcpStream], timeout: Duration) -> anyhow
 /// release) is in.
 fn read_arrivals(poll: &OwnedFd, conns: &[TcpStream], timeout: Duration) -> anyhow::Result<()> {
     let mut missing = conns.len() * MESSAGE;
-    read_ready(poll, conns, timeout, missing == 0, |_, _, got| {
-        ensure!(got > 0, "the peer closed a connection");
-        missing = missing.saturating_sub(got);
+    read_ready(poll, conns, timeout, missing == 0, |_, _, bytes| {
+        ensure!(!bytes.is_empty(), "the peer closed a connection");
+        missing = missing.saturating_sub(bytes.len());
         Ok(missing == 0)
     })
 }
 
 /// Reads once from each connection epoll reports ready (level-triggered: one read
 /// per ready connection, no second read to learn that it is drained), handing
-/// `read` the connection, its index and how many bytes came (0: it was closed),
+/// `read` the connection's index, the connection and the bytes that came (none: it was closed),
 /// until `read` says that all is in; `done` already: nothing to wait for.
 fn read_ready(
     poll: &OwnedFd,
     conns: &[TcpStream],
     timeout: Duration,
     done: bool,
-    mut read: impl FnMut(usize, &TcpStream, usize) -> anyhow::Result<bool>,
+    mut read: impl FnMut(usize, &TcpStream, &[u8]) -> anyhow::Result<bool>,
 ) -> anyhow::Result<()> {
     if done {
         return Ok(());
@@ -331,7 +401,7 @@ fn read_ready(
                 Err(error) if error.kind() == io::ErrorKind::WouldBlock => continue,
                 Err(error) => return Err(error.into()),
             };
-            if read(i, conn, got)? {
+            if read(i, conn, &buf[..got])? {
                 return Ok(());
             }
         }
@@ -372,7 +442,9 @@ mod tests {
             }
             wait_closed(&poll, &conns, Duration::from_secs(30)).expect("closed");
         });
-        let times = run_clients(addr, n, (1, 3), Duration::from_secs(30)).expect("clients");
+        let conns = (0..n).map(|_| connect(addr, Duration::from_secs(30)).expect("connect")).collect();
+        let wires = |share| Plain { partial: vec![0; share] };
+        let times = run_clients(conns, wires, (1, 3), Duration::from_secs(30), None).expect("clients");
         server.join().expect("server");
         assert_eq!(times.round_end_ns.len(), 3);
         assert!(times.round_end_ns.windows(2).all(|w| w[0] <= w[1]));

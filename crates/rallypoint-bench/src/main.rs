@@ -15,6 +15,7 @@ mod handshake;
 mod hierarchy;
 mod kv;
 mod plot;
+mod raw;
 mod storm;
 mod tcpstore;
 mod tcpstore_start;

@@ -63,31 +63,42 @@ fn barrier_of_4096_native_clients() {
     assert!(report["median_us"].as_f64().is_some_and(|us| us > 0.0), "{report}");
 }
 
-/// The native barrier spoken without the client library (`--bare`): the run succeeds
-/// only if every round was released, and the report says which client ran.
+/// The native barrier spoken without the client library (`--bare`: tokio tasks;
+/// `--raw`: the floor's client threads): the run succeeds only if every round was
+/// released with its own reply, and the report says which client ran and carries
+/// both sides' CPU (the server's started by the benchmark; `--raw` samples it from
+/// the load), over all rounds and over the measured ones.
 #[test]
-fn a_bare_native_barrier_runs_every_round() {
-    let report = bench(&["barrier", "--bare", "--clients", "256", "--rounds", "20", "--warmup", "2"]);
-    assert_eq!((report["bare"].as_bool(), report["clients"].as_u64()), (Some(true), Some(256)), "{report}");
-    assert!(report["median_us"].as_f64().is_some_and(|us| us > 0.0), "{report}");
-    // The CPU of the measured rounds, the server's (started by the benchmark) and the load's.
-    for side in ["server", "client"] {
-        let cpu = &report[format!("{side}_cpu_us_per_measured_rank_round")];
-        assert!(cpu.as_f64().is_some_and(|us| us > 0.0), "{side}: {report}");
+fn bare_and_raw_native_barriers_run_every_round() {
+    for client in ["bare", "raw"] {
+        let flag = format!("--{client}");
+        let report = bench(&["barrier", &flag, "--clients", "256", "--rounds", "20", "--warmup", "2"]);
+        assert_eq!((report[client].as_bool(), report["clients"].as_u64()), (Some(true), Some(256)), "{report}");
+        assert!(report["median_us"].as_f64().is_some_and(|us| us > 0.0), "{report}");
+        for side in ["server", "client"] {
+            for window in ["", "measured_"] {
+                let cpu = &report[format!("{side}_cpu_us_per_{window}rank_round")];
+                assert!(cpu.as_f64().is_some_and(|us| us > 0.0), "{client} {side} {window}: {report}");
+            }
+        }
     }
 }
 
-/// `--bare` is the native barrier from one process: anything else is refused by name.
+/// `--bare` and `--raw` are the native barrier from one process: anything else is
+/// refused by name.
 #[test]
-fn bare_clients_refuse_what_they_cannot_run() {
-    for extra in [&["--protocol", "tcpstore"][..], &["--op", "ping"], &["--op", "floor"], &["--procs", "2"]] {
-        let out = Command::new(BIN)
-            .args(["barrier", "--bare", "--clients", "4", "--rounds", "1"])
-            .args(extra)
-            .output()
-            .expect("run rallypoint bench");
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success() && err.contains("--bare is for native barrier rounds"), "{extra:?}: {err}");
+fn bare_and_raw_clients_refuse_what_they_cannot_run() {
+    for client in ["--bare", "--raw"] {
+        for extra in [&["--protocol", "tcpstore"][..], &["--op", "ping"], &["--op", "floor"], &["--procs", "2"]] {
+            let out = Command::new(BIN)
+                .args(["barrier", client, "--clients", "4", "--rounds", "1"])
+                .args(extra)
+                .output()
+                .expect("run rallypoint bench");
+            let err = String::from_utf8_lossy(&out.stderr);
+            let refused = format!("{client} is for native barrier rounds");
+            assert!(!out.status.success() && err.contains(&refused), "{client} {extra:?}: {err}");
+        }
     }
 }
 
