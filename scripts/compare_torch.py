@@ -194,14 +194,16 @@ def report(path):
         if by_run:
             out += [""] + by_run
         if any(pick("direct-native-raw", "rallypoint", n) for n in direct_ns):
-            out += ["", "### Direct connections: the coordinator with the floor's clients (`--raw`), "
+            out += ["", "### Direct connections: the servers with the floor's clients (`--raw`), "
                     "against the floor", "",
-                    "| N | floor | native, raw clients | raw ÷ floor | CPU µs per rank-round: floor's server / "
-                    "rallypoint | CPU, the floor's client / raw clients |",
-                    "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+                    "| N | floor | native, raw clients | raw ÷ floor | torch's BARRIER on torch, raw clients "
+                    "| ÷ floor | torch ÷ native, both raw | CPU µs per rank-round: floor's server / rallypoint "
+                    "/ torch's | CPU, the floor's client / raw native / raw TCPStore |",
+                    "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for n in direct_ns:
                 floors, raws = pick("direct-floor", "none", n), pick("direct-native-raw", "rallypoint", n)
-                fl, rw = [x["median_us"] for x in floors], [x["median_us"] for x in raws]
+                traws = pick("direct-barrier-raw", "torch", n)
+                fl, rw, tr = ([x["median_us"] for x in xs] for xs in (floors, raws, traws))
                 if not rw:
                     continue
 
@@ -209,11 +211,12 @@ def report(path):
                     vals = [of(x) for x in xs if of(x)]
                     return f"{med(vals):.2f}" if vals else "—"
 
-                out.append(f"| {n:,} | {span(fl)} | {span(rw)} | {ratio(med(rw), med(fl))} "
-                           f"| {cpus(floors, server_cpu)} / {cpus(raws, server_cpu)} "
-                           f"| {cpus(floors, load_cpu)} / {cpus(raws, load_cpu)} |")
-            out += ["", "(the raw clients cost what the floor's do: what the raw round takes over the floor's "
-                    "is the coordinator's own, the rest of the native round's over it the load generator's)"]
+                out.append(f"| {n:,} | {span(fl)} | {span(rw)} | {ratio(med(rw), med(fl))} | {span(tr)} "
+                           f"| {ratio(med(tr), med(fl))} | {ratio(med(tr), med(rw))} "
+                           f"| {cpus(floors, server_cpu)} / {cpus(raws, server_cpu)} / {cpus(traws, server_cpu)} "
+                           f"| {cpus(floors, load_cpu)} / {cpus(raws, load_cpu)} / {cpus(traws, load_cpu)} |")
+            out += ["", "(the raw clients cost what the floor's do: what a raw round takes over the floor's "
+                    "is its server's own, the rest of the native round's over it the load generator's)"]
         out += ["", "(ratios of the medians over runs; target: torch ÷ native ≥ 1.0×, native ÷ floor ≤ 1.1×, "
                 "and the load generator's CPU below the server's. The bare client speaks the native protocol "
                 "without the client library, as the TCPStore load speaks torch's: what the library costs "
@@ -221,13 +224,14 @@ def report(path):
         # The five loads of a pass, in the columns' order of the tables below.
         kinds = (("direct-floor", "none"), ("direct-barrier", "torch"), ("direct-barrier", "rallypoint"),
                  ("direct-native", "rallypoint"), ("direct-native-bare", "rallypoint"),
-                 ("direct-native-raw", "rallypoint"))
+                 ("direct-native-raw", "rallypoint"), ("direct-barrier-raw", "torch"))
         out += ["### Direct connections: the load generator's CPU ÷ its server's, per rank-round "
                 "(median over runs, over the measured rounds where the run reports them; range in brackets)", "",
                 "| N | floor (its client ÷ its server) | torch's BARRIER load ÷ torch's server "
                 "| TCPStore BARRIER load ÷ rallypoint | native, client library ÷ rallypoint "
-                "| native, bare client ÷ rallypoint | native, raw clients ÷ rallypoint |",
-                "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                "| native, bare client ÷ rallypoint | native, raw clients ÷ rallypoint "
+                "| torch's BARRIER, raw clients ÷ torch's server |",
+                "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
         for n in direct_ns:
             cells = []
             for run, server in kinds:
@@ -240,8 +244,9 @@ def report(path):
             out += ["### Direct connections: TCP segments per rank-round, of them pure ACKs "
                     "(median over runs, over the measured rounds)", "",
                     "| N | floor | torch's BARRIER on torch | TCPStore BARRIER on rallypoint "
-                    "| native, client library | native, bare client | native, raw clients |",
-                    "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+                    "| native, client library | native, bare client | native, raw clients "
+                    "| torch's BARRIER, raw clients |",
+                    "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
             for n in direct_ns:
                 cells = []
                 for run, server in kinds:

@@ -78,11 +78,11 @@ pub struct Args {
     /// with the same run without `--bare`. Native protocol, `--op barrier`, one process
     #[arg(long)]
     bare: bool,
-    /// Native barrier clients that cost what the floor's do (`--op floor`): a thread
-    /// per core with epoll over its share of the sockets, no runtime, no client
-    /// library, no heartbeats. The round against the floor's is then what the
-    /// coordinator costs over a server that only reads and writes. Native protocol,
-    /// `--op barrier`, one process
+    /// Barrier clients that cost what the floor's do (`--op floor`): a thread per
+    /// core with epoll over its share of the sockets, no runtime, no client library,
+    /// no heartbeats. The round against the floor's is then what the server costs
+    /// over one that only reads and writes. Native or TCPStore (against torch's server
+    /// too), `--op barrier`, one process
     #[arg(long, conflicts_with = "bare")]
     raw: bool,
     /// Native clients are the blocking client, each on its own thread (as a rank
@@ -195,8 +195,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if args.bare && (args.protocol != Protocol::Native || args.procs > 1 || args.op != Op::Barrier) {
         bail!("--bare is for native barrier rounds from one process (no --procs, --op barrier)");
     }
-    if args.raw && (args.protocol != Protocol::Native || args.procs > 1 || args.op != Op::Barrier) {
-        bail!("--raw is for native barrier rounds from one process (no --procs, --op barrier)");
+    if args.raw && (args.procs > 1 || args.op != Op::Barrier) {
+        bail!("--raw is for barrier rounds from one process (no --procs, --op barrier)");
     }
     if args.op == Op::Floor {
         return run_floor(&args).await;
@@ -452,16 +452,20 @@ async fn measure_raw(args: &Args, target: &Target, sources: Sources) -> anyhow::
     let timeout = Duration::from_secs_f64(args.timeout);
     let server_pid = target.server_pid().or(args.server_pid);
     let (warmup, total) = (args.warmup as usize, (args.warmup + args.rounds) as usize);
+    let protocol = args.protocol;
     if !args.json {
-        eprintln!("connecting {n} raw clients to {addr} ...");
+        eprintln!("connecting {n} raw {} clients to {addr} ...", protocol_name(protocol));
     }
     let (times, connecting, server_before) = tokio::task::spawn_blocking(move || {
         let started = Instant::now();
         let conns = (0..n)
             .map(|rank| {
-                let identity = Identity::ranked(&job, rank, n);
-                raw::connect(addr, sources.of(rank), identity, timeout)
-                    .with_context(|| format!("connecting raw native client {rank}"))
+                let (source, what) = (sources.of(rank), || format!("connecting raw client {rank}"));
+                match protocol {
+                    Protocol::Native => raw::connect(addr, source, Identity::ranked(&job, rank, n), timeout),
+                    Protocol::Tcpstore => raw::connect_store(addr, source, timeout),
+                }
+                .with_context(what)
             })
             .collect::<anyhow::Result<Vec<_>>>()?;
         let connecting = started.elapsed();
@@ -469,9 +473,18 @@ async fn measure_raw(args: &Args, target: &Target, sources: Sources) -> anyhow::
         std::thread::sleep(Duration::from_millis(500));
         let sample = server_pid.map(|pid| Box::new(move || (process_cpu_ns(Some(pid)), TcpCounts::read())) as _);
         let server_before = server_pid.and_then(|pid| process_cpu_ns(Some(pid)));
-        let wires = |share| raw::Native::new(share, "bench", timeout);
-        floor::run_clients(conns, wires, (warmup, total), timeout, sample)
-            .map(|times| (times, connecting, server_before))
+        let rounds = (warmup, total);
+        let times = match protocol {
+            Protocol::Native => {
+                floor::run_clients(conns, |share| raw::Native::new(share, "bench", timeout), rounds, timeout, sample)
+            }
+            // BARRIER's counter never resets: every round needs its own key.
+            Protocol::Tcpstore => {
+                let prefix = format!("/rpbench/{job}/raw/");
+                floor::run_clients(conns, |share| raw::Store::new(share, &prefix, n), rounds, timeout, sample)
+            }
+        };
+        times.map(|times| (times, connecting, server_before))
     })
     .await??;
     let mut report = report(args, sources, times.start_ns, &times.round_end_ns, ms(connecting), (None, None, None))?;

@@ -1,11 +1,12 @@
-//! `bench barrier --raw`: rallypoint's native barrier from clients that cost what
-//! the floor's do (module `floor`): a thread per core, each with epoll over its share
-//! of blocking-connected sockets, an arrival written and a release read per socket
-//! and round, no runtime, no client library, no heartbeats. Only the bytes differ
-//! from the floor's: a barrier request's frame each way in, a reply's frame out.
-//! The round against the floor's then tells what the coordinator costs over a
-//! server that reads 16 bytes and writes 16, with the load generator's own cost
-//! (tokio tasks, the library) taken out.
+//! `bench barrier --raw`: a barrier from clients that cost what the floor's do
+//! (module `floor`): a thread per core, each with epoll over its share of
+//! blocking-connected sockets, an arrival written and a release read per socket and
+//! round, no runtime, no client library, no heartbeats. Only the bytes differ from
+//! the floor's: rallypoint's native barrier request and reply frames, or torch's
+//! BARRIER request and its one-byte answer. The round against the floor's then
+//! tells what the server costs over one that reads 16 bytes and writes 16, with the
+//! load generator's own cost (tokio tasks, the library) taken out, for our
+//! coordinator and torch's server alike.
 
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpStream};
@@ -19,8 +20,23 @@ use rallypoint_proto::native::{
     decode_server_frame, encode_client_frame, encode_preamble, encode_request_frame, ClientFrame, FrameLimits,
     ServerFrame,
 };
+use rallypoint_proto::tcpstore::{encode_command, Command, VALIDATE_MAGIC};
 
 use crate::floor::Wire;
+
+/// A blocking connection to `addr` from `source` (if given), without Nagle's delay,
+/// whose reads give up after `timeout`.
+fn dial(addr: SocketAddr, source: Option<IpAddr>, timeout: Duration) -> anyhow::Result<TcpStream> {
+    let socket = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, None)?;
+    if let Some(ip) = source {
+        socket.bind(&SocketAddr::new(ip, 0).into())?;
+    }
+    socket.connect_timeout(&addr.into(), timeout)?;
+    let conn = TcpStream::from(socket);
+    conn.set_nodelay(true)?;
+    conn.set_read_timeout(Some(timeout))?;
+    Ok(conn)
+}
 
 /// Connects to the coordinator at `addr` (from `source`, if given) and says hello as
 /// `identity` (with this host, pid and incarnation, as the bare client says it);
@@ -31,14 +47,7 @@ pub(crate) fn connect(
     identity: Identity,
     timeout: Duration,
 ) -> anyhow::Result<TcpStream> {
-    let socket = socket2::Socket::new(socket2::Domain::for_address(addr), socket2::Type::STREAM, None)?;
-    if let Some(ip) = source {
-        socket.bind(&SocketAddr::new(ip, 0).into())?;
-    }
-    socket.connect_timeout(&addr.into(), timeout)?;
-    let mut conn = TcpStream::from(socket);
-    conn.set_nodelay(true)?;
-    conn.set_read_timeout(Some(timeout))?;
+    let mut conn = dial(addr, source, timeout)?;
     let mut out = BytesMut::new();
     encode_preamble(&mut out);
     encode_client_frame(&ClientFrame::Hello(crate::bare::as_library_says(identity)), &mut out);
@@ -131,5 +140,60 @@ impl Wire for Native {
             }
         }
         Ok(())
+    }
+}
+
+/// Connects to a TCPStore server at `addr` (from `source`, if given) as torch 2.15's
+/// client does: VALIDATE with the magic, then PING with the pid, whose echo is checked.
+pub(crate) fn connect_store(addr: SocketAddr, source: Option<IpAddr>, timeout: Duration) -> anyhow::Result<TcpStream> {
+    let mut conn = dial(addr, source, timeout)?;
+    let nonce = std::process::id();
+    let mut out = BytesMut::new();
+    encode_command(&Command::Validate { magic: VALIDATE_MAGIC }, &mut out);
+    encode_command(&Command::Ping { nonce }, &mut out);
+    conn.write_all(&out)?;
+    let mut echo = [0u8; 4];
+    conn.read_exact(&mut echo).context("reading the answer to PING")?;
+    ensure!(u32::from_le_bytes(echo) == nonce, "PING echoed {}, not {nonce}", u32::from_le_bytes(echo));
+    Ok(conn)
+}
+
+/// A thread's share of TCPStore connections: each round, a BARRIER request (type
+/// 18) of `world_size` on a key of its own (the counter never resets), answered by
+/// one byte, STOP_WAITING.
+pub(crate) struct Store {
+    prefix: String,
+    world_size: i64,
+    /// Each connection's rounds so far.
+    rounds: Vec<u64>,
+    out: BytesMut,
+}
+
+impl Store {
+    pub(crate) fn new(share: usize, prefix: &str, world_size: u32) -> Store {
+        Store {
+            prefix: prefix.to_owned(),
+            world_size: i64::from(world_size),
+            rounds: vec![0; share],
+            out: BytesMut::new(),
+        }
+    }
+}
+
+impl Wire for Store {
+    fn arrive(&mut self, i: usize, mut conn: &TcpStream) -> anyhow::Result<()> {
+        let key = format!("{}{}", self.prefix, self.rounds[i]);
+        self.rounds[i] += 1;
+        self.out.clear();
+        encode_command(&Command::Barrier { key: key.into(), world_size: self.world_size }, &mut self.out);
+        // A small request into a socket whose peer read everything before: always whole.
+        ensure!(conn.write(&self.out)? == self.out.len(), "a request did not fit into its socket");
+        Ok(())
+    }
+
+    fn take(&mut self, i: usize, bytes: &[u8]) -> anyhow::Result<bool> {
+        // One request in flight: its answer is one byte, and nothing else comes.
+        ensure!(bytes == [0], "BARRIER on connection {i} answered {bytes:?} instead of STOP_WAITING");
+        Ok(true)
     }
 }

@@ -63,42 +63,43 @@ fn barrier_of_4096_native_clients() {
     assert!(report["median_us"].as_f64().is_some_and(|us| us > 0.0), "{report}");
 }
 
-/// The native barrier spoken without the client library (`--bare`: tokio tasks;
-/// `--raw`: the floor's client threads): the run succeeds only if every round was
-/// released with its own reply, and the report says which client ran and carries
-/// both sides' CPU (the server's started by the benchmark; `--raw` samples it from
-/// the load), over all rounds and over the measured ones.
+/// Barriers spoken without the client library (`--bare`: tokio tasks, native;
+/// `--raw`: the floor's client threads, native and TCPStore): the run succeeds only
+/// if every round was released with its own reply, and the report says which client
+/// ran and carries both sides' CPU (the server's started by the benchmark; `--raw`
+/// samples it from the load), over all rounds and over the measured ones.
 #[test]
-fn bare_and_raw_native_barriers_run_every_round() {
-    for client in ["bare", "raw"] {
+fn bare_and_raw_barriers_run_every_round() {
+    for (client, protocol) in [("bare", "native"), ("raw", "native"), ("raw", "tcpstore")] {
         let flag = format!("--{client}");
-        let report = bench(&["barrier", &flag, "--clients", "256", "--rounds", "20", "--warmup", "2"]);
+        let args = ["barrier", &flag, "--protocol", protocol, "--clients", "256", "--rounds", "20", "--warmup", "2"];
+        let report = bench(&args);
         assert_eq!((report[client].as_bool(), report["clients"].as_u64()), (Some(true), Some(256)), "{report}");
         assert!(report["median_us"].as_f64().is_some_and(|us| us > 0.0), "{report}");
         for side in ["server", "client"] {
             for window in ["", "measured_"] {
                 let cpu = &report[format!("{side}_cpu_us_per_{window}rank_round")];
-                assert!(cpu.as_f64().is_some_and(|us| us > 0.0), "{client} {side} {window}: {report}");
+                assert!(cpu.as_f64().is_some_and(|us| us > 0.0), "{client} {protocol} {side} {window}: {report}");
             }
         }
     }
 }
 
-/// `--bare` and `--raw` are the native barrier from one process: anything else is
-/// refused by name.
+/// `--bare` is the native barrier from one process, `--raw` a barrier of either
+/// protocol from one process: anything else is refused by name.
 #[test]
 fn bare_and_raw_clients_refuse_what_they_cannot_run() {
-    for client in ["--bare", "--raw"] {
-        for extra in [&["--protocol", "tcpstore"][..], &["--op", "ping"], &["--op", "floor"], &["--procs", "2"]] {
-            let out = Command::new(BIN)
-                .args(["barrier", client, "--clients", "4", "--rounds", "1"])
-                .args(extra)
-                .output()
-                .expect("run rallypoint bench");
-            let err = String::from_utf8_lossy(&out.stderr);
-            let refused = format!("{client} is for native barrier rounds");
-            assert!(!out.status.success() && err.contains(&refused), "{client} {extra:?}: {err}");
-        }
+    let neither = [&["--op", "ping"][..], &["--op", "floor"], &["--procs", "2"]];
+    let bare = neither.iter().copied().chain([&["--protocol", "tcpstore"][..]]).map(|extra| ("--bare", extra));
+    for (client, extra) in bare.chain(neither.iter().map(|extra| ("--raw", *extra))) {
+        let out = Command::new(BIN)
+            .args(["barrier", client, "--clients", "4", "--rounds", "1"])
+            .args(extra)
+            .output()
+            .expect("run rallypoint bench");
+        let err = String::from_utf8_lossy(&out.stderr);
+        let refused = format!("{client} is for ");
+        assert!(!out.status.success() && err.contains(&refused), "{client} {extra:?}: {err}");
     }
 }
 
