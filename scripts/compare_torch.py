@@ -193,8 +193,12 @@ def report(path):
                               f"{sum(r >= 1.0 for r in rs)} of {len(rs)} runs at 1.0× or more")
         if by_run:
             out += [""] + by_run
+        out += ["", "(ratios of the medians over runs; target: torch ÷ native ≥ 1.0×, native ÷ floor ≤ 1.1×, "
+                "and the load generator's CPU below the server's. The bare client speaks the native protocol "
+                "without the client library, as the TCPStore load speaks torch's: what the library costs "
+                "is the difference. CPU over the measured rounds where the run reports it, else over all)", ""]
         if any(pick("direct-native-raw", "rallypoint", n) for n in direct_ns):
-            out += ["", "### Direct connections: the servers with the floor's clients (`--raw`), "
+            out += ["### Direct connections: the servers with the floor's clients (`--raw`), "
                     "against the floor", "",
                     "| N | floor | native, raw clients | raw ÷ floor | torch's BARRIER on torch, raw clients "
                     "| ÷ floor | torch ÷ native, both raw | CPU µs per rank-round: floor's server / rallypoint "
@@ -216,12 +220,8 @@ def report(path):
                            f"| {cpus(floors, server_cpu)} / {cpus(raws, server_cpu)} / {cpus(traws, server_cpu)} "
                            f"| {cpus(floors, load_cpu)} / {cpus(raws, load_cpu)} / {cpus(traws, load_cpu)} |")
             out += ["", "(the raw clients cost what the floor's do: what a raw round takes over the floor's "
-                    "is its server's own, the rest of the native round's over it the load generator's)"]
-        out += ["", "(ratios of the medians over runs; target: torch ÷ native ≥ 1.0×, native ÷ floor ≤ 1.1×, "
-                "and the load generator's CPU below the server's. The bare client speaks the native protocol "
-                "without the client library, as the TCPStore load speaks torch's: what the library costs "
-                "is the difference. CPU over the measured rounds where the run reports it, else over all)", ""]
-        # The five loads of a pass, in the columns' order of the tables below.
+                    "is its server's own, the rest of the native round's over it the load generator's)", ""]
+        # The seven loads of a pass, in the columns' order of the tables below.
         kinds = (("direct-floor", "none"), ("direct-barrier", "torch"), ("direct-barrier", "rallypoint"),
                  ("direct-native", "rallypoint"), ("direct-native-bare", "rallypoint"),
                  ("direct-native-raw", "rallypoint"), ("direct-barrier-raw", "torch"))
