@@ -302,9 +302,13 @@ fn write_each(conns: &[TcpStream], byte: u8) -> anyhow::Result<()> {
 
 /// Writes one message of `byte`s on `conn`.
 fn write_message(conn: &mut &TcpStream, byte: u8) -> anyhow::Result<()> {
-    let written = conn.write(&[byte; MESSAGE])?;
-    // 16 bytes into a socket whose peer read everything before: always whole.
-    ensure!(written == MESSAGE, "a message did not fit into its socket");
+    write_whole(conn, &[byte; MESSAGE])
+}
+
+/// Writes `bytes`, a small message, on `conn` with one write: into a socket whose
+/// peer read everything before, always whole.
+pub(crate) fn write_whole(mut conn: &TcpStream, bytes: &[u8]) -> anyhow::Result<()> {
+    ensure!(conn.write(bytes)? == bytes.len(), "a message did not fit into its socket");
     Ok(())
 }
 

@@ -22,7 +22,7 @@ use rallypoint_proto::native::{
 };
 use rallypoint_proto::tcpstore::{encode_command, Command, VALIDATE_MAGIC};
 
-use crate::floor::Wire;
+use crate::floor::{write_whole, Wire};
 
 /// A blocking connection to `addr` from `source` (if given), without Nagle's delay,
 /// whose reads give up after `timeout`.
@@ -52,15 +52,15 @@ pub(crate) fn connect(
     encode_preamble(&mut out);
     encode_client_frame(&ClientFrame::Hello(crate::bare::as_library_says(identity)), &mut out);
     conn.write_all(&out)?;
-    match read_frame(&mut conn, &mut BytesMut::new())? {
+    match read_frame(&conn, &mut BytesMut::new())? {
         ServerFrame::Welcome(_) => Ok(conn),
         ServerFrame::Refused(error) => bail!("refused: {error}"),
         _ => bail!("expected a welcome"),
     }
 }
 
-/// The next whole frame from a blocking connection.
-fn read_frame(conn: &mut TcpStream, buf: &mut BytesMut) -> anyhow::Result<ServerFrame> {
+/// The next whole frame from a blocking connection (`buf` holds what came of it).
+fn read_frame(mut conn: &TcpStream, buf: &mut BytesMut) -> anyhow::Result<ServerFrame> {
     let mut chunk = [0u8; 256];
     loop {
         if let Some(frame) = decode_server_frame(buf, &FrameLimits::unbounded())? {
@@ -95,23 +95,19 @@ impl Native {
     }
 
     /// Writes `request` as connection `i`'s next call.
-    fn send(&mut self, i: usize, mut conn: &TcpStream, request: &Request) -> anyhow::Result<()> {
+    fn send(&mut self, i: usize, conn: &TcpStream, request: &Request) -> anyhow::Result<()> {
         self.ids[i] += 1;
         self.out.clear();
         encode_request_frame(self.ids[i], request, &mut self.out);
-        // A small frame into a socket whose peer read everything before: always whole.
-        ensure!(conn.write(&self.out)? == self.out.len(), "a request did not fit into its socket");
-        Ok(())
+        write_whole(conn, &self.out)
     }
 
-    /// Connection `i`'s reply, if whole in what was read: it must answer its last
-    /// request with `Done`.
-    fn reply(&mut self, i: usize) -> anyhow::Result<Option<()>> {
-        match decode_server_frame(&mut self.read[i], &FrameLimits::unbounded())? {
-            None => Ok(None),
-            Some(ServerFrame::Reply { id, reply: Ok(Response::Done) }) if id == self.ids[i] => Ok(Some(())),
-            Some(ServerFrame::Reply { id, reply }) => bail!("request {id} of connection {i} answered {reply:?}"),
-            Some(_) => bail!("connection {i} got a frame other than a reply"),
+    /// Checks `frame`, read on connection `i`: it must answer its last request with `Done`.
+    fn answered(&self, i: usize, frame: ServerFrame) -> anyhow::Result<()> {
+        match frame {
+            ServerFrame::Reply { id, reply: Ok(Response::Done) } if id == self.ids[i] => Ok(()),
+            ServerFrame::Reply { id, reply } => bail!("request {id} of connection {i} answered {reply:?}"),
+            _ => bail!("connection {i} got a frame other than a reply"),
         }
     }
 }
@@ -124,20 +120,17 @@ impl Wire for Native {
 
     fn take(&mut self, i: usize, bytes: &[u8]) -> anyhow::Result<bool> {
         self.read[i].extend_from_slice(bytes);
-        Ok(self.reply(i)?.is_some())
+        let frame = decode_server_frame(&mut self.read[i], &FrameLimits::unbounded())?;
+        frame.map(|frame| self.answered(i, frame)).transpose().map(|answered| answered.is_some())
     }
 
     /// Leaves, as a closed client does, so that the coordinator does not count the
     /// ranks as lost (and does that work while the next benchmark runs).
     fn finish(&mut self, conns: &[TcpStream]) -> anyhow::Result<()> {
-        for (i, mut conn) in conns.iter().enumerate() {
+        for (i, conn) in conns.iter().enumerate() {
             self.send(i, conn, &Request::Leave)?;
-            let mut chunk = [0u8; 256];
-            while self.reply(i)?.is_none() {
-                let got = conn.read(&mut chunk).context("reading the answer to a leave")?;
-                ensure!(got > 0, "the coordinator closed a connection before answering its leave");
-                self.read[i].extend_from_slice(&chunk[..got]);
-            }
+            let frame = read_frame(conn, &mut self.read[i]).context("reading the answer to a leave")?;
+            self.answered(i, frame)?;
         }
         Ok(())
     }
@@ -181,14 +174,12 @@ impl Store {
 }
 
 impl Wire for Store {
-    fn arrive(&mut self, i: usize, mut conn: &TcpStream) -> anyhow::Result<()> {
+    fn arrive(&mut self, i: usize, conn: &TcpStream) -> anyhow::Result<()> {
         let key = format!("{}{}", self.prefix, self.rounds[i]);
         self.rounds[i] += 1;
         self.out.clear();
         encode_command(&Command::Barrier { key: key.into(), world_size: self.world_size }, &mut self.out);
-        // A small request into a socket whose peer read everything before: always whole.
-        ensure!(conn.write(&self.out)? == self.out.len(), "a request did not fit into its socket");
-        Ok(())
+        write_whole(conn, &self.out)
     }
 
     fn take(&mut self, i: usize, bytes: &[u8]) -> anyhow::Result<bool> {

@@ -557,6 +557,11 @@ impl ChannelCalls {
 }
 
 impl Pending {
+    /// The connection's end, as every later call learns it, if it ended for good.
+    fn still_open(&self) -> Result<(), Error> {
+        self.closed.as_ref().map_or(Ok(()), |closed| Err(closed.error()))
+    }
+
     /// Keeps call `id`'s request, written as `frame` (see [`Held::keep_written`]);
     /// gives the request back unless it is kept as it is.
     fn keep_written(&mut self, id: u64, frame: &[u8], request: Request) -> Option<Request> {
@@ -885,9 +890,7 @@ impl Link {
     fn begin_call(&self, limit: Duration) -> Result<(MutexGuard<'_, Pending>, u64, Instant), Error> {
         let deadline = Instant::now() + limit.min(LONGEST_WAIT);
         let pending = self.lock();
-        if let Some(closed) = &pending.closed {
-            return Err(closed.error());
-        }
+        pending.still_open()?;
         Ok((pending, self.next_id(), deadline))
     }
 
@@ -904,9 +907,7 @@ impl Link {
         if let Some(reply) = pending.channel_calls.take_adopted(id) {
             return Ok(reply);
         }
-        if let Some(closed) = &pending.closed {
-            return Err(closed.error());
-        }
+        pending.still_open()?;
         let deadline = Instant::from_std(deadline).min(Instant::now() + LONGEST_WAIT);
         let (reply, registered) = self.insert_cell(&mut pending, id, deadline, limit);
         drop(pending);
@@ -1031,8 +1032,7 @@ impl Link {
         let id = self.next_id();
         encode_request_frame(id, &request, &mut buf);
         let mut pending = self.lock();
-        if let Some(closed) = &pending.closed {
-            let error = closed.error();
+        if let Err(error) = pending.still_open() {
             drop(pending);
             drop(direct);
             return_encoded(buf);
