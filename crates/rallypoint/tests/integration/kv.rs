@@ -1,10 +1,11 @@
+use std::future::Future;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use rallypoint::{Error, Identity, OpError};
+use rallypoint::{Config, Error, Identity, OpError};
 use tokio::task::JoinSet;
 
-use crate::common::{bounded, connect, start_confirmed, start_server};
+use crate::common::{bounded, connect, start_confirmed, start_server, start_server_with};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn key_value_operations_end_to_end() {
@@ -170,4 +171,119 @@ async fn concurrent_calls_on_one_client_multi_thread() {
 #[tokio::test(flavor = "current_thread")]
 async fn concurrent_calls_on_one_client_current_thread() {
     concurrent_calls_on_one_client_get_their_own_replies().await;
+}
+
+/// A small deterministic generator: each task's choices follow from its seed.
+struct Choices(u64);
+
+impl Choices {
+    fn below(&mut self, n: u64) -> u64 {
+        // xorshift64*: enough spread for picking steps and delays.
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+    }
+}
+
+/// Polls `future` once, then hands it back, still pending or not.
+async fn polled_once<F: Future + Unpin>(mut future: F) -> F {
+    std::future::poll_fn(|cx| {
+        let _ = std::pin::Pin::new(&mut future).poll(cx);
+        std::task::Poll::Ready(())
+    })
+    .await;
+    future
+}
+
+/// Calls on one client from many tasks, dropped at random points of their wait:
+/// while one reads the socket for everyone, while others wait behind it, held
+/// polled once and unpolled while the same task calls again, or after their reply
+/// came. Reading and the link's own cell must always pass on: every call that is
+/// kept gets its own reply, nothing waits for good, and the client serves on.
+/// Without a lease the connection's task has no heartbeat to run for, so a read
+/// handed to nobody would leave the calls behind it waiting until the bound.
+async fn calls_dropped_at_random_leave_nothing_waiting(seed: u64) {
+    const TASKS: u64 = 8;
+    const STEPS: u64 = 250;
+    let server = start_server_with(Config { lease_ms: 0, ..Config::default() }).await;
+    let c = connect(&server, Identity::anonymous("kv")).await;
+    let mut tasks = JoinSet::new();
+    for t in 0..TASKS {
+        let c = c.clone();
+        tasks.spawn(async move {
+            let mut choose = Choices(seed ^ (t + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15));
+            let mut exact = Vec::new();
+            for step in 0..STEPS {
+                match choose.below(5) {
+                    // Kept: the reply must be this call's.
+                    0 => exact.push(c.add("exact", 1).await.expect("add")),
+                    // Dropped after up to 0.4 ms: whatever it was doing by then.
+                    1 => {
+                        let within = Duration::from_micros(choose.below(400));
+                        if let Ok(added) = tokio::time::timeout(within, c.add("maybe", 1)).await {
+                            assert!(added.expect("add") >= 1);
+                        }
+                    }
+                    // Never answered before it is dropped (or times out on the server).
+                    2 => {
+                        let within = Duration::from_micros(choose.below(2_000));
+                        let never = format!("never/{t}");
+                        let waited = Duration::from_millis(1 + choose.below(3));
+                        if let Ok(got) = tokio::time::timeout(within, c.get(&never, Some(waited))).await {
+                            match got {
+                                Err(Error::Op(OpError::KeyTimeout { .. })) => {}
+                                other => panic!("task {t} step {step}: expected KeyTimeout, got {other:?}"),
+                            }
+                        }
+                    }
+                    // Polled once, held while the same task calls again, then dropped.
+                    3 => {
+                        let held = polled_once(Box::pin(c.add("maybe", 1))).await;
+                        exact.push(c.add("exact", 1).await.expect("add behind a held call"));
+                        if choose.below(2) == 0 {
+                            tokio::task::yield_now().await;
+                        }
+                        drop(held);
+                    }
+                    // A value of its own, read back.
+                    _ => {
+                        let own = format!("own/{t}");
+                        c.set(&own, step.to_string()).await.expect("set");
+                        assert_eq!(c.get(&own, None).await.expect("get"), step.to_string().as_bytes());
+                    }
+                }
+            }
+            exact
+        });
+    }
+    let mut all = Vec::new();
+    bounded("calls dropped at random", async {
+        while let Some(exact) = tasks.join_next().await {
+            all.extend(exact.expect("task"));
+        }
+    })
+    .await;
+    // Each kept add returned a distinct count: 1 ..= their number, each once.
+    all.sort_unstable();
+    let kept = i64::try_from(all.len()).expect("count");
+    assert_eq!(all, (1..=kept).collect::<Vec<_>>());
+    // The client still serves, every call given up having left it.
+    assert_eq!(bounded("a call after them", c.add("exact", 0)).await.expect("add"), kept);
+    bounded("a ping after them", c.ping()).await.expect("ping");
+    server.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_dropped_at_random_multi_thread() {
+    for seed in [1, 2] {
+        calls_dropped_at_random_leave_nothing_waiting(seed).await;
+    }
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn calls_dropped_at_random_current_thread() {
+    for seed in [3, 4] {
+        calls_dropped_at_random_leave_nothing_waiting(seed).await;
+    }
 }
