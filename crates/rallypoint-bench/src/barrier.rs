@@ -918,16 +918,29 @@ fn protocol_name(protocol: Protocol) -> &'static str {
 }
 
 fn print_text(r: &Report) {
-    println!(
-        "{} over {}, {} clients in {} process(es), {} rounds (+{} warm-up); connecting took {:.0} ms",
-        op_name(r.op),
-        r.protocol.map_or("bare sockets", protocol_name),
-        r.clients,
-        r.procs,
-        r.rounds,
-        r.warmup_rounds,
-        r.connect_ms
-    );
+    if r.op == Op::WakeFloor {
+        println!(
+            "wake-floor: {} rank processes counting in one shared word, released by one futex wake (no server, \
+             no sockets), {} rounds (+{} warm-up)",
+            r.procs, r.rounds, r.warmup_rounds
+        );
+    } else {
+        let clients = match (r.raw, r.bare) {
+            (true, _) => "raw clients (the floor's threads, no runtime, no library)",
+            (_, true) => "bare clients (no library)",
+            _ => "clients",
+        };
+        println!(
+            "{} over {}, {} {clients} in {} process(es), {} rounds (+{} warm-up); connecting took {:.0} ms",
+            op_name(r.op),
+            r.protocol.map_or("bare sockets", protocol_name),
+            r.clients,
+            r.procs,
+            r.rounds,
+            r.warmup_rounds,
+            r.connect_ms
+        );
+    }
     if let Some(each) = r.names_before_ms_each {
         println!("before them, {} barriers named afresh: {each:.3} ms each", r.names_before);
     }

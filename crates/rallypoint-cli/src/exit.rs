@@ -1,6 +1,7 @@
 //! Exit codes of the `rallypoint` command, and which error gets which.
 
 use std::fmt;
+use std::io::Write;
 
 use rallypoint_client::{Error, OpError, TlsError, TokenError};
 
@@ -143,4 +144,47 @@ pub fn render(err: &anyhow::Error) -> String {
         line.push_str(&text);
     }
     line
+}
+
+/// Writes `text` and a newline to stderr in one write: `eprintln!` writes its pieces
+/// one by one, and the lines of ranks sharing a terminal interleaved mid-line.
+pub fn say(text: impl fmt::Display) {
+    let _ = say_to(&mut std::io::stderr().lock(), text);
+}
+
+fn say_to(out: &mut impl Write, text: impl fmt::Display) -> std::io::Result<()> {
+    out.write_all(format!("{text}\n").as_bytes())
+}
+
+/// An error as every error of the command starts: `rallypoint: `, then `message`.
+pub fn report(message: impl fmt::Display) {
+    say(format_args!("rallypoint: {message}"));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::say_to;
+
+    /// Records each write it is given, as the kernel would see them.
+    #[derive(Default)]
+    struct Writes(Vec<Vec<u8>>);
+
+    impl std::io::Write for Writes {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.push(buf.to_vec());
+            Ok(buf.len())
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_line_goes_out_in_one_write() {
+        let mut out = Writes::default();
+        let rank = 3;
+        say_to(&mut out, format_args!("rallypoint: rank {rank} is lost")).expect("write");
+        assert_eq!(out.0, vec![b"rallypoint: rank 3 is lost\n".to_vec()]);
+    }
 }

@@ -65,7 +65,17 @@ enum Command {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        // --help and --version: not errors, on stdout.
+        Err(error) if !error.use_stderr() => error.exit(),
+        Err(error) => {
+            // The parser's own "error: " gives way to the name every error starts with.
+            let text = error.render().to_string();
+            exit::report(text.strip_prefix("error: ").unwrap_or(&text).trim_end());
+            return ExitCode::from(exit::Exit::Usage as u8);
+        }
+    };
     if matches!(cli.command, Command::Serve(_) | Command::Agent(_) | Command::Launch(_)) {
         limit_malloc_arenas();
     }
@@ -99,7 +109,7 @@ fn main() -> ExitCode {
         // The launcher exits with its first failed worker's code (128 + signal for a signal).
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(err) => {
-            eprintln!("rallypoint: {}", exit::render(&err));
+            exit::report(exit::render(&err));
             ExitCode::from(exit::code_of(&err) as u8)
         }
     }

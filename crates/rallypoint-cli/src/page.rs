@@ -67,10 +67,10 @@ impl LaunchObserver for LaunchPage {
         config.insecure = self.insecure;
         match HttpServer::bind(config, observer, Some(Arc::clone(&self.panel))) {
             Ok(server) => {
-                eprintln!("{}", announce(&server, token.as_deref(), !self.token_given));
+                crate::exit::say(announce(&server, token.as_deref(), !self.token_given));
                 *self.handle.lock().unwrap_or_else(|e| e.into_inner()) = Some(server.spawn());
             }
-            Err(error) => eprintln!("rallypoint: {error}; going on without it"),
+            Err(error) => crate::exit::report(format_args!("{error}; going on without it")),
         }
     }
 

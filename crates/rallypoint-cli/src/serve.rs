@@ -144,7 +144,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             http.insecure = args.insecure;
             let page = HttpServer::bind(http, server.observer(), None)?;
             // The user gave the token: the link does not show it.
-            eprintln!("{}", crate::page::announce(&page, token.as_deref(), false));
+            crate::exit::say(crate::page::announce(&page, token.as_deref(), false));
             Some(page.spawn())
         }
         None => None,

@@ -552,7 +552,7 @@ async fn collective(conn: &Conn, members: &MembersArgs, what: &str) -> anyhow::R
 /// Connects, saying on stderr after a second, and then now and again, that it is
 /// still trying and why: a verb waiting for a coordinator not up yet looks hung otherwise.
 pub(crate) async fn connect(settings: &Settings) -> Result<Client, Error> {
-    Client::connect_saying(settings.connect_options(), |line| eprintln!("{line}")).await
+    Client::connect_saying(settings.connect_options(), crate::exit::say).await
 }
 
 /// Leaves cleanly whatever the operation's outcome, so the coordinator counts this

@@ -260,6 +260,8 @@ fn usage_errors_exit_2_and_name_the_bad_value() {
         });
         assert_code(&run, 2);
         assert!(run.stderr.contains(needle), "{args:?}: stderr should name {needle:?}: {run:#?}");
+        // The argument parser's errors start as every other error does.
+        assert!(run.stderr.starts_with("rallypoint: "), "{args:?}: {run:#?}");
     }
 
     // A bad value in the environment is named too.

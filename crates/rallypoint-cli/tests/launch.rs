@@ -1140,6 +1140,12 @@ fn the_launcher_says_where_its_coordinator_is_and_status_finds_it() {
         "{}",
         status.stdout
     );
+    assert!(status.stdout.contains("(`rallypoint status --stacks` shows what they run)"), "{}", status.stdout);
+    // Asked for the stacks, it shows them rather than pointing to itself.
+    let stacks = verb(&["status", "--job", "idle", "--stacks"], &env);
+    assert_eq!(stacks.status.code(), Some(0), "{}", stacks.stderr);
+    assert!(stacks.stdout.contains("has connected to the coordinator"), "{}", stacks.stdout);
+    assert!(!stacks.stdout.contains("shows what they run"), "{}", stacks.stdout);
     std::fs::write(dir.join("stop.idle"), b"").expect("stop the idle worker");
     assert_eq!(idle.finish().code, Some(0));
     std::fs::remove_file(dir.join("coord.idle")).expect("the idle launcher's file");

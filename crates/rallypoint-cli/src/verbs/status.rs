@@ -125,12 +125,14 @@ async fn show(client: &Client, settings: &Settings, what: What) -> Result<String
         (n, true) => format!("{n} jobs"),
         (n, false) => format!("more than {} jobs; the first {n}", n - 1),
     };
+    // Asked for: the stacks above show what the workers run.
+    let hint = if stacks.is_some() { "" } else { " (`rallypoint status --stacks` shows what they run)" };
     let stacks = stacks.map(|c| c.render(&rallypoint_stacks::Render::default())).unwrap_or_default();
     // Launched, and no process of the job ever connected: its zeros are not a hang.
     let unconnected = if launched && !jobs.contains(&settings.job) {
         format!(
             "no process of job '{}' has connected to the coordinator: its launchers run it (job '{}/launch'), and \
-             workers that do not use rallypoint never connect (`rallypoint status --stacks` shows what they run)\n",
+             workers that do not use rallypoint never connect{hint}\n",
             settings.job, settings.job
         )
     } else {
