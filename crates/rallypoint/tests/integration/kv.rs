@@ -147,20 +147,28 @@ async fn concurrent_calls_on_one_client_get_their_own_replies() {
             seen
         });
     }
-    let mut all = Vec::new();
-    bounded("concurrent calls", async {
-        while let Some(seen) = tasks.join_next().await {
-            all.extend(seen.expect("task"));
-        }
-    })
-    .await;
-    // Each add returned a distinct count: 1 ..= TASKS * ADDS, each once.
-    all.sort_unstable();
-    assert_eq!(all, (1..=TASKS * ADDS).collect::<Vec<_>>());
+    assert_eq!(distinct_counts("concurrent calls", tasks).await, TASKS * ADDS);
     bounded("close", c.close()).await.expect("close");
     let other = connect(&server, Identity::anonymous("kv")).await;
     assert_eq!(other.add("shared", 0).await.expect("read counter"), TASKS * ADDS);
     server.shutdown().await;
+}
+
+/// Joins `tasks` (bounded, as `what`), each returning the counts its adds of 1 to
+/// one key returned, and checks that every count from 1 to their number came
+/// once: no reply was crossed between calls, lost or given twice. Their number.
+async fn distinct_counts(what: &str, mut tasks: JoinSet<Vec<i64>>) -> i64 {
+    let mut all = Vec::new();
+    bounded(what, async {
+        while let Some(counts) = tasks.join_next().await {
+            all.extend(counts.expect("task"));
+        }
+    })
+    .await;
+    all.sort_unstable();
+    let n = i64::try_from(all.len()).expect("count");
+    assert_eq!(all, (1..=n).collect::<Vec<_>>(), "{what}");
+    n
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -257,17 +265,7 @@ async fn calls_dropped_at_random_leave_nothing_waiting(seed: u64) {
             exact
         });
     }
-    let mut all = Vec::new();
-    bounded("calls dropped at random", async {
-        while let Some(exact) = tasks.join_next().await {
-            all.extend(exact.expect("task"));
-        }
-    })
-    .await;
-    // Each kept add returned a distinct count: 1 ..= their number, each once.
-    all.sort_unstable();
-    let kept = i64::try_from(all.len()).expect("count");
-    assert_eq!(all, (1..=kept).collect::<Vec<_>>());
+    let kept = distinct_counts("calls dropped at random", tasks).await;
     // The client still serves, every call given up having left it.
     assert_eq!(bounded("a call after them", c.add("exact", 0)).await.expect("add"), kept);
     bounded("a ping after them", c.ping()).await.expect("ping");
