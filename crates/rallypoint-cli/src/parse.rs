@@ -13,23 +13,7 @@ pub fn secs(text: &str) -> Result<f64, String> {
 /// A coordinator address: HOST:PORT (`[v6]:PORT` for IPv6) or `unix:PATH`. Caught
 /// here, at once: a connect would retry a malformed address until its timeout.
 pub fn addr(text: &str) -> Result<String, String> {
-    if text.starts_with("unix:") {
-        return Ok(text.to_owned());
-    }
-    let example = |host: &str| format!("give HOST:PORT, e.g. {host}:29500");
-    let Some((host, port)) = text.rsplit_once(':') else {
-        return Err(format!("'{text}' has no port: {}", example(text)));
-    };
-    if host.is_empty() {
-        return Err(format!("'{text}' has no host: {}", example("localhost")));
-    }
-    if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
-        return Err(format!("'{text}': an IPv6 address goes in brackets, e.g. [::1]:29500"));
-    }
-    match port.parse::<u16>() {
-        Ok(1..) => Ok(text.to_owned()),
-        _ => Err(format!("'{port}' in '{text}' is not a port (1 to 65535): {}", example(host))),
-    }
+    rallypoint_client::check_addr(text).map(|()| text.to_owned())
 }
 
 /// An address to listen on: IP:PORT (`[v6]:PORT`), port 0 for any free one. A host
@@ -121,18 +105,6 @@ mod tests {
             listen("127.0.0.1:99999").unwrap_err(),
             "'99999' in '127.0.0.1:99999' is not a port (0 to 65535; 0 for any free one)"
         );
-    }
-
-    #[test]
-    fn addresses() {
-        for good in ["localhost:29500", "10.0.0.1:1", "[::1]:29500", "unix:/tmp/agent.sock", "node-7.cluster:65535"] {
-            assert_eq!(addr(good).as_deref(), Ok(good));
-        }
-        assert_eq!(addr("localhost").unwrap_err(), "'localhost' has no port: give HOST:PORT, e.g. localhost:29500");
-        assert!(addr(":29500").unwrap_err().contains("no host"));
-        assert!(addr("h:0").unwrap_err().contains("not a port"));
-        assert!(addr("h:http").unwrap_err().contains("'http'"));
-        assert!(addr("::1:29500").unwrap_err().contains("brackets"));
     }
 
     #[test]

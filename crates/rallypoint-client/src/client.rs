@@ -330,6 +330,7 @@ impl Client {
     /// [`Client::connect_with`], noting in `failed` why each failed attempt failed.
     async fn connect_noting(options: ConnectOptions, failed: Option<&Mutex<Option<String>>>) -> Result<Client, Error> {
         let ConnectOptions { addr, mut identity, timeout, shared_replies, barrier_channels, credentials } = options;
+        rallypoint_net::check_addr(&addr).map_err(|why| Error::Config(format!("coordinator address {why}")))?;
         if identity.host.is_empty() {
             identity.host = rallypoint_net::hostname();
         }

@@ -135,7 +135,10 @@ fn resolve_with(overrides: Overrides, lookup: impl Fn(&str) -> Option<OsString>)
     let addr = match overrides.addr {
         Some(addr) => addr,
         None => match var("RALLYPOINT_ADDR")? {
-            Some(addr) => addr,
+            Some(addr) => {
+                rallypoint_net::check_addr(&addr).map_err(|why| config(format!("RALLYPOINT_ADDR: {why}")))?;
+                addr
+            }
             None => master_addr(var("MASTER_ADDR")?, var("MASTER_PORT")?, var("SLURM_JOB_ID")?.is_some())?,
         },
     };
@@ -417,6 +420,8 @@ mod tests {
         );
         let port = config_error(resolve(Overrides::default(), &[("MASTER_ADDR", "h"), ("MASTER_PORT", "http")]));
         assert_eq!(port, "MASTER_PORT='http' is not a port number (1 to 65535)");
+        let addr = config_error(resolve(Overrides::default(), &[("RALLYPOINT_ADDR", "localhost")]));
+        assert_eq!(addr, "RALLYPOINT_ADDR: 'localhost' has no port: give HOST:PORT, e.g. localhost:29500");
     }
 
     #[test]

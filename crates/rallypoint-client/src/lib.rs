@@ -26,5 +26,6 @@ pub use rallypoint_core::{
 };
 pub use rallypoint_net::auth::{Token, TokenError};
 pub use rallypoint_net::auth::{TOKEN_FILE_VAR, TOKEN_VAR};
+pub use rallypoint_net::check_addr;
 pub use rallypoint_net::conn::{AuthFailure, Credentials};
 pub use rallypoint_net::tls::{TlsClient, TlsError, TLS_CA_VAR};

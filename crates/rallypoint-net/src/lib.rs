@@ -34,7 +34,7 @@ pub mod warn_limit;
 
 pub use fdlimit::raise_fd_limit;
 pub use ipnet::IpNet;
-pub use stream::{set_keepalive, unix_path, Listener, ReadHalf, Sender, Stream, WriteHalf, UNIX_PREFIX};
+pub use stream::{check_addr, set_keepalive, unix_path, Listener, ReadHalf, Sender, Stream, WriteHalf, UNIX_PREFIX};
 
 /// This machine's hostname, or "unknown" if it cannot be read.
 pub fn hostname() -> String {

@@ -48,6 +48,30 @@ pub fn unix_path(addr: &str) -> Option<&Path> {
     addr.strip_prefix(UNIX_PREFIX).map(Path::new)
 }
 
+/// Whether `addr` has the form of a coordinator's address: HOST:PORT (`[v6]:PORT`
+/// for IPv6) or `unix:PATH`; else what is wrong with it. Checked before connecting:
+/// a connect retries until its timeout, which a typo would then cost in full (a
+/// host that does not resolve yet is retried, as it may come up).
+pub fn check_addr(addr: &str) -> Result<(), String> {
+    if unix_path(addr).is_some() {
+        return Ok(());
+    }
+    let example = |host: &str| format!("give HOST:PORT, e.g. {host}:29500");
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return Err(format!("'{addr}' has no port: {}", example(addr)));
+    };
+    if host.is_empty() {
+        return Err(format!("'{addr}' has no host: {}", example("localhost")));
+    }
+    if host.contains(':') && !(host.starts_with('[') && host.ends_with(']')) {
+        return Err(format!("'{addr}': an IPv6 address goes in brackets, e.g. [::1]:29500"));
+    }
+    match port.parse::<u16>() {
+        Ok(1..) => Ok(()),
+        _ => Err(format!("'{port}' in '{addr}' is not a port (1 to 65535): {}", example(host))),
+    }
+}
+
 pub enum Stream {
     Tcp(TcpStream),
     /// Registered for read readiness only (see [`crate::unix_conn`]).
@@ -439,6 +463,21 @@ impl Drop for Listener {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn coordinator_addresses() {
+        for good in ["localhost:29500", "10.0.0.1:1", "[::1]:29500", "unix:/tmp/agent.sock", "node-7.cluster:65535"] {
+            assert_eq!(check_addr(good), Ok(()));
+        }
+        assert_eq!(
+            check_addr("localhost").unwrap_err(),
+            "'localhost' has no port: give HOST:PORT, e.g. localhost:29500"
+        );
+        assert!(check_addr(":29500").unwrap_err().contains("no host"));
+        assert!(check_addr("h:0").unwrap_err().contains("not a port"));
+        assert!(check_addr("127.0.0.1:abc").unwrap_err().contains("'abc'"));
+        assert!(check_addr("::1:29500").unwrap_err().contains("brackets"));
+    }
 
     fn temp_dir(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!("rallypoint-net-{name}-{}", std::process::id()));

@@ -298,6 +298,16 @@ def test_cannot_connect():
     assert info.value.addr == f"127.0.0.1:{port}" and "cannot connect" in str(info.value)
 
 
+def test_a_malformed_address_is_refused_at_once(monkeypatch):
+    # An hour's timeout: a retry would show as the suite's own timeout.
+    for addr, named in (("localhost", "'localhost' has no port"), ("127.0.0.1:abc", "'abc' in '127.0.0.1:abc'")):
+        with pytest.raises(rp.InvalidArgument, match=named):
+            rp.Client(addr, timeout=3600)
+    monkeypatch.setenv("RALLYPOINT_ADDR", "localhost")
+    with pytest.raises(rp.InvalidArgument, match="RALLYPOINT_ADDR: 'localhost' has no port"):
+        rp.Client.from_env(timeout=3600)
+
+
 def test_coordinator_shutdown_fails_waiting_calls(job):
     co = rp._Coordinator()
     c = rp.Client(co.addr, rank=0, world_size=2, job=job, timeout=10)

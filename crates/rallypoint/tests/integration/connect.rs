@@ -141,3 +141,19 @@ async fn close_after_a_silent_coordinator_does_not_wait_again() {
     assert!(matches!(closed, Ok(Ok(()))), "{closed:?}");
     bounded("the silent server to see the close", silent).await.expect("server task");
 }
+
+/// An address that cannot be one (no port, a port that is not a number) is refused
+/// before any attempt, by name, rather than retried for the whole connect timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_address_is_refused_at_once() {
+    for (addr, named) in [("localhost", "has no port"), ("127.0.0.1:abc", "'abc'"), (":29500", "no host")] {
+        // A timeout the test's bound could not wait out: a retry would show.
+        let options = ConnectOptions::new(addr, Identity::anonymous("t")).with_timeout(Duration::from_secs(3600));
+        match bounded("connecting to a malformed address", Client::connect_with(options)).await {
+            Err(Error::Config(message)) => {
+                assert!(message.contains(addr) && message.contains(named), "{addr}: {message}")
+            }
+            other => panic!("{addr}: expected a Config error, got {:?}", other.map(|_| "a client")),
+        }
+    }
+}
