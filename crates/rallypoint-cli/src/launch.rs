@@ -260,6 +260,8 @@ pub struct LaunchArgs {
     /// launcher prints links to the page with it when the launcher made the token
     #[arg(long, value_name = "IP:PORT", help_heading = "Live page and metrics", value_parser = crate::parse::listen)]
     http: Option<std::net::SocketAddr>,
+    #[command(flatten)]
+    refused: torchrun::Refused,
     /// The program and its arguments: SCRIPT.py ARGS (run with python), -m MODULE ARGS, or
     /// -- CMD ARGS (run as it is)
     #[arg(value_name = "PROGRAM", required = true, trailing_var_arg = true)]
@@ -314,6 +316,7 @@ impl LaunchArgs {
     /// The launcher's options: torchrun's flags read with torchrun's meaning, then
     /// Slurm's variables for what they leave open.
     fn options(self, cx: &Context) -> Result<LaunchOptions, String> {
+        self.refused.check()?;
         let var = &cx.var;
         let nproc_per_node = self.nproc_per_node.resolve(&cx.gpus, var("CUDA_VISIBLE_DEVICES").as_deref())?;
         let explicit_master = [self.master.is_some(), self.master_addr.is_some() || self.master_port.is_some()];
@@ -563,6 +566,27 @@ mod tests {
         assert!(master(&["--standalone", "--nnodes", "2"]).unwrap_err().contains("--standalone runs one node"));
         assert!(master(&["--nnodes", "1:2"]).unwrap_err().contains("elastic membership"));
         assert_eq!(options(&["--nnodes", "2:2", "--master-port", "9", "t.py"], &[PY]).unwrap().nnodes, 2);
+    }
+
+    #[test]
+    fn torchruns_refused_flags_are_refused_by_name() {
+        for (args, flag) in [
+            (&["--numa-binding", "node"][..], "--numa-binding"),
+            (&["--numa_binding=socket"], "--numa-binding"),
+            (&["--virtual-local-rank"], "--virtual-local-rank"),
+            (&["--signals-to-handle", "SIGUSR1"], "--signals-to-handle"),
+            (&["--logs_specs=x"], "--logs-specs"),
+            (&["--event-log-handler", "console"], "--event-log-handler"),
+            (&["--duplicate-stdout-filters", "err"], "--duplicate-stdout-filters"),
+            (&["--duplicate_stderr_filters=err"], "--duplicate-stderr-filters"),
+        ] {
+            let args: Vec<&str> = args.iter().copied().chain(["t.py"]).collect();
+            let refused = options(&args, &[PY]).unwrap_err();
+            assert!(refused.starts_with(&format!("{flag} is torchrun's and not accepted")), "{args:?}: {refused}");
+        }
+        // After the program, they are the program's.
+        let o = options(&["t.py", "--numa-binding", "node"], &[PY]).unwrap();
+        assert_eq!(words(&o)[words(&o).len() - 2..], ["--numa-binding", "node"]);
     }
 
     #[test]

@@ -367,3 +367,56 @@ mod tests {
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 }
+
+/// torchrun's flags that `rallypoint launch` refuses, because each would change what
+/// the job does; taken (hidden) so that each is refused by name and why, rather than
+/// as an unknown argument the parser would suggest passing to the program.
+#[derive(clap::Args, Debug, Default)]
+pub struct Refused {
+    #[arg(long, alias = "virtual_local_rank", hide = true)]
+    virtual_local_rank: bool,
+    #[arg(long, alias = "numa_binding", hide = true, value_name = "V")]
+    numa_binding: Option<String>,
+    #[arg(long, alias = "signals_to_handle", hide = true, value_name = "V")]
+    signals_to_handle: Option<String>,
+    #[arg(long, alias = "logs_specs", hide = true, value_name = "V")]
+    logs_specs: Option<String>,
+    #[arg(long, alias = "event_log_handler", hide = true, value_name = "V")]
+    event_log_handler: Option<String>,
+    #[arg(long, alias = "duplicate_stdout_filters", hide = true, value_name = "V")]
+    duplicate_stdout_filters: Option<String>,
+    #[arg(long, alias = "duplicate_stderr_filters", hide = true, value_name = "V")]
+    duplicate_stderr_filters: Option<String>,
+}
+
+impl Refused {
+    /// The first refused flag given, and why it is refused.
+    pub fn check(&self) -> Result<(), String> {
+        let why = if self.virtual_local_rank {
+            Some((
+                "--virtual-local-rank",
+                "every worker would see LOCAL_RANK 0 and one GPU; here LOCAL_RANK counts the node's workers",
+            ))
+        } else if self.numa_binding.is_some() {
+            Some(("--numa-binding", "workers are not bound to NUMA nodes; run the program under numactl for that"))
+        } else if self.signals_to_handle.is_some() {
+            Some(("--signals-to-handle", "SIGINT, SIGTERM and SIGHUP are forwarded to the workers, and no other set"))
+        } else if self.logs_specs.is_some() || self.event_log_handler.is_some() {
+            let flag = if self.logs_specs.is_some() { "--logs-specs" } else { "--event-log-handler" };
+            Some((flag, "torchrun's logging plug-ins have no counterpart; --log-dir, --redirects and --tee choose where output goes"))
+        } else if self.duplicate_stdout_filters.is_some() || self.duplicate_stderr_filters.is_some() {
+            let flag = if self.duplicate_stdout_filters.is_some() {
+                "--duplicate-stdout-filters"
+            } else {
+                "--duplicate-stderr-filters"
+            };
+            Some((flag, "output is not filtered; --tee with --log-dir keeps it on the console and in files"))
+        } else {
+            None
+        };
+        match why {
+            Some((flag, why)) => Err(format!("{flag} is torchrun's and not accepted by rallypoint launch: {why}")),
+            None => Ok(()),
+        }
+    }
+}
