@@ -3,7 +3,7 @@
 mod common;
 
 use common::{b, err, ok, Harness};
-use rallypoint_core::{Config, Identity, Limits, OpError, Request, Response};
+use rallypoint_core::{Config, Identity, Limits, OpError, Request, Response, SessionId};
 
 fn tool(h: &mut Harness, job: &str) -> rallypoint_core::SessionId {
     h.open(Identity::anonymous(job))
@@ -30,8 +30,31 @@ fn add_counts_from_zero_and_stores_decimal_text() {
     assert_eq!(h.call(s, Request::Add { key: b("c"), delta: 5 }), Ok(Response::Int(5)));
     assert_eq!(h.call(s, Request::Add { key: b("c"), delta: -2 }), Ok(Response::Int(3)));
     assert_eq!(h.call(s, Request::Get { key: b("c"), timeout_ms: None }), Ok(Response::Value(b("3"))));
-    h.call(s, Request::Set { key: b("n"), value: b("12abc") }).unwrap();
-    assert_eq!(h.call(s, Request::Add { key: b("n"), delta: 1 }), Ok(Response::Int(13)));
+}
+
+/// A native client's `add` reads decimal digits with an optional sign and nothing
+/// else: a value that is not one is named, not rounded ("0.001" would become 1).
+/// A TCPStore client's reads as torch's `std::stoll` does, as its clients expect.
+#[test]
+fn add_reads_a_decimal_integer_natively_and_as_stoll_for_torch() {
+    let mut h = Harness::new();
+    let s = tool(&mut h, "j");
+    let torch = SessionId(1000);
+    h.engine.open_tcpstore(torch, "j", "10.0.0.1", 7, h.now).expect("accepted");
+    for (value, as_stoll) in [("12abc", Some(13)), ("0.001", Some(1)), (" 7", Some(8)), ("1e3", Some(2)), ("", None)] {
+        h.call(s, Request::Set { key: b("n"), value: b(value) }).unwrap();
+        let e = h.call(s, Request::Add { key: b("n"), delta: 1 }).unwrap_err();
+        assert!(matches!(&e, OpError::NotANumber { value: v, .. } if v == &b(value)), "{value:?}: {e:?}");
+        let by_torch = h.call(torch, Request::Add { key: b("n"), delta: 1 });
+        match as_stoll {
+            Some(n) => assert_eq!(by_torch, Ok(Response::Int(n)), "{value:?}"),
+            None => assert!(matches!(by_torch, Err(OpError::NotANumber { .. })), "{value:?}: {by_torch:?}"),
+        }
+    }
+    for (value, added) in [("41", 42), ("+41", 42), ("-43", -42)] {
+        h.call(s, Request::Set { key: b("n"), value: b(value) }).unwrap();
+        assert_eq!(h.call(s, Request::Add { key: b("n"), delta: 1 }), Ok(Response::Int(added)), "{value:?}");
+    }
 }
 
 #[test]

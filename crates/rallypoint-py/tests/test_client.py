@@ -272,9 +272,11 @@ def test_invalid_arguments(coordinator, job):
     tool = client(coordinator, job)
     with pytest.raises(rp.InvalidArgument, match="needs a rank"):
         tool.barrier()
-    tool.set("n", "abc")
-    with pytest.raises(rp.InvalidArgument, match="not an integer"):
-        tool.add("n", 1)
+    for value in ("abc", "0.001", "12abc"):
+        tool.set("n", value)
+        with pytest.raises(rp.InvalidArgument, match="not an integer"):
+            tool.add("n", 1)
+        assert tool.get("n") == value.encode()  # left as it was
     tool.close()
 
 

@@ -17,7 +17,7 @@ use crate::ranges::{runs, split};
 
 use super::collective::{Call, CollectiveAt, Ctx, Held, Link, RunCall};
 use super::job::Job;
-use super::store::{WaitId, WaitKind};
+use super::store::{Integer, WaitId, WaitKind};
 use super::timers::{CollectiveDeadline, Timer};
 use super::{resume, torch, validate, Hots, Session, Sessions};
 
@@ -337,7 +337,9 @@ impl<'a> Step<'a> {
             Request::Set { key, value } => self.set(key, value),
             Request::Append { key, value } => self.append(key, value),
             Request::MultiSet { entries } => self.multi_set(entries),
-            Request::Add { key, delta } => Some(store.add(key, delta, out).map(Response::Int)),
+            Request::Add { key, delta } => {
+                Some(store.add(key, delta, Integer::of(caller.torch), out).map(Response::Int))
+            }
             Request::CompareSet { key, expected, desired } => value(store.compare_set(key, expected, desired, out)),
             Request::Delete { key } => boolean(store.delete(&key)),
             Request::Check { keys } => boolean(store.all_exist(&keys)),

@@ -202,7 +202,7 @@ impl Store {
         if self.waits.contains_key(&id) {
             return Err(OpError::Invalid(format!("request id {} is already waiting on this session", id.1)));
         }
-        let (key, count) = self.increment(key, 1)?;
+        let (key, count) = self.increment(key, 1, Integer::Stoll)?;
         // Every rank of a round names the same key: only its first arrival notes it.
         if self.recent_barrier_keys.back() != Some(&key) {
             self.used_for_barrier(&key);
@@ -277,9 +277,9 @@ impl Store {
         self.wake(&key, done);
     }
 
-    /// Adds `delta` to the decimal integer at `key` (absent counts as 0), like TCPStore.
-    pub fn add(&mut self, key: Bytes, delta: i64, done: &mut Vec<Outgoing>) -> Result<i64, OpError> {
-        let (key, new) = self.increment(key, delta)?;
+    /// Adds `delta` to the integer at `key` (absent counts as 0), read as `read` says.
+    pub fn add(&mut self, key: Bytes, delta: i64, read: Integer, done: &mut Vec<Outgoing>) -> Result<i64, OpError> {
+        let (key, new) = self.increment(key, delta, read)?;
         self.wake_counted(&key, Some(new), done);
         Ok(new)
     }
@@ -288,14 +288,14 @@ impl Store {
     /// wakes nobody; returns the key as stored, to share rather than copy, and the
     /// new count. One lookup for the read and the write: `add`, and a store barrier
     /// at every rank's arrival, are the hottest requests there are.
-    fn increment(&mut self, key: Bytes, delta: i64) -> Result<(Bytes, i64), OpError> {
+    fn increment(&mut self, key: Bytes, delta: i64, read: Integer) -> Result<(Bytes, i64), OpError> {
         // Decimal text, as TCPStore stores counters: one allocation of its exact size.
         let text = |count: i64| Bytes::copy_from_slice(itoa::Buffer::new().format(count).as_bytes());
         match self.data.entry(key) {
             Entry::Occupied(mut slot) => {
                 let (key, value) = (slot.key(), slot.get());
                 let current =
-                    parse_stoll(value).ok_or_else(|| OpError::NotANumber { key: key.clone(), value: value.clone() })?;
+                    read.parse(value).ok_or_else(|| OpError::NotANumber { key: key.clone(), value: value.clone() })?;
                 let new =
                     current.checked_add(delta).ok_or_else(|| OpError::Overflow { key: key.clone(), current, delta })?;
                 slot.insert(text(new));
@@ -602,6 +602,34 @@ fn own(bytes: Bytes) -> Bytes {
         Bytes::copy_from_slice(&bytes)
     } else {
         bytes
+    }
+}
+
+/// How `add` reads the integer a key holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Integer {
+    /// Decimal digits with an optional sign and nothing else: the native protocol's,
+    /// where "0.001" or "12abc" is a mistake to name, not a number to round.
+    Decimal,
+    /// As C++ `std::stoll`: what torch's TCPStore does, and its clients may rely on.
+    Stoll,
+}
+
+impl Integer {
+    /// The store's reading for a session (`torch`: a TCPStore client's).
+    pub fn of(torch: bool) -> Integer {
+        if torch {
+            Integer::Stoll
+        } else {
+            Integer::Decimal
+        }
+    }
+
+    fn parse(self, value: &[u8]) -> Option<i64> {
+        match self {
+            Integer::Decimal => std::str::from_utf8(value).ok()?.parse().ok(),
+            Integer::Stoll => parse_stoll(value),
+        }
     }
 }
 
