@@ -16,6 +16,7 @@ mod verbs;
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
+use clap::error::ErrorKind;
 use clap::{Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
@@ -67,8 +68,10 @@ enum Command {
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
-        // --help and --version: not errors, on stdout.
-        Err(error) if !error.use_stderr() => error.exit(),
+        // --help, --version, and the help shown for no command at all: as the parser shows them.
+        Err(error) if !error.use_stderr() || error.kind() == ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+            error.exit()
+        }
         Err(error) => {
             // The parser's own "error: " gives way to the name every error starts with.
             let text = error.render().to_string();
