@@ -470,7 +470,9 @@ impl Client {
         }
     }
 
-    /// Adds `delta` to a decimal integer value (a missing key counts as 0); returns the new value.
+    /// Adds `delta` to a decimal integer value (a missing key counts as 0); returns the new
+    /// value. A value that is not an optional sign and digits fails with
+    /// [`crate::OpError::NotANumber`] and is left as it was.
     pub async fn add(&self, key: impl AsRef<[u8]>, delta: i64) -> Result<i64, Error> {
         match self.call_now(Request::Add { key: bytes(key), delta }).await? {
             Response::Int(value) => Ok(value),

@@ -111,7 +111,8 @@ class Client:
         :class:`rallypoint.KeyTimeout` (a TimeoutError) after ``timeout`` seconds."""
     def add(self, key: _Data, n: int) -> int:
         """Adds ``n`` to the decimal integer stored at ``key`` (missing counts as 0);
-        returns the new value."""
+        returns the new value. A value that is not an optional sign and digits
+        ("0.001", "12abc") raises :class:`rallypoint.InvalidArgument` and is left as it was."""
     def compare_set(self, key: _Data, expected: _Data, desired: _Data) -> bytes:
         """Sets ``desired`` if the value is ``expected`` (or the key is missing and
         ``expected`` is empty); returns the value now stored."""
