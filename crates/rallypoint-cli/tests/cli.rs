@@ -894,6 +894,10 @@ fn a_killed_process_is_lost_at_once_whatever_the_reconnect_grace() {
         let mut zero = spawn(command(0));
         let mut victim = spawn(command(1));
         wait_for_status(&server, job, "2 connected");
+        // The status document counts the sessions the agent carries, as the page does.
+        let doc = status_json_when(&server, job, |_| true);
+        let carried = if direct { 0 } else { 2 };
+        assert_eq!(doc["job"]["sessions"]["via_agent"], carried, "{job}: {doc:#}");
         victim.0.kill().expect("SIGKILL rank 1");
         let killed_at = Instant::now();
         let run = finish(&mut zero);

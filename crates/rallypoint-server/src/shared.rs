@@ -173,6 +173,14 @@ enum Sink {
     Agent(Arc<AgentOutbox>, u64),
 }
 
+/// Sends `session`'s replies to `sink` from now on, and tells the engine whether a
+/// node agent carries it (the job's snapshot and metrics count those); returns
+/// where they went before.
+fn route_to(state: &mut State, session: SessionId, sink: Sink) -> Option<Sink> {
+    state.engine.set_via_agent(session, matches!(sink, Sink::Agent(..)));
+    state.outboxes.insert(session, sink)
+}
+
 impl Sink {
     /// Whether this is the connection whose outbox is `outbox`.
     fn is_direct(&self, outbox: &Arc<Outbox>) -> bool {
@@ -379,7 +387,7 @@ impl Shared {
             None => {
                 let session = self.new_session_id();
                 let welcome = state.engine.open(session, identity, now).inspect_err(|_| self.ids.give_back(session))?;
-                state.outboxes.insert(session, Sink::Direct(outbox));
+                route_to(&mut state, session, Sink::Direct(outbox));
                 welcome
             }
         };
@@ -393,7 +401,7 @@ impl Shared {
         let token = identity.resume?;
         match state.engine.resume(token, identity, now) {
             Ok(welcome) => {
-                match state.outboxes.insert(token, sink) {
+                match route_to(state, token, sink) {
                     Some(Sink::Direct(left) | Sink::Reactor(left, _)) => left.supersede(),
                     Some(Sink::Agent(left, _)) => left.lose(),
                     None => {}
@@ -430,17 +438,7 @@ impl Shared {
 
     /// A snapshot of job `job` (see [`crate::Observer::snapshot`]).
     pub(crate) fn snapshot(&self, job: &str) -> Option<JobSnapshot> {
-        let state = lock(&self.state);
-        let now = self.now();
-        let mut snapshot = state.engine.snapshot(job, now)?;
-        snapshot.sessions.via_agent = state
-            .outboxes
-            .iter()
-            .filter(|(session, sink)| {
-                matches!(sink, Sink::Agent(..)) && state.engine.session_job(**session) == Some(job)
-            })
-            .count();
-        Some(snapshot)
+        lock(&self.state).engine.snapshot(job, self.now())
     }
 
     /// The jobs the engine holds, and whether that is all of them.
@@ -450,18 +448,7 @@ impl Shared {
 
     /// Every job's counts, with the sessions node agents carry.
     pub(crate) fn job_metrics(&self) -> Vec<JobMetrics> {
-        let state = lock(&self.state);
-        let mut metrics = state.engine.metrics(self.now());
-        let mut via_agent: HashMap<&str, usize> = HashMap::new();
-        for (session, sink) in state.outboxes.iter() {
-            if let (Sink::Agent(..), Some(job)) = (sink, state.engine.session_job(*session)) {
-                *via_agent.entry(job).or_default() += 1;
-            }
-        }
-        for m in &mut metrics {
-            m.sessions.via_agent = via_agent.get(m.name.as_str()).copied().unwrap_or(0);
-        }
-        metrics
+        lock(&self.state).engine.metrics(self.now())
     }
 
     /// The job TCPStore connections join now.
@@ -521,7 +508,7 @@ impl Shared {
                     };
                     match &welcome {
                         Ok(welcome) if welcome.session == session => {
-                            state.outboxes.insert(session, Sink::Agent(Arc::clone(outbox), sub));
+                            route_to(&mut state, session, Sink::Agent(Arc::clone(outbox), sub));
                         }
                         _ => self.ids.give_back(session),
                     }
@@ -613,7 +600,7 @@ impl Shared {
         let now = self.now();
         let welcome =
             state.engine.open_tcpstore(session, &job, host, pid, now).inspect_err(|_| self.ids.give_back(session))?;
-        state.outboxes.insert(session, Sink::Direct(outbox));
+        route_to(&mut state, session, Sink::Direct(outbox));
         self.after_input(&mut state);
         Ok((welcome, job))
     }

@@ -95,6 +95,9 @@ pub(crate) struct Session {
     abandoned: bool,
     /// A PyTorch TCPStore connection: its rank, if any, was inferred (module `torch`).
     torch: bool,
+    /// A node agent carries it now (the server says so: [`Engine::set_via_agent`]);
+    /// counted in the job's snapshot and metrics.
+    via_agent: bool,
     /// A session that stated an incarnation can resume after a cut (module `resume`).
     resume: Option<Box<Resumable>>,
     /// When it was last resumed: re-sent requests are recognised from then on, for as
@@ -240,6 +243,7 @@ impl Engine {
             leaving: false,
             abandoned: false,
             torch: false,
+            via_agent: false,
             resume,
             resumed_at: None,
             taken_over: None,
@@ -397,6 +401,14 @@ impl Engine {
         let (released, records) = (&mut self.released, &mut self.records);
         let ctx = Ctx { job: id, now, out, timers, tracked, released, settled, records };
         Some(Step::new(job, ctx, &mut self.sessions, &mut self.hot, &self.config, &mut self.notices))
+    }
+
+    /// Whether a node agent carries `session` (its replies go through one): the
+    /// server's to say, as sessions move between connections when they resume.
+    pub fn set_via_agent(&mut self, session: SessionId, via_agent: bool) {
+        if let Some(sess) = self.sessions.get_mut(&session) {
+            sess.via_agent = via_agent;
+        }
     }
 
     /// Admits a PyTorch TCPStore connection of process `pid` on `host`: a session

@@ -98,6 +98,7 @@ impl Engine {
             } else {
                 counts.native += 1;
             }
+            counts.via_agent += usize::from(s.via_agent);
             if s.detached() {
                 detached.insert(s.job);
             }
@@ -138,7 +139,7 @@ impl Engine {
         let sessions = SessionCounts {
             native: members.iter().filter(|(_, _, t)| !t).count(),
             tcpstore: members.iter().filter(|(_, _, t)| *t).count(),
-            via_agent: 0,
+            via_agent: members.iter().filter(|(sid, _, _)| self.sessions.get(sid).is_some_and(|s| s.via_agent)).count(),
         };
         let identity_of: BTreeMap<SessionId, (&Identity, bool)> =
             members.iter().map(|(s, i, t)| (*s, (*i, *t))).collect();
