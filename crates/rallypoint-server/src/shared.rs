@@ -680,12 +680,16 @@ impl Shared {
     /// Forgets the session's outbox without telling the engine: used when the engine
     /// itself panicked, so calling it again could only panic again.
     pub(crate) fn forget(&self, session: SessionId) {
-        self.drop_sink(&mut lock(&self.state), session);
+        if lock(&self.state).outboxes.remove(&session).is_some() {
+            self.ids.give_back(session);
+        }
     }
 
-    /// Removes the session's sink; its slot is free again if it was given to it last.
+    /// Removes the session's sink (nothing carries it until it resumes); its slot is
+    /// free again if it was given to it last.
     fn drop_sink(&self, state: &mut State, session: SessionId) {
         if state.outboxes.remove(&session).is_some() {
+            state.engine.set_via_agent(session, false);
             self.ids.give_back(session);
         }
     }
