@@ -357,6 +357,9 @@ fn abort_fails_pending_and_later_operations_naming_who_aborted() {
     assert_eq!(e.to_string(), "job 'j' was aborted by rank 2 (host node2, pid 1002): loss is NaN");
     assert_eq!(err(h.take(s[1], g)), e);
     assert_eq!(h.call(s[0], Request::Set { key: b("k"), value: b("v") }).unwrap_err(), e);
+    // The job's status says so, and by whom.
+    let report = status(&mut h, "j");
+    assert!(report.contains("\naborted by rank 2 (host node2, pid 1002): loss is NaN\n"), "{report}");
     // Another job is untouched.
     assert!(h.pending(other_job, ob));
     // A process without rank (the launcher) is named by its pid and host.

@@ -419,6 +419,10 @@ impl<'a> Step<'a> {
             .collect();
         others.sort_by_key(|(id, _, _)| *id);
         let mut out = torch::report(job, &others, now, self.config.epoch_unix_ms.saturating_add(now));
+        // Said before its ranks and collectives: every operation of the job fails with it.
+        if let Some(by) = &job.aborted {
+            out.push_str(&format!("aborted by {by}\n"));
+        }
         let reconnecting = resume::reconnecting(job, self.sessions, self.config.lease_ms, now);
         let (connected, left, lost) = job.ranks.tally();
         let of_them = match reconnecting.len() {
