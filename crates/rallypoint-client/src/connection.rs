@@ -1988,13 +1988,14 @@ async fn reconnect(
             Ok(Err(Attempt::Refused(error))) => return Err(Closed::Refused(error)),
             Ok(Err(Attempt::Protocol(message))) => return Err(Closed::Lost(link.lost(format!("{why}; {message}")))),
             Ok(Err(Attempt::Auth(failure))) => {
-                return Err(Closed::Lost(link.lost(format!("{why}; reconnecting: {failure}"))))
+                return Err(Closed::Lost(link.lost(format!("{why}; connecting again failed: {failure}"))))
             }
             // Nothing listens there any more: the coordinator is gone, not a path.
             Ok(Err(Attempt::Io(error)))
                 if matches!(error.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::NotFound) =>
             {
-                return Err(Closed::Lost(link.lost(format!("{why}; reconnecting: {error}"))));
+                let gone = format!("{why}; connecting again failed at once ({error}): the coordinator is gone");
+                return Err(Closed::Lost(link.lost(gone)));
             }
             Ok(Err(Attempt::Io(_))) | Err(_) => {}
         }
