@@ -164,9 +164,18 @@ pub async fn worker(args: WorkerArgs) -> anyhow::Result<()> {
         match client.barrier("final", Members::World, None).await {
             Err(Error::Op(err)) if matches!(&err, OpError::PeerLost { peer, .. } if peer.rank == world_size - 1) => {
                 let told = unix_micros();
-                let killed: u64 = String::from_utf8_lossy(&client.get(KILLED_AT, None).await?).parse()?;
-                let after_ms = told.saturating_sub(killed) as f64 / 1000.0;
-                println!("[rank {rank}] told {after_ms:.1} ms after the kill: {err}");
+                // Under a launcher, the job may be aborted by now (the launcher takes
+                // it down once it has told the coordinator of the death): then told
+                // without how soon.
+                let after = match client.get(KILLED_AT, Some(Duration::ZERO)).await {
+                    Ok(killed) => {
+                        let killed: u64 = String::from_utf8_lossy(&killed).parse()?;
+                        format!(" {:.1} ms after the kill", told.saturating_sub(killed) as f64 / 1000.0)
+                    }
+                    Err(Error::Op(OpError::Aborted { .. })) => String::new(),
+                    Err(e) => return Err(e.into()),
+                };
+                println!("[rank {rank}] told{after}: {err}");
             }
             Ok(()) => bail!("barrier 'final' passed although rank {} was killed", world_size - 1),
             Err(err) => return Err(err.into()),

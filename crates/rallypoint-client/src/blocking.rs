@@ -12,7 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use rallypoint_core::{Gathered, Identity, Members};
+use rallypoint_core::{Exit, Gathered, Identity, Members};
 
 use crate::{client, CallerRuntime, ConnectOptions, Error};
 
@@ -159,6 +159,11 @@ impl Client {
 
     pub fn abort(&self, reason: &str) -> Result<(), Error> {
         self.runtime.block_on(self.inner.abort(reason))
+    }
+
+    /// See [`crate::Client::rank_exited`].
+    pub fn rank_exited(&self, rank: u32, exit: Exit) -> Result<(), Error> {
+        self.runtime.block_on(self.inner.rank_exited(rank, exit))
     }
 
     /// See [`crate::Client::reset`].

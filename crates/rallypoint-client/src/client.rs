@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rallypoint_core::snapshot::JobSnapshot;
-use rallypoint_core::{Gathered, Identity, Members, Request, Response};
+use rallypoint_core::{Exit, Gathered, Identity, Members, Request, Response};
 use tokio::sync::{mpsc, oneshot};
 
 use rallypoint_net::auth::Token;
@@ -707,6 +707,17 @@ impl Client {
         match self.call_now(Request::Abort { reason: reason.to_owned() }).await? {
             Response::Done => Ok(()),
             other => Err(unexpected("abort", other)),
+        }
+    }
+
+    /// Tells the coordinator that the process holding `rank` ended with `exit`, as a
+    /// launcher that saw it end does: every collective waiting for the rank fails at
+    /// once with [`crate::OpError::PeerLost`] naming it and that end, even before its
+    /// connection is seen to close. A rank that never connected is left as it is.
+    pub async fn rank_exited(&self, rank: u32, exit: Exit) -> Result<(), Error> {
+        match self.call_now(Request::RankExited { rank, exit }).await? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("rank_exited", other)),
         }
     }
 

@@ -21,8 +21,9 @@ pub use client::{
 pub use error::Error;
 pub use incarnation::{new_job_incarnation, process_incarnation};
 pub use rallypoint_core::{
-    AbortInfo, AuthRefusal, CallShape, CollectiveKind, Gathered, GatheredIntoIter, GatheredIter, Identity, Incarnation,
-    JobIncarnation, LossReason, MalformedGathered, Members, OpError, OpRef, ProcessInfo, RankInfo, RankState,
+    AbortInfo, AuthRefusal, CallShape, CollectiveKind, Exit, Gathered, GatheredIntoIter, GatheredIter, Identity,
+    Incarnation, JobIncarnation, LossReason, MalformedGathered, Members, OpError, OpRef, ProcessInfo, RankInfo,
+    RankState,
 };
 pub use rallypoint_net::auth::{Token, TokenError};
 pub use rallypoint_net::auth::{TOKEN_FILE_VAR, TOKEN_VAR};

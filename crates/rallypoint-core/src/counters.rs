@@ -79,6 +79,8 @@ pub struct JobCounters {
     pub ranks_lost_disconnected: u64,
     /// Ranks lost because they were silent for a whole lease.
     pub ranks_lost_lease: u64,
+    /// Ranks lost because their launcher saw their process end.
+    pub ranks_lost_exited: u64,
     /// In the order of [`KV_OPS`].
     pub kv_ops: [u64; KV_OPS.len()],
 }

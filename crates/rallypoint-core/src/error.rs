@@ -50,6 +50,8 @@ pub enum LossReason {
     Disconnected,
     /// It sent nothing for a whole lease (hung, or cut off by the network).
     LeaseExpired { lease_ms: u64 },
+    /// The launcher that started its process saw it end ([`crate::Request::RankExited`]).
+    Exited(Exit),
 }
 
 impl fmt::Display for LossReason {
@@ -59,8 +61,63 @@ impl fmt::Display for LossReason {
             LossReason::LeaseExpired { lease_ms } => {
                 write!(f, "no heartbeat for {}", Secs(*lease_ms))
             }
+            LossReason::Exited(exit) => write!(f, "its process {exit}"),
         }
     }
+}
+
+/// How a process ended, as its parent's `waitpid` told it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+pub enum Exit {
+    Code(i32),
+    Signal(i32),
+}
+
+impl Exit {
+    /// The exit code a shell would report: the code, or 128 + the signal number.
+    pub fn shell_code(self) -> i32 {
+        match self {
+            Exit::Code(code) => code,
+            Exit::Signal(sig) => 128 + sig,
+        }
+    }
+
+    pub fn success(self) -> bool {
+        self == Exit::Code(0)
+    }
+}
+
+impl fmt::Display for Exit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Exit::Code(code) => write!(f, "exited with code {code}"),
+            Exit::Signal(sig) => write!(f, "was killed by {}", signal_name(*sig)),
+        }
+    }
+}
+
+/// A signal's name ("SIGKILL"), or "signal N" for one without a common name. The
+/// numbers are Linux's (the same on x86 and ARM), which is where launchers run: the
+/// engine names a signal a launcher reported, whatever the coordinator runs on.
+pub fn signal_name(sig: i32) -> String {
+    let name = match sig {
+        1 => "SIGHUP",
+        2 => "SIGINT",
+        3 => "SIGQUIT",
+        4 => "SIGILL",
+        6 => "SIGABRT",
+        7 => "SIGBUS",
+        8 => "SIGFPE",
+        9 => "SIGKILL",
+        10 => "SIGUSR1",
+        11 => "SIGSEGV",
+        12 => "SIGUSR2",
+        13 => "SIGPIPE",
+        14 => "SIGALRM",
+        15 => "SIGTERM",
+        other => return format!("signal {other}"),
+    };
+    name.to_owned()
 }
 
 /// Where a rank that a collective waits for stands.

@@ -24,8 +24,8 @@ pub mod snapshot;
 pub use config::{Config, Limits, ReplyCache};
 pub use engine::{Departure, Engine, JobMetrics, Link, Record};
 pub use error::{
-    AbortInfo, AuthRefusal, CallShape, CollectiveKind, JobIncarnation, LossReason, Missing, OpError, OpRef,
-    ProcessInfo, RankInfo, RankRanges, RankState,
+    signal_name, AbortInfo, AuthRefusal, CallShape, CollectiveKind, Exit, JobIncarnation, LossReason, Missing, OpError,
+    OpRef, ProcessInfo, RankInfo, RankRanges, RankState,
 };
 pub use gathered::{Gathered, GatheredIntoIter, GatheredIter, MalformedGathered};
 pub use identity::{Identity, Incarnation, SessionId};

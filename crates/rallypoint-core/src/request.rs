@@ -4,7 +4,7 @@ use std::fmt;
 
 use bytes::Bytes;
 
-use crate::error::OpError;
+use crate::error::{Exit, OpError};
 use crate::gathered::Gathered;
 use crate::identity::SessionId;
 use crate::ranges::{runs, RankList};
@@ -113,6 +113,16 @@ pub enum Request {
     Abort {
         reason: String,
     },
+    /// The process holding `rank` ended with `exit`, as the launcher that started it
+    /// saw: the rank is lost at once, named with that end, whatever its connections
+    /// say (see `Ranks::exited`). A launcher says so before it aborts the job, so
+    /// that peers waiting for the rank are told it was lost, not that the job was
+    /// aborted, whichever the coordinator would have learnt first. A rank that never
+    /// connected is left as it is.
+    RankExited {
+        rank: u32,
+        exit: Exit,
+    },
     /// Appends `value` to the queue `key`. Queues are a namespace apart from keys, but a
     /// wait or check on `key` is satisfied by a non-empty queue of that name (as in
     /// torch's libuv TCPStore); a push wakes one such waiter.
@@ -186,6 +196,7 @@ impl Request {
             Request::AllGather { .. } => "all_gather",
             Request::Broadcast { .. } => "broadcast",
             Request::Abort { .. } => "abort",
+            Request::RankExited { .. } => "rank_exited",
             Request::QueuePush { .. } => "queue_push",
             Request::QueuePop { .. } => "queue_pop",
             Request::QueueLen { .. } => "queue_len",
@@ -233,7 +244,9 @@ impl Request {
             | Request::Snapshot
             | Request::Heartbeat
             | Request::Leave
-            | Request::Abandon => false,
+            | Request::Abandon
+            // A second report of the same end finds the rank lost already.
+            | Request::RankExited { .. } => false,
         }
     }
 

@@ -163,13 +163,19 @@ pub struct ReconnectingView {
     pub lost_in_ms: u64,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LossView {
-    /// `disconnected` (its last connection dropped without a clean leave) or
-    /// `lease_expired` (silent for a whole lease).
+    /// `disconnected` (its last connection dropped without a clean leave),
+    /// `lease_expired` (silent for a whole lease) or `exited` (its launcher saw its
+    /// process end).
     pub reason: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_ms: Option<u64>,
+    /// For `exited`: the code its process exited with, or the signal that killed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
     /// The same, in words.
     pub text: String,
 }

@@ -1,5 +1,7 @@
-//! Random interleavings of arrivals, clean leaves, kills, reconnects and clock
-//! advances against one reusable world barrier. Checked after every step:
+//! Random interleavings of arrivals, clean leaves, kills (with or without a
+//! launcher's report of the process's end, before or after its connection drops),
+//! reconnects and clock advances against one reusable world barrier. Checked after
+//! every step:
 //! - a release is never early: every rank has called that generation;
 //! - a release is never late: once every rank called a generation that has not
 //!   failed, all its callers are released;
@@ -17,7 +19,7 @@ use std::collections::HashMap;
 
 use common::{barrier, barrier_of, Harness};
 use proptest::prelude::*;
-use rallypoint_core::{Members, OpError, Reply, Response, SessionId};
+use rallypoint_core::{Exit, Identity, Members, OpError, Reply, Request, Response, SessionId};
 
 #[derive(Debug, Clone)]
 enum Step {
@@ -26,6 +28,12 @@ enum Step {
         timeout_ms: Option<u64>,
     },
     Kill(u32),
+    /// The rank's launcher reports its process's end (`Request::RankExited`), before
+    /// or after its connection drops; a rank that had left is lost by the report alone.
+    Exited {
+        rank: u32,
+        dropped_first: bool,
+    },
     Leave(u32),
     Connect(u32),
     Advance(u64),
@@ -42,6 +50,7 @@ fn step(world: u32) -> impl Strategy<Value = Step> {
         6 => (0..world, prop_oneof![Just(None), Just(Some(50u64)), Just(Some(200u64))])
             .prop_map(|(rank, timeout_ms)| Step::Arrive { rank, timeout_ms }),
         1 => (0..world).prop_map(Step::Kill),
+        1 => (0..world, any::<bool>()).prop_map(|(rank, dropped_first)| Step::Exited { rank, dropped_first }),
         1 => (0..world).prop_map(Step::Leave),
         2 => (0..world).prop_map(Step::Connect),
         2 => prop_oneof![Just(10u64), Just(100), Just(300)].prop_map(Step::Advance),
@@ -66,6 +75,19 @@ struct Model {
 }
 
 impl Model {
+    /// `rank`, whose session was `s`, is lost: what it waited in goes unread, and
+    /// every generation it had not called fails naming it.
+    fn lose(&mut self, rank: u32, s: SessionId) {
+        self.lost[rank as usize] = true;
+        self.waiting.retain(|&(sess, _), _| sess != s);
+        let newest = self.calls.iter().copied().max().unwrap_or(0);
+        for generation in 1..=newest {
+            if !self.all_called(generation) && !self.outcome.contains_key(&generation) {
+                self.doomed_by.entry(generation).or_insert(rank);
+            }
+        }
+    }
+
     fn all_called(&self, generation: u64) -> bool {
         self.calls.iter().all(|&c| c >= generation)
     }
@@ -171,15 +193,32 @@ proptest! {
                 }
                 Step::Kill(rank) if rank < world => {
                     let Some(s) = m.session[rank as usize].take() else { continue };
-                    m.lost[rank as usize] = true;
-                    m.waiting.retain(|&(sess, _), _| sess != s);
-                    let newest = m.calls.iter().copied().max().unwrap_or(0);
-                    for generation in 1..=newest {
-                        if !m.all_called(generation) && !m.outcome.contains_key(&generation) {
-                            m.doomed_by.entry(generation).or_insert(rank);
-                        }
-                    }
+                    m.lose(rank, s);
                     h.kill(s);
+                    killed = Some(rank);
+                }
+                Step::Exited { rank, dropped_first } if rank < world => {
+                    let session = m.session[rank as usize].take();
+                    if let Some(s) = session.filter(|_| dropped_first) {
+                        h.kill(s);
+                    }
+                    let reported = !m.lost[rank as usize];
+                    if let Some(s) = session {
+                        m.lose(rank, s);
+                    } else if reported {
+                        // Left cleanly: only the report makes it lost.
+                        m.lose(rank, SessionId(u64::MAX));
+                    }
+                    let launcher = h.open(Identity::anonymous("j"));
+                    prop_assert_eq!(h.call(launcher, Request::RankExited { rank, exit: Exit::Signal(9) }), Ok(Response::Done));
+                    h.leave(launcher);
+                    if let Some(s) = session.filter(|_| !dropped_first) {
+                        h.kill(s);
+                    }
+                    // The dead rank's own call failed too, with nobody to read it.
+                    if let Some(s) = session {
+                        h.replies.retain(|&(sess, _), _| sess != s);
+                    }
                     killed = Some(rank);
                 }
                 Step::Leave(rank) if rank < world => {

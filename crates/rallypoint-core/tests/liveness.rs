@@ -4,7 +4,10 @@
 mod common;
 
 use common::{b, barrier, barrier_of, err, ok, Harness};
-use rallypoint_core::{Config, Identity, LossReason, Members, OpError, RankState, Request, Response, SessionId};
+use rallypoint_core::snapshot::{JobSnapshot, RankView};
+use rallypoint_core::{
+    Config, Exit, Identity, LossReason, Members, OpError, RankState, Reply, Request, Response, SessionId,
+};
 
 /// Ranks 0 and 1 of a job with a 1 s lease, rank 0 waiting at barrier "x" (its request id).
 fn rank_0_waiting_under_a_1s_lease() -> (Harness, SessionId, SessionId, u64) {
@@ -211,4 +214,111 @@ fn a_job_is_quiet_since_its_last_request_heartbeats_and_status_requests_aside() 
     assert_eq!(h.engine.quiet_ms("other", h.now), Some(0));
     h.leave(s0);
     assert_eq!(h.engine.quiet_ms("j", h.now).map(|q| q >= 900), Some(true), "leaving is not asking");
+}
+
+/// Job "j"'s ranks lost so far: (connection dropped, lease expired, process exited).
+fn lost_counts(h: &Harness) -> (u64, u64, u64) {
+    let m = h.engine.metrics(h.now).into_iter().find(|m| m.name == "j").expect("job j");
+    (m.counters.ranks_lost_disconnected, m.counters.ranks_lost_lease, m.counters.ranks_lost_exited)
+}
+
+/// What a launcher that saw rank `rank`'s process end says of it.
+fn report_exit(h: &mut Harness, rank: u32, exit: Exit) -> Reply {
+    let launcher = h.open(Identity::anonymous("j"));
+    let reply = h.call(launcher, Request::RankExited { rank, exit });
+    h.leave(launcher);
+    reply
+}
+
+fn snapshot_rank(h: &mut Harness, rank: usize) -> RankView {
+    let tool = h.open(Identity::anonymous("j"));
+    let Response::Value(json) = ok(Some(h.call(tool, Request::Snapshot))) else { panic!("a snapshot is a value") };
+    h.leave(tool);
+    let snapshot: JobSnapshot = serde_json::from_slice(&json).expect("the snapshot is JSON of its schema");
+    snapshot.ranks[rank].clone()
+}
+
+#[test]
+fn a_rank_its_launcher_saw_end_fails_its_peers_at_once_though_its_connection_is_open() {
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..4).map(|r| h.rank("j", r, 4)).collect();
+    let ids: Vec<_> = (0..3).map(|r| h.send(s[r], barrier("step", Some(60_000)))).collect();
+    h.advance(300);
+    assert_eq!(report_exit(&mut h, 3, Exit::Signal(9)), Ok(Response::Done));
+    for r in 0..3 {
+        let e = err(h.take(s[r], ids[r]));
+        let OpError::PeerLost { op, peer } = &e else { panic!("{e:?}") };
+        assert_eq!((op.name.as_str(), peer.rank, peer.pid), ("step", 3, Some(1003)));
+        assert_eq!(peer.state, RankState::Lost(LossReason::Exited(Exit::Signal(9))));
+        assert!(e.to_string().contains("rank 3 (host node3, pid 1003, lost: its process was killed by SIGKILL"), "{e}");
+    }
+    // Its connection drops later: nothing is failed twice, the reason stays.
+    h.kill(s[3]);
+    assert!(h.replies.is_empty(), "{:?}", h.replies);
+    let view = snapshot_rank(&mut h, 3);
+    let lost = view.lost.expect("lost");
+    assert_eq!((lost.reason.as_str(), lost.signal, lost.exit_code), ("exited", Some(9), None));
+    assert_eq!(lost_counts(&h), (0, 0, 1));
+    // A later call needing it fails at once, naming the same end.
+    let e = h.call(s[0], barrier("next", None)).unwrap_err();
+    assert!(e.to_string().contains("its process was killed by SIGKILL"), "{e}");
+}
+
+#[test]
+fn an_end_reported_after_the_connection_dropped_names_the_loss_without_failing_anything_twice() {
+    let mut h = Harness::new();
+    let s0 = h.rank("j", 0, 2);
+    let s1 = h.rank("j", 1, 2);
+    let a = h.send(s0, barrier("x", None));
+    h.kill(s1);
+    let e = err(h.take(s0, a));
+    assert!(matches!(&e, OpError::PeerLost { peer, .. } if peer.state == RankState::Lost(LossReason::Disconnected)));
+    assert_eq!(report_exit(&mut h, 1, Exit::Code(3)), Ok(Response::Done));
+    assert!(h.replies.is_empty(), "{:?}", h.replies);
+    let lost = snapshot_rank(&mut h, 1).lost.expect("lost");
+    assert_eq!(
+        (lost.reason.as_str(), lost.exit_code, lost.text.as_str()),
+        ("exited", Some(3), "its process exited with code 3")
+    );
+    assert_eq!(lost_counts(&h), (1, 0, 0), "counted by how it was first lost");
+    // A rank that ends twice is reported once more for nothing.
+    assert_eq!(report_exit(&mut h, 1, Exit::Code(3)), Ok(Response::Done));
+    assert_eq!(lost_counts(&h), (1, 0, 0));
+}
+
+#[test]
+fn a_rank_lost_by_lease_keeps_that_reason_when_its_end_is_reported() {
+    let (mut h, s0, _s1, a) = rank_0_waiting_under_a_1s_lease();
+    steps_of_400ms(&mut h, s0, 5, |_| {});
+    let e = err(h.take(s0, a));
+    assert!(e.to_string().contains("no heartbeat for 1.0 s"), "{e}");
+    assert_eq!(report_exit(&mut h, 1, Exit::Signal(15)), Ok(Response::Done));
+    let lost = snapshot_rank(&mut h, 1).lost.expect("lost");
+    assert_eq!(lost.reason, "lease_expired");
+    assert_eq!(lost_counts(&h), (0, 1, 0));
+}
+
+#[test]
+fn an_end_reported_of_a_rank_that_left_fails_what_waits_for_its_return() {
+    let mut h = Harness::new();
+    let s0 = h.rank("j", 0, 2);
+    let s1 = h.rank("j", 1, 2);
+    let a = h.send(s0, barrier("x", Some(5_000)));
+    h.leave(s1);
+    assert!(h.pending(s0, a), "a barrier keeps waiting for a rank that left");
+    assert_eq!(report_exit(&mut h, 1, Exit::Code(0)), Ok(Response::Done));
+    let e = err(h.take(s0, a));
+    assert!(e.to_string().contains("lost: its process exited with code 0"), "{e}");
+}
+
+#[test]
+fn an_end_reported_of_a_rank_never_seen_changes_nothing_and_one_out_of_range_is_refused() {
+    let mut h = Harness::new();
+    let s0 = h.rank("j", 0, 3);
+    let a = h.send(s0, barrier("x", Some(5_000)));
+    assert_eq!(report_exit(&mut h, 2, Exit::Code(1)), Ok(Response::Done));
+    assert!(h.pending(s0, a), "rank 2 never connected: its peers wait for it as before");
+    let e = report_exit(&mut h, 3, Exit::Code(1)).unwrap_err();
+    assert_eq!(e, OpError::Invalid("rank 3 is out of range for world size 3".into()));
+    assert_eq!(lost_counts(&h), (0, 0, 0));
 }

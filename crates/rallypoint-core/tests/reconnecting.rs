@@ -7,7 +7,7 @@ mod common;
 
 use common::{barrier, ok, Harness};
 use rallypoint_core::snapshot::{JobSnapshot, RankStatus, RankSummary, RankView, ReconnectingView};
-use rallypoint_core::{Config, Identity, Missing, Request, Response, SessionId};
+use rallypoint_core::{Config, Exit, Identity, Missing, Request, Response, SessionId};
 
 /// Rank `rank` of `world` in job "j", as process `1000 + rank` on `node<rank>`, which
 /// states an incarnation and so may resume.
@@ -188,4 +188,26 @@ fn the_reconnecting_fields_are_optional_in_the_json() {
     let held = RankView { reconnecting: Some(ReconnectingView { dropped_ms_ago: 5, lost_in_ms: 7 }), ..rank };
     let json = serde_json::to_value(&held).expect("serialisable");
     assert_eq!(json["reconnecting"], serde_json::json!({"dropped_ms_ago": 5, "lost_in_ms": 7}));
+}
+
+#[test]
+fn a_rank_whose_launcher_saw_it_end_is_lost_at_once_not_after_its_grace() {
+    let mut h = Harness::new();
+    let r0 = h.open(process(0, 2));
+    let r1 = h.open(process(1, 2));
+    let wait = h.send(r0, barrier("step", None));
+    h.kill(r1);
+    h.advance(10);
+    assert!(h.pending(r0, wait), "in its grace, rank 1 may still resume");
+    let launcher = h.open(Identity::anonymous("j"));
+    assert_eq!(h.call(launcher, Request::RankExited { rank: 1, exit: Exit::Signal(9) }), Ok(Response::Done));
+    h.leave(launcher);
+    let e = h.take(r0, wait).expect("failed at once").unwrap_err();
+    assert!(e.to_string().contains("lost: its process was killed by SIGKILL"), "{e}");
+    // Its session is gone with its grace: nothing shows it as reconnecting.
+    let report = status(&mut h);
+    assert_eq!(reconnecting_lines(&report), Vec::<&str>::new(), "{report}");
+    assert!(report.contains("ranks: 1 connected, 0 left cleanly, 1 lost\n"), "{report}");
+    assert_eq!(metrics_reconnecting(&h), 0);
+    assert!(h.engine.resume(r1, &process(1, 2), h.now).is_err(), "nothing left to resume");
 }

@@ -79,6 +79,7 @@ fn add(into: &mut JobMetrics, m: &JobMetrics) {
     }
     c.ranks_lost_disconnected += m.counters.ranks_lost_disconnected;
     c.ranks_lost_lease += m.counters.ranks_lost_lease;
+    c.ranks_lost_exited += m.counters.ranks_lost_exited;
     for (a, b) in c.kv_ops.iter_mut().zip(&m.counters.kv_ops) {
         *a += b;
     }
@@ -242,12 +243,14 @@ impl Collector for Scrape {
         counters(
             &mut e,
             "rallypoint_ranks_lost",
-            "Ranks lost, by why: their last connection dropped, or silent for a whole lease.",
+            "Ranks lost, by why (the first seen): their last connection dropped, silent for a whole lease, or \
+             their launcher saw their process end.",
             None,
             per_job(&|m| {
                 vec![
                     (with(job(m), "reason", "disconnected"), m.counters.ranks_lost_disconnected),
                     (with(job(m), "reason", "lease_expired"), m.counters.ranks_lost_lease),
+                    (with(job(m), "reason", "exited"), m.counters.ranks_lost_exited),
                 ]
             }),
         )?;

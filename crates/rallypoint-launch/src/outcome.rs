@@ -1,6 +1,6 @@
 //! What happened to each worker, and the summary a person reads at the end.
 
-use std::fmt::{self, Write as _};
+use std::fmt::Write as _;
 use std::time::{Duration, SystemTime};
 
 use rallypoint_stacks::{Grouped, Render};
@@ -10,35 +10,9 @@ use serde::{Deserialize, Serialize};
 /// its command runs out of time.
 pub const HANG_EXIT: i32 = 124;
 
-/// How a worker process ended.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-pub enum Exit {
-    Code(i32),
-    Signal(i32),
-}
-
-impl Exit {
-    /// The exit code a shell would report: the code, or 128 + the signal number.
-    pub fn shell_code(self) -> i32 {
-        match self {
-            Exit::Code(code) => code,
-            Exit::Signal(sig) => 128 + sig,
-        }
-    }
-
-    pub fn success(self) -> bool {
-        self == Exit::Code(0)
-    }
-}
-
-impl fmt::Display for Exit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Exit::Code(code) => write!(f, "exited with code {code}"),
-            Exit::Signal(sig) => write!(f, "was killed by {}", signal_name(*sig)),
-        }
-    }
-}
+/// How a worker process ended, and a signal's name: the coordinator names the
+/// same in a rank's loss ([`rallypoint_core::LossReason::Exited`]).
+pub use rallypoint_core::{signal_name, Exit};
 
 /// How a launcher's abort of a job begins its reason (see [`Failure::abort_reason`]).
 pub const LAUNCHER_ABORT: &str = "launcher: ";
@@ -372,28 +346,33 @@ fn write_tail(s: &mut String, who: &str, whose: &str, tail: &[String]) {
     }
 }
 
-pub fn signal_name(sig: i32) -> String {
-    match sig {
-        libc::SIGHUP => "SIGHUP".into(),
-        libc::SIGINT => "SIGINT".into(),
-        libc::SIGQUIT => "SIGQUIT".into(),
-        libc::SIGILL => "SIGILL".into(),
-        libc::SIGABRT => "SIGABRT".into(),
-        libc::SIGBUS => "SIGBUS".into(),
-        libc::SIGFPE => "SIGFPE".into(),
-        libc::SIGKILL => "SIGKILL".into(),
-        libc::SIGSEGV => "SIGSEGV".into(),
-        libc::SIGPIPE => "SIGPIPE".into(),
-        libc::SIGTERM => "SIGTERM".into(),
-        libc::SIGUSR1 => "SIGUSR1".into(),
-        libc::SIGUSR2 => "SIGUSR2".into(),
-        other => format!("signal {other}"),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn signals_are_named_by_this_platforms_numbers() {
+        // The coordinator names the signals launchers report by Linux's numbers.
+        for (sig, name) in [
+            (libc::SIGHUP, "SIGHUP"),
+            (libc::SIGINT, "SIGINT"),
+            (libc::SIGQUIT, "SIGQUIT"),
+            (libc::SIGILL, "SIGILL"),
+            (libc::SIGABRT, "SIGABRT"),
+            (libc::SIGBUS, "SIGBUS"),
+            (libc::SIGFPE, "SIGFPE"),
+            (libc::SIGKILL, "SIGKILL"),
+            (libc::SIGUSR1, "SIGUSR1"),
+            (libc::SIGSEGV, "SIGSEGV"),
+            (libc::SIGUSR2, "SIGUSR2"),
+            (libc::SIGPIPE, "SIGPIPE"),
+            (libc::SIGALRM, "SIGALRM"),
+            (libc::SIGTERM, "SIGTERM"),
+        ] {
+            assert_eq!(signal_name(sig), name);
+        }
+        assert_eq!(signal_name(64), "signal 64");
+    }
 
     #[test]
     fn summary_names_the_root_cause_first_then_the_others() {

@@ -641,7 +641,15 @@ impl Attempt<'_> {
             // on node 0, the report of the failure this one followed.
             state.verdict_by = Some(Instant::now() + VERDICT_WAIT);
         }
-        abort_job(self.job, self.host, self.token.clone(), failure.abort_reason());
+        // A worker that ended is lost to its peers by that end, told before the
+        // abort, so that they learn of the rank whichever reaches them first. Every
+        // node says so, not only the worker's: another node's launcher, told by its
+        // report, may abort the job before the worker's own launcher does.
+        let exited = match &failure.what {
+            FailureKind::Worker { rank, exit, .. } => Some((*rank, *exit)),
+            _ => None,
+        };
+        abort_job(self.job, self.host, self.token.clone(), exited, failure.abort_reason());
         if running.iter().any(Option::is_some) {
             self.read_local_stacks(state, &failure);
             state.term_at = Some(Instant::now() + NOTICE.min(self.options.grace));
@@ -864,13 +872,19 @@ fn loss_of(info: &RankInfo, now_ms: u64) -> Option<(u64, u64, Loss)> {
         LossReason::LeaseExpired { lease_ms } => {
             (last_seen.saturating_add(lease_ms), last_seen, Loss::Silent { lease_ms })
         }
-        LossReason::Disconnected => (last_seen, last_seen, Loss::Disconnected),
+        // A launcher saw its process end (and reported that end, whose report names
+        // it better): judged as the connection the end dropped.
+        LossReason::Disconnected | LossReason::Exited(_) => (last_seen, last_seen, Loss::Disconnected),
     })
 }
 
 /// Aborts the attempt's coordinator job in the background: workers blocked in a
-/// barrier learn the reason at once instead of waiting for their signal.
-fn abort_job(job: &JobEnv, host: &str, token: Option<Arc<Token>>, reason: String) {
+/// barrier learn the reason at once instead of waiting for their signal. A rank
+/// whose process ended (`exited`) is reported lost first, so that its peers are
+/// told by name that it was lost, not that the job was aborted: the coordinator may
+/// hear of the end later than this launcher does (a grace for its session to resume,
+/// a node agent between them).
+fn abort_job(job: &JobEnv, host: &str, token: Option<Arc<Token>>, exited: Option<(u32, Exit)>, reason: String) {
     let mut identity = Identity::anonymous(job.attempt_job.clone());
     identity.host = host.to_owned();
     identity.pid = std::process::id();
@@ -880,6 +894,11 @@ fn abort_job(job: &JobEnv, host: &str, token: Option<Arc<Token>>, reason: String
     tokio::spawn(async move {
         match Client::connect_with(options).await {
             Ok(client) => {
+                if let Some((rank, exit)) = exited {
+                    if let Err(e) = client.rank_exited(rank, exit).await {
+                        tracing::debug!("reporting rank {rank}'s end: {e}");
+                    }
+                }
                 if let Err(e) = client.abort(&reason).await {
                     tracing::debug!("aborting the job: {e}");
                 }

@@ -26,8 +26,8 @@
 pub use bytes::{self, Bytes};
 pub use rallypoint_client::{blocking, env, Client, ConnectOptions, Error, Gathered, DEFAULT_TIMEOUT};
 pub use rallypoint_core::{
-    AbortInfo, CallShape, CollectiveKind, Config, Identity, Limits, LossReason, Members, OpError, OpRef, RankInfo,
-    RankState,
+    AbortInfo, CallShape, CollectiveKind, Config, Exit, Identity, Limits, LossReason, Members, OpError, OpRef,
+    RankInfo, RankState,
 };
 pub use rallypoint_net::raise_fd_limit;
 pub use rallypoint_server::{Server, ServerConfig, ServerHandle};

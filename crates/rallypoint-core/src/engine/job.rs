@@ -76,7 +76,8 @@ impl Job {
         for (i, c) in self.store.counters.iter().enumerate() {
             counters.ops[op::STORE_BARRIER + i] = c.clone();
         }
-        (counters.ranks_lost_disconnected, counters.ranks_lost_lease) = self.ranks.lost_counts;
+        (counters.ranks_lost_disconnected, counters.ranks_lost_lease, counters.ranks_lost_exited) =
+            self.ranks.lost_counts;
         counters
     }
 

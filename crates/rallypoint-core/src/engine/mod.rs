@@ -525,8 +525,22 @@ impl Engine {
             self.outgoing.push(Outgoing::new(session, request_id, reply));
             return;
         }
-        if let Some(mut step) = self.step(sess.job, now) {
+        let (job, exited) = (sess.job, if let Request::RankExited { rank, .. } = request { Some(rank) } else { None });
+        if let Some(mut step) = self.step(job, now) {
             step.request(caller, request);
+        }
+        if let Some(rank) = exited {
+            self.end_graces(job, rank, now);
+        }
+    }
+
+    /// The process of `rank` ended (`Request::RankExited`): its sessions waiting in
+    /// their reconnect grace will never be resumed, and close now (only a session that
+    /// stated an incarnation has a grace, and each such session is its holder's).
+    fn end_graces(&mut self, job: JobId, rank: u32, now: Millis) {
+        let Some(holder) = self.jobs.get(&job).and_then(|j| j.ranks.holder(rank)) else { return };
+        for session in holder.sessions.clone() {
+            self.process_gone(session, now);
         }
     }
 

@@ -9,7 +9,7 @@ use smallvec::SmallVec;
 
 use super::by_rank::ByRank;
 
-use crate::{LossReason, Millis, ProcessInfo, RankInfo, RankState, SessionId};
+use crate::{Exit, LossReason, Millis, ProcessInfo, RankInfo, RankState, SessionId};
 
 /// Incarnations taken over that are remembered per rank, to refuse them by name if
 /// they come back; a rank's holders are few (one per restart of its process).
@@ -101,8 +101,9 @@ pub(crate) struct Ranks {
     seen: ByRank<Seen>,
     /// Ranks currently lost, so that a new generation checks only these.
     lost: BTreeSet<u32>,
-    /// Ranks lost so far: (connection dropped, lease expired).
-    pub lost_counts: (u64, u64),
+    /// Ranks lost so far: (connection dropped, lease expired, process exited), each
+    /// counted by the first reason it was lost for.
+    pub lost_counts: (u64, u64, u64),
     names: Names,
 }
 
@@ -239,6 +240,32 @@ impl Ranks {
         self.lost.insert(rank);
         self.lost_counts.1 += 1;
         Change::Lost
+    }
+
+    /// The launcher of `rank`'s process saw it end with `exit`: the rank is lost
+    /// whatever its sessions say, since a connection may outlive its process (held by
+    /// a child) or wait out a reconnect grace until the coordinator hears of the end.
+    /// A rank already lost by lease keeps that reason (it came first); one lost by its
+    /// dropped connection takes this one, which says why, and fails nothing twice. A
+    /// rank that never connected has nothing waiting for it to fail.
+    pub fn exited(&mut self, rank: u32, exit: Exit) -> Change {
+        let Some(entry) = self.entries.get_mut(rank) else { return Change::None };
+        match entry.state {
+            RankState::Lost(LossReason::Disconnected) => {
+                entry.state = RankState::Lost(LossReason::Exited(exit));
+                Change::None
+            }
+            RankState::Lost(_) => Change::None,
+            RankState::NeverConnected | RankState::Connected | RankState::Left => {
+                entry.state = RankState::Lost(LossReason::Exited(exit));
+                if let Some(seen) = self.seen.get_mut(rank) {
+                    seen.lease_lost = false;
+                }
+                self.lost.insert(rank);
+                self.lost_counts.2 += 1;
+                Change::Lost
+            }
+        }
     }
 
     fn arm(seen: &mut Seen, now: Millis, lease_ms: u64) -> Change {

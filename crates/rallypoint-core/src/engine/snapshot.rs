@@ -11,7 +11,7 @@ use crate::snapshot::{
     AbortView, JobSnapshot, KeyWaitView, LossView, RankStatus, RankSummary, RankView, SessionCounts,
     MAX_KEY_WAITS_LISTED, MAX_RANKS_LISTED,
 };
-use crate::{Identity, Incarnation, LossReason, Millis, RankInfo, RankState, SessionId};
+use crate::{Exit, Identity, Incarnation, LossReason, Millis, RankInfo, RankState, SessionId};
 
 use super::job::Job;
 use super::store::WaitKind;
@@ -38,11 +38,16 @@ pub(crate) fn rank_view(info: &RankInfo, role: Option<&str>) -> RankView {
         RankState::Connected => (RankStatus::Connected, None),
         RankState::Left => (RankStatus::Left, None),
         RankState::Lost(reason) => {
-            let (code, lease_ms) = match reason {
-                LossReason::Disconnected => ("disconnected", None),
-                LossReason::LeaseExpired { lease_ms } => ("lease_expired", Some(lease_ms)),
-            };
-            (RankStatus::Lost, Some(LossView { reason: code.to_owned(), lease_ms, text: reason.to_string() }))
+            let (mut view, text) = (LossView::default(), reason.to_string());
+            match reason {
+                LossReason::Disconnected => view.reason = "disconnected".into(),
+                LossReason::LeaseExpired { lease_ms } => {
+                    (view.reason, view.lease_ms) = ("lease_expired".into(), Some(lease_ms));
+                }
+                LossReason::Exited(Exit::Code(code)) => (view.reason, view.exit_code) = ("exited".into(), Some(code)),
+                LossReason::Exited(Exit::Signal(sig)) => (view.reason, view.signal) = ("exited".into(), Some(sig)),
+            }
+            (RankStatus::Lost, Some(LossView { text, ..view }))
         }
     };
     RankView {

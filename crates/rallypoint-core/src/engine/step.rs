@@ -8,7 +8,8 @@
 use bytes::Bytes;
 
 use crate::{
-    AbortInfo, CollectiveKind, Config, Identity, Members, Millis, Missing, OpError, Reply, Request, Response, SessionId,
+    AbortInfo, CollectiveKind, Config, Exit, Identity, Members, Millis, Missing, OpError, Reply, Request, Response,
+    SessionId,
 };
 
 use crate::counters;
@@ -359,6 +360,7 @@ impl<'a> Step<'a> {
                 self.collective(caller, &request, &mut None)
             }
             Request::Abort { reason } => self.abort(caller, reason),
+            Request::RankExited { rank, exit } => self.rank_exited(rank, exit),
             // The engine resets a job itself (it makes a new one); never routed here.
             Request::Reset { .. } => Some(Err(OpError::Invalid("reset is handled by the engine".into()))),
         }
@@ -462,6 +464,15 @@ impl<'a> Step<'a> {
         let identity = &self.sessions.get(&caller.session)?.identity;
         let by = AbortInfo { by_rank: identity.rank, host: identity.host.clone(), pid: identity.pid, reason };
         self.job.abort(by, &mut self.ctx);
+        DONE
+    }
+
+    fn rank_exited(&mut self, rank: u32, exit: Exit) -> Option<Reply> {
+        if let Some(world_size) = self.job.world_size.filter(|&w| rank >= w) {
+            return Some(Err(OpError::Invalid(format!("rank {rank} is out of range for world size {world_size}"))));
+        }
+        let change = self.job.ranks.exited(rank, exit);
+        self.job.apply(rank, change, &mut self.ctx);
         DONE
     }
 

@@ -85,6 +85,7 @@ pub(crate) fn request(request: &Request, limits: &Limits) -> Result<(), OpError>
         | Request::Heartbeat
         | Request::Leave
         | Request::Abandon
+        | Request::RankExited { .. }
         | Request::Reset { .. } => Ok(()),
     }
 }

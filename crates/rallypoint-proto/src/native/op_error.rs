@@ -7,7 +7,7 @@ use rallypoint_core::{
     ProcessInfo, RankInfo, RankRanges, RankState,
 };
 
-use super::request::{blobs, decode_members, encode_members, put_blobs};
+use super::request::{blobs, decode_exit, decode_members, encode_exit, encode_members, put_blobs};
 use super::wire::{DecodeError, DecodeResult, Reader, WireWrite};
 
 /// Set in every error tag: a reply tag with this bit is an error, otherwise a response.
@@ -244,6 +244,10 @@ fn encode_rank_info(info: &RankInfo, dst: &mut BytesMut) {
             dst.put_u8(4);
             dst.put_u64_le(lease_ms);
         }
+        RankState::Lost(LossReason::Exited(exit)) => {
+            dst.put_u8(5);
+            encode_exit(exit, dst);
+        }
     }
     dst.put_option(info.last_seen_ms_ago, BytesMut::put_u64_le);
 }
@@ -259,6 +263,7 @@ fn decode_rank_info(r: &mut Reader) -> DecodeResult<RankInfo> {
             2 => RankState::Left,
             3 => RankState::Lost(LossReason::Disconnected),
             4 => RankState::Lost(LossReason::LeaseExpired { lease_ms: r.u64("rank_info.lease_ms")? }),
+            5 => RankState::Lost(LossReason::Exited(decode_exit(r)?)),
             other => return Err(DecodeError::unknown("rank state", other)),
         },
         last_seen_ms_ago: r.option("rank_info.last_seen_ms_ago", |r| r.u64("rank_info.last_seen_ms_ago"))?,

@@ -1,7 +1,7 @@
 //! Request opcodes and field layouts (docs/PROTOCOL.md, "Requests").
 
 use bytes::{BufMut, Bytes, BytesMut};
-use rallypoint_core::{Members, Request};
+use rallypoint_core::{Exit, Members, Request};
 
 use super::wire::{DecodeError, DecodeResult, Reader, WireWrite};
 
@@ -35,6 +35,7 @@ mod op {
     pub const ABANDON: u8 = 0x1a;
     pub const JOBS: u8 = 0x1b;
     pub const SNAPSHOT: u8 = 0x1c;
+    pub const RANK_EXITED: u8 = 0x1d;
 }
 
 mod members {
@@ -134,6 +135,11 @@ pub(crate) fn encode_request(request: &Request, dst: &mut BytesMut) {
             w.op(op::BROADCAST).str(name).members(members).u32(*root).option_blob(value.as_deref()).timeout(*timeout_ms)
         }
         Request::Abort { reason } => w.op(op::ABORT).str(reason),
+        Request::RankExited { rank, exit } => {
+            let w = w.op(op::RANK_EXITED).u32(*rank);
+            encode_exit(*exit, w.0);
+            w
+        }
         Request::QueuePush { key, value } => w.op(op::QUEUE_PUSH).blob(key).blob(value),
         Request::QueuePop { key } => w.op(op::QUEUE_POP).blob(key),
         Request::QueueLen { key } => w.op(op::QUEUE_LEN).blob(key),
@@ -185,6 +191,7 @@ pub(crate) fn decode_request(r: &mut Reader) -> DecodeResult<Request> {
             timeout_ms: timeout(r)?,
         },
         op::ABORT => Request::Abort { reason: r.string("reason")? },
+        op::RANK_EXITED => Request::RankExited { rank: r.u32("rank")?, exit: decode_exit(r)? },
         op::QUEUE_PUSH => Request::QueuePush { key: r.bytes("key")?, value: r.bytes("value")? },
         op::QUEUE_POP => Request::QueuePop { key: r.bytes("key")? },
         op::QUEUE_LEN => Request::QueueLen { key: r.bytes("key")? },
@@ -201,6 +208,27 @@ pub(crate) fn decode_request(r: &mut Reader) -> DecodeResult<Request> {
         op::ABANDON => Request::Abandon,
         other => return Err(DecodeError::unknown("request opcode", other)),
     })
+}
+
+/// How a process ended: `0` and its exit code, or `1` and the signal that killed
+/// it, either an `i64` within an `i32` (docs/PROTOCOL.md, section 8's `Exit`).
+pub(crate) fn encode_exit(exit: Exit, dst: &mut BytesMut) {
+    let (tag, value) = match exit {
+        Exit::Code(code) => (0, code),
+        Exit::Signal(signal) => (1, signal),
+    };
+    dst.put_u8(tag);
+    dst.put_i64_le(value.into());
+}
+
+pub(crate) fn decode_exit(r: &mut Reader) -> DecodeResult<Exit> {
+    let (make, field): (fn(i32) -> Exit, _) = match r.u8("exit")? {
+        0 => (Exit::Code, "exit.code"),
+        1 => (Exit::Signal, "exit.signal"),
+        other => return Err(DecodeError::unknown("exit tag", other)),
+    };
+    let value = r.i64(field)?;
+    Ok(make(i32::try_from(value).map_err(|_| DecodeError::out_of_range(field, value))?))
 }
 
 pub(crate) fn encode_members(members: &Members, dst: &mut BytesMut) {

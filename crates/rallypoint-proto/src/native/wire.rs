@@ -15,6 +15,10 @@ impl DecodeError {
     pub(crate) fn unknown(what: &str, tag: u8) -> Self {
         DecodeError(format!("unknown {what} 0x{tag:02x}"))
     }
+
+    pub(crate) fn out_of_range(field: &str, value: impl std::fmt::Display) -> Self {
+        DecodeError(format!("field '{field}' is out of range: {value}"))
+    }
 }
 
 /// Cursor over one frame body. Byte strings are split off the body without copying.

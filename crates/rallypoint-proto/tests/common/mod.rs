@@ -7,7 +7,7 @@ use proptest::collection::vec;
 use proptest::option;
 use proptest::prelude::*;
 use rallypoint_core::{
-    AbortInfo, AuthRefusal, CallShape, CollectiveKind, Gathered, Identity, JobIncarnation, LossReason, Members,
+    AbortInfo, AuthRefusal, CallShape, CollectiveKind, Exit, Gathered, Identity, JobIncarnation, LossReason, Members,
     Missing, Name, OpError, OpRef, ProcessInfo, RankInfo, RankRanges, RankState, Request, Response, SessionId, Welcome,
 };
 use rallypoint_proto::native::{ClientFrame, FrameLimits, ProtoError, ServerFrame};
@@ -75,6 +75,7 @@ pub fn request() -> impl Strategy<Value = Request> {
             |(name, members, root, value, timeout_ms)| Request::Broadcast { name, members, root, value, timeout_ms }
         ),
         string().prop_map(|reason| Request::Abort { reason }),
+        (any::<u32>(), exit()).prop_map(|(rank, exit)| Request::RankExited { rank, exit }),
         Just(Request::Heartbeat),
         Just(Request::Leave),
         Just(Request::Abandon),
@@ -122,7 +123,12 @@ fn rank_state() -> impl Strategy<Value = RankState> {
         Just(RankState::Left),
         Just(RankState::Lost(LossReason::Disconnected)),
         any::<u64>().prop_map(|lease_ms| RankState::Lost(LossReason::LeaseExpired { lease_ms })),
+        exit().prop_map(|exit| RankState::Lost(LossReason::Exited(exit))),
     ]
+}
+
+fn exit() -> impl Strategy<Value = Exit> {
+    prop_oneof![any::<i32>().prop_map(Exit::Code), any::<i32>().prop_map(Exit::Signal)]
 }
 
 fn rank_ranges() -> impl Strategy<Value = RankRanges> {

@@ -7,7 +7,7 @@ use std::time::Duration;
 use rallypoint::agent::{Agent, AgentConfig, AgentError, AgentHandle};
 use rallypoint::server::ServerHandle;
 use rallypoint::{
-    Client, ConnectOptions, Error, Gathered, Identity, LossReason, Members, OpError, RankInfo, RankState,
+    Client, ConnectOptions, Error, Exit, Gathered, Identity, LossReason, Members, OpError, RankInfo, RankState,
 };
 use rallypoint_core::{CollectiveKind, Request, Response};
 use rallypoint_proto::native::{AgentFrame, FrameLimits, RootFrame};
@@ -257,6 +257,42 @@ async fn a_dead_rank_behind_an_agent_is_named_by_every_peer() {
             other => panic!("waiter {i}: expected PeerLost naming rank 1, got {other:?}"),
         }
     }
+    server.shutdown().await;
+}
+
+/// A launcher that saw a rank's process end says so: every peer, behind agents or
+/// not, is told at once that the rank is lost and how its process ended, though its
+/// connection is still open (a child holds it, or the coordinator has not read its
+/// close yet); the connection's close later fails nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rank_whose_launcher_saw_it_end_is_named_with_that_end_by_every_peer() {
+    let server = start_server().await;
+    let (_a, _b, mut clients) = six_ranks(&server, "ended").await;
+    let victim = clients.remove(1);
+    let mut waiters = Vec::new();
+    for client in &clients {
+        let c = client.clone();
+        waiters.push(start_confirmed(client, async move { c.barrier("sync", Members::World, WAIT).await }).await);
+    }
+    let launcher = connect(&server, Identity::anonymous("ended")).await;
+    bounded("rank_exited", launcher.rank_exited(1, Exit::Signal(9))).await.expect("reported");
+    for (i, waiter) in waiters.into_iter().enumerate() {
+        match bounded("waiter", waiter).await.expect("task") {
+            Err(Error::Op(OpError::PeerLost { op, peer })) => {
+                assert_eq!((op.name.as_str(), peer.rank, peer.pid), ("sync", 1, Some(1001)));
+                assert_eq!(peer.state, RankState::Lost(LossReason::Exited(Exit::Signal(9))));
+                let text = OpError::PeerLost { op, peer }.to_string();
+                assert!(text.contains("lost: its process was killed by SIGKILL"), "{text}");
+            }
+            other => panic!("waiter {i}: expected PeerLost naming rank 1, got {other:?}"),
+        }
+    }
+    drop(victim);
+    let e = bounded("barrier", clients[0].barrier("next", Members::World, WAIT)).await.expect_err("rank 1 is lost");
+    assert!(e.to_string().contains("its process was killed by SIGKILL"), "{e}");
+    // A rank past the job's world size is refused by name.
+    let refused = bounded("rank_exited", launcher.rank_exited(6, Exit::Code(1))).await.expect_err("out of range");
+    assert!(refused.to_string().contains("rank 6 is out of range for world size 6"), "{refused}");
     server.shutdown().await;
 }
 
