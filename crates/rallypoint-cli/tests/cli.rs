@@ -1110,3 +1110,13 @@ fn completions_for_bash_zsh_and_fish() {
     });
     assert_code(&run, 2);
 }
+
+#[test]
+fn status_finds_a_job_that_holds_nothing_but_its_abort() {
+    let server = Server::start();
+    assert_code(&exec(server.cmd("stopped", &["abort", "disk full"])), 0);
+    // Nothing but the abort: a later barrier of the job fails for it, so status tells it.
+    let status = exec(server.cmd("stopped", &["status"]));
+    assert_code(&status, 0);
+    assert!(status.stdout.contains("aborted by ") && status.stdout.contains("disk full"), "{status:#?}");
+}

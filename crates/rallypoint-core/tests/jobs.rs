@@ -37,3 +37,16 @@ fn the_list_is_capped() {
     assert_eq!(names.len(), MAX_JOBS_LISTED);
     assert_eq!(names[0], "job00000");
 }
+
+#[test]
+fn a_job_aborted_or_reset_with_nothing_else_in_it_is_held() {
+    let mut h = Harness::new();
+    let tool = h.open(Identity::anonymous("stopped"));
+    ok(Some(h.call(tool, Request::Abort { reason: "disk full".into() })));
+    h.leave(tool);
+    let tool = h.open(Identity::anonymous("fresh"));
+    ok(Some(h.call(tool, Request::Reset { incarnation: 7 })));
+    h.leave(tool);
+    // A later call of either fails for what was done to it: `status` must find it.
+    assert_eq!(jobs(&mut h, "other"), ["fresh", "stopped"]);
+}

@@ -856,7 +856,9 @@ impl Engine {
             .values()
             .filter(|job| {
                 let others = job.sessions.saturating_sub(usize::from(job.id == asking));
-                others > 0 || job.store.len() > 0 || job.ranks.ever_connected() > 0
+                // An abort or a reset is the job's state too: a later call fails for it.
+                let marked = job.superseded.is_none() && (job.aborted.is_some() || job.incarnation.is_some());
+                others > 0 || job.store.len() > 0 || job.ranks.ever_connected() > 0 || marked
             })
             .map(|job| job.name.as_str())
             .collect();
