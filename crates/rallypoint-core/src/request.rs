@@ -160,8 +160,8 @@ pub enum Request {
     },
     /// The names of the jobs the coordinator holds, in byte order, at most
     /// [`MAX_JOBS_LISTED`]; the caller's own job only if it holds more than the
-    /// caller's session (keys, ranks, other sessions, an abort or an incarnation), so
-    /// that asking creates no job.
+    /// caller's session (keys, ranks, other sessions, an abort), so that asking creates
+    /// no job.
     /// Replies `Values`.
     Jobs,
     /// The caller's job as data: a [`crate::snapshot::JobSnapshot`] encoded as JSON

@@ -856,9 +856,11 @@ impl Engine {
             .values()
             .filter(|job| {
                 let others = job.sessions.saturating_sub(usize::from(job.id == asking));
-                // An abort or a reset is the job's state too: a later call fails for it.
-                let marked = job.superseded.is_none() && (job.aborted.is_some() || job.incarnation.is_some());
-                others > 0 || job.store.len() > 0 || job.ranks.ever_connected() > 0 || marked
+                // An abort is the job's state too: every later call fails for it. (An
+                // incarnation alone is not: a launcher names one before any worker runs,
+                // and `status` tells such a job by its absence here.)
+                let aborted = job.superseded.is_none() && job.aborted.is_some();
+                others > 0 || job.store.len() > 0 || job.ranks.ever_connected() > 0 || aborted
             })
             .map(|job| job.name.as_str())
             .collect();
