@@ -1159,6 +1159,11 @@ fn the_launcher_says_where_its_coordinator_is_and_status_finds_it() {
     for (job, launched) in [("first", first), ("second", second)] {
         let found = std::fs::read_to_string(dir.join(format!("coord.{job}"))).expect("coordinator");
         let (addr, token_file) = found.trim().split_once(' ').expect("address and token file");
+        // The command the launcher's first line gives works as given: status finds the
+        // token the launcher made for its job.
+        let inspect = verb(&["status", "--addr", addr, "--job", job], &env);
+        assert_eq!(inspect.status.code(), Some(0), "{}", inspect.stderr);
+        assert!(inspect.stdout.starts_with(&format!("job '{job}'\n")), "{}", inspect.stdout);
         let go = verb(&["set", "go", "1", "--addr", addr, "--job", job], &[("RALLYPOINT_TOKEN_FILE", token_file)]);
         assert_eq!(go.status.code(), Some(0), "{}", go.stderr);
         let done = launched.finish();

@@ -13,20 +13,35 @@ use anyhow::Context;
 use rallypoint_client::env::Settings;
 use rallypoint_client::Client;
 use rallypoint_core::snapshot::{StatusDocument, STATUS_SCHEMA};
+use rallypoint_launch::discovery;
 use rallypoint_launch::stacks::{Ask, Collected};
 
 use super::{address_in_env, connect, find_launcher, finish, quoted, Conn, StatusView};
 use crate::exit::{usage, UsageError};
 
 pub(super) async fn run(mut conn: Conn, view: StatusView) -> anyhow::Result<()> {
-    if conn.addr.is_none() && !address_in_env() {
-        let launcher = find_launcher(conn.job.as_deref())?;
-        conn.addr = Some(launcher.addr);
-        conn.job = Some(conn.job.unwrap_or(launcher.attempt_job));
-        // The launcher's own token, unless one was given.
-        if conn.token_file.is_none() && std::env::var_os("RALLYPOINT_TOKEN").is_none_or(|t| t.is_empty()) {
-            conn.token_file = launcher.token_file;
+    let token_given = conn.token_file.is_some()
+        || ["RALLYPOINT_TOKEN", "RALLYPOINT_TOKEN_FILE"]
+            .iter()
+            .any(|v| std::env::var_os(v).is_some_and(|t| !t.is_empty()));
+    match &conn.addr {
+        None if !address_in_env() => {
+            let launcher = find_launcher(conn.job.as_deref())?;
+            conn.addr = Some(launcher.addr);
+            conn.job = Some(conn.job.unwrap_or(launcher.attempt_job));
+            // The launcher's own token, unless one was given.
+            if !token_given {
+                conn.token_file = launcher.token_file;
+            }
         }
+        // The address a launcher of this user here prints ("inspect it with: ..."):
+        // the token it made for its job, unless one was given.
+        Some(addr) if !token_given => {
+            if let Some(launcher) = discovery::launchers().into_iter().find(|l| l.addr == *addr) {
+                conn.token_file = launcher.token_file;
+            }
+        }
+        _ => {}
     }
     let settings = conn.settings(None)?;
     let client = connect(&settings).await?;
