@@ -522,6 +522,26 @@ fn a_worker_killed_behind_a_node_agent_is_named_on_the_other_node() {
     }
 }
 
+#[test]
+fn a_worker_that_dies_before_connecting_is_named_lost_by_the_peers_waiting_for_it() {
+    let dir = temp_dir("earlydeath");
+    // Rank 1 (a crash at import, say) exits before it ever connects, while the others
+    // wait for it in a barrier.
+    let script = r#"if [ "$RANK" = 1 ]; then sleep 0.5; exit 3; fi; exec "$RP" barrier b --timeout 30"#;
+    let run = launch(&["--nproc-per-node", "3", "--job", "early"], script, &dir).finish();
+    assert_eq!(run.code, Some(3), "{}", run.stderr);
+    for r in [0, 2] {
+        let told = format!("[rank{r}]: rallypoint: ");
+        let why = run.stderr.lines().find(|l| l.starts_with(&told)).unwrap_or_else(|| panic!("{}", run.stderr));
+        assert!(
+            why.contains("rank 1 (host ") && why.contains("exited with code 3)") && why.contains("lost: worker pid "),
+            "{why}"
+        );
+        assert!(run.stderr.contains(&format!("rank {r}: exited with code 4 after rank 1 failed")), "{}", run.stderr);
+    }
+    assert!(run.stderr.contains("FAILED (attempt 1 of 1): rank 1 exited with code 3"), "{}", run.stderr);
+}
+
 /// A launcher whose stdout the test reads as it comes, or never (a console that does
 /// not read); killed if the test fails before it ends.
 struct Watched {

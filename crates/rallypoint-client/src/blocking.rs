@@ -162,8 +162,8 @@ impl Client {
     }
 
     /// See [`crate::Client::rank_exited`].
-    pub fn rank_exited(&self, rank: u32, exit: Exit) -> Result<(), Error> {
-        self.runtime.block_on(self.inner.rank_exited(rank, exit))
+    pub fn rank_exited(&self, rank: u32, host: &str, pid: u32, exit: Exit) -> Result<(), Error> {
+        self.runtime.block_on(self.inner.rank_exited(rank, host, pid, exit))
     }
 
     /// See [`crate::Client::reset`].

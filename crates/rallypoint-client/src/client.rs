@@ -710,12 +710,14 @@ impl Client {
         }
     }
 
-    /// Tells the coordinator that the process holding `rank` ended with `exit`, as a
-    /// launcher that saw it end does: every collective waiting for the rank fails at
-    /// once with [`crate::OpError::PeerLost`] naming it and that end, even before its
-    /// connection is seen to close. A rank that never connected is left as it is.
-    pub async fn rank_exited(&self, rank: u32, exit: Exit) -> Result<(), Error> {
-        match self.call_now(Request::RankExited { rank, exit }).await? {
+    /// Tells the coordinator that the worker process started for `rank` (`pid` on
+    /// `host`) ended with `exit`, as a launcher that saw it end does: every collective
+    /// waiting for the rank fails at once with [`crate::OpError::PeerLost`] naming it
+    /// and that end, even before its connection is seen to close, or if it never
+    /// connected.
+    pub async fn rank_exited(&self, rank: u32, host: &str, pid: u32, exit: Exit) -> Result<(), Error> {
+        let request = Request::RankExited { rank, host: host.to_owned(), pid, exit };
+        match self.call_now(request).await? {
             Response::Done => Ok(()),
             other => Err(unexpected("rank_exited", other)),
         }

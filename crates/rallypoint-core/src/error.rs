@@ -50,8 +50,10 @@ pub enum LossReason {
     Disconnected,
     /// It sent nothing for a whole lease (hung, or cut off by the network).
     LeaseExpired { lease_ms: u64 },
-    /// The launcher that started its process saw it end ([`crate::Request::RankExited`]).
-    Exited(Exit),
+    /// The launcher that started its worker process (`pid`: a wrapper script's, say,
+    /// where the rank's own process is another) saw it end
+    /// ([`crate::Request::RankExited`]).
+    Exited { pid: u32, exit: Exit },
 }
 
 impl fmt::Display for LossReason {
@@ -61,7 +63,7 @@ impl fmt::Display for LossReason {
             LossReason::LeaseExpired { lease_ms } => {
                 write!(f, "no heartbeat for {}", Secs(*lease_ms))
             }
-            LossReason::Exited(exit) => write!(f, "its process {exit}"),
+            LossReason::Exited { pid, exit } => write!(f, "worker pid {pid} {exit}"),
         }
     }
 }

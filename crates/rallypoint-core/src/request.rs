@@ -113,14 +113,16 @@ pub enum Request {
     Abort {
         reason: String,
     },
-    /// The process holding `rank` ended with `exit`, as the launcher that started it
-    /// saw: the rank is lost at once, named with that end, whatever its connections
-    /// say (see `Ranks::exited`). A launcher says so before it aborts the job, so
-    /// that peers waiting for the rank are told it was lost, not that the job was
-    /// aborted, whichever the coordinator would have learnt first. A rank that never
-    /// connected is left as it is.
+    /// The worker process a launcher started for `rank` (process `pid` on `host`)
+    /// ended with `exit`: the rank is lost at once, named with that end, whatever its
+    /// connections say, and also if it never connected (see `Ranks::exited`). A
+    /// launcher says so before it aborts the job, so that peers waiting for the rank
+    /// are told it was lost, not that the job was aborted, whichever the coordinator
+    /// would have learnt first.
     RankExited {
         rank: u32,
+        host: String,
+        pid: u32,
         exit: Exit,
     },
     /// Appends `value` to the queue `key`. Queues are a namespace apart from keys, but a

@@ -171,7 +171,10 @@ pub struct LossView {
     pub reason: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lease_ms: Option<u64>,
-    /// For `exited`: the code its process exited with, or the signal that killed it.
+    /// For `exited`: the worker process its launcher started (its own pid, or a
+    /// wrapper's), and the code it exited with or the signal that killed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub worker_pid: Option<u32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub exit_code: Option<i32>,
     #[serde(default, skip_serializing_if = "Option::is_none")]

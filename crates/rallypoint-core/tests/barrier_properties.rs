@@ -210,7 +210,8 @@ proptest! {
                         m.lose(rank, SessionId(u64::MAX));
                     }
                     let launcher = h.open(Identity::anonymous("j"));
-                    prop_assert_eq!(h.call(launcher, Request::RankExited { rank, exit: Exit::Signal(9) }), Ok(Response::Done));
+                    let report = Request::RankExited { rank, host: "node".into(), pid: 9, exit: Exit::Signal(9) };
+                    prop_assert_eq!(h.call(launcher, report), Ok(Response::Done));
                     h.leave(launcher);
                     if let Some(s) = session.filter(|_| !dropped_first) {
                         h.kill(s);

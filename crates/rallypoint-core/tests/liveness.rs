@@ -218,14 +218,20 @@ fn a_job_is_quiet_since_its_last_request_heartbeats_and_status_requests_aside() 
 
 /// Job "j"'s ranks lost so far: (connection dropped, lease expired, process exited).
 fn lost_counts(h: &Harness) -> (u64, u64, u64) {
-    let m = h.engine.metrics(h.now).into_iter().find(|m| m.name == "j").expect("job j");
-    (m.counters.ranks_lost_disconnected, m.counters.ranks_lost_lease, m.counters.ranks_lost_exited)
+    lost_counts_of(h).expect("job j")
 }
 
-/// What a launcher that saw rank `rank`'s process end says of it.
+fn lost_counts_of(h: &Harness) -> Option<(u64, u64, u64)> {
+    let m = h.engine.metrics(h.now).into_iter().find(|m| m.name == "j")?;
+    Some((m.counters.ranks_lost_disconnected, m.counters.ranks_lost_lease, m.counters.ranks_lost_exited))
+}
+
+/// What a launcher that saw rank `rank`'s worker end says of it: the worker is
+/// process `2000 + rank` on `node<rank>` (a wrapper of the rank's process `1000 + rank`).
 fn report_exit(h: &mut Harness, rank: u32, exit: Exit) -> Reply {
     let launcher = h.open(Identity::anonymous("j"));
-    let reply = h.call(launcher, Request::RankExited { rank, exit });
+    let request = Request::RankExited { rank, host: format!("node{rank}"), pid: 2000 + rank, exit };
+    let reply = h.call(launcher, request);
     h.leave(launcher);
     reply
 }
@@ -249,8 +255,11 @@ fn a_rank_its_launcher_saw_end_fails_its_peers_at_once_though_its_connection_is_
         let e = err(h.take(s[r], ids[r]));
         let OpError::PeerLost { op, peer } = &e else { panic!("{e:?}") };
         assert_eq!((op.name.as_str(), peer.rank, peer.pid), ("step", 3, Some(1003)));
-        assert_eq!(peer.state, RankState::Lost(LossReason::Exited(Exit::Signal(9))));
-        assert!(e.to_string().contains("rank 3 (host node3, pid 1003, lost: its process was killed by SIGKILL"), "{e}");
+        assert_eq!(peer.state, RankState::Lost(LossReason::Exited { pid: 2003, exit: Exit::Signal(9) }));
+        assert!(
+            e.to_string().contains("rank 3 (host node3, pid 1003, lost: worker pid 2003 was killed by SIGKILL"),
+            "{e}"
+        );
     }
     // Its connection drops later: nothing is failed twice, the reason stays.
     h.kill(s[3]);
@@ -261,7 +270,7 @@ fn a_rank_its_launcher_saw_end_fails_its_peers_at_once_though_its_connection_is_
     assert_eq!(lost_counts(&h), (0, 0, 1));
     // A later call needing it fails at once, naming the same end.
     let e = h.call(s[0], barrier("next", None)).unwrap_err();
-    assert!(e.to_string().contains("its process was killed by SIGKILL"), "{e}");
+    assert!(e.to_string().contains("worker pid 2003 was killed by SIGKILL"), "{e}");
 }
 
 #[test]
@@ -278,7 +287,7 @@ fn an_end_reported_after_the_connection_dropped_names_the_loss_without_failing_a
     let lost = snapshot_rank(&mut h, 1).lost.expect("lost");
     assert_eq!(
         (lost.reason.as_str(), lost.exit_code, lost.text.as_str()),
-        ("exited", Some(3), "its process exited with code 3")
+        ("exited", Some(3), "worker pid 2001 exited with code 3")
     );
     assert_eq!(lost_counts(&h), (1, 0, 0), "counted by how it was first lost");
     // A rank that ends twice is reported once more for nothing.
@@ -308,16 +317,49 @@ fn an_end_reported_of_a_rank_that_left_fails_what_waits_for_its_return() {
     assert!(h.pending(s0, a), "a barrier keeps waiting for a rank that left");
     assert_eq!(report_exit(&mut h, 1, Exit::Code(0)), Ok(Response::Done));
     let e = err(h.take(s0, a));
-    assert!(e.to_string().contains("lost: its process exited with code 0"), "{e}");
+    assert!(e.to_string().contains("lost: worker pid 2001 exited with code 0"), "{e}");
 }
 
 #[test]
-fn an_end_reported_of_a_rank_never_seen_changes_nothing_and_one_out_of_range_is_refused() {
+fn a_rank_whose_worker_ended_before_it_connected_is_lost_by_the_launchers_word() {
     let mut h = Harness::new();
     let s0 = h.rank("j", 0, 3);
     let a = h.send(s0, barrier("x", Some(5_000)));
+    // A crash at start: rank 2's worker never connected.
     assert_eq!(report_exit(&mut h, 2, Exit::Code(1)), Ok(Response::Done));
-    assert!(h.pending(s0, a), "rank 2 never connected: its peers wait for it as before");
+    let e = err(h.take(s0, a));
+    let OpError::PeerLost { peer, .. } = &e else { panic!("{e:?}") };
+    assert_eq!(
+        (peer.rank, peer.host.as_deref(), peer.pid, peer.last_seen_ms_ago),
+        (2, Some("node2"), Some(2002), None)
+    );
+    assert!(e.to_string().contains("rank 2 (host node2, pid 2002, lost: worker pid 2002 exited with code 1)"), "{e}");
+    assert_eq!(lost_counts(&h), (0, 0, 1));
+    assert_eq!(report_exit(&mut h, 2, Exit::Code(1)), Ok(Response::Done), "said twice, counted once");
+    assert_eq!(lost_counts(&h), (0, 0, 1));
+    let tool = h.open(Identity::anonymous("j"));
+    let Response::Value(json) = ok(Some(h.call(tool, Request::Snapshot))) else { panic!("a snapshot is a value") };
+    let snapshot: JobSnapshot = serde_json::from_slice(&json).expect("the snapshot is JSON of its schema");
+    let s = &snapshot.ranks_summary;
+    assert_eq!((s.connected, s.lost, s.never_connected), (1, 1, 1), "rank 1 never connected; rank 2 is lost");
+    // Later calls needing it fail at once; one that does not is unaffected.
+    assert!(matches!(h.call(s0, barrier("y", None)), Err(OpError::PeerLost { peer, .. }) if peer.rank == 2));
+    // Its process turns up after all (the launcher saw a wrapper end): it stands as it says.
+    let s2 = h.rank("j", 2, 3);
+    let s1 = h.rank("j", 1, 3);
+    let b = h.send(s0, barrier("z", None));
+    let c = h.send(s1, barrier("z", None));
+    assert_eq!(h.call(s2, barrier("z", None)), Ok(Response::Done));
+    assert_eq!((ok(h.take(s0, b)), ok(h.take(s1, c))), (Response::Done, Response::Done));
+}
+
+#[test]
+fn an_end_reported_out_of_range_or_before_any_rank_is_refused_or_changes_nothing() {
+    let mut h = Harness::new();
+    // No rank said how many there are: nobody waits, nothing to lose.
+    assert_eq!(report_exit(&mut h, 5, Exit::Code(1)), Ok(Response::Done));
+    assert!(lost_counts_of(&h).is_none_or(|c| c == (0, 0, 0)));
+    let _s0 = h.rank("j", 0, 3);
     let e = report_exit(&mut h, 3, Exit::Code(1)).unwrap_err();
     assert_eq!(e, OpError::Invalid("rank 3 is out of range for world size 3".into()));
     assert_eq!(lost_counts(&h), (0, 0, 0));

@@ -200,10 +200,11 @@ fn a_rank_whose_launcher_saw_it_end_is_lost_at_once_not_after_its_grace() {
     h.advance(10);
     assert!(h.pending(r0, wait), "in its grace, rank 1 may still resume");
     let launcher = h.open(Identity::anonymous("j"));
-    assert_eq!(h.call(launcher, Request::RankExited { rank: 1, exit: Exit::Signal(9) }), Ok(Response::Done));
+    let request = Request::RankExited { rank: 1, host: "node1".into(), pid: 1001, exit: Exit::Signal(9) };
+    assert_eq!(h.call(launcher, request), Ok(Response::Done));
     h.leave(launcher);
     let e = h.take(r0, wait).expect("failed at once").unwrap_err();
-    assert!(e.to_string().contains("lost: its process was killed by SIGKILL"), "{e}");
+    assert!(e.to_string().contains("lost: worker pid 1001 was killed by SIGKILL"), "{e}");
     // Its session is gone with its grace: nothing shows it as reconnecting.
     let report = status(&mut h);
     assert_eq!(reconnecting_lines(&report), Vec::<&str>::new(), "{report}");

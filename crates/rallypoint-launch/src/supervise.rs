@@ -646,10 +646,10 @@ impl Attempt<'_> {
         // node says so, not only the worker's: another node's launcher, told by its
         // report, may abort the job before the worker's own launcher does.
         let exited = match &failure.what {
-            FailureKind::Worker { rank, exit, .. } => Some((*rank, *exit)),
+            FailureKind::Worker { rank, pid, exit, .. } => Some((*rank, failure.host.clone(), *pid, *exit)),
             _ => None,
         };
-        abort_job(self.job, self.host, self.token.clone(), exited, failure.abort_reason());
+        abort_job(self.job, self.host, self.world_size, self.token.clone(), exited, failure.abort_reason());
         if running.iter().any(Option::is_some) {
             self.read_local_stacks(state, &failure);
             state.term_at = Some(Instant::now() + NOTICE.min(self.options.grace));
@@ -874,28 +874,36 @@ fn loss_of(info: &RankInfo, now_ms: u64) -> Option<(u64, u64, Loss)> {
         }
         // A launcher saw its process end (and reported that end, whose report names
         // it better): judged as the connection the end dropped.
-        LossReason::Disconnected | LossReason::Exited(_) => (last_seen, last_seen, Loss::Disconnected),
+        LossReason::Disconnected | LossReason::Exited { .. } => (last_seen, last_seen, Loss::Disconnected),
     })
 }
 
 /// Aborts the attempt's coordinator job in the background: workers blocked in a
 /// barrier learn the reason at once instead of waiting for their signal. A rank
-/// whose process ended (`exited`) is reported lost first, so that its peers are
-/// told by name that it was lost, not that the job was aborted: the coordinator may
-/// hear of the end later than this launcher does (a grace for its session to resume,
-/// a node agent between them).
-fn abort_job(job: &JobEnv, host: &str, token: Option<Arc<Token>>, exited: Option<(u32, Exit)>, reason: String) {
+/// whose worker ended (`exited`: rank, host, pid, how) is reported lost first, so
+/// that its peers are told by name that it was lost, not that the job was aborted:
+/// the coordinator may hear of the end later than this launcher does (a grace for
+/// its session to resume, a node agent between them), or never (it never connected).
+fn abort_job(
+    job: &JobEnv,
+    host: &str,
+    world_size: u32,
+    token: Option<Arc<Token>>,
+    exited: Option<(u32, String, u32, Exit)>,
+    reason: String,
+) {
+    // With the world size, the coordinator takes a report of a rank that ended
+    // before any rank connected (and said how many there are).
     let mut identity = Identity::anonymous(job.attempt_job.clone());
-    identity.host = host.to_owned();
-    identity.pid = std::process::id();
+    (identity.host, identity.pid, identity.world_size) = (host.to_owned(), std::process::id(), Some(world_size));
     let options = ConnectOptions::new(job.coordinator.to_string(), identity)
         .with_timeout(Duration::from_secs(5))
         .with_token(token);
     tokio::spawn(async move {
         match Client::connect_with(options).await {
             Ok(client) => {
-                if let Some((rank, exit)) = exited {
-                    if let Err(e) = client.rank_exited(rank, exit).await {
+                if let Some((rank, worker_host, pid, exit)) = exited {
+                    if let Err(e) = client.rank_exited(rank, &worker_host, pid, exit).await {
                         tracing::debug!("reporting rank {rank}'s end: {e}");
                     }
                 }

@@ -525,7 +525,8 @@ impl Engine {
             self.outgoing.push(Outgoing::new(session, request_id, reply));
             return;
         }
-        let (job, exited) = (sess.job, if let Request::RankExited { rank, .. } = request { Some(rank) } else { None });
+        let (job, exited) =
+            (sess.job, if let Request::RankExited { rank, .. } = &request { Some(*rank) } else { None });
         if let Some(mut step) = self.step(job, now) {
             step.request(caller, request);
         }

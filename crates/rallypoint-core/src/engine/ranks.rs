@@ -9,6 +9,7 @@ use smallvec::SmallVec;
 
 use super::by_rank::ByRank;
 
+use super::HashMap;
 use crate::{Exit, LossReason, Millis, ProcessInfo, RankInfo, RankState, SessionId};
 
 /// Incarnations taken over that are remembered per rank, to refuse them by name if
@@ -101,10 +102,22 @@ pub(crate) struct Ranks {
     seen: ByRank<Seen>,
     /// Ranks currently lost, so that a new generation checks only these.
     lost: BTreeSet<u32>,
+    /// Ranks whose launcher reported their worker's end before they ever connected
+    /// (a crash at start): lost, with what the launcher said of the process. At most
+    /// one per rank below the job's world size.
+    ended: HashMap<u32, Ended>,
     /// Ranks lost so far: (connection dropped, lease expired, process exited), each
     /// counted by the first reason it was lost for.
     pub lost_counts: (u64, u64, u64),
     names: Names,
+}
+
+/// A worker that ended before its rank connected, as its launcher told.
+#[derive(Debug)]
+struct Ended {
+    host: Arc<str>,
+    pid: u32,
+    exit: Exit,
 }
 
 /// What the caller must do after a liveness change.
@@ -132,6 +145,11 @@ impl Ranks {
         lease_ms: u64,
         claim: Option<(SessionId, u64)>,
     ) -> Change {
+        if let Some(ended) = self.ended.remove(&rank) {
+            // Reported ended, yet here: a process of the rank after all (a launcher's
+            // word about a wrapper whose child lives on). What it says now stands.
+            self.names.put(ended.host);
+        }
         let names = &mut self.names;
         let entry = self.entries.get_or_insert_with(rank, || Entry {
             host: names.get(host),
@@ -242,22 +260,32 @@ impl Ranks {
         Change::Lost
     }
 
-    /// The launcher of `rank`'s process saw it end with `exit`: the rank is lost
-    /// whatever its sessions say, since a connection may outlive its process (held by
-    /// a child) or wait out a reconnect grace until the coordinator hears of the end.
-    /// A rank already lost by lease keeps that reason (it came first); one lost by its
-    /// dropped connection takes this one, which says why, and fails nothing twice. A
-    /// rank that never connected has nothing waiting for it to fail.
-    pub fn exited(&mut self, rank: u32, exit: Exit) -> Change {
-        let Some(entry) = self.entries.get_mut(rank) else { return Change::None };
+    /// The launcher of `rank` saw its worker process (`pid` on `host`) end with
+    /// `exit`: the rank is lost whatever its sessions say, since a connection may
+    /// outlive its process (held by a child) or wait out a reconnect grace until the
+    /// coordinator hears of the end. A rank already lost by lease keeps that reason
+    /// (it came first); one lost by its dropped connection takes this one, which says
+    /// why, and fails nothing twice. A rank that never connected is lost too, named
+    /// by the worker's host and pid (the process that would have connected).
+    pub fn exited(&mut self, rank: u32, host: &str, pid: u32, exit: Exit) -> Change {
+        let reason = LossReason::Exited { pid, exit };
+        let Some(entry) = self.entries.get_mut(rank) else {
+            if self.ended.contains_key(&rank) {
+                return Change::None;
+            }
+            self.ended.insert(rank, Ended { host: self.names.get(host), pid, exit });
+            self.lost.insert(rank);
+            self.lost_counts.2 += 1;
+            return Change::Lost;
+        };
         match entry.state {
             RankState::Lost(LossReason::Disconnected) => {
-                entry.state = RankState::Lost(LossReason::Exited(exit));
+                entry.state = RankState::Lost(reason);
                 Change::None
             }
             RankState::Lost(_) => Change::None,
             RankState::NeverConnected | RankState::Connected | RankState::Left => {
-                entry.state = RankState::Lost(LossReason::Exited(exit));
+                entry.state = RankState::Lost(reason);
                 if let Some(seen) = self.seen.get_mut(rank) {
                     seen.lease_lost = false;
                 }
@@ -336,6 +364,11 @@ impl Ranks {
         self.entries.len()
     }
 
+    /// How many ranks were reported ended before they ever connected.
+    pub fn ended_unconnected(&self) -> usize {
+        self.ended.len()
+    }
+
     /// Ranks that connected with a role other than `role`, or with none, in no order.
     pub fn with_other_role<'a>(&'a self, role: &'a str) -> impl Iterator<Item = u32> + 'a {
         self.entries.iter().filter(move |(_, e)| e.role.as_deref() != Some(role)).map(|(rank, _)| rank)
@@ -351,7 +384,18 @@ impl Ranks {
                 state: e.state,
                 last_seen_ms_ago: Some(now.saturating_sub(seen.at)),
             },
-            _ => RankInfo { rank, host: None, pid: None, state: RankState::NeverConnected, last_seen_ms_ago: None },
+            _ => match self.ended.get(&rank) {
+                Some(Ended { host, pid, exit }) => RankInfo {
+                    rank,
+                    host: Some(host.to_string()),
+                    pid: Some(*pid),
+                    state: RankState::Lost(LossReason::Exited { pid: *pid, exit: *exit }),
+                    last_seen_ms_ago: None,
+                },
+                None => {
+                    RankInfo { rank, host: None, pid: None, state: RankState::NeverConnected, last_seen_ms_ago: None }
+                }
+            },
         }
     }
 }

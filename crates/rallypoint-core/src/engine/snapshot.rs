@@ -44,8 +44,13 @@ pub(crate) fn rank_view(info: &RankInfo, role: Option<&str>) -> RankView {
                 LossReason::LeaseExpired { lease_ms } => {
                     (view.reason, view.lease_ms) = ("lease_expired".into(), Some(lease_ms));
                 }
-                LossReason::Exited(Exit::Code(code)) => (view.reason, view.exit_code) = ("exited".into(), Some(code)),
-                LossReason::Exited(Exit::Signal(sig)) => (view.reason, view.signal) = ("exited".into(), Some(sig)),
+                LossReason::Exited { pid, exit } => {
+                    (view.reason, view.worker_pid) = ("exited".into(), Some(pid));
+                    match exit {
+                        Exit::Code(code) => view.exit_code = Some(code),
+                        Exit::Signal(sig) => view.signal = Some(sig),
+                    }
+                }
             }
             (RankStatus::Lost, Some(LossView { text, ..view }))
         }
@@ -245,7 +250,9 @@ impl Engine {
 /// Ranks by state; `never_connected` below the stated world size.
 fn summary(job: &Job) -> RankSummary {
     let (connected, left, lost) = job.ranks.tally();
-    let never_connected = job.world_size.map_or(0, |w| u64::from(w).saturating_sub(job.ranks.ever_connected() as u64));
+    // A rank reported ended before it connected counts as lost, not as never connected.
+    let seen = job.ranks.ever_connected() + job.ranks.ended_unconnected();
+    let never_connected = job.world_size.map_or(0, |w| u64::from(w).saturating_sub(seen as u64));
     RankSummary {
         connected: connected as u64,
         left: left as u64,

@@ -360,7 +360,7 @@ impl<'a> Step<'a> {
                 self.collective(caller, &request, &mut None)
             }
             Request::Abort { reason } => self.abort(caller, reason),
-            Request::RankExited { rank, exit } => self.rank_exited(rank, exit),
+            Request::RankExited { rank, host, pid, exit } => self.rank_exited(rank, &host, pid, exit),
             // The engine resets a job itself (it makes a new one); never routed here.
             Request::Reset { .. } => Some(Err(OpError::Invalid("reset is handled by the engine".into()))),
         }
@@ -467,11 +467,15 @@ impl<'a> Step<'a> {
         DONE
     }
 
-    fn rank_exited(&mut self, rank: u32, exit: Exit) -> Option<Reply> {
-        if let Some(world_size) = self.job.world_size.filter(|&w| rank >= w) {
+    fn rank_exited(&mut self, rank: u32, host: &str, pid: u32, exit: Exit) -> Option<Reply> {
+        let Some(world_size) = self.job.world_size else {
+            // No rank ever said how many there are: none connected, none waits.
+            return DONE;
+        };
+        if rank >= world_size {
             return Some(Err(OpError::Invalid(format!("rank {rank} is out of range for world size {world_size}"))));
         }
-        let change = self.job.ranks.exited(rank, exit);
+        let change = self.job.ranks.exited(rank, host, pid, exit);
         self.job.apply(rank, change, &mut self.ctx);
         DONE
     }

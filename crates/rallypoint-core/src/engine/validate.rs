@@ -77,6 +77,7 @@ pub(crate) fn request(request: &Request, limits: &Limits) -> Result<(), OpError>
             value.as_ref().map_or(Ok(()), |v| self::value(v, limits))
         }
         Request::Abort { reason } => self::name("abort reason", reason, limits),
+        Request::RankExited { host, .. } => self::name("host", host, limits),
         Request::NumKeys
         | Request::CancelWait
         | Request::Status
@@ -85,7 +86,6 @@ pub(crate) fn request(request: &Request, limits: &Limits) -> Result<(), OpError>
         | Request::Heartbeat
         | Request::Leave
         | Request::Abandon
-        | Request::RankExited { .. }
         | Request::Reset { .. } => Ok(()),
     }
 }

@@ -244,8 +244,9 @@ fn encode_rank_info(info: &RankInfo, dst: &mut BytesMut) {
             dst.put_u8(4);
             dst.put_u64_le(lease_ms);
         }
-        RankState::Lost(LossReason::Exited(exit)) => {
+        RankState::Lost(LossReason::Exited { pid, exit }) => {
             dst.put_u8(5);
+            dst.put_u32_le(pid);
             encode_exit(exit, dst);
         }
     }
@@ -263,7 +264,7 @@ fn decode_rank_info(r: &mut Reader) -> DecodeResult<RankInfo> {
             2 => RankState::Left,
             3 => RankState::Lost(LossReason::Disconnected),
             4 => RankState::Lost(LossReason::LeaseExpired { lease_ms: r.u64("rank_info.lease_ms")? }),
-            5 => RankState::Lost(LossReason::Exited(decode_exit(r)?)),
+            5 => RankState::Lost(LossReason::Exited { pid: r.u32("rank_info.worker_pid")?, exit: decode_exit(r)? }),
             other => return Err(DecodeError::unknown("rank state", other)),
         },
         last_seen_ms_ago: r.option("rank_info.last_seen_ms_ago", |r| r.u64("rank_info.last_seen_ms_ago"))?,

@@ -135,8 +135,8 @@ pub(crate) fn encode_request(request: &Request, dst: &mut BytesMut) {
             w.op(op::BROADCAST).str(name).members(members).u32(*root).option_blob(value.as_deref()).timeout(*timeout_ms)
         }
         Request::Abort { reason } => w.op(op::ABORT).str(reason),
-        Request::RankExited { rank, exit } => {
-            let w = w.op(op::RANK_EXITED).u32(*rank);
+        Request::RankExited { rank, host, pid, exit } => {
+            let w = w.op(op::RANK_EXITED).u32(*rank).str(host).u32(*pid);
             encode_exit(*exit, w.0);
             w
         }
@@ -191,7 +191,12 @@ pub(crate) fn decode_request(r: &mut Reader) -> DecodeResult<Request> {
             timeout_ms: timeout(r)?,
         },
         op::ABORT => Request::Abort { reason: r.string("reason")? },
-        op::RANK_EXITED => Request::RankExited { rank: r.u32("rank")?, exit: decode_exit(r)? },
+        op::RANK_EXITED => Request::RankExited {
+            rank: r.u32("rank")?,
+            host: r.string("host")?,
+            pid: r.u32("pid")?,
+            exit: decode_exit(r)?,
+        },
         op::QUEUE_PUSH => Request::QueuePush { key: r.bytes("key")?, value: r.bytes("value")? },
         op::QUEUE_POP => Request::QueuePop { key: r.bytes("key")? },
         op::QUEUE_LEN => Request::QueueLen { key: r.bytes("key")? },

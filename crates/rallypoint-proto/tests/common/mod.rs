@@ -75,7 +75,12 @@ pub fn request() -> impl Strategy<Value = Request> {
             |(name, members, root, value, timeout_ms)| Request::Broadcast { name, members, root, value, timeout_ms }
         ),
         string().prop_map(|reason| Request::Abort { reason }),
-        (any::<u32>(), exit()).prop_map(|(rank, exit)| Request::RankExited { rank, exit }),
+        (any::<u32>(), string(), any::<u32>(), exit()).prop_map(|(rank, host, pid, exit)| Request::RankExited {
+            rank,
+            host,
+            pid,
+            exit
+        }),
         Just(Request::Heartbeat),
         Just(Request::Leave),
         Just(Request::Abandon),
@@ -123,7 +128,7 @@ fn rank_state() -> impl Strategy<Value = RankState> {
         Just(RankState::Left),
         Just(RankState::Lost(LossReason::Disconnected)),
         any::<u64>().prop_map(|lease_ms| RankState::Lost(LossReason::LeaseExpired { lease_ms })),
-        exit().prop_map(|exit| RankState::Lost(LossReason::Exited(exit))),
+        (any::<u32>(), exit()).prop_map(|(pid, exit)| RankState::Lost(LossReason::Exited { pid, exit })),
     ]
 }
 

@@ -275,23 +275,24 @@ async fn a_rank_whose_launcher_saw_it_end_is_named_with_that_end_by_every_peer()
         waiters.push(start_confirmed(client, async move { c.barrier("sync", Members::World, WAIT).await }).await);
     }
     let launcher = connect(&server, Identity::anonymous("ended")).await;
-    bounded("rank_exited", launcher.rank_exited(1, Exit::Signal(9))).await.expect("reported");
+    bounded("rank_exited", launcher.rank_exited(1, "host-1", 1001, Exit::Signal(9))).await.expect("reported");
     for (i, waiter) in waiters.into_iter().enumerate() {
         match bounded("waiter", waiter).await.expect("task") {
             Err(Error::Op(OpError::PeerLost { op, peer })) => {
                 assert_eq!((op.name.as_str(), peer.rank, peer.pid), ("sync", 1, Some(1001)));
-                assert_eq!(peer.state, RankState::Lost(LossReason::Exited(Exit::Signal(9))));
+                assert_eq!(peer.state, RankState::Lost(LossReason::Exited { pid: 1001, exit: Exit::Signal(9) }));
                 let text = OpError::PeerLost { op, peer }.to_string();
-                assert!(text.contains("lost: its process was killed by SIGKILL"), "{text}");
+                assert!(text.contains("lost: worker pid 1001 was killed by SIGKILL"), "{text}");
             }
             other => panic!("waiter {i}: expected PeerLost naming rank 1, got {other:?}"),
         }
     }
     drop(victim);
     let e = bounded("barrier", clients[0].barrier("next", Members::World, WAIT)).await.expect_err("rank 1 is lost");
-    assert!(e.to_string().contains("its process was killed by SIGKILL"), "{e}");
+    assert!(e.to_string().contains("worker pid 1001 was killed by SIGKILL"), "{e}");
     // A rank past the job's world size is refused by name.
-    let refused = bounded("rank_exited", launcher.rank_exited(6, Exit::Code(1))).await.expect_err("out of range");
+    let refused =
+        bounded("rank_exited", launcher.rank_exited(6, "host-6", 1006, Exit::Code(1))).await.expect_err("out of range");
     assert!(refused.to_string().contains("rank 6 is out of range for world size 6"), "{refused}");
     server.shutdown().await;
 }
