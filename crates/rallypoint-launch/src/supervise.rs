@@ -892,8 +892,8 @@ fn abort_job(
     exited: Option<(u32, String, u32, Exit)>,
     reason: String,
 ) {
-    // With the world size, the coordinator takes a report of a rank that ended
-    // before any rank connected (and said how many there are).
+    // The world size, stated: a coordinator that knows it takes the report of a rank
+    // that ended even before any rank of the job connected.
     let mut identity = Identity::anonymous(job.attempt_job.clone());
     (identity.host, identity.pid, identity.world_size) = (host.to_owned(), std::process::id(), Some(world_size));
     let options = ConnectOptions::new(job.coordinator.to_string(), identity)
