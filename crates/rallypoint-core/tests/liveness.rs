@@ -11,7 +11,12 @@ use rallypoint_core::{
 
 /// Ranks 0 and 1 of a job with a 1 s lease, rank 0 waiting at barrier "x" (its request id).
 fn rank_0_waiting_under_a_1s_lease() -> (Harness, SessionId, SessionId, u64) {
-    let mut h = Harness::with_config(Config { lease_ms: 1_000, ..Config::default() });
+    rank_0_waiting(Config { lease_ms: 1_000, ..Config::default() })
+}
+
+/// Ranks 0 and 1 of job "j", rank 0 waiting at barrier "x" (its request id).
+fn rank_0_waiting(config: Config) -> (Harness, SessionId, SessionId, u64) {
+    let mut h = Harness::with_config(config);
     let s0 = h.rank("j", 0, 2);
     let s1 = h.rank("j", 1, 2);
     let a = h.send(s0, barrier("x", None));
@@ -67,10 +72,7 @@ fn later_calls_needing_a_lost_rank_fail_at_once_until_it_reconnects() {
 
 #[test]
 fn a_clean_leave_is_not_a_loss() {
-    let mut h = Harness::new();
-    let s0 = h.rank("j", 0, 2);
-    let s1 = h.rank("j", 1, 2);
-    let a = h.send(s0, barrier("x", Some(5_000)));
+    let (mut h, s0, s1, a) = rank_0_waiting(Config::default());
     h.leave(s1);
     assert!(h.pending(s0, a), "a barrier keeps waiting for a rank that left");
     let s1 = h.rank("j", 1, 2);
@@ -275,10 +277,7 @@ fn a_rank_its_launcher_saw_end_fails_its_peers_at_once_though_its_connection_is_
 
 #[test]
 fn an_end_reported_after_the_connection_dropped_names_the_loss_without_failing_anything_twice() {
-    let mut h = Harness::new();
-    let s0 = h.rank("j", 0, 2);
-    let s1 = h.rank("j", 1, 2);
-    let a = h.send(s0, barrier("x", None));
+    let (mut h, s0, s1, a) = rank_0_waiting(Config::default());
     h.kill(s1);
     let e = err(h.take(s0, a));
     assert!(matches!(&e, OpError::PeerLost { peer, .. } if peer.state == RankState::Lost(LossReason::Disconnected)));
@@ -309,10 +308,7 @@ fn a_rank_lost_by_lease_keeps_that_reason_when_its_end_is_reported() {
 
 #[test]
 fn an_end_reported_of_a_rank_that_left_fails_what_waits_for_its_return() {
-    let mut h = Harness::new();
-    let s0 = h.rank("j", 0, 2);
-    let s1 = h.rank("j", 1, 2);
-    let a = h.send(s0, barrier("x", Some(5_000)));
+    let (mut h, s0, s1, a) = rank_0_waiting(Config::default());
     h.leave(s1);
     assert!(h.pending(s0, a), "a barrier keeps waiting for a rank that left");
     assert_eq!(report_exit(&mut h, 1, Exit::Code(0)), Ok(Response::Done));
