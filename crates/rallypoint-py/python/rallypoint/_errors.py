@@ -65,7 +65,8 @@ class RankInfo:
     pid: Optional[int]
     #: "never_connected", "connected" (but not arrived), "left" (cleanly) or "lost".
     state: str
-    #: Why a lost rank is lost ("connection dropped without a clean leave", "no heartbeat for 15.0 s"); else None.
+    #: Why a lost rank is lost ("connection dropped without a clean leave", "no heartbeat for 15.0 s",
+    #: "worker pid 4242 was killed by SIGKILL" as its launcher saw); else None.
     reason: Optional[str]
     #: Seconds since the coordinator last heard from it; None if never.
     last_seen: Optional[float]
