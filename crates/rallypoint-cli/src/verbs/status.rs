@@ -21,7 +21,7 @@ use crate::exit::{usage, UsageError};
 
 pub(super) async fn run(mut conn: Conn, view: StatusView) -> anyhow::Result<()> {
     let token_given = conn.token_file.is_some()
-        || ["RALLYPOINT_TOKEN", "RALLYPOINT_TOKEN_FILE"]
+        || [rallypoint_client::TOKEN_VAR, rallypoint_client::TOKEN_FILE_VAR]
             .iter()
             .any(|v| std::env::var_os(v).is_some_and(|t| !t.is_empty()));
     match &conn.addr {
