@@ -675,7 +675,9 @@ impl Attempt<'_> {
             (FailureKind::Worker { rank: failed, .. }, FailureKind::RankLost { rank, .. }) => failed != rank,
             (FailureKind::RankLost { rank: lost, .. }, FailureKind::Worker { rank, .. }) => lost == rank,
             (FailureKind::Worker { rank: failed, .. }, FailureKind::Worker { rank, .. }) => {
-                failed != rank && self.lost(*rank).is_some_and(|(lost_at, ..)| lost_at <= first.at_unix_ms)
+                let own = self.lost(*failed).map(|(lost_at, ..)| lost_at);
+                failed != rank
+                    && self.lost(*rank).is_some_and(|(lost_at, ..)| may_have_caused(lost_at, own, first.at_unix_ms))
             }
             _ => false,
         };
@@ -706,23 +708,26 @@ impl Attempt<'_> {
     /// On node 0: a worker failure whose peers had lost another rank first becomes
     /// that rank's loss. A rank lost by lease is never a consequence of the failure
     /// (killing a worker drops its connection, it does not silence it). A dropped
-    /// connection counts only on this node, before the failure, and not from a worker
-    /// seen to finish: torch's processes and clients that never close leave that way
-    /// when they are done, and a rank elsewhere that crashed is reported by its own
-    /// node (see `reconsider`).
+    /// connection counts only on this node, before the failure (see
+    /// [`may_have_caused`]), and not from a worker seen to finish: torch's processes
+    /// and clients that never close leave that way when they are done, and a rank
+    /// elsewhere that crashed is reported by its own node (see `reconsider`).
     fn judge(&self, failure: Failure, state: &State, running: &[Option<Running>]) -> Failure {
         let FailureKind::Worker { rank: failed, .. } = &failure.what else { return failure };
         let Some(server) = self.server else { return failure };
         let now_ms = unix_ms(SystemTime::now());
+        let lost = server.lost_ranks(&self.job.attempt_job);
+        let own = lost.iter().find(|info| info.rank == *failed).and_then(|info| loss_of(info, now_ms));
+        let own = own.map(|(lost_at, ..)| lost_at);
         let mut cause: Option<(u64, u64, Loss, RankInfo)> = None;
-        for info in server.lost_ranks(&self.job.attempt_job) {
+        for info in lost {
             if info.rank == *failed || info.rank >= self.world_size {
                 continue;
             }
             let Some((lost_at, last_seen, loss)) = loss_of(&info, now_ms) else { continue };
             if loss == Loss::Disconnected {
                 let finished = state.outcomes.iter().any(|o| o.rank == info.rank && o.exit.success());
-                if !self.is_local(info.rank) || finished || lost_at > failure.at_unix_ms {
+                if !self.is_local(info.rank) || finished || !may_have_caused(lost_at, own, failure.at_unix_ms) {
                     continue;
                 }
             }
@@ -865,6 +870,18 @@ struct State {
 
 /// When a lost rank was lost, when it was last heard from (ms since the epoch, from
 /// the coordinator's "ago" and `now_ms`), and how.
+/// Whether a rank lost at `lost_at` may have caused the failure of a worker seen to
+/// fail at `failed_at`, the coordinator having lost the failed worker's rank at
+/// `own_loss` if it did (ms since the epoch). A rank lost after the failed one was
+/// lost for it, however much sooner its own process was reaped: its peers fail at
+/// once, and their connections may close while the failed process still exits.
+fn may_have_caused(lost_at: u64, own_loss: Option<u64>, failed_at: u64) -> bool {
+    match own_loss {
+        Some(own) => lost_at < own,
+        None => lost_at <= failed_at,
+    }
+}
+
 fn loss_of(info: &RankInfo, now_ms: u64) -> Option<(u64, u64, Loss)> {
     let RankState::Lost(reason) = info.state else { return None };
     let last_seen = now_ms.saturating_sub(info.last_seen_ms_ago.unwrap_or(0));

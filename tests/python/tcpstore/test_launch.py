@@ -8,6 +8,7 @@ from pathlib import Path
 from conftest import BIN, PYTHON, run
 
 WORKER = str(Path(__file__).with_name("gloo_worker.py"))
+NATIVE_WORKER = str(Path(__file__).with_name("native_worker.py"))
 
 
 def launch(env=None, timeout=180):
@@ -30,3 +31,19 @@ def test_killed_rank_is_named_and_the_launcher_exits_fast():
     assert result.returncode != 0, out
     assert "rank 2" in out, out
     assert elapsed < 60, f"took {elapsed:.1f} s\n{out}"
+
+
+def test_the_failed_rank_is_named_though_its_peers_dropped_first():
+    """Ranks of the rallypoint package: rank 2 drops its client and exits 3 a moment
+    later; its peers, told at once, drop theirs before it is reaped. The summary
+    names rank 2, not a peer lost after it."""
+    env = dict(os.environ, FAIL_RANK="2")
+    args = ["launch", "--nproc-per-node", "4", "--job", "native", "--", PYTHON, NATIVE_WORKER]
+    result = run(BIN, *args, timeout=120, env=env)
+    out = result.stdout + result.stderr
+    assert result.returncode == 3, out
+    assert "FAILED (attempt 1 of 1): rank 2 exited with code 3" in result.stderr, out
+    for rank in (0, 1, 3):
+        assert f"rank {rank} told: " in result.stdout and "rank 2 (host " in result.stdout, out
+        # Still in their sleep: taken down by the launcher, after rank 2.
+        assert f"rank {rank}: killed by the launcher (SIGTERM) after rank 2 failed" in result.stderr, out

@@ -266,8 +266,10 @@ impl Ranks {
     /// coordinator hears of the end. A rank already lost by lease keeps that reason
     /// (it came first); one lost by its dropped connection takes this one, which says
     /// why, and fails nothing twice. A rank that never connected is lost too, named
-    /// by the worker's host and pid (the process that would have connected).
-    pub fn exited(&mut self, rank: u32, host: &str, pid: u32, exit: Exit) -> Change {
+    /// by the worker's host and pid (the process that would have connected). A rank
+    /// lost now was last known alive now, as one whose connection just dropped: the
+    /// time of its loss is when the coordinator learnt of it.
+    pub fn exited(&mut self, rank: u32, host: &str, pid: u32, exit: Exit, now: Millis) -> Change {
         let reason = LossReason::Exited { pid, exit };
         let Some(entry) = self.entries.get_mut(rank) else {
             if self.ended.contains_key(&rank) {
@@ -287,7 +289,7 @@ impl Ranks {
             RankState::NeverConnected | RankState::Connected | RankState::Left => {
                 entry.state = RankState::Lost(reason);
                 if let Some(seen) = self.seen.get_mut(rank) {
-                    seen.lease_lost = false;
+                    (seen.at, seen.lease_lost) = (now, false);
                 }
                 self.lost.insert(rank);
                 self.lost_counts.2 += 1;

@@ -475,7 +475,7 @@ impl<'a> Step<'a> {
         if rank >= world_size {
             return Some(Err(OpError::Invalid(format!("rank {rank} is out of range for world size {world_size}"))));
         }
-        let change = self.job.ranks.exited(rank, host, pid, exit);
+        let change = self.job.ranks.exited(rank, host, pid, exit, self.ctx.now);
         self.job.apply(rank, change, &mut self.ctx);
         DONE
     }
