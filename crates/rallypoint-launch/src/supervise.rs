@@ -868,8 +868,6 @@ struct State {
     published_success: bool,
 }
 
-/// When a lost rank was lost, when it was last heard from (ms since the epoch, from
-/// the coordinator's "ago" and `now_ms`), and how.
 /// Whether a rank lost at `lost_at` may have caused the failure of a worker seen to
 /// fail at `failed_at`, the coordinator having lost the failed worker's rank at
 /// `own_loss` if it did (ms since the epoch). A rank lost after the failed one was
@@ -882,6 +880,8 @@ fn may_have_caused(lost_at: u64, own_loss: Option<u64>, failed_at: u64) -> bool 
     }
 }
 
+/// When a lost rank was lost, when it was last heard from (ms since the epoch, from
+/// the coordinator's "ago" and `now_ms`), and how.
 fn loss_of(info: &RankInfo, now_ms: u64) -> Option<(u64, u64, Loss)> {
     let RankState::Lost(reason) = info.state else { return None };
     let last_seen = now_ms.saturating_sub(info.last_seen_ms_ago.unwrap_or(0));
