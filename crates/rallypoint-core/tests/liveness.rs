@@ -258,6 +258,9 @@ fn a_rank_its_launcher_saw_end_fails_its_peers_at_once_though_its_connection_is_
         let OpError::PeerLost { op, peer } = &e else { panic!("{e:?}") };
         assert_eq!((op.name.as_str(), peer.rank, peer.pid), ("step", 3, Some(1003)));
         assert_eq!(peer.state, RankState::Lost(LossReason::Exited { pid: 2003, exit: Exit::Signal(9) }));
+        // Last known alive when the coordinator learnt of its end, not at its last
+        // request 300 ms before: the launcher judges causes by that time.
+        assert_eq!(peer.last_seen_ms_ago, Some(0));
         assert!(
             e.to_string().contains("rank 3 (host node3, pid 1003, lost: worker pid 2003 was killed by SIGKILL"),
             "{e}"
