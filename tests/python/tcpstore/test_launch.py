@@ -1,5 +1,6 @@
-"""torch jobs under `rallypoint launch`: the workers' TCPStore is rallypoint's
-coordinator (MASTER_ADDR/MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE=True)."""
+"""Jobs under `rallypoint launch`: torch jobs, whose TCPStore is rallypoint's
+coordinator (MASTER_ADDR/MASTER_PORT and TORCHELASTIC_USE_AGENT_STORE=True), and
+ranks of the rallypoint package, whose failures the launcher's summary must name."""
 
 import os
 import time
