@@ -19,7 +19,7 @@ use std::collections::HashMap;
 
 use common::{barrier, barrier_of, Harness};
 use proptest::prelude::*;
-use rallypoint_core::{Exit, Identity, Members, OpError, Reply, Request, Response, SessionId};
+use rallypoint_core::{Exit, Members, OpError, Reply, Response, SessionId};
 
 #[derive(Debug, Clone)]
 enum Step {
@@ -209,10 +209,7 @@ proptest! {
                         // Left cleanly: only the report makes it lost.
                         m.lose(rank, SessionId(u64::MAX));
                     }
-                    let launcher = h.open(Identity::anonymous("j"));
-                    let report = Request::RankExited { rank, host: "node".into(), pid: 9, exit: Exit::Signal(9) };
-                    prop_assert_eq!(h.call(launcher, report), Ok(Response::Done));
-                    h.leave(launcher);
+                    prop_assert_eq!(h.report_exit("j", rank, "node", 9, Exit::Signal(9)), Ok(Response::Done));
                     if let Some(s) = session.filter(|_| !dropped_first) {
                         h.kill(s);
                     }

@@ -4,7 +4,7 @@
 mod common;
 
 use common::{b, barrier, barrier_of, err, ok, Harness};
-use rallypoint_core::snapshot::{JobSnapshot, RankView};
+use rallypoint_core::snapshot::RankView;
 use rallypoint_core::{
     Config, Exit, Identity, LossReason, Members, OpError, RankState, Reply, Request, Response, SessionId,
 };
@@ -231,19 +231,11 @@ fn lost_counts_of(h: &Harness) -> Option<(u64, u64, u64)> {
 /// What a launcher that saw rank `rank`'s worker end says of it: the worker is
 /// process `2000 + rank` on `node<rank>` (a wrapper of the rank's process `1000 + rank`).
 fn report_exit(h: &mut Harness, rank: u32, exit: Exit) -> Reply {
-    let launcher = h.open(Identity::anonymous("j"));
-    let request = Request::RankExited { rank, host: format!("node{rank}"), pid: 2000 + rank, exit };
-    let reply = h.call(launcher, request);
-    h.leave(launcher);
-    reply
+    h.report_exit("j", rank, &format!("node{rank}"), 2000 + rank, exit)
 }
 
 fn snapshot_rank(h: &mut Harness, rank: usize) -> RankView {
-    let tool = h.open(Identity::anonymous("j"));
-    let Response::Value(json) = ok(Some(h.call(tool, Request::Snapshot))) else { panic!("a snapshot is a value") };
-    h.leave(tool);
-    let snapshot: JobSnapshot = serde_json::from_slice(&json).expect("the snapshot is JSON of its schema");
-    snapshot.ranks[rank].clone()
+    h.snapshot("j").ranks[rank].clone()
 }
 
 #[test]
@@ -336,10 +328,7 @@ fn a_rank_whose_worker_ended_before_it_connected_is_lost_by_the_launchers_word()
     assert_eq!(lost_counts(&h), (0, 0, 1));
     assert_eq!(report_exit(&mut h, 2, Exit::Code(1)), Ok(Response::Done), "said twice, counted once");
     assert_eq!(lost_counts(&h), (0, 0, 1));
-    let tool = h.open(Identity::anonymous("j"));
-    let Response::Value(json) = ok(Some(h.call(tool, Request::Snapshot))) else { panic!("a snapshot is a value") };
-    let snapshot: JobSnapshot = serde_json::from_slice(&json).expect("the snapshot is JSON of its schema");
-    let s = &snapshot.ranks_summary;
+    let s = h.snapshot("j").ranks_summary;
     assert_eq!((s.connected, s.lost, s.never_connected), (1, 1, 1), "rank 1 never connected; rank 2 is lost");
     // Later calls needing it fail at once; one that does not is unaffected.
     assert!(matches!(h.call(s0, barrier("y", None)), Err(OpError::PeerLost { peer, .. }) if peer.rank == 2));

@@ -28,10 +28,7 @@ fn status(h: &mut Harness) -> String {
 }
 
 fn snapshot(h: &mut Harness) -> JobSnapshot {
-    let tool = h.open(Identity::anonymous("j"));
-    let Response::Value(json) = ok(Some(h.call(tool, Request::Snapshot))) else { panic!("a snapshot is a value") };
-    h.leave(tool);
-    serde_json::from_slice(&json).expect("the snapshot is JSON of its schema")
+    h.snapshot("j")
 }
 
 /// Job "j"'s ranks in their reconnect grace, as `/metrics` has them.
@@ -199,10 +196,7 @@ fn a_rank_whose_launcher_saw_it_end_is_lost_at_once_not_after_its_grace() {
     h.kill(r1);
     h.advance(10);
     assert!(h.pending(r0, wait), "in its grace, rank 1 may still resume");
-    let launcher = h.open(Identity::anonymous("j"));
-    let request = Request::RankExited { rank: 1, host: "node1".into(), pid: 1001, exit: Exit::Signal(9) };
-    assert_eq!(h.call(launcher, request), Ok(Response::Done));
-    h.leave(launcher);
+    assert_eq!(h.report_exit("j", 1, "node1", 1001, Exit::Signal(9)), Ok(Response::Done));
     let e = h.take(r0, wait).expect("failed at once").unwrap_err();
     assert!(e.to_string().contains("lost: worker pid 1001 was killed by SIGKILL"), "{e}");
     // Its session is gone with its grace: nothing shows it as reconnecting.

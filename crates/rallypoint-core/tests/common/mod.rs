@@ -5,8 +5,9 @@
 use std::collections::HashMap;
 
 use bytes::Bytes;
+use rallypoint_core::snapshot::JobSnapshot;
 use rallypoint_core::{
-    Config, Engine, Identity, Members, Millis, OpError, Outgoing, Reply, Request, Response, SessionId,
+    Config, Engine, Exit, Identity, Members, Millis, OpError, Outgoing, Reply, Request, Response, SessionId,
 };
 
 pub struct Harness {
@@ -83,6 +84,25 @@ impl Harness {
     pub fn kill(&mut self, session: SessionId) {
         self.engine.close(session, self.now);
         self.collect();
+    }
+
+    /// Job `job` as data, as a tool's session asks for it (`rallypoint status --json`).
+    pub fn snapshot(&mut self, job: &str) -> JobSnapshot {
+        let tool = self.open(Identity::anonymous(job));
+        let Response::Value(json) = ok(Some(self.call(tool, Request::Snapshot))) else {
+            panic!("a snapshot is a value")
+        };
+        self.leave(tool);
+        serde_json::from_slice(&json).expect("the snapshot is JSON of its schema")
+    }
+
+    /// What a launcher that saw rank `rank`'s worker (process `pid` on `host`) end
+    /// says of it, from a session of its own.
+    pub fn report_exit(&mut self, job: &str, rank: u32, host: &str, pid: u32, exit: Exit) -> Reply {
+        let launcher = self.open(Identity::anonymous(job));
+        let reply = self.call(launcher, Request::RankExited { rank, host: host.to_owned(), pid, exit });
+        self.leave(launcher);
+        reply
     }
 
     pub fn advance(&mut self, ms: Millis) {
