@@ -675,9 +675,8 @@ impl Attempt<'_> {
             (FailureKind::Worker { rank: failed, .. }, FailureKind::RankLost { rank, .. }) => failed != rank,
             (FailureKind::RankLost { rank: lost, .. }, FailureKind::Worker { rank, .. }) => lost == rank,
             (FailureKind::Worker { rank: failed, .. }, FailureKind::Worker { rank, .. }) => {
-                let own = self.lost(*failed).map(|(lost_at, ..)| lost_at);
-                failed != rank
-                    && self.lost(*rank).is_some_and(|(lost_at, ..)| may_have_caused(lost_at, own, first.at_unix_ms))
+                let [own, theirs] = self.lost_at([*failed, *rank]);
+                failed != rank && theirs.is_some_and(|lost_at| may_have_caused(lost_at, own, first.at_unix_ms))
             }
             _ => false,
         };
@@ -717,8 +716,7 @@ impl Attempt<'_> {
         let Some(server) = self.server else { return failure };
         let now_ms = unix_ms(SystemTime::now());
         let lost = server.lost_ranks(&self.job.attempt_job);
-        let own = lost.iter().find(|info| info.rank == *failed).and_then(|info| loss_of(info, now_ms));
-        let own = own.map(|(lost_at, ..)| lost_at);
+        let own = lost_time(&lost, *failed, now_ms);
         let mut cause: Option<(u64, u64, Loss, RankInfo)> = None;
         for info in lost {
             if info.rank == *failed || info.rank >= self.world_size {
@@ -758,11 +756,12 @@ impl Attempt<'_> {
         }
     }
 
-    /// When (ms since the epoch) and how the hosted coordinator lost `rank`, if it did.
-    fn lost(&self, rank: u32) -> Option<(u64, u64, Loss)> {
+    /// When (ms since the epoch) the hosted coordinator lost each of `ranks`, if it
+    /// did, from one look at its lost ranks.
+    fn lost_at<const N: usize>(&self, ranks: [u32; N]) -> [Option<u64>; N] {
         let now_ms = unix_ms(SystemTime::now());
-        let lost = self.server?.lost_ranks(&self.job.attempt_job);
-        lost.iter().find(|info| info.rank == rank).and_then(|info| loss_of(info, now_ms))
+        let lost = self.server.map(|server| server.lost_ranks(&self.job.attempt_job)).unwrap_or_default();
+        ranks.map(|rank| lost_time(&lost, rank, now_ms))
     }
 
     fn is_local(&self, rank: u32) -> bool {
@@ -878,6 +877,11 @@ fn may_have_caused(lost_at: u64, own_loss: Option<u64>, failed_at: u64) -> bool 
         Some(own) => lost_at < own,
         None => lost_at <= failed_at,
     }
+}
+
+/// When `rank` was lost, if it is among `lost` (ms since the epoch).
+fn lost_time(lost: &[RankInfo], rank: u32, now_ms: u64) -> Option<u64> {
+    lost.iter().find(|info| info.rank == rank).and_then(|info| loss_of(info, now_ms)).map(|(lost_at, ..)| lost_at)
 }
 
 /// When a lost rank was lost, when it was last heard from (ms since the epoch, from
