@@ -449,7 +449,9 @@ fn status_names_who_waits_in_a_barrier_and_who_is_missing() {
     let run = exec(server.cmd("hang", &["status"]));
     assert_code(&run, 0);
     assert!(
-        run.stdout.starts_with("job 'hang'\nconnections: 2 native\nranks: 2 connected, 0 left cleanly, 0 lost\n"),
+        run.stdout.starts_with(
+            "job 'hang'\nconnections: 2 native\nranks: 2 connected, 0 left cleanly, 0 lost, 1 of 3 never connected\n"
+        ),
         "{run:#?}"
     );
     let line = run

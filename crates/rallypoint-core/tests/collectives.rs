@@ -268,7 +268,7 @@ fn status_says_who_waits_in_which_collective_and_who_is_missing() {
     h.send(s[0], gather);
     h.advance(1_500);
     let report = status(&mut h, "j");
-    assert!(report.contains("ranks: 3 connected, 0 left cleanly, 0 lost\n"), "{report}");
+    assert!(report.contains("ranks: 3 connected, 0 left cleanly, 0 lost, 1 of 4 never connected\n"), "{report}");
     let lines: Vec<&str> = report.lines().filter(|l| l.starts_with("waiting: ")).collect();
     assert_eq!(
         lines,
@@ -287,7 +287,7 @@ fn status_says_who_waits_in_which_collective_and_who_is_missing() {
     let report = status(&mut h, "j");
     let waiting: Vec<&str> = report.lines().filter(|l| l.starts_with("waiting: ")).collect();
     assert_eq!(waiting.len(), 1, "only the broadcast still blocks someone: {report}");
-    assert!(report.contains("ranks: 2 connected, 0 left cleanly, 1 lost\n"), "{report}");
+    assert!(report.contains("ranks: 2 connected, 0 left cleanly, 1 lost, 1 of 4 never connected\n"), "{report}");
     assert!(report.contains("lost: rank 1 (host node1, pid 1001, lost: "), "{report}");
 }
 

@@ -248,7 +248,7 @@ impl Engine {
 }
 
 /// Ranks by state; `never_connected` below the stated world size.
-fn summary(job: &Job) -> RankSummary {
+pub(super) fn summary(job: &Job) -> RankSummary {
     let (connected, left, lost) = job.ranks.tally();
     // A rank reported ended before it connected counts as lost, not as never connected.
     let seen = job.ranks.ever_connected() + job.ranks.ended_unconnected();

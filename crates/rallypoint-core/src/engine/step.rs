@@ -7,9 +7,10 @@
 
 use bytes::Bytes;
 
+use crate::snapshot::RankSummary;
 use crate::{
-    AbortInfo, CollectiveKind, Config, Exit, Identity, Members, Millis, Missing, OpError, Reply, Request, Response,
-    SessionId,
+    AbortInfo, CollectiveKind, Config, Exit, Identity, Incarnation, Members, Millis, Missing, OpError, Reply, Request,
+    Response, SessionId,
 };
 
 use crate::counters;
@@ -425,13 +426,25 @@ impl<'a> Step<'a> {
         if let Some(by) = &job.aborted {
             out.push_str(&format!("aborted by {by}\n"));
         }
+        // Which attempt this is: after a reset, every report before it speaks of another.
+        if let Some(at) = &job.incarnation {
+            let how = if at.reset { "reset to it by" } else { "named by" };
+            out.push_str(&format!("incarnation {} ({how} {})\n", Incarnation(at.incarnation), at.by));
+        }
         let reconnecting = resume::reconnecting(job, self.sessions, self.config.lease_ms, now);
-        let (connected, left, lost) = job.ranks.tally();
+        let ranks = super::snapshot::summary(job);
         let of_them = match reconnecting.len() {
             0 => String::new(),
             n => format!(" ({n} reconnecting)"),
         };
-        out.push_str(&format!("ranks: {connected} connected{of_them}, {left} left cleanly, {lost} lost\n"));
+        let RankSummary { connected, left, lost, never_connected, .. } = ranks;
+        out.push_str(&format!("ranks: {connected} connected{of_them}, {left} left cleanly, {lost} lost"));
+        // Only where a world size was stated: a rank that never came is what a hang at
+        // start waits for.
+        if let (Some(world_size), 1..) = (job.world_size, never_connected) {
+            out.push_str(&format!(", {never_connected} of {world_size} never connected"));
+        }
+        out.push('\n');
         for line in job.collectives.report(&job.ranks, now) {
             out.push_str(&line);
             out.push('\n');

@@ -15,6 +15,8 @@ struct Driver {
     now: Millis,
     next_session: u64,
     replies: Vec<Outgoing>,
+    /// Request ids of status calls: apart from those the tests number themselves.
+    status_ids: u64,
 }
 
 impl Driver {
@@ -23,7 +25,7 @@ impl Driver {
     }
 
     fn with(config: Config) -> Self {
-        Driver { engine: Engine::new(config), now: 1_000, next_session: 1, replies: Vec::new() }
+        Driver { engine: Engine::new(config), now: 1_000, next_session: 1, replies: Vec::new(), status_ids: 1 << 32 }
     }
 
     fn open(&mut self, identity: Identity) -> Result<SessionId, OpError> {
@@ -65,6 +67,15 @@ impl Driver {
     fn call(&mut self, session: SessionId, id: u64, request: Request) -> Reply {
         self.send(session, id, request);
         self.last(session, id).expect("an immediate reply")
+    }
+
+    /// The job's status report, as `tool` asks for it.
+    fn status(&mut self, tool: SessionId) -> String {
+        self.status_ids += 1;
+        let id = self.status_ids;
+        let reply = self.call(tool, id, Request::Status);
+        let Ok(Response::Value(report)) = reply else { panic!("status is text: {reply:?}") };
+        String::from_utf8_lossy(&report).into_owned()
     }
 
     fn resume(&mut self, session: SessionId, identity: &Identity) -> Result<SessionId, String> {
@@ -596,7 +607,23 @@ fn a_reset_starts_the_job_afresh_and_fails_the_old_incarnation() {
 
     d.now = 60_000;
     let launcher = d.session(tool("j", 42, 0x42));
+    assert!(
+        d.status(launcher).contains(
+            "\nincarnation 0000000000000aaa (named by pid 300 on host a (incarnation 0000000000000001))\n"
+        ),
+        "{}",
+        d.status(launcher)
+    );
     assert_eq!(d.call(launcher, 1, Request::Reset { incarnation: 0xbbb }), Ok(Response::Done));
+    let viewer = d.session(tool("j", 41, 0x41));
+    let report = d.status(viewer);
+    assert!(
+        report.contains(
+            "\nincarnation 0000000000000bbb (reset to it by pid 42 on host shell (incarnation 0000000000000042))\n\
+             ranks: 0 connected, 0 left cleanly, 0 lost\n"
+        ),
+        "{report}"
+    );
     let failed = d.last(r0, 3).expect("the old wait was failed");
     assert_eq!(
         failed.clone().unwrap_err().to_string(),
