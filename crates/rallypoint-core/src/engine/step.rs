@@ -432,12 +432,11 @@ impl<'a> Step<'a> {
             out.push_str(&format!("incarnation {} ({how} {})\n", Incarnation(at.incarnation), at.by));
         }
         let reconnecting = resume::reconnecting(job, self.sessions, self.config.lease_ms, now);
-        let ranks = super::snapshot::summary(job);
+        let RankSummary { connected, left, lost, never_connected, .. } = super::snapshot::summary(job);
         let of_them = match reconnecting.len() {
             0 => String::new(),
             n => format!(" ({n} reconnecting)"),
         };
-        let RankSummary { connected, left, lost, never_connected, .. } = ranks;
         out.push_str(&format!("ranks: {connected} connected{of_them}, {left} left cleanly, {lost} lost"));
         // Only where a world size was stated: a rank that never came is what a hang at
         // start waits for.

@@ -607,12 +607,10 @@ fn a_reset_starts_the_job_afresh_and_fails_the_old_incarnation() {
 
     d.now = 60_000;
     let launcher = d.session(tool("j", 42, 0x42));
+    let report = d.status(launcher);
     assert!(
-        d.status(launcher).contains(
-            "\nincarnation 0000000000000aaa (named by pid 300 on host a (incarnation 0000000000000001))\n"
-        ),
-        "{}",
-        d.status(launcher)
+        report.contains("\nincarnation 0000000000000aaa (named by pid 300 on host a (incarnation 0000000000000001))\n"),
+        "{report}"
     );
     assert_eq!(d.call(launcher, 1, Request::Reset { incarnation: 0xbbb }), Ok(Response::Done));
     let viewer = d.session(tool("j", 41, 0x41));
