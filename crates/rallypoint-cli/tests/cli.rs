@@ -999,6 +999,13 @@ fn status_lists_the_jobs_and_refuses_one_the_coordinator_does_not_hold() {
     let run = exec(server.cmd("beta", &["status"]));
     assert_code(&run, 0);
     assert!(run.stdout.starts_with("job 'beta'\n"), "{run:#?}");
+    // A job reset with nothing in it since: its incarnation is held, and said.
+    let reset = exec(server.cmd("gamma", &["reset"]));
+    assert_code(&reset, 0);
+    let run = exec(server.cmd("gamma", &["status"]));
+    assert_code(&run, 0);
+    let line = format!("\nincarnation {} (reset to it by pid ", reset.stdout.trim_end());
+    assert!(run.stdout.contains(&line), "{run:#?}");
 }
 
 #[test]

@@ -98,7 +98,9 @@ async fn show(client: &Client, settings: &Settings, what: What) -> Result<String
     // A launcher's job whose workers have not connected (yet, or ever: they need not
     // use rallypoint) exists all the same: its launchers are there.
     let launched = jobs.contains(&format!("{}/launch", settings.job));
-    if complete && !launched && !jobs.contains(&settings.job) {
+    // So does a job reset (`rallypoint reset`) with nothing in it since: its incarnation
+    // is the job's state, which every process joining it must match.
+    if complete && !launched && !jobs.contains(&settings.job) && client.snapshot().await?.incarnation.is_none() {
         let held = if jobs.is_empty() { "none".to_owned() } else { quoted(&jobs) };
         return Err(Failure::NoSuchJob(format!(
             "the coordinator at {} holds no job '{}' (its jobs: {held})",

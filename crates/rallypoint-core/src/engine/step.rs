@@ -14,7 +14,7 @@ use crate::{
 };
 
 use crate::counters;
-use crate::error::Secs;
+use crate::error::{Secs, Utc};
 use crate::ranges::{runs, split};
 
 use super::collective::{Call, CollectiveAt, Ctx, Held, Link, RunCall};
@@ -427,9 +427,17 @@ impl<'a> Step<'a> {
             out.push_str(&format!("aborted by {by}\n"));
         }
         // Which attempt this is: after a reset, every report before it speaks of another.
+        // The process is named by pid and host: its own incarnation here would read as
+        // another of the job's.
         if let Some(at) = &job.incarnation {
-            let how = if at.reset { "reset to it by" } else { "named by" };
-            out.push_str(&format!("incarnation {} ({how} {})\n", Incarnation(at.incarnation), at.by));
+            let how = if at.reset { "reset to it" } else { "named" };
+            let host = if at.by.host.is_empty() { String::new() } else { format!(" on host {}", at.by.host) };
+            out.push_str(&format!(
+                "incarnation {} ({how} by pid {}{host} at {})\n",
+                Incarnation(at.incarnation),
+                at.by.pid,
+                Utc(at.since_unix_ms)
+            ));
         }
         let reconnecting = resume::reconnecting(job, self.sessions, self.config.lease_ms, now);
         let RankSummary { connected, left, lost, never_connected, .. } = super::snapshot::summary(job);

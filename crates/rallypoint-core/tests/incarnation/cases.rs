@@ -609,7 +609,7 @@ fn a_reset_starts_the_job_afresh_and_fails_the_old_incarnation() {
     let launcher = d.session(tool("j", 42, 0x42));
     let report = d.status(launcher);
     assert!(
-        report.contains("\nincarnation 0000000000000aaa (named by pid 300 on host a (incarnation 0000000000000001))\n"),
+        report.contains("\nincarnation 0000000000000aaa (named by pid 300 on host a at 2026-11-21T12:00:01Z)\n"),
         "{report}"
     );
     assert_eq!(d.call(launcher, 1, Request::Reset { incarnation: 0xbbb }), Ok(Response::Done));
@@ -617,7 +617,7 @@ fn a_reset_starts_the_job_afresh_and_fails_the_old_incarnation() {
     let report = d.status(viewer);
     assert!(
         report.contains(
-            "\nincarnation 0000000000000bbb (reset to it by pid 42 on host shell (incarnation 0000000000000042))\n\
+            "\nincarnation 0000000000000bbb (reset to it by pid 42 on host shell at 2026-11-21T12:01:00Z)\n\
              ranks: 0 connected, 0 left cleanly, 0 lost\n"
         ),
         "{report}"
