@@ -1006,6 +1006,7 @@ fn status_lists_the_jobs_and_refuses_one_the_coordinator_does_not_hold() {
     assert_code(&run, 0);
     let line = format!("\nincarnation {} (reset to it by pid ", reset.stdout.trim_end());
     assert!(run.stdout.contains(&line), "{run:#?}");
+    assert!(run.stdout.ends_with("holds 3 jobs: 'alpha', 'beta/launch', 'gamma'\n"), "{run:#?}");
 }
 
 #[test]

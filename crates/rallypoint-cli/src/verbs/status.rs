@@ -93,19 +93,23 @@ const STACKS_WAIT: Duration = Duration::from_secs(10);
 /// asked, its ranks' stacks.
 async fn show(client: &Client, settings: &Settings, what: What) -> Result<String, Failure> {
     let What { json, pretty, stacks } = what;
-    let jobs = client.jobs().await?;
+    let mut jobs = client.jobs().await?;
     let complete = jobs.len() < rallypoint_core::MAX_JOBS_LISTED;
     // A launcher's job whose workers have not connected (yet, or ever: they need not
     // use rallypoint) exists all the same: its launchers are there.
     let launched = jobs.contains(&format!("{}/launch", settings.job));
-    // So does a job reset (`rallypoint reset`) with nothing in it since: its incarnation
-    // is the job's state, which every process joining it must match.
-    if complete && !launched && !jobs.contains(&settings.job) && client.snapshot().await?.incarnation.is_none() {
-        let held = if jobs.is_empty() { "none".to_owned() } else { quoted(&jobs) };
-        return Err(Failure::NoSuchJob(format!(
-            "the coordinator at {} holds no job '{}' (its jobs: {held})",
-            settings.addr, settings.job
-        )));
+    if complete && !launched && !jobs.contains(&settings.job) {
+        // So does a job reset (`rallypoint reset`) with nothing in it since: its
+        // incarnation is the job's state, which every process joining it must match.
+        if client.snapshot().await?.incarnation.is_none() {
+            let held = if jobs.is_empty() { "none".to_owned() } else { quoted(&jobs) };
+            return Err(Failure::NoSuchJob(format!(
+                "the coordinator at {} holds no job '{}' (its jobs: {held})",
+                settings.addr, settings.job
+            )));
+        }
+        jobs.push(settings.job.clone());
+        jobs.sort_unstable();
     }
     let stacks = match stacks {
         Some(native) => {
