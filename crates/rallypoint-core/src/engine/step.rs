@@ -9,8 +9,8 @@ use bytes::Bytes;
 
 use crate::snapshot::RankSummary;
 use crate::{
-    AbortInfo, CollectiveKind, Config, Exit, Identity, Incarnation, Members, Millis, Missing, OpError, Reply, Request,
-    Response, SessionId,
+    AbortInfo, CollectiveKind, Config, Exit, Identity, Incarnation, Members, Millis, Missing, OpError, ProcessInfo,
+    Reply, Request, Response, SessionId,
 };
 
 use crate::counters;
@@ -427,15 +427,14 @@ impl<'a> Step<'a> {
             out.push_str(&format!("aborted by {by}\n"));
         }
         // Which attempt this is: after a reset, every report before it speaks of another.
-        // The process is named by pid and host: its own incarnation here would read as
+        // The process is named without its own incarnation, which here would read as
         // another of the job's.
         if let Some(at) = &job.incarnation {
             let how = if at.reset { "reset to it" } else { "named" };
-            let host = if at.by.host.is_empty() { String::new() } else { format!(" on host {}", at.by.host) };
+            let by = ProcessInfo { incarnation: None, ..at.by.clone() };
             out.push_str(&format!(
-                "incarnation {} ({how} by pid {}{host} at {})\n",
+                "incarnation {} ({how} by {by} at {})\n",
                 Incarnation(at.incarnation),
-                at.by.pid,
                 Utc(at.since_unix_ms)
             ));
         }
