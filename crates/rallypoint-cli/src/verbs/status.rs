@@ -98,10 +98,14 @@ async fn show(client: &Client, settings: &Settings, what: What) -> Result<String
     // A launcher's job whose workers have not connected (yet, or ever: they need not
     // use rallypoint) exists all the same: its launchers are there.
     let launched = jobs.contains(&format!("{}/launch", settings.job));
+    // The job's snapshot where it was taken to tell whether the job exists: kept for
+    // the JSON document, which would ask for it again.
+    let mut snapshot = None;
     if complete && !launched && !jobs.contains(&settings.job) {
         // So does a job reset (`rallypoint reset`) with nothing in it since: its
         // incarnation is the job's state, which every process joining it must match.
-        if client.snapshot().await?.incarnation.is_none() {
+        let taken = snapshot.insert(client.snapshot().await?);
+        if taken.incarnation.is_none() {
             let held = if jobs.is_empty() { "none".to_owned() } else { quoted(&jobs) };
             return Err(Failure::NoSuchJob(format!(
                 "the coordinator at {} holds no job '{}' (its jobs: {held})",
@@ -131,7 +135,10 @@ async fn show(client: &Client, settings: &Settings, what: What) -> Result<String
             generated_unix_ms: unix_ms(),
             jobs,
             jobs_complete: complete,
-            job: Some(client.snapshot().await?),
+            job: Some(match snapshot {
+                Some(taken) => taken,
+                None => client.snapshot().await?,
+            }),
             launcher: None,
             stacks: stacks.map(|c| c.view(unix_ms())),
         };
