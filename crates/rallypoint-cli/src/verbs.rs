@@ -123,7 +123,8 @@ pub enum Verb {
     ///
     /// Every barrier, all-gather and broadcast someone is blocked in: for how long, how
     /// many arrived, and each missing rank with its state (never connected, connected
-    /// but not arrived, lost) and host, pid, last seen; the ranks' states; lost ranks.
+    /// but not arrived, lost) and host, pid, last seen; the ranks' states; lost ranks,
+    /// and finished ones (their launcher saw their worker exit with code 0).
     /// For torch jobs (TCPStore clients) also: TCPStore connections and the ranks
     /// inferred for them, arrivals at `init/`, each process group's ranks that wrote
     /// their address key and the ranks others wait for that never did, store barriers,
@@ -138,9 +139,12 @@ pub enum Verb {
     /// With --stacks, every node's launcher (`rallypoint launch`) also reads where its
     /// workers are (each one's Python stack, read from outside it) and the stacks are
     /// printed grouped: identical stacks folded with their rank ranges, the smallest
-    /// group (the rank that is elsewhere) first, e.g.
-    ///   rank 2 (1 of 4):      load_batch (data.py:17) ← train (train.py:40)
-    ///   ranks 0-1,3 (3 of 4): all_reduce (torch/distributed/distributed_c10d.py:2950) ← train (train.py:42)
+    /// group (the rank that is elsewhere) first, e.g.:
+    ///
+    /// rank 2 (1 of 4):      load_batch (data.py:17) ← train (train.py:40)
+    ///
+    /// ranks 0-1,3 (3 of 4): all_reduce (torch/distributed/distributed_c10d.py:2950) ← train (train.py:42)
+    ///
     /// A node whose launcher does not answer within 10 s is named.
     ///
     /// --json prints the same as one JSON document of a documented, versioned schema

@@ -542,6 +542,86 @@ fn a_worker_that_dies_before_connecting_is_named_lost_by_the_peers_waiting_for_i
     assert!(run.stderr.contains("FAILED (attempt 1 of 1): rank 1 exited with code 3"), "{}", run.stderr);
 }
 
+/// Rank 1 exits 0 without the barrier its peers wait in (a loop one step short, say):
+/// they fail at once naming it, not at their timeout, and the summary blames it.
+#[test]
+fn a_rank_that_exits_0_while_its_peers_wait_for_it_is_named_as_the_root_cause() {
+    let dir = temp_dir("finishedearly");
+    let script = r#"
+        "$RP" barrier start --timeout 60 || exit $?
+        if [ "$RANK" = 1 ]; then exit 0; fi
+        exec "$RP" barrier final --timeout 60
+    "#;
+    let run = launch(&["--nproc-per-node", "3", "--job", "short"], script, &dir).finish();
+    // The first peer to fail was told of rank 1 (4); a later one may be told of the abort (5).
+    assert_eq!(run.code, Some(4), "{}", run.stderr);
+    let headline = run.stderr.lines().find(|l| l.contains("FAILED")).unwrap_or_default();
+    assert!(
+        headline.contains("): rank 1 exited with code 0 at ")
+            && headline.ends_with("while its peers still waited for it"),
+        "{}",
+        run.stderr
+    );
+    assert!(
+        run.stderr.contains(") exited with code 0 while a barrier or collective of its peers still needed it"),
+        "{}",
+        run.stderr
+    );
+    let told = run.stderr.lines().filter(|l| l.contains("barrier 'final' (generation 1) failed: rank 1 (host "));
+    let told: Vec<&str> = told.collect();
+    assert!(
+        !told.is_empty()
+            && told
+                .iter()
+                .all(|l| l.contains(", finished: worker pid ") && l.ends_with("finished before it completed")),
+        "{}",
+        run.stderr
+    );
+    assert!(!run.stderr.contains("timed out"), "{}", run.stderr);
+    for r in [0, 2] {
+        let line = [4, 5].map(|code| format!("  rank {r}: exited with code {code} after rank 1 finished early"));
+        assert!(run.stderr.lines().any(|l| line.contains(&l.to_owned())), "missing {line:?}:\n{}", run.stderr);
+    }
+}
+
+/// A rank done early fails nothing that does not need it: its peers' barrier of the
+/// two of them passes, and the job succeeds.
+#[test]
+fn a_rank_that_exits_0_early_fails_nothing_that_does_not_need_it() {
+    let dir = temp_dir("finishedalone");
+    let script = r#"
+        "$RP" barrier start --timeout 60 || exit $?
+        if [ "$RANK" = 1 ]; then exit 0; fi
+        sleep 0.5
+        exec "$RP" barrier pair --ranks 0,2 --times 3 --timeout 60
+    "#;
+    let run = launch(&["--nproc-per-node", "3", "--job", "alone"], script, &dir).finish();
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+}
+
+/// The same across nodes: rank 3 on node 1 is done early, node 0's ranks wait for it;
+/// both nodes' summaries name it.
+#[test]
+fn a_rank_that_exits_0_on_another_node_is_named_on_both_nodes() {
+    let dir = temp_dir("finishedtwo");
+    let master = format!("127.0.0.1:{}", free_port());
+    let script = r#"
+        "$RP" barrier start --timeout 60 || exit $?
+        if [ "$RANK" = 3 ]; then exit 0; fi
+        exec "$RP" barrier final --timeout 60
+    "#;
+    let common =
+        ["--nnodes", "2", "--nproc-per-node", "2", "--master", master.as_str(), "--job", "two", "--grace", "2"];
+    let node0 = launch(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir);
+    let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir);
+    let (n0, n1) = (node0.finish(), node1.finish());
+    for (node, done) in [(0, &n0), (1, &n1)] {
+        let headline = done.stderr.lines().find(|l| l.contains("FAILED")).unwrap_or_default();
+        assert!(headline.contains("): rank 3 exited with code 0 at "), "node {node}:\n{}", done.stderr);
+        assert!(!done.stderr.contains("timed out"), "node {node}:\n{}", done.stderr);
+    }
+}
+
 /// A launcher whose stdout the test reads as it comes, or never (a console that does
 /// not read); killed if the test fails before it ends.
 struct Watched {

@@ -133,6 +133,10 @@ pub enum RankState {
     Left,
     /// Dead: see the reason.
     Lost(LossReason),
+    /// Its launcher saw its worker process (`pid`) exit with code 0 and it has no
+    /// session left: done, and it will not arrive anywhere again. To its peers it is
+    /// as gone as a lost rank (what needs it fails at once), but it is not a loss.
+    Finished { pid: u32 },
 }
 
 /// A rank as the coordinator last knew it.
@@ -165,6 +169,7 @@ impl fmt::Display for RankInfo {
             RankState::Connected => write!(f, "connected but not arrived")?,
             RankState::Left => write!(f, "left cleanly")?,
             RankState::Lost(reason) => write!(f, "lost: {reason}")?,
+            RankState::Finished { pid } => write!(f, "finished: worker pid {pid} exited with code 0")?,
         }
         if let Some(ago) = self.last_seen_ms_ago {
             write!(f, ", last seen {} ago", Secs(ago))?;
@@ -265,8 +270,12 @@ pub enum OpError {
     #[error("timed out after {} waiting for {} key(s): {}", Secs(*waited_ms), missing.len(), KeyList(missing))]
     KeyTimeout { waited_ms: u64, missing: Vec<Bytes> },
 
-    /// A member the collective needs is dead.
-    #[error("{op} failed: {peer} is lost")]
+    /// A member the collective needs is dead, or finished (its worker exited with
+    /// code 0) before the collective completed.
+    #[error("{op} failed: {peer} {}", match peer.state {
+        RankState::Finished { .. } => "finished before it completed",
+        _ => "is lost",
+    })]
     PeerLost { op: OpRef, peer: RankInfo },
 
     /// The job was aborted.

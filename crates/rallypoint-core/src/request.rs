@@ -115,7 +115,8 @@ pub enum Request {
     },
     /// The worker process a launcher started for `rank` (process `pid` on `host`)
     /// ended with `exit`: the rank is lost at once, named with that end, whatever its
-    /// connections say, and also if it never connected (see `Ranks::exited`). A
+    /// connections say, and also if it never connected (see `Ranks::exited`); with
+    /// code 0 it finished, which fails what still needs it as a loss would. A
     /// launcher says so before it aborts the job, so that peers waiting for the rank
     /// are told it was lost, not that the job was aborted, whichever the coordinator
     /// would have learnt first.

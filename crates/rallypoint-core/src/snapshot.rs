@@ -54,6 +54,9 @@ pub struct JobSnapshot {
     pub name: String,
     /// The job incarnation (16 hex digits), once a process named one or reset the job.
     pub incarnation: Option<String>,
+    /// Who made the job that incarnation, and when (set with `incarnation`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub incarnation_by: Option<IncarnationView>,
     /// Set once the job was aborted: every wait of it has failed with this.
     pub aborted: Option<AbortView>,
     /// The largest world size its ranks stated (`None`: none stated one, as torch's
@@ -73,6 +76,17 @@ pub struct JobSnapshot {
     /// What is known or inferred about the job's PyTorch processes, when it has
     /// TCPStore clients or torch's keys (docs/TCPSTORE.md).
     pub torch: Option<TorchView>,
+}
+
+/// The process that named a job's incarnation first, or reset the job to it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IncarnationView {
+    pub host: String,
+    pub pid: u32,
+    /// Milliseconds since the Unix epoch.
+    pub since_unix_ms: u64,
+    /// True if it reset the job to this incarnation; false if it was the first to name it.
+    pub reset: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -102,6 +116,9 @@ pub struct RankSummary {
     pub connected: u64,
     pub left: u64,
     pub lost: u64,
+    /// Ranks whose worker exited with code 0 (not counted in `lost`).
+    #[serde(default)]
+    pub finished: u64,
     pub never_connected: u64,
     /// Ranks arrived in a barrier or collective that has not released.
     pub in_collective: u64,
@@ -121,6 +138,8 @@ pub enum RankStatus {
     Connected,
     Left,
     Lost,
+    /// Its launcher saw its worker exit with code 0 (see [`RankView::finished`]).
+    Finished,
 }
 
 /// One rank.
@@ -131,6 +150,9 @@ pub struct RankView {
     /// Why it is lost (state `lost` only).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lost: Option<LossView>,
+    /// How it finished (state `finished` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finished: Option<FinishedView>,
     /// Host and pid of its latest session (absent if it never connected).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub host: Option<String>,
@@ -161,6 +183,15 @@ pub struct ReconnectingView {
     /// Milliseconds until it is counted lost unless it resumes: the end of its
     /// reconnect grace, or of its lease if that comes first.
     pub lost_in_ms: u64,
+}
+
+/// A rank whose worker exited with code 0.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FinishedView {
+    /// The worker process its launcher started (the rank's own process, or a wrapper's).
+    pub worker_pid: u32,
+    /// The same, in words.
+    pub text: String,
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]

@@ -292,6 +292,32 @@ fn status_says_who_waits_in_which_collective_and_who_is_missing() {
 }
 
 #[test]
+fn status_says_which_ranks_wait_for_keys_oldest_first() {
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..3).map(|r| h.rank("j", r, 3)).collect();
+    h.send(s[2], Request::Get { key: b("cfg/lr"), timeout_ms: None });
+    h.advance(500);
+    let keys = (0..6).map(|i| b(&format!("ready/{i}"))).collect();
+    h.send(s[0], Request::Wait { keys, timeout_ms: None });
+    h.advance(1_500);
+    let report = status(&mut h, "j");
+    let lines: Vec<&str> = report.lines().filter(|l| l.starts_with("waiting: rank")).collect();
+    assert_eq!(
+        lines,
+        [
+            "waiting: rank 2 (host node2, pid 1002) for 2.0 s on \"cfg/lr\"",
+            "waiting: rank 0 (host node0, pid 1000) for 1.5 s on \"ready/0\", \"ready/1\", \"ready/2\", \"ready/3\" \
+             and 2 more",
+        ],
+        "{report}"
+    );
+    // Once the key is set, its wait leaves the report.
+    assert_eq!(h.call(s[1], Request::Set { key: b("cfg/lr"), value: b("0.1") }), Ok(Response::Done));
+    let report = status(&mut h, "j");
+    assert_eq!(report.lines().filter(|l| l.starts_with("waiting: rank")).count(), 1, "{report}");
+}
+
+#[test]
 fn a_name_used_again_after_many_others_joins_each_ranks_next_generation() {
     // A job that names each step's barrier afresh: names out of use keep their
     // per-rank counts in little memory, and a rank's next call of one still joins the

@@ -4,7 +4,7 @@
 mod common;
 
 use common::{b, barrier, barrier_of, err, ok, Harness};
-use rallypoint_core::snapshot::RankView;
+use rallypoint_core::snapshot::{RankStatus, RankView};
 use rallypoint_core::{
     Config, Exit, Identity, LossReason, Members, OpError, RankState, Reply, Request, Response, SessionId,
 };
@@ -302,13 +302,135 @@ fn a_rank_lost_by_lease_keeps_that_reason_when_its_end_is_reported() {
 }
 
 #[test]
-fn an_end_reported_of_a_rank_that_left_fails_what_waits_for_its_return() {
+fn a_rank_whose_worker_exited_0_fails_what_still_needs_it_at_once_as_finished_not_lost() {
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..4).map(|r| h.rank("j", r, 4)).collect();
+    let ids: Vec<_> = (0..3).map(|r| h.send(s[r], barrier("final", Some(60_000)))).collect();
+    // Rank 3 skipped the barrier: it leaves cleanly, which alone leaves its peers
+    // waiting (a rank that left may come back), then its launcher sees it exit 0.
+    h.leave(s[3]);
+    assert!(h.pending(s[0], ids[0]), "a barrier keeps waiting for a rank that left");
+    h.advance(200);
+    assert_eq!(report_exit(&mut h, 3, Exit::Code(0)), Ok(Response::Done));
+    for r in 0..3 {
+        let e = err(h.take(s[r], ids[r]));
+        let OpError::PeerLost { op, peer } = &e else { panic!("{e:?}") };
+        assert_eq!((op.name.as_str(), peer.rank, peer.pid), ("final", 3, Some(1003)));
+        assert_eq!(peer.state, RankState::Finished { pid: 2003 });
+        assert!(
+            e.to_string().ends_with(
+                "rank 3 (host node3, pid 1003, finished: worker pid 2003 exited with code 0, last seen 0.2 s ago) \
+                 finished before it completed"
+            ),
+            "{e}"
+        );
+    }
+    // A later call needing it fails at once; one that does not is unaffected.
+    let e = h.call(s[0], barrier("next", None)).unwrap_err();
+    assert!(matches!(&e, OpError::PeerLost { peer, .. } if peer.state == RankState::Finished { pid: 2003 }), "{e}");
+    let pair = Members::Ranks(vec![0, 1]);
+    let x = h.send(s[0], barrier_of("pair", pair.clone(), None));
+    assert_eq!(h.call(s[1], barrier_of("pair", pair, None)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s[0], x)), Response::Done);
+    // Finished, not lost: no loss counted, and shown as such.
+    assert_eq!(lost_counts(&h), (0, 0, 0));
+    let view = snapshot_rank(&mut h, 3);
+    assert_eq!((view.state, view.lost), (RankStatus::Finished, None));
+    let finished = view.finished.expect("finished");
+    assert_eq!((finished.worker_pid, finished.text.as_str()), (2003, "worker pid 2003 exited with code 0"));
+    let summary = h.snapshot("j").ranks_summary;
+    assert_eq!((summary.connected, summary.left, summary.finished, summary.lost), (3, 0, 1, 0));
+    // Its early end stranded its peers: a launcher blames it.
+    let lost: Vec<_> = h.engine.lost_ranks("j", h.now).into_iter().map(|i| (i.rank, i.state)).collect();
+    assert_eq!(lost, [(3, RankState::Finished { pid: 2003 })]);
+    // Its process is back after all (the launcher saw a wrapper end): it stands as it says.
+    let s3 = h.rank("j", 3, 4);
+    let ids: Vec<_> = (0..3).map(|r| h.send(s[r], barrier("again", None))).collect();
+    assert_eq!(h.call(s3, barrier("again", None)), Ok(Response::Done));
+    for r in 0..3 {
+        assert_eq!(ok(h.take(s[r], ids[r])), Response::Done);
+    }
+}
+
+#[test]
+fn ranks_that_finish_after_their_peers_fail_nothing_and_are_not_blamed() {
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..3).map(|r| h.rank("j", r, 3)).collect();
+    let ids: Vec<_> = (0..2).map(|r| h.send(s[r], barrier("last", None))).collect();
+    assert_eq!(h.call(s[2], barrier("last", None)), Ok(Response::Done));
+    for r in 0..2 {
+        assert_eq!(ok(h.take(s[r], ids[r])), Response::Done);
+    }
+    // Rank 2 is done first; rank 0 and 1 go on without it (key-value work), then end.
+    h.leave(s[2]);
+    assert_eq!(report_exit(&mut h, 2, Exit::Code(0)), Ok(Response::Done));
+    assert!(h.replies.is_empty(), "{:?}", h.replies);
+    assert_eq!(h.call(s[0], Request::Set { key: b("k"), value: b("v") }), Ok(Response::Done));
+    assert!(h.engine.lost_ranks("j", h.now).is_empty(), "nobody waited for it");
+    let Response::Value(text) = ok(Some(h.call(s[0], Request::Status))) else { panic!("status is text") };
+    let text = String::from_utf8_lossy(&text).into_owned();
+    assert!(text.contains("ranks: 2 connected, 0 left cleanly, 1 finished, 0 lost\n"), "{text}");
+    assert!(text.contains("finished (worker exited with code 0): rank 2\n"), "{text}");
+    assert!(!text.contains("lost: rank 2"), "{text}");
+    for (rank, &session) in (0..).zip(&s[..2]) {
+        h.leave(session);
+        assert_eq!(report_exit(&mut h, rank, Exit::Code(0)), Ok(Response::Done));
+    }
+    let summary = h.snapshot("j").ranks_summary;
+    assert_eq!((summary.connected, summary.finished, summary.lost), (0, 3, 0));
+    assert_eq!(lost_counts(&h), (0, 0, 0));
+}
+
+#[test]
+fn a_worker_that_exits_0_while_its_rank_holds_a_session_finishes_the_rank_at_that_sessions_close() {
+    for clean in [true, false] {
+        let (mut h, s0, s1, a) = rank_0_waiting(Config::default());
+        // A child of the worker still holds the rank's session (or its close is yet to be read).
+        assert_eq!(report_exit(&mut h, 1, Exit::Code(0)), Ok(Response::Done));
+        assert!(h.pending(s0, a), "the rank's session is open: it may still arrive");
+        assert_eq!(snapshot_rank(&mut h, 1).state, RankStatus::Connected);
+        if clean {
+            h.leave(s1);
+        } else {
+            h.kill(s1);
+        }
+        let e = err(h.take(s0, a));
+        let OpError::PeerLost { peer, .. } = &e else { panic!("{e:?}") };
+        assert_eq!(peer.state, RankState::Finished { pid: 2001 }, "clean close: {clean}");
+        assert_eq!(lost_counts(&h), (0, 0, 0), "clean close: {clean}");
+    }
+}
+
+#[test]
+fn a_rank_whose_connection_dropped_then_whose_worker_exited_0_is_finished_not_lost() {
+    // What a torch process does when done: it drops its connection, then exits 0.
     let (mut h, s0, s1, a) = rank_0_waiting(Config::default());
-    h.leave(s1);
-    assert!(h.pending(s0, a), "a barrier keeps waiting for a rank that left");
+    h.kill(s1);
+    assert!(
+        matches!(err(h.take(s0, a)), OpError::PeerLost { peer, .. } if peer.state == RankState::Lost(LossReason::Disconnected))
+    );
     assert_eq!(report_exit(&mut h, 1, Exit::Code(0)), Ok(Response::Done));
+    assert!(h.replies.is_empty(), "nothing failed twice: {:?}", h.replies);
+    assert_eq!(snapshot_rank(&mut h, 1).state, RankStatus::Finished);
+    let summary = h.snapshot("j").ranks_summary;
+    assert_eq!((summary.finished, summary.lost), (1, 0));
+    assert!(h.engine.lost_ranks("j", h.now).is_empty(), "its drop failed a barrier, its finish nothing");
+}
+
+#[test]
+fn a_rank_whose_worker_exited_0_before_it_connected_is_finished_by_the_launchers_word() {
+    let mut h = Harness::new();
+    let s0 = h.rank("j", 0, 3);
+    let a = h.send(s0, barrier("x", Some(5_000)));
+    assert_eq!(report_exit(&mut h, 2, Exit::Code(0)), Ok(Response::Done));
     let e = err(h.take(s0, a));
-    assert!(e.to_string().contains("lost: worker pid 2001 exited with code 0"), "{e}");
+    assert!(
+        e.to_string().contains("rank 2 (host node2, pid 2002, finished: worker pid 2002 exited with code 0)"),
+        "{e}"
+    );
+    let s = h.snapshot("j").ranks_summary;
+    assert_eq!((s.connected, s.finished, s.lost, s.never_connected), (1, 1, 0, 1));
+    assert_eq!(lost_counts(&h), (0, 0, 0));
 }
 
 #[test]

@@ -5,7 +5,7 @@ mod common;
 
 use bytes::Bytes;
 use common::{b, err, ok, Harness};
-use rallypoint_core::{Identity, OpError, Request, Response, SessionId};
+use rallypoint_core::{Exit, Identity, OpError, Request, Response, SessionId};
 
 fn anon(h: &mut Harness) -> SessionId {
     h.open(Identity::anonymous("j"))
@@ -222,6 +222,27 @@ fn torch_ranks_are_inferred_from_address_keys_and_named_when_missing() {
     let Response::Value(report) = ok(Some(h.call(tool, Request::Status))) else { panic!("status is text") };
     let report = String::from_utf8_lossy(&report).into_owned();
     assert!(report.contains("lost: rank 1 (host 10.0.0.1, pid 101, lost: connection dropped"), "{report}");
+}
+
+#[test]
+fn a_torch_rank_whose_launcher_saw_it_exit_0_after_its_connection_dropped_is_finished() {
+    // What a torch process does when done (destroy_process_group, then exit 0): its
+    // store connection drops without a leave, then its launcher reports its end.
+    let mut h = Harness::new();
+    let prefix = "/default_pg/0//cpu//0/";
+    let ranks: Vec<SessionId> = (0..2).map(|r| torch(&mut h, r, 100 + r as u32)).collect();
+    for (r, s) in ranks.iter().enumerate() {
+        ok(Some(h.call(*s, Request::Set { key: Bytes::from(format!("{prefix}{r}")), value: b("addr") })));
+    }
+    for (rank, s) in (0..).zip(ranks) {
+        h.kill(s);
+        assert_eq!(h.report_exit("j", rank, "10.0.0.1", 90 + rank, Exit::Code(0)), Ok(Response::Done));
+    }
+    let summary = h.snapshot("j").ranks_summary;
+    assert_eq!((summary.finished, summary.lost), (2, 0), "done, not lost");
+    // A rank nothing is known of, in a job whose world size nobody stated: nothing changes.
+    assert_eq!(h.report_exit("j", 7, "10.0.0.1", 97, Exit::Code(1)), Ok(Response::Done));
+    assert_eq!(h.snapshot("j").ranks_summary.lost, 0);
 }
 
 #[test]

@@ -63,6 +63,7 @@ fn add(into: &mut JobMetrics, m: &JobMetrics) {
     r.connected += m.ranks.connected;
     r.left += m.ranks.left;
     r.lost += m.ranks.lost;
+    r.finished += m.ranks.finished;
     r.never_connected += m.ranks.never_connected;
     r.reconnecting += m.ranks.reconnecting;
     let c: &mut JobCounters = &mut into.counters;
@@ -181,10 +182,16 @@ impl Collector for Scrape {
             None,
             per_job(&|m| {
                 let r = &m.ranks;
-                [("connected", r.connected), ("left", r.left), ("lost", r.lost), ("never_connected", r.never_connected)]
-                    .into_iter()
-                    .map(|(state, n)| (with(job(m), "state", state), n))
-                    .collect()
+                [
+                    ("connected", r.connected),
+                    ("left", r.left),
+                    ("lost", r.lost),
+                    ("finished", r.finished),
+                    ("never_connected", r.never_connected),
+                ]
+                .into_iter()
+                .map(|(state, n)| (with(job(m), "state", state), n))
+                .collect()
             }),
         )?;
         gauges(

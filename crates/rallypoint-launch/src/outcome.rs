@@ -48,8 +48,9 @@ pub enum FailureKind {
         exit_code: i32,
     },
     /// The coordinator lost a rank (it stopped heartbeating, or its connection
-    /// dropped) and its peers failed because of it: the rank is the root cause, not
-    /// the peer whose exit revealed it. `Failure::node` and `host` are the rank's.
+    /// dropped), or the rank finished while its peers still needed it, and they
+    /// failed because of it: the rank is the root cause, not the peer whose exit
+    /// revealed it. `Failure::node` and `host` are the rank's.
     RankLost {
         rank: u32,
         /// Its index on its node, when the node is known.
@@ -93,6 +94,9 @@ pub enum Loss {
     Silent { lease_ms: u64 },
     /// Its connection dropped without a clean leave.
     Disconnected,
+    /// Its worker (`worker_pid`) exited with code 0 while a barrier or collective of
+    /// its peers still needed it: it skipped a call they made, or they made one more.
+    Finished { worker_pid: u32 },
 }
 
 impl Failure {
@@ -126,6 +130,9 @@ impl Failure {
                     Loss::Silent { .. } => format!("rank {rank} stopped heartbeating at {at}{process}"),
                     Loss::Disconnected => {
                         format!("rank {rank} dropped its connection without a clean leave at {at}{process}")
+                    }
+                    Loss::Finished { .. } => {
+                        format!("rank {rank} exited with code 0 at {at} while its peers still waited for it")
                     }
                 }
             }
@@ -263,8 +270,17 @@ pub fn summary(
                     let _ =
                         writeln!(s, "  {who} dropped its connection to the coordinator without a clean leave at {at}");
                 }
+                Loss::Finished { worker_pid } => {
+                    let _ = writeln!(
+                        s,
+                        "  {who} was done at {at}: its worker (pid {worker_pid}) exited with code 0 while a barrier or \
+                         collective of its peers still needed it (it skipped a call they made, or they made one more)"
+                    );
+                }
             }
             match process {
+                // It exited, as said.
+                _ if matches!(loss, Loss::Finished { .. }) => {}
                 Some(process) => {
                     let _ = writeln!(s, "  its process was {process} when its peers failed");
                 }
@@ -273,7 +289,7 @@ pub fn summary(
                         writeln!(s, "  (its process is on node {}: that node's launcher tells its state)", first.node);
                 }
             }
-            if let Some(own) = local.iter().find(|o| Some(o.rank) == root) {
+            if let Some(own) = local.iter().find(|o| Some(o.rank) == root && !matches!(loss, Loss::Finished { .. })) {
                 let _ = writeln!(s, "  then it {}", own_end(own));
             }
             let _ = writeln!(s, "  {} at {}, the first to fail for it", revealed_by.headline(), revealed_by.time());
@@ -301,6 +317,7 @@ pub fn summary(
     let cause = match &first.what {
         FailureKind::Worker { rank, .. } => format!("rank {rank} failed"),
         FailureKind::NotStarted { rank, .. } => format!("rank {rank} could not start"),
+        FailureKind::RankLost { rank, loss: Loss::Finished { .. }, .. } => format!("rank {rank} finished early"),
         FailureKind::RankLost { rank, .. } => format!("rank {rank} was lost"),
         FailureKind::NodeLost { .. } => format!("node {} was lost", first.node),
         FailureKind::Interrupted { signal } => format!("the launcher received {}", signal_name(*signal)),

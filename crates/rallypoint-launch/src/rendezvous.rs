@@ -516,6 +516,7 @@ fn decode(got: Result<bytes::Bytes, Error>, from: u32) -> Result<Report, Failure
             // The peer is a launcher, whose "rank" is its node index: say it in those terms.
             let how = match peer.state {
                 RankState::Lost(reason) => reason.to_string(),
+                RankState::Finished { pid } => format!("ended (pid {pid} exited with code 0)"),
                 _ => "was lost".to_owned(),
             };
             let pid = peer.pid.map_or(String::new(), |pid| format!(" (pid {pid})"));

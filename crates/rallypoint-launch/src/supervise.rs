@@ -4,7 +4,9 @@
 //! The summary blames the root cause. When a worker fails, node 0 (which hosts the
 //! coordinator) asks it which ranks of the attempt it counts as lost: a rank its
 //! peers lost (it stopped heartbeating, or dropped its connection before the
-//! failure) is the cause, and the failed peer only what revealed it. A worker here
+//! failure) is the cause, and the failed peer only what revealed it; so is a rank
+//! whose worker exited 0 while a barrier of its peers still needed it (every
+//! node's launcher reports such ends, so that those peers fail at once). A worker here
 //! that failed after another node's launcher aborted the job failed for that
 //! node's failure, whose report may still be on its way: node 0 waits briefly for
 //! it and gives it as the verdict. The other nodes learn that verdict from node 0
@@ -284,6 +286,7 @@ impl Attempt<'_> {
             after_failure: state.first.is_some(),
         });
         if exited.exit.success() {
+            self.report_finished(state, self.base_rank + exited.local_rank, r.pid);
             return;
         }
         let failure = self.worker_failure(r.local_rank, r.pid, exited.exit, exited.stderr_tail);
@@ -293,6 +296,15 @@ impl Attempt<'_> {
             // Ended by itself before the teardown: may be the lost rank's own end.
             self.reconsider(state, failure, &workers.running);
         }
+    }
+
+    /// Tells the coordinator that `rank`'s worker (`pid`) exited with code 0: a
+    /// barrier or collective of its peers that still needs it fails at once, naming
+    /// it, rather than at its timeout. One connection per attempt and node, made at
+    /// the first such end, carries them all (a job's end brings every worker's).
+    fn report_finished(&self, state: &mut State, rank: u32, pid: u32) {
+        let reports = state.finished.get_or_insert_with(|| report_finishes(self.job, self.host, self.token.clone()));
+        let _ = reports.send((rank, pid));
     }
 
     /// Another node said how its attempt went (node 0), or node 0 gave its verdict.
@@ -865,6 +877,9 @@ struct State {
     verdict_ok: bool,
     /// Not node 0: this node told node 0 it succeeded.
     published_success: bool,
+    /// Where this node's workers that exited with code 0 are reported (rank, pid),
+    /// once one did (see `report_finished`).
+    finished: Option<mpsc::UnboundedSender<(u32, u32)>>,
 }
 
 /// Whether a rank lost at `lost_at` may have caused the failure of a worker seen to
@@ -887,8 +902,17 @@ fn lost_time(lost: &[RankInfo], rank: u32, now_ms: u64) -> Option<u64> {
 /// When a lost rank was lost, when it was last heard from (ms since the epoch, from
 /// the coordinator's "ago" and `now_ms`), and how.
 fn loss_of(info: &RankInfo, now_ms: u64) -> Option<(u64, u64, Loss)> {
-    let RankState::Lost(reason) = info.state else { return None };
     let last_seen = now_ms.saturating_sub(info.last_seen_ms_ago.unwrap_or(0));
+    let reason = match info.state {
+        RankState::Lost(reason) => reason,
+        // Done at its last session's close; one that never connected was done before
+        // anything could fail for it (what failed for it came after its report).
+        RankState::Finished { pid } => {
+            let lost_at = if info.last_seen_ms_ago.is_some() { last_seen } else { 0 };
+            return Some((lost_at, last_seen, Loss::Finished { worker_pid: pid }));
+        }
+        _ => return None,
+    };
     Some(match reason {
         LossReason::LeaseExpired { lease_ms } => {
             (last_seen.saturating_add(lease_ms), last_seen, Loss::Silent { lease_ms })
@@ -897,6 +921,32 @@ fn loss_of(info: &RankInfo, now_ms: u64) -> Option<(u64, u64, Loss)> {
         // it better): judged as the connection the end dropped.
         LossReason::Disconnected | LossReason::Exited { .. } => (last_seen, last_seen, Loss::Disconnected),
     })
+}
+
+/// Starts the task that reports the workers of this node that exit with code 0 to
+/// the attempt's coordinator job, over one connection. No world size is stated: a
+/// job whose ranks stated none (TCPStore clients only) has no rank to finish.
+fn report_finishes(job: &JobEnv, host: &str, token: Option<Arc<Token>>) -> mpsc::UnboundedSender<(u32, u32)> {
+    let (tx, mut ends) = mpsc::unbounded_channel::<(u32, u32)>();
+    let mut identity = Identity::anonymous(job.attempt_job.clone());
+    (identity.host, identity.pid) = (host.to_owned(), std::process::id());
+    let options = ConnectOptions::new(job.coordinator.to_string(), identity)
+        .with_timeout(Duration::from_secs(5))
+        .with_token(token);
+    let host = host.to_owned();
+    tokio::spawn(async move {
+        let client = match Client::connect_with(options).await {
+            Ok(client) => client,
+            Err(e) => return tracing::debug!("reporting workers that finished: {e}"),
+        };
+        while let Some((rank, pid)) = ends.recv().await {
+            if let Err(e) = client.rank_exited(rank, &host, pid, Exit::Code(0)).await {
+                tracing::debug!("reporting that rank {rank} finished: {e}");
+            }
+        }
+        let _ = client.close().await;
+    });
+    tx
 }
 
 /// Aborts the attempt's coordinator job in the background: workers blocked in a

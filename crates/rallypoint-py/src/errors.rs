@@ -196,13 +196,14 @@ fn op_attrs<'py>(py: Python<'py>, op: &OpRef) -> PyResult<Attrs<'py>> {
     ])
 }
 
-/// The state as a short word, and for a lost rank why it is lost.
+/// The state as a short word, and for a lost or finished rank what became of it.
 fn state(state: &RankState) -> (&'static str, Option<String>) {
     match state {
         RankState::NeverConnected => ("never_connected", None),
         RankState::Connected => ("connected", None),
         RankState::Left => ("left", None),
         RankState::Lost(reason) => ("lost", Some(reason.to_string())),
+        RankState::Finished { pid } => ("finished", Some(format!("worker pid {pid} exited with code 0"))),
     }
 }
 

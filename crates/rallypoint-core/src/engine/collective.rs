@@ -5,7 +5,7 @@
 //! generation's member set; a caller that disagrees fails the generation for all.
 //! A generation that failed is remembered, so a late arrival gets the same error.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Range;
 
 use super::HashMap;
@@ -375,6 +375,9 @@ pub(crate) struct Collectives {
     failed_kept: usize,
     max_gather_bytes: usize,
     ended: EndedRecords,
+    /// Finished ranks (their worker exited with code 0) that a generation failed
+    /// for: the ones whose early end stranded their peers, which a launcher blames.
+    stranded: BTreeSet<u32>,
     /// Per kind (see [`counted`]): what `rallypoint_*_total` and the wait histogram show.
     pub counters: [OpCounters; 3],
 }
@@ -418,6 +421,7 @@ impl Collectives {
             failed_kept: failed_kept.max(1),
             max_gather_bytes,
             ended: EndedRecords::default(),
+            stranded: BTreeSet::new(),
             counters: Default::default(),
         }
     }
@@ -535,6 +539,9 @@ impl Collectives {
                 };
                 if let Some(dead) = ranks.lost().find(|&r| needed(r)) {
                     counters.peer_lost += 1;
+                    if ranks.finished(dead) {
+                        self.stranded.insert(dead);
+                    }
                     let error = OpError::PeerLost { op: op(), peer: ranks.info(dead, ctx.now) };
                     ctx.reply(caller, Err(error.clone()));
                     coll.remember_failure(number, error, failed_kept);
@@ -717,7 +724,12 @@ impl Collectives {
         self.ended.trim(ranks);
     }
 
-    /// `rank` was lost: fail every pending generation that still needs it.
+    /// Whether a generation failed for `rank` while it was finished (see `stranded`).
+    pub fn stranded(&self, rank: u32) -> bool {
+        self.stranded.contains(&rank)
+    }
+
+    /// `rank` was lost (or finished): fail every pending generation that still needs it.
     pub fn rank_lost(&mut self, rank: u32, ranks: &Ranks, ctx: &mut Ctx<'_>) {
         let failed_kept = self.failed_kept;
         self.busy_now();
@@ -733,6 +745,9 @@ impl Collectives {
                 })
                 .map(|(gen, _)| *gen)
                 .collect();
+            if !doomed.is_empty() && ranks.finished(rank) {
+                self.stranded.insert(rank);
+            }
             for generation in doomed {
                 self.counters[counted(kind)].peer_lost += 1;
                 let op = OpRef { kind, name: coll.name.clone(), generation };

@@ -957,10 +957,13 @@ impl Engine {
 
     /// The ranks of job `job` counted as lost, in rank order, with how and when they
     /// were last heard from: the fact a launcher needs to blame the rank its peers
-    /// lost rather than a peer that failed because of it.
+    /// lost rather than a peer that failed because of it. A finished rank is among
+    /// them only if something failed for it: a rank done before its peers stranded
+    /// them, one done after them did not.
     pub fn lost_ranks(&self, job: &str, now: Millis) -> Vec<RankInfo> {
         let Some(job) = self.job_ids.get(job).and_then(|id| self.jobs.get(id)) else { return Vec::new() };
-        job.ranks.lost().map(|rank| job.ranks.info(rank, now)).collect()
+        let counted = |&rank: &u32| !job.ranks.finished(rank) || job.collectives.stranded(rank);
+        job.ranks.lost().filter(counted).map(|rank| job.ranks.info(rank, now)).collect()
     }
 
     /// Who aborted `job` and why, if it was aborted.

@@ -100,14 +100,19 @@ pub(crate) struct Ranks {
     entries: ByRank<Entry>,
     /// When each rank was last heard from, and its lease (see [`Seen`]).
     seen: ByRank<Seen>,
-    /// Ranks currently lost, so that a new generation checks only these.
+    /// Ranks currently lost or finished (gone either way: nothing that needs them
+    /// can complete), so that a new generation checks only these.
     lost: BTreeSet<u32>,
+    /// Ranks whose worker was reported to exit with code 0 while a session of the
+    /// rank was still open (a child of the worker holds it, or its close is yet to
+    /// be read): the worker's pid. The rank finishes when its last session closes.
+    finishing: HashMap<u32, u32>,
     /// Ranks whose launcher reported their worker's end before they ever connected
     /// (a crash at start): lost, with what the launcher said of the process. At most
     /// one per rank below the job's world size.
     ended: HashMap<u32, Ended>,
     /// Ranks lost so far: (connection dropped, lease expired, process exited), each
-    /// counted by the first reason it was lost for.
+    /// counted by the first reason it was lost for. A rank that finished is not lost.
     pub lost_counts: (u64, u64, u64),
     names: Names,
 }
@@ -223,9 +228,15 @@ impl Ranks {
         if let Some(seen) = self.seen.get_mut(rank) {
             seen.at = now;
         }
-        match entry.state {
+        match (entry.state, self.finishing.remove(&rank)) {
             // Already lost by lease: keep the first reason, fail nothing twice.
-            RankState::Lost(_) => Change::None,
+            (RankState::Lost(_) | RankState::Finished { .. }, _) => Change::None,
+            // Its worker had exited with code 0: this was the rank's last session.
+            (_, Some(pid)) => {
+                entry.state = RankState::Finished { pid };
+                self.lost.insert(rank);
+                Change::Lost
+            }
             _ if clean => {
                 entry.state = RankState::Left;
                 Change::None
@@ -269,6 +280,14 @@ impl Ranks {
     /// by the worker's host and pid (the process that would have connected). A rank
     /// lost now was last known alive now, as one whose connection just dropped: the
     /// time of its loss is when the coordinator learnt of it.
+    ///
+    /// A worker that exited with code 0 finished: its rank is gone to its peers as a
+    /// lost one is (whatever still needs it fails at once, rather than waiting out its
+    /// timeout for a rank that will never come), but not counted a loss. While a
+    /// session of the rank is still open (a child holds it, or its clean close is yet
+    /// to be read) the rank finishes at that session's close instead; a rank whose
+    /// connection had dropped (torch's processes leave that way when done) is
+    /// finished rather than lost.
     pub fn exited(&mut self, rank: u32, host: &str, pid: u32, exit: Exit, now: Millis) -> Change {
         let reason = LossReason::Exited { pid, exit };
         let Some(entry) = self.entries.get_mut(rank) else {
@@ -277,16 +296,37 @@ impl Ranks {
             }
             self.ended.insert(rank, Ended { host: self.names.get(host), pid, exit });
             self.lost.insert(rank);
-            self.lost_counts.2 += 1;
+            if !exit.success() {
+                self.lost_counts.2 += 1;
+            }
             return Change::Lost;
         };
+        if exit.success() {
+            return match entry.state {
+                RankState::Connected if entry.sessions > 0 => {
+                    self.finishing.insert(rank, pid);
+                    Change::None
+                }
+                RankState::Lost(LossReason::Disconnected) => {
+                    entry.state = RankState::Finished { pid };
+                    Change::None
+                }
+                RankState::Lost(_) | RankState::Finished { .. } => Change::None,
+                RankState::NeverConnected | RankState::Connected | RankState::Left => {
+                    entry.state = RankState::Finished { pid };
+                    self.lost.insert(rank);
+                    Change::Lost
+                }
+            };
+        }
+        self.finishing.remove(&rank);
         match entry.state {
             RankState::Lost(LossReason::Disconnected) => {
                 entry.state = RankState::Lost(reason);
                 Change::None
             }
             RankState::Lost(_) => Change::None,
-            RankState::NeverConnected | RankState::Connected | RankState::Left => {
+            RankState::NeverConnected | RankState::Connected | RankState::Left | RankState::Finished { .. } => {
                 entry.state = RankState::Lost(reason);
                 if let Some(seen) = self.seen.get_mut(rank) {
                     (seen.at, seen.lease_lost) = (now, false);
@@ -338,14 +378,28 @@ impl Ranks {
         sessions.into_vec()
     }
 
-    /// Ranks ever connected, by state: (connected, left cleanly, lost).
-    pub fn tally(&self) -> (usize, usize, usize) {
+    /// Ranks ever connected or reported ended, by state: (connected, left cleanly,
+    /// finished, lost).
+    pub fn tally(&self) -> (usize, usize, usize, usize) {
         let count = |pred: fn(&RankState) -> bool| self.entries.iter().filter(|(_, e)| pred(&e.state)).count();
-        (count(|s| *s == RankState::Connected), count(|s| *s == RankState::Left), self.lost.len())
+        let finished = count(|s| matches!(s, RankState::Finished { .. }))
+            + self.ended.values().filter(|e| e.exit.success()).count();
+        let connected = count(|s| *s == RankState::Connected);
+        (connected, count(|s| *s == RankState::Left), finished, self.lost.len().saturating_sub(finished))
     }
 
+    /// Ranks gone to their peers, lost or finished, in rank order.
     pub fn lost(&self) -> impl Iterator<Item = u32> + '_ {
         self.lost.iter().copied()
+    }
+
+    /// Of [`Ranks::lost`], whether `rank` finished (its worker exited with code 0)
+    /// rather than being lost.
+    pub fn finished(&self, rank: u32) -> bool {
+        match self.entries.get(rank) {
+            Some(entry) => matches!(entry.state, RankState::Finished { .. }),
+            None => self.ended.get(&rank).is_some_and(|e| e.exit.success()),
+        }
     }
 
     pub fn role(&self, rank: u32) -> Option<&str> {
@@ -391,7 +445,10 @@ impl Ranks {
                     rank,
                     host: Some(host.to_string()),
                     pid: Some(*pid),
-                    state: RankState::Lost(LossReason::Exited { pid: *pid, exit: *exit }),
+                    state: match exit.success() {
+                        true => RankState::Finished { pid: *pid },
+                        false => RankState::Lost(LossReason::Exited { pid: *pid, exit: *exit }),
+                    },
                     last_seen_ms_ago: None,
                 },
                 None => {

@@ -8,8 +8,8 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use crate::counters::{JobCounters, WAIT_OPS};
 use crate::snapshot::{
-    AbortView, JobSnapshot, KeyWaitView, LossView, RankStatus, RankSummary, RankView, SessionCounts,
-    MAX_KEY_WAITS_LISTED, MAX_RANKS_LISTED,
+    AbortView, FinishedView, IncarnationView, JobSnapshot, KeyWaitView, LossView, RankStatus, RankSummary, RankView,
+    SessionCounts, MAX_KEY_WAITS_LISTED, MAX_RANKS_LISTED,
 };
 use crate::{Exit, Identity, Incarnation, LossReason, Millis, RankInfo, RankState, SessionId};
 
@@ -33,10 +33,16 @@ pub struct JobMetrics {
 
 /// A rank as a snapshot shows it.
 pub(crate) fn rank_view(info: &RankInfo, role: Option<&str>) -> RankView {
+    let mut finished = None;
     let (state, lost) = match info.state {
         RankState::NeverConnected => (RankStatus::NeverConnected, None),
         RankState::Connected => (RankStatus::Connected, None),
         RankState::Left => (RankStatus::Left, None),
+        RankState::Finished { pid } => {
+            let text = format!("worker pid {pid} exited with code 0");
+            finished = Some(FinishedView { worker_pid: pid, text });
+            (RankStatus::Finished, None)
+        }
         RankState::Lost(reason) => {
             let (mut view, text) = (LossView::default(), reason.to_string());
             match reason {
@@ -59,6 +65,7 @@ pub(crate) fn rank_view(info: &RankInfo, role: Option<&str>) -> RankView {
         rank: info.rank,
         state,
         lost,
+        finished,
         host: info.host.clone(),
         pid: info.pid,
         role: role.map(str::to_owned),
@@ -229,6 +236,12 @@ impl Engine {
         Some(JobSnapshot {
             name: job.name.clone(),
             incarnation: job.incarnation.as_ref().map(|i| Incarnation(i.incarnation).to_string()),
+            incarnation_by: job.incarnation.as_ref().map(|i| IncarnationView {
+                host: i.by.host.clone(),
+                pid: i.by.pid,
+                since_unix_ms: i.since_unix_ms,
+                reset: i.reset,
+            }),
             aborted: job.aborted.as_ref().map(|a| AbortView {
                 by_rank: a.by_rank,
                 host: a.host.clone(),
@@ -249,14 +262,16 @@ impl Engine {
 
 /// Ranks by state; `never_connected` below the stated world size.
 pub(super) fn summary(job: &Job) -> RankSummary {
-    let (connected, left, lost) = job.ranks.tally();
-    // A rank reported ended before it connected counts as lost, not as never connected.
+    let (connected, left, finished, lost) = job.ranks.tally();
+    // A rank reported ended before it connected counts as lost (or finished), not as
+    // never connected.
     let seen = job.ranks.ever_connected() + job.ranks.ended_unconnected();
     let never_connected = job.world_size.map_or(0, |w| u64::from(w).saturating_sub(seen as u64));
     RankSummary {
         connected: connected as u64,
         left: left as u64,
         lost: lost as u64,
+        finished: finished as u64,
         never_connected,
         in_collective: 0,
         in_key_wait: 0,

@@ -439,12 +439,16 @@ impl<'a> Step<'a> {
             ));
         }
         let reconnecting = resume::reconnecting(job, self.sessions, self.config.lease_ms, now);
-        let RankSummary { connected, left, lost, never_connected, .. } = super::snapshot::summary(job);
+        let RankSummary { connected, left, lost, finished, never_connected, .. } = super::snapshot::summary(job);
         let of_them = match reconnecting.len() {
             0 => String::new(),
             n => format!(" ({n} reconnecting)"),
         };
-        out.push_str(&format!("ranks: {connected} connected{of_them}, {left} left cleanly, {lost} lost"));
+        out.push_str(&format!("ranks: {connected} connected{of_them}, {left} left cleanly, "));
+        if finished > 0 {
+            out.push_str(&format!("{finished} finished, "));
+        }
+        out.push_str(&format!("{lost} lost"));
         // Only where a world size was stated: a rank that never came is what a hang at
         // start waits for.
         if let (Some(world_size), 1..) = (job.world_size, never_connected) {
@@ -469,12 +473,31 @@ impl<'a> Step<'a> {
         if !rest.is_empty() {
             out.push_str(&format!("reconnecting: and {} more: ranks {rest}\n", rest.count));
         }
-        let (named, rest) = split(runs(job.ranks.lost()), Missing::NAMED);
+        let (named, rest) = split(runs(job.ranks.lost().filter(|&r| !job.ranks.finished(r))), Missing::NAMED);
         for rank in named {
             out.push_str(&format!("lost: {}\n", job.ranks.info(rank, now)));
         }
         if !rest.is_empty() {
             out.push_str(&format!("lost: and {} more: ranks {rest}\n", rest.count));
+        }
+        // Requests of native sessions blocked on keys, oldest first (a TCPStore
+        // client's are among the torch lines above).
+        let native: super::HashMap<SessionId, &Identity> =
+            others.iter().filter(|(_, _, torch)| !torch).map(|(s, i, _)| (*s, *i)).collect();
+        let mut waits: Vec<_> =
+            job.store.waits().filter_map(|((s, _), wait)| Some((wait.started, *s, *native.get(s)?, wait))).collect();
+        waits.sort_by_key(|(started, session, ..)| (*started, *session));
+        for (_, session, identity, wait) in waits.iter().take(Missing::NAMED) {
+            out.push_str(&torch::waiting_line(*session, identity, wait, now));
+        }
+        if let Some(more) = waits.len().checked_sub(Missing::NAMED).filter(|&n| n > 0) {
+            out.push_str(&format!("waiting: and {more} more requests on keys\n"));
+        }
+        // Finished ranks by number only: at a job's end that is every rank.
+        let (_, done) = split(runs(job.ranks.lost().filter(|&r| job.ranks.finished(r))), 0);
+        if !done.is_empty() {
+            let what = if done.count == 1 { "rank" } else { "ranks" };
+            out.push_str(&format!("finished (worker exited with code 0): {what} {done}\n"));
         }
         out
     }
@@ -487,12 +510,16 @@ impl<'a> Step<'a> {
     }
 
     fn rank_exited(&mut self, rank: u32, host: &str, pid: u32, exit: Exit) -> Option<Reply> {
-        let Some(world_size) = self.job.world_size else {
-            // No rank ever said how many there are: none connected, none waits.
-            return DONE;
-        };
-        if rank >= world_size {
-            return Some(Err(OpError::Invalid(format!("rank {rank} is out of range for world size {world_size}"))));
+        match self.job.world_size {
+            Some(world_size) if rank >= world_size => {
+                return Some(Err(OpError::Invalid(format!("rank {rank} is out of range for world size {world_size}"))));
+            }
+            Some(_) => {}
+            // No rank said how many there are: none of its own connected, none waits.
+            // A torch process's rank, known from its address key, still learns how
+            // its process ended (finished rather than lost, once its connection drops).
+            None if self.job.ranks.has_connected(rank) => {}
+            None => return DONE,
         }
         let change = self.job.ranks.exited(rank, host, pid, exit, self.ctx.now);
         self.job.apply(rank, change, &mut self.ctx);

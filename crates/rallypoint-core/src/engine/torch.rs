@@ -293,17 +293,22 @@ pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: 
     }
     for ((session, _), wait) in job.store.waits() {
         let Some(identity) = by_session.get(session) else { continue };
-        let keys: Vec<String> = wait.keys.iter().take(4).map(|k| Show(k).to_string()).collect();
-        let _ = writeln!(
-            out,
-            "waiting: {} for {} on {}{}",
-            who(*session, identity),
-            Secs(now.saturating_sub(wait.started)),
-            keys.join(", "),
-            if wait.keys.len() > 4 { format!(" and {} more", wait.keys.len() - 4) } else { String::new() }
-        );
+        out.push_str(&waiting_line(*session, identity, wait, now));
     }
     out
+}
+
+/// A request of `session` blocked on keys, as the text report says it: who, for
+/// how long, on which keys (the first few).
+pub(crate) fn waiting_line(session: SessionId, identity: &Identity, wait: &KeyWait, now: Millis) -> String {
+    let keys: Vec<String> = wait.keys.iter().take(4).map(|k| Show(k).to_string()).collect();
+    format!(
+        "waiting: {} for {} on {}{}\n",
+        who(session, identity),
+        Secs(now.saturating_sub(wait.started)),
+        keys.join(", "),
+        if wait.keys.len() > 4 { format!(" and {} more", wait.keys.len() - 4) } else { String::new() }
+    )
 }
 
 /// The job's torch processes as data (the snapshot's `torch`), or None for a job

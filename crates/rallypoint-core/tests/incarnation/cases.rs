@@ -622,6 +622,11 @@ fn a_reset_starts_the_job_afresh_and_fails_the_old_incarnation() {
         ),
         "{report}"
     );
+    // The document says the same.
+    let snapshot = d.engine.snapshot("j", d.now).expect("the job");
+    assert_eq!(snapshot.incarnation.as_deref(), Some("0000000000000bbb"));
+    let by = snapshot.incarnation_by.expect("who made it");
+    assert_eq!((by.host.as_str(), by.pid, by.since_unix_ms, by.reset), ("shell", 42, EPOCH + 60_000, true));
     let failed = d.last(r0, 3).expect("the old wait was failed");
     assert_eq!(
         failed.clone().unwrap_err().to_string(),

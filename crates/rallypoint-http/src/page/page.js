@@ -74,6 +74,7 @@ function rankWords(r, html) {
     case "connected": return "connected";
     case "left": return "left cleanly";
     case "lost": return "lost: " + (r.lost ? r.lost.text : "");
+    case "finished": return "finished: " + (r.finished ? r.finished.text : "");
   }
   return r.state;
 }
@@ -106,13 +107,14 @@ function missingRanks(j) {
 function category(r) {
   if (r.state === "lost") return "lost";
   if (r.state === "left") return "left";
+  if (r.state === "finished") return "finished";
   if (r.state === "never_connected") return "never";
   if (r.reconnecting) return "reconnecting";
   if (r.wait !== undefined) return "waiting";
   if (r.key_wait !== undefined) return "keywait";
   return "idle";
 }
-const categoryWords = { idle: "connected, not waiting", waiting: "in a barrier or collective", keywait: "waiting for keys", never: "never connected", left: "left cleanly", lost: "lost", reconnecting: "reconnecting (connection dropped, may resume)" };
+const categoryWords = { idle: "connected, not waiting", waiting: "in a barrier or collective", keywait: "waiting for keys", never: "never connected", left: "left cleanly", finished: "finished (worker exited with code 0)", lost: "lost", reconnecting: "reconnecting (connection dropped, may resume)" };
 
 function renderGrid(j) {
   const missing = missingRanks(j);
@@ -135,7 +137,7 @@ function renderGrid(j) {
     return `<div class="cell ${cat}${why ? " missing" : ""}${selected === r.rank ? " selected" : ""}" data-rank="${r.rank}" title="${esc(title)}">${label}</div>`;
   });
   grid.innerHTML = cells.join("");
-  const order = ["missing", "lost", "reconnecting", "never", "waiting", "keywait", "idle", "left"];
+  const order = ["missing", "lost", "reconnecting", "never", "waiting", "keywait", "idle", "left", "finished"];
   $("groups").innerHTML = order.filter((k) => groups.has(k)).map((k) => {
     const list = groups.get(k);
     const swatch = k === "missing" ? `<span class="swatch" style="outline:2px solid var(--missing);background:#ffe2b0"></span>` : `<span class="swatch cell ${k}"></span>`;
@@ -258,6 +260,7 @@ function render() {
     const s = j.ranks_summary;
     $("summary").innerHTML = `<div class="summary"><span>world size <b>${j.world_size === null ? "?" : j.world_size}</b></span>` +
       `<span>connected <b>${s.connected}</b>${s.reconnecting ? ` (${s.reconnecting} reconnecting)` : ""}</span><span>left <b>${s.left}</b></span><span>lost <b>${s.lost}</b></span>` +
+      `${s.finished ? `<span>finished <b>${s.finished}</b></span>` : ""}` +
       `<span>never connected <b>${s.never_connected}</b></span><span>in a collective <b>${s.in_collective}</b></span>` +
       `<span>waiting for keys <b>${s.in_key_wait}</b></span><span class="muted">sessions: ${j.sessions.native} native` +
       `${j.sessions.via_agent ? ` (${j.sessions.via_agent} through node agents)` : ""}, ${j.sessions.tcpstore} TCPStore</span></div>`;

@@ -249,6 +249,10 @@ fn encode_rank_info(info: &RankInfo, dst: &mut BytesMut) {
             dst.put_u32_le(pid);
             encode_exit(exit, dst);
         }
+        RankState::Finished { pid } => {
+            dst.put_u8(6);
+            dst.put_u32_le(pid);
+        }
     }
     dst.put_option(info.last_seen_ms_ago, BytesMut::put_u64_le);
 }
@@ -265,6 +269,7 @@ fn decode_rank_info(r: &mut Reader) -> DecodeResult<RankInfo> {
             3 => RankState::Lost(LossReason::Disconnected),
             4 => RankState::Lost(LossReason::LeaseExpired { lease_ms: r.u64("rank_info.lease_ms")? }),
             5 => RankState::Lost(LossReason::Exited { pid: r.u32("rank_info.worker_pid")?, exit: decode_exit(r)? }),
+            6 => RankState::Finished { pid: r.u32("rank_info.worker_pid")? },
             other => return Err(DecodeError::unknown("rank state", other)),
         },
         last_seen_ms_ago: r.option("rank_info.last_seen_ms_ago", |r| r.u64("rank_info.last_seen_ms_ago"))?,

@@ -129,6 +129,7 @@ fn rank_state() -> impl Strategy<Value = RankState> {
         Just(RankState::Lost(LossReason::Disconnected)),
         any::<u64>().prop_map(|lease_ms| RankState::Lost(LossReason::LeaseExpired { lease_ms })),
         (any::<u32>(), exit()).prop_map(|(pid, exit)| RankState::Lost(LossReason::Exited { pid, exit })),
+        any::<u32>().prop_map(|pid| RankState::Finished { pid }),
     ]
 }
 

@@ -63,10 +63,12 @@ class RankInfo:
     #: Host and pid of its latest connection; None if it never connected.
     host: Optional[str]
     pid: Optional[int]
-    #: "never_connected", "connected" (but not arrived), "left" (cleanly) or "lost".
+    #: "never_connected", "connected" (but not arrived), "left" (cleanly), "lost", or "finished" (its
+    #: launcher saw its worker exit with code 0: it will not arrive again).
     state: str
     #: Why a lost rank is lost ("connection dropped without a clean leave", "no heartbeat for 15.0 s",
-    #: "worker pid 4242 was killed by SIGKILL" as its launcher saw); else None.
+    #: "worker pid 4242 was killed by SIGKILL" as its launcher saw), how a finished one finished
+    #: ("worker pid 4242 exited with code 0"); else None.
     reason: Optional[str]
     #: Seconds since the coordinator last heard from it; None if never.
     last_seen: Optional[float]
