@@ -12,7 +12,8 @@ Exit codes:
   1  other error
   2  usage error (bad flag or environment variable, rank outside the world, ...)
   3  timeout (the error names the missing ranks or keys)
-  4  peer lost (a rank the operation needs died; the error names it)
+  4  peer lost (a rank the operation needs died, or finished: its worker
+     exited 0; the error names it)
   5  aborted (someone called abort; the error says who and why)
   6  mismatch / bad members (ranks called the same barrier differently,
      or the caller is not among the members it named)

@@ -557,8 +557,7 @@ fn a_rank_that_exits_0_while_its_peers_wait_for_it_is_named_as_the_root_cause() 
     assert_eq!(run.code, Some(4), "{}", run.stderr);
     let headline = run.stderr.lines().find(|l| l.contains("FAILED")).unwrap_or_default();
     assert!(
-        headline.contains("): rank 1 exited with code 0 at ")
-            && headline.ends_with("while its peers still waited for it"),
+        headline.contains("): rank 1 exited with code 0 at ") && headline.ends_with("while its peers still needed it"),
         "{}",
         run.stderr
     );
@@ -582,6 +581,44 @@ fn a_rank_that_exits_0_while_its_peers_wait_for_it_is_named_as_the_root_cause() 
         let line = [4, 5].map(|code| format!("  rank {r}: exited with code {code} after rank 1 finished early"));
         assert!(run.stderr.lines().any(|l| line.contains(&l.to_owned())), "missing {line:?}:\n{}", run.stderr);
     }
+}
+
+/// Rank 2 exits 0 at once, before any rank connected and stated the world size: its
+/// peers still fail at once when they call the barrier, naming it.
+#[test]
+fn a_rank_that_exits_0_before_any_rank_connected_is_named_by_the_peers_waiting_for_it() {
+    let dir = temp_dir("finishedfirst");
+    let script = r#"
+        if [ "$RANK" = 2 ]; then exit 0; fi
+        sleep 1
+        exec "$RP" barrier final --timeout 60
+    "#;
+    let run = launch(&["--nproc-per-node", "3", "--job", "first"], script, &dir).finish();
+    assert_eq!(run.code, Some(4), "{}", run.stderr);
+    let headline = run.stderr.lines().find(|l| l.contains("FAILED")).unwrap_or_default();
+    assert!(headline.contains("): rank 2 exited with code 0 at "), "{}", run.stderr);
+    assert!(run.stderr.contains(", finished: worker pid "), "{}", run.stderr);
+    assert!(!run.stderr.contains("timed out"), "{}", run.stderr);
+}
+
+/// Rank 2's client dies without a clean leave while its peers wait, then its worker
+/// exits 0 before they do: the rank whose drop failed them is named, not a peer.
+#[test]
+fn a_rank_that_dropped_its_connection_then_exited_0_is_named_not_its_peers() {
+    let dir = temp_dir("droppedthendone");
+    let script = r#"
+        "$RP" barrier start --timeout 60 || exit $?
+        if [ "$RANK" = 2 ]; then
+            "$RP" barrier only-mine --timeout 60 & client=$!
+            sleep 0.3; kill -9 $client; exit 0
+        fi
+        "$RP" barrier final --timeout 60; rc=$?
+        sleep 1; exit $rc
+    "#;
+    let run = launch(&["--nproc-per-node", "3", "--job", "dropped"], script, &dir).finish();
+    assert_eq!(run.code, Some(4), "{}", run.stderr);
+    let headline = run.stderr.lines().find(|l| l.contains("FAILED")).unwrap_or_default();
+    assert!(headline.contains("): rank 2 "), "{}", run.stderr);
 }
 
 /// A rank done early fails nothing that does not need it: its peers' barrier of the

@@ -315,6 +315,12 @@ fn status_says_which_ranks_wait_for_keys_oldest_first() {
     assert_eq!(h.call(s[1], Request::Set { key: b("cfg/lr"), value: b("0.1") }), Ok(Response::Done));
     let report = status(&mut h, "j");
     assert_eq!(report.lines().filter(|l| l.starts_with("waiting: rank")).count(), 1, "{report}");
+    // A session without a rank (a CLI verb's, a tool's) is named as a session.
+    let tool = h.open(Identity::anonymous("j"));
+    h.send(tool, Request::Get { key: b("tool/key"), timeout_ms: None });
+    let report = status(&mut h, "j");
+    let line = report.lines().find(|l| l.ends_with(" for 0.0 s on \"tool/key\"")).unwrap_or_default();
+    assert!(line.starts_with(&format!("waiting: {tool} (host ")), "{report}");
 }
 
 #[test]

@@ -132,7 +132,7 @@ impl Failure {
                         format!("rank {rank} dropped its connection without a clean leave at {at}{process}")
                     }
                     Loss::Finished { .. } => {
-                        format!("rank {rank} exited with code 0 at {at} while its peers still waited for it")
+                        format!("rank {rank} exited with code 0 at {at} while its peers still needed it")
                     }
                 }
             }

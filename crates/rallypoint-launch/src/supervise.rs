@@ -303,7 +303,9 @@ impl Attempt<'_> {
     /// it, rather than at its timeout. One connection per attempt and node, made at
     /// the first such end, carries them all (a job's end brings every worker's).
     fn report_finished(&self, state: &mut State, rank: u32, pid: u32) {
-        let reports = state.finished.get_or_insert_with(|| report_finishes(self.job, self.host, self.token.clone()));
+        let reports = state
+            .finished
+            .get_or_insert_with(|| report_finishes(self.job, self.host, self.world_size, self.token.clone()));
         let _ = reports.send((rank, pid));
     }
 
@@ -720,14 +722,17 @@ impl Attempt<'_> {
     /// that rank's loss. A rank lost by lease is never a consequence of the failure
     /// (killing a worker drops its connection, it does not silence it). A dropped
     /// connection counts only on this node, before the failure (see
-    /// [`may_have_caused`]), and not from a worker seen to finish: torch's processes
-    /// and clients that never close leave that way when they are done, and a rank
-    /// elsewhere that crashed is reported by its own node (see `reconsider`).
+    /// [`may_have_caused`]), and not from a worker seen to finish unless a collective
+    /// failed for it: torch's processes and clients that never close leave that way
+    /// when they are done, and a rank elsewhere that crashed is reported by its own
+    /// node (see `reconsider`). A rank done early (finished) is among the lost ranks
+    /// only if a collective failed for it.
     fn judge(&self, failure: Failure, state: &State, running: &[Option<Running>]) -> Failure {
         let FailureKind::Worker { rank: failed, .. } = &failure.what else { return failure };
         let Some(server) = self.server else { return failure };
         let now_ms = unix_ms(SystemTime::now());
         let lost = server.lost_ranks(&self.job.attempt_job);
+        let failed_for = server.failed_for(&self.job.attempt_job);
         let own = lost_time(&lost, *failed, now_ms);
         let mut cause: Option<(u64, u64, Loss, RankInfo)> = None;
         for info in lost {
@@ -736,7 +741,9 @@ impl Attempt<'_> {
             }
             let Some((lost_at, last_seen, loss)) = loss_of(&info, now_ms) else { continue };
             if loss == Loss::Disconnected {
-                let finished = state.outcomes.iter().any(|o| o.rank == info.rank && o.exit.success());
+                // Seen to finish, and nothing failed for its drop: done, not a cause.
+                let finished = state.outcomes.iter().any(|o| o.rank == info.rank && o.exit.success())
+                    && failed_for.binary_search(&info.rank).is_err();
                 if !self.is_local(info.rank) || finished || !may_have_caused(lost_at, own, failure.at_unix_ms) {
                     continue;
                 }
@@ -924,12 +931,17 @@ fn loss_of(info: &RankInfo, now_ms: u64) -> Option<(u64, u64, Loss)> {
 }
 
 /// Starts the task that reports the workers of this node that exit with code 0 to
-/// the attempt's coordinator job, over one connection. No world size is stated: a
-/// job whose ranks stated none (TCPStore clients only) has no rank to finish.
-fn report_finishes(job: &JobEnv, host: &str, token: Option<Arc<Token>>) -> mpsc::UnboundedSender<(u32, u32)> {
+/// the attempt's coordinator job, over one connection. The world size is stated, as
+/// for an abort: a rank may end before any of its peers connected and said it.
+fn report_finishes(
+    job: &JobEnv,
+    host: &str,
+    world_size: u32,
+    token: Option<Arc<Token>>,
+) -> mpsc::UnboundedSender<(u32, u32)> {
     let (tx, mut ends) = mpsc::unbounded_channel::<(u32, u32)>();
     let mut identity = Identity::anonymous(job.attempt_job.clone());
-    (identity.host, identity.pid) = (host.to_owned(), std::process::id());
+    (identity.host, identity.pid, identity.world_size) = (host.to_owned(), std::process::id(), Some(world_size));
     let options = ConnectOptions::new(job.coordinator.to_string(), identity)
         .with_timeout(Duration::from_secs(5))
         .with_token(token);

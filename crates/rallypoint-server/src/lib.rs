@@ -325,6 +325,12 @@ impl ServerHandle {
         self.shared.lost_ranks(job)
     }
 
+    /// The ranks of `job` a barrier or collective failed for, in rank order (see
+    /// `Engine::failed_for`).
+    pub fn failed_for(&self, job: &str) -> Vec<u32> {
+        self.shared.failed_for(job)
+    }
+
     /// Who aborted `job` and why, if it was aborted. The launcher hosting it asks at a
     /// worker's failure: an abort by another node's launcher came first.
     pub fn aborted(&self, job: &str) -> Option<AbortInfo> {

@@ -463,6 +463,11 @@ impl Shared {
         state.engine.lost_ranks(job, now)
     }
 
+    /// See [`super::ServerHandle::failed_for`].
+    pub(crate) fn failed_for(&self, job: &str) -> Vec<u32> {
+        lock(&self.state).engine.failed_for(job)
+    }
+
     /// See [`super::ServerHandle::aborted`].
     pub(crate) fn aborted(&self, job: &str) -> Option<AbortInfo> {
         lock(&self.state).engine.aborted(job)

@@ -43,7 +43,9 @@ pub(super) async fn run(mut conn: Conn, view: StatusView) -> anyhow::Result<()> 
         }
         _ => {}
     }
-    let settings = conn.settings(None)?;
+    // A tool, not a rank: run inside a worker, it neither takes the worker's rank
+    // (held by the worker's own client) nor shows itself among the ranks.
+    let settings = conn.tool()?;
     let client = connect(&settings).await?;
     if view.watch {
         return watch(client, &settings, view).await;

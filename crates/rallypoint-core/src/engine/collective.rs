@@ -375,9 +375,9 @@ pub(crate) struct Collectives {
     failed_kept: usize,
     max_gather_bytes: usize,
     ended: EndedRecords,
-    /// Finished ranks (their worker exited with code 0) that a generation failed
-    /// for: the ones whose early end stranded their peers, which a launcher blames.
-    stranded: BTreeSet<u32>,
+    /// Ranks a generation failed for, lost or finished: a launcher blames a rank
+    /// done early (its worker exited 0) only if its end stranded its peers.
+    failed_for: BTreeSet<u32>,
     /// Per kind (see [`counted`]): what `rallypoint_*_total` and the wait histogram show.
     pub counters: [OpCounters; 3],
 }
@@ -421,7 +421,7 @@ impl Collectives {
             failed_kept: failed_kept.max(1),
             max_gather_bytes,
             ended: EndedRecords::default(),
-            stranded: BTreeSet::new(),
+            failed_for: BTreeSet::new(),
             counters: Default::default(),
         }
     }
@@ -539,9 +539,7 @@ impl Collectives {
                 };
                 if let Some(dead) = ranks.lost().find(|&r| needed(r)) {
                     counters.peer_lost += 1;
-                    if ranks.finished(dead) {
-                        self.stranded.insert(dead);
-                    }
+                    self.failed_for.insert(dead);
                     let error = OpError::PeerLost { op: op(), peer: ranks.info(dead, ctx.now) };
                     ctx.reply(caller, Err(error.clone()));
                     coll.remember_failure(number, error, failed_kept);
@@ -724,9 +722,9 @@ impl Collectives {
         self.ended.trim(ranks);
     }
 
-    /// Whether a generation failed for `rank` while it was finished (see `stranded`).
-    pub fn stranded(&self, rank: u32) -> bool {
-        self.stranded.contains(&rank)
+    /// Ranks a generation failed for (see `failed_for`), in rank order.
+    pub fn failed_for(&self) -> impl Iterator<Item = u32> + '_ {
+        self.failed_for.iter().copied()
     }
 
     /// `rank` was lost (or finished): fail every pending generation that still needs it.
@@ -745,8 +743,8 @@ impl Collectives {
                 })
                 .map(|(gen, _)| *gen)
                 .collect();
-            if !doomed.is_empty() && ranks.finished(rank) {
-                self.stranded.insert(rank);
+            if !doomed.is_empty() {
+                self.failed_for.insert(rank);
             }
             for generation in doomed {
                 self.counters[counted(kind)].peer_lost += 1;

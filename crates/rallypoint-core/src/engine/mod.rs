@@ -962,8 +962,17 @@ impl Engine {
     /// them, one done after them did not.
     pub fn lost_ranks(&self, job: &str, now: Millis) -> Vec<RankInfo> {
         let Some(job) = self.job_ids.get(job).and_then(|id| self.jobs.get(id)) else { return Vec::new() };
-        let counted = |&rank: &u32| !job.ranks.finished(rank) || job.collectives.stranded(rank);
+        let failed_for: BTreeSet<u32> = job.collectives.failed_for().collect();
+        let counted = |rank: &u32| !job.ranks.finished(*rank) || failed_for.contains(rank);
         job.ranks.lost().filter(counted).map(|rank| job.ranks.info(rank, now)).collect()
+    }
+
+    /// The ranks of job `job` a barrier or collective failed for (lost or finished
+    /// then), in rank order: a launcher tells a rank done early that stranded its
+    /// peers from one that was merely done.
+    pub fn failed_for(&self, job: &str) -> Vec<u32> {
+        let Some(job) = self.job_ids.get(job).and_then(|id| self.jobs.get(id)) else { return Vec::new() };
+        job.collectives.failed_for().collect()
     }
 
     /// Who aborted `job` and why, if it was aborted.

@@ -314,6 +314,10 @@ impl Ranks {
                 RankState::Lost(_) | RankState::Finished { .. } => Change::None,
                 RankState::NeverConnected | RankState::Connected | RankState::Left => {
                     entry.state = RankState::Finished { pid };
+                    // Done when the coordinator learnt of it, as a loss is.
+                    if let Some(seen) = self.seen.get_mut(rank) {
+                        seen.at = now;
+                    }
                     self.lost.insert(rank);
                     Change::Lost
                 }

@@ -488,7 +488,7 @@ impl<'a> Step<'a> {
             job.store.waits().filter_map(|((s, _), wait)| Some((wait.started, *s, *native.get(s)?, wait))).collect();
         waits.sort_by_key(|(started, session, ..)| (*started, *session));
         for (_, session, identity, wait) in waits.iter().take(Missing::NAMED) {
-            out.push_str(&torch::waiting_line(*session, identity, wait, now));
+            out.push_str(&torch::waiting_line(*session, identity, false, wait, now));
         }
         if let Some(more) = waits.len().checked_sub(Missing::NAMED).filter(|&n| n > 0) {
             out.push_str(&format!("waiting: and {more} more requests on keys\n"));

@@ -293,18 +293,29 @@ pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: 
     }
     for ((session, _), wait) in job.store.waits() {
         let Some(identity) = by_session.get(session) else { continue };
-        out.push_str(&waiting_line(*session, identity, wait, now));
+        out.push_str(&waiting_line(*session, identity, true, wait, now));
     }
     out
 }
 
-/// A request of `session` blocked on keys, as the text report says it: who, for
-/// how long, on which keys (the first few).
-pub(crate) fn waiting_line(session: SessionId, identity: &Identity, wait: &KeyWait, now: Millis) -> String {
+/// A request of `session` (a TCPStore client's if `tcpstore`) blocked on keys, as
+/// the text report says it: who, for how long, on which keys (the first few).
+pub(crate) fn waiting_line(
+    session: SessionId,
+    identity: &Identity,
+    tcpstore: bool,
+    wait: &KeyWait,
+    now: Millis,
+) -> String {
     let keys: Vec<String> = wait.keys.iter().take(4).map(|k| Show(k).to_string()).collect();
+    let who = match identity.rank {
+        // A native session without a rank: a tool, or a CLI verb, which states none.
+        None if !tcpstore => format!("{session} (host {}, pid {})", identity.host, identity.pid),
+        _ => who(session, identity),
+    };
     format!(
         "waiting: {} for {} on {}{}\n",
-        who(session, identity),
+        who,
         Secs(now.saturating_sub(wait.started)),
         keys.join(", "),
         if wait.keys.len() > 4 { format!(" and {} more", wait.keys.len() - 4) } else { String::new() }

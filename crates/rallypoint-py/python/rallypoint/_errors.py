@@ -11,7 +11,7 @@ from a worker to the parent.
     ├── BarrierTimeout     (also TimeoutError)  a barrier/all_gather/broadcast timed out
     ├── KeyTimeout         (also TimeoutError)  get/wait/multi_get timed out
     ├── ReplyTimeout       (also TimeoutError)  the coordinator went silent
-    ├── PeerLost                                a rank the operation needs died
+    ├── PeerLost                                a rank the operation needs died or finished
     ├── Aborted                                 someone called abort()
     ├── MismatchError                           ranks called one generation differently
     │   └── BadMembers     (also ValueError)    caller not among the members, rank outside the world
@@ -125,9 +125,11 @@ class ReplyTimeout(RallypointError, TimeoutError):
 
 
 class PeerLost(RallypointError):
-    """A rank the operation needs is dead (killed, crashed, or silent for a whole lease).
+    """A rank the operation needs is dead (killed, crashed, or silent for a whole lease), or
+    finished (under ``rallypoint launch``, its worker exited with code 0 before the operation
+    completed: ``peer.state == "finished"``).
 
-    Attributes: ``rank``, ``host``, ``pid``, ``reason`` (why it is considered lost),
+    Attributes: ``rank``, ``host``, ``pid``, ``reason`` (why it is considered lost, or how it finished),
     ``last_seen`` (seconds), ``peer`` (a :class:`RankInfo`), and the failed operation:
     ``op``, ``name``, ``generation``.
     """
