@@ -314,6 +314,15 @@ fn two_nodes_a_failure_on_node_1_takes_node_0_down() {
     }
 }
 
+/// A job of two nodes on this machine, two workers each running `script`, to its end.
+fn two_nodes_of_two(script: &str, dir: &Path, job: &str) -> (Finished, Finished) {
+    let master = format!("127.0.0.1:{}", free_port());
+    let common = ["--nnodes", "2", "--nproc-per-node", "2", "--master", master.as_str(), "--job", job, "--grace", "2"];
+    let node0 = launch(&[&common[..], &["--node-rank", "0"]].concat(), script, dir);
+    let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), script, dir);
+    (node0.finish(), node1.finish())
+}
+
 /// A rank killed on node 1 while node 0's ranks wait in a barrier: node 1's launcher
 /// aborts the job, and node 0's ranks fail for the abort, at times before node 1's
 /// report of the kill reaches node 0. Both nodes name the killed rank, not a rank the
@@ -327,12 +336,7 @@ fn two_nodes_name_a_rank_killed_elsewhere_not_the_ranks_its_abort_ended() {
     "#;
     for run in 0..3 {
         let dir = temp_dir(&format!("abortorder{run}"));
-        let master = format!("127.0.0.1:{}", free_port());
-        let common =
-            ["--nnodes", "2", "--nproc-per-node", "2", "--master", master.as_str(), "--job", "order", "--grace", "2"];
-        let node0 = launch(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir);
-        let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir);
-        let (n0, n1) = (node0.finish(), node1.finish());
+        let (n0, n1) = two_nodes_of_two(script, &dir, "order");
         for (node, done) in [(0, &n0), (1, &n1)] {
             let headline = done.stderr.lines().find(|l| l.contains("FAILED")).unwrap_or_default();
             assert!(headline.ends_with("rank 3 was killed by SIGKILL"), "run {run}, node {node}:\n{}", done.stderr);
@@ -542,17 +546,31 @@ fn a_worker_that_dies_before_connecting_is_named_lost_by_the_peers_waiting_for_i
     assert!(run.stderr.contains("FAILED (attempt 1 of 1): rank 1 exited with code 3"), "{}", run.stderr);
 }
 
+/// Each of `peers` is summed up as having failed for `cause` ("rank 1 was lost"):
+/// peer lost (4), or aborted by the launcher (5) if it got there later.
+fn peers_failed_for<const N: usize>(stderr: &str, peers: [u32; N], cause: &str) {
+    for r in peers {
+        let line = [4, 5].map(|code| format!("  rank {r}: exited with code {code} after {cause}"));
+        assert!(stderr.lines().any(|l| line.contains(&l.to_owned())), "missing {line:?}:\n{stderr}");
+    }
+}
+
+/// Every rank passes barrier `start`; then `rank` exits 0 while the others call
+/// barrier `final`.
+fn done_after_start(rank: u32) -> String {
+    format!(
+        r#""$RP" barrier start --timeout 60 || exit $?
+        if [ "$RANK" = {rank} ]; then exit 0; fi
+        exec "$RP" barrier final --timeout 60"#
+    )
+}
+
 /// Rank 1 exits 0 without the barrier its peers wait in (a loop one step short, say):
 /// they fail at once naming it, not at their timeout, and the summary blames it.
 #[test]
 fn a_rank_that_exits_0_while_its_peers_wait_for_it_is_named_as_the_root_cause() {
     let dir = temp_dir("finishedearly");
-    let script = r#"
-        "$RP" barrier start --timeout 60 || exit $?
-        if [ "$RANK" = 1 ]; then exit 0; fi
-        exec "$RP" barrier final --timeout 60
-    "#;
-    let run = launch(&["--nproc-per-node", "3", "--job", "short"], script, &dir).finish();
+    let run = launch(&["--nproc-per-node", "3", "--job", "short"], &done_after_start(1), &dir).finish();
     // The first peer to fail was told of rank 1 (4); a later one may be told of the abort (5).
     assert_eq!(run.code, Some(4), "{}", run.stderr);
     let headline = run.stderr.lines().find(|l| l.contains("FAILED")).unwrap_or_default();
@@ -577,10 +595,7 @@ fn a_rank_that_exits_0_while_its_peers_wait_for_it_is_named_as_the_root_cause() 
         run.stderr
     );
     assert!(!run.stderr.contains("timed out"), "{}", run.stderr);
-    for r in [0, 2] {
-        let line = [4, 5].map(|code| format!("  rank {r}: exited with code {code} after rank 1 finished early"));
-        assert!(run.stderr.lines().any(|l| line.contains(&l.to_owned())), "missing {line:?}:\n{}", run.stderr);
-    }
+    peers_failed_for(&run.stderr, [0, 2], "rank 1 finished early");
 }
 
 /// Rank 2 exits 0 at once, before any rank connected and stated the world size: its
@@ -641,17 +656,7 @@ fn a_rank_that_exits_0_early_fails_nothing_that_does_not_need_it() {
 #[test]
 fn a_rank_that_exits_0_on_another_node_is_named_on_both_nodes() {
     let dir = temp_dir("finishedtwo");
-    let master = format!("127.0.0.1:{}", free_port());
-    let script = r#"
-        "$RP" barrier start --timeout 60 || exit $?
-        if [ "$RANK" = 3 ]; then exit 0; fi
-        exec "$RP" barrier final --timeout 60
-    "#;
-    let common =
-        ["--nnodes", "2", "--nproc-per-node", "2", "--master", master.as_str(), "--job", "two", "--grace", "2"];
-    let node0 = launch(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir);
-    let node1 = launch(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir);
-    let (n0, n1) = (node0.finish(), node1.finish());
+    let (n0, n1) = two_nodes_of_two(&done_after_start(3), &dir, "two");
     for (node, done) in [(0, &n0), (1, &n1)] {
         let headline = done.stderr.lines().find(|l| l.contains("FAILED")).unwrap_or_default();
         assert!(headline.contains("): rank 3 exited with code 0 at "), "node {node}:\n{}", done.stderr);
@@ -969,11 +974,7 @@ fn a_stopped_rank_is_named_as_the_root_cause_not_the_peers_that_failed_for_it() 
     assert!(first.contains("(process alive, state T (stopped))"), "{}", done.stderr);
     assert!(done.stderr.contains("  rank 1 (local rank 1, node 0, host "), "{}", done.stderr);
     assert!(done.stderr.contains(&format!(", pid {pid}) stopped heartbeating at ")), "{}", done.stderr);
-    for r in [0, 2] {
-        // Peer lost (4), or aborted by the launcher (5) if it got there later.
-        let line = [4, 5].map(|code| format!("  rank {r}: exited with code {code} after rank 1 was lost"));
-        assert!(done.stderr.lines().any(|l| line.contains(&l.to_owned())), "missing {line:?}:\n{}", done.stderr);
-    }
+    peers_failed_for(&done.stderr, [0, 2], "rank 1 was lost");
     assert!(!done.stderr.contains("after rank 0 failed") && !done.stderr.contains("after rank 2 failed"));
 }
 
@@ -1036,11 +1037,7 @@ fn a_rank_whose_connection_dropped_while_its_worker_lives_is_named() {
     let first = messages(&done.stderr).find(|l| l.starts_with("rallypoint: job ")).unwrap_or_default();
     assert!(first.contains("): rank 1 dropped its connection without a clean leave at "), "{}", done.stderr);
     assert!(first.contains("(process alive, state "), "the wrapper still ran:\n{}", done.stderr);
-    for r in [0, 2] {
-        // Peer lost (4), or aborted by the launcher (5) if it got there later.
-        let line = [4, 5].map(|code| format!("  rank {r}: exited with code {code} after rank 1 was lost"));
-        assert!(done.stderr.lines().any(|l| line.contains(&l.to_owned())), "missing {line:?}:\n{}", done.stderr);
-    }
+    peers_failed_for(&done.stderr, [0, 2], "rank 1 was lost");
 }
 
 /// Issue #14, story 4's launcher half: a launched job is authenticated with no
