@@ -95,7 +95,8 @@ pub enum Loss {
     /// Its connection dropped without a clean leave.
     Disconnected,
     /// Its worker (`worker_pid`) exited with code 0 while a barrier or collective of
-    /// its peers still needed it: it skipped a call they made, or they made one more.
+    /// its peers still needed it: it skipped a call they made, they made one more, or
+    /// its client dropped out of one.
     Finished { worker_pid: u32 },
 }
 
@@ -274,7 +275,7 @@ pub fn summary(
                     let _ = writeln!(
                         s,
                         "  {who} was done at {at}: its worker (pid {worker_pid}) exited with code 0 while a barrier or \
-                         collective of its peers still needed it (it skipped a call they made, or they made one more)"
+                         collective of its peers still needed it"
                     );
                 }
             }

@@ -912,12 +912,9 @@ fn loss_of(info: &RankInfo, now_ms: u64) -> Option<(u64, u64, Loss)> {
     let last_seen = now_ms.saturating_sub(info.last_seen_ms_ago.unwrap_or(0));
     let reason = match info.state {
         RankState::Lost(reason) => reason,
-        // Done at its last session's close; one that never connected was done before
-        // anything could fail for it (what failed for it came after its report).
-        RankState::Finished { pid } => {
-            let lost_at = if info.last_seen_ms_ago.is_some() { last_seen } else { 0 };
-            return Some((lost_at, last_seen, Loss::Finished { worker_pid: pid }));
-        }
+        // Done when the coordinator learnt of it (its last session's close, or the
+        // launcher's report).
+        RankState::Finished { pid } => return Some((last_seen, last_seen, Loss::Finished { worker_pid: pid })),
         _ => return None,
     };
     Some(match reason {

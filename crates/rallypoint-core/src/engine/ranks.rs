@@ -123,6 +123,8 @@ struct Ended {
     host: Arc<str>,
     pid: u32,
     exit: Exit,
+    /// When the launcher's word came.
+    at: Millis,
 }
 
 /// What the caller must do after a liveness change.
@@ -294,7 +296,7 @@ impl Ranks {
             if self.ended.contains_key(&rank) {
                 return Change::None;
             }
-            self.ended.insert(rank, Ended { host: self.names.get(host), pid, exit });
+            self.ended.insert(rank, Ended { host: self.names.get(host), pid, exit, at: now });
             self.lost.insert(rank);
             if !exit.success() {
                 self.lost_counts.2 += 1;
@@ -445,16 +447,15 @@ impl Ranks {
                 last_seen_ms_ago: Some(now.saturating_sub(seen.at)),
             },
             _ => match self.ended.get(&rank) {
-                Some(Ended { host, pid, exit }) => RankInfo {
-                    rank,
-                    host: Some(host.to_string()),
-                    pid: Some(*pid),
-                    state: match exit.success() {
-                        true => RankState::Finished { pid: *pid },
-                        false => RankState::Lost(LossReason::Exited { pid: *pid, exit: *exit }),
-                    },
-                    last_seen_ms_ago: None,
-                },
+                Some(Ended { host, pid, exit, at }) => {
+                    // A finish is timed by its report, as one of a rank that connected
+                    // is (a launcher judges causes by it); a crash at start names none.
+                    let (state, last_seen_ms_ago) = match exit.success() {
+                        true => (RankState::Finished { pid: *pid }, Some(now.saturating_sub(*at))),
+                        false => (RankState::Lost(LossReason::Exited { pid: *pid, exit: *exit }), None),
+                    };
+                    RankInfo { rank, host: Some(host.to_string()), pid: Some(*pid), state, last_seen_ms_ago }
+                }
                 None => {
                     RankInfo { rank, host: None, pid: None, state: RankState::NeverConnected, last_seen_ms_ago: None }
                 }
