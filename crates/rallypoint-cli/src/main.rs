@@ -15,6 +15,7 @@ mod verbs;
 
 use std::io::IsTerminal;
 use std::process::ExitCode;
+use std::time::Duration;
 
 use clap::error::ErrorKind;
 use clap::{Parser, Subcommand};
@@ -136,6 +137,9 @@ fn limit_malloc_arenas() {
     }
 }
 
+/// How long a command's leftover tasks are waited for once it is done.
+const EXIT_WAIT: Duration = Duration::from_secs(1);
+
 fn run(command: Command) -> anyhow::Result<i32> {
     if let Command::Completions { shell } = command {
         let mut cli = <Cli as clap::CommandFactory>::command();
@@ -151,7 +155,7 @@ fn run(command: Command) -> anyhow::Result<i32> {
     }
     .enable_all()
     .build()?;
-    runtime.block_on(async move {
+    let result = runtime.block_on(async move {
         match command {
             Command::Serve(args) => serve::run(args).await.map(|()| 0),
             Command::Agent(args) => agent::run(args).await.map(|()| 0),
@@ -161,7 +165,11 @@ fn run(command: Command) -> anyhow::Result<i32> {
             Command::Demo(args) => demo::run(args).await.map(|()| 0),
             Command::DemoWorker(args) => demo::worker(args).await.map(|()| 0),
         }
-    })
+    });
+    // The command is done: a task or blocking call it left behind (a connection
+    // being closed, a file being written) must not keep the process from exiting.
+    runtime.shutdown_timeout(EXIT_WAIT);
+    result
 }
 
 #[cfg(test)]

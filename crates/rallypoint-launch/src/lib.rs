@@ -278,7 +278,8 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
     if let Some(node_agent) = node_agent {
         node_agent.stop().await;
     }
-    launchers.close().await;
+    // The other launchers' coordinator may be going away as this one leaves.
+    let _ = tokio::time::timeout(supervise::CLOSE_WAIT, launchers.close()).await;
     if let Some(server) = server {
         server.shutdown().await;
     }

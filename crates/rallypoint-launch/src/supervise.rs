@@ -47,6 +47,8 @@ const VERDICT_WAIT: Duration = Duration::from_secs(5);
 const HANG_CHECK_EVERY: Duration = Duration::from_secs(1);
 /// How long node 0 waits for the other nodes' answers about a quiet job.
 const HANG_ASK_WAIT: Duration = Duration::from_secs(10);
+/// How long a connection of the launcher's own is given to close cleanly.
+pub(crate) const CLOSE_WAIT: Duration = Duration::from_secs(5);
 /// How long a node waits for its own ranks' stacks before the teardown goes on
 /// without them.
 const CAPTURE_BOUND: Duration = Duration::from_secs(10);
@@ -953,7 +955,7 @@ fn report_finishes(
                 tracing::debug!("reporting that rank {rank} finished: {e}");
             }
         }
-        let _ = client.close().await;
+        let _ = tokio::time::timeout(CLOSE_WAIT, client.close()).await;
     });
     tx
 }
