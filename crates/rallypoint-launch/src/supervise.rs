@@ -929,9 +929,17 @@ fn loss_of(info: &RankInfo, now_ms: u64) -> Option<(u64, u64, Loss)> {
     })
 }
 
+/// A connection of this launcher's own to the attempt's coordinator job, as a tool
+/// (no rank). The world size is stated: a coordinator that knows it takes the report
+/// of a rank that ended even before any rank of the job connected and said it.
+fn attempt_connection(job: &JobEnv, host: &str, world_size: u32, token: Option<Arc<Token>>) -> ConnectOptions {
+    let mut identity = Identity::anonymous(job.attempt_job.clone());
+    (identity.host, identity.pid, identity.world_size) = (host.to_owned(), std::process::id(), Some(world_size));
+    ConnectOptions::new(job.coordinator.to_string(), identity).with_timeout(Duration::from_secs(5)).with_token(token)
+}
+
 /// Starts the task that reports the workers of this node that exit with code 0 to
-/// the attempt's coordinator job, over one connection. The world size is stated, as
-/// for an abort: a rank may end before any of its peers connected and said it.
+/// the attempt's coordinator job, over one connection.
 fn report_finishes(
     job: &JobEnv,
     host: &str,
@@ -939,11 +947,7 @@ fn report_finishes(
     token: Option<Arc<Token>>,
 ) -> mpsc::UnboundedSender<(u32, u32)> {
     let (tx, mut ends) = mpsc::unbounded_channel::<(u32, u32)>();
-    let mut identity = Identity::anonymous(job.attempt_job.clone());
-    (identity.host, identity.pid, identity.world_size) = (host.to_owned(), std::process::id(), Some(world_size));
-    let options = ConnectOptions::new(job.coordinator.to_string(), identity)
-        .with_timeout(Duration::from_secs(5))
-        .with_token(token);
+    let options = attempt_connection(job, host, world_size, token);
     let host = host.to_owned();
     tokio::spawn(async move {
         let client = match Client::connect_with(options).await {
@@ -974,13 +978,7 @@ fn abort_job(
     exited: Option<(u32, String, u32, Exit)>,
     reason: String,
 ) {
-    // The world size, stated: a coordinator that knows it takes the report of a rank
-    // that ended even before any rank of the job connected.
-    let mut identity = Identity::anonymous(job.attempt_job.clone());
-    (identity.host, identity.pid, identity.world_size) = (host.to_owned(), std::process::id(), Some(world_size));
-    let options = ConnectOptions::new(job.coordinator.to_string(), identity)
-        .with_timeout(Duration::from_secs(5))
-        .with_token(token);
+    let options = attempt_connection(job, host, world_size, token);
     tokio::spawn(async move {
         match Client::connect_with(options).await {
             Ok(client) => {

@@ -722,9 +722,9 @@ impl Collectives {
         self.ended.trim(ranks);
     }
 
-    /// Ranks a generation failed for (see `failed_for`), in rank order.
-    pub fn failed_for(&self) -> impl Iterator<Item = u32> + '_ {
-        self.failed_for.iter().copied()
+    /// Ranks a generation failed for (see `failed_for`).
+    pub fn failed_for(&self) -> &BTreeSet<u32> {
+        &self.failed_for
     }
 
     /// `rank` was lost (or finished): fail every pending generation that still needs it.

@@ -962,7 +962,7 @@ impl Engine {
     /// them, one done after them did not.
     pub fn lost_ranks(&self, job: &str, now: Millis) -> Vec<RankInfo> {
         let Some(job) = self.job_ids.get(job).and_then(|id| self.jobs.get(id)) else { return Vec::new() };
-        let failed_for: BTreeSet<u32> = job.collectives.failed_for().collect();
+        let failed_for = job.collectives.failed_for();
         let counted = |rank: &u32| !job.ranks.finished(*rank) || failed_for.contains(rank);
         job.ranks.lost().filter(counted).map(|rank| job.ranks.info(rank, now)).collect()
     }
@@ -972,7 +972,7 @@ impl Engine {
     /// peers from one that was merely done.
     pub fn failed_for(&self, job: &str) -> Vec<u32> {
         let Some(job) = self.job_ids.get(job).and_then(|id| self.jobs.get(id)) else { return Vec::new() };
-        job.collectives.failed_for().collect()
+        job.collectives.failed_for().iter().copied().collect()
     }
 
     /// Who aborted `job` and why, if it was aborted.

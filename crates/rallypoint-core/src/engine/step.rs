@@ -473,7 +473,9 @@ impl<'a> Step<'a> {
         if !rest.is_empty() {
             out.push_str(&format!("reconnecting: and {} more: ranks {rest}\n", rest.count));
         }
-        let (named, rest) = split(runs(job.ranks.lost().filter(|&r| !job.ranks.finished(r))), Missing::NAMED);
+        // Finished ranks are gone to their peers as lost ones are, but are told apart.
+        let (done, gone): (Vec<u32>, Vec<u32>) = job.ranks.lost().partition(|&r| job.ranks.finished(r));
+        let (named, rest) = split(runs(gone), Missing::NAMED);
         for rank in named {
             out.push_str(&format!("lost: {}\n", job.ranks.info(rank, now)));
         }
@@ -494,7 +496,7 @@ impl<'a> Step<'a> {
             out.push_str(&format!("waiting: and {more} more requests on keys\n"));
         }
         // Finished ranks by number only: at a job's end that is every rank.
-        let (_, done) = split(runs(job.ranks.lost().filter(|&r| job.ranks.finished(r))), 0);
+        let (_, done) = split(runs(done), 0);
         if !done.is_empty() {
             let what = if done.count == 1 { "rank" } else { "ranks" };
             out.push_str(&format!("finished (worker exited with code 0): {what} {done}\n"));
