@@ -137,6 +137,7 @@ def exit_code_of(exc) -> int:
         (rp.BarrierTimeout, 3),
         (rp.ReplyTimeout, 3),
         (rp.PeerLost, 4),
+        (rp.ThisRankLost, 4),
         (rp.Aborted, 5),
         (rp.MismatchError, 6),
         (rp.ConnectionError, 7),

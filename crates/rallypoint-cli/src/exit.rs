@@ -13,7 +13,8 @@ Exit codes:
   2  usage error (bad flag or environment variable, rank outside the world, ...)
   3  timeout (the error names the missing ranks or keys)
   4  peer lost (a rank the operation needs died, or finished: its worker
-     exited 0; the error names it)
+     exited 0; the error names it), or this process's own rank was declared
+     lost (silent for a whole lease) and its peers were told so
   5  aborted (someone called abort; the error says who and why)
   6  mismatch / bad members (ranks called the same barrier differently,
      or the caller is not among the members it named)
@@ -112,7 +113,7 @@ fn of_client_error(err: &Error) -> Exit {
 fn of_op_error(err: &OpError) -> Exit {
     match err {
         OpError::CollectiveTimeout { .. } | OpError::KeyTimeout { .. } => Exit::Timeout,
-        OpError::PeerLost { .. } => Exit::PeerLost,
+        OpError::PeerLost { .. } | OpError::ThisRankLost { .. } => Exit::PeerLost,
         OpError::Aborted { .. } => Exit::Aborted,
         OpError::Mismatch { .. } | OpError::BadMembers { .. } => Exit::Mismatch,
         // The caller named no rank, or sent something the server refuses: both are

@@ -278,6 +278,22 @@ pub enum OpError {
     })]
     PeerLost { op: OpRef, peer: RankInfo },
 
+    /// What the lost (or finished) rank's own process is told where its peers are
+    /// told [`OpError::PeerLost`]: the coordinator declared this very rank gone while
+    /// a session of it was still open (a process stopped or starved of CPU for a whole
+    /// lease, or a child that outlived its worker), and its peers were told so.
+    #[error("{op} failed: this process's {this} {}, and its peers were told so{}",
+        match this.state {
+            RankState::Finished { .. } => "was declared finished",
+            _ => "was declared lost",
+        },
+        match this.state {
+            RankState::Lost(LossReason::LeaseExpired { .. }) =>
+                " (it sent nothing for a whole lease: was it stopped, or starved of CPU?)",
+            _ => "",
+        })]
+    ThisRankLost { op: OpRef, this: RankInfo },
+
     /// The job was aborted.
     #[error("job '{job}' was aborted by {by}")]
     Aborted { job: String, by: AbortInfo },
@@ -348,6 +364,17 @@ impl OpError {
                 | OpError::JobReset { .. }
                 | OpError::StaleIncarnation { .. }
         )
+    }
+
+    /// The error as a call of `rank` is told it: a loss that names the caller's own
+    /// rank says that this rank was declared gone, rather than naming it as a peer.
+    pub fn told_to(&self, rank: u32) -> OpError {
+        match self {
+            OpError::PeerLost { op, peer } if peer.rank == rank => {
+                OpError::ThisRankLost { op: op.clone(), this: peer.clone() }
+            }
+            other => other.clone(),
+        }
     }
 }
 

@@ -97,10 +97,18 @@ impl Model {
         let keys: Vec<_> = h.replies.keys().copied().collect();
         for key in keys {
             let Some(reply) = h.replies.remove(&key) else { continue };
-            let (_, generation) = self
+            let (rank, generation) = self
                 .waiting
                 .remove(&key)
                 .ok_or_else(|| TestCaseError::fail(format!("reply to an unknown request {key:?}")))?;
+            // A lost rank's own call is told of its loss as its own: the same outcome.
+            let reply = match reply {
+                Err(OpError::ThisRankLost { op, this }) => {
+                    prop_assert_eq!(this.rank, rank, "rank {} told another rank's loss as its own", rank);
+                    Err(OpError::PeerLost { op, peer: this })
+                }
+                reply => reply,
+            };
             match &reply {
                 Ok(Response::Done) => {
                     prop_assert!(

@@ -64,8 +64,10 @@ fn later_calls_needing_a_lost_rank_fail_at_once_until_it_reconnects() {
     // Rank 1 comes back: the next generation works.
     let s1 = h.rank("j", 1, 2);
     let a = h.send(s0, barrier("x", None));
-    // Rank 1's first call is generation 1, which failed: it learns that, then joins generation 2.
-    assert_eq!(h.call(s1, barrier("x", None)).unwrap_err(), e);
+    // Rank 1's first call is generation 1, which failed for its loss: it learns that,
+    // as its own rank's, then joins generation 2.
+    let OpError::PeerLost { op, peer } = e else { panic!("{e:?}") };
+    assert_eq!(h.call(s1, barrier("x", None)).unwrap_err(), OpError::ThisRankLost { op, this: peer });
     assert_eq!(h.call(s1, barrier("x", None)), Ok(Response::Done));
     assert_eq!(ok(h.take(s0, a)), Response::Done);
 }
@@ -105,9 +107,45 @@ fn a_silent_rank_is_lost_when_its_lease_expires_and_revives_when_heard() {
     // It speaks again: alive; rank 0 was never lost because it kept heartbeating.
     h.call(s1, Request::Heartbeat).unwrap();
     let a = h.send(s0, barrier("x", None));
-    assert_eq!(h.call(s1, barrier("x", None)).unwrap_err(), e, "rank 1's generation 1 had failed");
+    // Rank 1's generation 1 had failed, for its own loss: it is told so.
+    let own = h.call(s1, barrier("x", None)).unwrap_err();
+    let OpError::ThisRankLost { op, this } = &own else { panic!("{own:?}") };
+    assert_eq!((op.generation, this), (1, peer));
     assert_eq!(h.call(s1, barrier("x", None)), Ok(Response::Done));
     assert_eq!(ok(h.take(s0, a)), Response::Done);
+}
+
+#[test]
+fn a_rank_lost_while_it_waits_is_told_that_it_is_the_one_lost() {
+    let mut h = Harness::with_config(Config { lease_ms: 1_000, ..Config::default() });
+    // A process states its incarnation (every client does): the rank's sessions are known.
+    let ranks: Vec<_> = (0..3)
+        .map(|r| {
+            let identity = Identity { host: format!("node{r}"), pid: 1000 + r, ..Identity::ranked("j", r, 3) };
+            h.open(Identity { incarnation: Some(0x100 + u64::from(r)), ..identity })
+        })
+        .collect();
+    let (s0, s1) = (ranks[0], ranks[1]);
+    let [a0, a1] = [s0, s1].map(|s| h.send(s, barrier("x", Some(60_000))));
+    // Rank 1 is stopped for longer than its lease; rank 2 never arrives but heartbeats.
+    steps_of_400ms(&mut h, s0, 3, |h| h.call(ranks[2], Request::Heartbeat).map(|_| ()).unwrap());
+    let e = err(h.take(s0, a0));
+    let OpError::PeerLost { peer, .. } = &e else { panic!("{e:?}") };
+    assert_eq!(peer.rank, 1);
+    // Rank 1 runs again and reads its reply: itself named, as itself.
+    let own = err(h.take(s1, a1));
+    let OpError::ThisRankLost { op, this } = &own else { panic!("{own:?}") };
+    assert_eq!((op.name.as_str(), this), ("x", peer));
+    assert!(
+        own.to_string().starts_with(
+            "barrier 'x' (generation 1) failed: this process's rank 1 (host node1, pid 1001, lost: no heartbeat"
+        ) && own
+            .to_string()
+            .contains("was declared lost, and its peers were told so (it sent nothing for a whole lease"),
+        "{own}"
+    );
+    // Rank 2 comes to the failed generation later: rank 1 is its peer.
+    assert_eq!(h.call(ranks[2], barrier("x", None)).unwrap_err(), e);
 }
 
 #[test]

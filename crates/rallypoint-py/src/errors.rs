@@ -108,17 +108,12 @@ fn op_error(py: Python<'_>, message: String, error: OpError) -> PyResult<PyErr> 
             exception(py, "KeyTimeout", message, attrs)
         }
         OpError::PeerLost { op, peer } => {
-            let mut attrs = op_attrs(py, &op)?;
-            let (_, reason) = state(&peer.state);
-            attrs.extend([
-                ("rank", obj(py, peer.rank)?),
-                ("host", obj(py, peer.host.clone())?),
-                ("pid", obj(py, peer.pid)?),
-                ("reason", obj(py, reason)?),
-                ("last_seen", obj(py, peer.last_seen_ms_ago.map(secs))?),
-                ("peer", rank_info(py, &peer)?),
-            ]);
+            let attrs = lost_attrs(py, &op, &peer, "peer")?;
             exception(py, "PeerLost", message, attrs)
+        }
+        OpError::ThisRankLost { op, this } => {
+            let attrs = lost_attrs(py, &op, &this, "this")?;
+            exception(py, "ThisRankLost", message, attrs)
         }
         OpError::Aborted { job, by } => {
             let AbortInfo { by_rank, host, pid, reason } = by;
@@ -194,6 +189,22 @@ fn op_attrs<'py>(py: Python<'py>, op: &OpRef) -> PyResult<Attrs<'py>> {
         ("name", obj(py, op.name.clone())?),
         ("generation", obj(py, op.generation)?),
     ])
+}
+
+/// The lost (or finished) rank `info` of a failed collective `op`, as attributes:
+/// its facts flat, and whole under `whole` (`peer`, or `this` for the caller's own).
+fn lost_attrs<'py>(py: Python<'py>, op: &OpRef, info: &RankInfo, whole: &'static str) -> PyResult<Attrs<'py>> {
+    let mut attrs = op_attrs(py, op)?;
+    let (_, reason) = state(&info.state);
+    attrs.extend([
+        ("rank", obj(py, info.rank)?),
+        ("host", obj(py, info.host.clone())?),
+        ("pid", obj(py, info.pid)?),
+        ("reason", obj(py, reason)?),
+        ("last_seen", obj(py, info.last_seen_ms_ago.map(secs))?),
+        (whole, rank_info(py, info)?),
+    ]);
+    Ok(attrs)
 }
 
 /// The state as a short word, and for a lost or finished rank what became of it.

@@ -44,6 +44,9 @@ def main() -> None:
         except rp.PeerLost as e:
             info = {"rank": e.rank, "pid": e.pid, "host": e.host, "reason": e.reason, "message": str(e)}
             print("peerlost", json.dumps(info), flush=True)
+        except rp.ThisRankLost as e:
+            info = {"rank": e.rank, "pid": e.pid, "reason": e.reason, "state": e.this.state, "message": str(e)}
+            print("thisranklost", json.dumps(info), flush=True)
         except KeyboardInterrupt:
             print("interrupted", round(time.monotonic() - started, 3), flush=True)
     else:

@@ -393,8 +393,8 @@ def test_exceptions_pickle_with_their_facts(coordinator, job):
 def test_exception_hierarchy():
     for cls in (rp.BarrierTimeout, rp.KeyTimeout, rp.ReplyTimeout):
         assert issubclass(cls, rp.RallypointError) and issubclass(cls, TimeoutError)
-    for cls in (rp.PeerLost, rp.Aborted, rp.MismatchError, rp.BadMembers, rp.ConnectionError, rp.InvalidArgument,
-                rp.WorkerError):
+    for cls in (rp.PeerLost, rp.ThisRankLost, rp.Aborted, rp.MismatchError, rp.BadMembers, rp.ConnectionError,
+                rp.InvalidArgument, rp.WorkerError):
         assert issubclass(cls, rp.RallypointError)
     assert issubclass(rp.ConnectionError, ConnectionError)
     assert issubclass(rp.InvalidArgument, ValueError)

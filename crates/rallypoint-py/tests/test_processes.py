@@ -44,6 +44,29 @@ def test_killed_process_makes_peers_raise_peer_lost_at_once(coordinator, job, ch
         assert "rank 2 (" in info["message"] and f"pid {victim.pid}" in info["message"]
 
 
+def test_a_stopped_process_is_told_that_its_own_rank_was_lost(job, children):
+    """Stopped for longer than its lease while in a barrier: its peers raise PeerLost
+    naming it; when it runs again, it raises ThisRankLost (not PeerLost naming itself)."""
+    with rp._Coordinator(lease=1) as coordinator:
+        stopped = children(rank_env(coordinator, job, 1, 3), "barrier")
+        stopped.expect("waiting", timeout=20)
+        peer = children(rank_env(coordinator, job, 0, 3), "barrier")
+        peer.expect("waiting", timeout=20)
+        time.sleep(0.3)  # both inside the barrier; rank 2 never comes
+        os.kill(stopped.pid, signal.SIGSTOP)
+        try:
+            info = json.loads(peer.expect("peerlost ", timeout=10).split(" ", 1)[1])
+            assert (info["rank"], info["pid"]) == (1, stopped.pid)
+            assert info["reason"] == "no heartbeat for 1.0 s"
+        finally:
+            os.kill(stopped.pid, signal.SIGCONT)
+        own = json.loads(stopped.expect("thisranklost ", timeout=10).split(" ", 1)[1])
+        assert (own["rank"], own["pid"], own["state"], own["reason"]) == (1, stopped.pid, "lost", "no heartbeat for 1.0 s")
+        assert own["message"].startswith("barrier 'b' (generation 1) failed: this process's rank 1 ("), own
+        assert "was declared lost, and its peers were told so" in own["message"], own
+        assert stopped.popen.wait(10) == 0
+
+
 def test_ctrl_c_interrupts_a_barrier(coordinator, job, children):
     child = children(rank_env(coordinator, job, 0, 2), "barrier")
     child.expect("waiting", timeout=20)

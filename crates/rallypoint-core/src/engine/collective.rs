@@ -506,7 +506,7 @@ impl Collectives {
         let caller = (call.session, call.request_id);
 
         if let Some(error) = coll.failed.get(&number) {
-            ctx.reply(caller, Err(error.clone()));
+            ctx.reply(caller, Err(error.told_to(call.rank)));
             return None;
         }
         let shape = || CallShape {
@@ -541,7 +541,7 @@ impl Collectives {
                     counters.peer_lost += 1;
                     self.failed_for.insert(dead);
                     let error = OpError::PeerLost { op: op(), peer: ranks.info(dead, ctx.now) };
-                    ctx.reply(caller, Err(error.clone()));
+                    ctx.reply(caller, Err(error.told_to(call.rank)));
                     coll.remember_failure(number, error, failed_kept);
                     return None;
                 }
@@ -750,6 +750,17 @@ impl Collectives {
                 self.counters[counted(kind)].peer_lost += 1;
                 let op = OpRef { kind, name: coll.name.clone(), generation };
                 let error = OpError::PeerLost { op, peer: ranks.info(rank, ctx.now) };
+                // A session of the rank itself still waits (its process stopped, or a
+                // child outlived its worker): told that it is the one gone.
+                if let (Some(holder), Some(g)) = (ranks.holder(rank), coll.pending.get_mut(&generation)) {
+                    g.waiters.retain(|&(session, id)| {
+                        let own = holder.sessions.contains(&session);
+                        if own {
+                            ctx.reply((session, id), Err(error.told_to(rank)));
+                        }
+                        !own
+                    });
+                }
                 coll.fail(generation, error, failed_kept, &mut self.ended, ctx);
             }
         }

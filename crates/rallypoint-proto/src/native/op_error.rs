@@ -32,6 +32,7 @@ mod tag {
     pub const JOB_RESET: u8 = 0x8f;
     pub const STALE_INCARNATION: u8 = 0x90;
     pub const UNAUTHORIZED: u8 = 0x91;
+    pub const THIS_RANK_LOST: u8 = 0x92;
 }
 
 /// Fewest bytes of one encoded [`RankInfo`]: rank + three absent options + state tag.
@@ -58,6 +59,11 @@ pub(crate) fn encode_op_error(error: &OpError, dst: &mut BytesMut) {
             dst.put_u8(tag::PEER_LOST);
             encode_op_ref(op, dst);
             encode_rank_info(peer, dst);
+        }
+        OpError::ThisRankLost { op, this } => {
+            dst.put_u8(tag::THIS_RANK_LOST);
+            encode_op_ref(op, dst);
+            encode_rank_info(this, dst);
         }
         OpError::Aborted { job, by } => {
             dst.put_u8(tag::ABORTED);
@@ -158,6 +164,7 @@ pub(crate) fn decode_op_error_fields(tag: u8, r: &mut Reader) -> DecodeResult<Op
         },
         tag::KEY_TIMEOUT => OpError::KeyTimeout { waited_ms: r.u64("waited_ms")?, missing: blobs(r, "missing")? },
         tag::PEER_LOST => OpError::PeerLost { op: decode_op_ref(r)?, peer: decode_rank_info(r)? },
+        tag::THIS_RANK_LOST => OpError::ThisRankLost { op: decode_op_ref(r)?, this: decode_rank_info(r)? },
         tag::ABORTED => OpError::Aborted { job: r.string("job")?, by: decode_abort_info(r)? },
         tag::MISMATCH => OpError::Mismatch {
             op: decode_op_ref(r)?,

@@ -180,6 +180,7 @@ pub fn op_error() -> impl Strategy<Value = OpError> {
         ),
         (any::<u64>(), keys()).prop_map(|(waited_ms, missing)| OpError::KeyTimeout { waited_ms, missing }),
         (op_ref(), rank_info()).prop_map(|(op, peer)| OpError::PeerLost { op, peer }),
+        (op_ref(), rank_info()).prop_map(|(op, this)| OpError::ThisRankLost { op, this }),
         (string(), abort_info()).prop_map(|(job, by)| OpError::Aborted { job, by }),
         (op_ref(), call_shape(), call_shape()).prop_map(|(op, mine, theirs)| OpError::Mismatch {
             op,

@@ -33,6 +33,7 @@ from ._errors import (
     RankTakenOver,
     ReplyTimeout,
     StaleIncarnation,
+    ThisRankLost,
     WorkerError,
 )
 from ._native import Client, _Coordinator, __version__

@@ -12,6 +12,7 @@ from a worker to the parent.
     ├── KeyTimeout         (also TimeoutError)  get/wait/multi_get timed out
     ├── ReplyTimeout       (also TimeoutError)  the coordinator went silent
     ├── PeerLost                                a rank the operation needs died or finished
+    ├── ThisRankLost                            this process's own rank was declared lost or finished
     ├── Aborted                                 someone called abort()
     ├── MismatchError                           ranks called one generation differently
     │   └── BadMembers     (also ValueError)    caller not among the members, rank outside the world
@@ -38,6 +39,7 @@ __all__ = [
     "KeyTimeout",
     "ReplyTimeout",
     "PeerLost",
+    "ThisRankLost",
     "Aborted",
     "MismatchError",
     "BadMembers",
@@ -140,6 +142,27 @@ class PeerLost(RallypointError):
     reason: Optional[str]
     last_seen: Optional[float]
     peer: RankInfo
+    op: str
+    name: str
+    generation: int
+
+
+class ThisRankLost(RallypointError):
+    """The coordinator declared this process's own rank lost (it sent nothing for a whole
+    lease: the process was stopped, or starved of CPU) or finished (its launcher saw its
+    worker exit with code 0 while this process, a child of it, still ran), and told the
+    peers so: the operations that needed the rank failed for them with :class:`PeerLost`,
+    and for this process with this error.
+
+    Attributes as :class:`PeerLost`'s, with ``this`` (a :class:`RankInfo`) for ``peer``.
+    """
+
+    rank: int
+    host: Optional[str]
+    pid: Optional[int]
+    reason: Optional[str]
+    last_seen: Optional[float]
+    this: RankInfo
     op: str
     name: str
     generation: int
