@@ -398,7 +398,14 @@ async fn other_jobs_if_empty<T>(client: &Client, job: &str, result: &Result<T, E
     if client.num_keys().await.ok()? != 0 {
         return None;
     }
-    let others: Vec<String> = client.jobs().await.ok()?.into_iter().filter(|j| j != job).collect();
+    // Not launchers' own jobs: they hold no keys of the user's.
+    let others: Vec<String> = client
+        .jobs()
+        .await
+        .ok()?
+        .into_iter()
+        .filter(|j| j != job && rallypoint_launch::launched_job(j).is_none())
+        .collect();
     (!others.is_empty()).then_some(others)
 }
 

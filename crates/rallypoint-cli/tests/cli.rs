@@ -1006,7 +1006,10 @@ fn status_lists_the_jobs_and_refuses_one_the_coordinator_does_not_hold() {
     assert_code(&run, 0);
     let line = format!("\nincarnation {} (reset to it by pid ", reset.stdout.trim_end());
     assert!(run.stdout.contains(&line), "{run:#?}");
-    assert!(run.stdout.ends_with("holds 3 jobs: 'alpha', 'beta/launch', 'gamma'\n"), "{run:#?}");
+    assert!(
+        run.stdout.ends_with("holds 3 jobs: 'alpha', 'beta/launch' (the launchers of job 'beta'), 'gamma'\n"),
+        "{run:#?}"
+    );
 }
 
 #[test]
@@ -1033,6 +1036,8 @@ fn an_address_without_a_port_is_a_usage_error_at_once() {
 fn a_key_wait_in_an_empty_job_names_the_job_and_the_others() {
     let server = Server::start();
     assert_code(&exec(server.cmd("run42", &["set", "k", "v"])), 0);
+    // The launchers' own job of a launched run42: never one to suggest.
+    assert_code(&exec(server.cmd("run42/launch", &["set", "node", "0"])), 0);
     // A mistyped job: the timeout alone would blame the key.
     let run = exec(server.cmd("run24", &["get", "k", "--timeout", "0.5"]));
     assert_code(&run, 3);

@@ -298,7 +298,10 @@ fn status_stacks_groups_a_torch_job_with_the_stuck_rank_first() {
     let text = status_until(&["--job", &job], &["ranks 0-1,3 (3 of 4)".into()]);
     torch_groups(&text);
     assert!(text.contains("stacks of 4 ranks on 1 node"), "{text}");
-    assert!(text.contains(&format!("holds 2 jobs: '{job}', '{job}/launch'")), "the report and its footer: {text}");
+    assert!(
+        text.contains(&format!("holds 2 jobs: '{job}', '{job}/launch' (the launchers of job '{job}')")),
+        "the report and its footer: {text}"
+    );
     let done = launched.stop();
     assert!(done.stderr.contains("received SIGTERM"), "{}", done.stderr);
 }

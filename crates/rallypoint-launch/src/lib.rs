@@ -42,7 +42,7 @@ use node_agent::NodeAgent;
 use procs::Family;
 use rallypoint_client::env::JobEnv;
 use rallypoint_client::{ConnectOptions, Identity};
-pub use rendezvous::JoinError;
+pub use rendezvous::{launched_job, launchers_job, JoinError};
 use rendezvous::{Join, Launchers};
 use supervise::{Attempt, AttemptResult};
 use watchdog::Watchdog;

@@ -166,6 +166,19 @@ fn claim_key(node: u32) -> String {
 }
 
 /// Where the next free node index is counted (node 0 never takes one from it).
+/// What names the launchers' own job, after the launched job's name.
+const LAUNCHERS_SUFFIX: &str = "/launch";
+
+/// The job the launchers of `job` meet in, on the job's coordinator beside it.
+pub fn launchers_job(job: &str) -> String {
+    format!("{job}{LAUNCHERS_SUFFIX}")
+}
+
+/// The launched job whose launchers' job `name` is, if it is one.
+pub fn launched_job(name: &str) -> Option<&str> {
+    name.strip_suffix(LAUNCHERS_SUFFIX)
+}
+
 const NEXT_NODE: &str = "next-node";
 /// Between "waiting for node ..." messages.
 const WAITING_EVERY: Duration = Duration::from_secs(5);
@@ -179,7 +192,7 @@ impl Launchers {
     /// same index, are refused by name.
     pub async fn join(j: &Join<'_>, console: &Console) -> Result<Self, LaunchError> {
         let started = tokio::time::Instant::now();
-        let launch_job = format!("{}/launch", j.job);
+        let launch_job = launchers_job(j.job);
         let claim = Claim { host: j.host.to_owned(), pid: std::process::id(), nnodes: j.nnodes };
         let mut identity = Identity::anonymous(launch_job.clone());
         identity.host = j.host.to_owned();
@@ -289,11 +302,7 @@ impl Launchers {
     /// Jobs other than `job` whose launchers are on the coordinator.
     async fn other_launcher_jobs(&self, job: &str) -> Vec<String> {
         let jobs = self.client.jobs().await.unwrap_or_default();
-        jobs.iter()
-            .filter_map(|name| name.strip_suffix("/launch"))
-            .filter(|name| *name != job)
-            .map(str::to_owned)
-            .collect()
+        jobs.iter().filter_map(|name| launched_job(name)).filter(|name| *name != job).map(str::to_owned).collect()
     }
 
     /// Waits for every node of attempt `attempt`; returns where the ranks are.

@@ -13,10 +13,10 @@ use anyhow::Context;
 use rallypoint_client::env::Settings;
 use rallypoint_client::Client;
 use rallypoint_core::snapshot::{StatusDocument, STATUS_SCHEMA};
-use rallypoint_launch::discovery;
 use rallypoint_launch::stacks::{Ask, Collected};
+use rallypoint_launch::{discovery, launched_job, launchers_job};
 
-use super::{address_in_env, connect, find_launcher, finish, quoted, Conn, StatusView};
+use super::{address_in_env, connect, find_launcher, finish, Conn, StatusView};
 use crate::exit::{usage, UsageError};
 
 pub(super) async fn run(mut conn: Conn, view: StatusView) -> anyhow::Result<()> {
@@ -99,7 +99,7 @@ async fn show(client: &Client, settings: &Settings, what: What) -> Result<String
     let complete = jobs.len() < rallypoint_core::MAX_JOBS_LISTED;
     // A launcher's job whose workers have not connected (yet, or ever: they need not
     // use rallypoint) exists all the same: its launchers are there.
-    let launched = jobs.contains(&format!("{}/launch", settings.job));
+    let launched = jobs.contains(&launchers_job(&settings.job));
     // The job's snapshot where it was taken to tell whether the job exists: kept for
     // the JSON document, which would ask for it again.
     let mut snapshot = None;
@@ -108,7 +108,7 @@ async fn show(client: &Client, settings: &Settings, what: What) -> Result<String
         // incarnation is the job's state, which every process joining it must match.
         let taken = snapshot.insert(client.snapshot().await?);
         if taken.incarnation.is_none() {
-            let held = if jobs.is_empty() { "none".to_owned() } else { quoted(&jobs) };
+            let held = if jobs.is_empty() { "none".to_owned() } else { named_jobs(&jobs) };
             return Err(Failure::NoSuchJob(format!(
                 "the coordinator at {} holds no job '{}' (its jobs: {held})",
                 settings.addr, settings.job
@@ -122,8 +122,10 @@ async fn show(client: &Client, settings: &Settings, what: What) -> Result<String
             let Some(launch_job) = launch_job_of(&jobs, &settings.job) else {
                 return Err(Failure::NoSuchJob(format!(
                     "--stacks asks the job's launchers, and job '{}' has none on the coordinator at {} (no \
-                     '{}/launch' job): was it started with `rallypoint launch`?",
-                    settings.job, settings.addr, settings.job
+                     '{}' job): was it started with `rallypoint launch`?",
+                    settings.job,
+                    settings.addr,
+                    launchers_job(&settings.job)
                 )));
             };
             Some(read_stacks(settings, launch_job, native).await?)
@@ -161,14 +163,24 @@ async fn show(client: &Client, settings: &Settings, what: What) -> Result<String
     // Launched, and no process of the job ever connected: its zeros are not a hang.
     let unconnected = if launched && !jobs.contains(&settings.job) {
         format!(
-            "no process of job '{}' has connected to the coordinator: its launchers run it (job '{}/launch'), and \
+            "no process of job '{}' has connected to the coordinator: its launchers run it (job '{}'), and \
              workers that do not use rallypoint never connect{hint}\n",
-            settings.job, settings.job
+            settings.job,
+            launchers_job(&settings.job)
         )
     } else {
         String::new()
     };
-    Ok(format!("{report}{stacks}{unconnected}coordinator {} holds {count}: {}\n", settings.addr, quoted(&jobs)))
+    Ok(format!("{report}{stacks}{unconnected}coordinator {} holds {count}: {}\n", settings.addr, named_jobs(&jobs)))
+}
+
+/// The jobs quoted, each launchers' own job said to be theirs: users did not make it.
+fn named_jobs(jobs: &[String]) -> String {
+    let name = |job: &String| match launched_job(job) {
+        Some(launched) => format!("'{job}' (the launchers of job '{launched}')"),
+        None => format!("'{job}'"),
+    };
+    jobs.iter().map(name).collect::<Vec<_>>().join(", ")
 }
 
 /// The launchers' job of `job` (or of the job whose restart it is) among `jobs`.
@@ -177,7 +189,7 @@ fn launch_job_of(jobs: &[String], job: &str) -> Option<String> {
         .rsplit_once(".restart")
         .filter(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
         .map(|(base, _)| base);
-    [Some(job), base].into_iter().flatten().map(|j| format!("{j}/launch")).find(|j| jobs.contains(j))
+    [Some(job), base].into_iter().flatten().map(launchers_job).find(|j| jobs.contains(j))
 }
 
 /// Every node's stacks, asked of the launchers over a connection of the launchers' job.
