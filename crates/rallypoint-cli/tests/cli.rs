@@ -443,17 +443,21 @@ fn abort_fails_waiting_ranks_with_code_5() {
 fn status_names_who_waits_in_a_barrier_and_who_is_missing() {
     let server = Server::start();
     let mut waiting: Vec<Guard> = (0..2).map(|r| spawn(server.ranked("hang", r, 3, &["barrier", "setup"]))).collect();
-    for rank in &waiting {
-        wait_connected(rank.pid());
+    // A shell script's wait for a key: a connection of no rank, not a rank missing.
+    let key_wait = spawn(server.cmd("hang", &["wait", "ready", "--timeout", "60"]));
+    for process in waiting.iter().chain([&key_wait]) {
+        wait_connected(process.pid());
     }
     let run = exec(server.cmd("hang", &["status"]));
     assert_code(&run, 0);
     assert!(
         run.stdout.starts_with(
-            "job 'hang'\nconnections: 2 native\nranks: 2 connected, 0 left cleanly, 0 lost, 1 of 3 never connected\n"
+            "job 'hang'\nconnections: 3 native (1 of no rank: launchers, tools)\nranks: 2 connected, 0 left \
+             cleanly, 0 lost, 1 of 3 never connected\n"
         ),
         "{run:#?}"
     );
+    drop(key_wait);
     let line = run
         .stdout
         .lines()

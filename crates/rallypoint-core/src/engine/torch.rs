@@ -219,13 +219,25 @@ pub(crate) fn stall_notice(
     Some(text)
 }
 
+/// The native connections, counted, with those of no rank (launchers reporting their
+/// workers' ends, CLI verbs, `status` itself) said apart: they are not ranks missing.
+fn native(sessions: &[(SessionId, &Identity, bool)]) -> String {
+    let native = sessions.iter().filter(|(_, _, torch)| !torch);
+    let (all, rankless) =
+        native.fold((0, 0), |(all, rankless), (_, i, _)| (all + 1, rankless + usize::from(i.rank.is_none())));
+    match rankless {
+        0 => format!("{all} native"),
+        _ => format!("{all} native ({rankless} of no rank: launchers, tools)"),
+    }
+}
+
 /// `rallypoint status`: everything known or inferred about the job's torch processes
 /// (for a job without any, only its connections).
 pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: Millis, now_unix_ms: u64) -> String {
     let mut out = format!("job '{}'\n", job.name);
     let torch: Vec<(SessionId, &Identity)> = sessions.iter().filter(|(_, _, t)| *t).map(|(s, i, _)| (*s, *i)).collect();
     if torch.is_empty() && arrived_at_init(job).is_none() {
-        let _ = writeln!(out, "connections: {} native", sessions.len());
+        let _ = writeln!(out, "connections: {}", native(sessions));
         rendezvous_lines(job, &mut out, now_unix_ms);
         return out;
     }
@@ -234,11 +246,11 @@ pub(crate) fn report(job: &Job, sessions: &[(SessionId, &Identity, bool)], now: 
     let rank_of = |session: SessionId| by_session.get(&session).and_then(|i| i.rank);
     let _ = writeln!(
         out,
-        "connections: {} TCPStore ({} attributed to ranks {}), {} native",
+        "connections: {} TCPStore ({} attributed to ranks {}), {}",
         torch.len(),
         torch.iter().filter(|(_, i)| i.rank.is_some()).count(),
         ranks(&attributed),
-        sessions.len() - torch.len()
+        native(sessions)
     );
     match arrived_at_init(job) {
         Some(count) => {
