@@ -1,13 +1,14 @@
 //! Parsers for flag values that clap has no ready parser for. Their errors become
 //! clap usage errors (exit code 2) that quote the bad value.
 
-/// Seconds as a non-negative finite number ("30", "0.5").
+/// Seconds, 0 or more ("30", "0.5"); longer than a century, or `inf`, is a century
+/// (forever, in practice: see [`rallypoint_client::env::LONGEST_WAIT_SECS`]).
 pub fn secs(text: &str) -> Result<f64, String> {
     let secs: f64 = text.trim().parse().map_err(|_| format!("'{text}' is not a number of seconds"))?;
-    if !secs.is_finite() || secs < 0.0 {
-        return Err(format!("'{text}' is not a duration: seconds must be 0 or more"));
+    match rallypoint_client::env::seconds(secs) {
+        Some(wait) => Ok(wait.as_secs_f64()),
+        None => Err(format!("'{text}' is not a duration: seconds must be 0 or more")),
     }
-    Ok(secs)
 }
 
 /// A coordinator address: HOST:PORT (`[v6]:PORT` for IPv6) or `unix:PATH`. Caught

@@ -169,13 +169,9 @@ fn resolve_with(overrides: Overrides, lookup: impl Fn(&str) -> Option<OsString>)
         None => from_env(["RANK", "SLURM_PROCID"], 0)?,
     };
     let world_size = match overrides.world_size {
-        Some(n) => Some((
-            u32::try_from(n)
-                .ok()
-                .filter(|&n| n > 0)
-                .ok_or_else(|| config(format!("world_size={n} is not a positive integer")))?,
-            "world_size",
-        )),
+        Some(n) => {
+            Some((u32::try_from(n).ok().filter(|&n| n > 0).ok_or_else(|| config(not_world_size(n)))?, "world_size"))
+        }
         None => from_env(["WORLD_SIZE", "SLURM_NTASKS"], 1)?,
     };
     if let (Some((rank, rank_from)), Some((world_size, world_from))) = (rank, world_size) {
@@ -199,13 +195,14 @@ fn resolve_with(overrides: Overrides, lookup: impl Fn(&str) -> Option<OsString>)
     };
 
     let timeout = match overrides.timeout_secs {
-        Some(secs) => {
-            seconds(secs).ok_or_else(|| config(format!("timeout={secs} is not a non-negative number of seconds")))?
-        }
+        Some(secs) => seconds(secs).ok_or_else(|| config(not_seconds(format_args!("timeout={secs}"))))?,
         None => match var("RALLYPOINT_TIMEOUT")? {
-            Some(value) => value.trim().parse().ok().and_then(seconds).ok_or_else(|| {
-                config(format!("RALLYPOINT_TIMEOUT='{value}' is not a non-negative number of seconds"))
-            })?,
+            Some(value) => value
+                .trim()
+                .parse()
+                .ok()
+                .and_then(seconds)
+                .ok_or_else(|| config(not_seconds(format_args!("RALLYPOINT_TIMEOUT='{value}'"))))?,
             None => DEFAULT_TIMEOUT,
         },
     };
@@ -288,8 +285,29 @@ fn env_int(value: &str, name: &str, min: u32) -> Result<u32, Error> {
         .ok_or_else(|| config(format!("{name}='{value}' is not {kind}")))
 }
 
-fn seconds(secs: f64) -> Option<Duration> {
-    (secs >= 0.0).then(|| Duration::try_from_secs_f64(secs).ok()).flatten()
+/// The message for a world size given as a number that no world has.
+pub fn not_world_size(n: i64) -> String {
+    if n <= 0 {
+        format!("world_size={n} is not a positive integer")
+    } else {
+        format!("world_size={n} is more ranks than a world can have (at most {})", u32::MAX)
+    }
+}
+
+/// The longest wait a timeout (or lease, or grace) stands for, in seconds: a century.
+/// A longer one, `inf` included, means "forever" and is taken as this, a deadline
+/// the clock can hold (adding some 10^19 seconds to it would overflow).
+pub const LONGEST_WAIT_SECS: f64 = 100.0 * 365.0 * 86_400.0;
+
+/// Seconds a user gave for a wait, capped at [`LONGEST_WAIT_SECS`]; `None` for a
+/// negative number or NaN.
+pub fn seconds(secs: f64) -> Option<Duration> {
+    (secs >= 0.0).then(|| Duration::from_secs_f64(secs.min(LONGEST_WAIT_SECS)))
+}
+
+/// The message for seconds [`seconds`] refuses, given as `what` (`timeout=-1`).
+pub fn not_seconds(what: impl std::fmt::Display) -> String {
+    format!("{what} is not a number of seconds of 0 or more")
 }
 
 #[cfg(test)]
@@ -412,11 +430,11 @@ mod tests {
         assert_eq!(with(("RANK", "-1")), "RANK='-1' is not a non-negative integer");
         assert_eq!(
             with(("RALLYPOINT_TIMEOUT", "-1")),
-            "RALLYPOINT_TIMEOUT='-1' is not a non-negative number of seconds"
+            "RALLYPOINT_TIMEOUT='-1' is not a number of seconds of 0 or more"
         );
         assert_eq!(
-            with(("RALLYPOINT_TIMEOUT", "inf")),
-            "RALLYPOINT_TIMEOUT='inf' is not a non-negative number of seconds"
+            with(("RALLYPOINT_TIMEOUT", "nan")),
+            "RALLYPOINT_TIMEOUT='nan' is not a number of seconds of 0 or more"
         );
         let port = config_error(resolve(Overrides::default(), &[("MASTER_ADDR", "h"), ("MASTER_PORT", "http")]));
         assert_eq!(port, "MASTER_PORT='http' is not a port number (1 to 65535)");
@@ -432,7 +450,25 @@ mod tests {
         let e = config_error(resolve(Overrides { world_size: Some(0), ..addr() }, &[]));
         assert_eq!(e, "world_size=0 is not a positive integer");
         let e = config_error(resolve(Overrides { timeout_secs: Some(f64::NAN), ..addr() }, &[]));
-        assert_eq!(e, "timeout=NaN is not a non-negative number of seconds");
+        assert_eq!(e, "timeout=NaN is not a number of seconds of 0 or more");
+        let e = config_error(resolve(Overrides { world_size: Some(1 << 40), ..addr() }, &[]));
+        assert_eq!(e, "world_size=1099511627776 is more ranks than a world can have (at most 4294967295)");
+    }
+
+    #[test]
+    fn a_wait_longer_than_a_century_or_infinite_is_a_century() {
+        let addr = || Overrides { addr: Some("c:1".into()), ..Overrides::default() };
+        let century = Duration::from_secs_f64(LONGEST_WAIT_SECS);
+        for secs in [1.8e19, 1e300, f64::INFINITY] {
+            let s = resolve(Overrides { timeout_secs: Some(secs), ..addr() }, &[]).unwrap();
+            assert_eq!(s.timeout, century, "{secs}");
+            // A deadline the clock holds, with room for margins.
+            assert!(std::time::Instant::now().checked_add(s.timeout * 2).is_some());
+        }
+        let s = resolve(Overrides::default(), &[("RALLYPOINT_ADDR", "c:1"), ("RALLYPOINT_TIMEOUT", "inf")]).unwrap();
+        assert_eq!(s.timeout, century);
+        assert_eq!(seconds(2.5), Some(Duration::from_millis(2_500)));
+        assert_eq!(seconds(-0.1), None);
     }
 
     #[test]

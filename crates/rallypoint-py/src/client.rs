@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyByteArray, PyBytes, PyString};
-use rallypoint_client::env::{Overrides, Settings};
+use rallypoint_client::env::{self, Overrides, Settings};
 use rallypoint_client::DEFAULT_TIMEOUT;
 use rallypoint_client::{
     CallerRuntime, ConnectOptions, Credentials, Error, Identity, InThread, Interrupt, Members, TlsClient, Token,
@@ -56,9 +56,9 @@ fn blobs(what: &str, values: &Bound<'_, PyAny>) -> PyResult<Vec<Vec<u8>>> {
     values.try_iter()?.map(|item| blob(what, &item?)).collect()
 }
 
-fn duration(py: Python<'_>, what: &str, secs: f64) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(secs)
-        .map_err(|_| errors::invalid(py, format!("{what}={secs} is not a non-negative number of seconds")))
+/// Seconds given for a wait: a century at most (`inf` is one: forever, in practice).
+pub(crate) fn duration(py: Python<'_>, what: &str, secs: f64) -> PyResult<Duration> {
+    env::seconds(secs).ok_or_else(|| errors::invalid(py, env::not_seconds(format_args!("{what}={secs}"))))
 }
 
 fn timeout(py: Python<'_>, secs: Option<f64>) -> PyResult<Option<Duration>> {
@@ -197,7 +197,7 @@ impl Client {
         let world_size = world_size
             .map(|n| u32::try_from(n).ok().filter(|&n| n > 0).ok_or(n))
             .transpose()
-            .map_err(|n| errors::invalid(py, format!("world_size={n} is not a positive integer")))?;
+            .map_err(|n| errors::invalid(py, env::not_world_size(n)))?;
         if let (Some(rank), Some(world_size)) = (rank, world_size) {
             if rank >= world_size {
                 let message =

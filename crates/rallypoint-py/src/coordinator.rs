@@ -44,14 +44,11 @@ impl Coordinator {
             .map_err(|e| errors::invalid(py, format!("listen='{listen}' is not an IP:PORT address: {e}")))?;
         let mut engine = Config::default();
         if let Some(lease) = lease {
-            let lease = Duration::try_from_secs_f64(lease)
-                .map_err(|_| errors::invalid(py, format!("lease={lease} is not a non-negative number of seconds")))?;
+            let lease = crate::client::duration(py, "lease", lease)?;
             engine.lease_ms = u64::try_from(lease.as_millis()).unwrap_or(u64::MAX);
         }
         if let Some(grace) = reconnect_grace {
-            let grace = Duration::try_from_secs_f64(grace).map_err(|_| {
-                errors::invalid(py, format!("reconnect_grace={grace} is not a non-negative number of seconds"))
-            })?;
+            let grace = crate::client::duration(py, "reconnect_grace", grace)?;
             engine.reconnect_grace_ms = u64::try_from(grace.as_millis()).unwrap_or(u64::MAX);
         }
         // Two workers: the coordinator of a spawned job serves every rank's requests.

@@ -259,11 +259,23 @@ def test_invalid_arguments(coordinator, job):
         rp.Client(coordinator.addr, rank=2, world_size=2)
     with pytest.raises(ValueError, match="rank=-1 is not a non-negative integer"):
         rp.Client(coordinator.addr, rank=-1, world_size=2)
-    with pytest.raises(ValueError, match="world_size=0"):
+    with pytest.raises(ValueError, match="world_size=0 is not a positive integer"):
         rp.Client(coordinator.addr, rank=0, world_size=0)
+    with pytest.raises(ValueError, match=r"world_size=1099511627776 is more ranks than a world can have \(at most"):
+        rp.Client(coordinator.addr, rank=0, world_size=2**40)
     c = client(coordinator, job, rank=0, world_size=2)
-    with pytest.raises(ValueError, match="timeout=-1"):
+    with pytest.raises(ValueError, match="timeout=-1 is not a number of seconds of 0 or more"):
         c.barrier(timeout=-1)
+    with pytest.raises(ValueError, match="timeout=NaN is not a number of seconds"):
+        c.barrier(timeout=float("nan"))
+    c.close()
+    # Waits longer than the clock can add (or infinite) are a century: forever, in practice.
+    solo = rp.Client(coordinator.addr, job=job + "-solo", rank=0, world_size=1, timeout=1.8e19)
+    solo.barrier(timeout=float("inf"))
+    solo.set("k", "v")
+    assert solo.get("k", timeout=float("inf")) == b"v"
+    solo.close()
+    c = client(coordinator, job, rank=0, world_size=2)
     with pytest.raises(ValueError, match="ranks or role"):
         c.barrier(ranks=[0], role="r")
     with pytest.raises(TypeError, match="key must be str or bytes, not int"):
