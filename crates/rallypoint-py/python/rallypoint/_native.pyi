@@ -20,7 +20,8 @@ class Client:
     """A connection to the coordinator as one rank (or as a rank-less tool).
 
     Every blocking call releases the GIL and can be interrupted with Ctrl-C
-    (KeyboardInterrupt within about 50 ms). Share one client between threads
+    (KeyboardInterrupt within about 50 ms); an interrupted collective has still
+    arrived, so the next call of its name is its next generation. Share one client between threads
     freely. Call :meth:`close` when done, or use the client as a context manager:
     a process that exits without closing counts as dead, so its peers fail at once
     with :class:`rallypoint.PeerLost` (intended: that is how a crash is noticed).
