@@ -1446,6 +1446,48 @@ fn nodes_started_with_different_jobs_are_told_so() {
     assert!(waiting.ends_with(&format!(" s of 8 s){}", hint("beta"))), "{}", n0.stderr);
 }
 
+/// `status` while a node has not joined names the nodes that did and the one
+/// awaited, not workers that never connected; `--stacks` asks no node then.
+#[test]
+fn status_while_a_node_has_not_joined_says_whom_the_launchers_wait_for() {
+    let dir = temp_dir("joining");
+    let master = format!("127.0.0.1:{}", free_port());
+    let args =
+        ["--nnodes", "2", "--master", master.as_str(), "--node-rank", "0", "--job", "half", "--join-timeout", "4"];
+    let node0 = live(&args, "true", &dir);
+    node0.wait_stderr("coordinator at");
+    for stacks in [false, true] {
+        let mut cmd = Command::new(BIN);
+        for var in SCRUB {
+            cmd.env_remove(var);
+        }
+        cmd.env("RALLYPOINT_TOKEN", SHARED_TOKEN).args([
+            "status",
+            "--addr",
+            &master,
+            "--job",
+            "half",
+            "--timeout",
+            "5",
+        ]);
+        if stacks {
+            cmd.arg("--stacks");
+        }
+        let out = cmd.output().expect("run status");
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{out:?}");
+        let pid = node0.child.id();
+        let said = text.lines().any(|l| {
+            l.starts_with(
+                "job 'half' has not started: its launchers wait for node 1 of 2 to join (joined: node 0 on host ",
+            ) && l.ends_with(&format!(", pid {pid}; job 'half/launch'), and start no worker until every node has"))
+        });
+        assert!(said, "stacks: {stacks}\n{text}");
+        assert!(!text.contains("stacks:") && !text.contains("never connect"), "{text}");
+    }
+    assert_eq!(node0.finish().code, Some(3));
+}
+
 #[test]
 fn two_launchers_claiming_one_node_rank_are_told_so() {
     let dir = temp_dir("samerank");

@@ -42,7 +42,7 @@ use node_agent::NodeAgent;
 use procs::Family;
 use rallypoint_client::env::JobEnv;
 use rallypoint_client::{ConnectOptions, Identity};
-pub use rendezvous::{launched_job, launchers_job, JoinError};
+pub use rendezvous::{joined_nodes, launched_job, launchers_job, JoinError, Joined};
 use rendezvous::{Join, Launchers};
 use supervise::{Attempt, AttemptResult};
 use watchdog::Watchdog;

@@ -165,7 +165,6 @@ fn claim_key(node: u32) -> String {
     format!("node/{node}")
 }
 
-/// Where the next free node index is counted (node 0 never takes one from it).
 /// What names the launchers' own job, after the launched job's name.
 const LAUNCHERS_SUFFIX: &str = "/launch";
 
@@ -179,6 +178,7 @@ pub fn launched_job(name: &str) -> Option<&str> {
     name.strip_suffix(LAUNCHERS_SUFFIX)
 }
 
+/// Where the next free node index is counted (node 0 never takes one from it).
 const NEXT_NODE: &str = "next-node";
 /// Between "waiting for node ..." messages.
 const WAITING_EVERY: Duration = Duration::from_secs(5);
@@ -431,6 +431,39 @@ pub(crate) async fn claims(client: &Client) -> Result<Vec<(u32, Claim)>, Error> 
 async fn present_nodes(client: &Client) -> Result<Vec<u32>, Error> {
     let listed = client.list_keys("node/").await?;
     Ok(listed.iter().filter_map(|k| std::str::from_utf8(k).ok()?.strip_prefix("node/")?.parse().ok()).collect())
+}
+
+/// The launchers of a job as its launchers' job holds them (`client` is connected
+/// to that job): the nodes that joined, with their host and pid, of how many.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Joined {
+    pub nnodes: u32,
+    /// By node index.
+    pub nodes: Vec<(u32, String, u32)>,
+}
+
+impl Joined {
+    /// The nodes not joined yet.
+    pub fn missing(&self) -> Vec<u32> {
+        (0..self.nnodes).filter(|n| !self.nodes.iter().any(|(joined, _, _)| joined == n)).collect()
+    }
+}
+
+/// Reads which nodes joined the launchers' job `client` is connected to; `None` if
+/// none has (or their claims cannot be read: another version's launchers).
+pub async fn joined_nodes(client: &Client) -> Result<Option<Joined>, Error> {
+    let mut present = present_nodes(client).await?;
+    present.sort_unstable();
+    let keys: Vec<String> = present.iter().map(|&n| claim_key(n)).collect();
+    let values = client.multi_get(&keys, Some(Duration::ZERO)).await?;
+    let mut nnodes = None;
+    let mut nodes = Vec::new();
+    for (&node, value) in present.iter().zip(values) {
+        let Ok(claim) = serde_json::from_slice::<Claim>(&value) else { continue };
+        nnodes = nnodes.or(Some(claim.nnodes));
+        nodes.push((node, claim.host, claim.pid));
+    }
+    Ok(nnodes.map(|nnodes| Joined { nnodes, nodes }))
 }
 
 /// Reads the claims of the nodes in `present` not seen yet, and refuses one started

@@ -117,7 +117,14 @@ async fn show(client: &Client, settings: &Settings, what: What) -> Result<String
         jobs.push(settings.job.clone());
         jobs.sort_unstable();
     }
+    // While its launchers wait for nodes to join, no worker runs: said as such rather
+    // than as a job of workers (and no node is asked for stacks it cannot have).
+    let joining = match launch_job_of(&jobs, &settings.job) {
+        Some(launch_job) if !json => joining(settings, launch_job).await?,
+        _ => None,
+    };
     let stacks = match stacks {
+        Some(_) if joining.is_some() => None,
         Some(native) => {
             let Some(launch_job) = launch_job_of(&jobs, &settings.job) else {
                 return Err(Failure::NoSuchJob(format!(
@@ -161,7 +168,20 @@ async fn show(client: &Client, settings: &Settings, what: What) -> Result<String
     let hint = if stacks.is_some() { "" } else { " (`rallypoint status --stacks` shows what they run)" };
     let stacks = stacks.map(|c| c.render(&rallypoint_stacks::Render::default())).unwrap_or_default();
     // Launched, and no process of the job ever connected: its zeros are not a hang.
-    let unconnected = if launched && !jobs.contains(&settings.job) {
+    let unconnected = if let Some(joined) = &joining {
+        let nodes = joined.nodes.iter().map(|(node, host, pid)| format!("node {node} on host {host}, pid {pid}"));
+        let missing = joined.missing();
+        format!(
+            "job '{}' has not started: its launchers wait for node{} {} of {} to join (joined: {}; job '{}'), and \
+             start no worker until every node has\n",
+            settings.job,
+            if missing.len() == 1 { "" } else { "s" },
+            missing.iter().map(u32::to_string).collect::<Vec<_>>().join(", "),
+            joined.nnodes,
+            nodes.collect::<Vec<_>>().join("; "),
+            launchers_job(&settings.job)
+        )
+    } else if launched && !jobs.contains(&settings.job) {
         format!(
             "no process of job '{}' has connected to the coordinator: its launchers run it (job '{}'), and \
              workers that do not use rallypoint never connect{hint}\n",
@@ -193,6 +213,16 @@ fn launch_job_of(jobs: &[String], job: &str) -> Option<String> {
 }
 
 /// Every node's stacks, asked of the launchers over a connection of the launchers' job.
+/// The nodes joined so far, while some of the job's nodes have not (`launch_job`: its
+/// launchers' job); `None` once all have, or if no launcher's claim can be read.
+async fn joining(settings: &Settings, launch_job: String) -> Result<Option<rallypoint_launch::Joined>, Failure> {
+    let tool = Settings { job: launch_job, rank: None, world_size: None, role: None, ..settings.clone() };
+    let client = connect(&tool).await?;
+    let result = rallypoint_launch::joined_nodes(&client).await;
+    let joined = finish(client, result).await?;
+    Ok(joined.filter(|joined| !joined.missing().is_empty()))
+}
+
 async fn read_stacks(settings: &Settings, launch_job: String, native: bool) -> Result<Collected, Failure> {
     let tool = Settings { job: launch_job, rank: None, world_size: None, role: None, ..settings.clone() };
     let client = connect(&tool).await?;
