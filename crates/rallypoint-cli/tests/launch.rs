@@ -1446,6 +1446,28 @@ fn nodes_started_with_different_jobs_are_told_so() {
     assert!(waiting.ends_with(&format!(" s of 8 s){}", hint("beta"))), "{}", n0.stderr);
 }
 
+/// Node 0's launcher killed, with the coordinator it hosted: node 1 names node 0 by
+/// the host its claim said, though the coordinator is gone and cannot say it.
+#[test]
+fn a_node_whose_launcher_and_coordinator_died_is_named_with_its_host() {
+    let dir = temp_dir("node0killed");
+    let master = format!("127.0.0.1:{}", free_port());
+    let common = ["--nnodes", "2", "--nproc-per-node", "1", "--master", master.as_str(), "--job", "k0"];
+    let script = r#""$RP" barrier a || exit $?; exec sleep 60"#;
+    let node0 = live(&[&common[..], &["--node-rank", "0"]].concat(), script, &dir);
+    let node1 = live(&[&common[..], &["--node-rank", "1"]].concat(), script, &dir);
+    // Both nodes joined and started their worker.
+    node0.wait_stderr("worker on this node");
+    node1.wait_stderr("worker on this node");
+    thread::sleep(Duration::from_millis(500));
+    signal(node0.child.id() as i32, libc::SIGKILL);
+    let n1 = node1.finish();
+    let _ = node0.finish();
+    let lost = n1.stderr.lines().find(|l| l.contains("node 0 (")).unwrap_or_default();
+    assert!(lost.contains("was lost") && !lost.contains("node 0 (?)"), "{}", n1.stderr);
+    assert!(!lost.contains("node 0 ()"), "{}", n1.stderr);
+}
+
 /// `status` while a node has not joined names the nodes that did and the one
 /// awaited, not workers that never connected; `--stacks` asks no node then.
 #[test]

@@ -8,7 +8,8 @@
 //!   broadcasts the verdict to all. A node whose launcher dies fails those
 //!   broadcasts at once, by name, so every node learns of it immediately.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
@@ -55,6 +56,8 @@ pub struct Launchers {
     client: Client,
     pub node: u32,
     pub nnodes: u32,
+    /// Each node's host, as its claim said.
+    hosts: Arc<HashMap<u32, String>>,
 }
 
 /// How a launcher joins its job.
@@ -200,10 +203,10 @@ impl Launchers {
         let claimed = claim_index(&tool, j, &claim).await;
         // The nodes that claimed before this one are checked now, on this session:
         // one of them may see this node's claim first and end the job at once.
-        let mut seen = HashSet::new();
+        let mut seen = HashMap::new();
         let checked = match &claimed {
             Ok(node) => {
-                seen.insert(*node);
+                seen.insert(*node, j.host.to_owned());
                 match present_nodes(&tool).await {
                     Ok(present) => check_claims(&tool, j, &claim, &present, &mut seen).await,
                     Err(e) => Err(e.into()),
@@ -225,8 +228,9 @@ impl Launchers {
         };
         let left = j.timeout.saturating_sub(started.elapsed());
         let client = connect(j, identity, left, console).await?;
-        let launchers = Launchers { client, node, nnodes: j.nnodes };
-        launchers.wait_for_nodes(j, &claim, started, seen, console).await?;
+        let mut launchers = Launchers { client, node, nnodes: j.nnodes, hosts: Arc::default() };
+        let hosts = launchers.wait_for_nodes(j, &claim, started, seen, console).await?;
+        launchers.hosts = Arc::new(hosts);
         Ok(launchers)
     }
 
@@ -238,11 +242,11 @@ impl Launchers {
         j: &Join<'_>,
         mine: &Claim,
         started: tokio::time::Instant,
-        mut seen: HashSet<u32>,
+        mut seen: HashMap<u32, String>,
         console: &Console,
-    ) -> Result<(), LaunchError> {
+    ) -> Result<HashMap<u32, String>, LaunchError> {
         let keys: Vec<String> = (0..j.nnodes).map(claim_key).collect();
-        let mut missing: Vec<u32> = (0..j.nnodes).filter(|n| !seen.contains(n)).collect();
+        let mut missing: Vec<u32> = (0..j.nnodes).filter(|n| !seen.contains_key(n)).collect();
         let mut other_jobs = Vec::new();
         let mut next_message = started + WAITING_EVERY;
         let mut next_jobs_look = tokio::time::Instant::now();
@@ -267,7 +271,7 @@ impl Launchers {
                 Err(e) => return Err(e),
             }
             if absent.is_empty() {
-                return Ok(());
+                return Ok(seen);
             }
             missing = (0..j.nnodes).filter(|n| absent.contains(n)).collect();
             let now = tokio::time::Instant::now();
@@ -354,10 +358,11 @@ impl Launchers {
             for j in 1..self.nnodes {
                 let client = self.client.clone();
                 let events = events.clone();
+                let hosts = Arc::clone(&self.hosts);
                 tokio::spawn(async move {
                     let name = report_name(attempt, j);
                     let got = client.broadcast(&name, Members::Ranks(vec![0, j]), j, None, Some(FOREVER)).await;
-                    let _ = events.send(match decode(got, j) {
+                    let _ = events.send(match decode(got, j, &hosts) {
                         Ok(Report::Succeeded) => Remote::NodeSucceeded(j),
                         Ok(Report::Failed(f)) | Err(f) => Remote::Failed(f),
                     });
@@ -365,9 +370,10 @@ impl Launchers {
             }
         } else {
             let client = self.client.clone();
+            let hosts = Arc::clone(&self.hosts);
             tokio::spawn(async move {
                 let got = client.broadcast(&verdict_name(attempt), Members::World, 0, None, Some(FOREVER)).await;
-                let _ = events.send(match decode(got, 0) {
+                let _ = events.send(match decode(got, 0, &hosts) {
                     Ok(Report::Succeeded) => Remote::VerdictSucceeded,
                     Ok(Report::Failed(f)) | Err(f) => Remote::Failed(f),
                 });
@@ -466,23 +472,27 @@ pub async fn joined_nodes(client: &Client) -> Result<Option<Joined>, Error> {
     Ok(nnodes.map(|nnodes| Joined { nnodes, nodes }))
 }
 
-/// Reads the claims of the nodes in `present` not seen yet, and refuses one started
-/// with another --nnodes.
+/// Reads the claims of the nodes in `present` not seen yet (noting each one's host),
+/// and refuses one started with another --nnodes.
 async fn check_claims(
     client: &Client,
     j: &Join<'_>,
     mine: &Claim,
     present: &[u32],
-    seen: &mut HashSet<u32>,
+    seen: &mut HashMap<u32, String>,
 ) -> Result<(), LaunchError> {
-    let others: Vec<u32> = present.iter().copied().filter(|n| seen.insert(*n)).collect();
+    let others: Vec<u32> = present.iter().copied().filter(|n| !seen.contains_key(n)).collect();
     if others.is_empty() {
         return Ok(());
     }
     let keys: Vec<String> = others.iter().map(|&n| claim_key(n)).collect();
     let values = client.multi_get(&keys, Some(Duration::ZERO)).await?;
     for (&other, value) in others.iter().zip(values) {
-        let Ok(theirs) = serde_json::from_slice::<Claim>(&value) else { continue };
+        let Ok(theirs) = serde_json::from_slice::<Claim>(&value) else {
+            seen.insert(other, "?".to_owned());
+            continue;
+        };
+        seen.insert(other, theirs.host.clone());
         if theirs.nnodes != mine.nnodes {
             return Err(JoinError::Nnodes {
                 job: j.job.to_owned(),
@@ -548,11 +558,13 @@ fn verdict_name(attempt: u32) -> String {
     format!("attempt{attempt}/verdict")
 }
 
-/// A report, or the failure of not getting one: the sending node is gone.
-fn decode(got: Result<bytes::Bytes, Error>, from: u32) -> Result<Report, Failure> {
+/// A report, or the failure of not getting one: the sending node is gone. `hosts`:
+/// each node's host as its claim said, for when the coordinator cannot say it.
+fn decode(got: Result<bytes::Bytes, Error>, from: u32, hosts: &HashMap<u32, String>) -> Result<Report, Failure> {
+    let host = hosts.get(&from).map_or("?", String::as_str);
     match got {
         Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
-            Failure::now(FailureKind::NodeLost { detail: format!("it sent an unreadable report: {e}") }, from, "?")
+            Failure::now(FailureKind::NodeLost { detail: format!("it sent an unreadable report: {e}") }, from, host)
         }),
         Err(Error::Op(OpError::PeerLost { peer, .. })) => {
             // The peer is a launcher, whose "rank" is its node index: say it in those terms.
@@ -565,11 +577,11 @@ fn decode(got: Result<bytes::Bytes, Error>, from: u32) -> Result<Report, Failure
             Err(Failure::now(
                 FailureKind::NodeLost { detail: format!("its launcher{pid}: {how}") },
                 from,
-                peer.host.as_deref().unwrap_or("?"),
+                peer.host.as_deref().unwrap_or(host),
             ))
         }
         Err(e) => {
-            Err(Failure::now(FailureKind::NodeLost { detail: format!("no word from its launcher: {e}") }, from, "?"))
+            Err(Failure::now(FailureKind::NodeLost { detail: format!("no word from its launcher: {e}") }, from, host))
         }
     }
 }
