@@ -2078,9 +2078,7 @@ async fn write_loop(
                 (at, period) = tick(beat) => {
                     let count = link.reads.load(Ordering::Relaxed);
                     let answered = count != reads;
-                    if answered {
-                        (reads, heard) = (count, at);
-                    }
+                    (reads, heard) = (count, heard_at(heard, answered, at, Instant::now(), period));
                     // Counted in time, not ticks: a skipped heartbeat moves the next tick.
                     if at.duration_since(heard) >= period * SILENT_BEATS {
                         return Ended::Cut(format!("nothing from the coordinator for {SILENT_BEATS} heartbeat periods"));
@@ -2247,6 +2245,20 @@ fn next_beat(period: Duration, answered: bool, last_call: Option<Instant>, now: 
 
 /// The next heartbeat's tick: when it was due, and the heartbeat period. Never, for
 /// a coordinator without leases.
+/// When the coordinator was last heard from, seen at a heartbeat tick due `at` that
+/// ran at `now`. A tick that ran more than a period late means that this process did
+/// not run meanwhile (stopped, or starved of CPU), not that the coordinator went
+/// quiet: what it sent meanwhile is still unread, so it counts as heard now.
+fn heard_at(heard: Instant, answered: bool, at: Instant, now: Instant, period: Duration) -> Instant {
+    if answered {
+        at
+    } else if now.saturating_duration_since(at) > period {
+        now
+    } else {
+        heard
+    }
+}
+
 async fn tick(beat: &mut Option<Interval>) -> (Instant, Duration) {
     match beat {
         Some(beat) => (beat.tick().await, beat.period()),

@@ -790,3 +790,21 @@ async fn what_a_lone_call_touches_of_its_link_fits_its_first_lines() {
     }
     drop(client);
 }
+
+#[test]
+fn a_heartbeat_tick_that_runs_late_does_not_count_the_coordinator_silent() {
+    let period = Duration::from_secs(1);
+    let start = tokio::time::Instant::now();
+    let heard = start;
+    let at = start + period * 2;
+    // On time, nothing read: still last heard at the start (silence accrues).
+    assert_eq!(super::heard_at(heard, false, at, at + Duration::from_millis(5), period), heard);
+    // Something read: heard at the tick.
+    assert_eq!(super::heard_at(heard, true, at, at + Duration::from_millis(5), period), at);
+    // Run six periods late (this process was stopped): heard now, so no silence of
+    // four periods is found for replies that wait unread in the socket.
+    let now = at + period * 6;
+    let late = super::heard_at(heard, false, at, now, period);
+    assert_eq!(late, now);
+    assert!(at.saturating_duration_since(late) < period * super::SILENT_BEATS);
+}
