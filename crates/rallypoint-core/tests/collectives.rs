@@ -409,6 +409,9 @@ fn bad_identities_are_refused() {
         (Identity::ranked("j", 0, 0), "world size 0"),
         (Identity { world_size: None, ..Identity::ranked("j", 1, 2) }, "without a world size"),
         (Identity::anonymous(""), "job name is empty"),
+        (Identity { role: Some(String::new()), ..Identity::ranked("j", 0, 2) }, "role name is empty"),
+        (Identity::anonymous("a\0b"), r#"the job name "a\0b" holds a control character (U+0000)"#),
+        (Identity { role: Some("r\n".into()), ..Identity::ranked("j", 0, 2) }, "role name \"r\\n\" holds a control"),
     ];
     for (i, (identity, needle)) in cases.into_iter().enumerate() {
         let e = h.engine.open(rallypoint_core::SessionId(100 + i as u64), identity, 0).unwrap_err();

@@ -12,9 +12,15 @@ pub(crate) fn identity(identity: &Identity, limits: &Limits) -> Result<(), OpErr
         return Err(OpError::Invalid("the job name is empty".into()));
     }
     name("job name", &identity.job, limits)?;
+    shown("job name", &identity.job)?;
     name("host name", &identity.host, limits)?;
+    shown("host name", &identity.host)?;
     if let Some(role) = &identity.role {
+        if role.is_empty() {
+            return Err(OpError::Invalid("the role name is empty".into()));
+        }
         name("role name", role, limits)?;
+        shown("role name", role)?;
     }
     if let Some(world) = identity.world_size {
         world_size(u64::from(world), limits)?;
@@ -184,6 +190,17 @@ fn name(what: &str, name: &str, limits: &Limits) -> Result<(), OpError> {
         return too_large(&format!("{what} length"), name.len(), limits.max_name_len);
     }
     Ok(())
+}
+
+/// A name `status`, the live page, metrics and logs show as text (a job's, a
+/// host's, a role's): no control characters, which would garble them.
+fn shown(what: &str, name: &str) -> Result<(), OpError> {
+    match name.chars().find(|c| c.is_control()) {
+        Some(c) => {
+            Err(OpError::Invalid(format!("the {what} {name:?} holds a control character (U+{:04X})", u32::from(c))))
+        }
+        None => Ok(()),
+    }
 }
 
 fn key(key: &Bytes, limits: &Limits) -> Result<(), OpError> {
