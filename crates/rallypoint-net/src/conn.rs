@@ -398,11 +398,13 @@ pub async fn greet<T>(
     hello: &[u8],
     mut answer: impl FnMut(&mut BytesMut) -> Option<T>,
 ) -> Result<(Stream, T, BytesMut), GreetError> {
-    let mut stream =
-        Stream::connect_with(addr, credentials.tls.as_ref()).await.map_err(|error| match tls_failure(&error) {
-            Some(failure) => GreetError::Auth(AuthFailure::Tls(failure.to_string())),
-            None => GreetError::Io(error),
-        })?;
+    let mut stream = Stream::connect_with(addr, credentials.tls.as_ref()).await.map_err(|error| {
+        match (tls_failure(&error), &credentials.tls) {
+            (Some(failure), Some(tls)) => GreetError::Auth(AuthFailure::Tls(tls.explain(failure))),
+            (Some(failure), None) => GreetError::Auth(AuthFailure::Tls(failure.to_string())),
+            (None, _) => GreetError::Io(error),
+        }
+    })?;
     let mut out = BytesMut::new();
     encode_preamble(&mut out);
     let mut buf = BytesMut::new();

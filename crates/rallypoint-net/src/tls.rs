@@ -125,6 +125,30 @@ impl TlsClient {
         &self.ca
     }
 
+    /// A handshake's `failure` in words, naming the CA file where the server's
+    /// certificate failed against it: rustls's own words name neither side.
+    pub fn explain(&self, failure: &rustls::Error) -> String {
+        let ca = self.ca.display();
+        match failure {
+            // A bad signature: a CA of the same name, not this one, signed it.
+            rustls::Error::InvalidCertificate(
+                rustls::CertificateError::UnknownIssuer | rustls::CertificateError::BadSignature,
+            ) => {
+                format!("the coordinator's certificate was not issued by the CA in {ca} ({failure})")
+            }
+            // webpki's error, boxed without a type to match on.
+            rustls::Error::InvalidCertificate(rustls::CertificateError::Other(other))
+                if format!("{other:?}").contains("CaUsedAsEndEntity") =>
+            {
+                format!(
+                    "the coordinator serves a CA certificate (a self-signed one, say), not a certificate a CA \
+                     issued for it: give the coordinator one issued by the CA in {ca} ({failure})"
+                )
+            }
+            _ => failure.to_string(),
+        }
+    }
+
     /// The TLS handshake over `stream`, connected to `addr` (`host:port`), whose
     /// host the server's certificate must name.
     pub async fn connect(
