@@ -120,7 +120,7 @@ async fn show(client: &Client, settings: &Settings, what: What) -> Result<String
     // While its launchers wait for nodes to join, no worker runs: said as such rather
     // than as a job of workers (and no node is asked for stacks it cannot have).
     let joining = match launch_job_of(&jobs, &settings.job) {
-        Some(launch_job) if !json => joining(settings, launch_job).await?,
+        Some(launch_job) if !json => joining(settings, launch_job).await,
         _ => None,
     };
     let stacks = match stacks {
@@ -212,17 +212,18 @@ fn launch_job_of(jobs: &[String], job: &str) -> Option<String> {
     [Some(job), base].into_iter().flatten().map(launchers_job).find(|j| jobs.contains(j))
 }
 
-/// Every node's stacks, asked of the launchers over a connection of the launchers' job.
 /// The nodes joined so far, while some of the job's nodes have not (`launch_job`: its
-/// launchers' job); `None` once all have, or if no launcher's claim can be read.
-async fn joining(settings: &Settings, launch_job: String) -> Result<Option<rallypoint_launch::Joined>, Failure> {
+/// launchers' job); `None` once all have, or if no launcher's claim can be read (the
+/// report goes on without this line).
+async fn joining(settings: &Settings, launch_job: String) -> Option<rallypoint_launch::Joined> {
     let tool = Settings { job: launch_job, rank: None, world_size: None, role: None, ..settings.clone() };
-    let client = connect(&tool).await?;
+    let client = connect(&tool).await.ok()?;
     let result = rallypoint_launch::joined_nodes(&client).await;
-    let joined = finish(client, result).await?;
-    Ok(joined.filter(|joined| !joined.missing().is_empty()))
+    let joined = finish(client, result).await.ok()??;
+    (!joined.missing().is_empty()).then_some(joined)
 }
 
+/// Every node's stacks, asked of the launchers over a connection of the launchers' job.
 async fn read_stacks(settings: &Settings, launch_job: String, native: bool) -> Result<Collected, Failure> {
     let tool = Settings { job: launch_job, rank: None, world_size: None, role: None, ..settings.clone() };
     let client = connect(&tool).await?;
