@@ -3,7 +3,6 @@
 
 use std::net::SocketAddr;
 use std::sync::{Mutex, PoisonError};
-use std::time::Duration;
 
 use pyo3::prelude::*;
 use rallypoint_client::env::{worker_env, JobEnv, Placement};
