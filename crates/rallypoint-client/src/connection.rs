@@ -2243,8 +2243,6 @@ fn next_beat(period: Duration, answered: bool, last_call: Option<Instant>, now: 
     (answered && due > now).then_some(due)
 }
 
-/// The next heartbeat's tick: when it was due, and the heartbeat period. Never, for
-/// a coordinator without leases.
 /// When the coordinator was last heard from, seen at a heartbeat tick due `at` that
 /// ran at `now`. A tick that ran more than a period late means that this process did
 /// not run meanwhile (stopped, or starved of CPU), not that the coordinator went
@@ -2259,6 +2257,8 @@ fn heard_at(heard: Instant, answered: bool, at: Instant, now: Instant, period: D
     }
 }
 
+/// The next heartbeat's tick: when it was due, and the heartbeat period. Never, for
+/// a coordinator without leases.
 async fn tick(beat: &mut Option<Interval>) -> (Instant, Duration) {
     match beat {
         Some(beat) => (beat.tick().await, beat.period()),
