@@ -112,7 +112,10 @@ mod tests {
     fn seconds() {
         assert_eq!(secs("0.5").unwrap(), 0.5);
         assert!(secs("-1").unwrap_err().contains("'-1'"));
-        assert!(secs("inf").is_err());
+        assert!(secs("nan").unwrap_err().contains("seconds must be 0 or more"));
+        // Forever, in practice: a century, which a deadline can hold.
+        let century = rallypoint_client::env::LONGEST_WAIT_SECS;
+        assert_eq!((secs("inf").unwrap(), secs("1e300").unwrap()), (century, century));
         assert!(secs("soon").unwrap_err().contains("'soon'"));
     }
 }
