@@ -905,9 +905,13 @@ class Checker:
             own = [(ft, k) for ft, k in self.faults[r] if k in ("kill", "stop")]
             if own:
                 ft, kind = own[0]
-                # A kill after the rank's last act (its rounds done, or its client closed
-                # after a failure) may reach a process already exiting on its own.
+                # A kill after the rank's last act (its rounds done, its client closed
+                # after a failure, or, for a CLI rank, whose script exits at its first
+                # failed verb, that verb's end) may reach a process already exiting on
+                # its own.
                 ended = log.done if log.done is not None else log.closed
+                if ended is None and plan.kinds[r] == "cli" and last is not None and last.code != 0:
+                    ended = last.t
                 if kind == "kill" and rc != -signal.SIGKILL and not (ended is not None and ended <= ft):
                     out.add("other", f"rank {r} was killed but exited with {rc}")
                 continue
