@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyByteArray, PyBytes, PyString};
+use pyo3::types::{PyByteArray, PyBytes, PyMemoryView, PyString};
 use rallypoint_client::env::{self, Overrides, Settings};
 use rallypoint_client::DEFAULT_TIMEOUT;
 use rallypoint_client::{
@@ -42,6 +42,10 @@ fn blob(what: &str, value: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
         Ok(text.to_cow()?.as_bytes().to_vec())
     } else if let Ok(array) = value.cast::<PyByteArray>() {
         Ok(array.to_vec())
+    } else if value.is_instance_of::<PyMemoryView>() {
+        // Its bytes, in order, whatever its shape (a NumPy array's buffer, a slice).
+        let bytes = value.call_method0("tobytes")?;
+        Ok(bytes.cast::<PyBytes>().map_err(PyErr::from)?.as_bytes().to_vec())
     } else {
         Err(errors::wrong_type(what, value))
     }
@@ -289,7 +293,7 @@ impl Client {
         self.client.lock().unwrap_or_else(PoisonError::into_inner).is_none()
     }
 
-    /// Stores `value` under `key` (both str or bytes; str is stored as UTF-8).
+    /// Stores `value` under `key` (each str, bytes, bytearray or memoryview; str is stored as UTF-8).
     fn set(&self, py: Python<'_>, key: &Bound<'_, PyAny>, value: &Bound<'_, PyAny>) -> PyResult<()> {
         let (key, value) = (blob("key", key)?, blob("value", value)?);
         let client = self.handle(py)?;

@@ -46,7 +46,7 @@ pub fn invalid(py: Python<'_>, message: String) -> PyErr {
 /// A `TypeError` for a value of the wrong type.
 pub fn wrong_type(what: &str, value: &Bound<'_, PyAny>) -> PyErr {
     let type_name = value.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".to_owned());
-    PyTypeError::new_err(format!("{what} must be str or bytes, not {type_name}"))
+    PyTypeError::new_err(format!("{what} must be str, bytes, bytearray or memoryview, not {type_name}"))
 }
 
 fn build(py: Python<'_>, error: Error) -> PyResult<PyErr> {

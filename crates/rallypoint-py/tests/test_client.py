@@ -278,8 +278,11 @@ def test_invalid_arguments(coordinator, job):
     c = client(coordinator, job, rank=0, world_size=2)
     with pytest.raises(ValueError, match="ranks or role"):
         c.barrier(ranks=[0], role="r")
-    with pytest.raises(TypeError, match="key must be str or bytes, not int"):
+    with pytest.raises(TypeError, match="key must be str, bytes, bytearray or memoryview, not int"):
         c.set(1, "x")
+    # Any buffer as a memoryview: its bytes, in order.
+    c.set(memoryview(b"key-in-a-view")[4:], memoryview(b"0123456789")[::2])
+    assert c.get("in-a-view") == b"02468"
     c.close()
     tool = client(coordinator, job)
     with pytest.raises(rp.InvalidArgument, match="needs a rank"):

@@ -11,7 +11,7 @@ __all__ = ["Client", "_Coordinator"]
 __version__: str
 
 #: A key or value: str is sent as UTF-8.
-_Data = Union[str, bytes, bytearray]
+_Data = Union[str, bytes, bytearray, memoryview]
 #: One key, or several.
 _Keys = Union[_Data, Sequence[_Data]]
 
