@@ -169,9 +169,7 @@ fn resolve_with(overrides: Overrides, lookup: impl Fn(&str) -> Option<OsString>)
         None => from_env(["RANK", "SLURM_PROCID"], 0)?,
     };
     let world_size = match overrides.world_size {
-        Some(n) => {
-            Some((u32::try_from(n).ok().filter(|&n| n > 0).ok_or_else(|| config(not_world_size(n)))?, "world_size"))
-        }
+        Some(n) => Some((world_size_of(n).map_err(config)?, "world_size")),
         None => from_env(["WORLD_SIZE", "SLURM_NTASKS"], 1)?,
     };
     if let (Some((rank, rank_from)), Some((world_size, world_from))) = (rank, world_size) {
@@ -285,12 +283,12 @@ fn env_int(value: &str, name: &str, min: u32) -> Result<u32, Error> {
         .ok_or_else(|| config(format!("{name}='{value}' is not {kind}")))
 }
 
-/// The message for a world size given as a number that no world has.
-pub fn not_world_size(n: i64) -> String {
-    if n <= 0 {
-        format!("world_size={n} is not a positive integer")
-    } else {
-        format!("world_size={n} is more ranks than a world can have (at most {})", u32::MAX)
+/// A world size given as a number (`world_size=`), or why no world has it.
+pub fn world_size_of(n: i64) -> Result<u32, String> {
+    match u32::try_from(n) {
+        Ok(n) if n > 0 => Ok(n),
+        _ if n <= 0 => Err(format!("world_size={n} is not a positive integer")),
+        _ => Err(format!("world_size={n} is more ranks than a world can have (at most {})", u32::MAX)),
     }
 }
 

@@ -460,16 +460,21 @@ impl Joined {
 pub async fn joined_nodes(client: &Client) -> Result<Option<Joined>, Error> {
     let mut present = present_nodes(client).await?;
     present.sort_unstable();
-    let keys: Vec<String> = present.iter().map(|&n| claim_key(n)).collect();
-    let values = client.multi_get(&keys, Some(Duration::ZERO)).await?;
     let mut nnodes = None;
     let mut nodes = Vec::new();
-    for (&node, value) in present.iter().zip(values) {
-        let Ok(claim) = serde_json::from_slice::<Claim>(&value) else { continue };
+    for (node, claim) in read_claims(client, &present).await? {
+        let Some(claim) = claim else { continue };
         nnodes = nnodes.or(Some(claim.nnodes));
         nodes.push((node, claim.host, claim.pid));
     }
     Ok(nnodes.map(|nnodes| Joined { nnodes, nodes }))
+}
+
+/// The claims of `nodes`, each `None` if it cannot be read (another version's).
+async fn read_claims(client: &Client, nodes: &[u32]) -> Result<Vec<(u32, Option<Claim>)>, Error> {
+    let keys: Vec<String> = nodes.iter().map(|&n| claim_key(n)).collect();
+    let values = client.multi_get(&keys, Some(Duration::ZERO)).await?;
+    Ok(nodes.iter().zip(values).map(|(&node, value)| (node, serde_json::from_slice(&value).ok())).collect())
 }
 
 /// Reads the claims of the nodes in `present` not seen yet (noting each one's host),
@@ -485,10 +490,8 @@ async fn check_claims(
     if others.is_empty() {
         return Ok(());
     }
-    let keys: Vec<String> = others.iter().map(|&n| claim_key(n)).collect();
-    let values = client.multi_get(&keys, Some(Duration::ZERO)).await?;
-    for (&other, value) in others.iter().zip(values) {
-        let Ok(theirs) = serde_json::from_slice::<Claim>(&value) else {
+    for (other, theirs) in read_claims(client, &others).await? {
+        let Some(theirs) = theirs else {
             seen.insert(other, "?".to_owned());
             continue;
         };

@@ -198,10 +198,7 @@ impl Client {
         tls_ca: Option<PathBuf>,
     ) -> PyResult<Self> {
         let rank = rank.map(|r| crate::client::rank(py, "rank", r)).transpose()?;
-        let world_size = world_size
-            .map(|n| u32::try_from(n).ok().filter(|&n| n > 0).ok_or(n))
-            .transpose()
-            .map_err(|n| errors::invalid(py, env::not_world_size(n)))?;
+        let world_size = world_size.map(env::world_size_of).transpose().map_err(|e| errors::invalid(py, e))?;
         if let (Some(rank), Some(world_size)) = (rank, world_size) {
             if rank >= world_size {
                 let message =

@@ -119,14 +119,15 @@ async fn show(client: &Client, settings: &Settings, what: What) -> Result<String
     }
     // While its launchers wait for nodes to join, no worker runs: said as such rather
     // than as a job of workers (and no node is asked for stacks it cannot have).
-    let joining = match launch_job_of(&jobs, &settings.job) {
+    let launch_job = launch_job_of(&jobs, &settings.job);
+    let joining = match &launch_job {
         Some(launch_job) if !json => joining(settings, launch_job).await,
         _ => None,
     };
     let stacks = match stacks {
         Some(_) if joining.is_some() => None,
         Some(native) => {
-            let Some(launch_job) = launch_job_of(&jobs, &settings.job) else {
+            let Some(launch_job) = launch_job else {
                 return Err(Failure::NoSuchJob(format!(
                     "--stacks asks the job's launchers, and job '{}' has none on the coordinator at {} (no \
                      '{}' job): was it started with `rallypoint launch`?",
@@ -135,7 +136,7 @@ async fn show(client: &Client, settings: &Settings, what: What) -> Result<String
                     launchers_job(&settings.job)
                 )));
             };
-            Some(read_stacks(settings, launch_job, native).await?)
+            Some(read_stacks(settings, &launch_job, native).await?)
         }
         None => None,
     };
@@ -212,21 +213,24 @@ fn launch_job_of(jobs: &[String], job: &str) -> Option<String> {
     [Some(job), base].into_iter().flatten().map(launchers_job).find(|j| jobs.contains(j))
 }
 
+/// A connection's settings as a tool (no rank) of the launchers' job `launch_job`.
+fn launchers_tool(settings: &Settings, launch_job: &str) -> Settings {
+    Settings { job: launch_job.to_owned(), rank: None, world_size: None, role: None, ..settings.clone() }
+}
+
 /// The nodes joined so far, while some of the job's nodes have not (`launch_job`: its
 /// launchers' job); `None` once all have, or if no launcher's claim can be read (the
 /// report goes on without this line).
-async fn joining(settings: &Settings, launch_job: String) -> Option<rallypoint_launch::Joined> {
-    let tool = Settings { job: launch_job, rank: None, world_size: None, role: None, ..settings.clone() };
-    let client = connect(&tool).await.ok()?;
+async fn joining(settings: &Settings, launch_job: &str) -> Option<rallypoint_launch::Joined> {
+    let client = connect(&launchers_tool(settings, launch_job)).await.ok()?;
     let result = rallypoint_launch::joined_nodes(&client).await;
     let joined = finish(client, result).await.ok()??;
     (!joined.missing().is_empty()).then_some(joined)
 }
 
 /// Every node's stacks, asked of the launchers over a connection of the launchers' job.
-async fn read_stacks(settings: &Settings, launch_job: String, native: bool) -> Result<Collected, Failure> {
-    let tool = Settings { job: launch_job, rank: None, world_size: None, role: None, ..settings.clone() };
-    let client = connect(&tool).await?;
+async fn read_stacks(settings: &Settings, launch_job: &str, native: bool) -> Result<Collected, Failure> {
+    let client = connect(&launchers_tool(settings, launch_job)).await?;
     let ask = Ask { stacks: true, native };
     let result = rallypoint_launch::stacks::request(&client, &ask, None, STACKS_WAIT.min(settings.timeout)).await;
     Ok(finish(client, result).await?)

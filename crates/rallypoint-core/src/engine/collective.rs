@@ -730,6 +730,9 @@ impl Collectives {
     /// `rank` was lost (or finished): fail every pending generation that still needs it.
     pub fn rank_lost(&mut self, rank: u32, ranks: &Ranks, ctx: &mut Ctx<'_>) {
         let failed_kept = self.failed_kept;
+        // Sessions of the rank itself that may still wait (its process stopped, or a
+        // child outlived its worker): told that it is the one gone.
+        let own = ranks.holder(rank).map(|holder| &holder.sessions);
         self.busy_now();
         for &at in &self.busy {
             let coll = &mut self.all[at];
@@ -750,11 +753,9 @@ impl Collectives {
                 self.counters[counted(kind)].peer_lost += 1;
                 let op = OpRef { kind, name: coll.name.clone(), generation };
                 let error = OpError::PeerLost { op, peer: ranks.info(rank, ctx.now) };
-                // A session of the rank itself still waits (its process stopped, or a
-                // child outlived its worker): told that it is the one gone.
-                if let (Some(holder), Some(g)) = (ranks.holder(rank), coll.pending.get_mut(&generation)) {
+                if let (Some(own), Some(g)) = (own, coll.pending.get_mut(&generation)) {
                     g.waiters.retain(|&(session, id)| {
-                        let own = holder.sessions.contains(&session);
+                        let own = own.contains(&session);
                         if own {
                             ctx.reply((session, id), Err(error.told_to(rank)));
                         }

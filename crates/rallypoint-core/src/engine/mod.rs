@@ -955,13 +955,18 @@ impl Engine {
         });
     }
 
+    /// Job `name`, if the engine holds it.
+    fn held_job(&self, name: &str) -> Option<&Job> {
+        self.job_ids.get(name).and_then(|id| self.jobs.get(id))
+    }
+
     /// The ranks of job `job` counted as lost, in rank order, with how and when they
     /// were last heard from: the fact a launcher needs to blame the rank its peers
     /// lost rather than a peer that failed because of it. A finished rank is among
     /// them only if something failed for it: a rank done before its peers stranded
     /// them, one done after them did not.
     pub fn lost_ranks(&self, job: &str, now: Millis) -> Vec<RankInfo> {
-        let Some(job) = self.job_ids.get(job).and_then(|id| self.jobs.get(id)) else { return Vec::new() };
+        let Some(job) = self.held_job(job) else { return Vec::new() };
         let failed_for = job.collectives.failed_for();
         let counted = |rank: &u32| !job.ranks.finished(*rank) || failed_for.contains(rank);
         job.ranks.lost().filter(counted).map(|rank| job.ranks.info(rank, now)).collect()
@@ -971,20 +976,20 @@ impl Engine {
     /// then), in rank order: a launcher tells a rank done early that stranded its
     /// peers from one that was merely done.
     pub fn failed_for(&self, job: &str) -> Vec<u32> {
-        let Some(job) = self.job_ids.get(job).and_then(|id| self.jobs.get(id)) else { return Vec::new() };
+        let Some(job) = self.held_job(job) else { return Vec::new() };
         job.collectives.failed_for().iter().copied().collect()
     }
 
     /// Who aborted `job` and why, if it was aborted.
     pub fn aborted(&self, job: &str) -> Option<AbortInfo> {
-        self.job_ids.get(job).and_then(|id| self.jobs.get(id))?.aborted.clone()
+        self.held_job(job)?.aborted.clone()
     }
 
     /// How long ago (ms) a process of `job` last asked for something (connected, or
     /// made a request other than a heartbeat, a leave or a status request); `None`
     /// for a job the engine does not hold.
     pub fn quiet_ms(&self, job: &str, now: Millis) -> Option<u64> {
-        let job = self.job_ids.get(job).and_then(|id| self.jobs.get(id))?;
+        let job = self.held_job(job)?;
         Some(now.saturating_sub(job.last_request))
     }
 
