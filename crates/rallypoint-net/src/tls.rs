@@ -14,6 +14,7 @@ use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
@@ -41,6 +42,24 @@ pub enum TlsError {
     BadPair { cert: PathBuf, key: PathBuf, source: rustls::Error },
     #[error("cannot use the CA certificate {}: {source}", path.display())]
     BadCa { path: PathBuf, source: rustls::Error },
+    #[error(
+        "the certificate {subject} in {} {} {} (it is now {}): every TLS client would refuse it; {}",
+        path.display(),
+        if *.expired { "expired at" } else { "is valid only from" },
+        shown(*.at),
+        shown(*.now),
+        if *.expired { "renew it" } else { "is this machine's clock right?" }
+    )]
+    OutOfDate { path: PathBuf, subject: String, expired: bool, at: SystemTime, now: SystemTime },
+}
+
+/// `at` in RFC 3339, which stops at the year 9999 (a certificate's date may not).
+fn shown(at: SystemTime) -> String {
+    const YEAR_10000: u64 = 253_402_300_800;
+    match at.duration_since(UNIX_EPOCH) {
+        Ok(since) if since.as_secs() >= YEAR_10000 => format!("{} s after 1970", since.as_secs()),
+        _ => humantime::format_rfc3339_seconds(at).to_string(),
+    }
 }
 
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
@@ -56,6 +75,32 @@ fn certificates(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'s
     Ok(certs)
 }
 
+/// Refuses a chain with a certificate out of date at `now`: a server started with
+/// one would fail every TLS client's handshake, each far from here. A certificate
+/// this parser cannot read is left to rustls and the clients.
+fn in_date(path: &Path, chain: &[CertificateDer<'_>], now: SystemTime) -> Result<(), TlsError> {
+    let unix =
+        |t: SystemTime| t.duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
+    let at_unix = |secs: i64| UNIX_EPOCH + Duration::from_secs(u64::try_from(secs).unwrap_or(0));
+    for der in chain {
+        let Ok((_, parsed)) = x509_parser::parse_x509_certificate(der) else { continue };
+        let validity = parsed.validity();
+        let (from, until) = (validity.not_before.timestamp(), validity.not_after.timestamp());
+        let out = if unix(now) > until {
+            Some((true, until))
+        } else if unix(now) < from {
+            Some((false, from))
+        } else {
+            None
+        };
+        if let Some((expired, at)) = out {
+            let subject = format!("'{}'", parsed.subject());
+            return Err(TlsError::OutOfDate { path: path.to_owned(), subject, expired, at: at_unix(at), now });
+        }
+    }
+    Ok(())
+}
+
 /// The serving side's certificate chain and key.
 #[derive(Clone)]
 pub struct TlsServer {
@@ -68,6 +113,7 @@ impl TlsServer {
     /// PKCS#8, PKCS#1 or SEC1).
     pub fn from_pem_files(cert: &Path, key: &Path) -> Result<TlsServer, TlsError> {
         let chain = certificates("certificate file", cert)?;
+        in_date(cert, &chain, SystemTime::now())?;
         let private = PrivateKeyDer::from_pem_file(key).map_err(|source| TlsError::Pem {
             what: "private key file",
             path: key.to_owned(),
@@ -210,5 +256,40 @@ mod tests {
         let error = TlsClient::from_ca_file(&empty).expect_err("no certificate");
         assert!(error.to_string().contains("holds no certificate"), "{error}");
         std::fs::remove_file(&empty).expect("cleanup");
+    }
+
+    #[test]
+    fn a_certificate_out_of_date_is_refused_naming_when() {
+        let dir = std::env::temp_dir().join(format!("rallypoint-tls-dates-{}", std::process::id()));
+        let pki = crate::test_pki::TestPki::create(dir, "dates CA").expect("pki");
+        let path = pki.path("cert.pem");
+        let chain = certificates("certificate file", &path).expect("chain");
+        assert!(in_date(&path, &chain, SystemTime::now()).is_ok());
+        // The throwaway certificate is valid from 1975 to 4096.
+        let error = in_date(&path, &chain, UNIX_EPOCH).expect_err("before it");
+        assert!(matches!(error, TlsError::OutOfDate { expired: false, .. }), "{error:?}");
+        let text = error.to_string();
+        assert!(text.contains("is valid only from 1975-01-01T00:00:00Z (it is now 1970-01-01T00:00:00Z)"), "{text}");
+        assert!(text.contains("clock"), "{text}");
+        let later = UNIX_EPOCH + Duration::from_secs(3_100 * 365 * 86_400);
+        let error = in_date(&path, &chain, later).expect_err("after it");
+        let text = error.to_string();
+        assert!(text.contains(&format!("in {} expired at 4096-01-01T00:00:00Z", path.display())), "{text}");
+        assert!(text.contains("renew it"), "{text}");
+        assert_eq!(shown(UNIX_EPOCH + Duration::from_secs(300_000_000_000)), "300000000000 s after 1970");
+
+        // And a server is refused one, before anything listens.
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()]).expect("params");
+        params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+        params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        params.distinguished_name.push(rcgen::DnType::CommonName, "old server");
+        let old = params.self_signed(&key).expect("self-signed");
+        std::fs::write(pki.path("old.pem"), old.pem()).expect("write");
+        std::fs::write(pki.path("old-key.pem"), key.serialize_pem()).expect("write");
+        let error = TlsServer::from_pem_files(&pki.path("old.pem"), &pki.path("old-key.pem")).expect_err("expired");
+        let text = error.to_string();
+        assert!(text.contains("the certificate 'CN=old server' in"), "{text}");
+        assert!(text.contains("expired at 2021-01-01T00:00:00Z"), "{text}");
     }
 }
