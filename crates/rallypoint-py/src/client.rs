@@ -521,8 +521,10 @@ impl Client {
         }
     }
 
-    fn __enter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
-        slf
+    /// Refuses a closed client, as a closed file does: its block could not use it.
+    fn __enter__(slf: Bound<'_, Self>) -> PyResult<Bound<'_, Self>> {
+        slf.borrow().handle(slf.py())?;
+        Ok(slf)
     }
 
     /// Closes cleanly when the block ends normally. When it raises, drops the

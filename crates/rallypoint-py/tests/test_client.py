@@ -302,6 +302,10 @@ def test_closed_client_raises_connection_error(coordinator, job):
     with pytest.raises(rp.ConnectionError, match="closed") as info:
         c.get("k")
     assert isinstance(info.value, ConnectionError)  # the built-in one too
+    # Nor does a block start on it, as a closed file's does not.
+    with pytest.raises(rp.ConnectionError, match="closed"):
+        with c:
+            pytest.fail("the block ran on a closed client")
 
 
 def test_cannot_connect():

@@ -198,7 +198,8 @@ class Client:
         """Leaves cleanly: the coordinator records that this rank left (it may come
         back) rather than died. Calls still waiting in other threads fail with
         :class:`rallypoint.ConnectionError`. Does nothing the second time."""
-    def __enter__(self) -> "Client": ...
+    def __enter__(self) -> "Client":
+        """Raises :class:`rallypoint.ConnectionError` if the client is closed."""
     def __exit__(
         self,
         exc_type: Optional[Type[BaseException]],
