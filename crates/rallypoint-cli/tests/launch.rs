@@ -598,6 +598,33 @@ fn a_rank_that_exits_0_while_its_peers_wait_for_it_is_named_as_the_root_cause() 
     peers_failed_for(&run.stderr, [0, 2], "rank 1 finished early");
 }
 
+/// Rank 2 exits 0 early under collectives the coordinator does not see (torch's
+/// own: a peer left behind fails with "Connection closed by peer", naming no rank):
+/// the first failure is shown with the early end before it.
+#[test]
+fn a_failure_after_a_rank_exited_0_early_is_shown_with_that_end() {
+    let dir = temp_dir("earlyend");
+    let script = r#"
+        if [ "$RANK" = 2 ]; then exit 0; fi
+        if [ "$RANK" = 1 ]; then sleep 0.5; echo "Connection closed by peer" >&2; exit 1; fi
+        exec sleep 30
+    "#;
+    let run = launch(&["--nproc-per-node", "3", "--grace", "2"], script, &dir).finish();
+    assert_eq!(run.code, Some(1), "{}", run.stderr);
+    let headline = run.stderr.lines().find(|l| l.contains("FAILED")).unwrap_or_default();
+    assert!(headline.contains("): rank 1 exited with code 1, "), "{}", run.stderr);
+    assert!(headline.ends_with(" s after rank 2 exited with code 0 while its peers ran on"), "{}", run.stderr);
+    assert!(run.stderr.contains("  before it, rank 2 (node 0, host "), "{}", run.stderr);
+
+    // Not when every rank ran to its end first.
+    let script = r#"
+        if [ "$RANK" = 1 ]; then exit 1; fi
+        exec sleep 30
+    "#;
+    let run = launch(&["--nproc-per-node", "3", "--grace", "2"], script, &dir).finish();
+    assert!(!run.stderr.contains("before it"), "{}", run.stderr);
+}
+
 /// Rank 2 exits 0 at once, before any rank connected and stated the world size: its
 /// peers still fail at once when they call the barrier, naming it.
 #[test]

@@ -36,6 +36,10 @@ pub enum FailureKind {
         pid: u32,
         exit: Exit,
         stderr_tail: Vec<String>,
+        /// The first rank of the job that exited with code 0 before this failure,
+        /// while its peers ran on.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        after: Option<Box<EarlyEnd>>,
     },
     /// The worker's program could not be started (`execve` failed: not found, not
     /// executable): it never ran.
@@ -66,13 +70,9 @@ pub enum FailureKind {
         revealed_by: Box<Failure>,
     },
     /// A node's launcher vanished or could not be reached.
-    NodeLost {
-        detail: String,
-    },
+    NodeLost { detail: String },
     /// The launcher was told to stop.
-    Interrupted {
-        signal: i32,
-    },
+    Interrupted { signal: i32 },
     /// No rank of the job wrote output or asked the coordinator anything for the
     /// hang timeout (`--hang-timeout`): node 0 takes the job for hung and tells.
     Hung {
@@ -84,6 +84,39 @@ pub enum FailureKind {
         /// Nodes whose launchers did not send their ranks' stacks.
         unanswered: Vec<u32>,
     },
+}
+
+/// A rank whose worker exited with code 0 while its peers ran on. Under collectives
+/// the coordinator does not see (torch's own), a peer left behind fails in its next
+/// one with an error that names no rank ("Connection closed by peer"), so the first
+/// failure is shown with it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EarlyEnd {
+    pub rank: u32,
+    pub pid: Option<u32>,
+    /// Its node and host, where known.
+    pub node: Option<u32>,
+    pub host: Option<String>,
+    /// When it exited (or the coordinator learnt it had), ms since the Unix epoch.
+    pub at_unix_ms: u64,
+}
+
+impl EarlyEnd {
+    /// "rank 3 (node 0, host vm, pid 4121)".
+    fn who(&self) -> String {
+        let facts: Vec<String> = [
+            self.node.map(|n| format!("node {n}")),
+            self.host.as_ref().map(|h| format!("host {h}")),
+            self.pid.map(|p| format!("pid {p}")),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        match facts.is_empty() {
+            true => format!("rank {}", self.rank),
+            false => format!("rank {} ({})", self.rank, facts.join(", ")),
+        }
+    }
 }
 
 /// How the coordinator lost a rank.
@@ -122,7 +155,12 @@ impl Failure {
     /// One line naming the cause, e.g. "rank 1 exited with code 3".
     pub fn headline(&self) -> String {
         match &self.what {
-            FailureKind::Worker { rank, exit, .. } => format!("rank {rank} {exit}"),
+            FailureKind::Worker { rank, exit, after: None, .. } => format!("rank {rank} {exit}"),
+            FailureKind::Worker { rank, exit, after: Some(early), .. } => format!(
+                "rank {rank} {exit}, {:.1} s after rank {} exited with code 0 while its peers ran on",
+                self.at_unix_ms.saturating_sub(early.at_unix_ms) as f64 / 1000.0,
+                early.rank
+            ),
             FailureKind::NotStarted { rank, reason, .. } => format!("rank {rank} could not start: {reason}"),
             FailureKind::RankLost { rank, loss, last_seen_unix_ms, process, .. } => {
                 let at = time(*last_seen_unix_ms);
@@ -234,7 +272,7 @@ pub fn summary(
     let _ = writeln!(s, "first failure:");
     let root = first.rank();
     match &first.what {
-        FailureKind::Worker { rank, local_rank, pid, exit, stderr_tail } => {
+        FailureKind::Worker { rank, local_rank, pid, exit, stderr_tail, after } => {
             let _ = writeln!(
                 s,
                 "  rank {rank} (local rank {local_rank}, node {}, host {}, pid {pid}) {exit} at {}",
@@ -242,6 +280,15 @@ pub fn summary(
                 first.host,
                 first.time()
             );
+            if let Some(early) = after {
+                let _ = writeln!(
+                    s,
+                    "  before it, {} exited with code 0 at {} while its peers ran on: a rank that leaves early \
+                     fails its peers' next collective, whose error may not name it",
+                    early.who(),
+                    time(early.at_unix_ms)
+                );
+            }
             write_tail(&mut s, "it", "its", stderr_tail);
         }
         FailureKind::NotStarted { rank, local_rank, reason, .. } => {
@@ -401,6 +448,7 @@ mod tests {
                 pid: 4242,
                 exit: Exit::Code(3),
                 stderr_tail: vec!["Traceback (most recent call last):".into(), "ValueError: bad batch".into()],
+                after: None,
             },
             node: 0,
             host: "gpu7".into(),
@@ -434,6 +482,40 @@ mod tests {
     }
 
     #[test]
+    fn a_failure_after_an_early_end_shows_it_first() {
+        let early = EarlyEnd { rank: 3, pid: Some(4245), node: Some(1), host: Some("gpu8".into()), at_unix_ms: 1_200 };
+        let first = Failure {
+            what: FailureKind::Worker {
+                rank: 1,
+                local_rank: 1,
+                pid: 4242,
+                exit: Exit::Code(1),
+                stderr_tail: vec!["RuntimeError: Connection closed by peer".into()],
+                after: Some(Box::new(early.clone())),
+            },
+            node: 0,
+            host: "gpu7".into(),
+            at_unix_ms: 2_000,
+        };
+        assert_eq!(
+            first.headline(),
+            "rank 1 exited with code 1, 0.8 s after rank 3 exited with code 0 while its peers ran on"
+        );
+        let text = summary("train", 0, 0, &first, &[], None);
+        let lines: Vec<&str> = text.lines().collect();
+        assert!(lines[3].starts_with(
+            "  before it, rank 3 (node 1, host gpu8, pid 4245) exited with code 0 at 1970-01-01T00:00:01.200Z"
+        ));
+        // Carried between launchers, and read from one that never sets it.
+        let json = serde_json::to_string(&first).expect("json");
+        assert_eq!(serde_json::from_str::<Failure>(&json).expect("back"), first);
+        let without = json.replace(&format!(",\"after\":{}", serde_json::to_string(&early).expect("json")), "");
+        assert!(!without.contains("after"), "{without}");
+        let read: Failure = serde_json::from_str(&without).expect("without");
+        assert!(matches!(read.what, FailureKind::Worker { after: None, .. }));
+    }
+
+    #[test]
     fn a_lost_rank_is_the_root_cause_and_its_peers_failed_after_it() {
         let revealed = Failure {
             what: FailureKind::Worker {
@@ -442,6 +524,7 @@ mod tests {
                 pid: 4244,
                 exit: Exit::Code(4),
                 stderr_tail: vec!["rallypoint: barrier 'step' (generation 1) failed: rank 1 (...) is lost".into()],
+                after: None,
             },
             node: 0,
             host: "gpu7".into(),

@@ -55,7 +55,8 @@ const CAPTURE_BOUND: Duration = Duration::from_secs(10);
 
 use crate::console::Console;
 use crate::outcome::{
-    self, stacks_text, summary, unix_ms, Failure, FailureKind, Loss, RankOutcome, LAUNCHER_ABORT, STACKS_HEADING,
+    self, stacks_text, summary, unix_ms, EarlyEnd, Failure, FailureKind, Loss, RankOutcome, LAUNCHER_ABORT,
+    STACKS_HEADING,
 };
 use crate::procs::{self, Family, LAUNCH_ID_VAR};
 use crate::rendezvous::{Launchers, Remote, Report};
@@ -288,6 +289,15 @@ impl Attempt<'_> {
             after_failure: state.first.is_some(),
         });
         if exited.exit.success() {
+            if state.first.is_none() && state.first_done.is_none() {
+                state.first_done = Some(EarlyEnd {
+                    rank: self.base_rank + exited.local_rank,
+                    pid: Some(r.pid),
+                    node: Some(self.launchers.node),
+                    host: Some(self.host.to_owned()),
+                    at_unix_ms: unix_ms(SystemTime::now()),
+                });
+            }
             self.report_finished(state, self.base_rank + exited.local_rank, r.pid);
             return;
         }
@@ -635,7 +645,7 @@ impl Attempt<'_> {
 
     fn worker_failure(&self, local_rank: u32, pid: u32, exit: Exit, stderr_tail: Vec<String>) -> Failure {
         Failure::now(
-            FailureKind::Worker { rank: self.base_rank + local_rank, local_rank, pid, exit, stderr_tail },
+            FailureKind::Worker { rank: self.base_rank + local_rank, local_rank, pid, exit, stderr_tail, after: None },
             self.launchers.node,
             self.host,
         )
@@ -645,7 +655,7 @@ impl Attempt<'_> {
     /// job on the coordinator so peers blocked in barriers fail at once with the
     /// reason; after a short notice, SIGTERM whoever is still running.
     fn fail(&self, state: &mut State, failure: Failure, running: &[Option<Running>], origin: Origin) {
-        let failure = self.localize(self.judge(failure, state, running), running);
+        let failure = self.after_early_end(self.localize(self.judge(failure, state, running), running), state);
         let nnodes = self.launchers.nnodes;
         let here = origin == Origin::Here && nnodes > 1;
         state.verdict_held = if here { self.aborted_elsewhere() } else { None };
@@ -777,6 +787,34 @@ impl Attempt<'_> {
         }
     }
 
+    /// A worker's failure, with the first rank that exited with code 0 before it
+    /// while its peers ran on: seen here, or (node 0) by the coordinator, which every
+    /// node's launcher tells of such ends.
+    fn after_early_end(&self, mut failure: Failure, state: &State) -> Failure {
+        let FailureKind::Worker { rank: failed, after, .. } = &mut failure.what else { return failure };
+        let now_ms = unix_ms(SystemTime::now());
+        let told = self.server.map(|server| server.finished_ranks(&self.job.attempt_job)).unwrap_or_default();
+        let told = told.into_iter().map(|info| EarlyEnd {
+            rank: info.rank,
+            pid: info.pid,
+            node: self.place(info.rank).map(|(node, _)| node),
+            host: info.host,
+            at_unix_ms: now_ms.saturating_sub(info.last_seen_ms_ago.unwrap_or(0)),
+        });
+        // A launcher's own sighting (this one's, or the failing node's) has the exact
+        // time and host; the coordinator's, the time of the report and the host of
+        // the rank's connection.
+        let seen: Vec<EarlyEnd> = after.take().map(|a| *a).into_iter().chain(state.first_done.clone()).collect();
+        let told: Vec<EarlyEnd> = told.filter(|t| seen.iter().all(|s| s.rank != t.rank)).collect();
+        *after = seen
+            .into_iter()
+            .chain(told)
+            .filter(|early| early.rank != *failed && early.at_unix_ms <= failure.at_unix_ms)
+            .min_by_key(|early| early.at_unix_ms)
+            .map(Box::new);
+        failure
+    }
+
     /// When (ms since the epoch) the hosted coordinator lost each of `ranks`, if it
     /// did, from one look at its lost ranks.
     fn lost_at<const N: usize>(&self, ranks: [u32; N]) -> [Option<u64>; N] {
@@ -889,6 +927,8 @@ struct State {
     /// Where this node's workers that exited with code 0 are reported (rank, pid),
     /// once one did (see `report_finished`).
     finished: Option<mpsc::UnboundedSender<(u32, u32)>>,
+    /// This node's first worker that exited with code 0 before any failure.
+    first_done: Option<EarlyEnd>,
 }
 
 /// Whether a rank lost at `lost_at` may have caused the failure of a worker seen to

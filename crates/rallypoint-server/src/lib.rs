@@ -325,6 +325,12 @@ impl ServerHandle {
         self.shared.lost_ranks(job)
     }
 
+    /// The ranks of `job` whose workers exited with code 0, as their launchers said
+    /// (see `Engine::finished_ranks`).
+    pub fn finished_ranks(&self, job: &str) -> Vec<RankInfo> {
+        self.shared.finished_ranks(job)
+    }
+
     /// The ranks of `job` a barrier or collective failed for, in rank order (see
     /// `Engine::failed_for`).
     pub fn failed_for(&self, job: &str) -> Vec<u32> {

@@ -463,6 +463,13 @@ impl Shared {
         state.engine.lost_ranks(job, now)
     }
 
+    /// See [`super::ServerHandle::finished_ranks`].
+    pub(crate) fn finished_ranks(&self, job: &str) -> Vec<RankInfo> {
+        let state = lock(&self.state);
+        let now = self.now();
+        state.engine.finished_ranks(job, now)
+    }
+
     /// See [`super::ServerHandle::failed_for`].
     pub(crate) fn failed_for(&self, job: &str) -> Vec<u32> {
         lock(&self.state).engine.failed_for(job)

@@ -972,6 +972,13 @@ impl Engine {
         job.ranks.lost().filter(counted).map(|rank| job.ranks.info(rank, now)).collect()
     }
 
+    /// The ranks of job `job` whose workers exited with code 0 (their launchers said
+    /// so), each as last seen: done, whether or not a peer still needed them.
+    pub fn finished_ranks(&self, job: &str, now: Millis) -> Vec<RankInfo> {
+        let Some(job) = self.held_job(job) else { return Vec::new() };
+        job.ranks.lost().filter(|rank| job.ranks.finished(*rank)).map(|rank| job.ranks.info(rank, now)).collect()
+    }
+
     /// The ranks of job `job` a barrier or collective failed for (lost or finished
     /// then), in rank order: a launcher tells a rank done early that stranded its
     /// peers from one that was merely done.
