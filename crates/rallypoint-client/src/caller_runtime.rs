@@ -33,6 +33,9 @@ pub struct CallerRuntime {
     runtime: Option<Arc<tokio::runtime::Runtime>>,
     turns: Arc<Turns>,
     keeper: Option<JoinHandle<()>>,
+    /// The process that made it: a child forked since has its memory but not its
+    /// keeper thread, and shares its epoll and sockets ([`CallerRuntime::forked`]).
+    made_by: u32,
 }
 
 /// Who drives the runtime, between the calls and the keeper.
@@ -88,7 +91,14 @@ impl CallerRuntime {
             let (runtime, turns) = (Arc::clone(&runtime), Arc::clone(&turns));
             move || keep(&runtime, &turns)
         })?;
-        Ok(CallerRuntime { runtime: Some(runtime), turns, keeper: Some(keeper) })
+        Ok(CallerRuntime { runtime: Some(runtime), turns, keeper: Some(keeper), made_by: std::process::id() })
+    }
+
+    /// Whether this process is a child forked from the one that made the runtime:
+    /// there it must not be driven (its epoll and sockets are the parent's, its
+    /// keeper thread does not exist), and it is left undropped.
+    pub fn forked(&self) -> bool {
+        std::process::id() != self.made_by
     }
 
     fn runtime(&self) -> &tokio::runtime::Runtime {
@@ -180,6 +190,14 @@ fn keep(runtime: &tokio::runtime::Runtime, turns: &Turns) {
 
 impl Drop for CallerRuntime {
     fn drop(&mut self) {
+        if self.forked() {
+            // Joining a keeper that is not there panics, and shutting the runtime
+            // down waits for it, or for a lock a thread of the parent held at the
+            // fork: leaked instead, the parent's connection untouched.
+            std::mem::forget(self.keeper.take());
+            std::mem::forget(self.runtime.take());
+            return;
+        }
         {
             let mut state = self.turns.lock();
             state.stop = true;

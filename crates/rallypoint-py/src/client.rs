@@ -131,6 +131,15 @@ impl Client {
 
     /// A handle on the connection, or an error once the client is closed.
     fn handle(&self, py: Python<'_>) -> PyResult<rallypoint_client::Client> {
+        if self.runtime.forked() {
+            let (made_by, here) = (self.identity.pid, std::process::id());
+            let message = format!(
+                "this client of {} was made in process {made_by}, and this process ({here}) was forked from it: \
+                 its connection is the parent's; make a new client here",
+                self.addr
+            );
+            return Err(errors::to_py(py, Error::Disconnected(message)));
+        }
         let client = self.client.lock().unwrap_or_else(PoisonError::into_inner).clone();
         client.ok_or_else(|| errors::to_py(py, Error::Disconnected(format!("the client for {} is closed", self.addr))))
     }
@@ -140,8 +149,15 @@ impl Client {
         crate::wait(py, &self.runtime, op)?.map_err(|e| errors::to_py(py, e))
     }
 
+    /// The connection, taken to be closed or dropped; `None` in a child forked since
+    /// the client was made, where it is the parent's: left to the parent, untouched.
     fn take(&self) -> Option<rallypoint_client::Client> {
-        self.client.lock().unwrap_or_else(PoisonError::into_inner).take()
+        let client = self.client.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if self.runtime.forked() {
+            std::mem::forget(client);
+            return None;
+        }
+        client
     }
 
     /// Drops the connection as a crash would, telling the coordinator first (see

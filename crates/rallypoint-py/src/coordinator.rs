@@ -20,7 +20,17 @@ pub struct Coordinator {
     /// Required of every client, and given to workers by `worker_env`.
     token: Option<String>,
     handle: Mutex<Option<ServerHandle>>,
-    runtime: Runtime,
+    runtime: crate::ParentOnly<Runtime>,
+}
+
+/// In a child forked from the process serving it, the coordinator is the parent's:
+/// its handle is left alone (and the runtime, see [`crate::ParentOnly`]).
+impl Drop for Coordinator {
+    fn drop(&mut self) {
+        if self.runtime.forked() {
+            std::mem::forget(self.handle.get_mut().unwrap_or_else(PoisonError::into_inner).take());
+        }
+    }
 }
 
 #[pymethods]
@@ -72,7 +82,7 @@ impl Coordinator {
             let _context = runtime.enter();
             server.spawn()
         };
-        Ok(Coordinator { addr, token, handle: Mutex::new(Some(handle)), runtime })
+        Ok(Coordinator { addr, token, handle: Mutex::new(Some(handle)), runtime: crate::ParentOnly::new(runtime) })
     }
 
     /// `host:port` the coordinator listens on (the real port when 0 was asked).
@@ -127,11 +137,16 @@ impl Coordinator {
     }
 
     /// Stops accepting, closes every connection (their ranks count as lost) and
-    /// waits until the server is done. Does nothing the second time.
+    /// waits until the server is done. Does nothing the second time, nor in a child
+    /// forked from the process serving it (the coordinator is the parent's).
     fn shutdown(&self, py: Python<'_>) -> PyResult<()> {
         let handle = self.handle.lock().unwrap_or_else(PoisonError::into_inner).take();
+        if self.runtime.forked() {
+            std::mem::forget(handle);
+            return Ok(());
+        }
         match handle {
-            Some(handle) => crate::wait(py, &self.runtime, handle.shutdown()),
+            Some(handle) => crate::wait(py, &*self.runtime, handle.shutdown()),
             None => Ok(()),
         }
     }

@@ -40,6 +40,45 @@ where
     }
 }
 
+/// A value a child forked from the process that made it leaks instead of dropping:
+/// a runtime's worker threads are not in the child, and dropping the runtime there
+/// waits for them for good.
+pub(crate) struct ParentOnly<T> {
+    /// `None` only once leaked.
+    value: Option<T>,
+    made_by: u32,
+}
+
+impl<T> ParentOnly<T> {
+    pub(crate) fn new(value: T) -> Self {
+        ParentOnly { value: Some(value), made_by: std::process::id() }
+    }
+
+    /// Whether this process is a child forked since.
+    pub(crate) fn forked(&self) -> bool {
+        std::process::id() != self.made_by
+    }
+}
+
+impl<T> std::ops::Deref for ParentOnly<T> {
+    type Target = T;
+
+    fn deref(&self) -> &T {
+        match &self.value {
+            Some(value) => value,
+            None => unreachable!("taken only when dropped"),
+        }
+    }
+}
+
+impl<T> Drop for ParentOnly<T> {
+    fn drop(&mut self) {
+        if self.forked() {
+            std::mem::forget(self.value.take());
+        }
+    }
+}
+
 /// What runs a future to completion in the calling thread.
 trait BlockOn: Sync {
     fn block_on<F: Future>(&self, future: F) -> F::Output;

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -167,3 +170,61 @@ def test_a_client_garbage_collected_without_close_is_lost_at_once(job):
             waiter.barrier("b", timeout=30)
         assert info.value.rank == 1 and info.value.reason == "connection dropped without a clean leave"
         waiter.close()
+
+
+
+FORKING = r"""
+import os, sys, time
+import rallypoint as rp
+
+co = rp._Coordinator()
+c = rp.Client(co.addr, rank=0, world_size=1, job=sys.argv[1], timeout=10)
+c.set("before", "fork")
+
+
+def end(pid):
+    for _ in range(300):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.05)
+    return "hung"
+
+
+pid = os.fork()
+if pid == 0:
+    try:
+        c.get("before")
+        print("child: the call ran", flush=True)
+    except rp.ConnectionError as e:
+        print("child:", e, flush=True)
+    c.close()  # not the child's to close: nothing happens
+    co.shutdown()  # nor to stop
+    sys.exit(0)  # the interpreter's end drops both
+print("first child:", end(pid), flush=True)
+# The parent's connection and coordinator are untouched.
+assert c.get("before") == b"fork"
+c.barrier("after")
+pid = os.fork()
+if pid == 0:
+    del c, co  # dropped at once, without a word
+    sys.exit(0)
+print("second child:", end(pid), flush=True)
+assert c.get("before") == b"fork"
+c.close()
+co.shutdown()
+print("parent: ok", flush=True)
+"""
+
+
+def test_a_forked_child_leaves_the_inherited_client_and_coordinator_to_its_parent(job):
+    run = subprocess.run([sys.executable, "-c", FORKING, job], capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert re.fullmatch(
+        r"child: this client of 127\.0\.0\.1:\d+ was made in process \d+, and this process \(\d+\) was forked "
+        r"from it: its connection is the parent's; make a new client here",
+        lines[0],
+    ), run.stdout
+    assert lines[1:] == ["first child: 0", "second child: 0", "parent: ok"], run.stdout + run.stderr
+    assert "panicked" not in run.stderr, run.stderr
