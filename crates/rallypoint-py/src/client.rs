@@ -171,6 +171,13 @@ impl Client {
     }
 }
 
+/// Whether `exc` is a `SystemExit` saying success (`sys.exit()`, `sys.exit(0)`): the
+/// process ends as one that returned does.
+fn successful_exit(exc: &Bound<'_, PyAny>) -> bool {
+    exc.is_instance_of::<pyo3::exceptions::PySystemExit>()
+        && exc.getattr("code").is_ok_and(|code| code.is_none() || code.extract::<i64>().is_ok_and(|c| c == 0))
+}
+
 /// How long dropping a client waits for the coordinator to be told.
 const ABANDON_WAIT: Duration = Duration::from_secs(1);
 
@@ -529,11 +536,19 @@ impl Client {
     }
 
     /// Leaves cleanly: the coordinator records that this rank left (it may come
-    /// back) rather than died. Does nothing the second time.
+    /// back) rather than died. Does nothing the second time. Closed all the same
+    /// when the coordinator cannot be told (the connection is lost, the job
+    /// aborted): a RuntimeWarning says so, as cleanup code must not fail on it.
     fn close(&self, py: Python<'_>) -> PyResult<()> {
-        match self.take() {
-            Some(client) => self.run(py, client.close()),
-            None => Ok(()),
+        let Some(client) = self.take() else { return Ok(()) };
+        match crate::wait(py, &self.runtime, client.close())? {
+            Ok(()) => Ok(()),
+            Err(error) => {
+                let message = format!("rallypoint: closed without telling the coordinator this rank left: {error}");
+                let message = std::ffi::CString::new(message.replace('\0', "?")).unwrap_or_default();
+                let category = py.get_type::<pyo3::exceptions::PyRuntimeWarning>();
+                PyErr::warn(py, &category, &message, 1)
+            }
         }
     }
 
@@ -543,24 +558,23 @@ impl Client {
         Ok(slf)
     }
 
-    /// Closes cleanly when the block ends normally. When it raises, drops the
-    /// connection as a crash would, so that peers waiting for this rank fail at
-    /// once with PeerLost instead of waiting for a rank that has merely left.
-    #[pyo3(signature = (exc_type, _exc = None, _tb = None))]
+    /// Closes cleanly when the block ends normally (a `sys.exit(0)` in it included).
+    /// When it raises, drops the connection as a crash would, so that peers waiting
+    /// for this rank fail at once with PeerLost instead of waiting for a rank that
+    /// has merely left.
+    #[pyo3(signature = (exc_type, exc = None, _tb = None))]
     fn __exit__(
         &self,
         py: Python<'_>,
         exc_type: Option<&Bound<'_, PyAny>>,
-        _exc: Option<&Bound<'_, PyAny>>,
+        exc: Option<&Bound<'_, PyAny>>,
         _tb: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        match exc_type {
-            None => self.close(py),
-            Some(_) => {
-                self.abandon(py);
-                Ok(())
-            }
+        if exc_type.is_none() || exc.is_some_and(successful_exit) {
+            return self.close(py);
         }
+        self.abandon(py);
+        Ok(())
     }
 
     fn __repr__(&self) -> String {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -219,6 +220,42 @@ def test_clean_close_is_not_death(coordinator, job):
     c.close()
 
 
+@pytest.mark.parametrize("code", [None, 0])
+def test_sys_exit_0_in_a_with_block_closes_cleanly(coordinator, job, code):
+    leaver = client(coordinator, job, rank=1, world_size=2)
+    with pytest.raises(SystemExit):
+        with leaver:
+            sys.exit(code)
+    assert leaver.closed
+    c = client(coordinator, job, rank=0, world_size=2)
+    with pytest.raises(rp.BarrierTimeout) as info:
+        c.barrier(timeout=0.3)
+    assert info.value.missing[0].state == "left"
+    c.close()
+
+
+def test_sys_exit_with_a_failing_code_in_a_with_block_is_a_crash(coordinator, job):
+    waiter = client(coordinator, job, rank=0, world_size=2)
+    leaver = client(coordinator, job, rank=1, world_size=2)
+    with pytest.raises(SystemExit):
+        with leaver:
+            sys.exit(3)
+    with pytest.raises(rp.PeerLost) as info:
+        waiter.barrier("b", timeout=10)
+    assert info.value.rank == 1
+    waiter.close()
+
+
+def test_close_after_the_coordinator_is_gone_warns_and_closes(job):
+    co = rp._Coordinator()
+    c = rp.Client(co.addr, rank=0, world_size=1, job=job, timeout=5)
+    co.shutdown()
+    with pytest.warns(RuntimeWarning, match="closed without telling the coordinator this rank left: "):
+        c.close()
+    assert c.closed
+    c.close()  # nothing the second time
+
+
 def test_abort_reaches_waiting_ranks(coordinator, job):
     waiter = client(coordinator, job, rank=1, world_size=2)
     aborter = client(coordinator, job, rank=0, world_size=2)
@@ -418,3 +455,11 @@ def test_exception_hierarchy():
     assert issubclass(rp.ConnectionError, ConnectionError)
     assert issubclass(rp.InvalidArgument, ValueError)
     assert rp.PeerLost.__module__ == "rallypoint"
+
+
+def test_every_exception_is_exported_by_name():
+    # A literal __all__ (what type checkers read) that names every exception class.
+    from rallypoint import _errors
+
+    assert set(_errors.__all__) <= set(rp.__all__)
+    assert all(hasattr(rp, name) for name in rp.__all__)

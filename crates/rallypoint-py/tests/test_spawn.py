@@ -25,6 +25,17 @@ def test_spawn_results_may_be_none():
     assert rp.spawn(workers.returns_none, 2) == [None, None]
 
 
+@pytest.mark.parametrize("code", [None, 0])
+def test_a_spawned_sys_exit_0_is_a_return_of_none(code):
+    assert rp.spawn(workers.exits, 2, args=(code,)) == [0, None]
+
+
+def test_a_spawned_sys_exit_with_a_failing_code_fails():
+    with pytest.raises(rp.WorkerError) as info:
+        rp.spawn(workers.exits, 2, args=(3,))
+    assert info.value.rank == 1 and str(info.value).startswith(f"rank 1 (pid {info.value.pid}) raised SystemExit: 3")
+
+
 def test_spawn_raises_a_workers_exception_with_its_rank_and_traceback():
     started = time.monotonic()
     with pytest.raises(rp.WorkerError) as info:

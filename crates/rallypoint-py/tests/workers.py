@@ -1,6 +1,7 @@
 """Functions run by rallypoint.spawn in the tests (importable by the child processes)."""
 
 import os
+import sys
 import time
 
 import rallypoint as rp
@@ -35,3 +36,10 @@ def rank_one_dies():
 def returns_none():
     time.sleep(0.01)
     return None
+
+
+def exits(code=None):
+    """sys.exit(code) on every rank but 0 (which returns its rank)."""
+    if int(os.environ["RANK"]) != 0:
+        sys.exit(code)
+    return 0

@@ -40,6 +40,30 @@ from ._native import Client, _Coordinator, __version__
 from ._scope import Scope
 from .spawn import spawn
 
-from . import _errors
-
-__all__ = ["Client", "Scope", "spawn", *_errors.__all__, "_Coordinator"]
+# Spelled out, not built from _errors.__all__: type checkers read only a literal list.
+__all__ = [
+    "Client",
+    "Scope",
+    "spawn",
+    "RallypointError",
+    "BarrierTimeout",
+    "KeyTimeout",
+    "ReplyTimeout",
+    "PeerLost",
+    "ThisRankLost",
+    "Aborted",
+    "MismatchError",
+    "BadMembers",
+    "IncarnationRefused",
+    "RankHeld",
+    "RankTakenOver",
+    "JobReset",
+    "StaleIncarnation",
+    "ConnectionError",
+    "AuthError",
+    "InvalidArgument",
+    "WorkerError",
+    "RankInfo",
+    "ProcessInfo",
+    "_Coordinator",
+]

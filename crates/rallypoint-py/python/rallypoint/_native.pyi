@@ -197,7 +197,9 @@ class Client:
     def close(self) -> None:
         """Leaves cleanly: the coordinator records that this rank left (it may come
         back) rather than died. Calls still waiting in other threads fail with
-        :class:`rallypoint.ConnectionError`. Does nothing the second time."""
+        :class:`rallypoint.ConnectionError`. Does nothing the second time. Where the
+        coordinator cannot be told (the connection is lost), closes all the same with
+        a ``RuntimeWarning``."""
     def __enter__(self) -> "Client":
         """Raises :class:`rallypoint.ConnectionError` if the client is closed."""
     def __exit__(

@@ -74,8 +74,15 @@ def _worker(
     os.environ.update(env)
     try:
         try:
-            message = pickle.dumps(("ok", fn(*args, **kwargs)))
-        except BaseException as error:  # noqa: BLE001 - KeyboardInterrupt and SystemExit are failures too
+            try:
+                result = fn(*args, **kwargs)
+            except SystemExit as ended:
+                # sys.exit() or sys.exit(0) ends a process as returning does; any other code fails it.
+                if ended.code not in (None, 0):
+                    raise
+                result = None
+            message = pickle.dumps(("ok", result))
+        except BaseException as error:  # noqa: BLE001 - KeyboardInterrupt and a failing SystemExit too
             # Sent from inside the handler: the traceback still holds fn's frames and so
             # its clients, whose connections would otherwise drop (telling the peers
             # PeerLost) before the parent hears of the cause.
