@@ -11,7 +11,7 @@ use std::io::{Read, Write};
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use rallypoint_client::env::{Overrides, Settings};
-use rallypoint_client::{Client, Error, Incarnation, Members};
+use rallypoint_client::{Client, Error, Incarnation, Members, OpError};
 use rallypoint_launch::discovery;
 
 use crate::exit::usage;
@@ -354,7 +354,14 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
             print_line(Incarnation(incarnation).to_string().as_bytes())?;
         }
         Verb::Abort { reason, conn } => {
-            let client = connect(&conn.tool()?).await?;
+            // As this process's rank, if it has one, so that every error names the
+            // rank that aborted; as a tool if another process holds the rank (the
+            // worker that runs this command).
+            let settings = conn.settings(None)?;
+            let client = match connect(&settings).await {
+                Err(Error::Op(OpError::RankHeld { .. })) if settings.rank.is_some() => connect(&conn.tool()?).await?,
+                connected => connected?,
+            };
             let result = client.abort(&reason).await;
             finish(client, result).await?;
         }

@@ -598,6 +598,38 @@ fn a_rank_that_exits_0_while_its_peers_wait_for_it_is_named_as_the_root_cause() 
     peers_failed_for(&run.stderr, [0, 2], "rank 1 finished early");
 }
 
+/// A rank that aborts the job is its root cause, not the first peer to exit for
+/// the abort; a process of no rank that aborts it is named by pid and host.
+#[test]
+fn a_job_aborted_by_a_rank_names_that_rank_first() {
+    let dir = temp_dir("abortedbyrank");
+    let script = r#"
+        if [ "$RANK" = 2 ]; then sleep 0.3; "$RP" abort "loss is NaN"; exec sleep 30; fi
+        exec "$RP" barrier b --timeout 60
+    "#;
+    let run = launch(&["--nproc-per-node", "3", "--grace", "2", "--job", "abl"], script, &dir).finish();
+    assert_eq!(run.code, Some(5), "{}", run.stderr);
+    let headline = run.stderr.lines().find(|l| l.contains("FAILED")).unwrap_or_default();
+    assert!(headline.ends_with("): rank 2 aborted the job: loss is NaN"), "{}", run.stderr);
+    assert!(run.stderr.contains("  rank 2 (node 0, host "), "{}", run.stderr);
+    assert!(run.stderr.contains("was aborted by rank 2 (host "), "{}", run.stderr);
+    assert!(run.stderr.contains("exited with code 5 after rank 2 aborted the job"), "{}", run.stderr);
+
+    let script = r#"
+        if [ "$RANK" = 1 ]; then sleep 0.3; env -u RANK "$RP" abort "operator says stop"; exec sleep 30; fi
+        exec "$RP" barrier b --timeout 60
+    "#;
+    let run = launch(&["--nproc-per-node", "2", "--grace", "2", "--job", "abt"], script, &dir).finish();
+    assert_eq!(run.code, Some(5), "{}", run.stderr);
+    let headline = run.stderr.lines().find(|l| l.contains("FAILED")).unwrap_or_default();
+    assert!(
+        headline.contains("): pid ") && headline.ends_with(" aborted the job: operator says stop"),
+        "{}",
+        run.stderr
+    );
+    assert!(run.stderr.contains("a process of no rank (a tool, or a command), aborted the job"), "{}", run.stderr);
+}
+
 /// Rank 2 exits 0 early under collectives the coordinator does not see (torch's
 /// own: a peer left behind fails with "Connection closed by peer", naming no rank):
 /// the first failure is shown with the early end before it.

@@ -402,6 +402,31 @@ fn abort_fails_pending_and_later_operations_naming_who_aborted() {
 }
 
 #[test]
+fn an_abort_reason_is_shown_on_one_line_and_never_empty() {
+    let cases = [
+        ("line1\nline2 \u{1b}[31mRED\u{1b}[0m", "line1\\nline2 \\u{1b}[31mRED\\u{1b}[0m"),
+        ("x\nranks: 8 connected, 0 lost", "x\\nranks: 8 connected, 0 lost"),
+        ("", "(no reason given)"),
+        (" \t", "(no reason given)"),
+        ("naïve reason", "naïve reason"),
+    ];
+    for (i, (given, shown)) in cases.into_iter().enumerate() {
+        let mut h = Harness::new();
+        let job = format!("j{i}");
+        let s = h.rank(&job, 0, 2);
+        let w = h.send(s, barrier("x", None));
+        let aborter = h.rank(&job, 1, 2);
+        h.call(aborter, Request::Abort { reason: given.into() }).expect("abort");
+        let e = err(h.take(s, w));
+        let OpError::Aborted { by, .. } = &e else { panic!("{e:?}") };
+        assert_eq!(by.reason, shown);
+        assert!(!e.to_string().contains('\n') && !e.to_string().contains('\u{1b}'), "{e}");
+        let report = status(&mut h, &job);
+        assert!(report.contains(&format!(": {shown}\n")), "{report}");
+    }
+}
+
+#[test]
 fn bad_identities_are_refused() {
     let mut h = Harness::new();
     let cases = [

@@ -69,6 +69,16 @@ pub enum FailureKind {
         /// The failure that brought it to light: usually a peer that failed for it.
         revealed_by: Box<Failure>,
     },
+    /// A rank (or a process of no rank: a tool, a person's command) aborted the job,
+    /// and its peers failed for the abort: it is the root cause, not the first of them
+    /// to exit. `Failure::node` and `host` are the aborter's (its node, where known).
+    Aborted {
+        by_rank: Option<u32>,
+        pid: u32,
+        reason: String,
+        /// The failure that brought it to light: usually a peer that failed for it.
+        revealed_by: Box<Failure>,
+    },
     /// A node's launcher vanished or could not be reached.
     NodeLost { detail: String },
     /// The launcher was told to stop.
@@ -145,7 +155,9 @@ impl Failure {
             FailureKind::NotStarted { exit_code, .. } => *exit_code,
             // What the peers' failure says (a peer lost, usually): the lost rank
             // itself was still running, or was killed by the launcher.
-            FailureKind::RankLost { revealed_by, .. } => revealed_by.exit_code(),
+            FailureKind::RankLost { revealed_by, .. } | FailureKind::Aborted { revealed_by, .. } => {
+                revealed_by.exit_code()
+            }
             FailureKind::NodeLost { .. } => 1,
             FailureKind::Interrupted { signal } => 128 + signal,
             FailureKind::Hung { .. } => HANG_EXIT,
@@ -174,6 +186,12 @@ impl Failure {
                         format!("rank {rank} exited with code 0 at {at} while its peers still needed it")
                     }
                 }
+            }
+            FailureKind::Aborted { by_rank: Some(rank), reason, .. } => {
+                format!("rank {rank} aborted the job: {reason}")
+            }
+            FailureKind::Aborted { by_rank: None, pid, reason, .. } => {
+                format!("pid {pid} on host {} aborted the job: {reason}", self.host)
             }
             FailureKind::NodeLost { detail } => format!("node {} ({}) was lost: {detail}", self.node, self.host),
             FailureKind::Interrupted { signal } => {
@@ -208,6 +226,7 @@ impl Failure {
             FailureKind::Worker { rank, .. }
             | FailureKind::NotStarted { rank, .. }
             | FailureKind::RankLost { rank, .. } => Some(*rank),
+            FailureKind::Aborted { by_rank, .. } => *by_rank,
             FailureKind::NodeLost { .. } | FailureKind::Interrupted { .. } | FailureKind::Hung { .. } => None,
         }
     }
@@ -345,6 +364,21 @@ pub fn summary(
                 write_tail(&mut s, &format!("rank {rank}"), &format!("rank {rank}'s"), stderr_tail);
             }
         }
+        FailureKind::Aborted { by_rank, pid, reason, revealed_by } => {
+            let node = if by_rank.is_some() { format!("node {}, ", first.node) } else { String::new() };
+            let who = match by_rank {
+                Some(rank) => format!("rank {rank} ({node}host {}, pid {pid})", first.host),
+                None => format!("pid {pid} on host {}, a process of no rank (a tool, or a command),", first.host),
+            };
+            let _ = writeln!(s, "  {who} aborted the job: {reason}");
+            if let Some(own) = local.iter().find(|o| by_rank.is_some() && Some(o.rank) == root) {
+                let _ = writeln!(s, "  then it {}", own_end(own));
+            }
+            let _ = writeln!(s, "  {} at {}, the first to fail for it", revealed_by.headline(), revealed_by.time());
+            if let FailureKind::Worker { rank, stderr_tail, .. } = &revealed_by.what {
+                write_tail(&mut s, &format!("rank {rank}"), &format!("rank {rank}'s"), stderr_tail);
+            }
+        }
         FailureKind::NodeLost { .. } | FailureKind::Interrupted { .. } => {
             let _ = writeln!(s, "  {} at {}", first.headline(), first.time());
         }
@@ -367,13 +401,15 @@ pub fn summary(
         FailureKind::NotStarted { rank, .. } => format!("rank {rank} could not start"),
         FailureKind::RankLost { rank, loss: Loss::Finished { .. }, .. } => format!("rank {rank} finished early"),
         FailureKind::RankLost { rank, .. } => format!("rank {rank} was lost"),
+        FailureKind::Aborted { by_rank: Some(rank), .. } => format!("rank {rank} aborted the job"),
+        FailureKind::Aborted { by_rank: None, .. } => "the job was aborted".to_owned(),
         FailureKind::NodeLost { .. } => format!("node {} was lost", first.node),
         FailureKind::Interrupted { signal } => format!("the launcher received {}", signal_name(*signal)),
         FailureKind::Hung { .. } => "the job hung".to_owned(),
     };
-    // A lost rank was lost before any failure it is blamed for: the peer that revealed
-    // it failed after it too.
-    let lost_first = matches!(first.what, FailureKind::RankLost { .. });
+    // A lost rank was lost (an abort made) before any failure it is blamed for: the
+    // peer that revealed it failed after it too.
+    let lost_first = matches!(first.what, FailureKind::RankLost { .. } | FailureKind::Aborted { .. });
     let others: Vec<&RankOutcome> = local.iter().filter(|o| Some(o.rank) != root).collect();
     if !others.is_empty() {
         let _ = writeln!(s, "other ranks on this node:");

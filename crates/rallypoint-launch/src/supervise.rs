@@ -671,8 +671,12 @@ impl Attempt<'_> {
         // abort, so that they learn of the rank whichever reaches them first. Every
         // node says so, not only the worker's: another node's launcher, told by its
         // report, may abort the job before the worker's own launcher does.
-        let exited = match &failure.what {
-            FailureKind::Worker { rank, pid, exit, .. } => Some((*rank, failure.host.clone(), *pid, *exit)),
+        let worker = match &failure.what {
+            FailureKind::Aborted { revealed_by, .. } => revealed_by,
+            _ => &failure,
+        };
+        let exited = match &worker.what {
+            FailureKind::Worker { rank, pid, exit, .. } => Some((*rank, worker.host.clone(), *pid, *exit)),
             _ => None,
         };
         abort_job(self.job, self.host, self.world_size, self.token.clone(), exited, failure.abort_reason());
@@ -768,7 +772,7 @@ impl Attempt<'_> {
                 cause = Some((lost_at, last_seen, loss, info));
             }
         }
-        let Some((_, last_seen, loss, info)) = cause else { return failure };
+        let Some((_, last_seen, loss, info)) = cause else { return self.aborted_for(failure, own) };
         let (node, local_rank) = self.place(info.rank).map_or((failure.node, None), |(n, l)| (n, Some(l)));
         let process = self.process_of(info.rank, info.pid, info.host.as_deref(), running);
         Failure {
@@ -785,6 +789,28 @@ impl Attempt<'_> {
             host: info.host.unwrap_or_else(|| "?".into()),
             at_unix_ms: now_ms,
         }
+    }
+
+    /// On node 0: a worker failure in a job that a rank (or a process of no rank)
+    /// aborted first becomes that abort: the peers fail for it, the first of them to
+    /// exit is not the cause. Not where the failed worker's rank was lost before the
+    /// abort (`own`: when): that abort answered its loss. A launcher's own abort (at
+    /// another node's failure) is judged by that failure (see `reconsider`).
+    fn aborted_for(&self, failure: Failure, own: Option<u64>) -> Failure {
+        let Some(server) = self.server else { return failure };
+        let job = &self.job.attempt_job;
+        let (Some(abort), Some(at)) = (server.aborted(job), server.aborted_at_unix_ms(job)) else { return failure };
+        if abort.reason.starts_with(LAUNCHER_ABORT) || own.is_some_and(|lost| lost < at) {
+            return failure;
+        }
+        let node = abort.by_rank.and_then(|rank| self.place(rank)).map_or(failure.node, |(node, _)| node);
+        let what = FailureKind::Aborted {
+            by_rank: abort.by_rank,
+            pid: abort.pid,
+            reason: abort.reason,
+            revealed_by: Box::new(failure),
+        };
+        Failure { what, node, host: abort.host, at_unix_ms: at }
     }
 
     /// A worker's failure, with the first rank that exited with code 0 before it

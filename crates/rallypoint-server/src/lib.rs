@@ -343,6 +343,11 @@ impl ServerHandle {
         self.shared.aborted(job)
     }
 
+    /// When `job` was aborted (ms since the Unix epoch), if it was.
+    pub fn aborted_at_unix_ms(&self, job: &str) -> Option<u64> {
+        self.shared.aborted_at_unix_ms(job)
+    }
+
     /// How long the processes of `job` have asked nothing of this coordinator (no
     /// connection, no request but heartbeats, leaves and status requests); `None` if
     /// it holds no such job. The launcher hosting it reads this to tell a hung job.

@@ -480,6 +480,11 @@ impl Shared {
         lock(&self.state).engine.aborted(job)
     }
 
+    /// See [`super::ServerHandle::aborted_at_unix_ms`].
+    pub(crate) fn aborted_at_unix_ms(&self, job: &str) -> Option<u64> {
+        lock(&self.state).engine.aborted_at_unix_ms(job)
+    }
+
     /// See [`super::ServerHandle::quiet_for`].
     pub(crate) fn quiet_ms(&self, job: &str) -> Option<u64> {
         let state = lock(&self.state);

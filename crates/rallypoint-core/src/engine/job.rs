@@ -18,6 +18,8 @@ pub(crate) struct Job {
     pub ranks: Ranks,
     pub collectives: Collectives,
     pub aborted: Option<AbortInfo>,
+    /// When it was aborted (engine time), if it was.
+    pub aborted_at: Millis,
     /// The incarnation the job is at, once a process named one or reset it.
     pub incarnation: Option<Box<JobIncarnation>>,
     /// The job was reset to this newer incarnation (a `Job` of its own): this one only
@@ -54,6 +56,7 @@ impl Job {
             ranks: Ranks::default(),
             collectives: Collectives::new(config.failed_generations_kept, config.limits.max_gather_bytes),
             aborted: None,
+            aborted_at: 0,
             incarnation: None,
             superseded: None,
             sessions: 0,
@@ -121,6 +124,7 @@ impl Job {
             return;
         }
         self.aborted = Some(by);
+        self.aborted_at = ctx.now;
         let Some(error) = self.abort_error() else { return };
         self.store.fail_all(&error, ctx.out);
         self.collectives.fail_all(&error, &self.ranks, ctx);

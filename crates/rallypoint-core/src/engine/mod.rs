@@ -992,6 +992,13 @@ impl Engine {
         self.held_job(job)?.aborted.clone()
     }
 
+    /// When `job` was aborted (ms since the Unix epoch), if it was: a launcher tells
+    /// an abort its peers failed for from one made after a rank was lost.
+    pub fn aborted_at_unix_ms(&self, job: &str) -> Option<u64> {
+        let job = self.held_job(job)?;
+        job.aborted.as_ref().map(|_| self.unix_ms(job.aborted_at))
+    }
+
     /// How long ago (ms) a process of `job` last asked for something (connected, or
     /// made a request other than a heartbeat, a leave or a status request); `None`
     /// for a job the engine does not hold.

@@ -506,6 +506,7 @@ impl<'a> Step<'a> {
 
     fn abort(&mut self, caller: &Caller, reason: String) -> Option<Reply> {
         let identity = &self.sessions.get(&caller.session)?.identity;
+        let reason = one_line(reason);
         let by = AbortInfo { by_rank: identity.rank, host: identity.host.clone(), pid: identity.pid, reason };
         self.job.abort(by, &mut self.ctx);
         DONE
@@ -750,4 +751,17 @@ fn boolean(b: bool) -> Option<Reply> {
 
 fn popped((len_before, value): (i64, Option<Bytes>)) -> Option<Reply> {
     Some(Ok(Response::Popped { len_before, value }))
+}
+
+/// An abort's reason as every rank's error and `status` show it: on one line, its
+/// control characters (a traceback's newlines, a terminal's escapes) written out
+/// rather than obeyed, and never empty. Not refused: an abort must happen.
+fn one_line(reason: String) -> String {
+    if reason.trim().is_empty() {
+        return "(no reason given)".to_owned();
+    }
+    if !reason.chars().any(char::is_control) {
+        return reason;
+    }
+    reason.chars().map(|c| if c.is_control() { c.escape_default().to_string() } else { c.to_string() }).collect()
 }
