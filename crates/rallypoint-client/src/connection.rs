@@ -1887,9 +1887,17 @@ async fn expire_calls(link: &Link) -> Infallible {
 enum Ended {
     /// Cut (an I/O error, the coordinator closed it, or silence): worth a resume.
     Cut(String),
+    /// A write failed: cut too, but the coordinator may have answered before it
+    /// closed (a request beyond its frame limit is answered so), and that answer is
+    /// still to be read.
+    WriteFailed(String),
     /// For good: shut down by the client, dropped, or the coordinator broke the protocol.
     Done(String, Option<oneshot::Sender<()>>),
 }
+
+/// How long a connection whose write failed is still read: the coordinator's last
+/// words are in the socket already, or never come.
+const DRAIN_AFTER_WRITE_FAILED: Duration = Duration::from_millis(200);
 
 async fn run(mut connected: Connected, mut queue: mpsc::UnboundedReceiver<Command>, link: &Link, redial: Redial) {
     let lease = connected.welcome.lease_ms;
@@ -1908,15 +1916,26 @@ async fn run(mut connected: Connected, mut queue: mpsc::UnboundedReceiver<Comman
         link.start_reading(reader, std::mem::take(&mut connected.buffered), epoch);
         // Reading and writing run concurrently, so a large write never stops replies
         // from being read (which could deadlock against a server doing the same).
+        let mut reading = std::pin::pin!(read_loop(link));
         let ended = tokio::select! {
-            why = read_loop(link) => why,
+            why = &mut reading => why,
             ended = write_loop(writer, &mut queue, link, &mut beat, epoch, std::mem::take(&mut resend)) => ended,
+        };
+        let ended = match ended {
+            // Read to the end, briefly: otherwise the call would only see the cut,
+            // write its request again on the resumed session, and so on until its
+            // timeout.
+            Ended::WriteFailed(why) => match tokio::time::timeout(DRAIN_AFTER_WRITE_FAILED, reading).await {
+                Ok(Ended::Done(why, done)) => Ended::Done(why, done),
+                Ok(_) | Err(_) => Ended::Cut(why),
+            },
+            ended => ended,
         };
         // The write half goes with its connection: calls hand their requests to the
         // task until the next one is up. Bytes a call left for it are moot.
         *link.lock_direct() = Direct::default();
         link.end_reading();
-        if matches!(ended, Ended::Cut(_)) {
+        if matches!(ended, Ended::Cut(_) | Ended::WriteFailed(_)) {
             link.adopt_channel_calls();
         }
         link.channels.connection_ended();
@@ -1930,7 +1949,7 @@ async fn run(mut connected: Connected, mut queue: mpsc::UnboundedReceiver<Comman
                 }
                 return;
             }
-            Ended::Cut(why) => why,
+            Ended::Cut(why) | Ended::WriteFailed(why) => why,
         };
         debug!(addr = %link.addr, %why, "connection cut; resuming the session");
         match reconnect(link, &redial, window, &why).await {
@@ -2114,7 +2133,7 @@ async fn write_loop(
             }
             .await;
             if let Err(error) = wrote {
-                return Ended::Cut(error.to_string());
+                return Ended::WriteFailed(error.to_string());
             }
             link.lock_direct().busy = false;
             buf.clear();

@@ -537,6 +537,16 @@ pub fn decode_requests(rbuf: &mut BytesMut, limits: &FrameLimits, mut on: impl F
             Ok(Some(ClientFrame::AuthStart { .. } | ClientFrame::AuthProof { .. })) => {
                 on(Inbound::Invalid { id: None, message: "a token handshake frame after the hello".to_owned() })
             }
+            Err(error @ ProtoError::FrameTooLarge { id: Some(id), len, max }) => {
+                // Answered before the connection closes, or its client would only see
+                // the cut, send it again on a new connection and wait out its timeout.
+                let message = format!(
+                    "a request of {len} bytes is more than this coordinator reads in one frame ({max} bytes: \
+                     docs/PROTOCOL.md, section 10): send less per request"
+                );
+                on(Inbound::Invalid { id: Some(id), message });
+                return Err(End::malformed(error));
+            }
             Err(error) if error.is_fatal() => return Err(End::malformed(error)),
             Err(ProtoError::BadRequest { id, message }) => on(Inbound::Invalid { id, message }),
             Err(error) => on(Inbound::Invalid { id: None, message: error.to_string() }),

@@ -112,9 +112,19 @@ fn oversized_frames_are_fatal() {
     let limits = FrameLimits { max_frame_len: 16 };
     let mut src = BytesMut::new();
     src.put_u32_le(17);
+    // Not before its id has come, where it may be a request.
+    assert_eq!(decode_client_frame(&mut src, &limits), Ok(None));
+    src.put_u8(0x02);
+    src.put_u64_le(42);
     let err = decode_client_frame(&mut src, &limits).unwrap_err();
-    assert_eq!(err, ProtoError::FrameTooLarge { len: 17, max: 16 });
+    assert_eq!(err, ProtoError::FrameTooLarge { len: 17, max: 16, id: Some(42) });
     assert!(err.is_fatal());
+    // Another kind of frame is refused at once, with no id.
+    let mut src = BytesMut::new();
+    src.put_u32_le(17);
+    src.put_u8(0x01);
+    let err = decode_client_frame(&mut src, &limits).unwrap_err();
+    assert_eq!(err, ProtoError::FrameTooLarge { len: 17, max: 16, id: None });
     // u32::MAX is reserved: rejected even without a limit.
     let mut src = BytesMut::from(&[0xff, 0xff, 0xff, 0xff][..]);
     let err = decode_server_frame(&mut src, &FrameLimits::unbounded()).unwrap_err();

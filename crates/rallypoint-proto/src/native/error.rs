@@ -11,9 +11,11 @@ pub enum ProtoError {
     BadMagic { got: Bytes },
 
     /// A length prefix above the receiver's limit: the peer is broken or hostile,
-    /// and nothing after it can be trusted.
+    /// and nothing after it can be trusted. `id`: the request id, where the frame
+    /// is a client's request whose id came with its prefix (a request too large for
+    /// any limit: its call can still be answered before the connection closes).
     #[error("frame of {len} bytes exceeds the limit of {max} bytes")]
-    FrameTooLarge { len: usize, max: usize },
+    FrameTooLarge { len: usize, max: usize, id: Option<u64> },
 
     /// A client frame arrived whole but its contents do not decode. The frame was
     /// consumed; `id` is the request id if it could be read.

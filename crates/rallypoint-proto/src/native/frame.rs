@@ -367,8 +367,20 @@ pub fn pending_frame_len(src: &[u8]) -> Option<usize> {
 /// `Ok(None)`: `src` does not hold a whole frame yet; read more and call again.
 /// A non-fatal error consumed its frame, so decoding can continue after it.
 pub fn decode_client_frame(src: &mut BytesMut, limits: &FrameLimits) -> Result<Option<ClientFrame>, ProtoError> {
-    let Some(body) = take_frame(src, limits)? else {
-        return Ok(None);
+    let body = match take_frame(src, limits) {
+        Ok(Some(body)) => body,
+        Ok(None) => return Ok(None),
+        Err(ProtoError::FrameTooLarge { len, max, .. }) => {
+            // A request's kind and id follow its prefix: wait for those nine bytes.
+            const ID_END: usize = LEN_PREFIX + 1 + 8;
+            let request = src.get(LEN_PREFIX).is_none_or(|&k| k == kind::REQUEST);
+            if request && src.len() < ID_END {
+                return Ok(None);
+            }
+            let id = src.get(LEN_PREFIX + 1..ID_END).filter(|_| request).and_then(|id| id.try_into().ok());
+            return Err(ProtoError::FrameTooLarge { len, max, id: id.map(u64::from_le_bytes) });
+        }
+        Err(error) => return Err(error),
     };
     let mut r = Reader::new(body);
     let mut id = None;
@@ -394,7 +406,7 @@ pub(crate) fn take_frame(src: &mut BytesMut, limits: &FrameLimits) -> Result<Opt
     let len = peek.get_u32_le() as usize;
     let max = limits.max_frame_len.min(MAX_FRAME_LEN);
     if len > max {
-        return Err(ProtoError::FrameTooLarge { len, max });
+        return Err(ProtoError::FrameTooLarge { len, max, id: None });
     }
     // No reserve() for the announced length: a peer that sends only a large
     // prefix must not make us allocate it. The read loop grows `src` as bytes arrive.

@@ -117,6 +117,26 @@ async fn malformed_input_costs_only_its_own_connection() {
     assert!(matches!(decode_server_frame(&mut got, &FrameLimits::unbounded()), Ok(Some(ServerFrame::Welcome(_)))));
     assert!(got.is_empty(), "nothing but the welcome");
 
+    // The same prefix on a request: its call is answered before the close, naming
+    // the limit, rather than left to its timeout.
+    let mut s = raw(&server).await;
+    let mut out = hello(Identity::anonymous("m"));
+    out.put_u32_le(0xffff_fff0);
+    out.put_u8(0x02);
+    out.put_u64_le(9);
+    send(&mut s, &out).await;
+    let mut got = expect_closed(&mut s, "oversized request").await;
+    assert!(matches!(decode_server_frame(&mut got, &FrameLimits::unbounded()), Ok(Some(ServerFrame::Welcome(_)))));
+    match decode_server_frame(&mut got, &FrameLimits::unbounded()) {
+        Ok(Some(ServerFrame::Reply { id: 9, reply: Err(OpError::Invalid(message)) })) => {
+            assert!(
+                message.starts_with("a request of 4294967280 bytes is more than this coordinator reads"),
+                "{message}"
+            );
+        }
+        other => panic!("expected Invalid for request 9, got {other:?}"),
+    }
+
     // A well-framed request with an unknown opcode: answered with Invalid, and the
     // connection stays usable.
     let mut s = raw(&server).await;
@@ -326,4 +346,27 @@ async fn answers_a_channel_request_with_none(server: ServerHandle) {
         other => panic!("expected the barrier's reply, got {other:?}"),
     }
     server.shutdown().await;
+}
+
+/// A request larger than any frame the coordinator reads (each value within its
+/// limit, their sum not): the call fails at once naming the frame limit, instead of
+/// the client sending it again on every reconnect until its timeout; the client
+/// carries on.
+#[tokio::test]
+async fn a_request_beyond_the_frame_limit_fails_its_call_and_the_client_carries_on() {
+    let server = start_server().await;
+    let client = connect(&server, Identity::anonymous("big")).await;
+    let value = vec![b'x'; 8 << 20];
+    let entries: Vec<(String, &[u8])> = (0..9).map(|i| (format!("b{i}"), value.as_slice())).collect();
+    let result = bounded("the oversized multi_set", client.multi_set(&entries)).await;
+    match result {
+        Err(Error::Op(OpError::Invalid(message))) => {
+            assert!(message.contains("is more than this coordinator reads in one frame"), "{message}");
+        }
+        other => panic!("expected Invalid, got {other:?}"),
+    }
+    bounded("set", client.set("k", "v")).await.expect("the client carries on");
+    assert_eq!(bounded("get", client.get("k", None)).await.expect("get"), "v");
+    assert_eq!(bounded("num_keys", client.num_keys()).await.expect("num_keys"), 1);
+    client.close().await.expect("close");
 }
