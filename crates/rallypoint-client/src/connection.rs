@@ -30,7 +30,7 @@ use std::io;
 use std::num::NonZeroU64;
 use std::ops::Range;
 use std::os::fd::OwnedFd;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll, Wake, Waker};
 use std::time::Duration;
@@ -1722,7 +1722,8 @@ pub(crate) async fn connect(
     let mut last = None;
     loop {
         attempts += 1;
-        match tokio::time::timeout_at(deadline, attempt(addr, identity, shared_replies, credentials)).await {
+        let reached = AtomicBool::new(false);
+        match tokio::time::timeout_at(deadline, attempt(addr, identity, shared_replies, credentials, &reached)).await {
             Ok(Ok(connected)) => {
                 debug!(addr, attempts, session = %connected.welcome.session, "connected to the coordinator");
                 return Ok(connected);
@@ -1735,6 +1736,10 @@ pub(crate) async fn connect(
             Ok(Err(Attempt::Protocol(message))) => {
                 return Err(Error::Protocol(format!("the coordinator at {addr}: {message}")));
             }
+            Ok(Err(Attempt::NotCoordinator(message))) => {
+                let source = io::Error::new(io::ErrorKind::InvalidData, message);
+                return Err(Error::Connect { addr: addr.to_owned(), waited: started.elapsed(), source });
+            }
             Ok(Err(Attempt::Io(error))) => {
                 debug!(addr, attempts, %error, "cannot reach the coordinator yet; retrying");
                 if let Some(failed) = failed {
@@ -1742,9 +1747,12 @@ pub(crate) async fn connect(
                 }
                 last = Some(error);
             }
-            // The deadline passed mid-attempt: an earlier failure says more than this one.
+            // The deadline passed mid-attempt: an earlier failure says more than this
+            // one, unless this one got further.
             Err(_) => {
-                if last.is_none() {
+                if reached.load(Ordering::Relaxed) {
+                    last = Some(io::Error::new(io::ErrorKind::TimedOut, SILENT_PEER));
+                } else if last.is_none() {
                     last = Some(io::Error::new(io::ErrorKind::TimedOut, "no answer within the connect timeout"));
                 }
             }
@@ -1764,6 +1772,8 @@ enum Attempt {
     Protocol(String),
     /// The token or TLS handshake failed: final.
     Auth(AuthFailure),
+    /// Something else answers there (an SSH or HTTP server): final.
+    NotCoordinator(String),
 }
 
 impl From<GreetError> for Attempt {
@@ -1775,11 +1785,25 @@ impl From<GreetError> for Attempt {
     }
 }
 
+/// What a peer that took the connection and the hello but never answered most
+/// likely is.
+const SILENT_PEER: &str = "it accepted the connection but sent no welcome within the connect timeout: \
+     is it a rallypoint coordinator? (torchrun's MASTER_ADDR:MASTER_PORT is torch's TCPStore, which is not: \
+     give a coordinator's address in RALLYPOINT_ADDR)";
+
+/// Largest frame read before the welcome: a welcome or a refusal is small, and a
+/// peer that is not a coordinator (an SSH or HTTP server) sends text whose first four
+/// bytes read as a length of hundreds of megabytes.
+const WELCOME_FRAME_LIMIT: FrameLimits = FrameLimits { max_frame_len: 1 << 20 };
+
+/// `reached`: set once the peer took the connection and the hello (for the error of
+/// an attempt its deadline ends).
 async fn attempt(
     addr: &str,
     identity: &Identity,
     shared_replies: bool,
     credentials: &Credentials,
+    reached: &AtomicBool,
 ) -> Result<Connected, Attempt> {
     let mut hello = BytesMut::new();
     encode_client_frame(&ClientFrame::Hello(identity.clone()), &mut hello);
@@ -1788,8 +1812,11 @@ async fn attempt(
         encode_client_frame(&ClientFrame::TakeSharedReplies, &mut hello);
     }
     let (stream, answer, buffered) =
-        greet(addr, credentials, &hello, |buf| match decode_server_frame(buf, &FrameLimits::unbounded()) {
-            Ok(None) => None,
+        greet(addr, credentials, &hello, |buf| match decode_server_frame(buf, &WELCOME_FRAME_LIMIT) {
+            Ok(None) => {
+                reached.store(true, Ordering::Relaxed);
+                None
+            }
             Ok(Some(ServerFrame::Welcome(welcome))) => Some(Ok(welcome)),
             Ok(Some(ServerFrame::Refused(error))) => Some(Err(Attempt::Refused(error))),
             Ok(Some(
@@ -1800,6 +1827,11 @@ async fn attempt(
             )) => Some(Err(Attempt::Protocol(format!("sent a reply (request id {id}) before its welcome")))),
             Ok(Some(ServerFrame::AuthChallenge { .. } | ServerFrame::AuthAccepted { .. })) => {
                 Some(Err(Attempt::Protocol("sent a token handshake frame nobody asked for".to_owned())))
+            }
+            Err(ProtoError::FrameTooLarge { .. }) => {
+                let start = buf.get(..buf.len().min(48)).unwrap_or_default();
+                let said = format!("it is not a rallypoint coordinator: it answered \"{}\"", start.escape_ascii());
+                Some(Err(Attempt::NotCoordinator(said)))
             }
             Err(error) => Some(Err(Attempt::Protocol(error.to_string()))),
         })
@@ -1986,7 +2018,8 @@ async fn reconnect(
     let deadline = Instant::now() + window;
     let mut backoff = Backoff::new();
     loop {
-        let attempt = attempt(&link.addr, &identity, redial.shared_replies, &redial.credentials);
+        let reached = AtomicBool::new(false);
+        let attempt = attempt(&link.addr, &identity, redial.shared_replies, &redial.credentials, &reached);
         match tokio::time::timeout_at(deadline, attempt).await {
             Ok(Ok(connected)) => {
                 let resumed = connected.welcome.session == token;
@@ -2005,7 +2038,9 @@ async fn reconnect(
                 return Ok((connected, Vec::new()));
             }
             Ok(Err(Attempt::Refused(error))) => return Err(Closed::Refused(error)),
-            Ok(Err(Attempt::Protocol(message))) => return Err(Closed::Lost(link.lost(format!("{why}; {message}")))),
+            Ok(Err(Attempt::Protocol(message) | Attempt::NotCoordinator(message))) => {
+                return Err(Closed::Lost(link.lost(format!("{why}; {message}"))))
+            }
             Ok(Err(Attempt::Auth(failure))) => {
                 return Err(Closed::Lost(link.lost(format!("{why}; connecting again failed: {failure}"))))
             }

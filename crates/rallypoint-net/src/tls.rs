@@ -191,6 +191,12 @@ impl TlsClient {
                      issued for it: give the coordinator one issued by the CA in {ca} ({failure})"
                 )
             }
+            // What a coordinator or agent serving no TLS answers a TLS client with
+            // (HANDSHAKE_FAILURE_ALERT).
+            rustls::Error::AlertReceived(rustls::AlertDescription::HandshakeFailure) => format!(
+                "the coordinator refused the TLS handshake ({failure}): it most likely serves no TLS (started \
+                 without --tls-cert); connect without a CA (--tls-ca, RALLYPOINT_TLS_CA), or serve TLS"
+            ),
             _ => failure.to_string(),
         }
     }

@@ -235,9 +235,10 @@ impl Client {
         Client::connect(py, addr, identity, None, timeout, credentials)
     }
 
-    /// Connects with the settings a launcher gives (`rallypoint launch`, torchrun,
-    /// `rallypoint.spawn`): address from RALLYPOINT_ADDR, else MASTER_ADDR and
-    /// MASTER_PORT; job from RALLYPOINT_JOB, else TORCHELASTIC_RUN_ID, else
+    /// Connects with the settings a launcher gives (`rallypoint launch`,
+    /// `rallypoint.spawn`; under torchrun, whose MASTER_ADDR:MASTER_PORT is torch's
+    /// own store, set RALLYPOINT_ADDR to a `rallypoint serve`): address from
+    /// RALLYPOINT_ADDR, else MASTER_ADDR and MASTER_PORT; job from RALLYPOINT_JOB, else TORCHELASTIC_RUN_ID, else
     /// SLURM_JOB_ID, else "default"; RANK, WORLD_SIZE and LOCAL_RANK, else (outside a
     /// launcher) SLURM_PROCID, SLURM_NTASKS and SLURM_LOCALID; role from
     /// RALLYPOINT_ROLE, else ROLE_NAME; timeout from RALLYPOINT_TIMEOUT, else 300 s;

@@ -5,7 +5,7 @@ coordinator, with dead or missing ranks named at once::
 
     import rallypoint as rp
 
-    c = rp.Client.from_env()            # under `rallypoint launch`, torchrun or rp.spawn
+    c = rp.Client.from_env()            # under `rallypoint launch` or rp.spawn
     with c.scope("step"):               # barrier on entry and exit
         losses = c.all_gather(b"0.25")  # every rank's value, in rank order
     c.close()

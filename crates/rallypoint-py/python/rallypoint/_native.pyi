@@ -67,9 +67,10 @@ class Client:
         token: Optional[str] = None,
         tls_ca: Optional[str] = None,
     ) -> "Client":
-        """Connects with the settings a launcher gives (``rallypoint launch``, torchrun,
-        :func:`rallypoint.spawn`): address from RALLYPOINT_ADDR, else MASTER_ADDR and
-        MASTER_PORT; job from RALLYPOINT_JOB, else TORCHELASTIC_RUN_ID, else
+        """Connects with the settings a launcher gives (``rallypoint launch``,
+        :func:`rallypoint.spawn`; under torchrun, whose MASTER_ADDR:MASTER_PORT is
+        torch's own store, set RALLYPOINT_ADDR to a ``rallypoint serve``): address
+        from RALLYPOINT_ADDR, else MASTER_ADDR and MASTER_PORT; job from RALLYPOINT_JOB, else TORCHELASTIC_RUN_ID, else
         SLURM_JOB_ID, else "default"; RANK, WORLD_SIZE and LOCAL_RANK, else (outside a
         launcher, e.g. a task started by ``srun``) SLURM_PROCID, SLURM_NTASKS and
         SLURM_LOCALID; role from RALLYPOINT_ROLE, else ROLE_NAME; timeout from

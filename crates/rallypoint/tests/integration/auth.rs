@@ -136,6 +136,15 @@ async fn tls_carries_clients_and_large_replies_and_plaintext_is_refused() {
     c0.close().await.expect("close");
     c1.close().await.expect("close");
     server.shutdown().await;
+
+    // A TLS client of a coordinator that serves no TLS is told so.
+    let plain =
+        start_server_configured(ServerConfig::new("127.0.0.1:0".parse().expect("address"), Config::default())).await;
+    let failure =
+        refusal(connect(options(&plain, rank("j", 0, 2), None, Some(pki.client().expect("client TLS")))).await);
+    let said = "the coordinator refused the TLS handshake (received fatal alert: HandshakeFailure): it most likely serves no TLS";
+    assert!(matches!(&failure, AuthFailure::Tls(message) if message.starts_with(said)), "{failure}");
+    plain.shutdown().await;
 }
 
 async fn agent(server: &ServerHandle, config: impl FnOnce(&mut AgentConfig)) -> Result<AgentHandle, AgentError> {

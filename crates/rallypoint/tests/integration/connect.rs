@@ -157,3 +157,54 @@ async fn a_malformed_address_is_refused_at_once() {
         }
     }
 }
+
+/// A peer that is not a coordinator: one that talks (an SSH server's banner) is
+/// named so at once, without retrying until the timeout; one that takes the hello
+/// and says nothing (torch's TCPStore) is named as such once the timeout runs out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_peer_that_is_not_a_coordinator_is_named_so() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let talker = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = talker.local_addr().expect("addr");
+    let server = tokio::spawn(async move {
+        let (mut stream, _) = talker.accept().await.expect("accept");
+        stream.write_all(b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n").await.expect("banner");
+        let mut sink = [0u8; 1024];
+        while stream.read(&mut sink).await.map(|n| n > 0).unwrap_or(false) {}
+    });
+    let options =
+        ConnectOptions::new(addr.to_string(), Identity::anonymous("j")).with_timeout(Duration::from_secs(600));
+    match bounded("connect", Client::connect_with(options)).await {
+        Err(error @ Error::Connect { .. }) => assert!(
+            error
+                .to_string()
+                .ends_with(r#"it is not a rallypoint coordinator: it answered "SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n""#),
+            "{error}"
+        ),
+        Err(other) => panic!("expected a connect error, got {other}"),
+        Ok(_) => panic!("connected to an SSH server"),
+    }
+    server.abort();
+
+    let mute = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = mute.local_addr().expect("addr");
+    let server = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((stream, _)) = mute.accept().await {
+            held.push(stream);
+        }
+    });
+    let options = ConnectOptions::new(addr.to_string(), Identity::anonymous("j")).with_timeout(Duration::from_secs(1));
+    match bounded("connect", Client::connect_with(options)).await {
+        Err(error @ Error::Connect { .. }) => {
+            assert!(
+                error.to_string().contains("sent no welcome within the connect timeout: is it a rallypoint"),
+                "{error}"
+            )
+        }
+        Err(other) => panic!("expected a connect error, got {other}"),
+        Ok(_) => panic!("connected to a mute peer"),
+    }
+    server.abort();
+}
