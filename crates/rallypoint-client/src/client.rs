@@ -669,7 +669,10 @@ impl Client {
         }
     }
 
-    /// Every member gets the value of `root`, which must pass `Some(value)`.
+    /// Every member gets the value of `root`, which must pass `Some(value)`. The root's
+    /// call returns once its value is in, waiting for nobody; the others wait for the
+    /// root and fail as a barrier does if it is lost or never comes, or if their call
+    /// does not match (where the root came first, only the calls after it learn of it).
     pub async fn broadcast(
         &self,
         name: &str,

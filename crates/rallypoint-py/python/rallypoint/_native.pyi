@@ -172,7 +172,10 @@ class Client:
         timeout: Optional[float] = None,
     ) -> bytes:
         """Returns ``root``'s value on every member. The root must pass a value; the
-        others may pass None. Fails as :meth:`barrier` does."""
+        others may pass None. The root's call returns as soon as its value is in (it
+        waits for nobody); the others wait for the root, and fail as :meth:`barrier`
+        does if it is lost, never comes or called with another root (where the root
+        came first, only the calls after it learn of a mismatch)."""
     def scope(
         self,
         name: str,
