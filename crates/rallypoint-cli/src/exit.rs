@@ -73,6 +73,14 @@ macro_rules! usage {
 }
 pub(crate) use usage;
 
+/// Whether `err` is stdout's reader having gone (`rallypoint status --watch | head
+/// -1`): the command did its part, and ends quietly as one killed by SIGPIPE would
+/// have, without an error of its own.
+pub fn reader_gone(err: &anyhow::Error) -> bool {
+    err.chain()
+        .any(|cause| cause.downcast_ref::<std::io::Error>().is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe))
+}
+
 /// The exit code for an error: the first cause in its chain that has a meaning wins.
 pub fn code_of(err: &anyhow::Error) -> Exit {
     for cause in err.chain() {

@@ -112,6 +112,7 @@ fn main() -> ExitCode {
         Ok(0) => ExitCode::SUCCESS,
         // The launcher exits with its first failed worker's code (128 + signal for a signal).
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Err(err) if exit::reader_gone(&err) => ExitCode::SUCCESS,
         Err(err) => {
             exit::report(exit::render(&err));
             ExitCode::from(exit::code_of(&err) as u8)

@@ -577,6 +577,23 @@ fn status_watch_without_a_terminal_prints_snapshot_after_snapshot_and_stops_on_c
         thread::sleep(Duration::from_millis(20));
     };
     assert_eq!(code, Some(0));
+    // Nor when its reader goes (`| head -1`): quietly, as SIGPIPE would end it.
+    let mut watching = spawn(server.cmd("watched", &["status", "--watch", "--interval", "0.2"]));
+    let stdout = watching.0.stdout.take().expect("piped stdout");
+    let mut stderr = watching.0.stderr.take().expect("piped stderr");
+    let first = BufReader::new(stdout).lines().next().expect("a first snapshot").expect("readable");
+    assert!(first.starts_with("Every 0.2 s"), "{first}");
+    let deadline = Instant::now() + LIMIT;
+    let code = loop {
+        if let Some(status) = watching.0.try_wait().expect("try_wait") {
+            break status.code();
+        }
+        assert!(Instant::now() < deadline, "status --watch did not stop when its reader went");
+        thread::sleep(Duration::from_millis(20));
+    };
+    let mut said = String::new();
+    stderr.read_to_string(&mut said).expect("stderr");
+    assert_eq!((code, said.as_str()), (Some(0), ""));
 }
 
 #[test]
