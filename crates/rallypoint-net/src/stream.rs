@@ -53,12 +53,22 @@ pub fn unix_path(addr: &str) -> Option<&Path> {
 /// a connect retries until its timeout, which a typo would then cost in full (a
 /// host that does not resolve yet is retried, as it may come up).
 pub fn check_addr(addr: &str) -> Result<(), String> {
-    if unix_path(addr).is_some() {
-        return Ok(());
+    if let Some(path) = unix_path(addr) {
+        return match path.as_os_str().is_empty() {
+            true => Err(format!("'{addr}' names no socket: give unix:PATH, e.g. unix:/run/rallypoint/agent.sock")),
+            false => Ok(()),
+        };
     }
     let example = |host: &str| format!("give HOST:PORT, e.g. {host}:29500");
+    if let Some((scheme, _)) = addr.split_once("://") {
+        return Err(format!("'{addr}' is a URL: give HOST:PORT, without '{scheme}://'"));
+    }
+    if addr.chars().any(char::is_whitespace) {
+        return Err(format!("'{addr}' holds a space: {}", example("127.0.0.1")));
+    }
     let Some((host, port)) = addr.rsplit_once(':') else {
-        return Err(format!("'{addr}' has no port: {}", example(addr)));
+        let host = if addr.is_empty() { "127.0.0.1" } else { addr };
+        return Err(format!("'{addr}' has no port: {}", example(host)));
     };
     if host.is_empty() {
         return Err(format!("'{addr}' has no host: {}", example("localhost")));
@@ -477,6 +487,13 @@ mod tests {
         assert!(check_addr("h:0").unwrap_err().contains("not a port"));
         assert!(check_addr("127.0.0.1:abc").unwrap_err().contains("'abc'"));
         assert!(check_addr("::1:29500").unwrap_err().contains("brackets"));
+        assert_eq!(
+            check_addr("http://127.0.0.1:29600").unwrap_err(),
+            "'http://127.0.0.1:29600' is a URL: give HOST:PORT, without 'http://'"
+        );
+        assert_eq!(check_addr("").unwrap_err(), "'' has no port: give HOST:PORT, e.g. 127.0.0.1:29500");
+        assert!(check_addr(" 127.0.0.1:29600").unwrap_err().contains("holds a space"));
+        assert!(check_addr("unix:").unwrap_err().contains("names no socket"));
     }
 
     fn temp_dir(name: &str) -> PathBuf {
