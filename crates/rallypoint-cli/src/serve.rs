@@ -120,7 +120,21 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let mut config = ServerConfig::new(args.listen, engine);
     config.read_timeout = Duration::from_secs_f64(args.read_timeout);
     if let Some(bytes) = args.max_pending_bytes {
+        let frame = config.max_frame_len();
+        if bytes < frame {
+            crate::exit::usage!(
+                "--max-pending-bytes {bytes} is less than the largest request this coordinator reads ({frame} bytes, \
+                 from --max-request-len and the other limits): a request that large could never arrive whole"
+            );
+        }
         config.max_pending_bytes = bytes;
+    }
+    if engine_grace_clamped(&config.engine) {
+        tracing::warn!(
+            reconnect_grace_ms = config.engine.reconnect_grace_ms,
+            lease_ms = config.engine.lease_ms,
+            "--reconnect-grace is longer than the lease: a dropped rank is held for the lease at most"
+        );
     }
     config.token = args.auth.token()?;
     config.tls = args.auth.tls()?;
@@ -175,4 +189,10 @@ pub(crate) fn shutdown_signal() -> anyhow::Result<impl std::future::Future<Outpu
 pub(crate) fn print_addr(addr: impl std::fmt::Display) -> anyhow::Result<()> {
     let mut out = std::io::stdout().lock();
     writeln!(out, "{addr}").and_then(|()| out.flush()).context("writing the address to stdout")
+}
+
+/// Whether the engine holds a dropped rank for less than the grace asked for: the
+/// lease bounds it.
+fn engine_grace_clamped(engine: &Config) -> bool {
+    engine.lease_ms > 0 && engine.reconnect_grace_ms > engine.lease_ms
 }

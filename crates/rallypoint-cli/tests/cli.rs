@@ -282,6 +282,15 @@ fn usage_errors_exit_2_and_name_the_bad_value() {
     assert_code(&run, 2);
     assert!(run.stderr.starts_with("rallypoint: "), "{run:#?}");
     assert!(run.stderr.contains("RALLYPOINT_ADDR") && run.stderr.contains("--addr"), "{run:#?}");
+
+    // A coordinator's budget of unfinished requests below its largest request.
+    let run = exec({
+        let mut command = rallypoint();
+        command.args(["serve", "--listen", "127.0.0.1:0", "--max-pending-bytes", "0"]);
+        command
+    });
+    assert_code(&run, 2);
+    assert!(run.stderr.contains("--max-pending-bytes 0 is less than the largest request"), "{run:#?}");
 }
 
 #[test]

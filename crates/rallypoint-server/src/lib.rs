@@ -130,6 +130,12 @@ impl ServerConfig {
         (memory / 8).max(Self::DEFAULT_MAX_PENDING_BYTES)
     }
 
+    /// The longest request frame the coordinator reads with these settings (from the
+    /// engine's limits: docs/PROTOCOL.md, section 10).
+    pub fn max_frame_len(&self) -> usize {
+        FrameLimits::from_limits(&self.engine.limits).max_frame_len
+    }
+
     /// Listens on `listen` with the engine's `engine` settings and default I/O settings.
     pub fn new(listen: SocketAddr, engine: Config) -> ServerConfig {
         ServerConfig {
