@@ -413,7 +413,7 @@ pub fn summary(
     let others: Vec<&RankOutcome> = local.iter().filter(|o| Some(o.rank) != root).collect();
     if !others.is_empty() {
         let _ = writeln!(s, "other ranks on this node:");
-        for o in others {
+        let ends = others.iter().map(|o| {
             let line = match (o.signalled_by_launcher, o.exit) {
                 (_, Exit::Code(0)) => "exited with code 0".to_owned(),
                 (Some(sig), Exit::Signal(got)) if sig == got => {
@@ -422,10 +422,52 @@ pub fn summary(
                 (_, exit) if o.after_failure || lost_first => format!("{exit} after {cause}"),
                 (_, exit) => format!("{exit}"),
             };
-            let _ = writeln!(s, "  rank {}: {line}", o.rank);
+            (o.rank, line)
+        });
+        if others.len() <= LISTED_ONE_BY_ONE {
+            for (rank, line) in ends {
+                let _ = writeln!(s, "  rank {rank}: {line}");
+            }
+        } else {
+            for (line, ranks) in folded(ends) {
+                let _ = writeln!(s, "  {}: {line}", ranks_text(&ranks));
+            }
         }
     }
     s
+}
+
+/// Past this many other ranks on a node, those that ended alike share a line.
+const LISTED_ONE_BY_ONE: usize = 16;
+
+/// `ends` (rank, how it ended), in rank order, as each way of ending with its ranks,
+/// in the order each first came.
+fn folded(ends: impl Iterator<Item = (u32, String)>) -> Vec<(String, Vec<u32>)> {
+    let mut groups: Vec<(String, Vec<u32>)> = Vec::new();
+    for (rank, line) in ends {
+        match groups.iter_mut().find(|(l, _)| *l == line) {
+            Some((_, ranks)) => ranks.push(rank),
+            None => groups.push((line, vec![rank])),
+        }
+    }
+    groups
+}
+
+/// "rank 3", or "ranks 0-6,8-119 (119)" for ranks in rank order.
+fn ranks_text(ranks: &[u32]) -> String {
+    if let [one] = ranks {
+        return format!("rank {one}");
+    }
+    let mut runs: Vec<(u32, u32)> = Vec::new();
+    for &rank in ranks {
+        match runs.last_mut() {
+            Some((_, last)) if last.checked_add(1) == Some(rank) => *last = rank,
+            _ => runs.push((rank, rank)),
+        }
+    }
+    let text: Vec<String> =
+        runs.iter().map(|&(a, b)| if a == b { a.to_string() } else { format!("{a}-{b}") }).collect();
+    format!("ranks {} ({})", text.join(","), ranks.len())
 }
 
 /// How the root-cause rank itself ended, e.g. "was killed by the launcher (SIGKILL)".
@@ -515,6 +557,46 @@ mod tests {
         assert_eq!(first.exit_code(), 3);
         assert_eq!(first.abort_reason(), "launcher: rank 1 (pid 4242 on gpu7) exited with code 3");
         assert_eq!(Exit::Signal(9).shell_code(), 137);
+    }
+
+    #[test]
+    fn many_other_ranks_that_ended_alike_share_a_line() {
+        let first = Failure {
+            what: FailureKind::Worker {
+                rank: 7,
+                local_rank: 7,
+                pid: 4242,
+                exit: Exit::Code(3),
+                stderr_tail: vec![],
+                after: None,
+            },
+            node: 0,
+            host: "gpu7".into(),
+            at_unix_ms: 0,
+        };
+        let term = Some(libc::SIGTERM);
+        let local: Vec<RankOutcome> = (0..120)
+            .map(|rank| match rank {
+                7 => RankOutcome { rank, exit: Exit::Code(3), signalled_by_launcher: None, after_failure: false },
+                30 | 31 => RankOutcome { rank, exit: Exit::Code(1), signalled_by_launcher: None, after_failure: true },
+                _ => RankOutcome {
+                    rank,
+                    exit: Exit::Signal(libc::SIGTERM),
+                    signalled_by_launcher: term,
+                    after_failure: true,
+                },
+            })
+            .collect();
+        let text = summary("train", 0, 0, &first, &local, None);
+        let others: Vec<&str> = text.lines().skip_while(|l| *l != "other ranks on this node:").skip(1).collect();
+        assert_eq!(
+            others,
+            [
+                "  ranks 0-6,8-29,32-119 (117): killed by the launcher (SIGTERM) after rank 7 failed",
+                "  ranks 30-31 (2): exited with code 1 after rank 7 failed",
+            ]
+        );
+        assert_eq!(ranks_text(&[5]), "rank 5");
     }
 
     #[test]
