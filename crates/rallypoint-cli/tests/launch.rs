@@ -372,6 +372,13 @@ fn usage_errors_exit_2() {
     let done = launch(&["--nnodes", "2", "--node-rank", "2", "--master", "127.0.0.1:1"], "true", &dir).finish();
     assert_eq!(done.code, Some(2), "{}", done.stderr);
     assert!(done.stderr.contains("--node-rank 2 is out of range"), "{}", done.stderr);
+    // A job name the launch's own suffixes would take past a coordinator's limit:
+    // refused before anything starts.
+    let long = "j".repeat(1018);
+    let done = launch(&["--job", &long, "--max-restarts", "12"], "true", &dir).finish();
+    assert_eq!(done.code, Some(2), "{}", done.stderr);
+    assert!(done.stderr.contains("--job: a name of 1018 bytes is too long: at most 1014"), "{}", done.stderr);
+    assert!(!done.stderr.contains("coordinator at"), "{}", done.stderr);
 }
 
 #[test]

@@ -493,6 +493,21 @@ fn validate(o: &LaunchOptions) -> Result<(), LaunchError> {
     if o.job.is_empty() {
         return usage("--job must not be empty".into());
     }
+    // The coordinator's jobs the launch uses: the job's attempts, and its launchers'.
+    let longest_suffix = match o.max_restarts {
+        0 => rendezvous::LAUNCHERS_SUFFIX.len(),
+        n => format!(".restart{n}").len().max(rendezvous::LAUNCHERS_SUFFIX.len()),
+    };
+    let most = Config::default().limits.max_name_len.saturating_sub(longest_suffix);
+    if o.job.len() > most {
+        return usage(format!(
+            "--job: a name of {} bytes is too long: at most {most} (a coordinator's job names are at most {} \
+             bytes, and the launch adds up to {longest_suffix}: '{}' for its launchers, '.restartN' for restarts)",
+            o.job.len(),
+            most + longest_suffix,
+            rendezvous::LAUNCHERS_SUFFIX
+        ));
+    }
     if o.log_dir.is_none() && o.files.any_of(o.nproc_per_node) {
         return usage("log files need a directory: give --log-dir".into());
     }

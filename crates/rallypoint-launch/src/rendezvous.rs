@@ -169,7 +169,7 @@ fn claim_key(node: u32) -> String {
 }
 
 /// What names the launchers' own job, after the launched job's name.
-const LAUNCHERS_SUFFIX: &str = "/launch";
+pub(crate) const LAUNCHERS_SUFFIX: &str = "/launch";
 
 /// The job the launchers of `job` meet in, on the job's coordinator beside it.
 pub fn launchers_job(job: &str) -> String {
