@@ -70,15 +70,42 @@ fn timeout(py: Python<'_>, secs: Option<f64>) -> PyResult<Option<Duration>> {
 }
 
 fn rank(py: Python<'_>, what: &str, rank: i64) -> PyResult<u32> {
-    u32::try_from(rank).map_err(|_| errors::invalid(py, format!("{what}={rank} is not a non-negative integer")))
+    u32::try_from(rank).map_err(|_| match rank < 0 {
+        true => errors::invalid(py, format!("{what}={rank} is not a non-negative integer")),
+        false => errors::invalid(py, format!("{what}={rank} is beyond the largest rank, {}", u32::MAX)),
+    })
+}
+
+/// An integer argument as `T`: a bool or a non-integer is a TypeError; one out of
+/// `T`'s range an InvalidArgument saying so (not Python's OverflowError).
+fn integer<T: TryFrom<i128>>(py: Python<'_>, what: &str, value: &Bound<'_, PyAny>, range: &str) -> PyResult<T> {
+    if value.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!("{what} must be an int, not bool")));
+    }
+    let Ok(int) = value.cast::<pyo3::types::PyInt>() else {
+        let type_name = value.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".to_owned());
+        return Err(pyo3::exceptions::PyTypeError::new_err(format!("{what} must be an int, not {type_name}")));
+    };
+    let out_of_range = || errors::invalid(py, format!("{what}={int} is out of range ({range})"));
+    let wide: i128 = int.extract().map_err(|_| out_of_range())?;
+    T::try_from(wide).map_err(|_| out_of_range())
 }
 
 /// The members of a collective: every rank, the listed ranks, or a role's ranks.
-fn members(py: Python<'_>, ranks: Option<Vec<i64>>, role: Option<String>) -> PyResult<Members> {
+fn members(py: Python<'_>, ranks: Option<&Bound<'_, PyAny>>, role: Option<String>) -> PyResult<Members> {
     match (ranks, role) {
         (None, None) => Ok(Members::World),
         (Some(ranks), None) => {
-            Ok(Members::Ranks(ranks.into_iter().map(|r| rank(py, "ranks", r)).collect::<PyResult<_>>()?))
+            if ranks.is_instance_of::<PyString>() || ranks.is_instance_of::<PyBytes>() {
+                let type_name = ranks.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".to_owned());
+                let message = format!("ranks must be a sequence of ints, not {type_name}");
+                return Err(pyo3::exceptions::PyTypeError::new_err(message));
+            }
+            let list = ranks.try_iter()?.map(|r| {
+                let r = integer::<i64>(py, "ranks", &r?, "ranks are 0 to 4294967295")?;
+                rank(py, "ranks", r)
+            });
+            Ok(Members::Ranks(list.collect::<PyResult<_>>()?))
         }
         (None, Some(role)) => Ok(Members::Role(role.into())),
         (Some(_), Some(_)) => Err(errors::invalid(py, "give ranks or role, not both".to_owned())),
@@ -331,8 +358,9 @@ impl Client {
     }
 
     /// Adds `n` to the decimal integer stored at `key` (missing counts as 0); returns the sum.
-    fn add(&self, py: Python<'_>, key: &Bound<'_, PyAny>, n: i64) -> PyResult<i64> {
+    fn add(&self, py: Python<'_>, key: &Bound<'_, PyAny>, n: &Bound<'_, PyAny>) -> PyResult<i64> {
         let key = blob("key", key)?;
+        let n = integer::<i64>(py, "n", n, "a signed 64-bit integer")?;
         let client = self.handle(py)?;
         self.run(py, client.add(key, n))
     }
@@ -430,7 +458,7 @@ impl Client {
         &self,
         py: Python<'_>,
         name: &str,
-        ranks: Option<Vec<i64>>,
+        ranks: Option<&Bound<'_, PyAny>>,
         role: Option<String>,
         timeout: Option<f64>,
     ) -> PyResult<()> {
@@ -464,7 +492,7 @@ impl Client {
         py: Python<'py>,
         value: &Bound<'_, PyAny>,
         name: &str,
-        ranks: Option<Vec<i64>>,
+        ranks: Option<&Bound<'_, PyAny>>,
         role: Option<String>,
         timeout: Option<f64>,
     ) -> PyResult<Vec<Bound<'py, PyBytes>>> {
@@ -486,7 +514,7 @@ impl Client {
         value: Option<&Bound<'_, PyAny>>,
         root: i64,
         name: &str,
-        ranks: Option<Vec<i64>>,
+        ranks: Option<&Bound<'_, PyAny>>,
         role: Option<String>,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyBytes>> {
@@ -504,7 +532,7 @@ impl Client {
     fn scope<'py>(
         slf: &Bound<'py, Self>,
         name: &str,
-        ranks: Option<Vec<i64>>,
+        ranks: Option<&Bound<'py, PyAny>>,
         role: Option<String>,
         timeout: Option<f64>,
     ) -> PyResult<Bound<'py, PyAny>> {
@@ -524,7 +552,8 @@ impl Client {
     /// job's keys, barrier generations, abort and lost ranks are gone, and every
     /// pending and later operation of its processes (this client's too) raises
     /// JobReset. Nothing if the job is at that incarnation already.
-    fn reset(&self, py: Python<'_>, incarnation: u64) -> PyResult<()> {
+    fn reset(&self, py: Python<'_>, incarnation: &Bound<'_, PyAny>) -> PyResult<()> {
+        let incarnation = integer::<u64>(py, "incarnation", incarnation, "0 to 2**64 - 1")?;
         let client = self.handle(py)?;
         self.run(py, client.reset(incarnation))
     }

@@ -463,3 +463,21 @@ def test_every_exception_is_exported_by_name():
 
     assert set(_errors.__all__) <= set(rp.__all__)
     assert all(hasattr(rp, name) for name in rp.__all__)
+
+
+def test_integer_arguments_out_of_range_or_of_the_wrong_type_are_named(coordinator, job):
+    c = client(coordinator, job, rank=0, world_size=1)
+    with pytest.raises(rp.InvalidArgument, match=r"n=9223372036854775808 is out of range \(a signed 64-bit integer\)"):
+        c.add("k", 2**63)
+    with pytest.raises(rp.InvalidArgument, match=r"incarnation=-1 is out of range"):
+        c.reset(-1)
+    with pytest.raises(TypeError, match="ranks must be a sequence of ints, not str"):
+        c.barrier(ranks="0")
+    with pytest.raises(TypeError, match="ranks must be an int, not bool"):
+        c.barrier(ranks=[True])
+    with pytest.raises(rp.InvalidArgument, match="ranks=1099511627776 is beyond the largest rank, 4294967295"):
+        c.barrier(ranks=[0, 2**40])
+    with pytest.raises(TypeError, match="n must be an int, not float"):
+        c.add("k", 1.5)
+    assert c.add("k", 2**63 - 1) == 2**63 - 1
+    c.close()

@@ -60,3 +60,12 @@ def test_spawn_reports_a_worker_that_dies():
 def test_spawn_rejects_zero_processes():
     with pytest.raises(rp.InvalidArgument):
         rp.spawn(workers.returns_none, 0)
+
+
+def test_spawn_refuses_bad_arguments_before_starting_anything():
+    with pytest.raises(TypeError, match="nprocs must be an int, not str"):
+        rp.spawn(workers.returns_none, "2")
+    with pytest.raises(rp.InvalidArgument, match="the job name is empty"):
+        rp.spawn(workers.returns_none, 2, job="")
+    with pytest.raises(rp.InvalidArgument, match=r"holds a control character \(U\+000A\)"):
+        rp.spawn(workers.returns_none, 2, job="a\nb")

@@ -10,6 +10,7 @@ import secrets
 import signal
 import time
 import traceback
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set
 
@@ -175,8 +176,16 @@ def spawn(
     traceback text and its exception as ``__cause__``. A PeerLost or Aborted raised
     by a process because another one failed is not taken for the cause.
     """
+    if isinstance(nprocs, bool) or not isinstance(nprocs, int):
+        raise TypeError(f"nprocs must be an int, not {type(nprocs).__name__}")
     if nprocs < 1:
         raise InvalidArgument(f"nprocs={nprocs} is not a positive integer")
+    # Refused here, as Client refuses them, rather than in every worker.
+    if not job:
+        raise InvalidArgument("the job name is empty")
+    control = next((c for c in job if unicodedata.category(c) == "Cc"), None)
+    if control is not None:
+        raise InvalidArgument(f"the job name {job!r} holds a control character (U+{ord(control):04X})")
     kwargs = dict(kwargs or {})
     # Any: typeshed types an arbitrary start method's context as BaseContext, without Process.
     context: Any = multiprocessing.get_context(start_method)
