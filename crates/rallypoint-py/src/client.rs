@@ -565,6 +565,21 @@ impl Client {
         Ok(self.handle(py)?.job_incarnation())
     }
 
+    /// Tells the coordinator that the worker process `pid` of `rank` ended with
+    /// `exitcode` (multiprocessing's: negative for a signal), as a launcher does:
+    /// a collective that still needs a rank done early fails at once, naming it.
+    /// For `spawn`.
+    fn _rank_exited(&self, py: Python<'_>, rank: i64, pid: u32, exitcode: i32) -> PyResult<()> {
+        let rank = crate::client::rank(py, "rank", rank)?;
+        let exit = match exitcode {
+            code if code < 0 => rallypoint_core::Exit::Signal(-code),
+            code => rallypoint_core::Exit::Code(code),
+        };
+        let client = self.handle(py)?;
+        let host = self.identity.host.clone();
+        self.run(py, async move { client.rank_exited(rank, &host, pid, exit).await })
+    }
+
     /// Leaves cleanly: the coordinator records that this rank left (it may come
     /// back) rather than died. Does nothing the second time. Closed all the same
     /// when the coordinator cannot be told (the connection is lost, the job

@@ -69,3 +69,14 @@ def test_spawn_refuses_bad_arguments_before_starting_anything():
         rp.spawn(workers.returns_none, 2, job="")
     with pytest.raises(rp.InvalidArgument, match=r"holds a control character \(U\+000A\)"):
         rp.spawn(workers.returns_none, 2, job="a\nb")
+
+
+def test_a_spawned_rank_that_returns_early_fails_its_peers_barrier_at_once():
+    started = time.monotonic()
+    with pytest.raises(rp.WorkerError) as info:
+        rp.spawn(workers.rank_one_returns_early, 2)
+    # Far inside the barrier's 60 s: the parent told the coordinator rank 1 was done.
+    assert time.monotonic() - started < 30
+    e = info.value
+    assert e.rank == 0 and isinstance(e.exception, rp.PeerLost), str(e)
+    assert e.exception.rank == 1 and "finished" in str(e.exception), str(e)

@@ -43,3 +43,13 @@ def exits(code=None):
     if int(os.environ["RANK"]) != 0:
         sys.exit(code)
     return 0
+
+
+def rank_one_returns_early():
+    """Rank 1 returns (closing its client) while rank 0 waits for it in a barrier."""
+    c = rp.Client.from_env()
+    if c.rank == 1:
+        c.close()
+        return "done early"
+    c.barrier("final", timeout=60)
+    return "passed"

@@ -198,6 +198,8 @@ class Client:
     def job_incarnation(self) -> Optional[int]:
         """The incarnation the job was at when this client (last) connected, or None
         if it was never reset nor named (``RALLYPOINT_JOB_INCARNATION``)."""
+    def _rank_exited(self, rank: int, pid: int, exitcode: int) -> None:
+        """Tells the coordinator that worker ``pid`` of ``rank`` ended (for ``spawn``)."""
     def close(self) -> None:
         """Leaves cleanly: the coordinator records that this rank left (it may come
         back) rather than died. Calls still waiting in other threads fail with

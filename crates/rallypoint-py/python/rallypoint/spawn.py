@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set
 
 from ._errors import Aborted, InvalidArgument, PeerLost, WorkerError
-from ._native import _Coordinator
+from ._native import Client, _Coordinator
 
 __all__ = ["spawn"]
 
@@ -191,8 +191,12 @@ def spawn(
     context: Any = multiprocessing.get_context(start_method)
     # A token of its own, which only its workers learn (see worker_env): another
     # user of this machine cannot join or read the job.
-    coordinator = _Coordinator(token=secrets.token_hex(32))
+    token = secrets.token_hex(32)
+    coordinator = _Coordinator(token=token)
     processes: List[Any] = []
+    # Tells the coordinator of each worker that returned, as `rallypoint launch` does:
+    # a peer still waiting for it in a collective then fails at once, naming it.
+    reporter = Client(coordinator.addr, job=job, world_size=nprocs, token=token, timeout=10.0)
     try:
         readers: Dict[Any, int] = {}
         for rank in range(nprocs):
@@ -206,16 +210,17 @@ def spawn(
             writer.close()
             processes.append(process)
             readers[reader] = rank
-        results = _collect(processes, readers)
+        results = _collect(processes, readers, reporter)
         for process in processes:
             process.join()
         return results
     finally:
         _stop(processes, grace)
+        reporter.close()
         coordinator.shutdown()
 
 
-def _collect(processes: List[Any], readers: Dict[Any, int]) -> List[Any]:
+def _collect(processes: List[Any], readers: Dict[Any, int], reporter: Client) -> List[Any]:
     """Waits for every worker's result; raises WorkerError at the first failure."""
     results: List[Any] = [None] * len(processes)
     done: Set[int] = set()
@@ -233,6 +238,7 @@ def _collect(processes: List[Any], readers: Dict[Any, int]) -> List[Any]:
         if kind == "ok":
             results[rank] = payload
             done.add(rank)
+            reporter._rank_exited(rank, processes[rank].pid, 0)
         else:
             payload.pid = processes[rank].pid
             failures.append(payload)
