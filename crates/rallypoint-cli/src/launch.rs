@@ -302,7 +302,9 @@ pub async fn run(args: LaunchArgs) -> anyhow::Result<i32> {
         Err(LaunchError::Usage(message)) => Err(UsageError(message).into()),
         Err(LaunchError::Coordinator(e)) => Err(e.into()),
         Err(LaunchError::Join(e)) => match *e {
-            e @ (JoinError::Timeout { .. } | JoinError::Attempt { .. }) => Err(JoinTimeout(e.to_string()).into()),
+            e @ (JoinError::Timeout { .. } | JoinError::Attempt { .. } | JoinError::Unreached { .. }) => {
+                Err(JoinTimeout(e.to_string()).into())
+            }
             // The coordinator went away: exit as its loss says (chained as the source).
             e @ JoinError::Coordinator { .. } => Err(e.into()),
             // Nodes started with different --nnodes or the same --node-rank.

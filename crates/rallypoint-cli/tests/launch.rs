@@ -1479,6 +1479,19 @@ fn nodes_started_with_different_nnodes_are_told_so() {
     assert!(!n0.stderr.contains("all-gather") && !n1.stderr.contains("all-gather"), "{}{}", n0.stderr, n1.stderr);
 }
 
+/// Node 1 started alone: node 0's coordinator never answers, and the join gives up
+/// at its timeout (exit 3), saying so.
+#[test]
+fn a_node_whose_node_0_never_comes_gives_up_at_the_join_timeout() {
+    let dir = temp_dir("nonode0");
+    let master = format!("127.0.0.1:{}", free_port());
+    let args = ["--nnodes", "2", "--master", master.as_str(), "--node-rank", "1", "--insecure", "--join-timeout", "2"];
+    let run = launch(&args, "true", &dir).finish();
+    assert_eq!(run.code, Some(3), "{}", run.stderr);
+    let said = format!("rallypoint: gave up after 2 s (--join-timeout) waiting for node 0's coordinator at {master}");
+    assert!(run.stderr.lines().any(|l| l.starts_with(&said)), "{said:?} in\n{}", run.stderr);
+}
+
 #[test]
 fn nodes_started_with_different_jobs_are_told_so() {
     let dir = temp_dir("jobdiff");

@@ -124,11 +124,22 @@ pub trait LaunchObserver: Send + Sync + std::fmt::Debug {
     fn stacks(&self, _stacks: StacksView) {}
 }
 
+/// Who most likely holds a port node 0 cannot listen on.
+fn in_use_hint(error: &io::Error) -> &'static str {
+    match error.kind() {
+        io::ErrorKind::AddrInUse => {
+            " (another launcher of node 0, or another coordinator, listens there: give each job its own \
+             --master-port, and each node its own --node-rank)"
+        }
+        _ => "",
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum LaunchError {
     #[error("{0}")]
     Usage(String),
-    #[error("cannot host the coordinator at {addr}: {source}")]
+    #[error("cannot host the coordinator at {addr}: {source}{}", in_use_hint(source))]
     Bind { addr: String, source: io::Error },
     #[error("{0}")]
     Io(#[from] io::Error),

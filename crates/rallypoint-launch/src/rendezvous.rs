@@ -102,6 +102,13 @@ pub enum JoinError {
     },
     #[error("{}", attempt_text(.job, *.attempt, *.max_restarts, .missing, *.waited))]
     Attempt { job: String, attempt: u32, max_restarts: u32, missing: Vec<u32>, waited: Duration },
+    /// Node 0's coordinator never answered within the join timeout: node 0 has not
+    /// started, or is elsewhere.
+    #[error(
+        "gave up after {} s (--join-timeout) waiting for node 0's coordinator at {addr} to join job '{job}': {source}",
+        waited.as_secs()
+    )]
+    Unreached { job: String, addr: String, waited: Duration, source: Error },
 }
 
 impl JoinError {
@@ -199,7 +206,14 @@ impl Launchers {
         let claim = Claim { host: j.host.to_owned(), pid: std::process::id(), nnodes: j.nnodes };
         let mut identity = Identity::anonymous(launch_job.clone());
         identity.host = j.host.to_owned();
-        let tool = connect(j, identity, j.timeout, console).await?;
+        let tool = match connect(j, identity, j.timeout, console).await {
+            Ok(tool) => tool,
+            Err(Error::Connect { addr, waited, source }) => {
+                let source = Error::Connect { addr: addr.clone(), waited, source };
+                return Err(JoinError::Unreached { job: j.job.to_owned(), addr, waited, source }.into());
+            }
+            Err(error) => return Err(error.into()),
+        };
         let claimed = claim_index(&tool, j, &claim).await;
         // The nodes that claimed before this one are checked now, on this session:
         // one of them may see this node's claim first and end the job at once.
