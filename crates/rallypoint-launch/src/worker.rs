@@ -77,7 +77,25 @@ impl SpawnError {
     }
 
     /// "python3x: No such file or directory", without io::Error's "(os error 2)".
+    /// Out of files or processes, it is the launcher's limit, not the program: said so.
     pub fn describe(&self) -> String {
+        match self.source.raw_os_error() {
+            Some(libc::EMFILE | libc::ENFILE) => {
+                return format!(
+                    "the launcher ran out of open files starting it ({}): raise `ulimit -n`, or start fewer \
+                     workers per node",
+                    self.source
+                )
+            }
+            Some(libc::EAGAIN) => {
+                return format!(
+                    "the launcher could not start another process ({}): raise `ulimit -u`, or start fewer \
+                     workers per node",
+                    self.source
+                )
+            }
+            _ => {}
+        }
         let reason = self.source.to_string();
         let reason = match self.source.raw_os_error() {
             Some(code) => reason.strip_suffix(&format!(" (os error {code})")).unwrap_or(&reason).to_owned(),
@@ -187,5 +205,20 @@ pub fn signal_group(pid: u32, signal: i32) {
     // SAFETY: plain syscall; an already-gone group just yields ESRCH.
     unsafe {
         libc::killpg(pgid, signal);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_start_the_launchers_limits_stopped_blames_the_launcher() {
+        let error = |code| SpawnError { program: "sleep".into(), source: io::Error::from_raw_os_error(code) };
+        assert_eq!(error(libc::ENOENT).describe(), "sleep: No such file or directory");
+        assert_eq!(error(libc::ENOENT).exit_code(), 127);
+        let files = error(libc::EMFILE).describe();
+        assert!(files.starts_with("the launcher ran out of open files starting it (") && files.contains("ulimit -n"));
+        assert!(error(libc::EAGAIN).describe().contains("ulimit -u"));
     }
 }
