@@ -28,7 +28,11 @@ pub enum Error {
 
     /// No reply within the operation's timeout plus a safety margin: the coordinator
     /// has gone silent without closing the connection.
-    #[error("no reply from the coordinator within {}", Secs::of(.0))]
+    #[error(
+        "no reply from the coordinator within {} (the call's timeout, and a margin for the coordinator's own \
+         answer): is it stopped, hung or overloaded?",
+        Secs::of(.0)
+    )]
     Timeout(Duration),
 
     /// A missing or invalid setting (environment variable or argument).
