@@ -366,7 +366,9 @@ impl Client {
     }
 
     /// Sets `desired` if the value is `expected` (or the key is missing and
-    /// `expected` is empty); returns the value now stored.
+    /// `expected` is empty); returns the value now stored. A missing key with a
+    /// non-empty `expected` stays missing, and `expected` is returned (as torch's
+    /// TCPStore does).
     fn compare_set<'py>(
         &self,
         py: Python<'py>,

@@ -117,7 +117,9 @@ class Client:
         ("0.001", "12abc") raises :class:`rallypoint.InvalidArgument` and is left as it was."""
     def compare_set(self, key: _Data, expected: _Data, desired: _Data) -> bytes:
         """Sets ``desired`` if the value is ``expected`` (or the key is missing and
-        ``expected`` is empty); returns the value now stored."""
+        ``expected`` is empty); returns the value now stored. A missing key with a
+        non-empty ``expected`` stays missing, and ``expected`` is returned, as torch's
+        TCPStore does."""
     def append(self, key: _Data, value: _Data) -> None:
         """Appends ``value`` to the value of ``key`` (missing counts as empty)."""
     def delete(self, key: _Data) -> bool:
