@@ -51,6 +51,20 @@ pub enum TlsError {
         if *.expired { "renew it" } else { "is this machine's clock right?" }
     )]
     OutOfDate { path: PathBuf, subject: String, expired: bool, at: SystemTime, now: SystemTime },
+    #[error(
+        "the certificate {subject} in {} is an X.509 v{version} one (made without extensions, as `openssl x509 \
+         -req` makes it without `-extfile`): TLS clients take only v3 certificates that name the coordinator's \
+         host in a subjectAltName (README, \"Authentication and TLS\", has a recipe)",
+        path.display()
+    )]
+    NotV3 { path: PathBuf, subject: String, version: u32 },
+    #[error(
+        "the certificate {subject} in {} names no host in a subjectAltName: every TLS client would refuse it, \
+         as they check the host they connect to against those names (README, \"Authentication and TLS\", has a \
+         recipe)",
+        path.display()
+    )]
+    NoHostNames { path: PathBuf, subject: String },
 }
 
 /// `at` in RFC 3339, which stops at the year 9999 (a certificate's date may not).
@@ -75,10 +89,22 @@ fn certificates(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'s
     Ok(certs)
 }
 
-/// Refuses a chain with a certificate out of date at `now`: a server started with
-/// one would fail every TLS client's handshake, each far from here. A certificate
-/// this parser cannot read is left to rustls and the clients.
-fn in_date(path: &Path, chain: &[CertificateDer<'_>], now: SystemTime) -> Result<(), TlsError> {
+/// Refuses a chain no client would take: a certificate out of date at `now`, or a
+/// server certificate that is not v3 or names no host. A server started with one
+/// would fail every TLS client's handshake, each far from here. A certificate this
+/// parser cannot read is left to rustls and the clients.
+fn usable(path: &Path, chain: &[CertificateDer<'_>], now: SystemTime) -> Result<(), TlsError> {
+    if let Some(Ok((_, own))) = chain.first().map(|der| x509_parser::parse_x509_certificate(der)) {
+        let subject = format!("'{}'", own.subject());
+        // X509Version counts from 0.
+        let version = own.version().0.saturating_add(1);
+        if version != 3 {
+            return Err(TlsError::NotV3 { path: path.to_owned(), subject, version });
+        }
+        if own.subject_alternative_name().is_ok_and(|names| names.is_none_or(|n| n.value.general_names.is_empty())) {
+            return Err(TlsError::NoHostNames { path: path.to_owned(), subject });
+        }
+    }
     let unix =
         |t: SystemTime| t.duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
     let at_unix = |secs: i64| UNIX_EPOCH + Duration::from_secs(u64::try_from(secs).unwrap_or(0));
@@ -113,7 +139,7 @@ impl TlsServer {
     /// PKCS#8, PKCS#1 or SEC1).
     pub fn from_pem_files(cert: &Path, key: &Path) -> Result<TlsServer, TlsError> {
         let chain = certificates("certificate file", cert)?;
-        in_date(cert, &chain, SystemTime::now())?;
+        usable(cert, &chain, SystemTime::now())?;
         let private = PrivateKeyDer::from_pem_file(key).map_err(|source| TlsError::Pem {
             what: "private key file",
             path: key.to_owned(),
@@ -270,21 +296,33 @@ mod tests {
         let pki = crate::test_pki::TestPki::create(dir, "dates CA").expect("pki");
         let path = pki.path("cert.pem");
         let chain = certificates("certificate file", &path).expect("chain");
-        assert!(in_date(&path, &chain, SystemTime::now()).is_ok());
+        assert!(usable(&path, &chain, SystemTime::now()).is_ok());
         // The throwaway certificate is valid from 1975 to 4096.
-        let error = in_date(&path, &chain, UNIX_EPOCH).expect_err("before it");
+        let error = usable(&path, &chain, UNIX_EPOCH).expect_err("before it");
         assert!(matches!(error, TlsError::OutOfDate { expired: false, .. }), "{error:?}");
         let text = error.to_string();
         assert!(text.contains("is valid only from 1975-01-01T00:00:00Z (it is now 1970-01-01T00:00:00Z)"), "{text}");
         assert!(text.contains("clock"), "{text}");
         let later = UNIX_EPOCH + Duration::from_secs(3_100 * 365 * 86_400);
-        let error = in_date(&path, &chain, later).expect_err("after it");
+        let error = usable(&path, &chain, later).expect_err("after it");
         let text = error.to_string();
         assert!(text.contains(&format!("in {} expired at 4096-01-01T00:00:00Z", path.display())), "{text}");
         assert!(text.contains("renew it"), "{text}");
         assert_eq!(shown(UNIX_EPOCH + Duration::from_secs(300_000_000_000)), "300000000000 s after 1970");
 
-        // And a server is refused one, before anything listens.
+        // And a server is refused one, before anything listens; or one that is not
+        // v3, or names no host.
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.distinguished_name.push(rcgen::DnType::CommonName, "nameless");
+        let nameless = params.self_signed(&key).expect("self-signed");
+        std::fs::write(pki.path("nameless.pem"), nameless.pem()).expect("write");
+        std::fs::write(pki.path("nameless-key.pem"), key.serialize_pem()).expect("write");
+        let error = TlsServer::from_pem_files(&pki.path("nameless.pem"), &pki.path("nameless-key.pem"))
+            .expect_err("no subjectAltName");
+        assert!(matches!(error, TlsError::NoHostNames { .. }), "{error}");
+        assert!(error.to_string().contains("names no host in a subjectAltName"), "{error}");
+
         let key = rcgen::KeyPair::generate().expect("key");
         let mut params = rcgen::CertificateParams::new(vec!["127.0.0.1".to_owned()]).expect("params");
         params.not_before = rcgen::date_time_ymd(2020, 1, 1);

@@ -101,6 +101,14 @@ def test_tls_round_trip_and_plaintext_refused(pki, no_auth_env, job):
         co.shutdown()
 
 
+def test_a_certificate_no_client_would_take_is_refused_at_start(pki):
+    # Signed without -extfile: an X.509 v1 certificate, without subjectAltName.
+    subprocess.run(["openssl", "x509", "-req", "-in", "cert.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+                    "-CAcreateserial", "-out", "v1.pem", "-days", "1"], check=True, capture_output=True, cwd=pki)
+    with pytest.raises(rp.InvalidArgument, match=r"is an X\.509 v1 one .*-extfile"):
+        rp._Coordinator(tls_cert=str(pki / "v1.pem"), tls_key=str(pki / "key.pem"))
+
+
 def test_spawned_workers_prove_the_token_of_their_coordinator(no_auth_env):
     # A token of another coordinator in the parent's environment does not leak into them.
     no_auth_env.setenv("RALLYPOINT_TOKEN", "a-token-of-something-else")
