@@ -421,7 +421,8 @@ impl fmt::Display for AuthRefusal {
             AuthRefusal::NoTokenHere => {
                 "this process has a token but the coordinator has none, so it cannot prove that it \
                  knows it: give the coordinator the same token (--token-file, RALLYPOINT_TOKEN_FILE \
-                 or RALLYPOINT_TOKEN), or unset RALLYPOINT_TOKEN and RALLYPOINT_TOKEN_FILE here"
+                 or RALLYPOINT_TOKEN), or give this process none (no --token-file, RALLYPOINT_TOKEN_FILE \
+                 or RALLYPOINT_TOKEN)"
             }
         })
     }

@@ -38,6 +38,12 @@ pub enum TlsError {
     Pem { what: &'static str, path: PathBuf, source: rustls::pki_types::pem::Error },
     #[error("the {what} {} holds no certificate", path.display())]
     NoCertificate { what: &'static str, path: PathBuf },
+    #[error(
+        "the private key file {} holds no private key (a PEM \"PRIVATE KEY\", \"RSA PRIVATE KEY\" or \"EC \
+         PRIVATE KEY\" block)",
+        path.display()
+    )]
+    NoKey { path: PathBuf },
     #[error("cannot use the certificate {} with the key {}: {source}", cert.display(), key.display())]
     BadPair { cert: PathBuf, key: PathBuf, source: rustls::Error },
     #[error("cannot use the CA certificate {}: {source}", path.display())]
@@ -140,10 +146,10 @@ impl TlsServer {
     pub fn from_pem_files(cert: &Path, key: &Path) -> Result<TlsServer, TlsError> {
         let chain = certificates("certificate file", cert)?;
         usable(cert, &chain, SystemTime::now())?;
-        let private = PrivateKeyDer::from_pem_file(key).map_err(|source| TlsError::Pem {
-            what: "private key file",
-            path: key.to_owned(),
-            source,
+        let private = PrivateKeyDer::from_pem_file(key).map_err(|source| match source {
+            // A file of certificates, say, given for the key.
+            rustls::pki_types::pem::Error::NoItemsFound => TlsError::NoKey { path: key.to_owned() },
+            source => TlsError::Pem { what: "private key file", path: key.to_owned(), source },
         })?;
         let bad_pair = |source| TlsError::BadPair { cert: cert.to_owned(), key: key.to_owned(), source };
         let config = rustls::ServerConfig::builder_with_provider(provider())

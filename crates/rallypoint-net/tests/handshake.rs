@@ -239,4 +239,8 @@ fn pem_paths_are_checked() {
     let other = test_ca("paths-other");
     let error = TlsServer::from_pem_files(&pki.path("cert.pem"), &other.path("key.pem")).expect_err("mismatch");
     assert!(error.to_string().contains("cannot use the certificate"), "{error}");
+    // The certificate given for the key.
+    let error = TlsServer::from_pem_files(&pki.path("cert.pem"), &pki.path("cert.pem")).expect_err("no key");
+    let said = format!("the private key file {} holds no private key", pki.path("cert.pem").display());
+    assert!(error.to_string().starts_with(&said), "{error}");
 }
