@@ -167,12 +167,8 @@ impl Failure {
     /// One line naming the cause, e.g. "rank 1 exited with code 3".
     pub fn headline(&self) -> String {
         match &self.what {
-            FailureKind::Worker { rank, exit, after: None, .. } => format!("rank {rank} {exit}"),
-            FailureKind::Worker { rank, exit, after: Some(early), .. } => format!(
-                "rank {rank} {exit}, {:.1} s after rank {} exited with code 0 while its peers ran on",
-                self.at_unix_ms.saturating_sub(early.at_unix_ms) as f64 / 1000.0,
-                early.rank
-            ),
+            // An early end before it is context, not the cause: the summary shows it.
+            FailureKind::Worker { rank, exit, .. } => format!("rank {rank} {exit}"),
             FailureKind::NotStarted { rank, reason, .. } => format!("rank {rank} could not start: {reason}"),
             FailureKind::RankLost { rank, loss, last_seen_unix_ms, process, .. } => {
                 let at = time(*last_seen_unix_ms);
@@ -302,10 +298,10 @@ pub fn summary(
             if let Some(early) = after {
                 let _ = writeln!(
                     s,
-                    "  before it, {} exited with code 0 at {} while its peers ran on: a rank that leaves early \
+                    "  {:.1} s before it, {} exited with code 0 while its peers ran on: a rank that leaves early \
                      fails its peers' next collective, whose error may not name it",
-                    early.who(),
-                    time(early.at_unix_ms)
+                    first.at_unix_ms.saturating_sub(early.at_unix_ms) as f64 / 1000.0,
+                    early.who()
                 );
             }
             write_tail(&mut s, "it", "its", stderr_tail);
@@ -615,14 +611,12 @@ mod tests {
             host: "gpu7".into(),
             at_unix_ms: 2_000,
         };
-        assert_eq!(
-            first.headline(),
-            "rank 1 exited with code 1, 0.8 s after rank 3 exited with code 0 while its peers ran on"
-        );
+        // Context, not the cause: the headline names the failure alone.
+        assert_eq!(first.headline(), "rank 1 exited with code 1");
         let text = summary("train", 0, 0, &first, &[], None);
         let lines: Vec<&str> = text.lines().collect();
         assert!(lines[3].starts_with(
-            "  before it, rank 3 (node 1, host gpu8, pid 4245) exited with code 0 at 1970-01-01T00:00:01.200Z"
+            "  0.8 s before it, rank 3 (node 1, host gpu8, pid 4245) exited with code 0 while its peers ran on"
         ));
         // Carried between launchers, and read from one that never sets it.
         let json = serde_json::to_string(&first).expect("json");
