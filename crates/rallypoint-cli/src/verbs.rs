@@ -539,8 +539,9 @@ impl Conn {
 impl MembersArgs {
     fn members(&self, world_size: u32) -> anyhow::Result<Members> {
         if let Some(parse::RankList(ranks)) = &self.ranks {
-            if let Some(bad) = ranks.iter().find(|&&r| r >= world_size) {
-                usage!("--ranks: rank {bad} is outside the world of {world_size} ranks");
+            // The highest named: in "0-99" of a world of 3, rank 99 says what is wrong.
+            if let Some(bad) = ranks.iter().copied().filter(|&r| r >= world_size).max() {
+                usage!("--ranks: rank {bad} is outside the world of {world_size} ranks (0-{})", world_size - 1);
             }
             return Ok(Members::Ranks(ranks.clone()));
         }
