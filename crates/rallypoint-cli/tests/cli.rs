@@ -69,6 +69,18 @@ fn spawn(mut command: Command) -> Guard {
     Guard(command.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn().expect("spawn rallypoint"))
 }
 
+/// The exit code of `child` once it ends by itself (within [`LIMIT`], else `failed`).
+fn exit_code(child: &mut Guard, failed: &str) -> Option<i32> {
+    let deadline = Instant::now() + LIMIT;
+    loop {
+        if let Some(status) = child.0.try_wait().expect("try_wait") {
+            return status.code();
+        }
+        assert!(Instant::now() < deadline, "{failed}");
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
 fn exec(command: Command) -> Run {
     finish(&mut spawn(command))
 }
@@ -577,29 +589,14 @@ fn status_watch_without_a_terminal_prints_snapshot_after_snapshot_and_stops_on_c
     assert!(first.starts_with("Every 0.2 s"), "{first}");
     // SAFETY: kill(2) on a child we own and have not reaped.
     assert_eq!(unsafe { libc::kill(watching.pid() as i32, libc::SIGINT) }, 0);
-    let deadline = Instant::now() + LIMIT;
-    let code = loop {
-        if let Some(status) = watching.0.try_wait().expect("try_wait") {
-            break status.code();
-        }
-        assert!(Instant::now() < deadline, "status --watch did not stop on SIGINT");
-        thread::sleep(Duration::from_millis(20));
-    };
-    assert_eq!(code, Some(0));
+    assert_eq!(exit_code(&mut watching, "status --watch did not stop on SIGINT"), Some(0));
     // Nor when its reader goes (`| head -1`): quietly, as SIGPIPE would end it.
     let mut watching = spawn(server.cmd("watched", &["status", "--watch", "--interval", "0.2"]));
     let stdout = watching.0.stdout.take().expect("piped stdout");
     let mut stderr = watching.0.stderr.take().expect("piped stderr");
     let first = BufReader::new(stdout).lines().next().expect("a first snapshot").expect("readable");
     assert!(first.starts_with("Every 0.2 s"), "{first}");
-    let deadline = Instant::now() + LIMIT;
-    let code = loop {
-        if let Some(status) = watching.0.try_wait().expect("try_wait") {
-            break status.code();
-        }
-        assert!(Instant::now() < deadline, "status --watch did not stop when its reader went");
-        thread::sleep(Duration::from_millis(20));
-    };
+    let code = exit_code(&mut watching, "status --watch did not stop when its reader went");
     let mut said = String::new();
     stderr.read_to_string(&mut said).expect("stderr");
     assert_eq!((code, said.as_str()), (Some(0), ""));
