@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use bytes::BytesMut;
+use bytes::{Buf, BytesMut};
 use rallypoint_core::{Departure, Link, OpError, Reply, Request, Response, SessionId, SlotTable, Welcome};
 use rallypoint_net::budget::Charge;
 use rallypoint_net::conn::{after_read, hold_buffered, read_some, stall, Buffering, End};
@@ -284,6 +284,7 @@ pub(crate) async fn serve<S: AsyncRead + AsyncWrite + Unpin>(
         guard: SubsGuard { shared: &shared, subs: Subs::default(), outbox: Arc::clone(&outbox) },
         warnings: WarnLimit::new(),
         charge,
+        skip: 0,
     };
     let end = conn.run(&outbox).await;
     let ranks = conn.guard.subs.by_sub.len();
@@ -306,6 +307,9 @@ struct AgentConn<'a, S> {
     warnings: WarnLimit,
     /// The bytes of unfinished frames this connection holds.
     charge: Charge,
+    /// Bytes still to pass over of a rank's request too large for this coordinator
+    /// (its call was answered: [`ProtoError::SubRequestTooLarge`]).
+    skip: usize,
 }
 
 impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
@@ -321,7 +325,8 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
                 return end;
             }
             Buffering::NODE_LINK.release_idle(&mut self.rbuf);
-            let buffered = self.rbuf.len();
+            // Mid-frame while skipping one too: the read timeout holds.
+            let buffered = self.rbuf.len().saturating_add(self.skip);
             tokio::select! {
                 // Replies first: they free waiting ranks, and reading more only adds work.
                 biased;
@@ -346,6 +351,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
     fn process(&mut self, outbox: &Arc<AgentOutbox>) -> Result<(), End> {
         let mut inputs = Vec::new();
         let result = loop {
+            if self.skip > 0 {
+                let passed = self.skip.min(self.rbuf.len());
+                self.rbuf.advance(passed);
+                self.skip -= passed;
+                if self.skip > 0 {
+                    break Ok(());
+                }
+            }
             match decode_agent_frame(&mut self.rbuf, &self.limits) {
                 Ok(None) => break Ok(()),
                 Ok(Some(frame)) => {
@@ -406,6 +419,14 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
         }
         match error {
             ProtoError::BadSubFrame { sub: Some(sub), id: Some(id), message } => {
+                encode_sub_reply(sub, id, &Err(OpError::Invalid(message)), &mut self.wbuf);
+            }
+            ProtoError::SubRequestTooLarge { sub, id, len, max } => {
+                self.skip = len;
+                let message = format!(
+                    "a request of {len} bytes is more than this coordinator reads in one frame ({max} bytes, \
+                     through a node agent: docs/PROTOCOL.md, section 10): send less per request"
+                );
                 encode_sub_reply(sub, id, &Err(OpError::Invalid(message)), &mut self.wbuf);
             }
             ProtoError::BadSubCalls { calls, message } => {

@@ -7,7 +7,7 @@
 //! connection. The connection starts with the usual preamble; its first frame is an
 //! [`AgentFrame::Hello`] instead of a client Hello.
 
-use bytes::{BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use rallypoint_core::{Identity, OpError, Reply, Request, Welcome};
 
 use super::error::ProtoError;
@@ -221,8 +221,25 @@ pub fn encode_sub_reply_shared(sub: u64, id: u64, reply: &Reply, dst: &mut Bytes
 /// A bad frame yields [`ProtoError::BadSubFrame`] with the sub-session and request
 /// id if they could be read, so the coordinator can answer that request.
 pub fn decode_agent_frame(src: &mut BytesMut, limits: &FrameLimits) -> Result<Option<AgentFrame>, ProtoError> {
-    let Some(body) = take_frame(src, limits)? else {
-        return Ok(None);
+    let body = match take_frame(src, limits) {
+        Ok(Some(body)) => body,
+        Ok(None) => return Ok(None),
+        Err(ProtoError::FrameTooLarge { len, max, .. }) => {
+            // A rank's request: its sub-session and id follow its prefix and kind.
+            const IDS_END: usize = LEN_PREFIX + 1 + 16;
+            let sub_request = src.get(LEN_PREFIX).is_none_or(|&k| k == kind::SUB_REQUEST);
+            if sub_request && src.len() < IDS_END {
+                return Ok(None);
+            }
+            let ids = src.get(LEN_PREFIX + 1..IDS_END).filter(|_| sub_request);
+            let Some(ids) = ids else { return Err(ProtoError::FrameTooLarge { len, max, id: None }) };
+            let (sub, id) = ids.split_at(8);
+            let word = |b: &[u8]| b.try_into().map(u64::from_le_bytes).unwrap_or_default();
+            let (sub, id) = (word(sub), word(id));
+            src.advance(LEN_PREFIX);
+            return Err(ProtoError::SubRequestTooLarge { sub, id, len, max });
+        }
+        Err(error) => return Err(error),
     };
     let mut ids = Ids::default();
     agent_body(&mut Reader::new(body), &mut ids).map(Some).map_err(|DecodeError(message)| ids.error(message))

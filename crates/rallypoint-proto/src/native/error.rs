@@ -33,6 +33,14 @@ pub enum ProtoError {
     #[error("malformed agent frame{}{}: {message}", sub.map(|s| format!(" (sub-session {s})")).unwrap_or_default(), id_suffix(*id))]
     BadSubFrame { sub: Option<u64>, id: Option<u64>, message: String },
 
+    /// A rank's request, forwarded by its node agent, longer than this receiver's
+    /// frame limit (a coordinator with smaller limits than the agent's). Not fatal:
+    /// its prefix was consumed, and the receiver skips the `len` bytes of its body
+    /// as they come, answering the call (`sub`, `id`) with an error, so that one
+    /// rank's request does not cost the agent's link and every rank of its node.
+    #[error("a request of {len} bytes (sub-session {sub}, request id {id}) exceeds the limit of {max} bytes")]
+    SubRequestTooLarge { sub: u64, id: u64, len: usize, max: usize },
+
     /// An aggregated agent frame (SubRequests or SubReplies) whose call list was read
     /// but whose request or reply does not decode. The frame was consumed; every
     /// listed (sub-session, request id) call needs an answer.
@@ -49,6 +57,7 @@ impl ProtoError {
             ProtoError::BadRequest { .. }
             | ProtoError::BadReply { .. }
             | ProtoError::BadSubFrame { .. }
+            | ProtoError::SubRequestTooLarge { .. }
             | ProtoError::BadSubCalls { .. } => false,
         }
     }

@@ -750,3 +750,36 @@ async fn barriers_through_shared_memory_with_every_kind_of_peer() {
     .await;
     server.shutdown().await;
 }
+
+/// A coordinator whose limits are smaller than its node agent's: a rank's request
+/// the agent forwards but the coordinator does not read fails that call alone, as
+/// it would directly; the agent's link, and its other ranks, carry on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_too_large_for_the_coordinator_fails_only_its_call_through_an_agent() {
+    let mut engine = rallypoint::Config::default();
+    engine.limits.max_request_len = 1_000_000;
+    engine.limits.max_value_len = 1_000_000;
+    let server = crate::common::start_server_with(engine).await;
+    for unix in [false, true] {
+        let job = format!("big{unix}");
+        let agent = start_agent(&server, unix).await;
+        let big = connect_via(&agent, rank(&job, 0, 2)).await;
+        let peer = connect_via(&agent, rank(&job, 1, 2)).await;
+        let value = vec![b'x'; 8 << 20];
+        let entries: Vec<(String, &[u8])> = (0..3).map(|i| (format!("k{i}"), value.as_slice())).collect();
+        match bounded("the oversized multi_set", big.multi_set(&entries)).await {
+            Err(Error::Op(OpError::Invalid(message))) => {
+                assert!(message.contains("is more than this coordinator reads in one frame"), "{message}");
+            }
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+        assert_eq!(bounded("add", peer.add("n", 1)).await.expect("the other rank carries on"), 1);
+        bounded("set", big.set("small", "v")).await.expect("the same rank carries on");
+        let (a, b) = tokio::join!(big.barrier("b", Members::World, WAIT), peer.barrier("b", Members::World, WAIT));
+        a.expect("barrier");
+        b.expect("barrier");
+        big.close().await.expect("close");
+        peer.close().await.expect("close");
+        agent.shutdown().await.expect("agent shutdown");
+    }
+}
