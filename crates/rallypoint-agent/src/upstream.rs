@@ -69,6 +69,7 @@ async fn hello(config: &AgentConfig) -> io::Result<Result<(Stream, BytesMut, u64
         Ok(greeted) => greeted,
         Err(GreetError::Io(error)) => return Err(error),
         Err(GreetError::Auth(failure)) => return Ok(Err(AgentError::Auth { addr: addr.clone(), failure })),
+        Err(GreetError::NotCoordinator(message)) => return Ok(Err(protocol(message))),
     };
     Ok(answer.map(|lease_ms| (stream, rest, lease_ms)))
 }

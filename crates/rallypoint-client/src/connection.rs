@@ -46,7 +46,7 @@ use tokio::sync::{mpsc, oneshot, Notify};
 use tokio::time::{Instant, Interval, MissedTickBehavior};
 use tracing::{debug, info};
 
-use rallypoint_net::conn::{greet, AuthFailure, Buffering, Credentials, GreetError};
+use rallypoint_net::conn::{greet, not_a_coordinator, AuthFailure, Buffering, Credentials, GreetError};
 use rallypoint_net::shm;
 use rallypoint_net::sync::{lock, Backoff};
 use rallypoint_net::{unix_path, ReadHalf, Sender, Stream, WriteHalf};
@@ -1781,6 +1781,7 @@ impl From<GreetError> for Attempt {
         match error {
             GreetError::Io(error) => Attempt::Io(error),
             GreetError::Auth(failure) => Attempt::Auth(failure),
+            GreetError::NotCoordinator(message) => Attempt::NotCoordinator(message),
         }
     }
 }
@@ -1828,11 +1829,7 @@ async fn attempt(
             Ok(Some(ServerFrame::AuthChallenge { .. } | ServerFrame::AuthAccepted { .. })) => {
                 Some(Err(Attempt::Protocol("sent a token handshake frame nobody asked for".to_owned())))
             }
-            Err(ProtoError::FrameTooLarge { .. }) => {
-                let start = buf.get(..buf.len().min(48)).unwrap_or_default();
-                let said = format!("it is not a rallypoint coordinator: it answered \"{}\"", start.escape_ascii());
-                Some(Err(Attempt::NotCoordinator(said)))
-            }
+            Err(ProtoError::FrameTooLarge { .. }) => Some(Err(Attempt::NotCoordinator(not_a_coordinator(buf)))),
             Err(error) => Some(Err(Attempt::Protocol(error.to_string()))),
         })
         .await?;

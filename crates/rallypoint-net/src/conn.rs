@@ -362,6 +362,16 @@ pub enum GreetError {
     /// Final: credentials refused or unproven; retrying would not change it.
     #[error("{0}")]
     Auth(AuthFailure),
+    /// Final: something else answers there (an SSH or HTTP server).
+    #[error("{0}")]
+    NotCoordinator(String),
+}
+
+/// What a peer is that answered `first` (the bytes it sent first) with a length no
+/// frame before a welcome has: not a coordinator.
+pub fn not_a_coordinator(first: &[u8]) -> String {
+    let first = first.get(..first.len().min(48)).unwrap_or_default();
+    format!("it is not a rallypoint coordinator: it answered \"{}\"", first.escape_ascii())
 }
 
 /// A failed authentication, either way.
@@ -458,6 +468,7 @@ async fn auth_frame(stream: &mut Stream, buf: &mut BytesMut) -> Result<ServerFra
         match decode_server_frame(buf, &AUTH_FRAME_LIMIT) {
             Ok(Some(frame)) => return Ok(frame),
             Ok(None) => read(stream, buf).await?,
+            Err(ProtoError::FrameTooLarge { .. }) => return Err(GreetError::NotCoordinator(not_a_coordinator(buf))),
             Err(error) => return Err(GreetError::Auth(AuthFailure::Unproven(format!("it sent {error}")))),
         }
     }

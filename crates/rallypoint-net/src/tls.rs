@@ -229,6 +229,11 @@ impl TlsClient {
                 "the coordinator refused the TLS handshake ({failure}): it most likely serves no TLS (started \
                  without --tls-cert); connect without a CA (--tls-ca, RALLYPOINT_TLS_CA), or serve TLS"
             ),
+            // Bytes that are no TLS record: an SSH or HTTP server, say.
+            rustls::Error::InvalidMessage(rustls::InvalidMessage::InvalidContentType) => format!(
+                "the peer answered the TLS handshake with something that is not TLS ({failure}): it is not a \
+                 coordinator serving TLS (is the address right?)"
+            ),
             _ => failure.to_string(),
         }
     }

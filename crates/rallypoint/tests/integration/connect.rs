@@ -168,10 +168,13 @@ async fn a_peer_that_is_not_a_coordinator_is_named_so() {
     let talker = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = talker.local_addr().expect("addr");
     let server = tokio::spawn(async move {
-        let (mut stream, _) = talker.accept().await.expect("accept");
-        stream.write_all(b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n").await.expect("banner");
-        let mut sink = [0u8; 1024];
-        while stream.read(&mut sink).await.map(|n| n > 0).unwrap_or(false) {}
+        while let Ok((mut stream, _)) = talker.accept().await {
+            tokio::spawn(async move {
+                stream.write_all(b"SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n").await.expect("banner");
+                let mut sink = [0u8; 1024];
+                while stream.read(&mut sink).await.map(|n| n > 0).unwrap_or(false) {}
+            });
+        }
     });
     let options =
         ConnectOptions::new(addr.to_string(), Identity::anonymous("j")).with_timeout(Duration::from_secs(600));
@@ -182,6 +185,18 @@ async fn a_peer_that_is_not_a_coordinator_is_named_so() {
                 .ends_with(r#"it is not a rallypoint coordinator: it answered "SSH-2.0-OpenSSH_9.2p1 Debian-2\r\n""#),
             "{error}"
         ),
+        Err(other) => panic!("expected a connect error, got {other}"),
+        Ok(_) => panic!("connected to an SSH server"),
+    }
+    // Also when the client starts with the token handshake.
+    let token = rallypoint::client::Token::new("a token", "the test").expect("token");
+    let options = ConnectOptions::new(addr.to_string(), Identity::anonymous("j"))
+        .with_timeout(Duration::from_secs(600))
+        .with_token(Some(std::sync::Arc::new(token)));
+    match bounded("connect with a token", Client::connect_with(options)).await {
+        Err(error @ Error::Connect { .. }) => {
+            assert!(error.to_string().contains("it is not a rallypoint coordinator: it answered \"SSH-2.0-"), "{error}")
+        }
         Err(other) => panic!("expected a connect error, got {other}"),
         Ok(_) => panic!("connected to an SSH server"),
     }
