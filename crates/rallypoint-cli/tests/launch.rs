@@ -635,6 +635,16 @@ fn a_job_aborted_by_a_rank_names_that_rank_first() {
         run.stderr
     );
     assert!(run.stderr.contains("a process of no rank (a tool, or a command), aborted the job"), "{}", run.stderr);
+
+    // Ranks that live through the abort and exit 0: the success says it was aborted.
+    let script = r#"
+        if [ "$RANK" = 1 ]; then "$RP" abort "stop now"; fi
+        "$RP" barrier b --timeout 60; exit 0
+    "#;
+    let run = launch(&["--nproc-per-node", "2", "--job", "abs"], script, &dir).finish();
+    assert_eq!(run.code, Some(0), "{}", run.stderr);
+    let success = run.stderr.lines().find(|l| l.contains("succeeded")).unwrap_or_default();
+    assert!(success.contains("; but the job was aborted by rank 1 (host "), "{}", run.stderr);
 }
 
 /// Rank 2 exits 0 early under collectives the coordinator does not see (torch's
