@@ -38,7 +38,8 @@ pub struct ServeArgs {
     /// Most keys in one check/wait/multi-get/multi-set [default: 131072]
     #[arg(long, value_name = "N")]
     max_keys_per_op: Option<usize>,
-    /// Largest sum of the keys and values of one request, in bytes [default: 67108864]
+    /// Largest sum of the keys and values of one request, in bytes; never less than a
+    /// key and two values (a compare-set always fits) [default: 67108864]
     #[arg(long, value_name = "BYTES")]
     max_request_len: Option<usize>,
     /// Largest world size a client may claim (memory follows the ranks that connect,

@@ -101,7 +101,12 @@ fn members(py: Python<'_>, ranks: Option<&Bound<'_, PyAny>>, role: Option<String
                 let message = format!("ranks must be a sequence of ints, not {type_name}");
                 return Err(pyo3::exceptions::PyTypeError::new_err(message));
             }
-            let list = ranks.try_iter()?.map(|r| {
+            let Ok(iter) = ranks.try_iter() else {
+                let type_name = ranks.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".to_owned());
+                let message = format!("ranks must be a sequence of ints, not {type_name}");
+                return Err(pyo3::exceptions::PyTypeError::new_err(message));
+            };
+            let list = iter.map(|r| {
                 let r = integer::<i64>(py, "ranks", &r?, "ranks are 0 to 4294967295")?;
                 rank(py, "ranks", r)
             });

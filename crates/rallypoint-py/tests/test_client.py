@@ -474,6 +474,8 @@ def test_integer_arguments_out_of_range_or_of_the_wrong_type_are_named(coordinat
         c.reset(-1)
     with pytest.raises(TypeError, match="ranks must be a sequence of ints, not str"):
         c.barrier(ranks="0")
+    with pytest.raises(TypeError, match="ranks must be a sequence of ints, not int"):
+        c.barrier(ranks=0)
     with pytest.raises(TypeError, match="ranks must be an int, not bool"):
         c.barrier(ranks=[True])
     with pytest.raises(rp.InvalidArgument, match="ranks=1099511627776 is beyond the largest rank, 4294967295"):

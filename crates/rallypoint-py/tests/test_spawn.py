@@ -69,6 +69,10 @@ def test_spawn_refuses_bad_arguments_before_starting_anything():
         rp.spawn(workers.returns_none, 2, job="")
     with pytest.raises(rp.InvalidArgument, match=r"holds a control character \(U\+000A\)"):
         rp.spawn(workers.returns_none, 2, job="a\nb")
+    with pytest.raises(TypeError, match="grace must be a number of seconds, not str"):
+        rp.spawn(workers.returns_none, 2, grace="5")
+    with pytest.raises(rp.InvalidArgument, match="grace=nan is not a number of seconds"):
+        rp.spawn(workers.returns_none, 2, grace=float("nan"))
 
 
 def test_a_spawned_rank_that_returns_early_fails_its_peers_barrier_at_once():

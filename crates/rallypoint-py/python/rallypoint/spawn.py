@@ -180,6 +180,10 @@ def spawn(
         raise TypeError(f"nprocs must be an int, not {type(nprocs).__name__}")
     if nprocs < 1:
         raise InvalidArgument(f"nprocs={nprocs} is not a positive integer")
+    if isinstance(grace, bool) or not isinstance(grace, (int, float)):
+        raise TypeError(f"grace must be a number of seconds, not {type(grace).__name__}")
+    if not grace >= 0 or grace == float("inf"):  # NaN too
+        raise InvalidArgument(f"grace={grace} is not a number of seconds (0 or more, finite)")
     # Refused here, as Client refuses them, rather than in every worker.
     if not job:
         raise InvalidArgument("the job name is empty")
