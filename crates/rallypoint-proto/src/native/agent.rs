@@ -11,7 +11,9 @@ use bytes::{Buf, BufMut, Bytes, BytesMut};
 use rallypoint_core::{Identity, OpError, Reply, Request, Welcome};
 
 use super::error::ProtoError;
-use super::frame::{frameable, kind, take_frame, write_frame, write_frame_shared, FrameLimits, LEN_PREFIX};
+use super::frame::{
+    frameable, kind, oversized, take_frame, write_frame, write_frame_shared, FrameLimits, Oversized, LEN_PREFIX,
+};
 use super::identity::{decode_identity, decode_welcome, encode_identity, encode_welcome};
 use super::op_error::{decode_op_error, encode_op_error};
 use super::reply::{decode_reply_body, encode_reply_body, encode_reply_body_shared};
@@ -226,18 +228,14 @@ pub fn decode_agent_frame(src: &mut BytesMut, limits: &FrameLimits) -> Result<Op
         Ok(None) => return Ok(None),
         Err(ProtoError::FrameTooLarge { len, max, .. }) => {
             // A rank's request: its sub-session and id follow its prefix and kind.
-            const IDS_END: usize = LEN_PREFIX + 1 + 16;
-            let sub_request = src.get(LEN_PREFIX).is_none_or(|&k| k == kind::SUB_REQUEST);
-            if sub_request && src.len() < IDS_END {
-                return Ok(None);
-            }
-            let ids = src.get(LEN_PREFIX + 1..IDS_END).filter(|_| sub_request);
-            let Some(ids) = ids else { return Err(ProtoError::FrameTooLarge { len, max, id: None }) };
-            let (sub, id) = ids.split_at(8);
-            let word = |b: &[u8]| b.try_into().map(u64::from_le_bytes).unwrap_or_default();
-            let (sub, id) = (word(sub), word(id));
-            src.advance(LEN_PREFIX);
-            return Err(ProtoError::SubRequestTooLarge { sub, id, len, max });
+            return match oversized::<2>(src, kind::SUB_REQUEST) {
+                Oversized::Wait => Ok(None),
+                Oversized::Ids([sub, id]) => {
+                    src.advance(LEN_PREFIX);
+                    Err(ProtoError::SubRequestTooLarge { sub, id, len, max })
+                }
+                Oversized::Other => Err(ProtoError::FrameTooLarge { len, max, id: None }),
+            };
         }
         Err(error) => return Err(error),
     };

@@ -362,6 +362,30 @@ pub fn pending_frame_len(src: &[u8]) -> Option<usize> {
     Some((len as usize).saturating_add(LEN_PREFIX))
 }
 
+/// A frame whose length prefix is beyond the limit, as far as its first bytes tell.
+pub(crate) enum Oversized<const N: usize> {
+    /// Of the kind asked about, and its ids have not all come yet.
+    Wait,
+    /// Of that kind: the `N` u64 ids after its kind byte.
+    Ids([u64; N]),
+    /// Of another kind.
+    Other,
+}
+
+/// What the oversized frame at the start of `src` is: of kind `of` (a request,
+/// whose ids follow its kind, so that its call can still be answered), or not.
+pub(crate) fn oversized<const N: usize>(src: &[u8], of: u8) -> Oversized<N> {
+    if src.get(LEN_PREFIX).is_some_and(|&k| k != of) {
+        return Oversized::Other;
+    }
+    let Some(bytes) = src.get(LEN_PREFIX + 1..LEN_PREFIX + 1 + 8 * N) else { return Oversized::Wait };
+    let mut ids = [0u64; N];
+    for (id, word) in ids.iter_mut().zip(bytes.chunks_exact(8)) {
+        *id = word.try_into().map(u64::from_le_bytes).unwrap_or_default();
+    }
+    Oversized::Ids(ids)
+}
+
 /// Decodes the next client frame from `src`.
 ///
 /// `Ok(None)`: `src` does not hold a whole frame yet; read more and call again.
@@ -371,14 +395,11 @@ pub fn decode_client_frame(src: &mut BytesMut, limits: &FrameLimits) -> Result<O
         Ok(Some(body)) => body,
         Ok(None) => return Ok(None),
         Err(ProtoError::FrameTooLarge { len, max, .. }) => {
-            // A request's kind and id follow its prefix: wait for those nine bytes.
-            const ID_END: usize = LEN_PREFIX + 1 + 8;
-            let request = src.get(LEN_PREFIX).is_none_or(|&k| k == kind::REQUEST);
-            if request && src.len() < ID_END {
-                return Ok(None);
-            }
-            let id = src.get(LEN_PREFIX + 1..ID_END).filter(|_| request).and_then(|id| id.try_into().ok());
-            return Err(ProtoError::FrameTooLarge { len, max, id: id.map(u64::from_le_bytes) });
+            return match oversized::<1>(src, kind::REQUEST) {
+                Oversized::Wait => Ok(None),
+                Oversized::Ids([id]) => Err(ProtoError::FrameTooLarge { len, max, id: Some(id) }),
+                Oversized::Other => Err(ProtoError::FrameTooLarge { len, max, id: None }),
+            };
         }
         Err(error) => return Err(error),
     };
