@@ -394,7 +394,7 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
                     attempt_run.log_dir().map_or(String::new(), |dir| format!("; their logs are in {}", dir.display()));
                 // An abort every rank lived through: not the success it looks like.
                 let aborted =
-                    run.server.and_then(|server| server.aborted(&job.attempt_job)).map_or(String::new(), |by| {
+                    run.server.and_then(|server| server.aborted(&job.attempt_job)).map_or(String::new(), |(by, _)| {
                         format!("; but the job was aborted by {by}, and its ranks exited with code 0 all the same")
                     });
                 run.console.message(format!(

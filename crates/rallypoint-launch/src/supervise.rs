@@ -729,7 +729,7 @@ impl Attempt<'_> {
     /// On node 0: the reason another node's launcher gave when it aborted the
     /// attempt's job, which it does at its first failure, right after reporting it.
     fn aborted_elsewhere(&self) -> Option<String> {
-        let abort = self.server?.aborted(&self.job.attempt_job)?;
+        let (abort, _) = self.server?.aborted(&self.job.attempt_job)?;
         let mine = abort.pid == std::process::id() && abort.host == self.host;
         (abort.by_rank.is_none() && abort.reason.starts_with(LAUNCHER_ABORT) && !mine).then_some(abort.reason)
     }
@@ -798,8 +798,7 @@ impl Attempt<'_> {
     /// another node's failure) is judged by that failure (see `reconsider`).
     fn aborted_for(&self, failure: Failure, own: Option<u64>) -> Failure {
         let Some(server) = self.server else { return failure };
-        let job = &self.job.attempt_job;
-        let (Some(abort), Some(at)) = (server.aborted(job), server.aborted_at_unix_ms(job)) else { return failure };
+        let Some((abort, at)) = server.aborted(&self.job.attempt_job) else { return failure };
         if abort.reason.starts_with(LAUNCHER_ABORT) || own.is_some_and(|lost| lost < at) {
             return failure;
         }

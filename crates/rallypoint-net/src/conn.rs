@@ -367,6 +367,16 @@ pub enum GreetError {
     NotCoordinator(String),
 }
 
+/// The error a request beyond the frame limit (`len` bytes, `max` read) gets, its
+/// call answered before the stream is given up or passed over; `via`: how it came
+/// (", through a node agent"), or nothing.
+pub fn request_too_large(len: usize, max: usize, via: &str) -> String {
+    format!(
+        "a request of {len} bytes is more than this coordinator reads in one frame ({max} bytes{via}: \
+         docs/PROTOCOL.md, section 10): send less per request"
+    )
+}
+
 /// What a peer is that answered `first` (the bytes it sent first) with a length no
 /// frame before a welcome has: not a coordinator.
 pub fn not_a_coordinator(first: &[u8]) -> String {
@@ -551,11 +561,7 @@ pub fn decode_requests(rbuf: &mut BytesMut, limits: &FrameLimits, mut on: impl F
             Err(error @ ProtoError::FrameTooLarge { id: Some(id), len, max }) => {
                 // Answered before the connection closes, or its client would only see
                 // the cut, send it again on a new connection and wait out its timeout.
-                let message = format!(
-                    "a request of {len} bytes is more than this coordinator reads in one frame ({max} bytes: \
-                     docs/PROTOCOL.md, section 10): send less per request"
-                );
-                on(Inbound::Invalid { id: Some(id), message });
+                on(Inbound::Invalid { id: Some(id), message: request_too_large(len, max, "") });
                 return Err(End::malformed(error));
             }
             Err(error) if error.is_fatal() => return Err(End::malformed(error)),

@@ -79,13 +79,8 @@ fn rank(py: Python<'_>, what: &str, rank: i64) -> PyResult<u32> {
 /// An integer argument as `T`: a bool or a non-integer is a TypeError; one out of
 /// `T`'s range an InvalidArgument saying so (not Python's OverflowError).
 fn integer<T: TryFrom<i128>>(py: Python<'_>, what: &str, value: &Bound<'_, PyAny>, range: &str) -> PyResult<T> {
-    if value.is_instance_of::<pyo3::types::PyBool>() {
-        return Err(pyo3::exceptions::PyTypeError::new_err(format!("{what} must be an int, not bool")));
-    }
-    let Ok(int) = value.cast::<pyo3::types::PyInt>() else {
-        let type_name = value.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".to_owned());
-        return Err(pyo3::exceptions::PyTypeError::new_err(format!("{what} must be an int, not {type_name}")));
-    };
+    let int = value.cast::<pyo3::types::PyInt>().ok().filter(|_| !value.is_instance_of::<pyo3::types::PyBool>());
+    let Some(int) = int else { return Err(errors::not_of("an int", what, value)) };
     let out_of_range = || errors::invalid(py, format!("{what}={int} is out of range ({range})"));
     let wide: i128 = int.extract().map_err(|_| out_of_range())?;
     T::try_from(wide).map_err(|_| out_of_range())
@@ -96,16 +91,10 @@ fn members(py: Python<'_>, ranks: Option<&Bound<'_, PyAny>>, role: Option<String
     match (ranks, role) {
         (None, None) => Ok(Members::World),
         (Some(ranks), None) => {
-            if ranks.is_instance_of::<PyString>() || ranks.is_instance_of::<PyBytes>() {
-                let type_name = ranks.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".to_owned());
-                let message = format!("ranks must be a sequence of ints, not {type_name}");
-                return Err(pyo3::exceptions::PyTypeError::new_err(message));
-            }
-            let Ok(iter) = ranks.try_iter() else {
-                let type_name = ranks.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".to_owned());
-                let message = format!("ranks must be a sequence of ints, not {type_name}");
-                return Err(pyo3::exceptions::PyTypeError::new_err(message));
-            };
+            // Text iterates, by character: not a sequence of ranks either.
+            let text = ranks.is_instance_of::<PyString>() || ranks.is_instance_of::<PyBytes>();
+            let iter = ranks.try_iter().ok().filter(|_| !text);
+            let Some(iter) = iter else { return Err(errors::not_of("a sequence of ints", "ranks", ranks)) };
             let list = iter.map(|r| {
                 let r = integer::<i64>(py, "ranks", &r?, "ranks are 0 to 4294967295")?;
                 rank(py, "ranks", r)

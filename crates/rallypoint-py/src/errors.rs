@@ -45,8 +45,14 @@ pub fn invalid(py: Python<'_>, message: String) -> PyErr {
 
 /// A `TypeError` for a value of the wrong type.
 pub fn wrong_type(what: &str, value: &Bound<'_, PyAny>) -> PyErr {
+    not_of("str, bytes, bytearray or memoryview", what, value)
+}
+
+/// A TypeError: `what` must be `expected`, and `value` is not ("ranks must be a
+/// sequence of ints, not str").
+pub fn not_of(expected: &str, what: &str, value: &Bound<'_, PyAny>) -> PyErr {
     let type_name = value.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".to_owned());
-    PyTypeError::new_err(format!("{what} must be str, bytes, bytearray or memoryview, not {type_name}"))
+    PyTypeError::new_err(format!("{what} must be {expected}, not {type_name}"))
 }
 
 fn build(py: Python<'_>, error: Error) -> PyResult<PyErr> {

@@ -22,7 +22,7 @@ use std::time::Duration;
 use bytes::{Buf, BytesMut};
 use rallypoint_core::{Departure, Link, OpError, Reply, Request, Response, SessionId, SlotTable, Welcome};
 use rallypoint_net::budget::Charge;
-use rallypoint_net::conn::{after_read, hold_buffered, read_some, stall, Buffering, End};
+use rallypoint_net::conn::{after_read, hold_buffered, read_some, request_too_large, stall, Buffering, End};
 use rallypoint_net::sync::lock;
 use rallypoint_net::warn_limit::WarnLimit;
 use rallypoint_proto::native::{
@@ -423,10 +423,7 @@ impl<S: AsyncRead + AsyncWrite + Unpin> AgentConn<'_, S> {
             }
             ProtoError::SubRequestTooLarge { sub, id, len, max } => {
                 self.skip = len;
-                let message = format!(
-                    "a request of {len} bytes is more than this coordinator reads in one frame ({max} bytes, \
-                     through a node agent: docs/PROTOCOL.md, section 10): send less per request"
-                );
+                let message = request_too_large(len, max, ", through a node agent");
                 encode_sub_reply(sub, id, &Err(OpError::Invalid(message)), &mut self.wbuf);
             }
             ProtoError::BadSubCalls { calls, message } => {

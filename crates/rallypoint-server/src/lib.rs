@@ -343,15 +343,11 @@ impl ServerHandle {
         self.shared.failed_for(job)
     }
 
-    /// Who aborted `job` and why, if it was aborted. The launcher hosting it asks at a
-    /// worker's failure: an abort by another node's launcher came first.
-    pub fn aborted(&self, job: &str) -> Option<AbortInfo> {
+    /// Who aborted `job` and why, and when (ms since the Unix epoch), if it was
+    /// aborted. The launcher hosting it asks at a worker's failure: an abort by
+    /// another node's launcher, or by a rank, came first.
+    pub fn aborted(&self, job: &str) -> Option<(AbortInfo, u64)> {
         self.shared.aborted(job)
-    }
-
-    /// When `job` was aborted (ms since the Unix epoch), if it was.
-    pub fn aborted_at_unix_ms(&self, job: &str) -> Option<u64> {
-        self.shared.aborted_at_unix_ms(job)
     }
 
     /// How long the processes of `job` have asked nothing of this coordinator (no

@@ -476,13 +476,8 @@ impl Shared {
     }
 
     /// See [`super::ServerHandle::aborted`].
-    pub(crate) fn aborted(&self, job: &str) -> Option<AbortInfo> {
+    pub(crate) fn aborted(&self, job: &str) -> Option<(AbortInfo, u64)> {
         lock(&self.state).engine.aborted(job)
-    }
-
-    /// See [`super::ServerHandle::aborted_at_unix_ms`].
-    pub(crate) fn aborted_at_unix_ms(&self, job: &str) -> Option<u64> {
-        lock(&self.state).engine.aborted_at_unix_ms(job)
     }
 
     /// See [`super::ServerHandle::quiet_for`].

@@ -987,16 +987,12 @@ impl Engine {
         job.collectives.failed_for().iter().copied().collect()
     }
 
-    /// Who aborted `job` and why, if it was aborted.
-    pub fn aborted(&self, job: &str) -> Option<AbortInfo> {
-        self.held_job(job)?.aborted.clone()
-    }
-
-    /// When `job` was aborted (ms since the Unix epoch), if it was: a launcher tells
-    /// an abort its peers failed for from one made after a rank was lost.
-    pub fn aborted_at_unix_ms(&self, job: &str) -> Option<u64> {
+    /// Who aborted `job` and why, and when (ms since the Unix epoch: a launcher tells
+    /// an abort its peers failed for from one made after a rank was lost), if it was
+    /// aborted.
+    pub fn aborted(&self, job: &str) -> Option<(AbortInfo, u64)> {
         let job = self.held_job(job)?;
-        job.aborted.as_ref().map(|_| self.unix_ms(job.aborted_at))
+        job.aborted.clone().map(|by| (by, self.unix_ms(job.aborted_at)))
     }
 
     /// How long ago (ms) a process of `job` last asked for something (connected, or
