@@ -100,22 +100,24 @@ fn certificates(what: &'static str, path: &Path) -> Result<Vec<CertificateDer<'s
 /// would fail every TLS client's handshake, each far from here. A certificate this
 /// parser cannot read is left to rustls and the clients.
 fn usable(path: &Path, chain: &[CertificateDer<'_>], now: SystemTime) -> Result<(), TlsError> {
-    if let Some(Ok((_, own))) = chain.first().map(|der| x509_parser::parse_x509_certificate(der)) {
-        let subject = format!("'{}'", own.subject());
-        // X509Version counts from 0.
-        let version = own.version().0.saturating_add(1);
-        if version != 3 {
-            return Err(TlsError::NotV3 { path: path.to_owned(), subject, version });
-        }
-        if own.subject_alternative_name().is_ok_and(|names| names.is_none_or(|n| n.value.general_names.is_empty())) {
-            return Err(TlsError::NoHostNames { path: path.to_owned(), subject });
-        }
-    }
     let unix =
         |t: SystemTime| t.duration_since(UNIX_EPOCH).map_or(0, |d| i64::try_from(d.as_secs()).unwrap_or(i64::MAX));
     let at_unix = |secs: i64| UNIX_EPOCH + Duration::from_secs(u64::try_from(secs).unwrap_or(0));
-    for der in chain {
+    for (index, der) in chain.iter().enumerate() {
         let Ok((_, parsed)) = x509_parser::parse_x509_certificate(der) else { continue };
+        let subject = || format!("'{}'", parsed.subject());
+        // The server's own, first: what clients check against the host they reach.
+        if index == 0 {
+            // X509Version counts from 0.
+            let version = parsed.version().0.saturating_add(1);
+            if version != 3 {
+                return Err(TlsError::NotV3 { path: path.to_owned(), subject: subject(), version });
+            }
+            let names = parsed.subject_alternative_name();
+            if names.is_ok_and(|names| names.is_none_or(|n| n.value.general_names.is_empty())) {
+                return Err(TlsError::NoHostNames { path: path.to_owned(), subject: subject() });
+            }
+        }
         let validity = parsed.validity();
         let (from, until) = (validity.not_before.timestamp(), validity.not_after.timestamp());
         let out = if unix(now) > until {
@@ -126,8 +128,8 @@ fn usable(path: &Path, chain: &[CertificateDer<'_>], now: SystemTime) -> Result<
             None
         };
         if let Some((expired, at)) = out {
-            let subject = format!("'{}'", parsed.subject());
-            return Err(TlsError::OutOfDate { path: path.to_owned(), subject, expired, at: at_unix(at), now });
+            let (path, subject) = (path.to_owned(), subject());
+            return Err(TlsError::OutOfDate { path, subject, expired, at: at_unix(at), now });
         }
     }
     Ok(())
