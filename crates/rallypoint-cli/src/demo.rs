@@ -98,7 +98,11 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     if !failed.is_empty() {
         bail!("demo failed: {}", failed.join(", "));
     }
-    println!("demo ok: {n} ranks did {} steps of barrier + all-gather + broadcast", args.rounds);
+    let ranks = if n == 1 { "1 rank".to_owned() } else { format!("{n} ranks") };
+    println!("demo ok: {ranks} did {} steps of barrier + all-gather + broadcast", args.rounds);
+    if n == 1 && !args.no_kill {
+        println!("(the last act, killing a rank while its peers wait, needs --ranks 2 or more)");
+    }
     if kill_last {
         let others = if n == 2 { "rank 0 was".to_owned() } else { format!("ranks 0-{} were", n - 2) };
         println!("and when rank {} was killed with SIGKILL, {others} told by name instead of hanging", n - 1);
