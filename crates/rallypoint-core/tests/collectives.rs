@@ -98,7 +98,7 @@ fn role_barrier_resolves_once_every_rank_is_known() {
     let report = status(&mut h, "j");
     assert!(
         report.contains(
-            "waiting: barrier 'r' (generation 1) for 0.0 s: 2 of ? (a role's members are known once every rank connected) \
+            "waiting: barrier 'r' (generation 1) over role 'workers' for 0.0 s: 2 of ? (a role's members are known once every rank connected) \
              arrived; missing (1): rank 3 (never connected)\n"
         ),
         "rank 1 is a server, rank 3 may be a worker: {report}"
@@ -137,6 +137,86 @@ fn mismatched_members_or_world_size_fail_everyone_naming_both_calls() {
     // A late arrival to the failed generation gets the same error.
     let t2 = h.rank("k", 2, 4);
     assert_eq!(h.call(t2, barrier("x", None)).unwrap_err(), e);
+}
+
+#[test]
+fn groups_that_share_a_name_wait_apart_in_any_order() {
+    let ranks = |list: &[u32]| Members::Ranks(list.to_vec());
+    // Two pairs, one barrier name: overlapping in time, then one after the other.
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..4).map(|r| h.rank("j", r, 4)).collect();
+    let a0 = h.send(s[0], barrier_of("x", ranks(&[0, 1]), None));
+    let a2 = h.send(s[2], barrier_of("x", ranks(&[2, 3]), None));
+    assert!(h.pending(s[0], a0) && h.pending(s[2], a2));
+    assert_eq!(h.call(s[3], barrier_of("x", ranks(&[2, 3]), None)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s[2], a2)), Response::Done);
+    assert!(h.pending(s[0], a0), "the other pair still waits for rank 1");
+    assert_eq!(h.call(s[1], barrier_of("x", ranks(&[0, 1]), None)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s[0], a0)), Response::Done);
+    // Counted apart: each pair's second round is its generation 2.
+    let a0 = h.send(s[0], barrier_of("x", ranks(&[0, 1]), None));
+    assert_eq!(h.call(s[1], barrier_of("x", ranks(&[0, 1]), None)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s[0], a0)), Response::Done);
+    let a2 = h.send(s[2], barrier_of("x", ranks(&[2, 3]), Some(1_000)));
+    h.advance(1_000);
+    let OpError::CollectiveTimeout { op, missing, .. } = err(h.take(s[2], a2)) else { panic!("a timeout") };
+    assert_eq!((op.generation, missing.iter().map(|m| m.rank).collect::<Vec<_>>()), (2, vec![3]));
+    // One pair's failed generation is not the other's.
+    let a0 = h.send(s[0], barrier_of("x", ranks(&[0, 1]), None));
+    assert_eq!(h.call(s[1], barrier_of("x", ranks(&[0, 1]), None)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s[0], a0)), Response::Done);
+
+    // Each role its own barrier of one name, before every rank has connected.
+    let mut h = Harness::new();
+    let even = |r: u32| if r.is_multiple_of(2) { "even" } else { "odd" };
+    let s: Vec<_> = (0..3).map(|r| h.role_rank("r", r, 4, even(r))).collect();
+    let role = |r: u32| barrier_of("rb", Members::Role(even(r).into()), None);
+    let a: Vec<_> = (0..3).map(|r| h.send(s[r as usize], role(r))).collect();
+    assert!(h.pending(s[0], a[0]) && h.pending(s[1], a[1]), "rank 3's role is not known yet");
+    let s3 = h.role_rank("r", 3, 4, "odd");
+    assert_eq!(ok(h.take(s[0], a[0])), Response::Done, "rank 3 is odd: the evens are all here");
+    assert_eq!(ok(h.take(s[2], a[2])), Response::Done);
+    assert_eq!(h.call(s3, role(3)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s[1], a[1])), Response::Done);
+}
+
+#[test]
+fn a_subgroup_and_the_whole_job_may_share_a_name_in_an_order_that_meets() {
+    // Ranks 0 and 1 sync as a pair, then everyone; ranks 2 and 3 are at the job's
+    // barrier first: nobody waits for a rank that waits for it.
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..4).map(|r| h.rank("j", r, 4)).collect();
+    let world: Vec<_> = [2, 3].iter().map(|&r| h.send(s[r], barrier("x", None))).collect();
+    let a0 = h.send(s[0], barrier_of("x", Members::Ranks(vec![0, 1]), None));
+    assert_eq!(h.call(s[1], barrier_of("x", Members::Ranks(vec![0, 1]), None)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s[0], a0)), Response::Done);
+    let a0 = h.send(s[0], barrier("x", None));
+    assert_eq!(h.call(s[1], barrier("x", None)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s[0], a0)), Response::Done);
+    for (&r, id) in [2, 3].iter().zip(world) {
+        assert_eq!(ok(h.take(s[r], id)), Response::Done);
+    }
+    // Neighbours in a chain: each rank syncs with its left neighbour, then its right
+    // one. Ranks 0, 2 and 3 wait at their first pair; rank 1 comes last.
+    let mut h = Harness::new();
+    let s: Vec<_> = (0..4).map(|r| h.rank("halo", r, 4)).collect();
+    let pair = |left: u32| barrier_of("halo", Members::Ranks(vec![left, left + 1]), None);
+    let first = [(0, 0), (2, 1), (3, 2)].map(|(r, left)| (r, h.send(s[r], pair(left))));
+    assert!(first.iter().all(|&(r, id)| h.pending(s[r], id)));
+    assert_eq!(h.call(s[1], pair(0)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s[0], first[0].1)), Response::Done);
+    assert_eq!(h.call(s[1], pair(1)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s[2], first[1].1)), Response::Done);
+    assert_eq!(h.call(s[2], pair(2)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s[3], first[2].1)), Response::Done);
+
+    // Every rank listed is the job's barrier itself.
+    let a0 = h.send(s[0], barrier_of("y", Members::Ranks(vec![3, 2, 1, 0]), None));
+    let rest: Vec<_> = (1..4).map(|r| h.send(s[r], barrier("y", None))).collect();
+    assert_eq!(ok(h.take(s[0], a0)), Response::Done);
+    for (r, id) in (1..4).zip(rest) {
+        assert_eq!(ok(h.take(s[r], id)), Response::Done);
+    }
 }
 
 #[test]
@@ -274,7 +354,7 @@ fn status_says_who_waits_in_which_collective_and_who_is_missing() {
         lines,
         vec![
             "waiting: broadcast 'cfg' (generation 1) for 1.5 s: 1 of 4 arrived; the root has not arrived (1): rank 3 (never connected)",
-            "waiting: all-gather 'pair' (generation 1) for 1.5 s: 1 of 2 arrived; missing (1): \
+            "waiting: all-gather 'pair' (generation 1) over ranks [0,1] for 1.5 s: 1 of 2 arrived; missing (1): \
              rank 1 (host node1, pid 1001, connected but not arrived, last seen 1.5 s ago)",
             "waiting: barrier 'step' (generation 1) for 1.5 s: 2 of 4 arrived; missing (2): \
              rank 2 (host node2, pid 1002, connected but not arrived, last seen 1.5 s ago); rank 3 (never connected)",

@@ -1,9 +1,17 @@
 //! Reusable named barriers, all-gathers and broadcasts of one job.
 //!
-//! Generations are counted per rank: a rank's k-th call of a name joins generation k,
-//! whichever session or process it comes from. The first arrival fixes the
-//! generation's member set; a caller that disagrees fails the generation for all.
-//! A generation that failed is remembered, so a late arrival gets the same error.
+//! A collective is its kind, its name and its members (the whole job, a list of
+//! ranks, a role), as an MPI collective is its communicator's: groups that share a
+//! name, as each role or each pipeline stage would, wait apart and count apart.
+//! Generations are counted per rank: a rank's k-th call of a collective joins
+//! generation k, whichever session or process it comes from. The first arrival fixes
+//! the generation's world size (and a broadcast's root); a caller that disagrees
+//! fails the generation for all. A generation that failed is remembered, so a late
+//! arrival gets the same error.
+//!
+//! Two groups of one name that wait for each other (rank 1 called it over the whole
+//! job, rank 0 over ranks 0 and 1, each now needing the other) are a mismatch at
+//! once, not a hang until the deadline: see [`Collectives::crossed`].
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::ops::Range;
@@ -163,6 +171,10 @@ struct Generation {
 struct Collective {
     kind: CollectiveKind,
     name: String,
+    /// Its members as called (normalised by `validate::members`).
+    members: Members,
+    /// The next collective of the same kind and name with other members, if any.
+    sibling: Option<usize>,
     calls: Calls,
     pending: BTreeMap<u64, Generation>,
     failed: BTreeMap<u64, OpError>,
@@ -345,8 +357,9 @@ impl CollectiveAt {
 
 #[derive(Debug, Default)]
 pub(crate) struct Collectives {
-    /// Per kind (see [`kind_index`]), by name, where the collective is in `all`: looked
-    /// up by `&str`, with no key to build for each call.
+    /// Per kind (see [`kind_index`]), by name, where the first collective of that
+    /// name is in `all` (the others follow as its siblings): looked up by `&str`,
+    /// with no key to build for each call.
     by_name: [HashMap<String, usize>; 3],
     /// Every collective the job ever called, in the order first called: none is
     /// dropped while the job lives (a rank's next call of any of them continues its
@@ -426,24 +439,38 @@ impl Collectives {
         }
     }
 
-    /// The collective `kind` `name`, made now if it was never called.
-    pub fn find(&mut self, kind: CollectiveKind, name: &str) -> CollectiveAt {
+    /// The collective `kind` `name` over `members` (as `validate::members` normalised
+    /// them), made now if it was never called.
+    pub fn find(&mut self, kind: CollectiveKind, name: &str, members: &Members) -> CollectiveAt {
         // Most calls come to the collective the call before them came to (every rank
         // of a round calls the same barrier): one comparison of the name, no hashing.
         if let Some(at) = self.last_called {
-            if self.all.get(at).is_some_and(|last| last.kind == kind && last.name == name) {
+            if self.all.get(at).is_some_and(|last| last.kind == kind && last.name == name && last.members == *members) {
                 return CollectiveAt(at);
             }
         }
-        let by_name = &mut self.by_name[kind_index(kind)];
-        if let Some(&at) = by_name.get(name) {
-            return CollectiveAt(at);
+        let first = self.by_name[kind_index(kind)].get(name).copied();
+        let mut next = first;
+        while let Some(at) = next {
+            let Some(coll) = self.all.get(at) else { break };
+            if coll.members == *members {
+                return CollectiveAt(at);
+            }
+            next = coll.sibling;
         }
         let at = self.all.len();
-        let calls = Calls::default();
-        let (pending, failed) = (BTreeMap::new(), BTreeMap::new());
-        self.all.push(Collective { kind, name: name.to_owned(), calls, pending, failed, last_use: 0, busy: false });
-        by_name.insert(name.to_owned(), at);
+        self.all.push(Collective {
+            kind,
+            name: name.to_owned(),
+            members: members.clone(),
+            sibling: first,
+            calls: Calls::default(),
+            pending: BTreeMap::new(),
+            failed: BTreeMap::new(),
+            last_use: 0,
+            busy: false,
+        });
+        self.by_name[kind_index(kind)].insert(name.to_owned(), at);
         CollectiveAt(at)
     }
 
@@ -496,25 +523,38 @@ impl Collectives {
             self.switch_to(at);
         }
         let failed_kept = self.failed_kept;
-        let coll = self.all.get_mut(at)?;
-        let (kind, name) = (coll.kind, coll.name.as_str());
-        let counters = &mut self.counters[counted(kind)];
-        counters.arrivals += 1;
-        let number = coll.calls.next(call.rank);
-        // Only a failure names the operation: most calls never build it.
-        let op = || OpRef { kind, name: name.to_owned(), generation: number };
         let caller = (call.session, call.request_id);
-
-        if let Some(error) = coll.failed.get(&number) {
-            ctx.reply(caller, Err(error.told_to(call.rank)));
-            return None;
-        }
         let shape = || CallShape {
             rank: call.rank,
             members: call.members.clone(),
             world_size: call.world_size,
             root: call.root,
         };
+        let coll = self.all.get_mut(at)?;
+        self.counters[counted(coll.kind)].arrivals += 1;
+        let number = coll.calls.next(call.rank);
+        if let Some(error) = coll.failed.get(&number) {
+            ctx.reply(caller, Err(error.told_to(call.rank)));
+            return None;
+        }
+        if let Some((other, generation, theirs)) = self.crossed(at, call, number, ranks) {
+            let coll = &self.all[at];
+            let op = OpRef { kind: coll.kind, name: coll.name.clone(), generation: number };
+            let error = OpError::Mismatch { op, mine: Box::new(shape()), theirs: Box::new(theirs) };
+            ctx.reply(caller, Err(error.clone()));
+            for (at, generation) in [(other, generation), (at, number)] {
+                if let Some(coll) = self.all.get_mut(at).filter(|coll| coll.pending.contains_key(&generation)) {
+                    coll.fail(generation, error.clone(), failed_kept, &mut self.ended, ctx);
+                }
+            }
+            self.ended.trim(ranks);
+            return None;
+        }
+        let coll = self.all.get_mut(at)?;
+        let (kind, name) = (coll.kind, coll.name.as_str());
+        let counters = &mut self.counters[counted(kind)];
+        // Only a failure names the operation: most calls never build it.
+        let op = || OpRef { kind, name: name.to_owned(), generation: number };
         let generation = match coll.pending.get_mut(&number) {
             Some(generation) => {
                 if !same_call(&generation.shape, call) {
@@ -600,6 +640,7 @@ impl Collectives {
                         job: ctx.job,
                         kind,
                         name: name.to_owned(),
+                        at,
                         generation: number,
                     })),
                 );
@@ -611,6 +652,52 @@ impl Collectives {
             self.ended.trim(ranks);
         }
         (kind == CollectiveKind::Barrier).then_some(number)
+    }
+
+    /// Whether other collectives of the same kind share the name of the one at `at`.
+    fn has_siblings(&self, at: usize) -> bool {
+        let Some(coll) = self.all.get(at) else { return false };
+        coll.sibling.is_some() || self.by_name[kind_index(coll.kind)].get(coll.name.as_str()) != Some(&at)
+    }
+
+    /// A generation of the same kind and name over other members that the call at
+    /// `at` (generation `number`) and it would each wait in for the other: one where
+    /// the caller is a member and has not arrived, and a rank that has arrived there
+    /// is a member of this call and has not arrived in `number`. Such calls of a
+    /// process that waits in one call at a time never meet: rank 1 called `x` over
+    /// the whole job, rank 0 over ranks 0 and 1. That generation, as
+    /// `(collective, generation, the waiting rank's call)`. Groups of one name that
+    /// do not overlap (each role's, each pipeline stage's) never cross.
+    fn crossed(&self, at: usize, call: &Call, number: u64, ranks: &Ranks) -> Option<(usize, u64, CallShape)> {
+        if !self.has_siblings(at) {
+            return None;
+        }
+        let coll = self.all.get(at)?;
+        let first = *self.by_name[kind_index(coll.kind)].get(coll.name.as_str())?;
+        let here = coll.pending.get(&number);
+        let mut mine = member_set(&call.members, call.world_size);
+        mine.resolve(ranks);
+        let mut next = Some(first);
+        while let Some(other) = next {
+            let sibling = self.all.get(other)?;
+            next = sibling.sibling;
+            if other == at {
+                continue;
+            }
+            for (&generation, g) in &sibling.pending {
+                if !g.blocks() || !g.members.contains(call.rank, ranks) || g.arrivals.contains(call.rank) {
+                    continue;
+                }
+                let waiting = g.arrivals.ranks().into_iter().find(|&r| {
+                    r != call.rank && mine.contains(r, ranks) && !here.is_some_and(|h| h.arrivals.contains(r))
+                });
+                if let Some(rank) = waiting {
+                    let CallShape { members, world_size, root, .. } = g.shape.clone();
+                    return Some((other, generation, CallShape { rank, members, world_size, root }));
+                }
+            }
+        }
+        None
     }
 
     /// The calls of a node agent's held run of the whole-job barrier at `at`, from
@@ -631,6 +718,10 @@ impl Collectives {
         lease_ms: u64,
         ctx: &mut Ctx<'_>,
     ) -> usize {
+        // A name shared with other groups: each call is looked at for crossing them.
+        if self.has_siblings(at) {
+            return from;
+        }
         let Some(coll) = self.all.get_mut(at) else { return from };
         let counters = &mut self.counters[counted(CollectiveKind::Barrier)];
         let (mut i, mut completed, mut deadline_seen) = (from, None, None);
@@ -669,7 +760,7 @@ impl Collectives {
                 if g.deadline.is_none_or(|d| deadline < d) {
                     g.deadline = Some(deadline);
                     let (kind, name, generation) = (CollectiveKind::Barrier, name.clone(), number);
-                    let deadline_of = CollectiveDeadline { job: ctx.job, kind, name, generation };
+                    let deadline_of = CollectiveDeadline { job: ctx.job, kind, name, at, generation };
                     ctx.timers.schedule(deadline, Timer::Collective(Box::new(deadline_of)));
                 }
             }
@@ -770,18 +861,12 @@ impl Collectives {
 
     /// A collective's deadline fired: if that generation still waits, fail it for every
     /// waiter, naming each missing member.
-    pub fn deadline(
-        &mut self,
-        kind: CollectiveKind,
-        name: &str,
-        generation: u64,
-        at: Millis,
-        ranks: &Ranks,
-        ctx: &mut Ctx<'_>,
-    ) {
+    pub fn deadline(&mut self, deadline: &CollectiveDeadline, at: Millis, ranks: &Ranks, ctx: &mut Ctx<'_>) {
+        let CollectiveDeadline { kind, ref name, at: index, generation, .. } = *deadline;
         let failed_kept = self.failed_kept;
-        let Some(&index) = self.by_name[kind_index(kind)].get(name) else { return };
-        let Some(coll) = self.all.get_mut(index) else { return };
+        let Some(coll) = self.all.get_mut(index).filter(|coll| coll.kind == kind && coll.name == *name) else {
+            return;
+        };
         let Some(g) = coll.pending.get(&generation) else { return };
         if g.deadline != Some(at) || g.released {
             return;
@@ -828,8 +913,13 @@ impl Collectives {
                     _ => "missing",
                 };
                 let missing = g.missing(kind, ranks, now);
+                // Groups of one name are told apart by their members.
+                let over = match &g.shape.members {
+                    Members::World => String::new(),
+                    members => format!(" over {members}"),
+                };
                 format!(
-                    "waiting: {op} for {}: {} of {members} arrived; {what} ({}): {missing}",
+                    "waiting: {op}{over} for {}: {} of {members} arrived; {what} ({}): {missing}",
                     Secs(now.saturating_sub(g.started)),
                     g.arrivals.count(),
                     missing.count(),
@@ -1189,7 +1279,7 @@ mod tests {
         let mut sinks = Sinks::default();
         let mut ctx = sinks.ctx();
         let mut arrive = |collectives: &mut Collectives, name: &str, rank: u32| {
-            let at = collectives.find(CollectiveKind::Barrier, name);
+            let at = collectives.find(CollectiveKind::Barrier, name, &Members::World);
             collectives.arrive(at, &mut barrier_call(rank, 2, 1), &ranks, &mut ctx);
         };
         // "step" is called between the others; each other name once, by both ranks.
@@ -1215,12 +1305,15 @@ mod tests {
         assert!(sinks.out.iter().all(|o| o.reply == Ok(Response::Done)));
         // The last call came to barrier "waits": found again, as by name; an
         // all-gather of the same name is another collective.
-        let waits = collectives.find(CollectiveKind::Barrier, "waits");
+        let waits = collectives.find(CollectiveKind::Barrier, "waits", &Members::World);
         assert_eq!((Some(waits.0), collectives.by_name[0]["waits"]), (collectives.last_called, waits.0));
-        let gather = collectives.find(CollectiveKind::AllGather, "waits");
+        let gather = collectives.find(CollectiveKind::AllGather, "waits", &Members::World);
         assert_ne!(gather.0, waits.0, "another kind, another collective");
         assert_eq!(collectives.by_name[kind_index(CollectiveKind::AllGather)]["waits"], gather.0);
-        assert_eq!(collectives.find(CollectiveKind::Barrier, "step").0, collectives.by_name[0]["step"]);
+        assert_eq!(
+            collectives.find(CollectiveKind::Barrier, "step", &Members::World).0,
+            collectives.by_name[0]["step"]
+        );
     }
 
     #[test]
@@ -1233,7 +1326,7 @@ mod tests {
         let mut lists = Vec::new();
         // Three rounds of one barrier, then one of a barrier named afresh.
         for (round, name) in [(1, "step"), (2, "step"), (3, "step"), (1, "next")] {
-            let at = collectives.find(CollectiveKind::Barrier, name);
+            let at = collectives.find(CollectiveKind::Barrier, name, &Members::World);
             for rank in 0..n {
                 collectives.arrive(at, &mut barrier_call(rank, n, round), &ranks, &mut ctx);
                 if let (0, Some(last)) = (rank, lists.last()) {

@@ -20,7 +20,7 @@ use crate::ranges::{runs, split};
 use super::collective::{Call, CollectiveAt, Ctx, Held, Link, RunCall};
 use super::job::Job;
 use super::store::{Integer, WaitId, WaitKind};
-use super::timers::{CollectiveDeadline, Timer};
+use super::timers::Timer;
 use super::{resume, torch, validate, Hots, Session, Sessions};
 
 /// A job and everything a change of it may touch, borrowed apart from the engine.
@@ -162,10 +162,7 @@ impl<'a> Step<'a> {
         match timer {
             Timer::KeyWait { session, request_id, .. } => self.expire_wait((session, request_id)),
             Timer::StallSweep { .. } => self.sweep_stalls(at),
-            Timer::Collective(deadline) => {
-                let CollectiveDeadline { kind, name, generation, .. } = *deadline;
-                self.job.collectives.deadline(kind, &name, generation, at, &self.job.ranks, &mut self.ctx)
-            }
+            Timer::Collective(deadline) => self.job.collectives.deadline(&deadline, at, &self.job.ranks, &mut self.ctx),
             Timer::Lease { rank, .. } => self.lease_check(rank),
             Timer::JobIdle { .. } => return self.idle_expired(),
             // The engine ends a session's grace itself (the session is its); never routed here.
@@ -290,7 +287,7 @@ impl<'a> Step<'a> {
         }
         self.job.store.now = self.ctx.now;
         self.job.last_request = self.ctx.now;
-        let at = self.job.collectives.find(CollectiveKind::Barrier, name);
+        let at = self.job.collectives.find(CollectiveKind::Barrier, name, &Members::World);
         let lease_ms = self.config.lease_ms;
         let mut i = 0;
         while i < calls.len() {
@@ -635,7 +632,7 @@ impl<'a> Step<'a> {
         let (session, request_id) = caller.wait_id();
         let held = caller.held;
         let mut call = Call { session, request_id, rank, world_size, members, value, root, timeout_ms, held };
-        let at = *at.get_or_insert_with(|| self.job.collectives.find(kind, name));
+        let at = *at.get_or_insert_with(|| self.job.collectives.find(kind, name, &call.members));
         let waits = self.job.collectives.arrive(at, &mut call, &self.job.ranks, &mut self.ctx);
         self.keep(caller, waits.map(|generation| (at, generation)));
         None
@@ -682,7 +679,7 @@ impl<'a> Step<'a> {
         (call.session, call.request_id, call.rank, call.world_size, call.held) =
             (caller.session, caller.request_id, rank, world_size, caller.held);
         call.value = value.clone();
-        let at = *at.get_or_insert_with(|| self.job.collectives.find(*kind, name));
+        let at = *at.get_or_insert_with(|| self.job.collectives.find(*kind, name, &call.members));
         let waits = self.job.collectives.arrive(at, call, &self.job.ranks, &mut self.ctx);
         self.keep(caller, waits.map(|generation| (at, generation)));
         None

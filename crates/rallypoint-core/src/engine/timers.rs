@@ -42,6 +42,9 @@ pub(crate) struct CollectiveDeadline {
     pub job: JobId,
     pub kind: CollectiveKind,
     pub name: String,
+    /// Where the collective is in the job's (`Collectives::find`): its name alone
+    /// may be that of several.
+    pub at: usize,
     pub generation: u64,
 }
 

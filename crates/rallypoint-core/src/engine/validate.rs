@@ -126,6 +126,11 @@ pub(crate) fn members(
             if let Some(outside) = list.iter().find(|&&r| r >= world_size) {
                 return Err(bad(format!("rank {outside} is out of range for world size {world_size}")));
             }
+            // Every rank listed is the whole job, one collective with the callers
+            // that say so (module `collective`).
+            if list.len() == world_size as usize {
+                return Ok(Members::World);
+            }
             let normalised = Members::Ranks(list);
             let Members::Ranks(list) = &normalised else { unreachable!("constructed just above") };
             if list.binary_search(&rank).is_err() {

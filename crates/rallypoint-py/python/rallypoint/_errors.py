@@ -179,7 +179,9 @@ class Aborted(RallypointError):
 
 
 class MismatchError(RallypointError):
-    """Two ranks called the same generation of a collective with different members, world sizes or roots.
+    """Two ranks called the same generation of a collective with different world sizes or roots,
+    or calls of one name over different members wait for each other (groups of one name that
+    do not overlap wait apart).
 
     ``mine`` and ``theirs`` are dicts with ``rank``, ``members``, ``world_size`` and ``root``;
     ``op``, ``name``, ``generation`` name the collective.

@@ -147,7 +147,8 @@ class Client:
         """Waits until every member has called this barrier.
 
         Members: every rank, or ``ranks``, or the ranks that joined as ``role``. The
-        n-th call of a name meets the other members' n-th call (its *generation*).
+        n-th call of a name meets the other members' n-th call (its *generation*);
+        a barrier is its name and its members, so groups of one name wait apart.
 
         Raises :class:`rallypoint.BarrierTimeout` naming every missing rank,
         :class:`rallypoint.PeerLost` as soon as a member dies,

@@ -288,3 +288,34 @@ async fn abort_reaches_waiting_peers() {
     }
     server.shutdown().await;
 }
+
+/// Groups that share a collective's name wait apart, as each role's barrier or
+/// each pair's all-gather would, whichever group comes first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn groups_that_share_a_name_wait_apart() {
+    let server = start_server().await;
+    let wait = Some(Duration::from_secs(20));
+    let role = |r: u32| if r.is_multiple_of(2) { "even" } else { "odd" };
+    let mut clients = Vec::new();
+    for r in 0..4 {
+        let identity = rallypoint::Identity { role: Some(role(r).to_owned()), ..rank("groups", r, 4) };
+        clients.push(connect(&server, identity).await);
+    }
+    let ready = |r: usize| clients[r].barrier("ready", Members::Role(role(r as u32).into()), wait);
+    let passed = bounded("each role's barrier", async { tokio::join!(ready(0), ready(1), ready(2), ready(3)) }).await;
+    for result in [passed.0, passed.1, passed.2, passed.3] {
+        result.expect("a role's barrier passes with its own members");
+    }
+    // Pair (2, 3) gathers first and alone; pair (0, 1) after it, under the same name.
+    let pair = |r: u32| if r < 2 { vec![0, 1] } else { vec![2, 3] };
+    let gather = |r: usize| clients[r].all_gather("addr", Members::Ranks(pair(r as u32)), format!("a{r}"), wait);
+    let (g2, g3) = bounded("pair (2, 3)", async { tokio::join!(gather(2), gather(3)) }).await;
+    assert_eq!(g2.expect("rank 2"), [b"a2", b"a3"]);
+    assert_eq!(g3.expect("rank 3"), [b"a2", b"a3"]);
+    let (g0, g1) = bounded("pair (0, 1)", async { tokio::join!(gather(0), gather(1)) }).await;
+    assert_eq!(g0.expect("rank 0"), [b"a0", b"a1"]);
+    assert_eq!(g1.expect("rank 1"), [b"a0", b"a1"]);
+    for c in clients {
+        c.close().await.expect("clean leave");
+    }
+}
