@@ -525,6 +525,18 @@ fn bad_identities_are_refused() {
 }
 
 #[test]
+fn a_collective_name_with_a_control_character_is_refused() {
+    let mut h = Harness::new();
+    let s = h.rank("j", 0, 2);
+    let e = h.call(s, barrier("b\u{1b}[2J\nfake line", None)).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        r#"invalid argument: the collective name "b\u{1b}[2J\nfake line" holds a control character (U+001B)"#
+    );
+    assert!(status(&mut h, "j").lines().all(|l| !l.starts_with("waiting")), "nothing waits");
+}
+
+#[test]
 fn collectives_need_a_rank() {
     let mut h = Harness::new();
     let s = h.open(Identity::anonymous("j"));

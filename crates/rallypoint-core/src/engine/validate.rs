@@ -186,7 +186,9 @@ fn collective_name(name: &str, limits: &Limits) -> Result<(), OpError> {
     if name.is_empty() {
         return Err(OpError::Invalid("the collective's name is empty".into()));
     }
-    self::name("collective name", name, limits)
+    self::name("collective name", name, limits)?;
+    // Shown by `status` and in every error about it.
+    shown("collective name", name)
 }
 
 fn name(what: &str, name: &str, limits: &Limits) -> Result<(), OpError> {
