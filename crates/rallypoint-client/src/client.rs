@@ -131,6 +131,12 @@ impl ConnectOptions {
 
 /// A connection to the coordinator; cheap to clone and share between tasks.
 ///
+/// Its heartbeats are a task on the runtime it was made in: synchronous work that
+/// holds every thread of that runtime (a current-thread runtime, a long computation
+/// outside `spawn_blocking`) for a whole lease stops them, and the coordinator then
+/// declares this rank lost. Run such work with `spawn_blocking`, or use
+/// [`crate::blocking::Client`], whose heartbeats have a thread of their own.
+///
 /// Call [`Client::close`] when done. Dropping the last clone without it drops the
 /// connection as a crash would: the coordinator then reports this rank as lost
 /// (if it has no other connection) to everyone waiting for it. That is intended:
@@ -481,7 +487,9 @@ impl Client {
     }
 
     /// TCPStore's compare-and-set: sets `desired` if the current value is `expected`
-    /// (or the key is missing and `expected` is empty); returns the value now stored.
+    /// (or the key is missing and `expected` is empty); returns the value now stored,
+    /// except for a missing key and a non-empty `expected`, where nothing is stored
+    /// and `expected` is returned, as TCPStore does.
     pub async fn compare_set(
         &self,
         key: impl AsRef<[u8]>,
@@ -591,8 +599,30 @@ impl Client {
     }
 
     /// Waits until every member has called the same barrier (the n-th call of a
-    /// name meets the other members' n-th call). On timeout the error lists
-    /// every member that had not arrived and why.
+    /// name meets the other members' n-th call). A barrier is its name and its
+    /// members: groups that share a name wait apart. On timeout the error lists
+    /// every member that had not arrived and why. The earliest deadline among the
+    /// members' calls ends the generation for all of them.
+    ///
+    /// Not cancel-safe: the arrival is counted once the call is sent, and dropping
+    /// the future (`tokio::time::timeout`, a `select!` branch not taken) does not
+    /// take it back. The generation may then pass without this caller, whose next
+    /// call of the name is the next generation. To do something while waiting, poll
+    /// the same future again rather than call again:
+    ///
+    /// ```no_run
+    /// # async fn f(client: rallypoint_client::Client) -> Result<(), rallypoint_client::Error> {
+    /// use rallypoint_core::Members;
+    /// let mut wait = std::pin::pin!(client.barrier("sync", Members::World, None));
+    /// let mut tick = tokio::time::interval(std::time::Duration::from_secs(10));
+    /// loop {
+    ///     tokio::select! {
+    ///         result = &mut wait => break result,
+    ///         _ = tick.tick() => eprintln!("still waiting at barrier 'sync'"),
+    ///     }
+    /// }
+    /// # }
+    /// ```
     pub fn barrier<'a>(
         &'a self,
         name: &'a str,
@@ -653,7 +683,10 @@ impl Client {
     }
 
     /// Every member contributes `value`; each gets all values in rank order, read in
-    /// place from the reply's bytes (see [`Gathered`]).
+    /// place from the reply's bytes (see [`Gathered`]): the `i`th value is the `i`th
+    /// member's, rank `i`'s only for the whole job. A role's members are not in the
+    /// reply: put the rank in the value where it matters. Not cancel-safe, as
+    /// [`Client::barrier`] is not.
     pub async fn all_gather(
         &self,
         name: &str,

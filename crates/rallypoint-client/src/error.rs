@@ -7,7 +7,9 @@ use std::time::Duration;
 use rallypoint_core::OpError;
 use rallypoint_net::conn::AuthFailure;
 
-#[derive(Debug, thiserror::Error)]
+/// Its `Debug` is its message (what `main` returning it prints, with `?`); `{:#?}`
+/// shows the fields.
+#[derive(thiserror::Error)]
 pub enum Error {
     /// The coordinator's typed answer: timeouts that name the missing ranks, lost
     /// peers, aborts, mismatches, invalid arguments, refusal at connect.
@@ -46,6 +48,27 @@ pub enum Error {
     Auth { addr: String, failure: AuthFailure },
 }
 
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if !f.alternate() {
+            return fmt::Display::fmt(self, f);
+        }
+        match self {
+            Error::Op(error) => f.debug_tuple("Op").field(error).finish(),
+            Error::Connect { addr, waited, source } => {
+                f.debug_struct("Connect").field("addr", addr).field("waited", waited).field("source", source).finish()
+            }
+            Error::Disconnected(why) => f.debug_tuple("Disconnected").field(why).finish(),
+            Error::Protocol(why) => f.debug_tuple("Protocol").field(why).finish(),
+            Error::Timeout(limit) => f.debug_tuple("Timeout").field(limit).finish(),
+            Error::Config(why) => f.debug_tuple("Config").field(why).finish(),
+            Error::Auth { addr, failure } => {
+                f.debug_struct("Auth").field("addr", addr).field("failure", failure).finish()
+            }
+        }
+    }
+}
+
 /// A duration as seconds with one decimal ("2.5 s").
 pub(crate) struct Secs(pub Duration);
 
@@ -58,5 +81,18 @@ impl fmt::Display for Secs {
 impl Secs {
     fn of(d: &Duration) -> Secs {
         Secs(*d)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn debug_is_the_message_and_alternate_the_fields() {
+        let error = Error::Timeout(Duration::from_millis(2500));
+        assert_eq!(format!("{error:?}"), error.to_string());
+        assert!(format!("{error:?}").starts_with("no reply from the coordinator within 2.5 s"), "{error:?}");
+        assert_eq!(format!("{error:#?}"), "Timeout(\n    2.5s,\n)");
     }
 }

@@ -289,7 +289,8 @@ pub enum OpError {
         },
         match this.state {
             RankState::Lost(LossReason::LeaseExpired { .. }) =>
-                " (it sent nothing for a whole lease: was it stopped, or starved of CPU?)",
+                " (it sent nothing for a whole lease: was it stopped, starved of CPU, or its heartbeats held \
+                 up, as by synchronous work on every thread of an async runtime?)",
             _ => "",
         })]
     ThisRankLost { op: OpRef, this: RankInfo },

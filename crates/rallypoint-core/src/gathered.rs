@@ -24,14 +24,15 @@ const LEN_FIELD: usize = 4;
 /// buffer and drop them again, for every reply of N values; many ranks in one
 /// process, all reading one shared buffer, then contend for that one count.
 ///
-/// Reading it: `g[r]` and `g.get(r)` give rank `r`'s value as `&[u8]`, `&g` and
-/// `g.iter()` go through them in rank order, and a result compares equal to a list
+/// Reading it: `g[i]` and `g.get(i)` give the `i`th member's value as `&[u8]` (rank
+/// `i`'s when the whole job gathered; over ranks `[2, 3]`, `g[0]` is rank 2's), `&g`
+/// and `g.iter()` go through them in rank order, and a result compares equal to a list
 /// of byte strings (`assert_eq!(g, [b"a", b"b"])`). For [`Bytes`] of its own (where
-/// the all-gather used to return an `Arc<[Bytes]>`): `g.value(r)`, `g.to_vec()`,
+/// the all-gather used to return an `Arc<[Bytes]>`): `g.value(i)`, `g.to_vec()`,
 /// `Vec::<Bytes>::from(g)`, or `for value in g`. Each such `Bytes`, like a clone of
 /// the result, holds the whole reply's memory while it lives (through a node agent,
 /// a shared-memory slab the agent cannot reuse until then): to keep a small value
-/// long, copy it (`Bytes::copy_from_slice(&g[r])`).
+/// long, copy it (`Bytes::copy_from_slice(&g[i])`).
 #[derive(Clone)]
 pub struct Gathered(Arc<Inner>);
 
