@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use rallypoint_core::snapshot::JobSnapshot;
-use rallypoint_core::{Exit, Gathered, Identity, Members, Request, Response};
+use rallypoint_core::{Exit, Gathered, Identity, Members, OpError, Request, Response};
 use tokio::sync::{mpsc, oneshot};
 
 use rallypoint_net::auth::Token;
@@ -70,7 +70,7 @@ impl BarrierConclusion {
     pub async fn finish(self) -> Result<(), Error> {
         let outcome = self.concluding.finish().await;
         self.client.barrier_ended(&outcome);
-        outcome
+        outcome.map_err(|error| self.client.seen(error))
     }
 }
 
@@ -260,7 +260,7 @@ impl Future for BarrierCall<'_> {
                     if let Some(done) = done {
                         this.state = BarrierState::Done;
                         client.barrier_ended(&done);
-                        return Poll::Ready(done);
+                        return Poll::Ready(done.map_err(|error| client.seen(error)));
                     }
                     BarrierState::send(client, request, wait)?
                 }
@@ -421,8 +421,16 @@ impl Client {
                 self.inner.silent.store(true, Ordering::Relaxed);
                 Err(Error::Timeout(limit))
             }
-            Ok(result) => result,
+            Ok(result) => result.map_err(|error| self.seen(error)),
             Err(_) => Err(registered.link.disconnected()),
+        }
+    }
+
+    /// An error of the coordinator's as this client shows it (see [`OpError::seen_by`]).
+    fn seen(&self, error: Error) -> Error {
+        match (error, self.inner.identity.rank) {
+            (Error::Op(error @ OpError::Mismatch { .. }), Some(rank)) => Error::Op(error.seen_by(rank)),
+            (error, _) => error,
         }
     }
 
@@ -653,7 +661,7 @@ impl Client {
         match channel::barrier_on_thread(&self.inner.link, &call, wait.saturating_add(SAFETY_MARGIN), interrupt) {
             channel::OnThread::Done(outcome) => {
                 self.barrier_ended(&outcome);
-                InThread::Done(outcome)
+                InThread::Done(outcome.map_err(|error| self.seen(error)))
             }
             channel::OnThread::Conclude(concluding) => {
                 InThread::Conclude(BarrierConclusion { client: self.clone(), concluding })

@@ -377,6 +377,30 @@ impl OpError {
             other => other.clone(),
         }
     }
+
+    /// A mismatch the other way round: `theirs` as `mine`.
+    pub(crate) fn swapped(&self) -> OpError {
+        match self {
+            OpError::Mismatch { op, mine, theirs } => {
+                OpError::Mismatch { op: op.clone(), mine: theirs.clone(), theirs: mine.clone() }
+            }
+            other => other.clone(),
+        }
+    }
+
+    /// A mismatch as the client of `rank` shows it. The coordinator tells each call
+    /// of a failed generation the generation's call as `mine` (what this call was
+    /// too), under the rank that made it first: it does not know every waiter's
+    /// rank. The caller's client puts its own there.
+    pub fn seen_by(self, rank: u32) -> OpError {
+        match self {
+            OpError::Mismatch { op, mut mine, theirs } if mine.rank != rank && theirs.rank != rank => {
+                mine.rank = rank;
+                OpError::Mismatch { op, mine, theirs }
+            }
+            other => other,
+        }
+    }
 }
 
 /// A wall-clock time in milliseconds since the Unix epoch, as UTC to the second

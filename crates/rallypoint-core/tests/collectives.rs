@@ -120,7 +120,9 @@ fn mismatched_members_or_world_size_fail_everyone_naming_both_calls() {
     let OpError::Mismatch { op, mine, theirs } = &e else { panic!("{e:?}") };
     assert_eq!((op.generation, mine.rank, theirs.rank), (1, 1, 0));
     assert_eq!(theirs.members, Members::World);
-    assert_eq!(err(h.take(s0, a)), e);
+    // Each is told its own call as `mine`.
+    let OpError::Mismatch { mine: mine0, theirs: theirs0, .. } = err(h.take(s0, a)) else { panic!("a mismatch") };
+    assert_eq!((mine0, theirs0), (theirs.clone(), mine.clone()));
     let text = e.to_string();
     assert!(
         text.contains("rank 0 called it with all ranks") && text.contains("rank 1 called it with ranks [0,1]"),
@@ -133,10 +135,17 @@ fn mismatched_members_or_world_size_fail_everyone_naming_both_calls() {
     let a = h.send(t0, barrier("x", None));
     let e = h.call(t1, barrier("x", None)).unwrap_err();
     assert!(e.to_string().contains("world size 3") && e.to_string().contains("world size 4"), "{e}");
-    assert_eq!(err(h.take(t0, a)), e);
-    // A late arrival to the failed generation gets the same error.
-    let t2 = h.rank("k", 2, 4);
-    assert_eq!(h.call(t2, barrier("x", None)).unwrap_err(), e);
+    let told = |e: &OpError| match e {
+        OpError::Mismatch { mine, theirs, .. } => ((mine.rank, mine.world_size), (theirs.rank, theirs.world_size)),
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(told(&e), ((1, 3), (0, 4)));
+    assert_eq!(told(&err(h.take(t0, a))), ((0, 4), (1, 3)));
+    // A late arrival to the failed generation gets the same error, its call as `mine`.
+    let t2 = h.rank("k", 2, 3);
+    assert_eq!(told(&h.call(t2, barrier("x", None)).unwrap_err()), ((2, 3), (0, 4)));
+    let t3 = h.rank("k", 3, 4);
+    assert_eq!(told(&h.call(t3, barrier("x", None)).unwrap_err()), ((3, 4), (1, 3)));
 }
 
 #[test]

@@ -534,7 +534,14 @@ impl Collectives {
         self.counters[counted(coll.kind)].arrivals += 1;
         let number = coll.calls.next(call.rank);
         if let Some(error) = coll.failed.get(&number) {
-            ctx.reply(caller, Err(error.told_to(call.rank)));
+            let error = match error {
+                // A late call like the one that found the mismatch: told so.
+                OpError::Mismatch { mine, theirs, .. } if !same_call(mine, call) && same_call(theirs, call) => {
+                    error.swapped()
+                }
+                error => error.told_to(call.rank),
+            };
+            ctx.reply(caller, Err(error.seen_by(call.rank)));
             return None;
         }
         if let Some((other, generation, theirs)) = self.crossed(at, call, number, ranks) {
@@ -542,9 +549,10 @@ impl Collectives {
             let op = OpRef { kind: coll.kind, name: coll.name.clone(), generation: number };
             let error = OpError::Mismatch { op, mine: Box::new(shape()), theirs: Box::new(theirs) };
             ctx.reply(caller, Err(error.clone()));
-            for (at, generation) in [(other, generation), (at, number)] {
+            // Each generation's waiters are told their own call as `mine`.
+            for (at, generation, error) in [(other, generation, error.swapped()), (at, number, error)] {
                 if let Some(coll) = self.all.get_mut(at).filter(|coll| coll.pending.contains_key(&generation)) {
-                    coll.fail(generation, error.clone(), failed_kept, &mut self.ended, ctx);
+                    coll.fail(generation, error, failed_kept, &mut self.ended, ctx);
                 }
             }
             self.ended.trim(ranks);
@@ -564,7 +572,7 @@ impl Collectives {
                         theirs: Box::new(generation.shape.clone()),
                     };
                     ctx.reply(caller, Err(error.clone()));
-                    coll.fail(number, error, failed_kept, &mut self.ended, ctx);
+                    coll.fail(number, error.swapped(), failed_kept, &mut self.ended, ctx);
                     return None;
                 }
                 generation

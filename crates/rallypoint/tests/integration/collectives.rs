@@ -319,3 +319,32 @@ async fn groups_that_share_a_name_wait_apart() {
         c.close().await.expect("clean leave");
     }
 }
+
+/// A mismatch tells each rank its own call as `mine` and the other as `theirs`,
+/// waiters of the failed generation included (the coordinator sends them the
+/// generation's call; each client puts its own rank there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mismatch_tells_each_rank_its_own_call_as_mine() {
+    let server = start_server().await;
+    let wait = Some(Duration::from_secs(20));
+    let mut clients = Vec::new();
+    for r in 0..3 {
+        clients.push(connect(&server, rank("mine", r, 3)).await);
+    }
+    let mut waiting = Vec::new();
+    for r in [0, 2] {
+        let c = clients[r].clone();
+        waiting.push(start_confirmed(&clients[r], async move { c.barrier("x", Members::World, wait).await }).await);
+    }
+    let shape = |e: Error| match e {
+        Error::Op(OpError::Mismatch { mine, theirs, .. }) => ((mine.rank, mine.members), (theirs.rank, theirs.members)),
+        other => panic!("{other:?}"),
+    };
+    let pair = Members::Ranks(vec![0, 1]);
+    let e = bounded("rank 1", clients[1].barrier("x", pair.clone(), wait)).await.expect_err("crossed");
+    assert_eq!(shape(e), ((1, pair.clone()), (0, Members::World)));
+    for (r, task) in [0, 2].into_iter().zip(waiting) {
+        let e = bounded("a waiter", task).await.expect("task").expect_err("failed with the mismatch");
+        assert_eq!(shape(e), ((r, Members::World), (1, pair.clone())), "rank {r}");
+    }
+}
