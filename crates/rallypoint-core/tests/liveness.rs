@@ -183,6 +183,22 @@ fn idle_jobs_are_forgotten_after_their_ttl() {
 }
 
 #[test]
+fn a_job_that_holds_nothing_is_forgotten_when_its_last_session_closes() {
+    let mut h = Harness::new();
+    let jobs = |h: &Harness| h.engine.metrics(h.now).into_iter().map(|m| m.name).collect::<Vec<_>>();
+    let keeps = h.open(Identity::anonymous("keeps"));
+    h.call(keeps, Request::Set { key: "k".into(), value: "v".into() }).unwrap();
+    // A tool's look at a mistyped job, which then leaves.
+    let typo = h.open(Identity::anonymous("typo"));
+    assert!(h.call(typo, Request::Check { keys: vec!["k".into()] }).is_ok());
+    assert_eq!(jobs(&h), ["keeps", "typo"]);
+    h.leave(typo);
+    h.leave(keeps);
+    h.advance(1);
+    assert_eq!(jobs(&h), ["keeps"], "the job with a key stays for its ttl");
+}
+
+#[test]
 fn a_rank_taking_in_a_long_write_keeps_its_lease() {
     let (mut h, s0, s1, a) = rank_0_waiting_under_a_1s_lease();
     // Rank 1 sends nothing for 2 s, but the server's write to it keeps making progress.

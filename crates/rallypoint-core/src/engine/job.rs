@@ -71,6 +71,16 @@ impl Job {
     }
 
     /// Everything counted for the job (module `counters`).
+    /// No key, no rank ever, no abort, no incarnation: nothing a later session of the
+    /// job could find, so nothing to keep once the last one closes.
+    pub fn holds_nothing(&self) -> bool {
+        self.store.len() == 0
+            && self.ranks.ever_connected() == 0
+            && self.aborted.is_none()
+            && self.incarnation.is_none()
+            && self.superseded.is_none()
+    }
+
     pub fn counters(&self) -> JobCounters {
         let mut counters = JobCounters { kv_ops: self.kv_ops, ..JobCounters::default() };
         for (i, c) in self.collectives.counters.iter().enumerate() {

@@ -152,6 +152,9 @@ impl<'a> Step<'a> {
         let ttl = self.config.job_idle_ttl_ms;
         if self.job.sessions == 0 && ttl > 0 {
             self.job.idle_since = self.ctx.now;
+            // A job that holds nothing (a tool's look at a mistyped name) is forgotten
+            // at once, so that it is not listed in the metrics for a whole ttl.
+            let ttl = if self.job.holds_nothing() { 0 } else { ttl };
             self.ctx.timers.schedule(self.ctx.now.saturating_add(ttl), Timer::JobIdle { job: self.job.id });
         }
     }
@@ -177,8 +180,8 @@ impl<'a> Step<'a> {
     }
 
     fn idle_expired(&self) -> bool {
-        let expires = self.job.idle_since.saturating_add(self.config.job_idle_ttl_ms);
-        self.job.sessions == 0 && expires <= self.ctx.now
+        let ttl = if self.job.holds_nothing() { 0 } else { self.config.job_idle_ttl_ms };
+        self.job.sessions == 0 && self.job.idle_since.saturating_add(ttl) <= self.ctx.now
     }
 
     fn expire_wait(&mut self, id: WaitId) {
