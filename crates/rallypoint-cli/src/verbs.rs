@@ -205,8 +205,8 @@ pub struct Conn {
     #[arg(long, value_name = "N", allow_negative_numbers = true,
           value_parser = clap::value_parser!(i64).range(1..=i64::from(u32::MAX)))]
     world_size: Option<i64>,
-    /// Seconds to keep trying to connect, and to wait for the operation
-    /// [default: $RALLYPOINT_TIMEOUT, else 300]
+    /// Seconds to keep trying to connect, and then, afresh, to wait for the operation
+    /// (so at most twice this in all) [default: $RALLYPOINT_TIMEOUT, else 300]
     #[arg(long, value_name = "SECS", allow_negative_numbers = true, value_parser = parse::secs)]
     timeout: Option<f64>,
     /// File holding the coordinator's token (not readable by group or others); the
