@@ -45,6 +45,11 @@ pub enum Verb {
         /// Name of the collective (its generations are counted like a barrier's)
         #[arg(long, default_value = "all-gather")]
         name: String,
+        /// End each value with a NUL byte rather than a newline (for `mapfile -d ''`),
+        /// so that values holding newlines keep their place
+        // No `-0`: that is a VALUE, as negative numbers are.
+        #[arg(long)]
+        null: bool,
         #[command(flatten)]
         members: MembersArgs,
         #[command(flatten)]
@@ -271,14 +276,21 @@ pub async fn run(verb: Verb) -> anyhow::Result<()> {
             }
             finish(client, result).await?;
         }
-        Verb::AllGather { value, name, members, conn } => {
+        Verb::AllGather { value, name, members, conn, null } => {
             let (client, members) = collective(&conn, &members, "all-gather").await?;
             let result = client.all_gather(&name, members, value, None).await;
             let values = finish(client, result).await?;
+            let end = if null { b'\0' } else { b'\n' };
+            // A value that holds the separator would take another member's place.
+            if let Some(at) = values.iter().position(|value| value.contains(&end)) {
+                let what =
+                    if null { "a NUL byte" } else { "a newline, so it would take more than one line: use --null" };
+                anyhow::bail!("all-gather '{name}': value {at} of {} (in rank order) holds {what}", values.len());
+            }
             let mut out = std::io::stdout().lock();
             for value in values.iter() {
                 out.write_all(value)?;
-                out.write_all(b"\n")?;
+                out.write_all(&[end])?;
             }
             out.flush()?;
         }

@@ -358,6 +358,24 @@ fn all_gather_and_broadcast() {
         assert_code(&run, 0);
         assert_eq!(run.stdout, "value of 0\nvalue of 1\nvalue of 2\n");
     }
+    // Values that hold newlines: NUL-ended with --null, refused as lines.
+    let value = |r: u32| format!("line {r}\nsecond");
+    let mut gathering: Vec<Guard> = (0..n)
+        .map(|r| spawn(server.ranked("coll", r, n, &["all-gather", "--name", "nl", "--null", &value(r)])))
+        .collect();
+    for rank in &mut gathering {
+        let run = finish(rank);
+        assert_code(&run, 0);
+        assert_eq!(run.stdout, "line 0\nsecond\0line 1\nsecond\0line 2\nsecond\0");
+    }
+    let mut gathering: Vec<Guard> =
+        (0..n).map(|r| spawn(server.ranked("coll", r, n, &["all-gather", "--name", "nl2", &value(r)]))).collect();
+    for rank in &mut gathering {
+        let run = finish(rank);
+        assert_code(&run, 1);
+        assert!(run.stderr.contains("value 0 of 3 (in rank order) holds a newline"), "{}", run.stderr);
+        assert_eq!(run.stdout, "");
+    }
 
     let mut receiving: Vec<Guard> = (0..n)
         .map(|r| {

@@ -372,8 +372,8 @@ pub enum GreetError {
 /// (", through a node agent"), or nothing.
 pub fn request_too_large(len: usize, max: usize, via: &str) -> String {
     format!(
-        "a request of {len} bytes is more than this coordinator reads in one frame ({max} bytes{via}: \
-         docs/PROTOCOL.md, section 10): send less per request"
+        "a request of {len} bytes is more than this coordinator reads in one frame ({max} bytes{via}, \
+         set by `rallypoint serve --max-request-len`: docs/PROTOCOL.md, section 10): send less per request"
     )
 }
 
