@@ -262,9 +262,12 @@ pub struct JobIncarnation {
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OpError {
     /// A barrier or collective reached its deadline; `missing` says which members had
-    /// not arrived (the first ones in full, the rest as ranges).
-    #[error("{op} timed out after {}: {} of {members} ranks missing: {missing}", Secs(*waited_ms), missing.count())]
-    CollectiveTimeout { op: OpRef, waited_ms: u64, members: u32, missing: Missing },
+    /// not arrived (the first ones in full, the rest as ranges). `before_call_ms`: for
+    /// a call that came after the deadline (it was among the missing), how long
+    /// before it came; `None` for a call that waited.
+    #[error("{op} timed out after {}{}: {} of {members} ranks missing: {missing}",
+        Secs(*waited_ms), Before(*before_call_ms), missing.count())]
+    CollectiveTimeout { op: OpRef, waited_ms: u64, members: u32, missing: Missing, before_call_ms: Option<u64> },
 
     /// A get/wait/multi-get timed out; `missing` lists the keys that still did not exist.
     #[error("timed out after {} waiting for {} key(s): {}", Secs(*waited_ms), missing.len(), KeyList(missing))]
@@ -399,6 +402,18 @@ impl OpError {
                 OpError::Mismatch { op, mine, theirs }
             }
             other => other,
+        }
+    }
+}
+
+/// ", 0.3 s before this call came" for a call that came after its generation failed.
+struct Before(Option<u64>);
+
+impl fmt::Display for Before {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(ms) => write!(f, ", {} before this call came", Secs(ms)),
+            None => Ok(()),
         }
     }
 }

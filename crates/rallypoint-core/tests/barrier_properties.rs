@@ -107,6 +107,10 @@ impl Model {
                     prop_assert_eq!(this.rank, rank, "rank {} told another rank's loss as its own", rank);
                     Err(OpError::PeerLost { op, peer: this })
                 }
+                // A call that came after the timeout is told how late: the same timeout.
+                Err(OpError::CollectiveTimeout { op, waited_ms, members, missing, .. }) => {
+                    Err(OpError::CollectiveTimeout { op, waited_ms, members, missing, before_call_ms: None })
+                }
                 reply => reply,
             };
             match &reply {

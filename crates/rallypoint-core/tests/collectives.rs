@@ -229,6 +229,29 @@ fn a_subgroup_and_the_whole_job_may_share_a_name_in_an_order_that_meets() {
 }
 
 #[test]
+fn a_call_after_its_generation_timed_out_is_told_it_came_late() {
+    let mut h = Harness::new();
+    let s0 = h.rank("j", 0, 2);
+    let a = h.send(s0, barrier("step", Some(1_000)));
+    h.advance(1_000);
+    let OpError::CollectiveTimeout { before_call_ms, .. } = err(h.take(s0, a)) else { panic!("a timeout") };
+    assert_eq!(before_call_ms, None, "it waited");
+    h.advance(300);
+    let s1 = h.rank("j", 1, 2);
+    let e = h.call(s1, barrier("step", Some(30_000))).unwrap_err();
+    assert!(matches!(e, OpError::CollectiveTimeout { before_call_ms: Some(300), .. }), "{e:?}");
+    assert_eq!(
+        e.to_string(),
+        "barrier 'step' (generation 1) timed out after 1.0 s, 0.3 s before this call came: 1 of 2 ranks \
+         missing: rank 1 (never connected)"
+    );
+    // Both are at generation 2 now, and meet there.
+    let a = h.send(s0, barrier("step", None));
+    assert_eq!(h.call(s1, barrier("step", None)), Ok(Response::Done));
+    assert_eq!(ok(h.take(s0, a)), Response::Done);
+}
+
+#[test]
 fn timeout_tells_every_waiter_each_missing_rank_and_its_state() {
     let mut h = Harness::new();
     let s: Vec<_> = (0..3).map(|r| h.rank("j", r, 5)).collect();
@@ -244,7 +267,7 @@ fn timeout_tells_every_waiter_each_missing_rank_and_its_state() {
     h.advance(1);
     let e = err(h.take(s[0], a));
     assert_eq!(err(h.take(s[1], c)), e, "every waiter gets the same error");
-    let OpError::CollectiveTimeout { op, waited_ms, members, missing } = &e else { panic!("{e:?}") };
+    let OpError::CollectiveTimeout { op, waited_ms, members, missing, .. } = &e else { panic!("{e:?}") };
     assert_eq!((op.kind, op.name.as_str(), op.generation), (CollectiveKind::Barrier, "sync", 1));
     assert_eq!((*waited_ms, *members), (2_000, 5));
     let states: Vec<_> = missing.iter().map(|m| (m.rank, m.state)).collect();
@@ -261,8 +284,13 @@ fn timeout_tells_every_waiter_each_missing_rank_and_its_state() {
     ] {
         assert!(text.contains(needle), "{needle:?} not in {text}");
     }
-    // The latecomer learns the generation failed; the next generation works.
-    assert_eq!(h.call(s[2], barrier("sync", None)).unwrap_err(), e);
+    // The latecomer learns the generation failed, and that it came after; the next
+    // generation works.
+    let OpError::CollectiveTimeout { before_call_ms: late, .. } = h.call(s[2], barrier("sync", None)).unwrap_err()
+    else {
+        panic!("a timeout")
+    };
+    assert_eq!(late, Some(0));
 }
 
 #[test]

@@ -177,7 +177,8 @@ struct Collective {
     sibling: Option<usize>,
     calls: Calls,
     pending: BTreeMap<u64, Generation>,
-    failed: BTreeMap<u64, OpError>,
+    /// Failed generations, with when they failed (for a late call's error).
+    failed: BTreeMap<u64, (OpError, Millis)>,
     /// [`Collectives::switches`] when a call last came to it after another's.
     last_use: u64,
     /// In [`Collectives::busy`].
@@ -533,8 +534,15 @@ impl Collectives {
         let coll = self.all.get_mut(at)?;
         self.counters[counted(coll.kind)].arrivals += 1;
         let number = coll.calls.next(call.rank);
-        if let Some(error) = coll.failed.get(&number) {
+        if let Some((error, failed_at)) = coll.failed.get(&number) {
             let error = match error {
+                OpError::CollectiveTimeout { op, waited_ms, members, missing, .. } => OpError::CollectiveTimeout {
+                    op: op.clone(),
+                    waited_ms: *waited_ms,
+                    members: *members,
+                    missing: missing.clone(),
+                    before_call_ms: Some(ctx.now.saturating_sub(*failed_at)),
+                },
                 // A late call like the one that found the mismatch: told so.
                 OpError::Mismatch { mine, theirs, .. } if !same_call(mine, call) && same_call(theirs, call) => {
                     error.swapped()
@@ -590,7 +598,7 @@ impl Collectives {
                     self.failed_for.insert(dead);
                     let error = OpError::PeerLost { op: op(), peer: ranks.info(dead, ctx.now) };
                     ctx.reply(caller, Err(error.told_to(call.rank)));
-                    coll.remember_failure(number, error, failed_kept);
+                    coll.remember_failure(number, error, failed_kept, ctx.now);
                     return None;
                 }
                 let arrivals = Arrivals::for_members(&members, ranks);
@@ -886,6 +894,7 @@ impl Collectives {
             waited_ms: ctx.now.saturating_sub(g.started),
             members: u32::try_from(members).unwrap_or(u32::MAX),
             missing: g.missing(kind, ranks, ctx.now),
+            before_call_ms: None,
         };
         coll.fail(generation, error, failed_kept, &mut self.ended, ctx);
         self.ended.trim(ranks);
@@ -1124,11 +1133,11 @@ impl Collective {
                 book.keep(Err(error.clone()), records);
             }
         }
-        self.remember_failure(generation, error, failed_kept);
+        self.remember_failure(generation, error, failed_kept, ctx.now);
     }
 
-    fn remember_failure(&mut self, generation: u64, error: OpError, failed_kept: usize) {
-        self.failed.insert(generation, error);
+    fn remember_failure(&mut self, generation: u64, error: OpError, failed_kept: usize, now: Millis) {
+        self.failed.insert(generation, (error, now));
         while self.failed.len() > failed_kept {
             self.failed.pop_first();
         }

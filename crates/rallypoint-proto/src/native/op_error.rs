@@ -42,13 +42,14 @@ const RANK_RANGE_LEN: usize = 4 + 4;
 
 pub(crate) fn encode_op_error(error: &OpError, dst: &mut BytesMut) {
     match error {
-        OpError::CollectiveTimeout { op, waited_ms, members, missing } => {
+        OpError::CollectiveTimeout { op, waited_ms, members, missing, before_call_ms } => {
             dst.put_u8(tag::COLLECTIVE_TIMEOUT);
             encode_op_ref(op, dst);
             dst.put_u64_le(*waited_ms);
             dst.put_u32_le(*members);
             dst.put_list(missing.named(), |dst, info| encode_rank_info(info, dst));
             encode_rank_ranges(missing.rest(), dst);
+            dst.put_option(*before_call_ms, BytesMut::put_u64_le);
         }
         OpError::KeyTimeout { waited_ms, missing } => {
             dst.put_u8(tag::KEY_TIMEOUT);
@@ -161,6 +162,7 @@ pub(crate) fn decode_op_error_fields(tag: u8, r: &mut Reader) -> DecodeResult<Op
             waited_ms: r.u64("waited_ms")?,
             members: r.u32("members")?,
             missing: Missing::new(r.list("missing", MIN_RANK_INFO_LEN, decode_rank_info)?, decode_rank_ranges(r)?),
+            before_call_ms: r.option("before_call_ms", |r| r.u64("before_call_ms"))?,
         },
         tag::KEY_TIMEOUT => OpError::KeyTimeout { waited_ms: r.u64("waited_ms")?, missing: blobs(r, "missing")? },
         tag::PEER_LOST => OpError::PeerLost { op: decode_op_ref(r)?, peer: decode_rank_info(r)? },

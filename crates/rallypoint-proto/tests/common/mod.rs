@@ -173,9 +173,10 @@ fn abort_info() -> impl Strategy<Value = AbortInfo> {
 
 pub fn op_error() -> impl Strategy<Value = OpError> {
     prop_oneof![
-        (op_ref(), any::<u64>(), any::<u32>(), vec(rank_info(), 0..4), rank_ranges()).prop_map(
-            |(op, waited_ms, members, named, rest)| {
-                OpError::CollectiveTimeout { op, waited_ms, members, missing: Missing::new(named, rest) }
+        (op_ref(), any::<u64>(), any::<u32>(), vec(rank_info(), 0..4), rank_ranges(), any::<Option<u64>>()).prop_map(
+            |(op, waited_ms, members, named, rest, before_call_ms)| {
+                let missing = Missing::new(named, rest);
+                OpError::CollectiveTimeout { op, waited_ms, members, missing, before_call_ms }
             }
         ),
         (any::<u64>(), keys()).prop_map(|(waited_ms, missing)| OpError::KeyTimeout { waited_ms, missing }),

@@ -114,7 +114,7 @@ async fn barrier_timeout_lists_exactly_the_missing_ranks() {
     assert!(started.elapsed() >= Duration::from_millis(800));
 
     for (r, result) in [(0, a), (1, b)] {
-        let Err(Error::Op(OpError::CollectiveTimeout { op, waited_ms, members, missing })) = result else {
+        let Err(Error::Op(OpError::CollectiveTimeout { op, waited_ms, members, missing, .. })) = result else {
             panic!("rank {r}: expected CollectiveTimeout, got {result:?}");
         };
         assert_eq!((op.kind, op.name.as_str(), op.generation), (CollectiveKind::Barrier, "epoch", 1));
