@@ -6,6 +6,9 @@
 mod slurm;
 mod torchrun;
 
+/// Seconds between SIGTERM and SIGKILL at a teardown unless told: torchrun's.
+const DEFAULT_GRACE: f64 = 30.0;
+
 use std::ffi::OsString;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -58,7 +61,8 @@ torchrun's flags, and what they do here:
     --role, -m/--module, --no-python, --run-path, --local-addr (this node's name in reports),
     --redirects/-r and --tee/-t (0-3, or a map of local ranks like 0:3,1:2), --log-dir,
     --local-ranks-filter, --log-line-prefix-template (also $TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE;
-    it replaces [rankN]: on every console line), --shutdown-timeout (= --grace). Both spellings
+    it replaces [rankN]: on every console line), --shutdown-timeout (= --grace; default 30 s, or
+    $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, as torchrun). Both spellings
     (--nproc-per-node, --nproc_per_node) and --flag=value work, and each also reads PET_<FLAG>
     (PET_NPROC_PER_NODE, ...) from the environment when not given, as torchrun does.
   rallypoint's own, in torchrun's spellings too: --hang-timeout (--hang_timeout, PET_HANG_TIMEOUT:
@@ -145,10 +149,11 @@ pub struct LaunchArgs {
     /// --rdzv-backend are ignored)
     #[arg(long, env = "PET_STANDALONE", hide_env = true, value_parser = BoolishValueParser::new())]
     standalone: bool,
-    /// Seconds between SIGTERM and SIGKILL when the job is taken down
-    #[arg(long, visible_alias = "shutdown-timeout", alias = "shutdown_timeout", default_value_t = 5.0,
-          value_parser = parse::secs, value_name = "SECS")]
-    grace: f64,
+    /// Seconds between SIGTERM and SIGKILL when the job is taken down, for workers that
+    /// save a checkpoint then [default: $TORCH_ELASTIC_SHUTDOWN_TIMEOUT, else 30, as torchrun]
+    #[arg(long, visible_alias = "shutdown-timeout", alias = "shutdown_timeout", env = "PET_SHUTDOWN_TIMEOUT",
+          hide_env = true, value_parser = parse::secs, value_name = "SECS")]
+    grace: Option<f64>,
     /// Directory for log files: DIR/attempt<K>/rank<N>.{stdout,stderr}. Without --redirects or
     /// --tee every stream goes there and the console shows only the launcher's messages
     #[arg(long, alias = "log_dir", env = "PET_LOG_DIR", hide_env = true, value_name = "DIR")]
@@ -436,6 +441,12 @@ impl LaunchArgs {
                 .map_err(|e| e.to_string())?,
         }
         .map(std::sync::Arc::new);
+        // torchrun's default and variable (PET_SHUTDOWN_TIMEOUT is the flag's).
+        let grace = match (self.grace, var("TORCH_ELASTIC_SHUTDOWN_TIMEOUT")) {
+            (Some(secs), _) => secs,
+            (None, Some(text)) => parse::secs(&text).map_err(|e| format!("TORCH_ELASTIC_SHUTDOWN_TIMEOUT: {e}"))?,
+            (None, None) => DEFAULT_GRACE,
+        };
         let seconds = |name: &str, v: f64| {
             Duration::try_from_secs_f64(v).map_err(|_| format!("--{name} {v} is not a number of seconds"))
         };
@@ -447,7 +458,7 @@ impl LaunchArgs {
             job,
             role: self.role,
             host: self.local_addr,
-            grace: seconds("grace", self.grace)?,
+            grace: seconds("grace", grace)?,
             log_dir,
             files,
             console,
@@ -613,6 +624,19 @@ mod tests {
         assert_eq!(o.join_timeout, Duration::from_secs(7), "--join-timeout wins");
         assert!(options(&["--start-method=thread", "t.py"], &[PY]).is_err());
         assert!(options(&["--rdzv-conf=oops", "t.py"], &[PY]).unwrap_err().contains("key=value"));
+    }
+
+    #[test]
+    fn the_grace_is_torchruns() {
+        let grace = |args: &[&str], vars: &[(&str, &str)]| {
+            let args: Vec<&str> = args.iter().copied().chain(["t.py"]).collect();
+            options(&args, &[PY].into_iter().chain(vars.iter().copied()).collect::<Vec<_>>()).map(|o| o.grace)
+        };
+        assert_eq!(grace(&[], &[]), Ok(Duration::from_secs(30)));
+        assert_eq!(grace(&[], &[("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "12")]), Ok(Duration::from_secs(12)));
+        assert_eq!(grace(&["--grace", "2"], &[("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "12")]), Ok(Duration::from_secs(2)));
+        let refused = grace(&[], &[("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "soon")]).unwrap_err();
+        assert!(refused.starts_with("TORCH_ELASTIC_SHUTDOWN_TIMEOUT: "), "{refused}");
     }
 
     #[test]
