@@ -253,6 +253,27 @@ fn sigint_to_the_launcher_reaches_every_worker() {
     assert!(done.stderr.contains("received SIGINT"), "{}", done.stderr);
 }
 
+/// A signal delivered twice at once (`timeout` sends it to the launcher and to its
+/// process group) is taken once: the workers keep their grace to finish.
+#[test]
+fn a_signal_delivered_twice_at_once_keeps_the_grace() {
+    let dir = temp_dir("sigint2");
+    let script = r#"
+        trap 'sleep 1.5; echo saved > "$DIR/saved$RANK"; exit 0' INT
+        echo ready > "$DIR/ready$RANK"
+        i=0; while [ $i -lt 600 ]; do i=$((i+1)); sleep 0.1; done
+    "#;
+    let launched = launch(&["--nproc-per-node", "2"], script, &dir);
+    wait_for_files(&dir, &["ready0".into(), "ready1".into()]);
+    signal(launched.pid(), libc::SIGINT);
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    signal(launched.pid(), libc::SIGINT);
+    let done = launched.finish();
+    assert_eq!(done.code, Some(130), "stderr:\n{}", done.stderr);
+    wait_for_files(&dir, &["saved0".into(), "saved1".into()]);
+    assert!(!done.stderr.contains("SIGKILL"), "{}", done.stderr);
+}
+
 #[test]
 fn restarts_run_the_whole_group_again_in_a_fresh_job() {
     let dir = temp_dir("restart");

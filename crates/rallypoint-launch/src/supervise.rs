@@ -43,6 +43,9 @@ const NOTICE: Duration = Duration::from_millis(100);
 /// failure it saw first (node 0 may know a rank was lost before it): an upper bound,
 /// the verdict takes a round trip.
 const VERDICT_WAIT: Duration = Duration::from_secs(5);
+/// A signal this soon after the first one is that one delivered twice (`timeout`
+/// sends it to the launcher and to its process group): the grace goes on.
+const SAME_SIGNAL: Duration = Duration::from_secs(1);
 /// Between node 0's looks at whether the job is quiet (cheap: in-process only).
 const HANG_CHECK_EVERY: Duration = Duration::from_secs(1);
 /// How long node 0 waits for the other nodes' answers about a quiet job.
@@ -342,6 +345,9 @@ impl Attempt<'_> {
 
     /// The launcher received SIGINT, SIGTERM or SIGHUP.
     fn on_signal(&self, state: &mut State, workers: &Workers, sig: i32) {
+        let now = Instant::now();
+        let repeat = state.signalled_at.is_some_and(|at| now.duration_since(at) < SAME_SIGNAL);
+        state.signalled_at.get_or_insert(now);
         if state.first.is_none() {
             let failure = Failure::now(FailureKind::Interrupted { signal: sig }, self.launchers.node, self.host);
             self.fail(state, failure, &workers.running, Origin::Here);
@@ -354,10 +360,12 @@ impl Attempt<'_> {
                 state.term_at = None;
                 self.signal_all(state, &workers.running, sig);
             }
-        } else {
-            // A second signal while tearing down: no more grace.
+        } else if !repeat && workers.running.iter().any(Option::is_some) {
+            // Asked again while tearing down (a second Ctrl-C): no more grace.
+            let what = rallypoint_core::signal_name(sig);
+            self.console.message(format!("{what} while the job is taken down: SIGKILL to its workers now"));
             state.term_at = None;
-            state.kill_at = Some(Instant::now());
+            state.kill_at = Some(now);
         }
     }
 
@@ -935,6 +943,8 @@ struct State {
     term_at: Option<Instant>,
     /// When the workers still alive get SIGKILL.
     kill_at: Option<Instant>,
+    /// When the launcher first received SIGINT, SIGTERM or SIGHUP.
+    signalled_at: Option<Instant>,
     /// Node 0: its first failure came after another node's launcher had aborted the
     /// job (a rank here failed for the abort, before that node's report arrived): the
     /// verdict waits for the report whose headline is this abort's reason.
