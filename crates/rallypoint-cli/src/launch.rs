@@ -254,8 +254,8 @@ pub struct LaunchArgs {
     #[arg(long, help_heading = "Authentication")]
     insecure: bool,
     /// Serve PyTorch TCPStore clients (which cannot prove a token) from this network
-    /// of other machines too, e.g. the other nodes of a torch job: 10.0.0.0/16;
-    /// repeatable. This user's processes on node 0 are always served
+    /// of other machines too, e.g. 10.0.0.0/16; repeatable. This user's processes on
+    /// node 0, and the other nodes whose launchers proved the token, are always served
     #[arg(long, value_name = "CIDR", help_heading = "Authentication")]
     tcpstore_allow: Vec<rallypoint_server::IpNet>,
     /// Serve the live page of the job (each rank's state, who waits where, this node's

@@ -74,7 +74,8 @@ pub struct ServeArgs {
     auth: crate::auth::ServeAuth,
     /// With a token: serve PyTorch TCPStore clients (which cannot send one) from this
     /// network of other machines too, e.g. 10.0.0.0/16; repeatable. Without it, only
-    /// this user's processes on this machine are served over TCPStore [default: none]
+    /// this user's processes on this machine, and machines a client proved the token
+    /// from, are served over TCPStore [default: none]
     #[arg(long, value_name = "CIDR", help_heading = "Authentication and TLS")]
     tcpstore_allow: Vec<rallypoint_server::IpNet>,
     /// Serve the live page (the jobs, each rank's state, who waits where), its JSON API

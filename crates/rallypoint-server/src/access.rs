@@ -10,7 +10,9 @@
 //!   [`rallypoint_net::procnet`]): the workers a launcher started, not another
 //!   user's process;
 //! - from another machine, when its address is in a network given with
-//!   `--tcpstore-allow CIDR` (none by default).
+//!   `--tcpstore-allow CIDR` (none by default), or when a native client or node
+//!   agent proved the token from that address: the nodes of a multi-node launch,
+//!   whose launchers join before their torch workers start, need no network named.
 //!
 //! A socket of this machine owned by another user is refused whatever its address
 //! (a local user cannot slip in through an allowed network's address of this
@@ -18,8 +20,9 @@
 //! connection is closed without a reply (the TCPStore protocol has no way to say
 //! why); the coordinator's log says why, a few times per minute at most.
 
+use std::collections::HashSet;
 use std::net::{IpAddr, SocketAddr};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use rallypoint_net::warn_limit::{admit_shared, WarnLimit};
 use rallypoint_net::IpNet;
@@ -33,13 +36,21 @@ pub(crate) struct TcpStoreAccess {
     pub(crate) allow: Vec<IpNet>,
     /// The user this coordinator runs as.
     pub(crate) uid: u32,
+    /// Addresses of other machines a client proved the token from (shared by clones).
+    pub(crate) proven: Arc<Mutex<HashSet<IpAddr>>>,
 }
+
+/// Most addresses [`TcpStoreAccess::proven`] holds: past it, one proven later is
+/// served only from an allowed network.
+const MOST_PROVEN: usize = 4096;
 
 /// Who a TCPStore peer turned out to be.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Verdict {
     SameUser,
     AllowedNetwork,
+    /// Another machine a client proved the token from.
+    ProvenHost,
     /// A socket of this machine owned by another user.
     OtherUser(u32),
     /// A loopback peer whose socket is not listed (closed meanwhile, or in another
@@ -76,7 +87,7 @@ impl TcpStoreAccess {
             }
         };
         let why = match verdict {
-            Verdict::SameUser | Verdict::AllowedNetwork => {
+            Verdict::SameUser | Verdict::AllowedNetwork | Verdict::ProvenHost => {
                 debug!(%peer, ?verdict, "TCPStore client admitted");
                 return true;
             }
@@ -85,7 +96,7 @@ impl TcpStoreAccess {
             }
             Verdict::UnknownLocal => "it comes over loopback, but the kernel knows no such socket here, so its user cannot be told".to_owned(),
             Verdict::NotAllowed => format!(
-                "this coordinator has a token, which TCPStore clients cannot send; clients from other machines are served only from networks given with --tcpstore-allow (now: {})",
+                "this coordinator has a token, which TCPStore clients cannot send; clients from other machines are served only from one where a launcher or client proved the token, or from networks given with --tcpstore-allow (now: {})",
                 self.allowed()
             ),
         };
@@ -93,6 +104,18 @@ impl TcpStoreAccess {
             warn!(%peer, held_back, "refused a PyTorch TCPStore client: {why}");
         }
         false
+    }
+
+    /// A native client or node agent proved the token from `ip`.
+    pub(crate) fn proved(&self, ip: IpAddr) {
+        let ip = ip.to_canonical();
+        if ip.is_loopback() {
+            return;
+        }
+        let mut proven = rallypoint_net::sync::lock(&self.proven);
+        if proven.len() < MOST_PROVEN && proven.insert(ip) {
+            debug!(%ip, "TCPStore clients from this host are served: it proved the token");
+        }
     }
 
     fn allowed(&self) -> String {
@@ -116,6 +139,7 @@ impl TcpStoreAccess {
             Some(uid) => Verdict::OtherUser(uid),
             None if ip.is_loopback() => Verdict::UnknownLocal,
             None if self.allow.iter().any(|net| net.contains(&ip)) => Verdict::AllowedNetwork,
+            None if rallypoint_net::sync::lock(&self.proven).contains(&ip) => Verdict::ProvenHost,
             None => Verdict::NotAllowed,
         }
     }
@@ -126,7 +150,8 @@ mod tests {
     use super::*;
 
     fn access(allow: &[&str]) -> TcpStoreAccess {
-        TcpStoreAccess { allow: allow.iter().map(|net| net.parse().expect("CIDR")).collect(), uid: 1000 }
+        let allow = allow.iter().map(|net| net.parse().expect("CIDR")).collect();
+        TcpStoreAccess { allow, uid: 1000, proven: Arc::default() }
     }
 
     fn ip(text: &str) -> IpAddr {
@@ -147,5 +172,16 @@ mod tests {
         assert_eq!(rule.verdict(None, ip("fd00::7")), Verdict::AllowedNetwork);
         assert_eq!(rule.verdict(None, ip("10.2.0.1")), Verdict::NotAllowed);
         assert_eq!(access(&[]).verdict(None, ip("10.1.2.3")), Verdict::NotAllowed, "none by default");
+    }
+
+    #[test]
+    fn a_host_that_proved_the_token_is_served() {
+        let rule = access(&[]);
+        rule.proved(ip("::ffff:10.3.0.7"));
+        rule.proved(ip("127.0.0.1"));
+        assert_eq!(rule.clone().verdict(None, ip("10.3.0.7")), Verdict::ProvenHost, "shared by clones, canonical");
+        assert_eq!(rule.verdict(None, ip("10.3.0.8")), Verdict::NotAllowed);
+        assert_eq!(rule.verdict(Some(65534), ip("10.3.0.7")), Verdict::OtherUser(65534), "this machine: its owner");
+        assert_eq!(rule.verdict(None, ip("127.0.0.1")), Verdict::UnknownLocal, "loopback is never proven");
     }
 }

@@ -204,7 +204,11 @@ impl Server {
         }
         // SAFETY: geteuid has no preconditions and cannot fail.
         let uid = unsafe { libc::geteuid() };
-        let tcpstore = config.token.is_some().then(|| TcpStoreAccess { allow: config.tcpstore_allow.clone(), uid });
+        let tcpstore = config.token.is_some().then(|| TcpStoreAccess {
+            allow: config.tcpstore_allow.clone(),
+            uid,
+            proven: Default::default(),
+        });
         let auth = Arc::new(AuthSettings { token: config.token.clone(), tls: config.tls.clone(), tcpstore });
         let settings = Arc::new(ConnSettings {
             limits: FrameLimits::from_limits(&config.engine.limits),

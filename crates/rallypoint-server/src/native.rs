@@ -236,6 +236,13 @@ async fn admit<S: AsyncRead + AsyncWrite + Unpin + Send + Metered>(
     let hello = tokio::time::timeout_at(deadline, hello).await.unwrap_or(Err(End::HandshakeTimeout(HANDSHAKE_TIMEOUT)));
     let mut conn =
         Connection { stream, peer, settings, rbuf, wbuf: BytesMut::new(), warnings: WarnLimit::new(), charge };
+    // Past the gate, a client with a token proved it: its host's TCPStore clients
+    // (a launcher's node's torch workers) are served (module `access`).
+    if let (Ok(Hello::Native(_) | Hello::Agent), Some(_), Some(access)) =
+        (&hello, &gate.token, &conn.settings.auth.tcpstore)
+    {
+        access.proved(peer.ip());
+    }
     let identity = match hello {
         Ok(Hello::Native(identity)) => {
             conn.stream.counted().classify(Protocol::Native);
