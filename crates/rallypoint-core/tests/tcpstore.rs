@@ -189,6 +189,31 @@ fn get_with_timeout_zero_fails_at_once() {
 }
 
 #[test]
+fn a_missing_address_of_a_rank_that_finished_is_said_never_to_come() {
+    let mut h = Harness::new();
+    let prefix = "/default_pg/0//cpu//0/";
+    let ranks: Vec<SessionId> = (0..2).map(|r| torch(&mut h, r, 100 + r as u32)).collect();
+    for (r, s) in ranks.iter().enumerate() {
+        ok(Some(h.call(*s, Request::Set { key: Bytes::from(format!("{prefix}{r}")), value: b("addr") })));
+    }
+    // Rank 2's worker exited 0 before init_process_group; its launcher says so.
+    let launcher = h.open(Identity { world_size: Some(3), ..Identity::anonymous("j") });
+    let exited = Request::RankExited { rank: 2, host: "n".into(), pid: 102, exit: rallypoint_core::Exit::Code(0) };
+    assert_eq!(h.call(launcher, exited), Ok(Response::Done));
+    let w = h.send(ranks[0], wait(&[&format!("{prefix}2")]));
+    h.advance(5_000);
+    assert!(h.pending(ranks[0], w));
+    let notices: Vec<String> = h.engine.drain_notices().collect();
+    assert!(
+        notices.iter().any(|n| n.contains(
+            "ranks [2] never wrote their address key (written by ranks [0, 1]); rank 2 has finished (worker pid \
+             102 exited with code 0), so it never will"
+        )),
+        "{notices:?}"
+    );
+}
+
+#[test]
 fn torch_ranks_are_inferred_from_address_keys_and_named_when_missing() {
     let mut h = Harness::new();
     let prefix = "/default_pg/0//cpu//0/";

@@ -12,7 +12,7 @@ use crate::error::{Secs, Show};
 use crate::ranges::{gaps, runs, RankList};
 use crate::rendezvous;
 use crate::snapshot::{ProcessGroupView, RangeSet, RendezvousView, StoreBarrierView, TorchView};
-use crate::{Identity, Millis, Missing, SessionId};
+use crate::{Identity, Millis, Missing, RankState, SessionId};
 
 use super::job::Job;
 use super::store::{KeyWait, WaitKind};
@@ -212,6 +212,22 @@ pub(crate) fn stall_notice(
             ranks(missing),
             ranks(&written(job, prefix))
         );
+        // A missing rank whose worker already ended will never write it: the wait
+        // lasts until torch's own timeout (half an hour by default) unless said.
+        let gone: Vec<String> = missing
+            .iter()
+            .take(crate::Missing::NAMED)
+            .filter_map(|&r| match job.ranks.info(r, now).state {
+                RankState::Finished { pid } => {
+                    Some(format!("rank {r} has finished (worker pid {pid} exited with code 0)"))
+                }
+                RankState::Lost(reason) => Some(format!("rank {r} is lost ({reason})")),
+                _ => None,
+            })
+            .collect();
+        if !gone.is_empty() {
+            let _ = write!(text, "; {}, so it never will", gone.join(", "));
+        }
     }
     if let Some(count) = arrived_at_init(job) {
         let _ = write!(text, "; {count} process(es) arrived at init/");
