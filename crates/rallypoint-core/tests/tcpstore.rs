@@ -197,12 +197,21 @@ fn a_missing_address_of_a_rank_that_finished_is_said_never_to_come() {
         ok(Some(h.call(*s, Request::Set { key: Bytes::from(format!("{prefix}{r}")), value: b("addr") })));
     }
     // Rank 2's worker exited 0 before init_process_group; its launcher says so.
-    let launcher = h.open(Identity { world_size: Some(3), ..Identity::anonymous("j") });
-    let exited = Request::RankExited { rank: 2, host: "n".into(), pid: 102, exit: rallypoint_core::Exit::Code(0) };
-    assert_eq!(h.call(launcher, exited), Ok(Response::Done));
+    let launcher = h.open(Identity { world_size: Some(4), ..Identity::anonymous("j") });
+    let exited = |rank| Request::RankExited { rank, host: "n".into(), pid: 100 + rank, exit: Exit::Code(0) };
+    assert_eq!(h.call(launcher, exited(2)), Ok(Response::Done));
+    // A wait for a rank that ends while it waits ends at once.
+    let late = h.send(ranks[1], wait(&[&format!("{prefix}3")]));
+    h.advance(1_000);
+    assert!(h.pending(ranks[1], late));
+    assert_eq!(h.call(launcher, exited(3)), Ok(Response::Done));
+    assert!(matches!(err(h.take(ranks[1], late)), OpError::Closed(_)));
     let w = h.send(ranks[0], wait(&[&format!("{prefix}2")]));
+    assert!(h.pending(ranks[0], w), "the rank's end is looked for at the job's stall sweep");
     h.advance(5_000);
-    assert!(h.pending(ranks[0], w));
+    // The wait ends (its TCPStore connection is closed), saying why.
+    let OpError::Closed(why) = err(h.take(ranks[0], w)) else { panic!("closed") };
+    assert!(why.contains("rank 2 has finished (worker pid 102 exited with code 0), so it will never write"), "{why}");
     let notices: Vec<String> = h.engine.drain_notices().collect();
     assert!(
         notices.iter().any(|n| n.contains(
@@ -211,6 +220,20 @@ fn a_missing_address_of_a_rank_that_finished_is_said_never_to_come() {
         )),
         "{notices:?}"
     );
+}
+
+#[test]
+fn a_missing_address_of_a_rank_whose_connection_dropped_is_waited_for() {
+    // Its process may live on and write the key: only its launcher's word ends the wait.
+    let mut h = Harness::new();
+    let prefix = "/default_pg/0//cpu//0/";
+    let s0 = torch(&mut h, 0, 100);
+    ok(Some(h.call(s0, Request::Set { key: Bytes::from(format!("{prefix}0")), value: b("addr") })));
+    let native = h.rank("j", 1, 2);
+    h.kill(native);
+    let w = h.send(s0, wait(&[&format!("{prefix}1")]));
+    h.advance(40_000);
+    assert!(h.pending(s0, w));
 }
 
 #[test]

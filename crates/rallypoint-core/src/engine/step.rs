@@ -195,7 +195,8 @@ impl<'a> Step<'a> {
         if self.job.stall_sweep_at != Some(at) {
             return;
         }
-        self.job.stall_sweep_at = torch::sweep_stalls(self.job, self.sessions, self.ctx.now, self.notices);
+        self.job.stall_sweep_at =
+            torch::sweep_stalls(self.job, self.sessions, self.ctx.now, self.notices, self.ctx.out);
         if let Some(next) = self.job.stall_sweep_at {
             self.ctx.timers.schedule(next, Timer::StallSweep { job: self.job.id });
         }
@@ -526,6 +527,10 @@ impl<'a> Step<'a> {
         }
         let change = self.job.ranks.exited(rank, host, pid, exit, self.ctx.now);
         self.job.apply(rank, change, &mut self.ctx);
+        // Torch waits for its address key end now, not at the next sweep.
+        if self.job.stall_sweep_at.is_some() {
+            torch::fail_waits_for_the_gone(self.job, self.sessions, self.ctx.now, self.ctx.out);
+        }
         DONE
     }
 

@@ -231,6 +231,13 @@ impl Store {
         }
     }
 
+    /// Fails wait `id` with `error`, if it still waits.
+    pub fn fail_wait(&mut self, id: WaitId, error: OpError, done: &mut Vec<Outgoing>) {
+        if self.remove_wait(id).is_some() {
+            answer(done, id, Err(error));
+        }
+    }
+
     /// Ends every wait of `session` (torch's CANCEL_WAIT); each fails with `Closed`,
     /// so that every request still gets exactly one reply.
     pub fn cancel_session(&mut self, session: SessionId, done: &mut Vec<Outgoing>) {

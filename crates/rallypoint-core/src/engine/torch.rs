@@ -12,7 +12,7 @@ use crate::error::{Secs, Show};
 use crate::ranges::{gaps, runs, RankList};
 use crate::rendezvous;
 use crate::snapshot::{ProcessGroupView, RangeSet, RendezvousView, StoreBarrierView, TorchView};
-use crate::{Identity, Millis, Missing, RankState, SessionId};
+use crate::{Identity, LossReason, Millis, Missing, OpError, Outgoing, RankState, SessionId};
 
 use super::job::Job;
 use super::store::{KeyWait, WaitKind};
@@ -135,7 +135,55 @@ pub(crate) fn sweep_stalls(
     sessions: &Sessions,
     now: Millis,
     notices: &mut Vec<String>,
+    out: &mut Vec<Outgoing>,
 ) -> Option<Millis> {
+    let next = note_stalls(job, sessions, now, notices);
+    fail_waits_for_the_gone(job, sessions, now, out);
+    next
+}
+
+/// Ends the torch waits for an address key of a rank whose worker process its
+/// launcher saw end ([`ended`]): it will never write it, and torch would wait for its own
+/// timeout (half an hour by default). The error closes the waiting connection (the
+/// TCPStore protocol has no error reply), so the peers fail and their launcher
+/// names the rank that ended first.
+pub(crate) fn fail_waits_for_the_gone(job: &mut Job, sessions: &Sessions, now: Millis, out: &mut Vec<Outgoing>) {
+    let mut doomed = Vec::new();
+    for (&id, wait) in job.store.waits() {
+        if matches!(wait.kind, WaitKind::Barrier { .. }) || !sessions.get(&id.0).is_some_and(|s| s.torch) {
+            continue;
+        }
+        let gone = missing_addresses(job, wait).into_iter().find_map(|(prefix, missing)| {
+            missing.into_iter().find_map(|r| Some((prefix.clone(), ended(job, r, now)?)))
+        });
+        if let Some(gone) = gone {
+            doomed.push((id, gone));
+        }
+    }
+    for (id, (prefix, rank)) in doomed {
+        let why = format!(
+            "PyTorch job '{}': {rank}, so it will never write its address key of process group {}: the wait \
+             for it ends",
+            job.name,
+            Show(&prefix)
+        );
+        job.store.fail_wait(id, OpError::Closed(why), out);
+    }
+}
+
+/// "rank 2 has finished (worker pid 102 exited with code 0)", if its launcher saw
+/// rank `rank`'s worker process end (a dropped connection alone is not enough: its
+/// process may live on).
+fn ended(job: &Job, rank: u32, now: Millis) -> Option<String> {
+    match job.ranks.info(rank, now).state {
+        RankState::Finished { pid } => Some(format!("rank {rank} has finished (worker pid {pid} exited with code 0)")),
+        RankState::Lost(reason @ LossReason::Exited { .. }) => Some(format!("rank {rank} is lost ({reason})")),
+        _ => None,
+    }
+}
+
+/// The stall notices due (see [`sweep_stalls`]); when to look again.
+fn note_stalls(job: &mut Job, sessions: &Sessions, now: Millis, notices: &mut Vec<String>) -> Option<Millis> {
     // The oldest torch wait on each key speaks for that key.
     let mut oldest: HashMap<&Bytes, (SessionId, &KeyWait)> = HashMap::default();
     for ((session, _), wait) in job.store.waits() {
@@ -214,17 +262,8 @@ pub(crate) fn stall_notice(
         );
         // A missing rank whose worker already ended will never write it: the wait
         // lasts until torch's own timeout (half an hour by default) unless said.
-        let gone: Vec<String> = missing
-            .iter()
-            .take(crate::Missing::NAMED)
-            .filter_map(|&r| match job.ranks.info(r, now).state {
-                RankState::Finished { pid } => {
-                    Some(format!("rank {r} has finished (worker pid {pid} exited with code 0)"))
-                }
-                RankState::Lost(reason) => Some(format!("rank {r} is lost ({reason})")),
-                _ => None,
-            })
-            .collect();
+        let gone: Vec<String> =
+            missing.iter().take(crate::Missing::NAMED).filter_map(|&r| ended(job, r, now)).collect();
         if !gone.is_empty() {
             let _ = write!(text, "; {}, so it never will", gone.join(", "));
         }
