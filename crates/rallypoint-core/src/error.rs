@@ -381,6 +381,20 @@ impl OpError {
         }
     }
 
+    /// A timeout as a call that came `ms` after it is told it.
+    pub(crate) fn came_late(&self, ms: u64) -> OpError {
+        match self {
+            OpError::CollectiveTimeout { op, waited_ms, members, missing, .. } => OpError::CollectiveTimeout {
+                op: op.clone(),
+                waited_ms: *waited_ms,
+                members: *members,
+                missing: missing.clone(),
+                before_call_ms: Some(ms),
+            },
+            other => other.clone(),
+        }
+    }
+
     /// A mismatch the other way round: `theirs` as `mine`.
     pub(crate) fn swapped(&self) -> OpError {
         match self {

@@ -175,6 +175,9 @@ struct Collective {
     members: Members,
     /// The next collective of the same kind and name with other members, if any.
     sibling: Option<usize>,
+    /// Other collectives of the same kind share its name (a flag, so that a call
+    /// asks no map: see [`Collectives::crossed`]).
+    shared: bool,
     calls: Calls,
     pending: BTreeMap<u64, Generation>,
     /// Failed generations, with when they failed (for a late call's error).
@@ -460,11 +463,17 @@ impl Collectives {
             next = coll.sibling;
         }
         let at = self.all.len();
+        let mut next = first;
+        while let Some(coll) = next.and_then(|other| self.all.get_mut(other)) {
+            coll.shared = true;
+            next = coll.sibling;
+        }
         self.all.push(Collective {
             kind,
             name: name.to_owned(),
             members: members.clone(),
             sibling: first,
+            shared: first.is_some(),
             calls: Calls::default(),
             pending: BTreeMap::new(),
             failed: BTreeMap::new(),
@@ -536,13 +545,7 @@ impl Collectives {
         let number = coll.calls.next(call.rank);
         if let Some((error, failed_at)) = coll.failed.get(&number) {
             let error = match error {
-                OpError::CollectiveTimeout { op, waited_ms, members, missing, .. } => OpError::CollectiveTimeout {
-                    op: op.clone(),
-                    waited_ms: *waited_ms,
-                    members: *members,
-                    missing: missing.clone(),
-                    before_call_ms: Some(ctx.now.saturating_sub(*failed_at)),
-                },
+                OpError::CollectiveTimeout { .. } => error.came_late(ctx.now.saturating_sub(*failed_at)),
                 // A late call like the one that found the mismatch: told so.
                 OpError::Mismatch { mine, theirs, .. } if !same_call(mine, call) && same_call(theirs, call) => {
                     error.swapped()
@@ -672,8 +675,7 @@ impl Collectives {
 
     /// Whether other collectives of the same kind share the name of the one at `at`.
     fn has_siblings(&self, at: usize) -> bool {
-        let Some(coll) = self.all.get(at) else { return false };
-        coll.sibling.is_some() || self.by_name[kind_index(coll.kind)].get(coll.name.as_str()) != Some(&at)
+        self.all.get(at).is_some_and(|coll| coll.shared)
     }
 
     /// A generation of the same kind and name over other members that the call at
