@@ -129,6 +129,17 @@ fn mismatched_members_or_world_size_fail_everyone_naming_both_calls() {
         "{text}"
     );
 
+    // Crossed the other way, with a third rank: the subgroup first, then the whole
+    // job, which nobody waited in yet; a later call of it learns of the mismatch.
+    let u: Vec<_> = (0..3).map(|r| h.rank("u", r, 3)).collect();
+    let a = h.send(u[0], barrier_of("m", Members::Ranks(vec![0, 1]), None));
+    let e = h.call(u[1], barrier("m", None)).unwrap_err();
+    assert!(matches!(&e, OpError::Mismatch { mine, .. } if mine.rank == 1), "{e:?}");
+    assert!(matches!(err(h.take(u[0], a)), OpError::Mismatch { mine, .. } if mine.rank == 0));
+    let late = h.call(u[2], barrier("m", Some(60_000))).unwrap_err();
+    let OpError::Mismatch { mine, theirs, .. } = late else { panic!("a mismatch, not a wait: {late:?}") };
+    assert_eq!((mine.rank, mine.members, theirs.rank), (2, Members::World, 0));
+
     // Different world sizes in one generation.
     let t0 = h.rank("k", 0, 4);
     let t1 = h.rank("k", 1, 3);

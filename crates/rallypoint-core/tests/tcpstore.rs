@@ -211,6 +211,7 @@ fn a_missing_address_of_a_rank_that_finished_is_said_never_to_come() {
     h.advance(5_000);
     // The wait ends (its TCPStore connection is closed), saying why.
     let OpError::Closed(why) = err(h.take(ranks[0], w)) else { panic!("closed") };
+    assert_eq!(h.engine.failed_for("j"), [2, 3], "their ends stranded their peers: a launcher names them");
     assert!(why.contains("rank 2 has finished (worker pid 102 exited with code 0), so it will never write"), "{why}");
     let notices: Vec<String> = h.engine.drain_notices().collect();
     assert!(

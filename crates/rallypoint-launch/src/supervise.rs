@@ -363,7 +363,7 @@ impl Attempt<'_> {
         } else if !repeat && workers.running.iter().any(Option::is_some) {
             // Asked again while tearing down (a second Ctrl-C): no more grace.
             let what = rallypoint_core::signal_name(sig);
-            self.console.message(format!("{what} while the job is taken down: SIGKILL to its workers now"));
+            self.console.message(format!("rallypoint: {what} while the job is taken down: SIGKILL to its workers now"));
             state.term_at = None;
             state.kill_at = Some(now);
         }

@@ -560,9 +560,11 @@ impl Collectives {
             let op = OpRef { kind: coll.kind, name: coll.name.clone(), generation: number };
             let error = OpError::Mismatch { op, mine: Box::new(shape()), theirs: Box::new(theirs) };
             ctx.reply(caller, Err(error.clone()));
-            // Each generation's waiters are told their own call as `mine`.
+            // Each generation's waiters are told their own call as `mine`; the caller's
+            // own generation is failed even if nobody waits in it yet, so that a later
+            // call of it learns of the mismatch rather than waiting for its deadline.
             for (at, generation, error) in [(other, generation, error.swapped()), (at, number, error)] {
-                if let Some(coll) = self.all.get_mut(at).filter(|coll| coll.pending.contains_key(&generation)) {
+                if let Some(coll) = self.all.get_mut(at) {
                     coll.fail(generation, error, failed_kept, &mut self.ended, ctx);
                 }
             }
@@ -834,6 +836,11 @@ impl Collectives {
     /// Ranks a generation failed for (see `failed_for`).
     pub fn failed_for(&self) -> &BTreeSet<u32> {
         &self.failed_for
+    }
+
+    /// Something else failed for `rank` (a torch wait for its address: module `torch`).
+    pub fn failed_for_rank(&mut self, rank: u32) {
+        self.failed_for.insert(rank);
     }
 
     /// `rank` was lost (or finished): fail every pending generation that still needs it.

@@ -154,15 +154,17 @@ pub(crate) fn fail_waits_for_the_gone(job: &mut Job, sessions: &Sessions, now: M
             continue;
         }
         let gone = missing_addresses(job, wait).into_iter().find_map(|(prefix, missing)| {
-            missing.into_iter().find_map(|r| Some((prefix.clone(), ended(job, r, now)?)))
+            missing.into_iter().find_map(|r| Some((prefix.clone(), r, ended(job, r, now)?)))
         });
         if let Some(gone) = gone {
             doomed.push((id, gone));
         }
     }
-    for (id, (prefix, rank)) in doomed {
+    for (id, (prefix, rank, how)) in doomed {
+        // Its end stranded its peers: a launcher names it first, not the peers.
+        job.collectives.failed_for_rank(rank);
         let why = format!(
-            "PyTorch job '{}': {rank}, so it will never write its address key of process group {}: the wait \
+            "PyTorch job '{}': {how}, so it will never write its address key of process group {}: the wait \
              for it ends",
             job.name,
             Show(&prefix)
