@@ -430,13 +430,6 @@ impl Client {
     fn seen(&self, error: Error) -> Error {
         match (error, self.inner.identity.rank) {
             (Error::Op(error @ OpError::Mismatch { .. }), Some(rank)) => Error::Op(error.seen_by(rank)),
-            // This rank's earlier process was declared gone (a generation it failed,
-            // which this process, taking the rank over, reached later): not this one.
-            (Error::Op(OpError::ThisRankLost { op, this }), _)
-                if this.pid.is_some_and(|pid| pid != self.inner.identity.pid) =>
-            {
-                Error::Op(OpError::PeerLost { op, peer: this })
-            }
             (error, _) => error,
         }
     }

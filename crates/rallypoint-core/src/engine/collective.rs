@@ -546,6 +546,13 @@ impl Collectives {
         if let Some((error, failed_at)) = coll.failed.get(&number) {
             let error = match error {
                 OpError::CollectiveTimeout { .. } => error.came_late(ctx.now.saturating_sub(*failed_at)),
+                // The rank's process declared gone then is not this one, which took
+                // the rank on later: told of it as of a peer.
+                OpError::PeerLost { peer, .. }
+                    if peer.rank == call.rank && ranks.holder(call.rank).is_some_and(|h| h.since >= *failed_at) =>
+                {
+                    error.clone()
+                }
                 // A late call like the one that found the mismatch: told so.
                 OpError::Mismatch { mine, theirs, .. } if !same_call(mine, call) && same_call(theirs, call) => {
                     error.swapped()

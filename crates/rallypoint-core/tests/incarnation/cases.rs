@@ -259,6 +259,24 @@ fn a_hung_process_past_its_lease_is_taken_over_and_told_so() {
 }
 
 #[test]
+fn a_process_that_took_a_lost_rank_on_is_told_of_its_predecessor_as_a_peer() {
+    let mut d = Driver::with(Config { epoch_unix_ms: EPOCH, ..Config::default() });
+    let r0 = d.session(process("j", 0, 2, 300, "a", 0x1));
+    // Same host and pid (a fresh pid namespace), another process.
+    let first = d.session(process("j", 1, 2, 7, "a", 0xa));
+    d.send(r0, 1, barrier("b"));
+    d.kill(first);
+    assert!(matches!(d.last(r0, 1), Some(Err(OpError::PeerLost { .. }))));
+    d.advance(100);
+    let next = d.session(process("j", 1, 2, 7, "a", 0xb));
+    let told = d.call(next, 1, barrier("b"));
+    assert!(matches!(&told, Err(OpError::PeerLost { peer, .. }) if peer.rank == 1), "{told:?}");
+    // The ranks meet at the next generation.
+    d.send(r0, 2, barrier("b"));
+    assert_eq!(d.call(next, 2, barrier("b")), Ok(Response::Done));
+}
+
+#[test]
 fn a_cut_connection_keeps_its_rank_for_the_grace_then_the_rank_is_lost() {
     let mut d = Driver::new();
     let r0 = d.session(process("j", 0, 2, 300, "a", 0x1));

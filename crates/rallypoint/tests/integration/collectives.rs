@@ -85,7 +85,9 @@ async fn dropped_client_fails_every_waiter_with_peer_lost() {
 
     // A new process taking rank 3 over reaches the generation its predecessor
     // failed: told of that process's loss, not that this one was declared lost.
-    let successor = connect(&server, rallypoint::Identity { pid: 5003, ..rank("lost", 3, 4) }).await;
+    // Another process: its own incarnation (these clients share this test's).
+    let identity = rallypoint::Identity { pid: 5003, incarnation: Some(0x5003), ..rank("lost", 3, 4) };
+    let successor = connect(&server, identity).await;
     match bounded("successor", successor.barrier("sync", Members::World, None)).await {
         Err(Error::Op(OpError::PeerLost { peer, .. })) => assert_eq!((peer.rank, peer.pid), (3, Some(1003))),
         other => panic!("expected PeerLost naming pid 1003, got {other:?}"),
