@@ -444,13 +444,14 @@ impl Collectives {
     }
 
     /// The collective `kind` `name` over `members` (as `validate::members` normalised
-    /// them), made now if it was never called.
-    pub fn find(&mut self, kind: CollectiveKind, name: &str, members: &Members) -> CollectiveAt {
+    /// them), made now if it was never called; a name `status` and errors could not
+    /// show (a control character) is refused then.
+    pub fn find(&mut self, kind: CollectiveKind, name: &str, members: &Members) -> Result<CollectiveAt, OpError> {
         // Most calls come to the collective the call before them came to (every rank
         // of a round calls the same barrier): one comparison of the name, no hashing.
         if let Some(at) = self.last_called {
             if self.all.get(at).is_some_and(|last| last.kind == kind && last.name == name && last.members == *members) {
-                return CollectiveAt(at);
+                return Ok(CollectiveAt(at));
             }
         }
         let first = self.by_name[kind_index(kind)].get(name).copied();
@@ -458,9 +459,12 @@ impl Collectives {
         while let Some(at) = next {
             let Some(coll) = self.all.get(at) else { break };
             if coll.members == *members {
-                return CollectiveAt(at);
+                return Ok(CollectiveAt(at));
             }
             next = coll.sibling;
+        }
+        if first.is_none() {
+            super::validate::shown("collective name", name)?;
         }
         let at = self.all.len();
         let mut next = first;
@@ -481,7 +485,7 @@ impl Collectives {
             busy: false,
         });
         self.by_name[kind_index(kind)].insert(name.to_owned(), at);
-        CollectiveAt(at)
+        Ok(CollectiveAt(at))
     }
 
     /// A call came to the collective at `at` after one to another: the collective
@@ -1312,7 +1316,7 @@ mod tests {
         let mut sinks = Sinks::default();
         let mut ctx = sinks.ctx();
         let mut arrive = |collectives: &mut Collectives, name: &str, rank: u32| {
-            let at = collectives.find(CollectiveKind::Barrier, name, &Members::World);
+            let at = collectives.find(CollectiveKind::Barrier, name, &Members::World).expect("a printable name");
             collectives.arrive(at, &mut barrier_call(rank, 2, 1), &ranks, &mut ctx);
         };
         // "step" is called between the others; each other name once, by both ranks.
@@ -1338,13 +1342,13 @@ mod tests {
         assert!(sinks.out.iter().all(|o| o.reply == Ok(Response::Done)));
         // The last call came to barrier "waits": found again, as by name; an
         // all-gather of the same name is another collective.
-        let waits = collectives.find(CollectiveKind::Barrier, "waits", &Members::World);
+        let waits = collectives.find(CollectiveKind::Barrier, "waits", &Members::World).expect("a printable name");
         assert_eq!((Some(waits.0), collectives.by_name[0]["waits"]), (collectives.last_called, waits.0));
-        let gather = collectives.find(CollectiveKind::AllGather, "waits", &Members::World);
+        let gather = collectives.find(CollectiveKind::AllGather, "waits", &Members::World).expect("a printable name");
         assert_ne!(gather.0, waits.0, "another kind, another collective");
         assert_eq!(collectives.by_name[kind_index(CollectiveKind::AllGather)]["waits"], gather.0);
         assert_eq!(
-            collectives.find(CollectiveKind::Barrier, "step", &Members::World).0,
+            collectives.find(CollectiveKind::Barrier, "step", &Members::World).expect("a printable name").0,
             collectives.by_name[0]["step"]
         );
     }
@@ -1359,7 +1363,7 @@ mod tests {
         let mut lists = Vec::new();
         // Three rounds of one barrier, then one of a barrier named afresh.
         for (round, name) in [(1, "step"), (2, "step"), (3, "step"), (1, "next")] {
-            let at = collectives.find(CollectiveKind::Barrier, name, &Members::World);
+            let at = collectives.find(CollectiveKind::Barrier, name, &Members::World).expect("a printable name");
             for rank in 0..n {
                 collectives.arrive(at, &mut barrier_call(rank, n, round), &ranks, &mut ctx);
                 if let (0, Some(last)) = (rank, lists.last()) {

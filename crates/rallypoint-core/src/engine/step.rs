@@ -291,7 +291,10 @@ impl<'a> Step<'a> {
         }
         self.job.store.now = self.ctx.now;
         self.job.last_request = self.ctx.now;
-        let at = self.job.collectives.find(CollectiveKind::Barrier, name, &Members::World);
+        let Ok(at) = self.job.collectives.find(CollectiveKind::Barrier, name, &Members::World) else {
+            // Refused: each call is told why.
+            return self.calls(calls.iter().enumerate().map(|(i, c)| caller(i, c)), request);
+        };
         let lease_ms = self.config.lease_ms;
         let mut i = 0;
         while i < calls.len() {
@@ -640,7 +643,13 @@ impl<'a> Step<'a> {
         let (session, request_id) = caller.wait_id();
         let held = caller.held;
         let mut call = Call { session, request_id, rank, world_size, members, value, root, timeout_ms, held };
-        let at = *at.get_or_insert_with(|| self.job.collectives.find(kind, name, &call.members));
+        let at = match *at {
+            Some(at) => at,
+            None => match self.job.collectives.find(kind, name, &call.members) {
+                Ok(found) => *at.insert(found),
+                Err(error) => return Some(Err(error)),
+            },
+        };
         let waits = self.job.collectives.arrive(at, &mut call, &self.job.ranks, &mut self.ctx);
         self.keep(caller, waits.map(|generation| (at, generation)));
         None
@@ -687,7 +696,13 @@ impl<'a> Step<'a> {
         (call.session, call.request_id, call.rank, call.world_size, call.held) =
             (caller.session, caller.request_id, rank, world_size, caller.held);
         call.value = value.clone();
-        let at = *at.get_or_insert_with(|| self.job.collectives.find(*kind, name, &call.members));
+        let at = match *at {
+            Some(at) => at,
+            None => match self.job.collectives.find(*kind, name, &call.members) {
+                Ok(found) => *at.insert(found),
+                Err(error) => return Some(Err(error)),
+            },
+        };
         let waits = self.job.collectives.arrive(at, call, &self.job.ranks, &mut self.ctx);
         self.keep(caller, waits.map(|generation| (at, generation)));
         None

@@ -186,9 +186,9 @@ fn collective_name(name: &str, limits: &Limits) -> Result<(), OpError> {
     if name.is_empty() {
         return Err(OpError::Invalid("the collective's name is empty".into()));
     }
-    self::name("collective name", name, limits)?;
-    // Shown by `status` and in every error about it.
-    shown("collective name", name)
+    // Its characters are looked at once, when its collective is made
+    // (`Collectives::find`): not at every call.
+    self::name("collective name", name, limits)
 }
 
 fn name(what: &str, name: &str, limits: &Limits) -> Result<(), OpError> {
@@ -201,7 +201,7 @@ fn name(what: &str, name: &str, limits: &Limits) -> Result<(), OpError> {
 
 /// A name `status`, the live page, metrics and logs show as text (a job's, a
 /// host's, a role's): no control characters, which would garble them.
-fn shown(what: &str, name: &str) -> Result<(), OpError> {
+pub(crate) fn shown(what: &str, name: &str) -> Result<(), OpError> {
     match name.chars().find(|c| c.is_control()) {
         Some(c) => {
             Err(OpError::Invalid(format!("the {what} {name:?} holds a control character (U+{:04X})", u32::from(c))))
