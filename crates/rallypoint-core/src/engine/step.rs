@@ -643,6 +643,19 @@ impl<'a> Step<'a> {
         let (session, request_id) = caller.wait_id();
         let held = caller.held;
         let mut call = Call { session, request_id, rank, world_size, members, value, root, timeout_ms, held };
+        self.arrive(caller, at, (kind, name), &mut call)
+    }
+
+    /// Has `call` arrive in its collective (found at the first call of a run, `at`),
+    /// and keeps it as the caller's keep says; the reply if the collective's name
+    /// is refused.
+    fn arrive(
+        &mut self,
+        caller: &Caller,
+        at: &mut Option<CollectiveAt>,
+        (kind, name): (CollectiveKind, &str),
+        call: &mut Call,
+    ) -> Option<Reply> {
         let at = match *at {
             Some(at) => at,
             None => match self.job.collectives.find(kind, name, &call.members) {
@@ -650,7 +663,7 @@ impl<'a> Step<'a> {
                 Err(error) => return Some(Err(error)),
             },
         };
-        let waits = self.job.collectives.arrive(at, &mut call, &self.job.ranks, &mut self.ctx);
+        let waits = self.job.collectives.arrive(at, call, &self.job.ranks, &mut self.ctx);
         self.keep(caller, waits.map(|generation| (at, generation)));
         None
     }
@@ -696,16 +709,7 @@ impl<'a> Step<'a> {
         (call.session, call.request_id, call.rank, call.world_size, call.held) =
             (caller.session, caller.request_id, rank, world_size, caller.held);
         call.value = value.clone();
-        let at = match *at {
-            Some(at) => at,
-            None => match self.job.collectives.find(*kind, name, &call.members) {
-                Ok(found) => *at.insert(found),
-                Err(error) => return Some(Err(error)),
-            },
-        };
-        let waits = self.job.collectives.arrive(at, call, &self.job.ranks, &mut self.ctx);
-        self.keep(caller, waits.map(|generation| (at, generation)));
-        None
+        self.arrive(caller, at, (*kind, name), call)
     }
 }
 
