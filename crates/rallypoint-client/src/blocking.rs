@@ -22,6 +22,13 @@ pub struct Client {
     runtime: Arc<CallerRuntime>,
 }
 
+/// As the async client's: who it is and where it is connected.
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(&self.inner, f)
+    }
+}
+
 impl Client {
     pub fn connect(addr: &str, identity: Identity) -> Result<Client, Error> {
         Client::connect_with(ConnectOptions::new(addr, identity))

@@ -71,7 +71,7 @@ impl Turns {
 
 impl CallerRuntime {
     /// A runtime whose keeper thread is named `name`; between calls the connection
-    /// goes undriven for at most `idle` (at most [`LONGEST_IDLE`]).
+    /// goes undriven for at most `idle` (at most `LONGEST_IDLE`).
     pub fn new(name: &str, idle: Duration) -> std::io::Result<CallerRuntime> {
         let runtime = Arc::new(tokio::runtime::Builder::new_current_thread().enable_all().build()?);
         let turns = Arc::new(Turns {
@@ -110,7 +110,7 @@ impl CallerRuntime {
     }
 
     /// Lets the connection go undriven between calls for at most `idle` (at most
-    /// [`LONGEST_IDLE`]): less than half its heartbeat period, once that is known.
+    /// `LONGEST_IDLE`): less than half its heartbeat period, once that is known.
     pub fn set_idle(&self, idle: Duration) {
         self.turns.lock().idle = idle.min(LONGEST_IDLE);
     }

@@ -13,6 +13,7 @@
 //! coordinator considers the rank lost and fails whatever its peers wait for with
 //! [`crate::OpError::PeerLost`].
 
+use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -144,6 +145,21 @@ impl ConnectOptions {
 #[derive(Clone)]
 pub struct Client {
     inner: Arc<Inner>,
+}
+
+/// Who it is and where it is connected (`Client { addr: "10.0.0.1:29500", job:
+/// "run42", rank: Some(3), session: 12 }`): what a `{:?}` of a result holding one,
+/// or `dbg!`, shows.
+impl fmt::Debug for Client {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let identity = &self.inner.identity;
+        f.debug_struct("Client")
+            .field("addr", &self.inner.link.addr())
+            .field("job", &identity.job)
+            .field("rank", &identity.rank)
+            .field("session", &self.session().0)
+            .finish()
+    }
 }
 
 /// What every call reads first, in one cache line (see [`Link`]).

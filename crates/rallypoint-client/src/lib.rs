@@ -20,10 +20,14 @@ pub use client::{
 };
 pub use error::Error;
 pub use incarnation::{new_job_incarnation, process_incarnation};
+// Every type a client's signatures and errors name, so that a user needs no other
+// crate to name them (`Members::Role` takes a `Name`, `Client::snapshot` gives a
+// `JobSnapshot`, a timeout's `missing` is a `Missing`).
+pub use rallypoint_core::snapshot::JobSnapshot;
 pub use rallypoint_core::{
     AbortInfo, AuthRefusal, CallShape, CollectiveKind, Exit, Gathered, GatheredIntoIter, GatheredIter, Identity,
-    Incarnation, JobIncarnation, LossReason, MalformedGathered, Members, OpError, OpRef, ProcessInfo, RankInfo,
-    RankState,
+    Incarnation, JobIncarnation, LossReason, MalformedGathered, Members, Missing, Name, OpError, OpRef, ProcessInfo,
+    RankInfo, RankRanges, RankState, SessionId,
 };
 pub use rallypoint_net::auth::{Token, TokenError};
 pub use rallypoint_net::auth::{TOKEN_FILE_VAR, TOKEN_VAR};

@@ -25,9 +25,10 @@
 /// The byte strings values come as ([`Gathered::value`], [`Client::get`]).
 pub use bytes::{self, Bytes};
 pub use rallypoint_client::{blocking, env, Client, ConnectOptions, Error, Gathered, DEFAULT_TIMEOUT};
+pub use rallypoint_core::snapshot::JobSnapshot;
 pub use rallypoint_core::{
-    AbortInfo, CallShape, CollectiveKind, Config, Exit, Identity, Limits, LossReason, Members, OpError, OpRef,
-    RankInfo, RankState,
+    AbortInfo, CallShape, CollectiveKind, Config, Exit, Identity, JobIncarnation, Limits, LossReason, Members, Missing,
+    Name, OpError, OpRef, ProcessInfo, RankInfo, RankRanges, RankState, SessionId,
 };
 pub use rallypoint_net::raise_fd_limit;
 pub use rallypoint_server::{Server, ServerConfig, ServerHandle};

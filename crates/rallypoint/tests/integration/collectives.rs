@@ -341,6 +341,8 @@ async fn a_mismatch_tells_each_rank_its_own_call_as_mine() {
     for r in 0..3 {
         clients.push(connect(&server, rank("mine", r, 3)).await);
     }
+    let shown = format!("{:?}", clients[1]);
+    assert!(shown.starts_with("Client { addr: ") && shown.contains("job: \"mine\", rank: Some(1)"), "{shown}");
     let mut waiting = Vec::new();
     for r in [0, 2] {
         let c = clients[r].clone();
