@@ -224,6 +224,34 @@ fn a_missing_address_of_a_rank_that_finished_is_said_never_to_come() {
 }
 
 #[test]
+fn a_ranks_end_ends_the_torch_waits_for_its_address_in_every_process_group_and_no_other() {
+    // Found by key: the waits of other ranks' keys, and native ones, stay.
+    let mut h = Harness::new();
+    let (world, pair) = ("/default_pg/0//cpu//0/", "/1/0//cpu//0/");
+    let ranks: Vec<SessionId> = (0..2).map(|r| torch(&mut h, r, 100 + r as u32)).collect();
+    for (r, s) in ranks.iter().enumerate() {
+        ok(Some(h.call(*s, Request::Set { key: Bytes::from(format!("{world}{r}")), value: b("addr") })));
+    }
+    let launcher = h.open(Identity { world_size: Some(4), ..Identity::anonymous("j") });
+    let for_2 = h.send(ranks[0], wait(&[&format!("{world}2")]));
+    let for_3 = h.send(ranks[0], wait(&[&format!("{world}3")]));
+    let for_2_and_3 = h.send(ranks[1], wait(&[&format!("{pair}3"), &format!("{pair}2")]));
+    let native = anon(&mut h);
+    let native_for_2 = h.send(native, wait(&[&format!("{world}2")]));
+    let exited = Request::RankExited { rank: 2, host: "n".into(), pid: 102, exit: Exit::Code(0) };
+    assert_eq!(h.call(launcher, exited), Ok(Response::Done));
+    let OpError::Closed(why) = err(h.take(ranks[0], for_2)) else { panic!("closed") };
+    assert!(why.contains("rank 2 has finished") && why.contains(&format!("process group \"{world}\"")), "{why}");
+    let OpError::Closed(why) = err(h.take(ranks[1], for_2_and_3)) else { panic!("closed") };
+    assert!(why.contains(&format!("process group \"{pair}\"")), "{why}");
+    assert!(h.pending(ranks[0], for_3) && h.pending(native, native_for_2));
+    // The sweep leaves them too.
+    h.advance(40_000);
+    assert!(h.pending(ranks[0], for_3) && h.pending(native, native_for_2));
+    assert_eq!(h.engine.failed_for("j"), [2]);
+}
+
+#[test]
 fn a_missing_address_of_a_rank_whose_connection_dropped_is_waited_for() {
     // Its process may live on and write the key: only its launcher's word ends the wait.
     let mut h = Harness::new();

@@ -1,5 +1,7 @@
 //! One job: its keys, its collectives, its ranks, and whether it was aborted.
 
+use std::collections::BTreeSet;
+
 use crate::counters::{op, JobCounters, KV_OPS};
 use crate::{AbortInfo, Config, JobIncarnation, Millis, OpError, SessionId};
 
@@ -34,6 +36,11 @@ pub(crate) struct Job {
     pub last_request: Millis,
     /// When a torch stall notice last named each stalled key (first key waited on).
     pub stall_noted: HashMap<Bytes, Millis>,
+    /// The prefixes (process groups) of the address keys that torch waits were last
+    /// seen blocked on: where a rank's own keys are looked up when its worker ends,
+    /// instead of looking at every wait of the job. Each blocked torch wait adds its
+    /// own; the stall sweep sets them to those of the waits still blocked.
+    pub address_prefixes: BTreeSet<Bytes>,
     /// When the job's `StallSweep` timer is due, if one is: a timer per job, not per
     /// blocked torch wait (otherwise every waiting torch rank puts one in the heap each
     /// round). A sweep timer due at another time is stale.
@@ -63,6 +70,7 @@ impl Job {
             idle_since: now,
             last_request: now,
             stall_noted: HashMap::default(),
+            address_prefixes: BTreeSet::new(),
             stall_sweep_at: None,
             world_size: None,
             kv_ops: [0; KV_OPS.len()],

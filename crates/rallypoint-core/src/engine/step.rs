@@ -531,9 +531,7 @@ impl<'a> Step<'a> {
         let change = self.job.ranks.exited(rank, host, pid, exit, self.ctx.now);
         self.job.apply(rank, change, &mut self.ctx);
         // Torch waits for its address key end now, not at the next sweep.
-        if self.job.stall_sweep_at.is_some() {
-            torch::fail_waits_for_the_gone(self.job, self.sessions, self.ctx.now, self.ctx.out);
-        }
+        torch::fail_waits_for_rank(self.job, self.sessions, rank, self.ctx.now, self.ctx.out);
         DONE
     }
 
@@ -552,6 +550,9 @@ impl<'a> Step<'a> {
             Ok(Some(reply)) => Some(reply),
             Ok(None) if timeout_ms == Some(0) => self.job.store.expire(id, self.ctx.now),
             Ok(None) => {
+                if caller.torch {
+                    torch::note_address_prefixes(self.job, id);
+                }
                 self.schedule_wait_timers(caller, timeout_ms);
                 None
             }

@@ -130,6 +130,17 @@ impl Store {
         waits.into_iter()
     }
 
+    /// The wait of request `id`, if it is blocked.
+    pub fn wait(&self, id: WaitId) -> Option<&KeyWait> {
+        self.waits.get(&id)
+    }
+
+    /// The gets, waits and multi-gets blocked on `key` (not store barriers: they wait
+    /// for a count, not a key), without looking at any other wait.
+    pub fn waiting_on<'a>(&'a self, key: &[u8]) -> impl Iterator<Item = WaitId> + 'a {
+        self.waiters_by_key.get(key).into_iter().flatten().copied()
+    }
+
     /// Every wait, in no order: for whoever only counts or gathers them into sets,
     /// and may do so once per key.
     pub fn waits_in_any_order(&self) -> impl Iterator<Item = (&WaitId, &KeyWait)> {

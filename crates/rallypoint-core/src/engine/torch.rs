@@ -15,7 +15,7 @@ use crate::snapshot::{ProcessGroupView, RangeSet, RendezvousView, StoreBarrierVi
 use crate::{Identity, LossReason, Millis, Missing, OpError, Outgoing, RankState, SessionId};
 
 use super::job::Job;
-use super::store::{KeyWait, WaitKind};
+use super::store::{KeyWait, WaitId, WaitKind};
 use super::{HashMap, Sessions};
 
 /// A torch wait blocked this long on an address key or a store barrier is reported.
@@ -146,30 +146,77 @@ pub(crate) fn sweep_stalls(
 /// launcher saw end ([`ended`]): it will never write it, and torch would wait for its own
 /// timeout (half an hour by default). The error closes the waiting connection (the
 /// TCPStore protocol has no error reply), so the peers fail and their launcher
-/// names the rank that ended first.
-pub(crate) fn fail_waits_for_the_gone(job: &mut Job, sessions: &Sessions, now: Millis, out: &mut Vec<Outgoing>) {
+/// names the rank that ended first. Looks at every blocked wait: the stall sweep's
+/// (at most once a second), which finds the waits that began after the rank ended,
+/// and notes the address prefixes still waited on (`Job::address_prefixes`).
+fn fail_waits_for_the_gone(job: &mut Job, sessions: &Sessions, now: Millis, out: &mut Vec<Outgoing>) {
     let mut doomed = Vec::new();
+    let mut prefixes = BTreeSet::new();
     for (&id, wait) in job.store.waits() {
         if matches!(wait.kind, WaitKind::Barrier { .. }) || !sessions.get(&id.0).is_some_and(|s| s.torch) {
             continue;
         }
-        let gone = missing_addresses(job, wait).into_iter().find_map(|(prefix, missing)| {
-            missing.into_iter().find_map(|r| Some((prefix.clone(), r, ended(job, r, now)?)))
-        });
+        let missing = missing_addresses(job, wait);
+        let gone = missing
+            .iter()
+            .find_map(|(prefix, ranks)| ranks.iter().find_map(|&r| Some((prefix.clone(), r, ended(job, r, now)?))));
+        prefixes.extend(missing.into_iter().map(|(prefix, _)| prefix));
         if let Some(gone) = gone {
             doomed.push((id, gone));
         }
     }
+    job.address_prefixes = prefixes;
     for (id, (prefix, rank, how)) in doomed {
-        // Its end stranded its peers: a launcher names it first, not the peers.
-        job.collectives.failed_for_rank(rank);
-        let why = format!(
-            "PyTorch job '{}': {how}, so it will never write its address key of process group {}: the wait \
-             for it ends",
-            job.name,
-            Show(&prefix)
-        );
-        job.store.fail_wait(id, OpError::Closed(why), out);
+        fail_wait_for(job, id, &prefix, rank, &how, out);
+    }
+}
+
+/// [`fail_waits_for_the_gone`] for one rank whose end its launcher just reported:
+/// the waits on its address key under each prefix waited on, found by key.
+pub(crate) fn fail_waits_for_rank(job: &mut Job, sessions: &Sessions, rank: u32, now: Millis, out: &mut Vec<Outgoing>) {
+    if job.address_prefixes.is_empty() {
+        return;
+    }
+    let Some(how) = ended(job, rank, now) else { return };
+    let (digits, mut key) = (rank.to_string(), Vec::new());
+    let mut doomed = Vec::new();
+    for prefix in &job.address_prefixes {
+        key.clear();
+        key.extend_from_slice(prefix);
+        key.extend_from_slice(digits.as_bytes());
+        let torch = |id: &WaitId| sessions.get(&id.0).is_some_and(|s| s.torch);
+        doomed.extend(job.store.waiting_on(&key).filter(torch).map(|id| (id, prefix.clone())));
+    }
+    // In the order of their ids, as the sweep fails them.
+    doomed.sort_unstable_by_key(|(id, _)| *id);
+    doomed.dedup_by_key(|(id, _)| *id);
+    for (id, prefix) in doomed {
+        fail_wait_for(job, id, &prefix, rank, &how, out);
+    }
+}
+
+/// Fails wait `id` for rank `rank`'s address key under `prefix`; `how` the rank ended.
+fn fail_wait_for(job: &mut Job, id: WaitId, prefix: &Bytes, rank: u32, how: &str, out: &mut Vec<Outgoing>) {
+    // Its end stranded its peers: a launcher names it first, not the peers.
+    job.collectives.failed_for_rank(rank);
+    let why = format!(
+        "PyTorch job '{}': {how}, so it will never write its address key of process group {}: the wait for it ends",
+        job.name,
+        Show(prefix)
+    );
+    job.store.fail_wait(id, OpError::Closed(why), out);
+}
+
+/// Notes the address-key prefixes of torch wait `id`, just blocked, for
+/// [`fail_waits_for_rank`].
+pub(crate) fn note_address_prefixes(job: &mut Job, id: WaitId) {
+    let Some(wait) = job.store.wait(id) else { return };
+    for key in &wait.keys {
+        if let Some((prefix, _)) = address_key(key) {
+            if !job.address_prefixes.contains(prefix) {
+                job.address_prefixes.insert(Bytes::copy_from_slice(prefix));
+            }
+        }
     }
 }
 
