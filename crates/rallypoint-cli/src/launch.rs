@@ -32,7 +32,8 @@ The program:
   python, on PATH.
 
 Each worker gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
-GROUP_WORLD_SIZE, ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*), plus RALLYPOINT_ADDR,
+GROUP_WORLD_SIZE, ROLE_*, MASTER_ADDR, MASTER_PORT, TORCHELASTIC_*; what torch's @record writes
+to TORCHELASTIC_ERROR_FILE heads the summary of a failure), plus RALLYPOINT_ADDR,
 RALLYPOINT_JOB and RALLYPOINT_COORDINATOR, so `rallypoint barrier ...` and Client::from_env()
 work inside it (with --node-agent, RALLYPOINT_ADDR is this node's agent; a rank dying behind it
 is still named, with its host, by every peer).

@@ -269,6 +269,51 @@ fn a_signal_delivered_twice_at_once_keeps_the_grace() {
 }
 
 #[test]
+fn what_a_rank_raised_in_its_torch_error_file_heads_the_summary() {
+    // What torch's @record writes to TORCHELASTIC_ERROR_FILE; the noise after it on
+    // stderr is what may push the exception's line out of a stderr tail.
+    let dir = temp_dir("error-file");
+    let parent = dir.join("parent.json");
+    let script = r#"
+        case "$TORCHELASTIC_ERROR_FILE" in "$DIR"/logs/attempt1/rank"$RANK".error.json) ;; *) exit 8 ;; esac
+        if [ "$RANK" = 1 ]; then
+            i=0; while [ ! -f "$DIR/ready0" ]; do i=$((i+1)); [ $i -gt 400 ] && break; sleep 0.05; done
+            if [ "$WRITE" = 1 ]; then
+                printf '%s' '{"message": {"message": "ValueError: bad lr\nlr must be positive", "extraInfo": {"py_callstack": "Traceback", "timestamp": "1"}}}' > "$TORCHELASTIC_ERROR_FILE"
+            fi
+            echo "warning: shutting down" >&2
+            exit 1
+        fi
+        touch "$DIR/ready0"
+        "$RP" barrier step --timeout 30 2>&1; echo "barrier exit $?"
+    "#;
+    let logs = dir.join("logs");
+    let args = ["--nproc-per-node", "2", "--grace", "5", "--tee", "3", "--log-dir", logs.to_str().expect("utf-8")];
+    let parent_var = parent.to_str().expect("utf-8");
+    let env = [("WRITE", "1"), ("TORCHELASTIC_ERROR_FILE", parent_var)];
+    let done = start(&args, script, &dir, &env, true).finish();
+    assert_eq!(done.code, Some(1), "stdout:\n{}\nstderr:\n{}", done.stdout, done.stderr);
+    let first_line = messages(&done.stderr).find(|l| l.starts_with("rallypoint: ")).unwrap_or_default();
+    assert!(first_line.contains("rank 1 exited with code 1: ValueError: bad lr"), "{}", done.stderr);
+    assert!(
+        done.stderr.contains("  it raised (its error file says): ValueError: bad lr\n    lr must be positive\n"),
+        "{}",
+        done.stderr
+    );
+    // The launcher's own error file (a scheduler's) gets the root cause's.
+    let passed = std::fs::read_to_string(&parent).expect("the root cause's error file passed on");
+    assert!(passed.contains("ValueError: bad lr"), "{passed}");
+
+    // The same log directory again: the old file is not taken for the new failure.
+    std::fs::remove_file(dir.join("ready0")).expect("ready0");
+    std::fs::remove_file(&parent).expect("parent");
+    let done = start(&args, script, &dir, &[("WRITE", "0"), ("TORCHELASTIC_ERROR_FILE", parent_var)], true).finish();
+    assert_eq!(done.code, Some(1), "stderr:\n{}", done.stderr);
+    assert!(!done.stderr.contains("ValueError"), "{}", done.stderr);
+    assert!(!parent.exists(), "nothing raised, nothing passed on");
+}
+
+#[test]
 fn restarts_run_the_whole_group_again_in_a_fresh_job() {
     let dir = temp_dir("restart");
     let script = r#"

@@ -9,6 +9,7 @@
 
 mod console;
 pub mod discovery;
+mod error_file;
 mod node_agent;
 mod outcome;
 mod output;
@@ -23,7 +24,7 @@ mod worker;
 use std::ffi::OsString;
 use std::io;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -200,6 +201,16 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
         (None, false) => Some(Arc::new(Token::generate())),
     };
     let token_file = token.as_deref().map(TokenFile::write).transpose()?;
+    // torch's error files: beside the log files, kept, when there are any; else in a
+    // private directory of this launcher's, removed at its end. Without one the job
+    // still runs; only what its workers raise is not read back.
+    let error_scratch = match options.log_dir {
+        Some(_) => None,
+        None => node_agent::SocketDir::create()
+            .inspect_err(|error| tracing::warn!(%error, "no directory for the workers' error files"))
+            .ok(),
+    };
+    let error_files = options.log_dir.clone().or_else(|| error_scratch.as_ref().map(|dir| dir.path().to_owned()));
     let server = match options.node_rank {
         Some(0) => Some(host_coordinator(options, token.clone()).await?),
         Some(_) => None,
@@ -282,6 +293,7 @@ async fn supervised(options: &LaunchOptions, console: &Arc<Console>) -> Result<i
         watchdog: watchdog.as_ref(),
         registration: registration.map(std::sync::Mutex::new),
         roster: &roster,
+        error_files: error_files.as_deref(),
     };
     let result = run_attempts(&run, signals).await;
     responder.abort();
@@ -319,6 +331,8 @@ struct Run<'a> {
     /// What `rallypoint status` finds of this launcher; removed when dropped.
     registration: Option<std::sync::Mutex<discovery::Registration>>,
     roster: &'a Arc<stacks::Roster>,
+    /// Where each attempt's directory of torch error files goes ([`error_file`]).
+    error_files: Option<&'a Path>,
 }
 
 async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) -> Result<i32, LaunchError> {
@@ -380,6 +394,7 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
             family: run.family,
             watchdog: run.watchdog,
             roster: run.roster,
+            error_files: run.error_files.map(|dir| attempt_dir(dir, attempt)),
         };
         let result = attempt_run.run(&mut signals).await?;
         match result {
@@ -419,10 +434,28 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
                     attempt += 1;
                     continue;
                 }
+                pass_on_error_file(attempt_run.error_files.as_deref(), run.launchers.node, &first);
                 run.launchers.farewell(attempt).await;
                 return Ok(first.exit_code());
             }
         }
+    }
+}
+
+/// `<base>/attempt<K>`, attempt `attempt` counted from 1 there, as "attempt K of N" says.
+pub(crate) fn attempt_dir(base: &Path, attempt: u32) -> PathBuf {
+    base.join(format!("attempt{}", attempt + 1))
+}
+
+/// A launcher run by something that reads torch's error files (its own
+/// `TORCHELASTIC_ERROR_FILE` set, as a scheduler sets it for torchrun) gets the root
+/// cause's, as torchrun passes it on, when that is a worker of this node that wrote one.
+fn pass_on_error_file(attempt_files: Option<&Path>, node: u32, first: &Failure) {
+    let Some(parent) = std::env::var_os(error_file::VAR).filter(|path| !path.is_empty()) else { return };
+    let FailureKind::Worker { rank, raised: Some(_), .. } = &first.what else { return };
+    let Some(dir) = attempt_files.filter(|_| first.node == node) else { return };
+    if let Err(error) = std::fs::copy(error_file::path(dir, *rank), &parent) {
+        tracing::warn!(%error, "cannot pass rank {rank}'s error file on to {}", Path::new(&parent).display());
     }
 }
 

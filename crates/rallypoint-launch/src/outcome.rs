@@ -36,6 +36,10 @@ pub enum FailureKind {
         pid: u32,
         exit: Exit,
         stderr_tail: Vec<String>,
+        /// What it raised, as its error file says (`TORCHELASTIC_ERROR_FILE`, written
+        /// by torch's `@record`).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        raised: Option<String>,
         /// The first rank of the job that exited with code 0 before this failure,
         /// while its peers ran on.
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -168,7 +172,7 @@ impl Failure {
     pub fn headline(&self) -> String {
         match &self.what {
             // An early end before it is context, not the cause: the summary shows it.
-            FailureKind::Worker { rank, exit, .. } => format!("rank {rank} {exit}"),
+            FailureKind::Worker { rank, exit, raised, .. } => format!("rank {rank} {exit}{}", raised_text(raised)),
             FailureKind::NotStarted { rank, reason, .. } => format!("rank {rank} could not start: {reason}"),
             FailureKind::RankLost { rank, loss, last_seen_unix_ms, process, .. } => {
                 let at = time(*last_seen_unix_ms);
@@ -206,7 +210,9 @@ impl Failure {
     /// by this abort before the coordinator has seen the worker's connection drop).
     pub fn abort_reason(&self) -> String {
         let headline = match &self.what {
-            FailureKind::Worker { rank, pid, exit, .. } => format!("rank {rank} (pid {pid} on {}) {exit}", self.host),
+            FailureKind::Worker { rank, pid, exit, raised, .. } => {
+                format!("rank {rank} (pid {pid} on {}) {exit}{}", self.host, raised_text(raised))
+            }
             _ => self.headline(),
         };
         format!("{LAUNCHER_ABORT}{headline}")
@@ -226,6 +232,11 @@ impl Failure {
             FailureKind::NodeLost { .. } | FailureKind::Interrupted { .. } | FailureKind::Hung { .. } => None,
         }
     }
+}
+
+/// ": ValueError: bad lr", the first line of what a worker raised, for a headline.
+fn raised_text(raised: &Option<String>) -> String {
+    raised.as_deref().map_or(String::new(), |raised| format!(": {}", crate::error_file::first_line(raised)))
 }
 
 /// Seconds as given on a command line: `5`, `2.5`.
@@ -287,7 +298,7 @@ pub fn summary(
     let _ = writeln!(s, "first failure:");
     let root = first.rank();
     match &first.what {
-        FailureKind::Worker { rank, local_rank, pid, exit, stderr_tail, after } => {
+        FailureKind::Worker { rank, local_rank, pid, exit, stderr_tail, raised, after } => {
             let _ = writeln!(
                 s,
                 "  rank {rank} (local rank {local_rank}, node {}, host {}, pid {pid}) {exit} at {}",
@@ -304,6 +315,7 @@ pub fn summary(
                     early.who()
                 );
             }
+            write_raised(&mut s, "it", raised);
             write_tail(&mut s, "it", "its", stderr_tail);
         }
         FailureKind::NotStarted { rank, local_rank, reason, .. } => {
@@ -356,7 +368,8 @@ pub fn summary(
                 let _ = writeln!(s, "  then it {}", own_end(own));
             }
             let _ = writeln!(s, "  {} at {}, the first to fail for it", revealed_by.headline(), revealed_by.time());
-            if let FailureKind::Worker { rank, stderr_tail, .. } = &revealed_by.what {
+            if let FailureKind::Worker { rank, stderr_tail, raised, .. } = &revealed_by.what {
+                write_raised(&mut s, &format!("rank {rank}"), raised);
                 write_tail(&mut s, &format!("rank {rank}"), &format!("rank {rank}'s"), stderr_tail);
             }
         }
@@ -371,7 +384,8 @@ pub fn summary(
                 let _ = writeln!(s, "  then it {}", own_end(own));
             }
             let _ = writeln!(s, "  {} at {}, the first to fail for it", revealed_by.headline(), revealed_by.time());
-            if let FailureKind::Worker { rank, stderr_tail, .. } = &revealed_by.what {
+            if let FailureKind::Worker { rank, stderr_tail, raised, .. } = &revealed_by.what {
+                write_raised(&mut s, &format!("rank {rank}"), raised);
                 write_tail(&mut s, &format!("rank {rank}"), &format!("rank {rank}'s"), stderr_tail);
             }
         }
@@ -474,6 +488,16 @@ fn own_end(o: &RankOutcome) -> String {
     }
 }
 
+/// What `who` raised, from its error file, every line of it indented.
+fn write_raised(s: &mut String, who: &str, raised: &Option<String>) {
+    let Some(raised) = raised else { return };
+    let mut lines = raised.lines();
+    let _ = writeln!(s, "  {who} raised (its error file says): {}", lines.next().unwrap_or(""));
+    for line in lines {
+        let _ = writeln!(s, "    {line}");
+    }
+}
+
 fn write_tail(s: &mut String, who: &str, whose: &str, tail: &[String]) {
     if tail.is_empty() {
         let _ = writeln!(s, "  ({who} wrote nothing to stderr)");
@@ -522,6 +546,7 @@ mod tests {
                 pid: 4242,
                 exit: Exit::Code(3),
                 stderr_tail: vec!["Traceback (most recent call last):".into(), "ValueError: bad batch".into()],
+                raised: None,
                 after: None,
             },
             node: 0,
@@ -564,6 +589,7 @@ mod tests {
                 pid: 4242,
                 exit: Exit::Code(3),
                 stderr_tail: vec![],
+                raised: None,
                 after: None,
             },
             node: 0,
@@ -605,6 +631,7 @@ mod tests {
                 pid: 4242,
                 exit: Exit::Code(1),
                 stderr_tail: vec!["RuntimeError: Connection closed by peer".into()],
+                raised: None,
                 after: Some(Box::new(early.clone())),
             },
             node: 0,
@@ -636,6 +663,7 @@ mod tests {
                 pid: 4244,
                 exit: Exit::Code(4),
                 stderr_tail: vec!["rallypoint: barrier 'step' (generation 1) failed: rank 1 (...) is lost".into()],
+                raised: None,
                 after: None,
             },
             node: 0,

@@ -25,7 +25,7 @@
 //! not.
 
 use std::collections::HashSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
@@ -96,6 +96,8 @@ pub struct Attempt<'a> {
     pub watchdog: Option<&'a Watchdog>,
     /// This node's running workers, for the stacks asked of it.
     pub roster: &'a Arc<Roster>,
+    /// The attempt's directory of torch error files ([`crate::error_file`]).
+    pub error_files: Option<PathBuf>,
 }
 
 /// What tasks of the attempt report back.
@@ -137,7 +139,15 @@ impl Attempt<'_> {
         if let Some(dir) = &log_dir {
             std::fs::create_dir_all(dir).map_err(|e| LaunchError::LogDir { dir: dir.clone(), source: e })?;
         }
-        self.spawn_workers(&mut state, &mut workers, log_dir, exits_tx);
+        // Without it, workers still run; only what they raise is not read back.
+        let error_files = self.error_files.clone().filter(|dir| match std::fs::create_dir_all(dir) {
+            Ok(()) => true,
+            Err(error) => {
+                tracing::warn!(%error, "cannot create the directory of the workers' error files {}", dir.display());
+                false
+            }
+        });
+        self.spawn_workers(&mut state, &mut workers, log_dir, error_files.as_deref(), exits_tx);
         self.publish(&state, &workers, None);
         while let Some(verdict_by) = self.waits_for_more(&mut state, &workers) {
             // The teardown signal waits for this node's stacks to be read.
@@ -188,7 +198,7 @@ impl Attempt<'_> {
     pub fn log_dir(&self) -> Option<PathBuf> {
         let o = self.options;
         let dir = o.log_dir.as_ref().filter(|_| o.files.any_of(o.nproc_per_node))?;
-        Some(dir.join(format!("attempt{}", self.attempt + 1)))
+        Some(crate::attempt_dir(dir, self.attempt))
     }
 
     /// Starts this node's workers; a worker that cannot start fails the attempt (and
@@ -198,6 +208,7 @@ impl Attempt<'_> {
         state: &mut State,
         workers: &mut Workers,
         log_dir: Option<PathBuf>,
+        error_files: Option<&Path>,
         exits: mpsc::UnboundedSender<Exited>,
     ) {
         let o = self.options;
@@ -225,6 +236,7 @@ impl Attempt<'_> {
                 prefix: o.line_prefix.render(placement.rank, local_rank, &o.role, self.host),
                 route: Route { console: o.console.get(local_rank), files: o.files.get(local_rank) },
                 log_dir: log_dir.clone(),
+                error_file: error_files.map(|dir| crate::error_file::path(dir, placement.rank)),
             };
             match worker::spawn(spec, self.family, exits.clone()) {
                 Ok(r) => {
@@ -304,7 +316,7 @@ impl Attempt<'_> {
             self.report_finished(state, self.base_rank + exited.local_rank, r.pid);
             return;
         }
-        let failure = self.worker_failure(r.local_rank, r.pid, exited.exit, exited.stderr_tail);
+        let failure = self.worker_failure(r.local_rank, r.pid, exited);
         if state.first.is_none() {
             self.fail(state, failure, &workers.running, Origin::Here);
         } else if state.signal_sent.is_none() {
@@ -538,7 +550,7 @@ impl Attempt<'_> {
     /// The stacks of this attempt in a file of its log directory, all of them:
     /// `stacks-node<J>.txt` (nodes may share the directory).
     fn write_stacks(&self, first: &Failure, local: Option<&Grouped>) -> Option<PathBuf> {
-        let dir = self.options.log_dir.as_ref()?.join(format!("attempt{}", self.attempt + 1));
+        let dir = crate::attempt_dir(self.options.log_dir.as_ref()?, self.attempt);
         let (heading, stacks) = match &first.what {
             FailureKind::Hung { stacks, .. } => ("every rank was when the job was found hung", stacks),
             _ => ("this node's ranks still running were when the job was taken down", local?),
@@ -651,12 +663,11 @@ impl Attempt<'_> {
         });
     }
 
-    fn worker_failure(&self, local_rank: u32, pid: u32, exit: Exit, stderr_tail: Vec<String>) -> Failure {
-        Failure::now(
-            FailureKind::Worker { rank: self.base_rank + local_rank, local_rank, pid, exit, stderr_tail, after: None },
-            self.launchers.node,
-            self.host,
-        )
+    fn worker_failure(&self, local_rank: u32, pid: u32, exited: Exited) -> Failure {
+        let Exited { exit, stderr_tail, raised, .. } = exited;
+        let rank = self.base_rank + local_rank;
+        let what = FailureKind::Worker { rank, local_rank, pid, exit, stderr_tail, raised, after: None };
+        Failure::now(what, self.launchers.node, self.host)
     }
 
     /// The first failure: judge its root cause, tell the other nodes, and abort the

@@ -16,6 +16,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::console::{Console, STALL};
+use crate::error_file;
 use crate::outcome::Exit;
 use crate::output::{pump, tail_lines, Progress, Stream, Tail};
 use crate::procs::Family;
@@ -41,6 +42,9 @@ pub struct Spec {
     /// Which of its streams go to the console, and which to files in `log_dir`.
     pub route: Route,
     pub log_dir: Option<PathBuf>,
+    /// Its `TORCHELASTIC_ERROR_FILE` ([`crate::error_file`]); `None`: the variable is
+    /// set empty, so that one the launcher inherited is not written by its workers.
+    pub error_file: Option<PathBuf>,
 }
 
 /// A running worker, as the supervisor sees it.
@@ -56,6 +60,8 @@ pub struct Exited {
     pub local_rank: u32,
     pub exit: Exit,
     pub stderr_tail: Vec<String>,
+    /// What it raised, from its error file, if it failed and wrote one.
+    pub raised: Option<String>,
 }
 
 /// A worker that could not be started: its program, and why (`execve`'s error:
@@ -107,9 +113,16 @@ impl SpawnError {
 
 /// Starts the worker and a task that reports its exit on `done`.
 pub fn spawn(spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exited>) -> Result<Running, SpawnError> {
+    if let Some(path) = &spec.error_file {
+        if let Err(error) = error_file::clear(path) {
+            tracing::warn!(%error, "cannot remove rank {}'s old error file {}", spec.rank, path.display());
+        }
+    }
+    let error_file = spec.error_file.as_ref().map_or_else(OsString::new, |path| path.clone().into_os_string());
     let mut cmd = Command::new(&spec.program);
     cmd.args(&spec.args)
         .envs(spec.env.iter().map(|(k, v)| (k, v)))
+        .env(error_file::VAR, error_file)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -169,7 +182,8 @@ pub fn spawn(spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exite
         };
         family.worker_reaped(pid);
         drain([stdout, stderr].into_iter().flatten(), &activity).await;
-        let _ = done.send(Exited { local_rank, exit, stderr_tail: tail_lines(&tail) });
+        let raised = spec.error_file.as_deref().filter(|_| !exit.success()).and_then(error_file::read);
+        let _ = done.send(Exited { local_rank, exit, stderr_tail: tail_lines(&tail), raised });
     });
     Ok(Running { local_rank, pid, heard: progress.heard })
 }

@@ -48,3 +48,24 @@ def test_the_failed_rank_is_named_though_its_peers_dropped_first():
         assert f"rank {rank} told: " in result.stdout and "rank 2 (host " in result.stdout, out
         # Still in their sleep: taken down by the launcher, after rank 2.
         assert f"rank {rank}: killed by the launcher (SIGTERM) after rank 2 failed" in result.stderr, out
+
+
+def test_what_a_record_decorated_rank_raised_heads_the_summary(tmp_path):
+    """torch's @record writes the exception to TORCHELASTIC_ERROR_FILE, which the
+    launcher sets per worker as torchrun does, and reads back into its summary."""
+    script = tmp_path / "raises.py"
+    script.write_text(
+        "import os\n"
+        "from torch.distributed.elastic.multiprocessing.errors import record\n"
+        "@record\n"
+        "def main():\n"
+        "    if os.environ['RANK'] == '1':\n"
+        "        raise ValueError('bad lr: must be positive')\n"
+        "main()\n"
+    )
+    args = ["launch", "--nproc-per-node", "2", "--job", "record", "--", PYTHON, str(script)]
+    result = run(BIN, *args, timeout=120, env=dict(os.environ))
+    out = result.stdout + result.stderr
+    assert result.returncode == 1, out
+    assert "FAILED (attempt 1 of 1): rank 1 exited with code 1: ValueError: bad lr: must be positive" in result.stderr, out
+    assert "it raised (its error file says): ValueError: bad lr: must be positive" in result.stderr, out
