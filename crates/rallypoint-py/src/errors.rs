@@ -94,7 +94,7 @@ fn refusal(why: AuthRefusal) -> &'static str {
 
 fn op_error(py: Python<'_>, message: String, error: OpError) -> PyResult<PyErr> {
     match error {
-        OpError::CollectiveTimeout { op, waited_ms, members, missing, .. } => {
+        OpError::CollectiveTimeout { op, waited_ms, members, missing, before_call_ms } => {
             let missing_ranks: Vec<u32> = missing.iter().map(|r| r.rank).collect();
             let details = missing.iter().map(|r| rank_info(py, r)).collect::<PyResult<Vec<_>>>()?;
             let mut attrs = op_attrs(py, &op)?;
@@ -105,6 +105,7 @@ fn op_error(py: Python<'_>, message: String, error: OpError) -> PyResult<PyErr> 
                 ("missing", obj(py, details)?),
                 ("missing_count", obj(py, missing.count())?),
                 ("more_ranges", obj(py, missing.rest().ranges.clone())?),
+                ("late_by", obj(py, before_call_ms.map(secs))?),
             ]);
             exception(py, "BarrierTimeout", message, attrs)
         }

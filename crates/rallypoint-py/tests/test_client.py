@@ -166,6 +166,13 @@ def test_barrier_timeout_names_exactly_the_missing_ranks(coordinator, job):
         assert one.last_seen is not None and one.last_seen < 5.0
         assert (three.rank, three.state, three.host, three.pid, three.last_seen) == (3, "never_connected", None, None, None)
         assert "2 of 4 ranks missing: rank 1 (" in str(e) and "rank 3 (never connected)" in str(e)
+        assert e.late_by is None
+    # Rank 1 comes after the generation timed out: told so, and how late.
+    time.sleep(0.2)
+    with pytest.raises(rp.BarrierTimeout) as info:
+        idle.barrier("sync", timeout=5)
+    assert info.value.late_by is not None and info.value.late_by >= 0.15, info.value
+    assert "before this call came" in str(info.value)
     for c in (*arrived, idle):
         c.close()
 

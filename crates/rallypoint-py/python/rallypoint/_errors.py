@@ -99,7 +99,9 @@ class BarrierTimeout(RallypointError, TimeoutError):
     ``missing`` (a :class:`RankInfo` for each: host, pid, state, last seen),
     ``missing_count`` (every rank that had not arrived) and ``more_ranges`` (the
     ranks missing after those named, as ``(first, last)`` ranges, the first 64 of
-    them): a world of a million ranks gives an error of bounded size.
+    them): a world of a million ranks gives an error of bounded size. ``late_by``:
+    for a call that came after its generation had already timed out (this rank was
+    among the missing), how many seconds after; ``None`` for a call that waited.
     """
 
     op: str
@@ -111,6 +113,7 @@ class BarrierTimeout(RallypointError, TimeoutError):
     missing: List[RankInfo]
     missing_count: int
     more_ranges: List[Tuple[int, int]]
+    late_by: Optional[float]
 
 
 class KeyTimeout(RallypointError, TimeoutError):
