@@ -139,8 +139,17 @@ fn op_error(py: Python<'_>, message: String, error: OpError) -> PyResult<PyErr> 
             exception(py, "MismatchError", message, attrs)
         }
         OpError::BadMembers { kind, name, reason } => {
-            let attrs =
-                vec![("op", obj(py, kind.to_string())?), ("name", obj(py, name)?), ("reason", obj(py, reason)?)];
+            // A MismatchError's attributes too, so that a handler of MismatchError reads
+            // them: no other call and no generation are involved.
+            let none = || obj(py, None::<u64>);
+            let attrs = vec![
+                ("op", obj(py, kind.to_string())?),
+                ("name", obj(py, name)?),
+                ("reason", obj(py, reason)?),
+                ("generation", none()?),
+                ("mine", none()?),
+                ("theirs", none()?),
+            ];
             exception(py, "BadMembers", message, attrs)
         }
         OpError::Closed(_) => exception(py, "ConnectionError", message, vec![]),

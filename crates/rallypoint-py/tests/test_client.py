@@ -296,6 +296,9 @@ def test_mismatch_and_bad_members(coordinator, job):
     with pytest.raises(rp.BadMembers) as info:
         c.barrier("x", ranks=[1, 2])
     assert isinstance(info.value, rp.MismatchError) and isinstance(info.value, ValueError)
+    # What a handler of MismatchError reads is there: nothing to compare it with.
+    assert (info.value.op, info.value.name, info.value.generation) == ("barrier", "x", None)
+    assert (info.value.mine, info.value.theirs) == (None, None)
     c.close()
 
 

@@ -198,9 +198,13 @@ class MismatchError(RallypointError):
 
 
 class BadMembers(MismatchError, ValueError):
-    """The caller is not among the members it named, or a member is outside the world. ``op``, ``name``, ``reason``."""
+    """The caller is not among the members it named, or a member is outside the world. ``op``, ``name``, ``reason``;
+    ``generation``, ``mine`` and ``theirs`` are None (no generation was joined, no other call is involved)."""
 
     reason: str
+    generation: Optional[int]  # type: ignore[assignment]
+    mine: Optional[Dict[str, Any]]  # type: ignore[assignment]
+    theirs: Optional[Dict[str, Any]]  # type: ignore[assignment]
 
 
 class IncarnationRefused(RallypointError):
