@@ -18,7 +18,7 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::error::ErrorKind;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use tracing_subscriber::EnvFilter;
 
 #[derive(Parser, Debug)]
@@ -66,6 +66,44 @@ enum Command {
     },
 }
 
+/// A bad value the parser took from an option's variable (torchrun's `PET_*`, set by
+/// schedulers and left in containers) rather than the command line: the parser's
+/// message names only the option, which the user never typed; `text` says the
+/// variable too.
+fn with_env_source(error: &clap::Error, text: String) -> String {
+    use clap::error::{ContextKind, ContextValue};
+    if !matches!(error.kind(), ErrorKind::ValueValidation | ErrorKind::InvalidValue) {
+        return text;
+    }
+    let (Some(ContextValue::String(shown)), Some(ContextValue::String(value))) =
+        (error.get(ContextKind::InvalidArg), error.get(ContextKind::InvalidValue))
+    else {
+        return text;
+    };
+    let Some(long) = shown.strip_prefix("--").and_then(|rest| rest.split([' ', '=']).next()) else { return text };
+    let argv: Vec<String> = std::env::args_os().skip(1).map(|a| a.to_string_lossy().into_owned()).collect();
+    let mut commands = vec![Cli::command()];
+    while let Some(command) = commands.pop() {
+        for arg in command.get_arguments().filter(|arg| arg.get_long() == Some(long)) {
+            let Some(var) = arg.get_env().and_then(|var| var.to_str()) else { continue };
+            let mut names = arg
+                .get_long_and_visible_aliases()
+                .into_iter()
+                .flatten()
+                .chain(arg.get_all_aliases().into_iter().flatten());
+            let typed = names.any(|name| {
+                argv.iter()
+                    .any(|a| a.strip_prefix("--").is_some_and(|a| a == name || a.starts_with(&format!("{name}="))))
+            });
+            if !typed && std::env::var(var).is_ok_and(|set| set == *value) {
+                return text.replacen(&format!("'{shown}'"), &format!("'{shown}' (from ${var})"), 1);
+            }
+        }
+        commands.extend(command.get_subcommands().cloned());
+    }
+    text
+}
+
 fn main() -> ExitCode {
     let cli = match Cli::try_parse() {
         Ok(cli) => cli,
@@ -75,7 +113,7 @@ fn main() -> ExitCode {
         }
         Err(error) => {
             // The parser's own "error: " gives way to the name every error starts with.
-            let text = error.render().to_string();
+            let text = with_env_source(&error, error.render().to_string());
             exit::report(text.strip_prefix("error: ").unwrap_or(&text).trim_end());
             return ExitCode::from(exit::Exit::Usage as u8);
         }

@@ -439,6 +439,19 @@ fn usage_errors_exit_2() {
     assert_eq!(done.code, Some(2), "{}", done.stderr);
     assert!(done.stderr.contains("--job: a name of 1018 bytes is too long: at most 1014"), "{}", done.stderr);
     assert!(!done.stderr.contains("coordinator at"), "{}", done.stderr);
+    // A bad value from torchrun's variable is said to come from it, not from the flag.
+    let from_env = |args: &[&str]| {
+        let mut cmd = launcher(args);
+        cmd.env("PET_SHUTDOWN_TIMEOUT", "soon").args(["--", "true"]);
+        let out = cmd.output().expect("launcher");
+        (out.status.code(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let (code, stderr) = from_env(&[]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("invalid value 'soon' for '--grace <SECS>' (from $PET_SHUTDOWN_TIMEOUT)"), "{stderr}");
+    let (code, stderr) = from_env(&["--shutdown-timeout", "later"]);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("invalid value 'later' for '--grace <SECS>':"), "{stderr}");
 }
 
 #[test]
