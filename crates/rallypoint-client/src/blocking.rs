@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
+use rallypoint_core::snapshot::JobSnapshot;
 use rallypoint_core::{Exit, Gathered, Identity, Members};
 
 use crate::{client, CallerRuntime, ConnectOptions, Error};
@@ -118,6 +119,21 @@ impl Client {
 
     pub fn num_keys(&self) -> Result<i64, Error> {
         self.runtime.block_on(self.inner.num_keys())
+    }
+
+    /// See [`crate::Client::status`].
+    pub fn status(&self) -> Result<String, Error> {
+        self.runtime.block_on(self.inner.status())
+    }
+
+    /// See [`crate::Client::jobs`].
+    pub fn jobs(&self) -> Result<Vec<String>, Error> {
+        self.runtime.block_on(self.inner.jobs())
+    }
+
+    /// See [`crate::Client::snapshot`].
+    pub fn snapshot(&self) -> Result<JobSnapshot, Error> {
+        self.runtime.block_on(self.inner.snapshot())
     }
 
     pub fn list_keys(&self, prefix: impl AsRef<[u8]>) -> Result<Vec<Bytes>, Error> {

@@ -37,6 +37,12 @@ fn blocking_clients_from_plain_threads() {
                 assert!((1..=i64::from(WORLD)).contains(&counted));
                 client.barrier("counted", Members::World, None)?;
                 assert_eq!(client.get("count", None)?, WORLD.to_string());
+                // What a tool asks, from a thread too.
+                let snapshot = client.snapshot()?;
+                assert_eq!((snapshot.name.as_str(), snapshot.world_size), ("threads", Some(WORLD)));
+                assert_eq!(client.jobs()?, ["threads"]);
+                assert!(client.status()?.contains("threads"), "{}", client.status()?);
+                client.barrier("asked", Members::World, None)?;
                 client.close()?;
                 Ok(values.iter().map(|v| String::from_utf8_lossy(v).into_owned()).collect())
             };
