@@ -280,6 +280,8 @@ fn what_a_rank_raised_in_its_torch_error_file_heads_the_summary() {
             i=0; while [ ! -f "$DIR/ready0" ]; do i=$((i+1)); [ $i -gt 400 ] && break; sleep 0.05; done
             if [ "$WRITE" = 1 ]; then
                 printf '%s' '{"message": {"message": "ValueError: bad lr\nlr must be positive", "extraInfo": {"py_callstack": "Traceback", "timestamp": "1"}}}' > "$TORCHELASTIC_ERROR_FILE"
+            elif [ "$WRITE" = fifo ]; then
+                mkfifo "$TORCHELASTIC_ERROR_FILE"
             fi
             echo "warning: shutting down" >&2
             exit 1
@@ -302,7 +304,7 @@ fn what_a_rank_raised_in_its_torch_error_file_heads_the_summary() {
     );
     // The launcher's own error file (a scheduler's) gets the root cause's.
     let passed = std::fs::read_to_string(&parent).expect("the root cause's error file passed on");
-    assert!(passed.contains("ValueError: bad lr"), "{passed}");
+    assert!(passed.contains("ValueError: bad lr") && passed.contains(r#""errorCode":1"#), "{passed}");
 
     // The same log directory again: the old file is not taken for the new failure.
     std::fs::remove_file(dir.join("ready0")).expect("ready0");
@@ -311,6 +313,13 @@ fn what_a_rank_raised_in_its_torch_error_file_heads_the_summary() {
     assert_eq!(done.code, Some(1), "stderr:\n{}", done.stderr);
     assert!(!done.stderr.contains("ValueError"), "{}", done.stderr);
     assert!(!parent.exists(), "nothing raised, nothing passed on");
+
+    // A FIFO where the file should be: read without waiting for a writer, not passed on.
+    std::fs::remove_file(dir.join("ready0")).expect("ready0");
+    let done = start(&args, script, &dir, &[("WRITE", "fifo"), ("TORCHELASTIC_ERROR_FILE", parent_var)], true).finish();
+    assert_eq!(done.code, Some(1), "stderr:\n{}", done.stderr);
+    assert!(done.stderr.contains("rank1.error.json is not a regular file)"), "{}", done.stderr);
+    assert!(!parent.exists(), "not a file @record wrote, not passed on");
 }
 
 #[test]

@@ -420,7 +420,7 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
                 run.launchers.farewell(attempt).await;
                 return Ok(0);
             }
-            AttemptResult::Failed { first } => {
+            AttemptResult::Failed { first, raised } => {
                 let interrupted = matches!(first.what, FailureKind::Interrupted { .. });
                 if attempt < options.max_restarts && !interrupted {
                     run.console.message(format!(
@@ -434,7 +434,9 @@ async fn run_attempts(run: &Run<'_>, mut signals: mpsc::UnboundedReceiver<i32>) 
                     attempt += 1;
                     continue;
                 }
-                pass_on_error_file(attempt_run.error_files.as_deref(), run.launchers.node, &first);
+                if let (Some(dir), Some((rank, exit))) = (&attempt_run.error_files, raised) {
+                    pass_on_error_file(error_file::path(dir, rank), exit).await;
+                }
                 run.launchers.farewell(attempt).await;
                 return Ok(first.exit_code());
             }
@@ -448,14 +450,16 @@ pub(crate) fn attempt_dir(base: &Path, attempt: u32) -> PathBuf {
 }
 
 /// A launcher run by something that reads torch's error files (its own
-/// `TORCHELASTIC_ERROR_FILE` set, as a scheduler sets it for torchrun) gets the root
-/// cause's, as torchrun passes it on, when that is a worker of this node that wrote one.
-fn pass_on_error_file(attempt_files: Option<&Path>, node: u32, first: &Failure) {
+/// `TORCHELASTIC_ERROR_FILE` set, as a scheduler sets it for torchrun) gets the file
+/// of the rank that speaks for this node's failure, as torchrun's agent passes it on.
+async fn pass_on_error_file(ours: PathBuf, exit: Exit) {
     let Some(parent) = std::env::var_os(error_file::VAR).filter(|path| !path.is_empty()) else { return };
-    let FailureKind::Worker { rank, raised: Some(_), .. } = &first.what else { return };
-    let Some(dir) = attempt_files.filter(|_| first.node == node) else { return };
-    if let Err(error) = std::fs::copy(error_file::path(dir, *rank), &parent) {
-        tracing::warn!(%error, "cannot pass rank {rank}'s error file on to {}", Path::new(&parent).display());
+    let code = match exit {
+        Exit::Code(code) => code,
+        Exit::Signal(signal) => -signal,
+    };
+    if let Err(error) = error_file::pass_on(ours, PathBuf::from(&parent), code).await {
+        tracing::warn!(%error, "cannot pass the root cause's error file on to {}", Path::new(&parent).display());
     }
 }
 

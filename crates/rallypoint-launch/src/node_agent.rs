@@ -23,8 +23,9 @@ const MAX_SOCKET_PATH: usize = 107;
 /// Attempts at a fresh directory name before giving up (another process racing for
 /// the same name, or a leftover of a launcher with the same pid).
 const DIR_ATTEMPTS: u32 = 16;
-/// Socket directories are named `{DIR_PREFIX}{pid}-{suffix}`.
-const DIR_PREFIX: &str = "rallypoint-node-agent-";
+/// A launcher's private directories (the node agent's socket, the token file, the
+/// workers' error files) are named `{DIR_PREFIX}{pid}-{suffix}`.
+const DIR_PREFIX: &str = "rallypoint-launcher-";
 
 /// This node's node agent, running until [`NodeAgent::stop`].
 pub struct NodeAgent {

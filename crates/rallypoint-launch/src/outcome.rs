@@ -4,6 +4,8 @@ use std::fmt::Write as _;
 use std::time::{Duration, SystemTime};
 
 use rallypoint_stacks::{Grouped, Render};
+
+use crate::error_file::Raised;
 use serde::{Deserialize, Serialize};
 
 /// The launcher's exit code for a hung job, as `timeout` (coreutils) exits when
@@ -38,8 +40,9 @@ pub enum FailureKind {
         stderr_tail: Vec<String>,
         /// What it raised, as its error file says (`TORCHELASTIC_ERROR_FILE`, written
         /// by torch's `@record`).
+        /// (Boxed: a failure is a large error value as it is.)
         #[serde(default, skip_serializing_if = "Option::is_none")]
-        raised: Option<String>,
+        raised: Option<Box<Raised>>,
         /// The first rank of the job that exited with code 0 before this failure,
         /// while its peers ran on.
         #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -172,7 +175,9 @@ impl Failure {
     pub fn headline(&self) -> String {
         match &self.what {
             // An early end before it is context, not the cause: the summary shows it.
-            FailureKind::Worker { rank, exit, raised, .. } => format!("rank {rank} {exit}{}", raised_text(raised)),
+            FailureKind::Worker { rank, exit, raised, .. } => {
+                format!("rank {rank} {exit}{}", Raised::headline(raised.as_deref()))
+            }
             FailureKind::NotStarted { rank, reason, .. } => format!("rank {rank} could not start: {reason}"),
             FailureKind::RankLost { rank, loss, last_seen_unix_ms, process, .. } => {
                 let at = time(*last_seen_unix_ms);
@@ -211,7 +216,7 @@ impl Failure {
     pub fn abort_reason(&self) -> String {
         let headline = match &self.what {
             FailureKind::Worker { rank, pid, exit, raised, .. } => {
-                format!("rank {rank} (pid {pid} on {}) {exit}{}", self.host, raised_text(raised))
+                format!("rank {rank} (pid {pid} on {}) {exit}{}", self.host, Raised::headline(raised.as_deref()))
             }
             _ => self.headline(),
         };
@@ -232,11 +237,6 @@ impl Failure {
             FailureKind::NodeLost { .. } | FailureKind::Interrupted { .. } | FailureKind::Hung { .. } => None,
         }
     }
-}
-
-/// ": ValueError: bad lr", the first line of what a worker raised, for a headline.
-fn raised_text(raised: &Option<String>) -> String {
-    raised.as_deref().map_or(String::new(), |raised| format!(": {}", crate::error_file::first_line(raised)))
 }
 
 /// Seconds as given on a command line: `5`, `2.5`.
@@ -275,6 +275,8 @@ pub struct RankOutcome {
     pub signalled_by_launcher: Option<i32>,
     /// It ended after the job's first failure (by itself, or signalled).
     pub after_failure: bool,
+    /// What it raised, as its error file says, if it failed and wrote one.
+    pub raised: Option<Raised>,
 }
 
 /// The text printed to stderr when a job fails; `stacks`: this node's ranks still
@@ -315,7 +317,7 @@ pub fn summary(
                     early.who()
                 );
             }
-            write_raised(&mut s, "it", raised);
+            write_raised(&mut s, "it", raised.as_deref());
             write_tail(&mut s, "it", "its", stderr_tail);
         }
         FailureKind::NotStarted { rank, local_rank, reason, .. } => {
@@ -366,10 +368,11 @@ pub fn summary(
             }
             if let Some(own) = local.iter().find(|o| Some(o.rank) == root && !matches!(loss, Loss::Finished { .. })) {
                 let _ = writeln!(s, "  then it {}", own_end(own));
+                write_raised(&mut s, "it", own.raised.as_ref());
             }
             let _ = writeln!(s, "  {} at {}, the first to fail for it", revealed_by.headline(), revealed_by.time());
             if let FailureKind::Worker { rank, stderr_tail, raised, .. } = &revealed_by.what {
-                write_raised(&mut s, &format!("rank {rank}"), raised);
+                write_raised(&mut s, &format!("rank {rank}"), raised.as_deref());
                 write_tail(&mut s, &format!("rank {rank}"), &format!("rank {rank}'s"), stderr_tail);
             }
         }
@@ -382,10 +385,11 @@ pub fn summary(
             let _ = writeln!(s, "  {who} aborted the job: {reason}");
             if let Some(own) = local.iter().find(|o| by_rank.is_some() && Some(o.rank) == root) {
                 let _ = writeln!(s, "  then it {}", own_end(own));
+                write_raised(&mut s, "it", own.raised.as_ref());
             }
             let _ = writeln!(s, "  {} at {}, the first to fail for it", revealed_by.headline(), revealed_by.time());
             if let FailureKind::Worker { rank, stderr_tail, raised, .. } = &revealed_by.what {
-                write_raised(&mut s, &format!("rank {rank}"), raised);
+                write_raised(&mut s, &format!("rank {rank}"), raised.as_deref());
                 write_tail(&mut s, &format!("rank {rank}"), &format!("rank {rank}'s"), stderr_tail);
             }
         }
@@ -432,6 +436,8 @@ pub fn summary(
                 (_, exit) if o.after_failure || lost_first => format!("{exit} after {cause}"),
                 (_, exit) => format!("{exit}"),
             };
+            // Its exception, where it wrote one (torchrun lists every failure's).
+            let line = line + &Raised::headline(o.raised.as_ref());
             (o.rank, line)
         });
         if others.len() <= LISTED_ONE_BY_ONE {
@@ -489,12 +495,19 @@ fn own_end(o: &RankOutcome) -> String {
 }
 
 /// What `who` raised, from its error file, every line of it indented.
-fn write_raised(s: &mut String, who: &str, raised: &Option<String>) {
-    let Some(raised) = raised else { return };
-    let mut lines = raised.lines();
-    let _ = writeln!(s, "  {who} raised (its error file says): {}", lines.next().unwrap_or(""));
-    for line in lines {
-        let _ = writeln!(s, "    {line}");
+fn write_raised(s: &mut String, who: &str, raised: Option<&Raised>) {
+    match raised {
+        None => {}
+        Some(Raised::Message(message)) => {
+            let mut lines = message.lines();
+            let _ = writeln!(s, "  {who} raised (its error file says): {}", lines.next().unwrap_or(""));
+            for line in lines {
+                let _ = writeln!(s, "    {line}");
+            }
+        }
+        Some(Raised::Unreadable(why)) => {
+            let _ = writeln!(s, "  ({why})");
+        }
     }
 }
 
@@ -559,10 +572,29 @@ mod tests {
                 exit: Exit::Signal(libc::SIGTERM),
                 signalled_by_launcher: Some(libc::SIGTERM),
                 after_failure: true,
+                raised: None,
             },
-            RankOutcome { rank: 1, exit: Exit::Code(3), signalled_by_launcher: None, after_failure: false },
-            RankOutcome { rank: 2, exit: Exit::Code(5), signalled_by_launcher: None, after_failure: true },
-            RankOutcome { rank: 3, exit: Exit::Code(0), signalled_by_launcher: None, after_failure: false },
+            RankOutcome {
+                rank: 1,
+                exit: Exit::Code(3),
+                signalled_by_launcher: None,
+                after_failure: false,
+                raised: None,
+            },
+            RankOutcome {
+                rank: 2,
+                exit: Exit::Code(5),
+                signalled_by_launcher: None,
+                after_failure: true,
+                raised: Some(Raised::Message("RuntimeError: peer gone".into())),
+            },
+            RankOutcome {
+                rank: 3,
+                exit: Exit::Code(0),
+                signalled_by_launcher: None,
+                after_failure: false,
+                raised: None,
+            },
         ];
         let text = summary("train", 0, 0, &first, &local, None);
         let lines: Vec<&str> = text.lines().collect();
@@ -572,7 +604,7 @@ mod tests {
         ));
         assert!(text.contains("    | ValueError: bad batch"));
         assert!(text.contains("  rank 0: killed by the launcher (SIGTERM) after rank 1 failed"));
-        assert!(text.contains("  rank 2: exited with code 5 after rank 1 failed"));
+        assert!(text.contains("  rank 2: exited with code 5 after rank 1 failed: RuntimeError: peer gone\n"), "{text}");
         assert!(text.contains("  rank 3: exited with code 0"));
         assert!(!text.contains("  rank 1:"));
         assert_eq!(first.exit_code(), 3);
@@ -599,13 +631,26 @@ mod tests {
         let term = Some(libc::SIGTERM);
         let local: Vec<RankOutcome> = (0..120)
             .map(|rank| match rank {
-                7 => RankOutcome { rank, exit: Exit::Code(3), signalled_by_launcher: None, after_failure: false },
-                30 | 31 => RankOutcome { rank, exit: Exit::Code(1), signalled_by_launcher: None, after_failure: true },
+                7 => RankOutcome {
+                    rank,
+                    exit: Exit::Code(3),
+                    signalled_by_launcher: None,
+                    after_failure: false,
+                    raised: None,
+                },
+                30 | 31 => RankOutcome {
+                    rank,
+                    exit: Exit::Code(1),
+                    signalled_by_launcher: None,
+                    after_failure: true,
+                    raised: None,
+                },
                 _ => RankOutcome {
                     rank,
                     exit: Exit::Signal(libc::SIGTERM),
                     signalled_by_launcher: term,
                     after_failure: true,
+                    raised: None,
                 },
             })
             .collect();
@@ -685,14 +730,27 @@ mod tests {
             at_unix_ms: 17_501,
         };
         let local = vec![
-            RankOutcome { rank: 0, exit: Exit::Code(4), signalled_by_launcher: None, after_failure: true },
+            RankOutcome {
+                rank: 0,
+                exit: Exit::Code(4),
+                signalled_by_launcher: None,
+                after_failure: true,
+                raised: None,
+            },
             RankOutcome {
                 rank: 1,
                 exit: Exit::Signal(libc::SIGKILL),
                 signalled_by_launcher: Some(libc::SIGKILL),
                 after_failure: true,
+                raised: Some(Raised::Message("ValueError: the real cause\nlr < 0".into())),
             },
-            RankOutcome { rank: 2, exit: Exit::Code(4), signalled_by_launcher: None, after_failure: false },
+            RankOutcome {
+                rank: 2,
+                exit: Exit::Code(4),
+                signalled_by_launcher: None,
+                after_failure: false,
+                raised: None,
+            },
         ];
         let first = lost(Some("alive, state T (stopped)"));
         let text = summary("train", 0, 0, &first, &local, None);
@@ -707,7 +765,14 @@ mod tests {
             "  rank 1 (local rank 1, node 0, host gpu7, pid 4243) stopped heartbeating at 1970-01-01T00:00:02.000Z; \
              the coordinator counted it lost at 1970-01-01T00:00:17.000Z (no heartbeat for 15.0 s)"
         );
-        assert!(text.contains("  then it was killed by the launcher (SIGKILL)\n"), "{text}");
+        // Killed in its exit, it had written what it raised: shown under its end.
+        assert!(
+            text.contains(
+                "  then it was killed by the launcher (SIGKILL)\n  it raised (its error file says): ValueError: the real \
+                 cause\n    lr < 0\n"
+            ),
+            "{text}"
+        );
         assert!(text.contains("  rank 2 exited with code 4 at 1970-01-01T00:00:17.500Z, the first to fail for it\n"));
         assert!(text.contains("    | rallypoint: barrier 'step' (generation 1) failed: rank 1 (...) is lost"));
         assert!(text.contains("  rank 0: exited with code 4 after rank 1 was lost\n"), "{text}");

@@ -57,6 +57,7 @@ pub(crate) const CLOSE_WAIT: Duration = Duration::from_secs(5);
 const CAPTURE_BOUND: Duration = Duration::from_secs(10);
 
 use crate::console::Console;
+use crate::error_file::Raised;
 use crate::outcome::{
     self, stacks_text, summary, unix_ms, EarlyEnd, Failure, FailureKind, Loss, RankOutcome, LAUNCHER_ABORT,
     STACKS_HEADING,
@@ -74,7 +75,13 @@ use rallypoint_stacks::Grouped;
 
 pub enum AttemptResult {
     Succeeded,
-    Failed { first: Failure },
+    /// `raised`: the rank of this node whose error file speaks for the node's failure
+    /// (the root cause's if it is here and wrote one, else the first to fail that
+    /// did), and how it exited.
+    Failed {
+        first: Failure,
+        raised: Option<(u32, Exit)>,
+    },
 }
 
 pub struct Attempt<'a> {
@@ -302,6 +309,7 @@ impl Attempt<'_> {
             exit: exited.exit,
             signalled_by_launcher: state.signal_sent,
             after_failure: state.first.is_some(),
+            raised: exited.raised.clone(),
         });
         if exited.exit.success() {
             if state.first.is_none() && state.first_done.is_none() {
@@ -612,7 +620,12 @@ impl Attempt<'_> {
                 let phase = if self.attempt < o.max_restarts { "restarting" } else { "failed" };
                 self.publish(&state, workers, Some((phase, Some(text.clone()))));
                 self.console.message(text);
-                AttemptResult::Failed { first }
+                let wrote = |o: &&RankOutcome| matches!(o.raised, Some(Raised::Message(_)));
+                let root = state.outcomes.iter().filter(wrote).find(|o| Some(o.rank) == first.rank());
+                let speaker = root
+                    .or_else(|| state.outcomes.iter().filter(wrote).find(|o| !o.after_failure))
+                    .or_else(|| state.outcomes.iter().find(wrote));
+                AttemptResult::Failed { raised: speaker.map(|o| (o.rank, o.exit)), first }
             }
         }
     }
@@ -666,6 +679,7 @@ impl Attempt<'_> {
     fn worker_failure(&self, local_rank: u32, pid: u32, exited: Exited) -> Failure {
         let Exited { exit, stderr_tail, raised, .. } = exited;
         let rank = self.base_rank + local_rank;
+        let raised = raised.map(Box::new);
         let what = FailureKind::Worker { rank, local_rank, pid, exit, stderr_tail, raised, after: None };
         Failure::now(what, self.launchers.node, self.host)
     }

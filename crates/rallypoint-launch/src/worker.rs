@@ -16,7 +16,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::console::{Console, STALL};
-use crate::error_file;
+use crate::error_file::{self, Raised};
 use crate::outcome::Exit;
 use crate::output::{pump, tail_lines, Progress, Stream, Tail};
 use crate::procs::Family;
@@ -61,7 +61,7 @@ pub struct Exited {
     pub exit: Exit,
     pub stderr_tail: Vec<String>,
     /// What it raised, from its error file, if it failed and wrote one.
-    pub raised: Option<String>,
+    pub raised: Option<Raised>,
 }
 
 /// A worker that could not be started: its program, and why (`execve`'s error:
@@ -182,7 +182,10 @@ pub fn spawn(spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exite
         };
         family.worker_reaped(pid);
         drain([stdout, stderr].into_iter().flatten(), &activity).await;
-        let raised = spec.error_file.as_deref().filter(|_| !exit.success()).and_then(error_file::read);
+        let raised = match spec.error_file.filter(|_| !exit.success()) {
+            Some(path) => error_file::read(path).await,
+            None => None,
+        };
         let _ = done.send(Exited { local_rank, exit, stderr_tail: tail_lines(&tail), raised });
     });
     Ok(Running { local_rank, pid, heard: progress.heard })
