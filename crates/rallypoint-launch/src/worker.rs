@@ -112,10 +112,12 @@ impl SpawnError {
 }
 
 /// Starts the worker and a task that reports its exit on `done`.
-pub fn spawn(spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exited>) -> Result<Running, SpawnError> {
+pub fn spawn(mut spec: Spec, family: &Arc<Family>, done: mpsc::UnboundedSender<Exited>) -> Result<Running, SpawnError> {
+    // What cannot be cleared could be taken for this worker's: then it gets none.
     if let Some(path) = &spec.error_file {
         if let Err(error) = error_file::clear(path) {
             tracing::warn!(%error, "cannot remove rank {}'s old error file {}", spec.rank, path.display());
+            spec.error_file = None;
         }
     }
     let error_file = spec.error_file.as_ref().map_or_else(OsString::new, |path| path.clone().into_os_string());
