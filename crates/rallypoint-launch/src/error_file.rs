@@ -203,7 +203,9 @@ fn shown_bounded(message: &str) -> String {
             kept.push('\n');
         }
         for c in line.chars() {
-            if c.is_control() && c != '\t' {
+            // Bidirectional controls too: they reorder what the terminal shows.
+            let bidi = matches!(c, '\u{200E}' | '\u{200F}' | '\u{202A}'..='\u{202E}' | '\u{2066}'..='\u{2069}');
+            if (c.is_control() && c != '\t') || bidi {
                 kept.extend(c.escape_default());
             } else {
                 kept.push(c);
@@ -308,6 +310,8 @@ mod tests {
         assert_eq!(headline.chars().count(), ": ".len() + HEADLINE_CHARS + " [...]".len());
         let ansi = serde_json::json!({ "message": "\u{1b}[31mred\r\0" }).to_string();
         assert_eq!(said(read(dir.written("ansi.json", ansi.as_bytes())).await), "\\u{1b}[31mred\\r\\u{0}");
+        let rtl = serde_json::json!({ "message": "ok\u{202e}txt.exe" }).to_string();
+        assert_eq!(said(read(dir.written("rtl.json", rtl.as_bytes())).await), "ok\\u{202e}txt.exe");
         assert_eq!(Raised::headline(Some(&Raised::Unreadable("why".into()))), "");
     }
 

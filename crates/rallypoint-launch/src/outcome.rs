@@ -290,15 +290,22 @@ pub fn summary(
     stacks: Option<&Grouped>,
 ) -> String {
     let mut s = String::new();
+    let root = first.rank();
+    // A root cause lost or aborting on this node may have written what it raised
+    // before it ended (a worker's failure says it in its own headline).
+    let own_raised = match first.what {
+        FailureKind::Worker { .. } => None,
+        _ => local.iter().find(|o| Some(o.rank) == root).and_then(|o| o.raised.as_ref()),
+    };
     let _ = writeln!(
         s,
-        "rallypoint: job '{job}' FAILED (attempt {} of {}): {}",
+        "rallypoint: job '{job}' FAILED (attempt {} of {}): {}{}",
         restart + 1,
         max_restarts + 1,
-        first.headline()
+        first.headline(),
+        Raised::headline(own_raised)
     );
     let _ = writeln!(s, "first failure:");
-    let root = first.rank();
     match &first.what {
         FailureKind::Worker { rank, local_rank, pid, exit, stderr_tail, raised, after } => {
             let _ = writeln!(
@@ -371,8 +378,8 @@ pub fn summary(
                 write_raised(&mut s, "it", own.raised.as_ref());
             }
             let _ = writeln!(s, "  {} at {}, the first to fail for it", revealed_by.headline(), revealed_by.time());
-            if let FailureKind::Worker { rank, stderr_tail, raised, .. } = &revealed_by.what {
-                write_raised(&mut s, &format!("rank {rank}"), raised.as_deref());
+            // Its headline gave the first line of what it raised, if it wrote that.
+            if let FailureKind::Worker { rank, stderr_tail, .. } = &revealed_by.what {
                 write_tail(&mut s, &format!("rank {rank}"), &format!("rank {rank}'s"), stderr_tail);
             }
         }
@@ -388,8 +395,8 @@ pub fn summary(
                 write_raised(&mut s, "it", own.raised.as_ref());
             }
             let _ = writeln!(s, "  {} at {}, the first to fail for it", revealed_by.headline(), revealed_by.time());
-            if let FailureKind::Worker { rank, stderr_tail, raised, .. } = &revealed_by.what {
-                write_raised(&mut s, &format!("rank {rank}"), raised.as_deref());
+            // Its headline gave the first line of what it raised, if it wrote that.
+            if let FailureKind::Worker { rank, stderr_tail, .. } = &revealed_by.what {
                 write_tail(&mut s, &format!("rank {rank}"), &format!("rank {rank}'s"), stderr_tail);
             }
         }
@@ -758,7 +765,7 @@ mod tests {
         assert_eq!(
             lines[0],
             "rallypoint: job 'train' FAILED (attempt 1 of 1): rank 1 stopped heartbeating at \
-             1970-01-01T00:00:02.000Z (process alive, state T (stopped))"
+             1970-01-01T00:00:02.000Z (process alive, state T (stopped)): ValueError: the real cause"
         );
         assert_eq!(
             lines[2],

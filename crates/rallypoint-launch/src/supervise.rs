@@ -620,11 +620,16 @@ impl Attempt<'_> {
                 let phase = if self.attempt < o.max_restarts { "restarting" } else { "failed" };
                 self.publish(&state, workers, Some((phase, Some(text.clone()))));
                 self.console.message(text);
+                // The root cause speaks for its node, or nobody does (killed by a signal,
+                // it wrote nothing: a peer's error is not its); elsewhere, the first rank
+                // here that failed by itself, if it wrote what it raised.
                 let wrote = |o: &&RankOutcome| matches!(o.raised, Some(Raised::Message(_)));
-                let root = state.outcomes.iter().filter(wrote).find(|o| Some(o.rank) == first.rank());
-                let speaker = root
-                    .or_else(|| state.outcomes.iter().filter(wrote).find(|o| !o.after_failure))
-                    .or_else(|| state.outcomes.iter().find(wrote));
+                let root_here =
+                    first.node == self.launchers.node && state.outcomes.iter().any(|o| Some(o.rank) == first.rank());
+                let speaker = match root_here {
+                    true => state.outcomes.iter().filter(wrote).find(|o| Some(o.rank) == first.rank()),
+                    false => state.outcomes.iter().filter(wrote).find(|o| !o.after_failure),
+                };
                 AttemptResult::Failed { raised: speaker.map(|o| (o.rank, o.exit)), first }
             }
         }
