@@ -7,6 +7,7 @@
 
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt};
+use std::os::unix::io::AsRawFd;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -91,6 +92,11 @@ impl From<AgentError> for LaunchError {
 /// everything in it when dropped.
 pub(crate) struct SocketDir {
     path: PathBuf,
+    /// The directory, locked (`flock`) while this launcher lives: what tells another
+    /// launcher's sweep it is in use where the pid in its name cannot (a launcher in
+    /// another pid namespace sharing the temporary directory). The kernel releases it
+    /// however this process ends.
+    _lock: Option<std::fs::File>,
 }
 
 impl SocketDir {
@@ -108,7 +114,12 @@ impl SocketDir {
             let path = parent.join(format!("{DIR_PREFIX}{pid}-{nanos:x}{attempt}"));
             // `create`, not `create_all`: a name someone else made first is not ours.
             match std::fs::DirBuilder::new().mode(0o700).create(&path) {
-                Ok(()) => return Ok(SocketDir { path }),
+                Ok(()) => {
+                    let lock = lock(&path).inspect_err(
+                        |error| warn!(path = %path.display(), %error, "cannot lock the launcher's private directory"),
+                    );
+                    return Ok(SocketDir { path, _lock: lock.ok() });
+                }
                 Err(error) if error.kind() == io::ErrorKind::AlreadyExists => last = Some(error),
                 Err(source) => return Err(LaunchError::SocketDir { dir: parent, source }),
             }
@@ -149,11 +160,24 @@ fn sweep_stale(parent: &Path) {
         if !ours || process_exists(pid) || agent_answers(&path.join("agent.sock")) {
             continue;
         }
+        // Locked: its launcher lives, where its pid is not this namespace's.
+        let Ok(_held) = lock(&path) else { continue };
         match std::fs::remove_dir_all(&path) {
             Ok(()) => info!(path = %path.display(), pid, "removed the socket directory of a launcher that is gone"),
             Err(error) => debug!(path = %path.display(), %error, "cannot remove a stale socket directory"),
         }
     }
+}
+
+/// Locks directory `path` for this process (`flock`, exclusive, not waiting): fails
+/// while another process holds it.
+fn lock(path: &Path) -> io::Result<std::fs::File> {
+    let dir = std::fs::File::open(path)?;
+    // SAFETY: flock on a descriptor this function owns; no memory is passed.
+    if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(dir)
 }
 
 fn process_exists(pid: i32) -> bool {
@@ -206,10 +230,15 @@ mod tests {
         let live = make(format!("{DIR_PREFIX}{}-c0", std::process::id()));
         // Not ours to judge.
         let other = make(format!("unrelated-{dead}-d0"));
+        // Pid gone as seen from here, no socket, but locked: a launcher in another pid
+        // namespace (a token file's or error files' directory), kept.
+        let locked = make(format!("{DIR_PREFIX}{dead}-e0"));
+        let _held = lock(&locked).expect("locked");
 
         sweep_stale(&parent);
         assert!(!stale.exists(), "the stale directory stayed");
         assert!(answering.exists() && live.exists() && other.exists());
+        assert!(locked.exists(), "a locked directory was swept");
         std::fs::remove_dir_all(&parent).expect("cleanup");
     }
 }
