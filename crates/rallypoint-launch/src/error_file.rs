@@ -48,7 +48,13 @@ impl Raised {
     pub fn headline(raised: Option<&Raised>) -> String {
         match raised {
             Some(Raised::Message(message)) => {
-                let line = message.lines().next().unwrap_or("");
+                // "RuntimeError: " then the message on the lines after: its first one.
+                let mut lines = message.lines();
+                let first = lines.next().unwrap_or("").trim_end();
+                let line = match lines.find(|l| !l.trim().is_empty()).filter(|_| first.ends_with(':')) {
+                    Some(next) => Cow::Owned(format!("{first} {}", next.trim())),
+                    None => Cow::Borrowed(first),
+                };
                 match line.char_indices().nth(HEADLINE_CHARS) {
                     Some((at, _)) => format!(": {} [...]", &line[..at]),
                     None => format!(": {line}"),
@@ -313,6 +319,10 @@ mod tests {
         let rtl = serde_json::json!({ "message": "ok\u{202e}txt.exe" }).to_string();
         assert_eq!(said(read(dir.written("rtl.json", rtl.as_bytes())).await), "ok\\u{202e}txt.exe");
         assert_eq!(Raised::headline(Some(&Raised::Unreadable("why".into()))), "");
+        let later = Raised::Message("RuntimeError: \n\n  the real message\nmore".into());
+        assert_eq!(Raised::headline(Some(&later)), ": RuntimeError: the real message");
+        let two = Raised::Message("ValueError: bad lr\nlr must be positive".into());
+        assert_eq!(Raised::headline(Some(&two)), ": ValueError: bad lr");
     }
 
     #[tokio::test]
