@@ -99,10 +99,7 @@ pub async fn read(path: PathBuf) -> Option<Raised> {
 /// a signal could not write it). Nothing (`Ok(false)`) when there is no such file.
 pub async fn pass_on(ours: PathBuf, parent: PathBuf, exit_code: i32) -> io::Result<bool> {
     let Some(text) = bounded_read(ours).await.map_err(io::Error::other)? else { return Ok(false) };
-    let Some(mut value) = json(&text) else { return Ok(false) };
-    if value.get("message").and_then(|m| m.as_str().or_else(|| m.get("message")?.as_str())).is_none() {
-        return Ok(false);
-    }
+    let Some(mut value) = json(&text).filter(|value| message_of(value).is_some()) else { return Ok(false) };
     if let Some(message) = value.get_mut("message").and_then(|m| m.as_object_mut()).filter(|_| exit_code != 0) {
         message.insert("errorCode".to_owned(), exit_code.into());
     }
@@ -143,10 +140,12 @@ fn read_now(path: &Path) -> Result<Option<Vec<u8>>, String> {
 /// `{"message": {"message": "...", "extraInfo": {...}}}` as `@record` writes it, or
 /// `{"message": "..."}` as torch also reads.
 fn message(text: &[u8]) -> Option<String> {
-    let value = json(text)?;
+    json(text).as_ref().and_then(message_of).map(str::to_owned)
+}
+
+fn message_of(value: &serde_json::Value) -> Option<&str> {
     let message = value.get("message")?;
-    let text = message.as_str().or_else(|| message.get("message")?.as_str())?;
-    Some(text.to_owned())
+    message.as_str().or_else(|| message.get("message")?.as_str())
 }
 
 /// The file as JSON. Python's `json.dump` writes an exception text's lone surrogates

@@ -179,12 +179,12 @@ pub(crate) fn fail_waits_for_rank(job: &mut Job, sessions: &Sessions, rank: u32,
     }
     let Some(how) = ended(job, rank, now) else { return };
     let (digits, mut key) = (rank.to_string(), Vec::new());
+    let torch = |id: &WaitId| sessions.get(&id.0).is_some_and(|s| s.torch);
     let mut doomed = Vec::new();
     for prefix in &job.address_prefixes {
         key.clear();
         key.extend_from_slice(prefix);
         key.extend_from_slice(digits.as_bytes());
-        let torch = |id: &WaitId| sessions.get(&id.0).is_some_and(|s| s.torch);
         doomed.extend(job.store.waiting_on(&key).filter(torch).map(|id| (id, prefix.clone())));
     }
     // In the order of their ids, as the sweep fails them.
